@@ -1,0 +1,1 @@
+"""LingBot-Video core: models, scheduler, loading and pipeline stages. Never imports ComfyUI."""

@@ -1,0 +1,344 @@
+"""Load a LingBot-Video checkpoint folder (diffusers layout) into our components.
+
+`model_index.json` names the reference's own modules for the transformer and the scheduler; we map
+those names to our classes instead of importing anything from the checkpoint (never
+`trust_remote_code`). Weights are read from safetensors only. Before anything heavy is loaded,
+`inspect_checkpoint` checks the whole layout (folders, configs, class names, safetensors headers and
+sizes) so a broken download fails in a second with one message naming the file and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+COMPONENTS = ("transformer", "vae", "text_encoder", "processor", "scheduler")
+
+# (library, class) as written in model_index.json -> the name we load it as.
+KNOWN_CLASSES: dict[str, dict[tuple[str, str], str]] = {
+    "transformer": {
+        ("lingbot_video.transformer_lingbot_video", "LingBotVideoTransformer3DModel"): "LingBotVideoTransformer3DModel",
+    },
+    "scheduler": {
+        ("lingbot_video.scheduling_flow_unipc", "FlowUniPCMultistepScheduler"): "FlowUniPCMultistepScheduler",
+    },
+    "text_encoder": {("transformers", "Qwen3VLForConditionalGeneration"): "Qwen3VLForConditionalGeneration"},
+    "processor": {("transformers", "Qwen3VLProcessor"): "Qwen3VLProcessor"},
+    "vae": {("diffusers", "AutoencoderKLWan"): "AutoencoderKLWan"},
+}
+
+# config.json `_class_name` (diffusers) or `architectures`/`model_type` (transformers) we accept.
+CONFIG_CLASS = {
+    "transformer": "LingBotVideoTransformer3DModel",
+    "refiner": "LingBotVideoTransformer3DModel",
+    "vae": "AutoencoderKLWan",
+    "scheduler": "FlowUniPCMultistepScheduler",
+}
+WEIGHT_FILES = {
+    "transformer": "diffusion_pytorch_model",
+    "refiner": "diffusion_pytorch_model",
+    "vae": "diffusion_pytorch_model",
+    "text_encoder": "model",
+}
+CONFIG_FILES = {
+    "transformer": "config.json",
+    "refiner": "config.json",
+    "vae": "config.json",
+    "text_encoder": "config.json",
+    "scheduler": "scheduler_config.json",
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be loaded; the message names the file and the fix."""
+
+
+@dataclass
+class CheckpointInfo:
+    """What `inspect_checkpoint` found: enough to plan loading without touching the weights."""
+
+    folder: Path
+    variant: str  # "dense" or "moe"
+    has_refiner: bool
+    transformer_config: dict[str, Any]
+    weight_files: dict[str, list[Path]] = field(default_factory=dict)
+
+    def component_bytes(self, name: str) -> int:
+        """Bytes of weights on disk for a component (an estimate of its RAM in the stored dtype)."""
+        return sum(p.stat().st_size for p in self.weight_files.get(name, []))
+
+
+def default_dtypes(device: torch.device | str) -> dict[str, torch.dtype]:
+    """bf16 DiT and text encoder with an fp32 VAE on CUDA; everything fp32 elsewhere (bf16 is slow on CPU)."""
+    if torch.device(device).type == "cuda":
+        return {"transformer": torch.bfloat16, "refiner": torch.bfloat16, "text_encoder": torch.bfloat16,
+                "vae": torch.float32}
+    return {"transformer": torch.float32, "refiner": torch.float32, "text_encoder": torch.float32,
+            "vae": torch.float32}
+
+
+# -- validation ---------------------------------------------------------------------------------
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise CheckpointError(f"{what}: missing file {path}. Re-download the checkpoint or point the loader at the "
+                              "folder that holds model_index.json.")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{what}: cannot parse {path} ({err}). The file is corrupt; re-download it.") from err
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{what}: {path} does not hold a JSON object; re-download it.")
+    return data
+
+
+def check_safetensors(path: Path) -> None:
+    """Verify a safetensors file's header and that the file is as long as the header says (cheap)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            raw = fh.read(8)
+            if len(raw) < 8:
+                raise CheckpointError(f"{path} is truncated ({size} bytes): re-download it.")
+            (header_len,) = struct.unpack("<Q", raw)
+            if header_len > size - 8:
+                raise CheckpointError(f"{path} is truncated: its header needs {header_len} bytes, the file has "
+                                      f"{size}. Re-download it.")
+            header = json.loads(fh.read(header_len))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path} is not a valid safetensors file ({err}); re-download it.") from err
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + header_len + end > size:
+        raise CheckpointError(f"{path} is truncated: {size} bytes on disk, {8 + header_len + end} expected. "
+                              "Re-download it.")
+
+
+def _stored_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        with safe_open(f, framework="pt") as fh:
+            for key in fh.keys():
+                shapes[key] = tuple(fh.get_slice(key).get_shape())
+    return shapes
+
+
+def check_state_dict(component: str, files: list[Path], expected: dict[str, tuple[int, ...]],
+                     ignore_missing: Iterable[str] = ()) -> None:
+    """Compare stored tensor names and shapes with what the model expects.
+
+    The libraries only warn on missing keys and leave those weights uninitialised; a partial or
+    mismatched checkpoint must fail loudly instead.
+    """
+    stored = _stored_shapes(files)
+    missing = sorted(set(expected) - set(stored) - set(ignore_missing))
+    unexpected = sorted(set(stored) - set(expected))
+    wrong = sorted(k for k in set(stored) & set(expected) if stored[k] != expected[k])
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing tensors (e.g. {', '.join(missing[:3])})")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected tensors (e.g. {', '.join(unexpected[:3])})")
+    if wrong:
+        k = wrong[0]
+        problems.append(f"{len(wrong)} tensors with the wrong shape (e.g. {k}: stored {stored[k]}, "
+                        f"config implies {expected[k]})")
+    if problems:
+        where = files[0].parent
+        raise CheckpointError(f"{component}: the weights in {where} do not match its config.json: "
+                              f"{'; '.join(problems)}. The folder is incomplete or from another model; re-download it.")
+
+
+def _weight_files(folder: Path, component: str) -> list[Path]:
+    stem = WEIGHT_FILES[component]
+    single = folder / f"{stem}.safetensors"
+    index = folder / f"{stem}.safetensors.index.json"
+    if single.is_file():
+        files = [single]
+    elif index.is_file():
+        weight_map = _read_json(index, component).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{component}: {index} has no weight_map; re-download it.")
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"{component}: shard {f} listed in {index.name} is missing; re-download it.")
+    else:
+        pickled = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt*")]
+        hint = (f" Found only {', '.join(sorted(pickled))}: pickled weights are never loaded; convert them to "
+                "safetensors.") if pickled else " Re-download the checkpoint."
+        raise CheckpointError(f"{component}: missing weights {single} (or a sharded {index.name}).{hint}")
+    for f in files:
+        check_safetensors(f)
+    return files
+
+
+def _check_config_class(folder: Path, component: str) -> dict[str, Any]:
+    config = _read_json(folder / CONFIG_FILES[component], component)
+    expected = CONFIG_CLASS.get(component)
+    if expected is not None and config.get("_class_name") != expected:
+        raise CheckpointError(
+            f"{component}: {folder / CONFIG_FILES[component]} declares class {config.get('_class_name')!r}, "
+            f"but lingbot-nodes only knows {expected!r} here. Is this a LingBot-Video checkpoint?"
+        )
+    if component == "text_encoder" and config.get("model_type") != "qwen3_vl":
+        raise CheckpointError(
+            f"text_encoder: {folder / 'config.json'} has model_type {config.get('model_type')!r}; "
+            "LingBot-Video needs a Qwen3-VL text encoder ('qwen3_vl')."
+        )
+    return config
+
+
+def inspect_checkpoint(folder: str | os.PathLike) -> CheckpointInfo:
+    """Validate a checkpoint folder without loading any weights; raise CheckpointError on the first problem."""
+    root = Path(folder).expanduser()
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint folder {root} does not exist. Pass the folder that holds model_index.json.")
+    index = _read_json(root / "model_index.json", "model_index.json")
+    for name in COMPONENTS:
+        entry = index.get(name)
+        if not (isinstance(entry, list) and len(entry) == 2):
+            raise CheckpointError(f"{root / 'model_index.json'} has no usable '{name}' entry (got {entry!r}); "
+                                  "a LingBot-Video checkpoint lists transformer, vae, text_encoder, processor, scheduler.")
+        if tuple(entry) not in KNOWN_CLASSES[name]:
+            known = ", ".join(f"{lib}.{cls}" for lib, cls in KNOWN_CLASSES[name])
+            raise CheckpointError(f"{root / 'model_index.json'}: '{name}' is {entry[0]}.{entry[1]}, which lingbot-nodes "
+                                  f"does not know; expected {known}.")
+        if not (root / name).is_dir():
+            raise CheckpointError(f"{name}: missing folder {root / name}. Re-download the checkpoint.")
+
+    files: dict[str, list[Path]] = {}
+    transformer_config = _check_config_class(root / "transformer", "transformer")
+    for name in ("transformer", "vae", "text_encoder"):
+        if name != "transformer":
+            _check_config_class(root / name, name)
+        files[name] = _weight_files(root / name, name)
+    _check_config_class(root / "scheduler", "scheduler")
+    processor = root / "processor"
+    if not (processor / "tokenizer.json").is_file() and not (processor / "tokenizer_config.json").is_file():
+        raise CheckpointError(f"processor: no tokenizer in {processor} (tokenizer.json); re-download the checkpoint.")
+    if not any((processor / f).is_file() for f in ("processor_config.json", "preprocessor_config.json")):
+        raise CheckpointError(f"processor: no processor_config.json or preprocessor_config.json in {processor}; "
+                              "re-download the checkpoint.")
+
+    has_refiner = (root / "refiner").is_dir()
+    if has_refiner:
+        _check_config_class(root / "refiner", "refiner")
+        files["refiner"] = _weight_files(root / "refiner", "refiner")
+    variant = "moe" if int(transformer_config.get("num_experts") or 0) > 0 else "dense"
+    return CheckpointInfo(root, variant, has_refiner, transformer_config, files)
+
+
+# -- loading ------------------------------------------------------------------------------------
+
+def load_transformer(folder: str | os.PathLike, subfolder: str = "transformer", *,
+                     dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    from .models.transformer import LingBotVideoTransformer3DModel
+
+    path = Path(folder) / subfolder
+    config = LingBotVideoTransformer3DModel.load_config(path)
+    with torch.device("meta"):
+        skeleton = LingBotVideoTransformer3DModel.from_config(config)
+    expected = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
+    check_state_dict(subfolder, _weight_files(path, subfolder), expected)
+    model = LingBotVideoTransformer3DModel.from_pretrained(
+        Path(folder), subfolder=subfolder, torch_dtype=dtype, use_safetensors=True, local_files_only=True
+    )
+    return model.eval().requires_grad_(False)
+
+
+def load_refiner(folder: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The MoE refiner DiT, loaded only when asked for; a dense checkpoint gets a clear error."""
+    info = inspect_checkpoint(folder)
+    if not info.has_refiner:
+        raise CheckpointError(
+            f"{info.folder} has no refiner/ folder: the refiner ships only with the MoE checkpoint "
+            "(robbyant/lingbot-video-moe-30b-a3b). Load that checkpoint, or disable refinement."
+        )
+    return load_transformer(info.folder, "refiner", dtype=dtype)
+
+
+def load_component(folder: Path, name: str, *, dtype: torch.dtype | None = None,
+                   attn_implementation: str = "sdpa") -> Any:
+    """Load one component from a validated folder (CPU)."""
+    if name == "transformer":
+        return load_transformer(folder, dtype=dtype or torch.float32)
+    if name == "vae":
+        from diffusers import AutoencoderKLWan
+
+        with torch.device("meta"):
+            skeleton = AutoencoderKLWan.from_config(AutoencoderKLWan.load_config(folder / "vae"))
+        check_state_dict("vae", _weight_files(folder / "vae", "vae"),
+                         {k: tuple(v.shape) for k, v in skeleton.state_dict().items()})
+        vae = AutoencoderKLWan.from_pretrained(folder, subfolder="vae", torch_dtype=dtype or torch.float32,
+                                               use_safetensors=True, local_files_only=True)
+        return vae.eval().requires_grad_(False)
+    if name == "text_encoder":
+        from transformers import Qwen3VLForConditionalGeneration
+
+        # Stored key names may predate transformers' renaming, so check what it reports after loading.
+        model, report = Qwen3VLForConditionalGeneration.from_pretrained(
+            folder / "text_encoder", dtype=dtype or torch.float32, attn_implementation=attn_implementation,
+            use_safetensors=True, local_files_only=True, output_loading_info=True,
+        )
+        missing = sorted(k for k in report.get("missing_keys", ()) if k != "lm_head.weight")
+        if missing or report.get("mismatched_keys"):
+            raise CheckpointError(
+                f"text_encoder: the weights in {folder / 'text_encoder'} do not match its config.json "
+                f"(missing: {missing[:3]}, mismatched: {list(report.get('mismatched_keys') or [])[:3]}). "
+                "Re-download it."
+            )
+        return model.eval().requires_grad_(False)
+    if name == "processor":
+        from transformers import Qwen3VLProcessor
+
+        return Qwen3VLProcessor.from_pretrained(folder / "processor", local_files_only=True)
+    if name == "scheduler":
+        from .scheduler import FlowUniPCScheduler
+
+        return FlowUniPCScheduler.from_pretrained(folder, subfolder="scheduler", local_files_only=True)
+    raise ValueError(f"unknown component {name!r}; expected one of {COMPONENTS}")
+
+
+@dataclass
+class LoadedCheckpoint:
+    info: CheckpointInfo
+    components: dict[str, Any]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.__dict__["components"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def load_checkpoint(
+    folder: str | os.PathLike,
+    *,
+    device: torch.device | str = "cpu",
+    dtypes: dict[str, torch.dtype] | None = None,
+    components: Iterable[str] = COMPONENTS,
+    attn_implementation: str = "sdpa",
+) -> LoadedCheckpoint:
+    """Validate `folder`, then load the requested components on CPU in their per-device dtypes.
+
+    `device` only selects the dtype policy; placing components is the offload manager's job. The
+    refiner is never loaded here: call `load_refiner` when a refine stage needs it.
+    """
+    info = inspect_checkpoint(folder)
+    wanted = list(components)
+    for name in wanted:
+        if name not in COMPONENTS:
+            raise ValueError(f"unknown component {name!r}; expected some of {COMPONENTS}")
+    chosen = {**default_dtypes(device), **(dtypes or {})}
+    loaded = {name: load_component(info.folder, name, dtype=chosen.get(name),
+                                   attn_implementation=attn_implementation) for name in wanted}
+    return LoadedCheckpoint(info, loaded)

@@ -1,0 +1,1 @@
+"""The LingBot-Video DiT (dense and MoE)."""

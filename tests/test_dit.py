@@ -1,0 +1,136 @@
+"""DiT properties the parity cases do not pin: real-size configs, dtype rules, backends, MoE paths."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import lingbot_core
+from lingbot_core.models import moe as moe_module
+from lingbot_core.models.transformer import LingBotVideoTransformer3DModel, keeps_fp32
+
+CONFIGS = Path(lingbot_core.__file__).parent / "configs"
+
+TINY_MOE = dict(hidden_size=32, num_attention_heads=2, depth=2, intermediate_size=64, text_dim=32, freq_dim=32,
+                axes_dims=(4, 6, 6), axes_lens=(64, 32, 32), num_experts=4, num_experts_per_tok=2,
+                moe_intermediate_size=16, n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5)
+
+
+def _random_model(**cfg) -> LingBotVideoTransformer3DModel:
+    torch.manual_seed(0)
+    model = LingBotVideoTransformer3DModel(**cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.02 if p.ndim > 1 else 0.1) + (1.0 if "norm" in name else 0.0))
+    return model
+
+
+def _inputs(b=1, text=8):
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(b, 16, 2, 4, 4, generator=g), torch.tensor([700.0] * b),
+            torch.randn(b, text, 32, generator=g))
+
+
+@pytest.mark.parametrize("name,count", [("dense-1.3b", 1_357_171_264), ("moe-30b-a3b", 30_084_506_176)])
+def test_published_configs_build_on_meta_with_exact_parameter_count(name, count):
+    config = json.loads((CONFIGS / f"{name}.transformer.json").read_text())
+    with torch.device("meta"):
+        model = LingBotVideoTransformer3DModel.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == count
+    assert all(p.device.type == "meta" for p in model.parameters())
+
+
+def test_half_cast_keeps_reference_fp32_modules():
+    model = _random_model(**TINY_MOE).to(torch.bfloat16)
+    params = dict(model.named_parameters()) | dict(model.named_buffers())
+    assert params["blocks.0.ffn.router.e_score_correction_bias"].dtype == torch.float32
+    assert params["text_embedder.norm.weight"].dtype == torch.float32
+    assert params["blocks.1.attn.norm_q.weight"].dtype == torch.float32
+    assert params["blocks.0.scale_shift_table"].dtype == torch.float32
+    assert params["blocks.0.attn.to_q.weight"].dtype == torch.bfloat16
+    assert params["blocks.0.ffn.experts.w1"].dtype == torch.bfloat16
+    for name, p in params.items():
+        assert p.dtype == (torch.float32 if keeps_fp32(name) else torch.bfloat16), name
+
+
+def test_bf16_model_runs_without_autocast_and_tracks_fp32():
+    model = _random_model(**TINY_MOE)
+    x, t, text = _inputs()
+    with torch.no_grad():
+        ref = model(x, t, text).sample
+        half = model.to(torch.bfloat16)(x, t, text).sample.float()
+    assert torch.isfinite(half).all()
+    assert (half - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+def test_grouped_mm_path_matches_expert_loop_in_bf16(monkeypatch):
+    model = _random_model(**TINY_MOE).to(torch.bfloat16)
+    x, t, text = _inputs()
+    calls = []
+    real = moe_module.SparseMoE._experts_grouped
+    monkeypatch.setattr(moe_module.SparseMoE, "_experts_grouped",
+                        lambda self, *a: calls.append(1) or real(self, *a))
+    with torch.no_grad():
+        grouped = model(x, t, text).sample.float()
+        for m in model.modules():
+            if isinstance(m, moe_module.SparseMoE):
+                m.use_grouped_mm = False
+        looped = model(x, t, text).sample.float()
+    assert calls, "bf16 MoE should use torch._grouped_mm"
+    assert (grouped - looped).abs().max() < 2e-2 * looped.abs().max()
+
+
+def test_fp32_model_never_uses_grouped_mm(monkeypatch):
+    model = _random_model(**TINY_MOE)
+    monkeypatch.setattr(moe_module.SparseMoE, "_experts_grouped", lambda *a: pytest.fail("fp32 used grouped_mm"))
+    with torch.no_grad():
+        model(*_inputs())
+
+
+def test_time_modulation_is_per_sample_not_per_token():
+    model = _random_model(**TINY_MOE)
+    seen = []
+    model.blocks[0].register_forward_pre_hook(lambda mod, args: seen.append(tuple(args[1].shape)))
+    with torch.no_grad():
+        model(*_inputs(b=2, text=5))
+    assert seen == [(2, 1, 6 * 32)]
+
+
+def test_attention_backend_choice_reaches_dispatch(monkeypatch):
+    model = _random_model(**TINY_MOE)
+    import lingbot_core.models.transformer as tr
+
+    used = []
+    real = tr.dispatch_attention_fn
+    monkeypatch.setattr(tr, "dispatch_attention_fn", lambda *a, backend=None, **k: used.append(backend) or
+                        real(*a, backend=backend, **k))
+    model.set_attention_backend("native")
+    with torch.no_grad():
+        native = model(*_inputs()).sample
+    model.set_attention_backend("_native_math")
+    with torch.no_grad():
+        math = model(*_inputs()).sample
+    assert used == ["native"] * 2 + ["_native_math"] * 2
+    torch.testing.assert_close(native, math, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError):
+        model.set_attention_backend("no-such-backend")
+
+
+def test_rope_table_growth_does_not_change_outputs():
+    model = _random_model(**TINY_MOE)
+    x, t, text = _inputs(text=40)  # text positions 1..40 exceed the initial 32-long h/w tables? t axis: 64
+    with torch.no_grad():
+        a = model(x, t, text).sample
+        model.rope.axes_lens = [2, 2, 2]
+        model.rope._tables = None
+        b = model(x, t, text).sample
+    assert model.rope.axes_lens[0] > 40
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_bad_config_is_rejected():
+    with pytest.raises(ValueError, match="axes_dims"):
+        LingBotVideoTransformer3DModel(hidden_size=32, num_attention_heads=2, axes_dims=(4, 4, 4))
