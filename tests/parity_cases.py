@@ -8,9 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
-
 from conftest import FIXTURES
+from safetensors.torch import load_file
 
 
 @dataclass

@@ -1,0 +1,180 @@
+"""The pipeline handle: a lazy resource that every stage goes through.
+
+ComfyUI caches node outputs, so the handle a Loader returned is handed again, unchanged, to every
+later run. It therefore never dies: components load on first use, `release()` drops them, and the
+next stage that needs one loads it again from the checkpoint folder.
+
+A handle is a *view*: shared components (one copy in RAM, shared by every view and by the base and
+refiner DiTs) plus the view's own execution device and offload settings, which `offload.stage()`
+applies when a stage enters.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoint import (
+    COMPONENTS,
+    CheckpointInfo,
+    default_dtypes,
+    inspect_checkpoint,
+    load_component,
+    load_refiner,
+)
+
+ALL_COMPONENTS = (*COMPONENTS, "refiner")
+
+
+@dataclass(frozen=True)
+class OffloadSettings:
+    """How components are placed while stages run (see `offload.py`)."""
+
+    mode: str = "none"
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def option(self, name: str, default: Any = None) -> Any:
+        return dict(self.options).get(name, default)
+
+
+class SharedComponents:
+    """Components of one checkpoint, loaded on demand and shared by every view of it."""
+
+    def __init__(self, folder: str | os.PathLike | None, *, info: CheckpointInfo | None,
+                 dtypes: dict[str, torch.dtype], text_attn: str, attention_backend: str | None,
+                 preloaded: dict[str, Any] | None = None):
+        self.folder = Path(folder) if folder is not None else None
+        self.info = info
+        self.dtypes = dtypes
+        self.text_attn = text_attn
+        self.attention_backend = attention_backend
+        self.loaded: dict[str, Any] = dict(preloaded or {})
+        self.lock = threading.RLock()
+        self.installed: Any = None  # offload state currently applied to these components (offload.py)
+        self.load_count: dict[str, int] = {}
+
+    def get(self, name: str) -> Any:
+        if name not in ALL_COMPONENTS:
+            raise ValueError(f"unknown component {name!r}; expected one of {ALL_COMPONENTS}")
+        with self.lock:
+            if name not in self.loaded:
+                if self.folder is None:
+                    raise RuntimeError(f"component {name!r} was released and this handle has no checkpoint "
+                                       "folder to reload it from")
+                if name == "refiner":
+                    module = load_refiner(self.folder, dtype=self.dtypes["refiner"])
+                else:
+                    module = load_component(self.folder, name, dtype=self.dtypes.get(name),
+                                            attn_implementation=self.text_attn)
+                if name in ("transformer", "refiner"):
+                    module.set_attention_backend(self.attention_backend)
+                self.loaded[name] = module
+                self.load_count[name] = self.load_count.get(name, 0) + 1
+            return self.loaded[name]
+
+    def is_loaded(self, name: str) -> bool:
+        return name in self.loaded
+
+
+@dataclass
+class PipelineHandle:
+    """One view of a checkpoint: shared components + this view's device and offload settings."""
+
+    shared: SharedComponents
+    device: torch.device
+    offload: OffloadSettings = field(default_factory=OffloadSettings)
+
+    @classmethod
+    def open(
+        cls,
+        folder: str | os.PathLike,
+        *,
+        device: str | torch.device | None = None,
+        dtypes: dict[str, torch.dtype] | None = None,
+        attention_backend: str | None = None,
+        text_attn: str = "sdpa",
+    ) -> PipelineHandle:
+        """Validate the checkpoint now (cheap); load components when a stage first needs them."""
+        device = torch.device(device) if device is not None else default_device()
+        info = inspect_checkpoint(folder)
+        chosen = {**default_dtypes(device), **(dtypes or {})}
+        if attention_backend is not None:
+            from diffusers.models.attention_dispatch import AttentionBackendName
+
+            try:
+                AttentionBackendName(attention_backend)
+            except ValueError:
+                names = ", ".join(b.value for b in AttentionBackendName)
+                raise ValueError(f"unknown attention backend {attention_backend!r}; choose one of {names}") from None
+        shared = SharedComponents(info.folder, info=info, dtypes=chosen, text_attn=text_attn,
+                                  attention_backend=attention_backend)
+        return cls(shared, device)
+
+    @classmethod
+    def from_components(cls, components: dict[str, Any], *, device: str | torch.device = "cpu",
+                        folder: str | os.PathLike | None = None) -> PipelineHandle:
+        """Wrap components that are already in memory (tests, Python users)."""
+        device = torch.device(device)
+        info = inspect_checkpoint(folder) if folder is not None else None
+        shared = SharedComponents(folder, info=info, dtypes=default_dtypes(device), text_attn="sdpa",
+                                  attention_backend=None, preloaded=components)
+        return cls(shared, device)
+
+    # -- views ----------------------------------------------------------------------------------
+    def with_offload(self, mode: str, **options: Any) -> PipelineHandle:
+        """A view over the same components with other offload settings (validated by offload.py)."""
+        from .offload import validate_settings
+
+        settings = OffloadSettings(mode, tuple(sorted(options.items())))
+        validate_settings(self, settings)
+        return replace(self, offload=settings)
+
+    def with_device(self, device: str | torch.device) -> PipelineHandle:
+        return replace(self, device=torch.device(device))
+
+    # -- components -----------------------------------------------------------------------------
+    @property
+    def info(self) -> CheckpointInfo | None:
+        return self.shared.info
+
+    @property
+    def folder(self) -> Path | None:
+        return self.shared.folder
+
+    @property
+    def variant(self) -> str:
+        if self.shared.info is not None:
+            return self.shared.info.variant
+        dit = self.shared.loaded.get("transformer")
+        return "moe" if dit is not None and dit.config.num_experts > 0 else "dense"
+
+    @property
+    def has_refiner(self) -> bool:
+        if self.shared.info is not None:
+            return self.shared.info.has_refiner
+        return "refiner" in self.shared.loaded
+
+    def component(self, name: str) -> Any:
+        """The component, loading it if needed. Stages call this only inside `offload.stage()`."""
+        return self.shared.get(name)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ALL_COMPONENTS:
+            return self.shared.get(name)
+        raise AttributeError(name)
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        """The compute dtype of a DiT or encoder: its bulk weights' dtype (not the fp32-kept norms)."""
+        module = self.shared.get(name)
+        if name in ("transformer", "refiner"):
+            return module.patch_embedder.weight.dtype
+        return next(module.parameters()).dtype
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

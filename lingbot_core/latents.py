@@ -1,0 +1,55 @@
+"""Latent geometry and the two latent spaces.
+
+The DiT works on normalised latents `(z - mean) / std`; the Wan VAE (and ComfyUI's `LATENT`) on raw
+ones. The conversions use the reference's reciprocal form, `(z - mean) * (1/std)` and
+`z / (1/std) + mean`, in float32, so they round exactly as the reference does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+VAE_TEMPORAL = 4
+VAE_SPATIAL = 8
+SIZE_MULTIPLE = 16  # VAE x8, then the DiT's 2x2 patches
+
+
+def validate_geometry(height: int, width: int, num_frames: int) -> None:
+    """Raise a ValueError a user can act on for sizes the VAE and DiT cannot take."""
+    for name, value in (("height", height), ("width", width), ("num_frames", num_frames)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if height % SIZE_MULTIPLE or width % SIZE_MULTIPLE:
+        def near(v: int) -> int:
+            return max(SIZE_MULTIPLE, round(v / SIZE_MULTIPLE) * SIZE_MULTIPLE)
+
+        raise ValueError(f"height and width must be multiples of {SIZE_MULTIPLE}, got {height}x{width} "
+                         f"(nearest valid: {near(height)}x{near(width)})")
+    if num_frames != 1 and (num_frames - 1) % VAE_TEMPORAL:
+        lower = (num_frames - 1) // VAE_TEMPORAL * VAE_TEMPORAL + 1
+        raise ValueError(f"num_frames must be 1 or 4n+1 (5, 9, ..., 121), got {num_frames}; "
+                         f"try {lower} or {lower + VAE_TEMPORAL}")
+
+
+def latent_shape(height: int, width: int, num_frames: int, channels: int = 16) -> tuple[int, int, int, int, int]:
+    return (1, channels, (num_frames - 1) // VAE_TEMPORAL + 1, height // VAE_SPATIAL, width // VAE_SPATIAL)
+
+
+def frames_for_latent(latent_frames: int) -> int:
+    return (latent_frames - 1) * VAE_TEMPORAL + 1
+
+
+def _stats(vae_config, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    mean = torch.tensor(vae_config.latents_mean, device=like.device, dtype=torch.float32).view(1, -1, 1, 1, 1)
+    inv_std = 1.0 / torch.tensor(vae_config.latents_std, device=like.device, dtype=torch.float32).view(1, -1, 1, 1, 1)
+    return mean, inv_std
+
+
+def vae_to_dit(latents: torch.Tensor, vae_config) -> torch.Tensor:
+    mean, inv_std = _stats(vae_config, latents)
+    return (latents.float() - mean) * inv_std
+
+
+def dit_to_vae(latents: torch.Tensor, vae_config) -> torch.Tensor:
+    mean, inv_std = _stats(vae_config, latents)
+    return latents.float() / inv_std + mean

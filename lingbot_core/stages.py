@@ -1,0 +1,500 @@
+"""The pipeline as separate stages over one handle: what nodes call, one at a time, in any order.
+
+Each stage is a plain function: a handle plus explicit inputs in, plain CPU tensors or dataclasses
+out. Nothing is carried between stages except the handle, and every stage enters through
+`offload.stage()`. `generate()` chains them the way the reference pipeline does.
+
+RNG order (reference): TI2V draws the first frame's VAE posterior sample, then the initial noise,
+from one CPU generator seeded with `seed`. The refiner uses a fresh generator from the same seed:
+posterior sample of the upscaled video, then (TI2V) of the first-frame image, then the noise.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from . import image as image_ops
+from . import prompt as prompt_ops
+from .latents import dit_to_vae, latent_shape, vae_to_dit, validate_geometry
+from .offload import stage
+from .prompt import PromptEmbeds
+from .scheduler import compute_refiner_sigmas, transformer_timestep
+
+log = logging.getLogger(__name__)
+
+MODES = ("t2v", "t2i", "ti2v")
+StepCallback = Callable[[int, int, torch.Tensor], None]
+
+REFINER_DEFAULTS = dict(height=1088, width=1920, steps=8, shift=3.0, guidance_scale=3.0, t_thresh=0.85,
+                        tail_steps=2)
+REFINER_TILING = dict(tile_sample_min_height=384, tile_sample_min_width=640, tile_sample_stride_height=288,
+                      tile_sample_stride_width=480)
+
+
+# -- data passed between stages -------------------------------------------------------------------
+
+@dataclass
+class Conditioning:
+    """Encoded prompts (CPU). `negative` None: no CFG possible unless `zero_negative` (the refiner's)."""
+
+    positive: PromptEmbeds
+    negative: PromptEmbeds | None = None
+    zero_negative: bool = False
+    prompt: str = ""
+    with_image: bool = False
+
+    def negative_for_cfg(self) -> PromptEmbeds:
+        if self.zero_negative:
+            return PromptEmbeds(torch.zeros_like(self.positive.embeds), self.positive.mask.clone(),
+                                self.positive.input_ids)
+        if self.negative is None:
+            raise ValueError("guidance_scale > 1 needs a negative prompt: encode one, or set guidance_scale to 1")
+        return self.negative
+
+    def text_only(self) -> Conditioning:
+        return Conditioning(self.positive, self.negative, self.zero_negative, self.prompt, self.with_image)
+
+
+@dataclass
+class ImageCondition:
+    """The TI2V first frame: conditioning pixels, the picture the vision tower sees, and the VAE posterior.
+
+    The posterior is kept as mean/std (VAE space) so the *sample* is drawn by the denoise stage from
+    its own seeded generator, in the reference's order.
+    """
+
+    pixels: torch.Tensor  # (1,3,1,H,W) in [0,1]
+    vision_image: Image.Image
+    latent_mean: torch.Tensor | None = None  # (1,16,1,h,w) VAE space, float32
+    latent_std: torch.Tensor | None = None
+    vae_config: Any = field(default=None, repr=False)
+
+    @property
+    def height(self) -> int:
+        return int(self.pixels.shape[-2])
+
+    @property
+    def width(self) -> int:
+        return int(self.pixels.shape[-1])
+
+    def sample_latent(self, generator: torch.Generator | None) -> torch.Tensor:
+        """A posterior sample in DiT space (draws from `generator`)."""
+        if self.latent_mean is None:
+            raise ValueError("this image condition has no VAE latent; run the VAE-encode stage on it first")
+        noise = torch.randn(self.latent_mean.shape, generator=generator, dtype=torch.float32)
+        return vae_to_dit(self.latent_mean + self.latent_std * noise, self.vae_config)
+
+    def mean_latent(self) -> torch.Tensor:
+        return vae_to_dit(self.latent_mean, self.vae_config)
+
+
+# -- validation ------------------------------------------------------------------------------------
+
+def _check_steps(steps: int) -> None:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+
+
+def _check_guidance(guidance_scale: float) -> None:
+    if not math.isfinite(guidance_scale) or guidance_scale < 0:
+        raise ValueError(f"guidance_scale must be a finite number >= 0, got {guidance_scale!r}")
+
+
+def _generator(seed: int | None, generator: torch.Generator | None) -> torch.Generator:
+    if generator is not None:
+        return generator
+    if seed is None:
+        raise ValueError("give a seed (or a torch.Generator)")
+    if not isinstance(seed, int) or seed < 0 or seed >= 2**64:
+        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+    return torch.Generator("cpu").manual_seed(seed)
+
+
+# -- text ------------------------------------------------------------------------------------------
+
+def encode_prompt(
+    handle,
+    prompt: str | dict | list,
+    negative_prompt: str | None = "",
+    *,
+    image: ImageCondition | torch.Tensor | None = None,
+    mode: str = "t2v",
+) -> Conditioning:
+    """Encode a prompt and its negative with the Qwen3-VL encoder.
+
+    `negative_prompt=""` picks the reference default (the image one for T2I); None skips the
+    negative (no CFG). For TI2V pass the image condition (or its pixels): both prompts then see it.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    text = prompt_ops.caption_to_text(prompt)
+    if not text.strip():
+        raise ValueError("the prompt is empty")
+    if negative_prompt == "":
+        negative_prompt = prompt_ops.DEFAULT_NEGATIVE_PROMPT_IMAGE if mode == "t2i" else prompt_ops.DEFAULT_NEGATIVE_PROMPT
+    picture = None
+    if image is not None:
+        pixels = image.pixels if isinstance(image, ImageCondition) else image
+        picture = image.vision_image if isinstance(image, ImageCondition) else None
+    with stage(handle, "text_encoder", "processor") as device:
+        encoder, processor = handle.component("text_encoder"), handle.component("processor")
+        if image is not None and picture is None:
+            picture = image_ops.vision_image(pixels, image_ops.vision_patch_size(encoder, processor))
+        positive = prompt_ops.encode_text(encoder, processor, text, image=picture, device=device).to("cpu")
+        negative = None
+        if negative_prompt is not None:
+            negative = prompt_ops.encode_text(encoder, processor, negative_prompt, image=picture,
+                                              device=device).to("cpu")
+    return Conditioning(positive, negative, prompt=text, with_image=picture is not None)
+
+
+# -- image / VAE encode ----------------------------------------------------------------------------
+
+@contextmanager
+def _vae_tiling(vae, tiling: dict[str, int] | bool | None):
+    """Apply tiling settings to the shared VAE for one stage and restore them afterwards."""
+    if tiling is None:
+        yield
+        return
+    keys = ("use_tiling", *REFINER_TILING)
+    saved = {k: getattr(vae, k) for k in keys if hasattr(vae, k)}
+    try:
+        if tiling is False:
+            vae.use_tiling = False
+        else:
+            params = {} if tiling is True else dict(tiling)
+            for k, v in params.items():
+                if k not in REFINER_TILING or not isinstance(v, int) or v <= 0:
+                    raise ValueError(f"bad VAE tiling option {k}={v!r}; options: {', '.join(REFINER_TILING)}")
+            for kind in ("height", "width"):
+                tile = params.get(f"tile_sample_min_{kind}", getattr(vae, f"tile_sample_min_{kind}"))
+                stride = params.get(f"tile_sample_stride_{kind}", getattr(vae, f"tile_sample_stride_{kind}"))
+                if stride > tile:
+                    raise ValueError(f"VAE tile stride {stride} exceeds tile size {tile} ({kind})")
+            vae.enable_tiling(**params)
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(vae, k, v)
+
+
+def _encode_posterior(vae, pixels: torch.Tensor, device: torch.device):
+    """VAE posterior of (B,3,T,H,W) pixels in [0,1]; the reference encodes under bf16 autocast on CUDA."""
+    x = ((pixels.to(device=device, dtype=torch.float32) - 0.5) / 0.5)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    with torch.no_grad(), autocast:
+        dist = vae.encode(x).latent_dist
+    return dist.mean.float(), dist.std.float()
+
+
+def encode_image(handle, image: Any, height: int, width: int, *, tiling: dict | bool | None = None) -> ImageCondition:
+    """TI2V first frame: reference pixel preparation, the vision-tower picture, and the VAE posterior."""
+    validate_geometry(height, width, 1)
+    picture = image_ops.load_image(image)
+    pixels = image_ops.prepare_image_pixels(picture, height, width)
+    with stage(handle, "vae") as device:
+        vae = handle.component("vae")
+        with _vae_tiling(vae, tiling):
+            mean, std = _encode_posterior(vae, pixels, device)
+        vae_config = vae.config
+    with stage(handle, "processor"):
+        patch = image_ops.vision_patch_size(handle.shared.loaded.get("text_encoder"), handle.component("processor"))
+    return ImageCondition(pixels, image_ops.vision_image(pixels, patch), mean.cpu(), std.cpu(), vae_config)
+
+
+# -- denoise ---------------------------------------------------------------------------------------
+
+def prepare_latents(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """Initial noise, float32, drawn on the CPU so every device gets the reference's numbers."""
+    return torch.randn(shape, generator=generator, dtype=torch.float32)
+
+
+def denoise(
+    handle,
+    cond: Conditioning,
+    *,
+    height: int,
+    width: int,
+    num_frames: int,
+    steps: int = 40,
+    guidance_scale: float = 3.0,
+    shift: float = 3.0,
+    seed: int | None = None,
+    generator: torch.Generator | None = None,
+    image_cond: ImageCondition | None = None,
+    cond_latent: torch.Tensor | None = None,
+    latents: torch.Tensor | None = None,
+    sigmas: torch.Tensor | None = None,
+    transformer: str = "transformer",
+    callback: StepCallback | None = None,
+) -> torch.Tensor:
+    """Flow-UniPC sampling; returns the final DiT-space latents (float32, CPU).
+
+    `latents` starts from given latents instead of noise; `sigmas` is an explicit schedule (used with
+    shift 1, as the refiner does). The first-frame condition (`image_cond` or `cond_latent`) is
+    written into latent frame 0 before the loop and after every step. `callback(step, total,
+    latents)` runs after every step; raising from it cancels the run cleanly.
+    """
+    validate_geometry(height, width, num_frames)
+    _check_steps(steps)
+    _check_guidance(guidance_scale)
+    if not math.isfinite(shift) or shift <= 0:
+        raise ValueError(f"shift must be a positive number, got {shift!r}")
+    if image_cond is not None and (image_cond.height, image_cond.width) != (height, width):
+        raise ValueError(f"the image condition was prepared for {image_cond.height}x{image_cond.width} "
+                         f"but the video is {height}x{width}; encode the image at the video size")
+    do_cfg = guidance_scale > 1.0
+    positive = cond.positive
+    negative = cond.negative_for_cfg() if do_cfg else None
+    g = _generator(seed, generator)
+
+    if cond_latent is None and image_cond is not None:
+        cond_latent = image_cond.sample_latent(g)
+    shape = latent_shape(height, width, num_frames)
+    if latents is None:
+        latents = prepare_latents(shape, g)
+    elif tuple(latents.shape) != shape:
+        raise ValueError(f"latents must have shape {shape} for {width}x{height}x{num_frames}, got {tuple(latents.shape)}")
+
+    with stage(handle, transformer, "scheduler") as device:
+        dit = handle.component(transformer)
+        scheduler = handle.component("scheduler")
+        latents = latents.to(device=device, dtype=torch.float32)
+        if cond_latent is not None:
+            cond_latent = cond_latent.to(device=device, dtype=torch.float32)
+            latents[:, :, : cond_latent.shape[2]] = cond_latent
+        if sigmas is None:
+            scheduler.set_timesteps(steps, device=device, shift=shift)
+        else:
+            scheduler.set_timesteps(len(sigmas), device=device, sigmas=sigmas, shift=1.0)
+        dit_dtype = handle.dtype_of(transformer)
+        pos = positive.to(device, dit_dtype)
+        neg = negative.to(device, dit_dtype) if negative is not None else None
+        autocast = (torch.autocast("cuda", dtype=dit_dtype)
+                    if device.type == "cuda" and dit_dtype in (torch.bfloat16, torch.float16) else nullcontext())
+        timesteps = scheduler.timesteps
+        total = len(timesteps)
+        for i, t in enumerate(timesteps):
+            t_dit = transformer_timestep(t, dit_dtype).reshape(1).to(device)
+            with torch.no_grad(), autocast:
+                v = dit(latents, t_dit, pos.embeds, pos.mask, return_dict=False)[0].float()
+                if neg is not None:
+                    v_uncond = dit(latents, t_dit, neg.embeds, neg.mask, return_dict=False)[0].float()
+                    v = v_uncond + guidance_scale * (v - v_uncond)
+            latents = scheduler.step(v, t, latents)
+            if cond_latent is not None:
+                latents[:, :, : cond_latent.shape[2]] = cond_latent
+            if callback is not None:
+                callback(i + 1, total, latents)
+        return latents.cpu()
+
+
+# -- decode ----------------------------------------------------------------------------------------
+
+def decode(handle, latents: torch.Tensor, *, tiling: dict | bool | None = None) -> torch.Tensor:
+    """DiT-space latents (1,16,T,h,w) -> frames [F,H,W,3] float32 in [0,1] on the CPU."""
+    if latents.ndim != 5 or latents.shape[0] != 1:
+        raise ValueError(f"expected latents shaped (1,16,T,h,w), got {tuple(latents.shape)}")
+    with stage(handle, "vae") as device:
+        vae = handle.component("vae")
+        z = dit_to_vae(latents.to(device), vae.config).to(dtype=torch.float32)
+        z = z.contiguous(memory_format=torch.channels_last_3d)
+        vae_dtype = next(vae.parameters()).dtype
+        autocast = (torch.autocast("cuda", dtype=vae_dtype)
+                    if device.type == "cuda" and vae_dtype in (torch.bfloat16, torch.float16) else nullcontext())
+        with _vae_tiling(vae, tiling), torch.no_grad(), autocast:
+            video = vae.decode(z, return_dict=False)[0]
+        frames = ((video.float().clamp(-1, 1) + 1.0) / 2.0)[0].permute(1, 2, 3, 0)
+        return frames.cpu().contiguous()
+
+
+def decode_vae_latents(handle, vae_latents: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """Decode raw Wan-VAE latents (ComfyUI's LATENT convention)."""
+    with stage(handle, "vae"):
+        config = handle.component("vae").config
+    return decode(handle, vae_to_dit(vae_latents, config), **kwargs)
+
+
+# -- refine ----------------------------------------------------------------------------------------
+
+def upscale_frames(frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Frames [F,H0,W0,3] in [0,1] -> (1,3,F,H,W), bicubic (no antialias), clamped."""
+    if frames.ndim != 4 or frames.shape[-1] != 3:
+        raise ValueError(f"expected frames shaped [F,H,W,3], got {tuple(frames.shape)}")
+    video = frames.float().permute(0, 3, 1, 2)  # F,3,H,W
+    video = F.interpolate(video, size=(height, width), mode="bicubic", align_corners=False).clamp(0, 1)
+    return video.permute(1, 0, 2, 3).unsqueeze(0).contiguous()
+
+
+def refiner_first_frame(image: Any, height: int, width: int, base_height: int, base_width: int) -> torch.Tensor:
+    """TI2V refiner condition: centre-crop to the base video's aspect, PIL bicubic to the refiner size."""
+    picture = image_ops.load_image(image)
+    w, h = picture.size
+    target = base_width / base_height
+    if w / h > target:
+        new_w = max(1, round(h * target))
+        left = (w - new_w) // 2
+        picture = picture.crop((left, 0, left + new_w, h))
+    elif w / h < target:
+        new_h = max(1, round(w / target))
+        top = (h - new_h) // 2
+        picture = picture.crop((0, top, w, top + new_h))
+    picture = picture.resize((width, height), Image.BICUBIC)
+    pixels = torch.from_numpy(np.asarray(picture, dtype=np.uint8).copy()).permute(2, 0, 1).float() / 255.0
+    return pixels[:, None].unsqueeze(0)  # (1,3,1,H,W)
+
+
+def refine(
+    handle,
+    frames: torch.Tensor,
+    cond: Conditioning,
+    *,
+    height: int = REFINER_DEFAULTS["height"],
+    width: int = REFINER_DEFAULTS["width"],
+    steps: int = REFINER_DEFAULTS["steps"],
+    shift: float = REFINER_DEFAULTS["shift"],
+    guidance_scale: float = REFINER_DEFAULTS["guidance_scale"],
+    t_thresh: float = REFINER_DEFAULTS["t_thresh"],
+    tail_steps: int = REFINER_DEFAULTS["tail_steps"],
+    seed: int = 42,
+    first_frame: Any = None,
+    tiling: dict | bool | None = True,
+    decode_output: bool = True,
+    callback: StepCallback | None = None,
+) -> torch.Tensor:
+    """SDEdit refinement with the MoE refiner DiT: base frames [F,H0,W0,3] -> refined frames (or latents).
+
+    Conditioning is text only, against a zero negative. `first_frame` (TI2V) is the original input
+    image; it is kept clean in latent frame 0. Tiling (reference tiles) is on by default.
+    """
+    if not handle.has_refiner:
+        raise ValueError("refinement needs the MoE checkpoint's refiner/ (this checkpoint has none)")
+    if frames.ndim != 4 or frames.shape[0] < 1:
+        raise ValueError(f"expected base frames shaped [F,H,W,3], got {tuple(frames.shape)}")
+    n = int(frames.shape[0])
+    if n == 1:
+        raise ValueError("the refiner works on videos; a single frame (T2I) cannot be refined")
+    usable = (n - 1) // 4 * 4 + 1
+    frames = frames[:usable]
+    validate_geometry(height, width, usable)
+    _check_steps(steps)
+    if not 0.0 < t_thresh <= 1.0:
+        raise ValueError(f"t_thresh must lie in (0, 1], got {t_thresh}")
+    if cond.with_image:
+        raise ValueError("the refiner conditions on text only: encode the prompt without the image")
+    if tiling is True:
+        tiling = dict(REFINER_TILING)
+
+    g = torch.Generator("cpu").manual_seed(seed)
+    video = upscale_frames(frames, height, width)
+    with stage(handle, "vae") as device:
+        vae = handle.component("vae")
+        with _vae_tiling(vae, tiling):
+            mean, std = _encode_posterior(vae, video, device)
+            x_up = vae_to_dit(mean.cpu() + std.cpu() * torch.randn(mean.shape, generator=g), vae.config)
+            cond_latent = None
+            if first_frame is not None:
+                pixels = refiner_first_frame(first_frame, height, width, int(frames.shape[1]), int(frames.shape[2]))
+                mean1, std1 = _encode_posterior(vae, pixels, device)
+                clean = vae_to_dit(mean1.cpu() + std1.cpu() * torch.randn(mean1.shape, generator=g), vae.config)
+                cond_latent = clean[:, :, :1].contiguous()
+                x_up[:, :, :1] = cond_latent
+    noise = torch.randn(x_up.shape, generator=g, dtype=torch.float32)
+    initial = (1.0 - t_thresh) * x_up + t_thresh * noise
+    scheduler = handle.component("scheduler")
+    sigmas = compute_refiner_sigmas(sigma_max=float(scheduler.sigma_max), sigma_min=float(scheduler.sigma_min),
+                                    num_inference_steps=steps, shift=shift, t_thresh=t_thresh, tail_steps=tail_steps)
+    refiner_cond = Conditioning(cond.positive, None, zero_negative=True, prompt=cond.prompt)
+    latents = denoise(handle, refiner_cond, height=height, width=width, num_frames=usable, steps=len(sigmas),
+                      guidance_scale=guidance_scale, shift=1.0, generator=g, latents=initial, sigmas=sigmas,
+                      cond_latent=cond_latent, transformer="refiner", callback=callback)
+    if not decode_output:
+        return latents
+    return decode(handle, latents, tiling=tiling)
+
+
+# -- the whole pipeline ----------------------------------------------------------------------------
+
+@dataclass
+class GenerateResult:
+    frames: torch.Tensor | None  # [F,H,W,3]
+    latents: torch.Tensor  # DiT space
+    refined: torch.Tensor | None = None
+
+
+def validate_request(mode: str, *, height: int, width: int, num_frames: int, steps: int, image: Any,
+                     refine_output: bool, guidance_scale: float = 3.0) -> None:
+    """Every check that can fail a `generate` call, run before any model work."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    validate_geometry(height, width, num_frames)
+    _check_steps(steps)
+    _check_guidance(guidance_scale)
+    if mode == "ti2v" and image is None:
+        raise ValueError("TI2V needs a first-frame image")
+    if mode != "ti2v" and image is not None:
+        raise ValueError(f"an image was given but mode is {mode!r}; use mode='ti2v'")
+    if mode == "t2i" and num_frames != 1:
+        raise ValueError(f"T2I makes one frame; got num_frames={num_frames}")
+    if mode == "t2i" and refine_output:
+        raise ValueError("the refiner works on videos; it cannot refine T2I output")
+
+
+def generate(
+    handle,
+    prompt: str | dict | list,
+    *,
+    mode: str = "t2v",
+    image: Any = None,
+    negative_prompt: str | None = "",
+    height: int = 480,
+    width: int = 832,
+    num_frames: int | None = None,
+    steps: int = 40,
+    guidance_scale: float = 3.0,
+    shift: float = 3.0,
+    seed: int = 42,
+    tiling: dict | bool | None = None,
+    refine_output: bool = False,
+    refine_options: dict | None = None,
+    output: str = "frames",
+    callback: StepCallback | None = None,
+) -> GenerateResult:
+    """T2V, T2I or TI2V (plus the MoE refiner when asked), chaining the stages like the reference."""
+    if num_frames is None:
+        num_frames = 1 if mode == "t2i" else 121
+    if output not in ("frames", "latent"):
+        raise ValueError(f"output must be 'frames' or 'latent', got {output!r}")
+    validate_request(mode, height=height, width=width, num_frames=num_frames, steps=steps, image=image,
+                     refine_output=refine_output, guidance_scale=guidance_scale)
+    if isinstance(prompt, str):
+        prompt_ops.caption_to_text(prompt)  # broken JSON fails here, before any model work
+    if refine_output and not handle.has_refiner:
+        raise ValueError("refine_output=True needs the MoE checkpoint (it has the refiner/); this one has none")
+    picture = image_ops.load_image(image) if image is not None else None
+
+    image_cond = encode_image(handle, picture, height, width, tiling=tiling) if picture is not None else None
+    negative = negative_prompt if guidance_scale > 1.0 else None
+    cond = encode_prompt(handle, prompt, negative, image=image_cond, mode=mode)
+    latents = denoise(handle, cond, height=height, width=width, num_frames=num_frames, steps=steps,
+                      guidance_scale=guidance_scale, shift=shift, seed=seed, image_cond=image_cond,
+                      callback=callback)
+    if output == "latent" and not refine_output:
+        return GenerateResult(None, latents)
+    frames = decode(handle, latents, tiling=tiling)
+    refined = None
+    if refine_output:
+        text_cond = encode_prompt(handle, prompt, None, mode=mode) if cond.with_image else cond
+        refined = refine(handle, frames, text_cond, seed=seed, first_frame=picture, callback=callback,
+                         **(refine_options or {}))
+    return GenerateResult(frames, latents, refined)
