@@ -35,11 +35,11 @@ KNOWN_CLASSES: dict[str, dict[tuple[str, str], str]] = {
 }
 
 # config.json `_class_name` (diffusers) or `architectures`/`model_type` (transformers) we accept.
-CONFIG_CLASS = {
+CONFIG_CLASS: dict[str, str | tuple[str, ...]] = {
     "transformer": "LingBotVideoTransformer3DModel",
     "refiner": "LingBotVideoTransformer3DModel",
     "vae": "AutoencoderKLWan",
-    "scheduler": "FlowUniPCMultistepScheduler",
+    "scheduler": ("FlowUniPCMultistepScheduler", "FlowUniPCScheduler"),  # the reference's name, and ours
 }
 WEIGHT_FILES = {
     "transformer": "diffusion_pytorch_model",
@@ -184,10 +184,11 @@ def _weight_files(folder: Path, component: str) -> list[Path]:
 def _check_config_class(folder: Path, component: str) -> dict[str, Any]:
     config = _read_json(folder / CONFIG_FILES[component], component)
     expected = CONFIG_CLASS.get(component)
-    if expected is not None and config.get("_class_name") != expected:
+    accepted = (expected,) if isinstance(expected, str) else expected
+    if expected is not None and config.get("_class_name") not in accepted:
         raise CheckpointError(
             f"{component}: {folder / CONFIG_FILES[component]} declares class {config.get('_class_name')!r}, "
-            f"but lingbot-nodes only knows {expected!r} here. Is this a LingBot-Video checkpoint?"
+            f"but lingbot-nodes only knows {' or '.join(map(repr, accepted))} here. Is this a LingBot-Video checkpoint?"
         )
     if component == "text_encoder" and config.get("model_type") != "qwen3_vl":
         raise CheckpointError(

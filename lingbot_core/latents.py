@@ -21,7 +21,7 @@ def validate_geometry(height: int, width: int, num_frames: int) -> None:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if height % SIZE_MULTIPLE or width % SIZE_MULTIPLE:
         def near(v: int) -> int:
-            return max(SIZE_MULTIPLE, round(v / SIZE_MULTIPLE) * SIZE_MULTIPLE)
+            return max(SIZE_MULTIPLE, (v + SIZE_MULTIPLE // 2) // SIZE_MULTIPLE * SIZE_MULTIPLE)
 
         raise ValueError(f"height and width must be multiples of {SIZE_MULTIPLE}, got {height}x{width} "
                          f"(nearest valid: {near(height)}x{near(width)})")

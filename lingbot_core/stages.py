@@ -61,9 +61,6 @@ class Conditioning:
             raise ValueError("guidance_scale > 1 needs a negative prompt: encode one, or set guidance_scale to 1")
         return self.negative
 
-    def text_only(self) -> Conditioning:
-        return Conditioning(self.positive, self.negative, self.zero_negative, self.prompt, self.with_image)
-
 
 @dataclass
 class ImageCondition:
@@ -354,6 +351,75 @@ def refiner_first_frame(image: Any, height: int, width: int, base_height: int, b
     return pixels[:, None].unsqueeze(0)  # (1,3,1,H,W)
 
 
+@dataclass
+class RefineStart:
+    """Everything the refiner's sampling starts from (CPU, DiT space); kept for tests and nodes."""
+
+    video: torch.Tensor  # (1,3,F,H,W) upscaled base frames
+    x_up: torch.Tensor  # posterior sample of `video`, first frame replaced when conditioned
+    noise: torch.Tensor
+    initial: torch.Tensor  # (1 - t) * x_up + t * noise
+    sigmas: torch.Tensor
+    cond_latent: torch.Tensor | None
+    generator: torch.Generator
+    num_frames: int
+
+
+def prepare_refine(
+    handle,
+    frames: torch.Tensor,
+    *,
+    height: int = REFINER_DEFAULTS["height"],
+    width: int = REFINER_DEFAULTS["width"],
+    steps: int = REFINER_DEFAULTS["steps"],
+    shift: float = REFINER_DEFAULTS["shift"],
+    t_thresh: float = REFINER_DEFAULTS["t_thresh"],
+    tail_steps: int = REFINER_DEFAULTS["tail_steps"],
+    seed: int = 42,
+    first_frame: Any = None,
+    tiling: dict | bool | None = True,
+) -> RefineStart:
+    """Upscale, VAE-encode and re-noise the base frames to `t_thresh` (a fresh generator from `seed`)."""
+    if not handle.has_refiner:
+        raise ValueError("refinement needs the MoE checkpoint's refiner/ folder; this checkpoint has none")
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.shape[0] < 1:
+        raise ValueError(f"expected base frames shaped [F,H,W,3], got {tuple(frames.shape)}")
+    n = int(frames.shape[0])
+    if n == 1:
+        raise ValueError("the refiner works on videos; a single frame (T2I) cannot be refined")
+    usable = (n - 1) // 4 * 4 + 1
+    frames = frames[:usable]
+    validate_geometry(height, width, usable)
+    _check_steps(steps)
+    if not 0.0 < t_thresh <= 1.0:
+        raise ValueError(f"t_thresh must lie in (0, 1], got {t_thresh}")
+    if tiling is True:
+        tiling = dict(REFINER_TILING)
+    with stage(handle, "scheduler"):
+        scheduler = handle.component("scheduler")
+        sigmas = compute_refiner_sigmas(sigma_max=float(scheduler.sigma_max), sigma_min=float(scheduler.sigma_min),
+                                        num_inference_steps=steps, shift=shift, t_thresh=t_thresh,
+                                        tail_steps=tail_steps)
+
+    g = torch.Generator("cpu").manual_seed(seed)
+    video = upscale_frames(frames, height, width)
+    cond_latent = None
+    with stage(handle, "vae") as device:
+        vae = handle.component("vae")
+        with _vae_tiling(vae, tiling):
+            mean, std = _encode_posterior(vae, video, device)
+            x_up = vae_to_dit(mean.cpu() + std.cpu() * torch.randn(mean.shape, generator=g), vae.config)
+            if first_frame is not None:
+                pixels = refiner_first_frame(first_frame, height, width, int(frames.shape[1]), int(frames.shape[2]))
+                mean1, std1 = _encode_posterior(vae, pixels, device)
+                clean = vae_to_dit(mean1.cpu() + std1.cpu() * torch.randn(mean1.shape, generator=g), vae.config)
+                cond_latent = clean[:, :, :1].contiguous()
+                x_up[:, :, :1] = cond_latent
+    noise = torch.randn(x_up.shape, generator=g, dtype=torch.float32)
+    initial = (1.0 - t_thresh) * x_up + t_thresh * noise
+    return RefineStart(video, x_up, noise, initial, sigmas, cond_latent, g, usable)
+
+
 def refine(
     handle,
     frames: torch.Tensor,
@@ -375,52 +441,21 @@ def refine(
     """SDEdit refinement with the MoE refiner DiT: base frames [F,H0,W0,3] -> refined frames (or latents).
 
     Conditioning is text only, against a zero negative. `first_frame` (TI2V) is the original input
-    image; it is kept clean in latent frame 0. Tiling (reference tiles) is on by default.
+    image; it is kept clean in latent frame 0. Tiling (the reference's tiles) is on by default.
     """
-    if not handle.has_refiner:
-        raise ValueError("refinement needs the MoE checkpoint's refiner/ (this checkpoint has none)")
-    if frames.ndim != 4 or frames.shape[0] < 1:
-        raise ValueError(f"expected base frames shaped [F,H,W,3], got {tuple(frames.shape)}")
-    n = int(frames.shape[0])
-    if n == 1:
-        raise ValueError("the refiner works on videos; a single frame (T2I) cannot be refined")
-    usable = (n - 1) // 4 * 4 + 1
-    frames = frames[:usable]
-    validate_geometry(height, width, usable)
-    _check_steps(steps)
-    if not 0.0 < t_thresh <= 1.0:
-        raise ValueError(f"t_thresh must lie in (0, 1], got {t_thresh}")
     if cond.with_image:
         raise ValueError("the refiner conditions on text only: encode the prompt without the image")
-    if tiling is True:
-        tiling = dict(REFINER_TILING)
-
-    g = torch.Generator("cpu").manual_seed(seed)
-    video = upscale_frames(frames, height, width)
-    with stage(handle, "vae") as device:
-        vae = handle.component("vae")
-        with _vae_tiling(vae, tiling):
-            mean, std = _encode_posterior(vae, video, device)
-            x_up = vae_to_dit(mean.cpu() + std.cpu() * torch.randn(mean.shape, generator=g), vae.config)
-            cond_latent = None
-            if first_frame is not None:
-                pixels = refiner_first_frame(first_frame, height, width, int(frames.shape[1]), int(frames.shape[2]))
-                mean1, std1 = _encode_posterior(vae, pixels, device)
-                clean = vae_to_dit(mean1.cpu() + std1.cpu() * torch.randn(mean1.shape, generator=g), vae.config)
-                cond_latent = clean[:, :, :1].contiguous()
-                x_up[:, :, :1] = cond_latent
-    noise = torch.randn(x_up.shape, generator=g, dtype=torch.float32)
-    initial = (1.0 - t_thresh) * x_up + t_thresh * noise
-    scheduler = handle.component("scheduler")
-    sigmas = compute_refiner_sigmas(sigma_max=float(scheduler.sigma_max), sigma_min=float(scheduler.sigma_min),
-                                    num_inference_steps=steps, shift=shift, t_thresh=t_thresh, tail_steps=tail_steps)
+    _check_guidance(guidance_scale)
+    start = prepare_refine(handle, frames, height=height, width=width, steps=steps, shift=shift, t_thresh=t_thresh,
+                           tail_steps=tail_steps, seed=seed, first_frame=first_frame, tiling=tiling)
     refiner_cond = Conditioning(cond.positive, None, zero_negative=True, prompt=cond.prompt)
-    latents = denoise(handle, refiner_cond, height=height, width=width, num_frames=usable, steps=len(sigmas),
-                      guidance_scale=guidance_scale, shift=1.0, generator=g, latents=initial, sigmas=sigmas,
-                      cond_latent=cond_latent, transformer="refiner", callback=callback)
+    latents = denoise(handle, refiner_cond, height=height, width=width, num_frames=start.num_frames,
+                      steps=len(start.sigmas), guidance_scale=guidance_scale, shift=1.0, generator=start.generator,
+                      latents=start.initial, sigmas=start.sigmas, cond_latent=start.cond_latent,
+                      transformer="refiner", callback=callback)
     if not decode_output:
         return latents
-    return decode(handle, latents, tiling=tiling)
+    return decode(handle, latents, tiling=REFINER_TILING if tiling is True else tiling)
 
 
 # -- the whole pipeline ----------------------------------------------------------------------------
