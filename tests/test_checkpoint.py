@@ -155,3 +155,15 @@ def test_weights_that_do_not_match_the_config(dense_copy):
 def test_unknown_component_name(dense_copy):
     with pytest.raises(ValueError, match="unknown component 'refiner'"):
         load_checkpoint(dense_copy, components=["refiner"])
+
+
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_freshly_built_tiny_checkpoint_loads_through_the_loader(tmp_path, variant):
+    from lingbot_core.tiny import build_tiny_checkpoint
+
+    folder = build_tiny_checkpoint(tmp_path / variant, variant)
+    loaded = load_checkpoint(folder)
+    assert loaded.info.variant == variant and loaded.info.has_refiner is (variant == "moe")
+    assert loaded.transformer.config.text_dim == loaded.text_encoder.config.get_text_config().hidden_size
+    if variant == "moe":
+        assert load_refiner(folder).config.num_experts > 0
