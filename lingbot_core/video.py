@@ -1,0 +1,77 @@
+"""Frames <-> files: mp4 through PyAV's bundled FFmpeg (no system ffmpeg), PNG for a single frame."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+
+def to_uint8(frames: torch.Tensor) -> np.ndarray:
+    """[F,H,W,3] float in [0,1] -> uint8, rounded."""
+    if frames.ndim == 3:
+        frames = frames.unsqueeze(0)
+    if frames.ndim != 4 or frames.shape[-1] != 3:
+        raise ValueError(f"expected frames shaped [F,H,W,3], got {tuple(frames.shape)}")
+    return frames.detach().float().clamp(0, 1).mul(255).round().to(torch.uint8).cpu().numpy()
+
+
+def save_png(frame: torch.Tensor, path: str | os.PathLike) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(to_uint8(frame)[0]).save(path)
+    return path
+
+
+def save_mp4(frames: torch.Tensor, path: str | os.PathLike, fps: float = 24.0, crf: int = 18) -> Path:
+    """H.264 (yuv420p) mp4. Odd sizes are padded by one edge pixel, as yuv420p needs even sizes."""
+    import av
+
+    if not (0 < fps <= 240):
+        raise ValueError(f"fps must lie in (0, 240], got {fps}")
+    data = to_uint8(frames)
+    _, h, w, _ = data.shape
+    if h % 2 or w % 2:
+        data = np.pad(data, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), mode="edge")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    from fractions import Fraction
+
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
+        stream.width, stream.height = data.shape[2], data.shape[1]
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"crf": str(crf)}
+        for frame in data:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+def save_frames(frames: torch.Tensor, path: str | os.PathLike, fps: float = 24.0) -> Path:
+    """One frame -> PNG, several -> mp4; the suffix follows the content."""
+    path = Path(path)
+    if frames.ndim == 3 or frames.shape[0] == 1:
+        return save_png(frames if frames.ndim == 3 else frames[0], path.with_suffix(".png"))
+    return save_mp4(frames, path.with_suffix(".mp4"), fps)
+
+
+def read_video(path: str | os.PathLike) -> tuple[torch.Tensor, float]:
+    """Decode a video file to frames [F,H,W,3] float32 in [0,1] and its frame rate."""
+    import av
+
+    try:
+        with av.open(str(path)) as container:
+            stream = container.streams.video[0]
+            fps = float(stream.average_rate or 24)
+            frames = [f.to_ndarray(format="rgb24") for f in container.decode(stream)]
+    except (av.FFmpegError, IndexError, OSError) as err:
+        raise ValueError(f"cannot read video '{path}': {err}") from err
+    if not frames:
+        raise ValueError(f"cannot read video '{path}': it has no frames")
+    return torch.from_numpy(np.stack(frames)).float() / 255.0, fps
