@@ -56,6 +56,8 @@ class SharedComponents:
         self.loaded: dict[str, Any] = dict(preloaded or {})
         self.lock = threading.RLock()
         self.installed: Any = None  # offload state currently applied to these components (offload.py)
+        self.resident: set[str] = set()  # components the offload state holds on the accelerator
+        self.ledger: list[tuple[str, str, str]] = []  # (event, component, stage): what tests read
         self.load_count: dict[str, int] = {}
 
     def get(self, name: str) -> Any:
@@ -128,10 +130,10 @@ class PipelineHandle:
     # -- views ----------------------------------------------------------------------------------
     def with_offload(self, mode: str, **options: Any) -> PipelineHandle:
         """A view over the same components with other offload settings (validated by offload.py)."""
-        from .offload import validate_settings
+        from .offload import check_guards
 
         settings = OffloadSettings(mode, tuple(sorted(options.items())))
-        validate_settings(self, settings)
+        check_guards(self, settings, self.device)
         return replace(self, offload=settings)
 
     def with_device(self, device: str | torch.device) -> PipelineHandle:
