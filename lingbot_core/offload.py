@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .interrupt import checkpoints
+
 if TYPE_CHECKING:
     from .handle import OffloadSettings, PipelineHandle
 
@@ -379,7 +381,8 @@ def stage(handle: PipelineHandle, *components: str, label: str | None = None) ->
             device = execution_device(handle, components[0] if components else None)
             for name in components[1:]:
                 execution_device(handle, name)
-            yield device
+            with checkpoints({name: shared.loaded.get(name) for name in components}):
+                yield device
         finally:
             for name in components:
                 if name in MODULE_COMPONENTS:

@@ -360,3 +360,27 @@ def test_guards(moe, monkeypatch):
     with pytest.raises(ValueError, match="sharded component 'transformer'"):
         configure_offload(moe, "model")
     assert moe.shared.installed is None or moe.shared.installed.settings.mode == "none"
+
+
+class Cancelled(Exception):
+    pass
+
+
+@pytest.mark.parametrize("stage_name,component", [("text", "text_encoder"), ("denoise", "transformer"),
+                                                  ("decode", "vae"), ("image", "vae")])
+def test_interrupt_checker_cancels_inside_model_work(moe, reference_outputs, stage_name, component):
+    from lingbot_core.interrupt import interrupt_checker
+
+    inp, expected = reference_outputs
+    calls = {"n": 0}
+
+    def check():
+        calls["n"] += 1
+        if calls["n"] == 3:  # not at stage entry: inside the component's blocks
+            raise Cancelled
+
+    with interrupt_checker(check), pytest.raises(Cancelled):
+        run_stage(moe, stage_name, inp)
+    assert calls["n"] == 3
+    assert not any(m._forward_pre_hooks for m in moe.component(component).modules())
+    assert torch.equal(run_stage(moe, stage_name, inp), expected[stage_name])
