@@ -170,6 +170,16 @@ class PipelineHandle:
             return self.shared.get(name)
         raise AttributeError(name)
 
+    def vae_config(self) -> Any:
+        """The VAE's config (latent statistics) without loading its weights when it is not loaded."""
+        if "vae" in self.shared.loaded:
+            return self.shared.loaded["vae"].config
+        if self.folder is None:
+            raise RuntimeError("no VAE loaded and no checkpoint folder to read its config from")
+        from diffusers import AutoencoderKLWan
+
+        return AutoencoderKLWan.load_config(self.folder / "vae")
+
     def dtype_of(self, name: str) -> torch.dtype:
         """The compute dtype of a DiT or encoder: its bulk weights' dtype (not the fp32-kept norms)."""
         module = self.shared.get(name)

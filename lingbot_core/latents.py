@@ -40,8 +40,11 @@ def frames_for_latent(latent_frames: int) -> int:
 
 
 def _stats(vae_config, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    mean = torch.tensor(vae_config.latents_mean, device=like.device, dtype=torch.float32).view(1, -1, 1, 1, 1)
-    inv_std = 1.0 / torch.tensor(vae_config.latents_std, device=like.device, dtype=torch.float32).view(1, -1, 1, 1, 1)
+    def get(key):
+        return vae_config[key] if isinstance(vae_config, dict) else getattr(vae_config, key)
+
+    mean = torch.tensor(get("latents_mean"), device=like.device, dtype=torch.float32).view(1, -1, 1, 1, 1)
+    inv_std = 1.0 / torch.tensor(get("latents_std"), device=like.device, dtype=torch.float32).view(1, -1, 1, 1, 1)
     return mean, inv_std
 
 

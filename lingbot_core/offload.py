@@ -355,11 +355,31 @@ def _settle(shared) -> None:
         torch.cuda.empty_cache()
 
 
+ACQUIRE_LISTENERS: list = []
+"""Callables `(component, module, device, nbytes)` run before a whole component is moved onto the
+device; a host such as ComfyUI uses this to free its own models first."""
+
+
+def module_bytes(module: Any) -> int:
+    if not isinstance(module, torch.nn.Module):
+        return 0
+    seen, total = set(), 0
+    for t in [*module.parameters(), *module.buffers()]:
+        if t.device.type != "meta" and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
 def _acquire(shared, name: str, device: torch.device) -> None:
     state = shared.installed
     entry = state.modules.get(name)
     if state.settings.mode in ("none", "model") or entry == "whole":
-        _to_device(shared.loaded[name], device)
+        module = shared.loaded[name]
+        if name not in shared.resident and device.type != "cpu":
+            for listener in list(ACQUIRE_LISTENERS):
+                listener(name, module, device, module_bytes(module))
+        _to_device(module, device)
     shared.resident.add(name)
 
 

@@ -1,0 +1,171 @@
+"""Checking widget values against ``INPUT_TYPES`` and the node's own ``VALIDATE_INPUTS``.
+
+Runs before anything executes, so a typo in the last node of a long video workflow is reported
+in a second rather than after minutes of sampling. Values are normalised on the way (an INT
+written as ``5.0``, a FLOAT written as ``1``), as ComfyUI does, so the cache sees one spelling.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import ValidationIssue
+from .nodeinfo import InputSpec, NodeClassInfo, is_link, unwrap_constant
+
+
+def validate_node(
+    node_id: str,
+    node: dict[str, Any],
+    info: NodeClassInfo,
+    prompt: Mapping[str, Mapping[str, Any]],
+    received_types: Mapping[str, Any],
+) -> list[ValidationIssue]:
+    """Check one node's inputs; converted constants are written back into ``node["inputs"]``."""
+    issues: list[ValidationIssue] = []
+    class_type = info.class_type
+    inputs: dict[str, Any] = node["inputs"]
+
+    def issue(name: str | None, message: str) -> None:
+        issues.append(ValidationIssue(node_id, class_type, name, message))
+
+    for flag in ("INPUT_IS_LIST", "OUTPUT_IS_LIST"):
+        value = getattr(info.cls, flag, False)
+        if value is True or (isinstance(value, (list, tuple)) and any(value)):
+            issue(None, f"{flag} is not supported by the headless engine")
+
+    validator = info.validate_inputs_params()
+    own_params, takes_kwargs = validator if validator is not None else (set(), False)
+
+    for spec in info.visible_inputs():
+        if spec.name not in inputs:
+            if spec.category == "required":
+                issue(spec.name, "required input is missing")
+            continue
+        value = inputs[spec.name]
+        if is_link(value):
+            continue
+        value = unwrap_constant(value)
+        converted, problem = _convert(spec, value)
+        if problem is not None:
+            issue(spec.name, problem)
+            continue
+        inputs[spec.name] = converted
+        if spec.name in own_params or takes_kwargs:
+            continue  # the node validates this one itself (ComfyUI skips its own range/combo checks)
+        problem = _check_range_and_combo(spec, converted)
+        if problem is not None:
+            issue(spec.name, problem)
+
+    if validator is not None and (own_params or takes_kwargs):
+        issues.extend(_run_validate_inputs(node_id, node, info, prompt, received_types, own_params, takes_kwargs))
+    return issues
+
+
+def _convert(spec: InputSpec, value: Any) -> tuple[Any, str | None]:
+    """Bring a constant to the declared widget type, or say why it cannot be."""
+    t = spec.type
+    if t == "INT":
+        if isinstance(value, bool):
+            return value, f"expected an integer, got {value!r}"
+        if isinstance(value, int):
+            return value, None
+        if isinstance(value, float) and value.is_integer():
+            return int(value), None
+        if isinstance(value, str):
+            try:
+                return int(value.strip()), None
+            except ValueError:
+                pass
+        return value, f"expected an integer, got {value!r}"
+    if t == "FLOAT":
+        if isinstance(value, bool):
+            return value, f"expected a number, got {value!r}"
+        number: float | None = None
+        if isinstance(value, (int, float)):
+            number = float(value)
+        elif isinstance(value, str):
+            try:
+                number = float(value.strip())
+            except ValueError:
+                pass
+        if number is None:
+            return value, f"expected a number, got {value!r}"
+        if not math.isfinite(number):
+            return value, f"expected a finite number, got {value!r}"
+        return number, None
+    if t == "BOOLEAN":
+        if isinstance(value, bool):
+            return value, None
+        return value, f"expected true or false, got {value!r}"
+    if t == "STRING":
+        if isinstance(value, str):
+            return value, None
+        return value, f"expected a string, got {type(value).__name__} {value!r}"
+    return value, None
+
+
+def _check_range_and_combo(spec: InputSpec, value: Any) -> str | None:
+    options = spec.options
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        low, high = options.get("min"), options.get("max")
+        if isinstance(low, (int, float)) and value < low:
+            return f"value {value} is smaller than the minimum {low}"
+        if isinstance(high, (int, float)) and value > high:
+            return f"value {value} is bigger than the maximum {high}"
+        # No step-grid check: ComfyUI's backend has none, and the frontend rounds relative to 0, not to min.
+    choices = spec.combo_options
+    if choices is not None and value not in choices:
+        shown = choices if len(choices) <= 20 else f"a list of {len(choices)} options"
+        return f"value {value!r} is not one of {shown}"
+    return None
+
+
+def _run_validate_inputs(
+    node_id: str,
+    node: Mapping[str, Any],
+    info: NodeClassInfo,
+    prompt: Mapping[str, Mapping[str, Any]],
+    received_types: Mapping[str, Any],
+    params: set[str],
+    takes_kwargs: bool,
+) -> list[ValidationIssue]:
+    """Call ``VALIDATE_INPUTS`` the way ComfyUI does: only the parameters it names, links as None."""
+    kwargs: dict[str, Any] = {}
+    for name, value in node["inputs"].items():
+        spec = info.declared(name)
+        if is_link(value):
+            if name in params or takes_kwargs:
+                kwargs[name] = None  # not computed yet at validation time
+        elif spec is not None and (name in params or takes_kwargs):
+            kwargs[name] = unwrap_constant(value)
+    for name, kind in info.hidden_values.items():
+        if name in params or takes_kwargs:
+            kwargs[name] = hidden_value(kind, node_id, prompt)
+    if "input_types" in params:
+        kwargs["input_types"] = dict(received_types)
+    try:
+        result = info.cls.VALIDATE_INPUTS(**kwargs)
+    except Exception as exc:
+        return [ValidationIssue(node_id, info.class_type, None,
+                                f"VALIDATE_INPUTS raised {type(exc).__name__}: {exc}")]
+    if result is True:
+        return []
+    detail = "returned False" if result is False else str(result)
+    names = sorted(k for k in kwargs if k != "input_types")
+    input_name = names[0] if len(names) == 1 else None
+    return [ValidationIssue(node_id, info.class_type, input_name, f"VALIDATE_INPUTS: {detail}")]
+
+
+def hidden_value(kind: str, node_id: str, prompt: Mapping[str, Any],
+                 extra_pnginfo: Mapping[str, Any] | None = None) -> Any:
+    """What ComfyUI passes for a hidden input; values a headless run does not have are None."""
+    if kind == "UNIQUE_ID":
+        return node_id
+    if kind == "PROMPT":
+        return prompt
+    if kind == "EXTRA_PNGINFO":
+        return extra_pnginfo
+    return None
+

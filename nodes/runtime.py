@@ -1,0 +1,128 @@
+"""The one adapter between our nodes and their host: ComfyUI when it is there, our engine otherwise.
+
+Progress, interruption, the output folder, model folders and memory cooperation all come through
+here, so node classes stay thin and import neither ComfyUI nor the engine directly.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from lingbot_core.interrupt import interrupt_checker
+
+
+def in_comfy() -> bool:
+    return "comfy.model_management" in sys.modules or "comfy" in sys.modules and "folder_paths" in sys.modules
+
+
+def _comfy(module: str):
+    try:
+        return __import__(module, fromlist=["_"])
+    except ImportError:
+        return None
+
+
+def interrupt_check() -> Callable[[], None]:
+    """A function that raises when the user cancelled (ComfyUI's flag, or our engine's)."""
+    mm = _comfy("comfy.model_management") if in_comfy() else None
+    if mm is not None:
+        return mm.throw_exception_if_processing_interrupted
+    from lingbot_core.workflow import check_interrupt
+
+    return check_interrupt
+
+
+class Progress:
+    """Per-step progress: ComfyUI's ProgressBar, our engine's reporter, or a terminal bar."""
+
+    def __init__(self, total: int, label: str = "lingbot"):
+        self.total = total
+        self._bar = None
+        self._tqdm = None
+        utils = _comfy("comfy.utils") if in_comfy() else None
+        if utils is not None:
+            self._bar = utils.ProgressBar(total)
+            return
+        from lingbot_core.workflow import current_context
+
+        self._engine = current_context()
+        if self._engine is None or self._engine.progress is None:
+            from tqdm.auto import tqdm
+
+            self._tqdm = tqdm(total=total, desc=label, leave=False, disable=not sys.stderr.isatty())
+
+    def update(self, value: int, total: int | None = None) -> None:
+        total = total or self.total
+        if self._bar is not None:
+            self._bar.update_absolute(value, total)
+        elif self._tqdm is not None:
+            self._tqdm.n = value
+            self._tqdm.refresh()
+        else:
+            from lingbot_core.workflow import report_progress
+
+            report_progress(value, total)
+
+    def close(self) -> None:
+        if self._tqdm is not None:
+            self._tqdm.close()
+
+
+@contextmanager
+def node_work(total_steps: int = 0, label: str = "lingbot") -> Iterator[Callable[[int, int, object], None]]:
+    """Run node work with cancellation points installed; yield a per-step callback for stages."""
+    check = interrupt_check()
+    bar = Progress(total_steps, label) if total_steps else None
+
+    def on_step(step: int, total: int, _latents: object) -> None:
+        if bar is not None:
+            bar.update(step, total)
+        check()
+
+    check()
+    try:
+        with interrupt_checker(check):
+            yield on_step
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def output_dir() -> Path:
+    folder_paths = _comfy("folder_paths") if in_comfy() else None
+    if folder_paths is not None:
+        return Path(folder_paths.get_output_directory())
+    return Path(os.environ.get("LINGBOT_OUTPUT_DIR", "output"))
+
+
+def model_roots() -> list[Path]:
+    """Folders whose sub-folders are offered as checkpoints (ComfyUI: models/lingbot_video/)."""
+    folder_paths = _comfy("folder_paths") if in_comfy() else None
+    roots: list[Path] = []
+    if folder_paths is not None:
+        if "lingbot_video" not in folder_paths.folder_names_and_paths:
+            folder_paths.add_model_folder_path("lingbot_video", os.path.join(folder_paths.models_dir, "lingbot_video"))
+        roots += [Path(p) for p in folder_paths.get_folder_paths("lingbot_video")]
+    env = os.environ.get("LINGBOT_MODELS_DIR")
+    if env:
+        roots += [Path(p) for p in env.split(os.pathsep) if p]
+    roots.append(Path("models") / "lingbot_video")
+    return roots
+
+
+def _free_comfy_memory(name, module, device, nbytes) -> None:
+    mm = _comfy("comfy.model_management")
+    if mm is not None and nbytes:
+        mm.free_memory(nbytes + mm.minimum_inference_memory(), device)
+
+
+def install_memory_cooperation() -> None:
+    """Inside ComfyUI: free ComfyUI's models before one of ours moves onto the GPU."""
+    from lingbot_core import offload
+
+    if in_comfy() and _free_comfy_memory not in offload.ACQUIRE_LISTENERS:
+        offload.ACQUIRE_LISTENERS.append(_free_comfy_memory)

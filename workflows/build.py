@@ -1,0 +1,229 @@
+"""Writes the shipped workflows, UI format (for the editor) and API format (for headless runs).
+
+Both files come from one spec per workflow. The API file is written directly from the spec; the UI
+file is laid out for the editor. `tests/test_workflows.py` checks that the editor's conversion of
+each UI file gives exactly the shipped API file, and that the files are current:
+
+    python workflows/build.py          # rewrite
+    python workflows/build.py --check  # exit 1 if a file would change
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from nodes import NODE_CLASS_MAPPINGS  # noqa: E402
+
+WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN")
+PROMPT = ('{"comprehensive_description":{"scene_content_description":"A small red paper boat drifts along a '
+          'narrow canal at dawn. Soft mist hangs over the water and a stone bridge arches in the background.",'
+          '"camera_movement_description":"The camera tracks slowly to the right, keeping the boat centered."},'
+          '"camera_info":{"color":"Warm","frame_size":"Medium Shot","lighting":"Soft light"},'
+          '"world_knowledge":[],"prominent_elements":[{"name":"paper boat","description":"A folded red paper boat.",'
+          '"actions":[{"timestamp":"[0.0s - 5.0s]","action":"Floats forward with the current."}]}]}')
+IMAGE_PROMPT = ('{"comprehensive_description":{"scene_content_description":"The teapot on a wooden table, '
+                'a gentle curl of steam rising from its spout.","camera_movement_description":"Static camera."},'
+                '"camera_info":{"color":"Natural","frame_size":"Close Up","lighting":"Window light"},'
+                '"world_knowledge":[],"prominent_elements":[{"name":"teapot","description":"Round, blue glaze."}]}')
+
+NOTE = ("Runs as shipped on the built-in tiny random-weight model (its output is noise) at a small size. "
+        "For real output pick your checkpoint folder under models/lingbot_video/ in the Loader, then use "
+        "{size} and 40 steps. Offload: 'model' suits 24 GB cards, 'sequential' the smallest, 'group' streams "
+        "blocks at near full speed, 'none' is fastest when everything fits.")
+
+# (id, class, title, widgets, links {input: (source id, output slot)})
+WORKFLOWS = {
+    "lingbot_t2v_dense": dict(
+        note=NOTE.format(size="480x832 (H x W) and 121 frames"),
+        nodes=[
+            (1, "LingBotLoader", "Loader", dict(checkpoint="tiny (built-in dense)", variant="auto", dtype="auto",
+                                                attention="default", path="", device="auto"), {}),
+            (2, "LingBotOffload", "Offload", dict(mode="model", use_stream=True, low_cpu_mem_usage=False,
+                                                  num_blocks_per_group=1), {"pipe": (1, 0)}),
+            (3, "LingBotTextEncode", "Prompt", dict(prompt=PROMPT, negative_prompt="", task="t2v"), {"pipe": (2, 0)}),
+            (4, "LingBotDenoise", "Denoise", dict(width=64, height=64, frames=9, steps=4, cfg=3.0, shift=3.0, seed=42),
+             {"pipe": (2, 0), "conditioning": (3, 0)}),
+            (5, "LingBotDecode", "Decode", dict(tiling=False, tile_height=256, tile_width=256, stride_height=192,
+                                                stride_width=192), {"pipe": (2, 0), "latent": (4, 0)}),
+            (6, "LingBotSaveVideo", "Save", dict(fps=24.0, filename_prefix="lingbot/t2v"), {"images": (5, 0)}),
+        ],
+    ),
+    "lingbot_t2i_dense": dict(
+        note=NOTE.format(size="480x832 (H x W), 1 frame,"),
+        nodes=[
+            (1, "LingBotLoader", "Loader", dict(checkpoint="tiny (built-in dense)", variant="auto", dtype="auto",
+                                                attention="default", path="", device="auto"), {}),
+            (2, "LingBotOffload", "Offload", dict(mode="model", use_stream=True, low_cpu_mem_usage=False,
+                                                  num_blocks_per_group=1), {"pipe": (1, 0)}),
+            (3, "LingBotTextEncode", "Prompt", dict(prompt=IMAGE_PROMPT, negative_prompt="", task="t2i"),
+             {"pipe": (2, 0)}),
+            (4, "LingBotDenoise", "Denoise", dict(width=96, height=64, frames=1, steps=4, cfg=3.0, shift=3.0, seed=42),
+             {"pipe": (2, 0), "conditioning": (3, 0)}),
+            (5, "LingBotDecode", "Decode", dict(tiling=False, tile_height=256, tile_width=256, stride_height=192,
+                                                stride_width=192), {"pipe": (2, 0), "latent": (4, 0)}),
+            (6, "LingBotSaveVideo", "Save", dict(fps=24.0, filename_prefix="lingbot/t2i"), {"images": (5, 0)}),
+        ],
+    ),
+    "lingbot_ti2v_dense": dict(
+        note=NOTE.format(size="480x832 (H x W) and 121 frames") + " Load your own first frame in Load Image.",
+        nodes=[
+            (1, "LingBotLoader", "Loader", dict(checkpoint="tiny (built-in dense)", variant="auto", dtype="auto",
+                                                attention="default", path="", device="auto"), {}),
+            (2, "LingBotOffload", "Offload", dict(mode="model", use_stream=True, low_cpu_mem_usage=False,
+                                                  num_blocks_per_group=1), {"pipe": (1, 0)}),
+            (3, "LingBotLoadImage", "Load Image", dict(path=""), {}),
+            (4, "LingBotImageEncode", "First frame", dict(width=64, height=64), {"pipe": (2, 0), "image": (3, 0)}),
+            (5, "LingBotTextEncode", "Prompt", dict(prompt=IMAGE_PROMPT, negative_prompt="", task="ti2v"),
+             {"pipe": (2, 0), "image_cond": (4, 0)}),
+            (6, "LingBotDenoise", "Denoise", dict(width=64, height=64, frames=9, steps=4, cfg=3.0, shift=3.0, seed=42),
+             {"pipe": (2, 0), "conditioning": (5, 0), "image_cond": (4, 0)}),
+            (7, "LingBotDecode", "Decode", dict(tiling=False, tile_height=256, tile_width=256, stride_height=192,
+                                                stride_width=192), {"pipe": (2, 0), "latent": (6, 0)}),
+            (8, "LingBotSaveVideo", "Save", dict(fps=24.0, filename_prefix="lingbot/ti2v"), {"images": (7, 0)}),
+        ],
+    ),
+    "lingbot_t2v_moe_refine": dict(
+        note=NOTE.format(size="480x832 (H x W) and 121 frames, refined to 1088x1920,") +
+        " The Release node drops the base DiT before the refiner loads (the text encoder and VAE stay shared).",
+        nodes=[
+            (1, "LingBotLoader", "Loader", dict(checkpoint="tiny (built-in moe)", variant="moe", dtype="auto",
+                                                attention="default", path="", device="auto"), {}),
+            (2, "LingBotOffload", "Offload", dict(mode="model", use_stream=True, low_cpu_mem_usage=False,
+                                                  num_blocks_per_group=1), {"pipe": (1, 0)}),
+            (3, "LingBotTextEncode", "Prompt", dict(prompt=PROMPT, negative_prompt="", task="t2v"), {"pipe": (2, 0)}),
+            (4, "LingBotDenoise", "Denoise (base)", dict(width=64, height=64, frames=9, steps=4, cfg=3.0, shift=3.0,
+                                                         seed=42), {"pipe": (2, 0), "conditioning": (3, 0)}),
+            (5, "LingBotRelease", "Release base DiT", dict(what="base transformer"), {"pipe": (2, 0), "value": (4, 0)}),
+            (6, "LingBotRefine", "Refine", dict(width=128, height=128, steps=8, t_thresh=0.85, cfg=3.0, shift=3.0,
+                                                seed=42, tiling=True),
+             {"pipe": (2, 0), "conditioning": (3, 0), "latent": (5, 0)}),
+            (7, "LingBotDecode", "Decode", dict(tiling=True, tile_height=384, tile_width=640, stride_height=288,
+                                                stride_width=480), {"pipe": (2, 0), "latent": (6, 0)}),
+            (8, "LingBotSaveVideo", "Save", dict(fps=24.0, filename_prefix="lingbot/t2v_refined"), {"images": (7, 0)}),
+        ],
+    ),
+}
+
+
+def _inputs(cls) -> list[tuple[str, tuple, bool]]:
+    spec = cls.INPUT_TYPES()
+    out = []
+    for section in ("required", "optional"):
+        for name, value in spec.get(section, {}).items():
+            out.append((name, value, section == "optional"))
+    return out
+
+
+def _is_widget(decl: tuple) -> bool:
+    kind = decl[0]
+    return isinstance(kind, list) or kind in WIDGET_TYPES
+
+
+def _seed_control(decl: tuple) -> bool:
+    return decl[0] == "INT" and len(decl) > 1 and bool(decl[1].get("control_after_generate"))
+
+
+def to_api(nodes: list) -> dict:
+    api = {}
+    for node_id, class_type, title, widgets, links in nodes:
+        cls = NODE_CLASS_MAPPINGS[class_type]
+        inputs = {}
+        for name, decl, _optional in _inputs(cls):
+            if name in links:
+                src, slot = links[name]
+                inputs[name] = [str(src), slot]
+            elif _is_widget(decl):
+                inputs[name] = widgets[name]
+        api[str(node_id)] = {"inputs": inputs, "class_type": class_type, "_meta": {"title": title}}
+    return api
+
+
+def to_ui(nodes: list, note: str) -> dict:
+    link_rows, ui_nodes = [], []
+    outputs: dict[tuple[int, int], list[int]] = {}
+    order = {node_id: i for i, (node_id, *_rest) in enumerate(nodes)}
+    for node_id, class_type, _title, _widgets, links in nodes:
+        cls = NODE_CLASS_MAPPINGS[class_type]
+        for name, (src, slot) in links.items():
+            link_id = len(link_rows) + 1
+            dst_slot = [n for n, d, _o in _inputs(cls) if not _is_widget(d) or n in links].index(name)
+            src_cls = NODE_CLASS_MAPPINGS[next(n[1] for n in nodes if n[0] == src)]
+            link_rows.append([link_id, src, slot, node_id, dst_slot, src_cls.RETURN_TYPES[slot]])
+            outputs.setdefault((src, slot), []).append(link_id)
+    for node_id, class_type, title, widgets, links in nodes:
+        cls = NODE_CLASS_MAPPINGS[class_type]
+        ui_inputs, values = [], []
+        for name, decl, _optional in _inputs(cls):
+            if name in links:
+                link_id = next(r[0] for r in link_rows if r[3] == node_id and r[2] == links[name][1]
+                               and r[1] == links[name][0])
+                entry = {"name": name, "type": decl[0] if isinstance(decl[0], str) else "COMBO", "link": link_id}
+                if _is_widget(decl):
+                    entry["widget"] = {"name": name}
+                ui_inputs.append(entry)
+            elif _is_widget(decl):
+                pass
+            else:
+                ui_inputs.append({"name": name, "type": decl[0], "link": None})
+            if _is_widget(decl) and name not in links:
+                values.append(widgets[name])
+                if _seed_control(decl):
+                    values.append("fixed")
+            elif _is_widget(decl):
+                values.append(widgets.get(name))
+        ui_outputs = [{"name": n, "type": t, "links": outputs.get((node_id, i), []), "slot_index": i}
+                      for i, (n, t) in enumerate(zip(getattr(cls, "RETURN_NAMES", cls.RETURN_TYPES), cls.RETURN_TYPES))]
+        column = order[node_id]
+        ui_nodes.append({
+            "id": node_id, "type": class_type, "title": title,
+            "pos": [60 + 340 * column, 120 + (column % 2) * 60], "size": [320, 180],
+            "flags": {}, "order": order[node_id], "mode": 0,
+            "inputs": ui_inputs, "outputs": ui_outputs,
+            "properties": {"Node name for S&R": class_type}, "widgets_values": values,
+        })
+    note_id = max(n[0] for n in nodes) + 1
+    ui_nodes.append({"id": note_id, "type": "Note", "pos": [60, -120], "size": [640, 160], "flags": {},
+                     "order": len(nodes), "mode": 0, "inputs": [], "outputs": [], "properties": {},
+                     "widgets_values": [note]})
+    width = 340 * len(nodes) + 40
+    return {
+        "last_node_id": note_id, "last_link_id": len(link_rows),
+        "nodes": ui_nodes, "links": link_rows,
+        "groups": [{"title": "LingBot-Video", "bounding": [30, 40, width, 360], "color": "#3f789e"}],
+        "config": {}, "extra": {}, "version": 0.4,
+    }
+
+
+def render() -> dict[Path, str]:
+    files = {}
+    for name, spec in WORKFLOWS.items():
+        files[HERE / f"{name}.json"] = json.dumps(to_ui(spec["nodes"], spec["note"]), indent=2) + "\n"
+        files[HERE / "api" / f"{name}.json"] = json.dumps(to_api(spec["nodes"]), indent=2) + "\n"
+    return files
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true")
+    args = parser.parse_args(argv)
+    stale = []
+    for path, text in render().items():
+        if not path.is_file() or path.read_text() != text:
+            stale.append(path)
+            if not args.check:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text)
+    if args.check and stale:
+        print("stale: " + ", ".join(str(p.relative_to(HERE)) for p in stale))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
