@@ -45,13 +45,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MODES = ("none", "model", "sequential", "group")
+MODES = ("none", "model", "sequential", "group", "auto")
 MODULE_COMPONENTS = ("text_encoder", "transformer", "refiner", "vae")
 OPTIONS = {
     "none": set(),
     "model": set(),
     "sequential": set(),
     "group": {"use_stream", "low_cpu_mem_usage", "num_blocks_per_group", "record_stream"},
+    # auto: the request it plans for, and (tests, simulations) the memory budget to plan within
+    "auto": {"height", "width", "num_frames", "cfg", "refine", "vae_tiling", "budget_bytes"},
 }
 CPU = torch.device("cpu")
 
@@ -88,6 +90,16 @@ def check_guards(handle: PipelineHandle, settings: OffloadSettings, device: torc
     if unknown:
         allowed = ", ".join(sorted(OPTIONS[mode])) or "none"
         raise ValueError(f"offload mode {mode!r} does not take {', '.join(sorted(unknown))} (options: {allowed})")
+    if mode == "auto":
+        opts = dict(settings.options)
+        budget = opts.get("budget_bytes")
+        if budget is not None and (not isinstance(budget, int) or budget <= 0):
+            raise ValueError(f"budget_bytes must be a positive integer, got {budget!r}")
+        if any(k in opts for k in ("height", "width", "num_frames")):
+            from .latents import validate_geometry
+
+            validate_geometry(int(opts.get("height", 480)), int(opts.get("width", 832)),
+                              int(opts.get("num_frames", 121)))
     if mode == "none":
         return
     if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
@@ -119,11 +131,47 @@ def check_guards(handle: PipelineHandle, settings: OffloadSettings, device: torc
 
 @dataclass
 class Installed:
-    """What is installed on the shared components now."""
+    """What is installed on the shared components now.
+
+    `requested` is the view's settings (possibly `auto`); `settings` the concrete mode installed.
+    """
 
     settings: Any
     device: torch.device
     modules: dict[str, Any] = field(default_factory=dict)  # component -> per-component state (hooks)
+    requested: Any = None
+    auto: Any = None  # memory.AutoChoice when `requested` is auto
+    fell_back: bool = False
+
+
+def _resolve(shared, requested: OffloadSettings, device: torch.device, after: str | None = None):
+    """Concrete settings for a request; `auto` picks a mode from the memory estimate."""
+    from .handle import OffloadSettings
+
+    if requested.mode != "auto":
+        return requested, None
+    from . import memory
+
+    options = dict(requested.options)
+    budget = options.get("budget_bytes")
+    if budget is None and device.type == "cpu":
+        choice = memory.AutoChoice("none", {}, 0, "the execution device is the CPU, so offloading saves nothing")
+    else:
+        sizes = memory.ModelSizes.from_handle(_HandleView(shared))
+        geometry = memory.geometry_from(options, shared.info.variant if shared.info else "dense")
+        budget = int(budget) if budget is not None else memory.free_accelerator_bytes(device)
+        choice = memory.choose_mode(sizes, geometry, budget, after=after)
+    log.info(memory.describe(choice) if choice.estimates else f"auto offload: {choice.reason}")
+    concrete = {"group": (("use_stream", device.type == "cuda"),)}.get(choice.mode, ())
+    return OffloadSettings(choice.mode, concrete), choice
+
+
+class _HandleView:
+    """The bits of a handle `memory.ModelSizes.from_handle` reads, from shared state alone."""
+
+    def __init__(self, shared):
+        self.shared = shared
+        self.info = shared.info
 
 
 def _restore_forward(module: torch.nn.Module) -> None:
@@ -258,18 +306,19 @@ def _install(shared, settings: OffloadSettings, device: torch.device) -> None:
     here too, so one set of hooks always covers every loaded component.
     """
     previous = shared.installed
-    if previous is not None and previous.settings == settings and _same_device(previous.device, device):
+    if previous is not None and previous.requested == settings and _same_device(previous.device, device):
         state = previous
         pending = [n for n in MODULE_COMPONENTS if n in shared.loaded and n not in state.modules]
     else:
         if previous is not None:
             for name in list(previous.modules):
                 _uninstall_one(previous, name, shared.loaded.get(name))
-        state = Installed(settings, device)
+        concrete, choice = _resolve(shared, settings, device)
+        state = Installed(concrete, device, requested=settings, auto=choice)
         shared.installed = state
         shared.resident.clear()
         pending = [n for n in MODULE_COMPONENTS if n in shared.loaded]
-        log.info("offload: %s on %s", settings.mode, device)
+        log.info("offload: %s on %s", concrete.mode, device)
     try:
         for name in pending:
             _install_one(state, name, shared.loaded[name])
@@ -278,8 +327,46 @@ def _install(shared, settings: OffloadSettings, device: torch.device) -> None:
             _uninstall_one(state, name, shared.loaded.get(name))
         shared.installed = None
         if previous is not None and previous is not state:
-            _install(shared, previous.settings, previous.device)
+            _install(shared, previous.requested, previous.device)
         raise
+
+
+def fall_back(handle: PipelineHandle) -> bool:
+    """After an out-of-memory error under `auto`: install the next smaller mode, once. True if it did."""
+    shared = handle.shared
+    with shared.lock:
+        state = shared.installed
+        if state is None or state.requested is None or state.requested.mode != "auto" or state.fell_back:
+            return False
+        if state.settings.mode == "sequential":
+            return False
+        from . import memory
+
+        following = memory.MODE_ORDER[memory.MODE_ORDER.index(state.settings.mode) + 1]
+        from .handle import OffloadSettings
+
+        concrete = OffloadSettings(following, (("use_stream", state.device.type == "cuda"),)
+                                   if following == "group" else ())
+        log.warning("auto offload: out of memory under '%s'; falling back to '%s' and retrying once",
+                    state.settings.mode, following)
+        for name in list(state.modules):
+            _uninstall_one(state, name, shared.loaded.get(name))
+        new = Installed(concrete, state.device, requested=state.requested, auto=state.auto, fell_back=True)
+        shared.installed = new
+        shared.resident.clear()
+        for name in MODULE_COMPONENTS:
+            if name in shared.loaded:
+                _install_one(new, name, shared.loaded[name])
+        if state.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return True
+
+
+def effective_mode(handle: PipelineHandle) -> str:
+    """The concrete mode this view runs under (auto resolved), installing it if needed."""
+    with handle.shared.lock:
+        _install(handle.shared, handle.offload, handle.device)
+        return handle.shared.installed.settings.mode
 
 
 def configure_offload(handle: PipelineHandle, mode: str, device: str | torch.device | None = None,
@@ -408,6 +495,10 @@ def stage(handle: PipelineHandle, *components: str, label: str | None = None) ->
                 if name in MODULE_COMPONENTS:
                     shared.ledger.append(("release", name, label))
             _settle(shared)
+            if log.isEnabledFor(logging.INFO):
+                from .memory import memory_report
+
+                log.info("after %s: %s", label, memory_report(handle).one_line())
 
 
 def resident_components(handle: PipelineHandle) -> set[str]:

@@ -11,6 +11,7 @@ posterior sample of the upscaled video, then (TI2V) of the first-frame image, th
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from . import image as image_ops
+from . import offload
 from . import prompt as prompt_ops
 from .latents import dit_to_vae, latent_shape, vae_to_dit, validate_geometry
 from .offload import stage
@@ -39,6 +41,24 @@ REFINER_DEFAULTS = dict(height=1088, width=1920, steps=8, shift=3.0, guidance_sc
                         tail_steps=2)
 REFINER_TILING = dict(tile_sample_min_height=384, tile_sample_min_width=640, tile_sample_stride_height=288,
                       tile_sample_stride_width=480)
+
+
+def oom_fallback(fn):
+    """Under `auto` offload, an out-of-memory error moves to the next smaller mode and retries once."""
+    @functools.wraps(fn)
+    def wrapper(handle, *args, **kwargs):
+        generator = kwargs.get("generator")
+        rng_state = generator.get_state() if generator is not None else None
+        try:
+            return fn(handle, *args, **kwargs)
+        except torch.OutOfMemoryError:
+            if not offload.fall_back(handle):
+                raise
+        if generator is not None:
+            generator.set_state(rng_state)  # the retry draws the same numbers
+        return fn(handle, *args, **kwargs)
+
+    return wrapper
 
 
 # -- data passed between stages -------------------------------------------------------------------
@@ -119,6 +139,7 @@ def _generator(seed: int | None, generator: torch.Generator | None) -> torch.Gen
 
 # -- text ------------------------------------------------------------------------------------------
 
+@oom_fallback
 def encode_prompt(
     handle,
     prompt: str | dict | list,
@@ -194,6 +215,7 @@ def _encode_posterior(vae, pixels: torch.Tensor, device: torch.device):
     return dist.mean.float(), dist.std.float()
 
 
+@oom_fallback
 def encode_image(handle, image: Any, height: int, width: int, *, tiling: dict | bool | None = None) -> ImageCondition:
     """TI2V first frame: reference pixel preparation, the vision-tower picture, and the VAE posterior."""
     validate_geometry(height, width, 1)
@@ -216,6 +238,7 @@ def prepare_latents(shape: tuple[int, ...], generator: torch.Generator) -> torch
     return torch.randn(shape, generator=generator, dtype=torch.float32)
 
 
+@oom_fallback
 def denoise(
     handle,
     cond: Conditioning,
@@ -298,6 +321,7 @@ def denoise(
 
 # -- decode ----------------------------------------------------------------------------------------
 
+@oom_fallback
 def decode(handle, latents: torch.Tensor, *, tiling: dict | bool | None = None) -> torch.Tensor:
     """DiT-space latents (1,16,T,h,w) -> frames [F,H,W,3] float32 in [0,1] on the CPU."""
     if latents.ndim != 5 or latents.shape[0] != 1:
@@ -365,6 +389,7 @@ class RefineStart:
     num_frames: int
 
 
+@oom_fallback
 def prepare_refine(
     handle,
     frames: torch.Tensor,
@@ -436,16 +461,23 @@ def refine(
     first_frame: Any = None,
     tiling: dict | bool | None = True,
     decode_output: bool = True,
+    release_base: bool | None = None,
     callback: StepCallback | None = None,
 ) -> torch.Tensor:
     """SDEdit refinement with the MoE refiner DiT: base frames [F,H0,W0,3] -> refined frames (or latents).
 
     Conditioning is text only, against a zero negative. `first_frame` (TI2V) is the original input
     image; it is kept clean in latent frame 0. Tiling (the reference's tiles) is on by default.
+    `release_base` drops the base DiT (hooks first) before the refiner loads; by default it does so
+    whenever the offload mode is not `none`. A later stage that needs the base reloads it.
     """
     if cond.with_image:
         raise ValueError("the refiner conditions on text only: encode the prompt without the image")
     _check_guidance(guidance_scale)
+    if release_base is None:
+        release_base = handle.folder is not None and offload.effective_mode(handle) != "none"
+    if release_base and "transformer" in handle.shared.loaded:
+        offload.release(handle, ["transformer"])
     start = prepare_refine(handle, frames, height=height, width=width, steps=steps, shift=shift, t_thresh=t_thresh,
                            tail_steps=tail_steps, seed=seed, first_frame=first_frame, tiling=tiling)
     refiner_cond = Conditioning(cond.positive, None, zero_negative=True, prompt=cond.prompt)

@@ -2,7 +2,7 @@
 
 from .conditioning import LingBotImageEncode, LingBotTextEncode
 from .image_input import LingBotLoadImage
-from .loader import LingBotLoader, LingBotOffload, LingBotRelease
+from .loader import LingBotLoader, LingBotMemoryReport, LingBotOffload, LingBotRelease
 from .output import LingBotDecode, LingBotSaveVideo
 from .sampling import LingBotDenoise, LingBotRefine
 
@@ -17,6 +17,7 @@ NODE_CLASS_MAPPINGS = {
     "LingBotRelease": LingBotRelease,
     "LingBotSaveVideo": LingBotSaveVideo,
     "LingBotLoadImage": LingBotLoadImage,
+    "LingBotMemoryReport": LingBotMemoryReport,
 }
 
 NODE_DISPLAY_NAME_MAPPINGS = {
@@ -30,6 +31,7 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "LingBotRelease": "LingBot Release",
     "LingBotSaveVideo": "LingBot Save Video",
     "LingBotLoadImage": "LingBot Load Image",
+    "LingBotMemoryReport": "LingBot Memory Report",
 }
 
 __all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]

@@ -89,23 +89,58 @@ class LingBotOffload:
         return {
             "required": {
                 "pipe": (PIPE,),
-                "mode": (["none", "model", "sequential", "group"], {"default": "model"}),
+                "mode": (["auto", "none", "model", "sequential", "group"], {
+                    "default": "auto",
+                    "tooltip": "auto: the fastest mode expected to fit the free GPU memory for the size below"}),
             },
             "optional": {
                 "use_stream": ("BOOLEAN", {"default": True, "tooltip": "group: prefetch on a CUDA stream"}),
                 "low_cpu_mem_usage": ("BOOLEAN", {"default": False, "tooltip": "group: pin on the fly"}),
                 "num_blocks_per_group": ("INT", {"default": 1, "min": 1, "max": 64}),
+                "plan_width": ("INT", {"default": 832, "min": 16, "max": 4096, "step": 16,
+                                       "tooltip": "auto: the video size to plan for"}),
+                "plan_height": ("INT", {"default": 480, "min": 16, "max": 4096, "step": 16}),
+                "plan_frames": ("INT", {"default": 121, "min": 1, "max": 1025, "step": 4}),
+                "plan_refine": ("BOOLEAN", {"default": True, "tooltip": "auto: include the 1088x1920 refiner (MoE)"}),
             },
         }
 
-    def configure(self, pipe, mode, use_stream=True, low_cpu_mem_usage=False, num_blocks_per_group=1):
+    def configure(self, pipe, mode, use_stream=True, low_cpu_mem_usage=False, num_blocks_per_group=1,
+                  plan_width=832, plan_height=480, plan_frames=121, plan_refine=True):
         from lingbot_core.offload import configure_offload
 
         options = {}
         if mode == "group":
             options = dict(use_stream=bool(use_stream) and pipe.device.type == "cuda",
                            low_cpu_mem_usage=bool(low_cpu_mem_usage), num_blocks_per_group=int(num_blocks_per_group))
+        elif mode == "auto":
+            options = dict(width=int(plan_width), height=int(plan_height), num_frames=int(plan_frames),
+                           refine=(1088, 1920) if plan_refine and pipe.variant == "moe" else None)
         return (configure_offload(pipe, mode, **options),)
+
+
+class LingBotMemoryReport:
+    """Where each component lives now (GPU, pinned CPU, CPU, meta, not loaded) and its size."""
+
+    CATEGORY = "LingBot-Video"
+    RETURN_TYPES = (ANY, "STRING")
+    RETURN_NAMES = ("value", "report")
+    FUNCTION = "report"
+    OUTPUT_NODE = True
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"pipe": (PIPE,), "value": (ANY, {"tooltip": "report after this has been computed"})}}
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, input_types=None, **_):
+        return True
+
+    def report(self, pipe, value):
+        from lingbot_core.memory import memory_report
+
+        text = str(memory_report(pipe))
+        return {"ui": {"text": [text]}, "result": (value, text)}
 
 
 class LingBotRelease:

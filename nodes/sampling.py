@@ -78,6 +78,9 @@ class LingBotRefine:
                 "images": ("IMAGE", {"tooltip": "base frames [T,H,W,3]"}),
                 "first_frame": ("IMAGE", {"tooltip": "TI2V: the original input image"}),
                 "tiling": ("BOOLEAN", {"default": True}),
+                "release_base": (["auto", "on", "off"], {
+                    "default": "auto",
+                    "tooltip": "drop the base DiT before the refiner loads (auto: whenever offload is not 'none')"}),
             },
         }
 
@@ -88,7 +91,7 @@ class LingBotRefine:
         return geometry_errors(width, height)
 
     def refine(self, pipe, conditioning, width, height, steps, t_thresh, cfg, shift, seed, latent=None, images=None,
-               first_frame=None, tiling=True):
+               first_frame=None, tiling=True, release_base="auto"):
         from lingbot_core import stages
         from lingbot_core.latents import dit_to_vae
 
@@ -99,5 +102,6 @@ class LingBotRefine:
             out = stages.refine(pipe, frames, conditioning, height=int(height), width=int(width), steps=int(steps),
                                 t_thresh=float(t_thresh), guidance_scale=float(cfg), shift=float(shift),
                                 seed=int(seed), first_frame=first_frame, tiling=bool(tiling), decode_output=False,
+                                release_base={"auto": None, "on": True, "off": False}[release_base],
                                 callback=on_step)
         return (latent_out(dit_to_vae(out, pipe.vae_config())),)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(os.environ.get("LINGBOT_FIXTURES", REPO_ROOT.parent / "shared" / "fixtures" / "lingbot")).resolve()
 
 torch.set_num_threads(2)
+# Tests build the tiny checkpoints in a throwaway folder, never in the user's cache.
+os.environ.setdefault("LINGBOT_TINY_DIR", tempfile.mkdtemp(prefix="lingbot-tiny-"))
 
 
 @pytest.fixture(scope="session")

@@ -37,6 +37,8 @@ NOTE = ("Runs as shipped on the built-in tiny random-weight model (its output is
         "{size} and 40 steps. Offload: 'model' suits 24 GB cards, 'sequential' the smallest, 'group' streams "
         "blocks at near full speed, 'none' is fastest when everything fits.")
 
+PLAN = dict(plan_width=832, plan_height=480, plan_frames=121, plan_refine=True)
+
 # (id, class, title, widgets, links {input: (source id, output slot)})
 WORKFLOWS = {
     "lingbot_t2v_dense": dict(
@@ -45,7 +47,7 @@ WORKFLOWS = {
             (1, "LingBotLoader", "Loader", dict(checkpoint="tiny (built-in dense)", variant="auto", dtype="auto",
                                                 attention="default", path="", device="auto"), {}),
             (2, "LingBotOffload", "Offload", dict(mode="model", use_stream=True, low_cpu_mem_usage=False,
-                                                  num_blocks_per_group=1), {"pipe": (1, 0)}),
+                                                  num_blocks_per_group=1, **PLAN), {"pipe": (1, 0)}),
             (3, "LingBotTextEncode", "Prompt", dict(prompt=PROMPT, negative_prompt="", task="t2v"), {"pipe": (2, 0)}),
             (4, "LingBotDenoise", "Denoise", dict(width=64, height=64, frames=9, steps=4, cfg=3.0, shift=3.0, seed=42),
              {"pipe": (2, 0), "conditioning": (3, 0)}),
@@ -60,7 +62,7 @@ WORKFLOWS = {
             (1, "LingBotLoader", "Loader", dict(checkpoint="tiny (built-in dense)", variant="auto", dtype="auto",
                                                 attention="default", path="", device="auto"), {}),
             (2, "LingBotOffload", "Offload", dict(mode="model", use_stream=True, low_cpu_mem_usage=False,
-                                                  num_blocks_per_group=1), {"pipe": (1, 0)}),
+                                                  num_blocks_per_group=1, **PLAN), {"pipe": (1, 0)}),
             (3, "LingBotTextEncode", "Prompt", dict(prompt=IMAGE_PROMPT, negative_prompt="", task="t2i"),
              {"pipe": (2, 0)}),
             (4, "LingBotDenoise", "Denoise", dict(width=96, height=64, frames=1, steps=4, cfg=3.0, shift=3.0, seed=42),
@@ -76,7 +78,7 @@ WORKFLOWS = {
             (1, "LingBotLoader", "Loader", dict(checkpoint="tiny (built-in dense)", variant="auto", dtype="auto",
                                                 attention="default", path="", device="auto"), {}),
             (2, "LingBotOffload", "Offload", dict(mode="model", use_stream=True, low_cpu_mem_usage=False,
-                                                  num_blocks_per_group=1), {"pipe": (1, 0)}),
+                                                  num_blocks_per_group=1, **PLAN), {"pipe": (1, 0)}),
             (3, "LingBotLoadImage", "Load Image", dict(path=""), {}),
             (4, "LingBotImageEncode", "First frame", dict(width=64, height=64), {"pipe": (2, 0), "image": (3, 0)}),
             (5, "LingBotTextEncode", "Prompt", dict(prompt=IMAGE_PROMPT, negative_prompt="", task="ti2v"),
@@ -90,21 +92,22 @@ WORKFLOWS = {
     ),
     "lingbot_t2v_moe_refine": dict(
         note=NOTE.format(size="480x832 (H x W) and 121 frames, refined to 1088x1920,") +
-        " The Release node drops the base DiT before the refiner loads (the text encoder and VAE stay shared).",
+        " Offload 'auto' picks the mode from the free GPU memory for the planned size; Refine drops the base "
+        "DiT before the refiner loads (the text encoder and VAE stay shared); Memory shows where everything lives.",
         nodes=[
             (1, "LingBotLoader", "Loader", dict(checkpoint="tiny (built-in moe)", variant="moe", dtype="auto",
                                                 attention="default", path="", device="auto"), {}),
-            (2, "LingBotOffload", "Offload", dict(mode="model", use_stream=True, low_cpu_mem_usage=False,
-                                                  num_blocks_per_group=1), {"pipe": (1, 0)}),
+            (2, "LingBotOffload", "Offload", dict(mode="auto", use_stream=True, low_cpu_mem_usage=False,
+                                                  num_blocks_per_group=1, **PLAN), {"pipe": (1, 0)}),
             (3, "LingBotTextEncode", "Prompt", dict(prompt=PROMPT, negative_prompt="", task="t2v"), {"pipe": (2, 0)}),
             (4, "LingBotDenoise", "Denoise (base)", dict(width=64, height=64, frames=9, steps=4, cfg=3.0, shift=3.0,
                                                          seed=42), {"pipe": (2, 0), "conditioning": (3, 0)}),
-            (5, "LingBotRelease", "Release base DiT", dict(what="base transformer"), {"pipe": (2, 0), "value": (4, 0)}),
-            (6, "LingBotRefine", "Refine", dict(width=128, height=128, steps=8, t_thresh=0.85, cfg=3.0, shift=3.0,
-                                                seed=42, tiling=True),
-             {"pipe": (2, 0), "conditioning": (3, 0), "latent": (5, 0)}),
-            (7, "LingBotDecode", "Decode", dict(tiling=True, tile_height=384, tile_width=640, stride_height=288,
-                                                stride_width=480), {"pipe": (2, 0), "latent": (6, 0)}),
+            (5, "LingBotRefine", "Refine", dict(width=128, height=128, steps=8, t_thresh=0.85, cfg=3.0, shift=3.0,
+                                                seed=42, tiling=True, release_base="on"),
+             {"pipe": (2, 0), "conditioning": (3, 0), "latent": (4, 0)}),
+            (6, "LingBotDecode", "Decode", dict(tiling=True, tile_height=384, tile_width=640, stride_height=288,
+                                                stride_width=480), {"pipe": (2, 0), "latent": (5, 0)}),
+            (7, "LingBotMemoryReport", "Memory", dict(), {"pipe": (2, 0), "value": (6, 0)}),
             (8, "LingBotSaveVideo", "Save", dict(fps=24.0, filename_prefix="lingbot/t2v_refined"), {"images": (7, 0)}),
         ],
     ),

@@ -1,0 +1,149 @@
+"""The benchmark scripts run end to end at their smallest settings and report what they must.
+
+Why: the scripts are run by hand (and once on a GPU machine with little time), so a broken one
+must show up here. Timing values are never asserted; rows, equality columns and verdict logic are.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bench import dit_forward, generate, offload_gpu
+
+MODES = ["none", "model", "sequential", "group"]
+# One thread: these runs are tiny, and on a busy 2-core machine two OpenMP threads stall for
+# tenths of a second at a time. The scripts set torch's global thread count, so put it back after.
+THREADS = ["--threads", "1"]
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """One folder for the tiny checkpoint, shared by the generate and offload scripts (built once)."""
+    return tmp_path_factory.mktemp("bench")
+
+
+@pytest.mark.parametrize("script", [dit_forward, generate, offload_gpu])
+def test_help(script, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--help"])
+    assert exit_info.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
+def test_dit_forward_quick(tmp_path, capsys):
+    out = tmp_path / "dit.json"
+    result = dit_forward.main(["--quick", *THREADS, "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert "ours (broadcast)" in printed and "baseline (per-token)" in printed and "PASS" in printed
+    saved = json.loads(out.read_text())
+    assert [r["variant"] for r in saved["rows"]] == ["ours (broadcast)", "baseline (per-token)"]
+    assert saved["equal_within_tolerance"] and saved["max_abs_diff"] <= 1e-5
+    ours, base = result["rows"]
+    assert base["time_ratio_vs_baseline"] == 1.0 and base["max_abs_diff_vs_baseline"] == 0.0
+    assert ours["peak_bytes"] > 0 and base["peak_bytes"] > 0
+    # The per-token modulation tensors are bigger than a per-sample one by the token count.
+    tokens = result["config"]["video_tokens"] + result["config"]["text_tokens"]
+    assert base["temb_bytes"] == tokens * ours["temb_bytes"]
+    real = {r["size"]: r for r in saved["real_sizes"]}
+    assert 2.3e9 < real["dense 480x832x121"]["per_token_temb6"] < 2.5e9
+    assert 12.3e9 < real["refiner 1088x1920x121"]["per_token_temb6"] < 12.6e9
+
+
+def test_dit_forward_moe_matches_baseline():
+    result = dit_forward.main(["--quick", "--moe", *THREADS])
+    assert result["config"]["num_experts"] == 8 and result["equal_within_tolerance"]
+
+
+def test_generate_quick(tmp_path, workdir, capsys):
+    out = tmp_path / "generate.json"
+    result = generate.main(["--quick", *THREADS, "--workdir", str(workdir), "--json", str(out)])
+    printed = capsys.readouterr().out
+    for mode in MODES:
+        assert f"\n{mode} " in printed
+    (cfg,) = json.loads(out.read_text())["configs"]
+    assert cfg["config"] == "tiny" and [r["mode"] for r in cfg["rows"]] == MODES
+    for row in cfg["rows"]:
+        assert row["max_abs_diff_vs_none"] == 0.0, row["mode"]
+        assert row["max_abs_diff_stages_vs_generate"] == 0.0, row["mode"]
+        assert row["generate_s"] > 0
+    assert result["configs"][0]["frames_shape"] == [5, 32, 32, 3]
+
+
+def test_generate_mid_checkpoint_is_loadable(workdir):
+    from lingbot_core.checkpoint import inspect_checkpoint
+    from lingbot_core.tiny import build_tiny_checkpoint, is_tiny_checkpoint
+
+    tiny = build_tiny_checkpoint(workdir / "tiny-dense", "dense", seed=0)
+    mid = generate.build_mid_checkpoint(tiny, workdir / "mid-check", hidden=64, depth=2, heads=2, seed=0)
+    info = inspect_checkpoint(mid)
+    assert info.transformer_config["hidden_size"] == 64 and info.transformer_config["depth"] == 2
+    assert sum(info.transformer_config["axes_dims"]) == 32
+    assert not is_tiny_checkpoint(mid) and is_tiny_checkpoint(tiny)
+
+
+def test_offload_gpu_tiny(tmp_path, workdir, capsys):
+    out = tmp_path / "offload.json"
+    offload_gpu.main(["--tiny", *THREADS, "--steps", "1", "--frames", "5", "--warmup-steps", "0", "--workdir", str(workdir),
+                      "--out-json", str(out)])
+    printed = capsys.readouterr().out
+    for mode in MODES:
+        assert f"\n{mode} " in printed
+    saved = json.loads(out.read_text())
+    assert saved["device"] == "cpu" and [r["mode"] for r in saved["rows"]] == MODES
+    assert saved["components"]["text_encoder"]["buffer_max_diff"] == 0.0
+    for row in saved["rows"]:
+        assert "error" not in row, row
+        assert row["max_abs_diff"] == 0.0 and row["frames_finite"], row["mode"]
+        checks = {c["check"]: c["result"] for c in row["checks"]}
+        assert checks["pixels == none"] == "PASS"
+        assert all(v is None for k, v in checks.items() if k != "pixels == none")  # no timing verdicts on CPU
+
+
+def test_offload_gpu_dry_run_builds_full_sizes_on_meta(capsys):
+    result = offload_gpu.main(["--dry-run"])
+    info = result["components"]
+    assert info["transformer"]["params"] == 1_357_171_264  # reference-model.md §4: 1,309,169,664 + 48,001,600
+    assert 4.3e9 < info["text_encoder"]["params"] < 4.6e9  # Qwen3-VL-4B
+    assert 126e6 < info["vae"]["params"] < 128e6  # Wan 2.1 VAE
+    assert info["dtypes"]["transformer"] == "bfloat16" and info["dtypes"]["vae"] == "float32"
+    assert result["estimate"]["dit_forwards"] == 80
+    assert "sequential will stream" in capsys.readouterr().out
+
+
+def _row(mode, time_s, peak_gb, diff=0.0):
+    return {"mode": mode, "time_s": time_s, "peak_bytes": peak_gb * 1e9, "max_abs_diff": diff}
+
+
+def _results(rows):
+    return {mode: {c: ok for c, ok in row["checks"]} for mode, row in rows.items()}
+
+
+def test_offload_gpu_verdicts():
+    rows = {"none": _row("none", 10.0, 12.0), "model": _row("model", 12.0, 8.0),
+            "sequential": _row("sequential", 17.0, 1.4), "group": _row("group", 11.0, 2.0)}
+    offload_gpu.verdicts(rows, on_gpu=True)
+    got = _results(rows)
+    assert got["model"] == {"pixels == none": True, "time <= x1.204": True, "peak <= x0.692": True}
+    assert got["sequential"] == {"pixels == none": True, "time <= x1.699": False, "peak <= x0.124": True}
+    assert got["group"] == {"pixels == none": True, "peak <= 1.5x seq": True, "time <= 1.15x none": True}
+
+    rows = {"none": _row("none", 10.0, 12.0), "sequential": _row("sequential", 16.0, 1.0, diff=1e-3),
+            "group": _row("group", 11.6, 1.6)}
+    offload_gpu.verdicts(rows, on_gpu=True)
+    got = _results(rows)
+    assert got["sequential"]["pixels == none"] is False
+    assert got["group"] == {"pixels == none": True, "peak <= 1.5x seq": False, "time <= 1.15x none": False}
+
+    rows = {"none": _row("none", 10.0, 12.0), "group": {"mode": "group", "error": "RuntimeError: boom"}}
+    offload_gpu.verdicts(rows, on_gpu=True)
+    assert _results(rows)["group"] == {"ran": False}

@@ -1,0 +1,176 @@
+"""The node pack run as a graph: shuffled order, every offload mode, cache, cancel, widget changes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lingbot_core import offload
+from lingbot_core.workflow import Engine, RunInterrupted, apply_overrides, load_workflow
+from lingbot_nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+
+API = Path(__file__).resolve().parents[1] / "workflows" / "api"
+WORKFLOWS = sorted(p.stem for p in API.glob("*.json"))
+MODES = ["none", "model", "sequential", "group"]
+
+
+@pytest.fixture(autouse=True)
+def _output_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("LINGBOT_OUTPUT_DIR", str(tmp_path / "out"))
+
+
+def _load(name: str, overrides=()):
+    prompt = load_workflow(API / f"{name}.json", NODE_CLASS_MAPPINGS, display_names=NODE_DISPLAY_NAME_MAPPINGS)
+    return apply_overrides(prompt, list(overrides), NODE_CLASS_MAPPINGS) if overrides else prompt
+
+
+def _node(prompt, class_type: str) -> str:
+    return next(nid for nid, n in prompt.nodes.items() if n["class_type"] == class_type)
+
+
+def _frames(result, prompt):
+    return result.output(_node(prompt, "LingBotDecode"))
+
+
+def _assert_handle_clean(view):
+    assert offload.resident_components(view) <= offload.allowed_resident(view)
+    for name, module in view.shared.loaded.items():
+        if isinstance(module, torch.nn.Module) and view.shared.installed.settings.mode != "sequential":
+            assert all(p.device.type != "meta" for p in module.parameters()), name
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", WORKFLOWS)
+def test_shuffled_runs_in_every_mode_give_identical_outputs(name, mode):
+    """Many runs, the order among ready nodes shuffled, the handle cached across runs like ComfyUI's."""
+    base = _load(name, [f"Offload.mode={mode}"] + (["Offload.use_stream=false"] if mode == "group" else []))
+    denoise = _node(base, "LingBotDenoise")
+    reference = Engine(NODE_CLASS_MAPPINGS).run(base)  # natural order, fresh engine
+    expected = _frames(reference, base)
+
+    engine = Engine(NODE_CLASS_MAPPINGS)
+    other_seed = apply_overrides(base, [f"{denoise}.seed=7"], NODE_CLASS_MAPPINGS)
+    for run, order_seed in enumerate([11, 12, 13, 14]):
+        prompt = base if run % 2 == 0 else other_seed  # re-runs denoise and everything after it
+        result = engine.run(prompt, seed_order=order_seed)
+        frames = _frames(result, prompt)
+        if prompt is base:
+            assert torch.equal(frames, expected), f"run {run} differs"
+        else:
+            assert not torch.equal(frames, expected)
+        view = result.output(_node(prompt, "LingBotOffload"))
+        assert view.offload.mode == mode
+        _assert_handle_clean(view)
+        if run:
+            assert _node(prompt, "LingBotLoader") in result.cached
+
+
+def test_changing_one_widget_reruns_that_node_and_its_descendants_only():
+    prompt = _load("lingbot_ti2v_dense")
+    engine = Engine(NODE_CLASS_MAPPINGS)
+    first = engine.run(prompt)
+    assert set(first.executed) == set(prompt.nodes)
+    again = engine.run(prompt)
+    assert again.executed == []
+    denoise = _node(prompt, "LingBotDenoise")
+    changed = engine.run(apply_overrides(prompt, [f"{denoise}.steps=3"], NODE_CLASS_MAPPINGS))
+    expected = {denoise, _node(prompt, "LingBotDecode"), _node(prompt, "LingBotSaveVideo")}
+    assert set(changed.executed) == expected
+    text = _node(prompt, "LingBotTextEncode")
+    changed = engine.run(apply_overrides(prompt, [f'{text}.negative_prompt="blurry"'], NODE_CLASS_MAPPINGS))
+    assert set(changed.executed) == {text} | expected
+
+
+def test_cancel_mid_denoise_then_run_again(tmp_path):
+    prompt = _load("lingbot_t2v_dense")
+    expected = _frames(Engine(NODE_CLASS_MAPPINGS).run(prompt), prompt)
+    engine = Engine(NODE_CLASS_MAPPINGS)
+    denoise = _node(prompt, "LingBotDenoise")
+    seen = []
+
+    def progress(node_id, value, total):
+        seen.append((node_id, value))
+
+    def interrupt():
+        return any(node == denoise and value >= 2 for node, value in seen)
+
+    with pytest.raises(RunInterrupted) as err:
+        engine.run(prompt, progress=progress, interrupt_check=interrupt)
+    assert err.value.node_id == denoise
+    assert (denoise, 2) in seen and (denoise, 3) not in seen
+    view = engine.run(prompt, outputs=[_node(prompt, "LingBotOffload")]).output(_node(prompt, "LingBotOffload"))
+    _assert_handle_clean(view)
+    result = engine.run(prompt)
+    assert denoise in result.executed and _node(prompt, "LingBotTextEncode") in result.cached
+    assert torch.equal(_frames(result, prompt), expected)
+
+
+def test_failing_node_leaves_the_pipe_usable(monkeypatch):
+    from lingbot_core.workflow import NodeExecutionError
+
+    prompt = _load("lingbot_t2v_dense", ["Offload.mode=sequential"])
+    expected = _frames(Engine(NODE_CLASS_MAPPINGS).run(prompt), prompt)
+    engine = Engine(NODE_CLASS_MAPPINGS)
+    from lingbot_core import stages
+
+    real = stages.decode
+    monkeypatch.setattr(stages, "decode", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("disk full")))
+    with pytest.raises(NodeExecutionError, match="disk full"):
+        engine.run(prompt)
+    monkeypatch.setattr(stages, "decode", real)
+    result = engine.run(prompt)
+    assert torch.equal(_frames(result, prompt), expected)
+    assert _node(prompt, "LingBotDenoise") in result.cached
+
+
+def test_release_node_frees_and_a_rerun_reloads():
+    prompt = _load("lingbot_t2v_moe_refine")
+    engine = Engine(NODE_CLASS_MAPPINGS)
+    first = engine.run(prompt)
+    view = first.output(_node(prompt, "LingBotOffload"))
+    assert "transformer" not in view.shared.loaded, "the base DiT is released before refining"
+    assert "refiner" in view.shared.loaded
+    refine = _node(prompt, "LingBotRefine")
+    second = engine.run(apply_overrides(prompt, [f"{_node(prompt, 'LingBotDenoise')}.seed=5"], NODE_CLASS_MAPPINGS))
+    assert refine in second.executed
+    assert view.shared.load_count["transformer"] == 2  # reloaded for the re-queued base run
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("Denoise.width=40", "multiples of 16"),
+        ("Denoise.frames=6", r"4n\+1"),
+        ('Prompt.prompt="{\\"a\\": }"', "not valid JSON"),
+        ("Save.filename_prefix=/etc/x", "relative path"),
+    ],
+)
+def test_bad_widget_values_fail_validation_with_a_clear_message(override, message):
+    from lingbot_core.workflow import WorkflowValidationError
+
+    prompt = _load("lingbot_t2v_dense", [override])
+    with pytest.raises(WorkflowValidationError, match=message):
+        Engine(NODE_CLASS_MAPPINGS).run(prompt)
+
+
+def test_save_writes_mp4_and_png(tmp_path):
+    from lingbot_core.video import read_video
+
+    for name, suffix in (("lingbot_t2v_dense", ".mp4"), ("lingbot_t2i_dense", ".png")):
+        prompt = _load(name)
+        result = Engine(NODE_CLASS_MAPPINGS).run(prompt)
+        entry = result.ui[_node(prompt, "LingBotSaveVideo")]["images"][0]
+        path = tmp_path / "out" / entry["subfolder"] / entry["filename"]
+        assert path.suffix == suffix and path.is_file()
+        if suffix == ".mp4":
+            frames, _ = read_video(path)
+            assert tuple(frames.shape) == tuple(_frames(result, prompt).shape)
+
+
+def test_workflow_json_is_valid_for_comfyui_queueing():
+    for path in API.glob("*.json"):
+        body = {"prompt": json.loads(path.read_text()), "client_id": "x"}
+        assert load_workflow(body, NODE_CLASS_MAPPINGS).nodes

@@ -1,0 +1,96 @@
+"""The folder as a ComfyUI custom node pack: import, mappings, node contracts, registry rules."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+PROBE = """
+import importlib.util, sys
+# As inside ComfyUI: our package is not pip-installed, and ComfyUI's own top-level `nodes` exists.
+sys.meta_path = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
+sys.path = [p for p in sys.path if p not in ("", ROOT)]
+sys.modules.pop("lingbot_core", None)
+assert importlib.util.find_spec("lingbot_core") is None, "lingbot_core must not be importable up front"
+import nodes
+spec = importlib.util.spec_from_file_location("lingbot-nodes", ROOT + "/__init__.py",
+                                              submodule_search_locations=[ROOT])
+mod = importlib.util.module_from_spec(spec)
+sys.modules["lingbot-nodes"] = mod
+spec.loader.exec_module(mod)
+import nodes as again
+assert again.COMFY and "comfy" not in sys.modules
+print(len(mod.NODE_CLASS_MAPPINGS), sorted(mod.NODE_DISPLAY_NAME_MAPPINGS) == sorted(mod.NODE_CLASS_MAPPINGS))
+"""
+
+
+def test_pack_imports_as_a_custom_nodes_folder_without_comfyui(tmp_path):
+    """ComfyUI imports the folder by path as a package; `lingbot_core` must resolve without pip."""
+    (tmp_path / "nodes.py").write_text("COMFY = True\n")  # ComfyUI's module of the same name
+    (tmp_path / "probe.py").write_text(f"ROOT = {str(ROOT)!r}\n" + PROBE)
+    done = subprocess.run([sys.executable, str(tmp_path / "probe.py")], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["10", "True"]
+
+
+def test_node_contracts():
+    from lingbot_nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+
+    expected = {"LingBotLoader", "LingBotOffload", "LingBotTextEncode", "LingBotImageEncode", "LingBotDenoise",
+                "LingBotRefine", "LingBotDecode", "LingBotRelease", "LingBotSaveVideo", "LingBotLoadImage"}
+    assert set(NODE_CLASS_MAPPINGS) == expected == set(NODE_DISPLAY_NAME_MAPPINGS)
+    for name, cls in NODE_CLASS_MAPPINGS.items():
+        spec = cls.INPUT_TYPES()
+        assert set(spec) <= {"required", "optional", "hidden"}, name
+        assert callable(getattr(cls, cls.FUNCTION)), name
+        assert len(getattr(cls, "RETURN_NAMES", cls.RETURN_TYPES)) == len(cls.RETURN_TYPES), name
+        assert cls.CATEGORY == "LingBot-Video"
+    prompt = NODE_CLASS_MAPPINGS["LingBotTextEncode"].INPUT_TYPES()["required"]["prompt"][1]
+    assert prompt["dynamicPrompts"] is False and prompt["multiline"] is True
+    seed = NODE_CLASS_MAPPINGS["LingBotDenoise"].INPUT_TYPES()["required"]["seed"][1]
+    assert seed["control_after_generate"] is True
+
+
+def test_comfy_registry_section():
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    comfy = data["tool"]["comfy"]
+    assert {"PublisherId", "DisplayName", "Icon", "includes"} <= set(comfy)
+    assert data["project"]["name"] and data["project"]["version"] and data["project"]["license"]
+    assert not any(d.startswith("torch") and any(op in d for op in "=<>~") and "torch>=" not in d
+                   for d in data["project"]["dependencies"]), "torch must not be pinned to one build"
+
+
+def _python_files():
+    for folder in ("lingbot_core", "nodes"):
+        yield from (ROOT / folder).rglob("*.py")
+    yield ROOT / "__init__.py"
+
+
+@pytest.mark.parametrize("path", list(_python_files()), ids=lambda p: str(p.relative_to(ROOT)))
+def test_registry_rules_no_eval_exec_or_runtime_pip(path):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            assert node.func.id not in ("eval", "exec", "compile", "__import__") or node.func.id == "__import__" \
+                and path.name == "runtime.py", f"{path}: {node.func.id}()"
+    text = path.read_text()
+    assert not re.search(r"pip['\"]?\s*,?\s*['\"]?install|pip install", text), f"{path}: runtime pip"
+    assert "trust_remote_code=True" not in text and "torch.load(" not in text and "pickle" not in text
+
+
+def test_nodes_do_not_contain_model_logic():
+    """Nodes translate types; only lingbot_core touches models (no torch.nn use in nodes/)."""
+    for path in (ROOT / "nodes").glob("*.py"):
+        text = path.read_text()
+        assert "torch.nn" not in text and ".forward(" not in text, path.name
+    assert importlib.util.find_spec("lingbot_nodes") is not None
