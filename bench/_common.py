@@ -1,0 +1,101 @@
+"""Helpers shared by the benchmark scripts: CPU peak memory, tables, JSON.
+
+House rule: performance claims come from a script in `bench/`, run side by side with its baseline in
+one process and reported as ratios. These helpers keep every script doing that the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def cpu_peak_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:
+    """Peak of CPU bytes allocated by torch *during* `fn()` (net of what existed before), and its result.
+
+    torch has no CPU counterpart of `torch.cuda.max_memory_allocated`, and process RSS mixes in
+    imports, weights and the allocator's caching. The profiler with `profile_memory=True` records
+    every CPU allocation and free as a `[memory]` event with a signed size; their running sum in
+    time order is the bytes torch holds, and its maximum is the peak. Tensors that existed before
+    the call (weights, inputs) are not counted, so the number is what the call itself adds.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False) as prof:
+        result = fn()
+    cpu = torch._C._autograd.DeviceType.CPU
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == cpu]
+    events.sort(key=lambda e: e.start_ns())
+    current = peak = 0
+    for event in events:
+        current += event.nbytes()
+        peak = max(peak, current)
+    return peak, result
+
+
+def fmt_bytes(n: float | None) -> str:
+    """Decimal units (GB = 1e9 bytes), as the published offload numbers use."""
+    if n is None or (isinstance(n, float) and math.isnan(n)):
+        return "-"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt(value: Any, digits: int = 3) -> str:
+    """One table cell: floats with a fixed number of significant digits, None as '-'."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if value == 0:
+            return "0"
+        if abs(value) < 1e-3 or abs(value) >= 1e5:
+            return f"{value:.{digits - 1}e}"
+        return f"{value:.{digits}g}" if abs(value) < 1 else f"{value:.{max(digits - 1, 1)}f}"
+    return str(value)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A compact fixed-width text table (cells already formatted or formatted by `fmt`)."""
+    cells = [[c if isinstance(c, str) else fmt(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
+    return "\n".join(out)
+
+
+def write_json(path: str | Path | None, data: dict[str, Any]) -> None:
+    if path is None:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n", encoding="utf-8")
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest absolute difference (inf on a shape mismatch, nan if either side has NaNs)."""
+    if a.shape != b.shape:
+        return math.inf
+    return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+
+
+def environment() -> dict[str, Any]:
+    """What the numbers were measured with (goes into every JSON)."""
+    import platform
+
+    info: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads(),
+                            "python": platform.python_version(), "machine": platform.machine()}
+    if torch.cuda.is_available():
+        info["cuda_device"] = torch.cuda.get_device_name(0)
+    return info
