@@ -321,7 +321,26 @@ def run_mode(base, mode: str, options: dict[str, Any], request: dict[str, Any], 
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
     reserved = torch.cuda.max_memory_reserved() if device.type == "cuda" else None
     return {"mode": mode, "options": options, "install_s": install, "time_s": wall, "stages_s": times,
-            "peak_bytes": peak, "peak_reserved_bytes": reserved, "start_allocated_bytes": resident, "frames": result.frames}
+            "peak_bytes": peak, "peak_reserved_bytes": reserved, "start_allocated_bytes": resident,
+            "estimate_bytes": estimated_peak(base, mode, request), "frames": result.frames}
+
+
+def estimated_peak(base, mode: str, request: dict[str, Any]) -> int:
+    """lingbot_core.memory's estimate for this request (what `auto` decides with)."""
+    from lingbot_core.memory import Geometry, estimate_peak, sizes_from_modules
+
+    sizes = sizes_from_modules(base.shared.loaded)
+    geometry = Geometry(height=request["height"], width=request["width"], num_frames=request["num_frames"],
+                        cfg=request.get("guidance_scale", 3.0) > 1)
+    return estimate_peak(mode, sizes, geometry)
+
+
+def parse_size(text: str) -> tuple[int, int, int]:
+    try:
+        h, w, f = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected HxWxFRAMES, got {text!r}") from None
+    return h, w, f
 
 
 def estimate(info: dict[str, Any], steps: int) -> dict[str, Any]:
@@ -382,6 +401,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="build the components on `meta` only: check the configs, print sizes and the estimate")
     p.add_argument("--gpu-dtypes", action="store_true",
                    help="with --tiny: use the CUDA dtype policy (bf16 DiT and text encoder) on the CPU")
+    p.add_argument("--extra-sizes", default=None,
+                   help="comma list of HxWxFRAMES: estimate vs measured peak per mode at more sizes (few steps); "
+                        "default 480x832x49 on GPU, 64x64x9 with --tiny")
+    p.add_argument("--extra-steps", type=int, default=2, help="steps for the extra sizes (peaks do not depend on it)")
     p.add_argument("--out-json", "--json", dest="json", metavar="PATH", help="write the results as JSON")
     args = p.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -395,6 +418,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.width = args.width or geometry["width"]
     args.frames = args.frames or geometry["num_frames"]
     args.steps = args.steps or (2 if args.tiny else 40)
+    extra = args.extra_sizes if args.extra_sizes is not None else ("64x64x9" if args.tiny else "480x832x49")
+    args.extra_sizes = [parse_size(t) for t in extra.split(",") if t.strip()]
     if args.threads is None and args.tiny:
         args.threads = 1
     return args
@@ -459,6 +484,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             _clear(device)
 
     rows: dict[str, dict[str, Any]] = {}
+    extra_rows: list[dict[str, Any]] = []
     reference: torch.Tensor | None = None
 
     def result() -> dict[str, Any]:
@@ -476,6 +502,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "components": info, "estimate": plan, "warmup_s": warmup_s,
             "published": {m: {"time_s": t, "peak_gb": g} for m, (t, g) in PUBLISHED.items()},
             "rows": list(done.values()),
+            "extra_sizes": extra_rows,
             "complete": len(rows) == len(args.modes),
             "total_s": time.perf_counter() - started,
             "environment": environment(),
@@ -508,6 +535,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             peak = f", peak {row['peak_bytes'] / 1e9:.2f} GB" if row["peak_bytes"] is not None else ""
             print(f"{mode}: {row['time_s']:.1f} s{peak}", flush=True)
         write_json(args.json, result())
+
+    for height, width, frames in args.extra_sizes:  # estimate vs measured peak at more sizes
+        sized = {**request, "height": height, "width": width, "num_frames": frames, "steps": args.extra_steps,
+                 "image": test_image(width, height)}
+        for mode in args.modes:
+            if time.perf_counter() - started > args.budget_s:
+                extra_rows.append({"size": [height, width, frames], "mode": mode, "error": "skipped: time budget"})
+                continue
+            try:
+                row = run_mode(base, mode, options.get(mode, {}), sized, device)
+            except Exception as err:
+                extra_rows.append({"size": [height, width, frames], "mode": mode, "error": f"{type(err).__name__}: {err}"})
+                _clear(device)
+                continue
+            row.pop("frames")
+            extra_rows.append({"size": [height, width, frames], "mode": mode, "time_s": row["time_s"],
+                               "peak_bytes": row["peak_bytes"], "estimate_bytes": row["estimate_bytes"]})
+            write_json(args.json, result())
     return result()
 
 
@@ -534,6 +579,18 @@ def report(result: dict[str, Any]) -> str:
                      fmt(r.get("max_abs_diff")), pub_cell, checks])
     lines = [head, table(["mode", "install s", "time s", "x none", "img/text/denoise/decode s", "peak GB",
                           "x none", "max|dpix|", "published (x none)", "checks"], rows)]
+    sized = [r for r in result["rows"] if "error" not in r] + [
+        {**r, "size": r["size"]} for r in result.get("extra_sizes", []) if "error" not in r]
+    est_rows = []
+    for r in sized:
+        size = r.get("size") or [g["height"], g["width"], g["num_frames"]]
+        peak, est = r.get("peak_bytes"), r.get("estimate_bytes")
+        err = f"{(est - peak) / peak:+.0%}" if peak and est else "-"
+        est_rows.append(["x".join(map(str, size)), r["mode"], f"{est / 1e9:.2f}" if est else "-",
+                         f"{peak / 1e9:.2f}" if peak is not None else "-", err])
+    if est_rows:
+        lines.append("auto offload: estimated vs measured peak (H x W x frames)")
+        lines.append(table(["size", "mode", "estimate GB", "measured GB", "error"], est_rows))
     e = result["estimate"]
     lines.append(f"sequential streams ~{e['sequential_stream_bytes'] / 1e9:.0f} GB over {e['dit_forwards']} DiT "
                  f"forwards (+2 prompt encodes): ~{e['sequential_stream_s_at_25GBps']:.0f}/"

@@ -183,6 +183,29 @@ class ModelSizes:
         )
 
 
+def sizes_from_modules(components: dict[str, Any]) -> ModelSizes:
+    """Sizes of components already in memory (benchmarks build them without a checkpoint folder)."""
+    def nbytes(name: str) -> int:
+        module = components.get(name)
+        if not isinstance(module, torch.nn.Module):
+            return 0
+        return sum(p.numel() * p.element_size() for p in module.parameters())
+
+    dit = components["transformer"]
+    cfg = dit.config
+    moe = bool(cfg.num_experts)
+    text = nbytes("text_encoder")
+    return ModelSizes(
+        text_encoder=text, transformer=nbytes("transformer"), vae=nbytes("vae"), refiner=nbytes("refiner"),
+        hidden=cfg.hidden_size, depth=cfg.depth,
+        intermediate=cfg.moe_intermediate_size * cfg.num_experts_per_tok if moe else cfg.intermediate_size,
+        experts_per_token=cfg.num_experts_per_tok if moe else 0,
+        dit_bytes_per_value=dit.patch_embedder.weight.element_size(),
+        largest_block=max(sum(p.numel() * p.element_size() for p in b.parameters()) for b in dit.blocks),
+        text_largest_layer=math.ceil(text / 40),
+    )
+
+
 def _stored_bits(files: list) -> int:
     """The dominant dtype width of stored safetensors (headers only)."""
     import json

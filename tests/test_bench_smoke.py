@@ -94,12 +94,15 @@ def test_generate_mid_checkpoint_is_loadable(workdir):
 def test_offload_gpu_tiny(tmp_path, workdir, capsys):
     out = tmp_path / "offload.json"
     offload_gpu.main(["--tiny", *THREADS, "--steps", "1", "--frames", "5", "--warmup-steps", "0", "--workdir", str(workdir),
-                      "--out-json", str(out)])
+                      "--extra-sizes", "32x48x5", "--extra-steps", "1", "--out-json", str(out)])
     printed = capsys.readouterr().out
     for mode in MODES:
         assert f"\n{mode} " in printed
     saved = json.loads(out.read_text())
     assert saved["device"] == "cpu" and [r["mode"] for r in saved["rows"]] == MODES
+    assert "estimated vs measured peak" in printed
+    assert [(r["size"], r["mode"]) for r in saved["extra_sizes"]] == [([32, 48, 5], m) for m in MODES]
+    assert all(r["estimate_bytes"] > 0 for r in saved["rows"] + saved["extra_sizes"])
     assert saved["components"]["text_encoder"]["buffer_max_diff"] == 0.0
     for row in saved["rows"]:
         assert "error" not in row, row
