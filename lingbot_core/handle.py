@@ -57,6 +57,7 @@ class SharedComponents:
         self.lock = threading.RLock()
         self.installed: Any = None  # offload state currently applied to these components (offload.py)
         self.resident: set[str] = set()  # components the offload state holds on the accelerator
+        self.in_stage: set[str] = set()  # components the running stage uses
         self.ledger: list[tuple[str, str, str]] = []  # (event, component, stage): what tests read
         self.load_count: dict[str, int] = {}
 

@@ -428,18 +428,39 @@ def _settle(shared) -> None:
     """Bring every component to the clean state of the installed mode."""
     state = shared.installed
     if state.settings.mode == "none":
-        shared.resident = {n for n in MODULE_COMPONENTS if n in shared.loaded}
-        return
-    for name in list(shared.resident):
-        entry = state.modules.get(name)
-        if hasattr(entry, "offload"):  # model mode: accelerate's hook moves it home
-            entry.offload()
-        elif entry == "whole":
-            _to_device(shared.loaded.get(name), CPU)
-        # sequential and group hooks put weights back after every forward on their own
-    shared.resident.clear()
+        return  # what a stage brought onto the device stays there
+    _send_home(shared, list(shared.resident))
     if state.device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def _send_home(shared, names: list[str]) -> None:
+    state = shared.installed
+    for name in names:
+        entry = state.modules.get(name) if state is not None else None
+        if hasattr(entry, "offload"):  # model mode: accelerate's hook moves it home
+            entry.offload()
+        elif entry in ("whole", None):
+            _to_device(shared.loaded.get(name), CPU)
+        # sequential and group hooks put weights back after every forward on their own
+        shared.resident.discard(name)
+
+
+SETTLE_LISTENERS: list = []
+"""Callables `(shared, device)` run after every stage; a host tracks what stays resident with them."""
+
+
+def evict(shared) -> list[str]:
+    """Move what the offload state holds on the accelerator back home (a host asked for memory).
+
+    Components the running stage uses stay; the next stage brings back what it needs.
+    """
+    with shared.lock:
+        names = sorted(shared.resident - shared.in_stage)
+        _send_home(shared, names)
+        if names and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return names
 
 
 ACQUIRE_LISTENERS: list = []
@@ -481,6 +502,7 @@ def stage(handle: PipelineHandle, *components: str, label: str | None = None) ->
         _install(shared, handle.offload, handle.device)
         try:
             _settle(shared)
+            shared.in_stage = set(components)
             for name in components:
                 if name in MODULE_COMPONENTS:
                     _acquire(shared, name, handle.device)
@@ -494,7 +516,10 @@ def stage(handle: PipelineHandle, *components: str, label: str | None = None) ->
             for name in components:
                 if name in MODULE_COMPONENTS:
                     shared.ledger.append(("release", name, label))
+            shared.in_stage = set()
             _settle(shared)
+            for listener in list(SETTLE_LISTENERS):
+                listener(shared, handle.device)
             if log.isEnabledFor(logging.INFO):
                 from .memory import memory_report
 

@@ -120,9 +120,95 @@ def _free_comfy_memory(name, module, device, nbytes) -> None:
         mm.free_memory(nbytes + mm.minimum_inference_memory(), device)
 
 
+class ResidentStandIn:
+    """Our components that stay on the GPU between stages, as one entry of ComfyUI's
+    `current_loaded_models`: its free-memory requests, the "Unload models" button and its
+    out-of-memory handling then move ours off the GPU too (the next stage brings back what it needs).
+
+    It speaks the part of ComfyUI's LoadedModel protocol that `free_memory`, `cleanup_models` and
+    `unload_all_models` use. `currently_used` stays False so ComfyUI never tries to reload it.
+    """
+
+    def __init__(self, shared, device):
+        import weakref
+
+        self._shared = weakref.ref(shared)
+        self.device = device
+        self.currently_used = False
+        self.model_finalizer = None
+
+    @property
+    def model(self):
+        return self
+
+    def real_model(self):
+        return self._shared()  # None once the components are gone: ComfyUI then drops this entry
+
+    def is_dead(self) -> bool:
+        return False
+
+    def _resident_bytes(self) -> int:
+        from lingbot_core.offload import module_bytes
+
+        shared = self._shared()
+        return 0 if shared is None else sum(module_bytes(shared.loaded.get(n)) for n in shared.resident)
+
+    def model_memory(self) -> int:
+        return self._resident_bytes()
+
+    model_loaded_memory = model_memory
+    model_size = model_memory
+    loaded_size = model_memory
+
+    def model_offloaded_memory(self) -> int:
+        return 0
+
+    def model_memory_required(self, device) -> int:
+        return 0
+
+    def model_use_more_vram(self, extra_memory, force_patch_weights=False) -> int:
+        return 0
+
+    def model_unload(self, memory_to_free=None, unpatch_weights=True) -> bool:
+        from lingbot_core.offload import evict
+
+        shared = self._shared()
+        if shared is not None:
+            evict(shared)
+        return True
+
+    def is_clone(self, other) -> bool:
+        return other is self
+
+    def __eq__(self, other) -> bool:
+        return getattr(other, "model", None) is self
+
+    __hash__ = object.__hash__
+
+
+def _track_resident(shared, device) -> None:
+    """After a stage: make sure ComfyUI knows about what we keep on its device."""
+    mm = _comfy("comfy.model_management")
+    if mm is None or not shared.resident:
+        return
+    if device.type == "cuda" and device.index is None:  # ComfyUI compares devices with their index
+        import torch
+
+        device = torch.device("cuda", torch.cuda.current_device())
+    for entry in mm.current_loaded_models:
+        if isinstance(entry, ResidentStandIn) and entry.real_model() is shared:
+            return
+    mm.current_loaded_models.append(ResidentStandIn(shared, device))
+
+
 def install_memory_cooperation() -> None:
-    """Inside ComfyUI: free ComfyUI's models before one of ours moves onto the GPU."""
+    """Inside ComfyUI: free ComfyUI's models before ours move onto the GPU, and let ComfyUI's memory
+    requests free ours."""
     from lingbot_core import offload
 
-    if in_comfy() and _free_comfy_memory not in offload.ACQUIRE_LISTENERS:
+    if not in_comfy():
+        return
+    if _free_comfy_memory not in offload.ACQUIRE_LISTENERS:
         offload.ACQUIRE_LISTENERS.append(_free_comfy_memory)
+    if _track_resident not in offload.SETTLE_LISTENERS:
+        offload.SETTLE_LISTENERS.append(_track_resident)
