@@ -174,3 +174,37 @@ def test_refiner_matches_reference(case):
     # Through `generate`'s refine path: the whole refine call (decode included) equals the stages.
     frames = stages.refine(handle, e["input_frames"], cond, guidance_scale=rf["guidance_scale"], **opts)
     case.check("frames", frames, e)
+
+
+def test_generate_with_the_refiner_matches_the_refine_case():
+    """`generate(..., refine_output=True)` chains the base run and the refiner as the reference does."""
+    refine_case = next(c for c in REFINE_CASES if c.name == "refine-moe")
+    base_case = next(c for c in CASES if c.name == refine_case.spec["base_case"])
+    spec, rf = base_case.spec, refine_case.spec["refiner"]
+    handle = PipelineHandle.open(base_case.model_dir, device="cpu")
+    result = stages.generate(
+        handle, spec["prompt"], mode=spec["mode"], negative_prompt=spec["negative_prompt"], height=spec["height"],
+        width=spec["width"], num_frames=spec["num_frames"], steps=spec["num_inference_steps"],
+        guidance_scale=spec["guidance_scale"], shift=spec["shift"], seed=spec["seed"], refine_output=True,
+        refine_options=dict(height=rf["height"], width=rf["width"], steps=rf["steps"], shift=rf["shift"],
+                            t_thresh=rf["t_thresh"], tail_steps=rf["tail_steps"], guidance_scale=rf["guidance_scale"]))
+    base_case.check("frames", result.frames, base_case.expected())
+    refine_case.check("frames", result.refined, refine_case.expected())
+
+
+def test_extra_case_folders_are_discovered(tmp_path, monkeypatch, fixtures_root):
+    """LINGBOT_PARITY_DIRS adds cases without code changes: a case folder, or a folder of cases."""
+    import shutil
+
+    import parity_cases
+
+    root = tmp_path / "more"
+    shutil.copytree(fixtures_root / "models" / "tiny-dense", root / "models" / "tiny-dense")
+    shutil.copytree(fixtures_root / "cases" / "t2i-dense", root / "cases" / "t2i-extra")
+    single = tmp_path / "single" / "transformer-one"
+    shutil.copytree(fixtures_root / "cases" / "transformer-dense", single)
+    monkeypatch.setenv("LINGBOT_PARITY_DIRS", f"{root}{__import__('os').pathsep}{single}")
+    found = parity_cases.discover()
+    extra = [c for c in found if c.path in (root / "cases" / "t2i-extra", single)]
+    assert len(extra) == 2
+    assert next(c for c in extra if c.path == root / "cases" / "t2i-extra").model_dir == root / "models" / "tiny-dense"
