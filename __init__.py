@@ -5,7 +5,15 @@ import sys
 
 _here = os.path.dirname(os.path.abspath(__file__))
 try:
-    import lingbot_core  # noqa: F401  (installed with pip)
+    import lingbot_core  # installed with pip
+
+    _core = os.path.dirname(os.path.dirname(os.path.realpath(lingbot_core.__file__)))
+    if _core != os.path.realpath(_here) and os.path.isdir(os.path.join(_here, "lingbot_core")):
+        import logging
+
+        logging.getLogger("lingbot_nodes").warning(
+            "lingbot-nodes: using the pip-installed lingbot_core from %s, not the copy in %s; "
+            "`pip uninstall lingbot-nodes` if their versions differ", _core, _here)
 except ImportError:
     # Appended, never prepended: ComfyUI's own top-level modules (such as `nodes`) must win.
     sys.path.append(_here)

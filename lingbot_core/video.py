@@ -19,15 +19,25 @@ def to_uint8(frames: torch.Tensor) -> np.ndarray:
     return frames.detach().float().clamp(0, 1).mul(255).round().to(torch.uint8).cpu().numpy()
 
 
-def save_png(frame: torch.Tensor, path: str | os.PathLike) -> Path:
+def save_png(frame: torch.Tensor, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> Path:
+    """PNG with optional text chunks (ComfyUI keeps `prompt` and `workflow` there)."""
+    from PIL.PngImagePlugin import PngInfo
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(to_uint8(frame)[0]).save(path)
+    info = PngInfo()
+    for key, value in (metadata or {}).items():
+        info.add_text(key, value)
+    Image.fromarray(to_uint8(frame)[0]).save(path, pnginfo=info)
     return path
 
 
-def save_mp4(frames: torch.Tensor, path: str | os.PathLike, fps: float = 24.0, crf: int = 18) -> Path:
-    """H.264 (yuv420p) mp4. Odd sizes are padded by one edge pixel, as yuv420p needs even sizes."""
+def save_mp4(frames: torch.Tensor, path: str | os.PathLike, fps: float = 24.0, crf: int = 18,
+             metadata: dict[str, str] | None = None) -> Path:
+    """H.264 (yuv420p) mp4. Odd sizes are padded by one edge pixel, as yuv420p needs even sizes.
+
+    `metadata` goes into the container's tags (ComfyUI reads `prompt` and `workflow` from there).
+    """
     import av
 
     if not (0 < fps <= 240):
@@ -40,7 +50,8 @@ def save_mp4(frames: torch.Tensor, path: str | os.PathLike, fps: float = 24.0, c
     path.parent.mkdir(parents=True, exist_ok=True)
     from fractions import Fraction
 
-    with av.open(str(path), mode="w") as container:
+    with av.open(str(path), mode="w", options={"movflags": "use_metadata_tags"}) as container:
+        container.metadata.update(metadata or {})
         stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
         stream.width, stream.height = data.shape[2], data.shape[1]
         stream.pix_fmt = "yuv420p"
@@ -53,12 +64,13 @@ def save_mp4(frames: torch.Tensor, path: str | os.PathLike, fps: float = 24.0, c
     return path
 
 
-def save_frames(frames: torch.Tensor, path: str | os.PathLike, fps: float = 24.0) -> Path:
+def save_frames(frames: torch.Tensor, path: str | os.PathLike, fps: float = 24.0,
+                metadata: dict[str, str] | None = None) -> Path:
     """One frame -> PNG, several -> mp4; the suffix follows the content."""
     path = Path(path)
     if frames.ndim == 3 or frames.shape[0] == 1:
-        return save_png(frames if frames.ndim == 3 else frames[0], path.with_suffix(".png"))
-    return save_mp4(frames, path.with_suffix(".mp4"), fps)
+        return save_png(frames if frames.ndim == 3 else frames[0], path.with_suffix(".png"), metadata)
+    return save_mp4(frames, path.with_suffix(".mp4"), fps, metadata=metadata)
 
 
 def read_video(path: str | os.PathLike) -> tuple[torch.Tensor, float]:

@@ -56,6 +56,7 @@ class LingBotSaveVideo:
                 "fps": ("FLOAT", {"default": 24.0, "min": 1.0, "max": 120.0, "step": 1.0}),
                 "filename_prefix": ("STRING", {"default": "lingbot/video"}),
             },
+            "hidden": {"prompt": "PROMPT", "extra_pnginfo": "EXTRA_PNGINFO"},
         }
 
     @classmethod
@@ -64,15 +65,24 @@ class LingBotSaveVideo:
             return "filename_prefix must be a relative path inside the output folder"
         return True
 
-    def save(self, images, fps, filename_prefix):
+    def save(self, images, fps, filename_prefix, prompt=None, extra_pnginfo=None):
+        import json
+
         from lingbot_core.video import save_frames
+
+        # The graph travels with the file, so dropping it back into ComfyUI restores the workflow.
+        metadata = {}
+        if prompt is not None:
+            metadata["prompt"] = json.dumps(prompt)
+        for key, value in (extra_pnginfo or {}).items():
+            metadata[key] = json.dumps(value)
 
         root = runtime.output_dir()
         stem = root / filename_prefix
         stem.parent.mkdir(parents=True, exist_ok=True)
         counter = 1 + max((int(p.stem.rsplit("_", 1)[-1]) for p in stem.parent.glob(f"{stem.name}_*.*")
                            if p.stem.rsplit("_", 1)[-1].isdigit()), default=0)
-        path = save_frames(images, stem.parent / f"{stem.name}_{counter:05d}", float(fps))
+        path = save_frames(images, stem.parent / f"{stem.name}_{counter:05d}", float(fps), metadata)
         subfolder = str(path.parent.relative_to(root)) if path.parent != root else ""
         entry = {"filename": path.name, "subfolder": subfolder, "type": "output"}
         return {"ui": {"images": [entry], "animated": (path.suffix == ".mp4",)}, "result": ()}

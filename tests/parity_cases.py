@@ -30,18 +30,30 @@ class Case:
         return load_file(self.path / self.spec.get("expected", "expected.safetensors"))
 
     def check(self, name: str, actual: torch.Tensor, expected: dict[str, torch.Tensor]) -> float:
-        """Assert |a-e| <= atol + rtol*|e| with the case's tolerance; integers must be equal."""
+        """Assert |a-e| <= atol + rtol*|e| (in float64) with the case's tolerance; integers must be equal.
+
+        Shapes must match the expected tensor and the shape case.json states; integer tensors must
+        also have the expected dtype. Returns the largest absolute difference.
+        """
         want = expected[name]
         tol = self.spec["tensors"][name]
         actual = actual.detach().cpu()
-        assert tuple(actual.shape) == tuple(want.shape), f"{self.name}/{name}: shape {tuple(actual.shape)} != {tuple(want.shape)}"
+        where = f"{self.name}/{name}"
+        shape = tuple(want.shape)
+        if "shape" in tol:
+            assert shape == tuple(tol["shape"]), f"{where}: stored shape {shape} != case.json {tol['shape']}"
+        assert tuple(actual.shape) == shape, f"{where}: shape {tuple(actual.shape)} != {shape}"
         if not want.is_floating_point():
-            assert torch.equal(actual.to(want.dtype), want), f"{self.name}/{name}: integer tensors differ"
+            assert actual.dtype == want.dtype, f"{where}: dtype {actual.dtype} != {want.dtype}"
+            assert torch.equal(actual, want), f"{where}: integer tensors differ"
             return 0.0
-        diff = (actual.float() - want).abs()
-        bound = tol["atol"] + tol["rtol"] * want.abs()
-        worst = float(diff.max()) if diff.numel() else 0.0
-        assert bool((diff <= bound).all()), f"{self.name}/{name}: max abs diff {worst:.3g} > atol {tol['atol']}"
+        diff = (actual.double() - want.double()).abs()
+        bound = tol["atol"] + tol["rtol"] * want.double().abs()
+        if not diff.numel():
+            return 0.0
+        worst = float(diff.max())
+        at = [int(i) for i in torch.unravel_index(diff.argmax(), diff.shape)]
+        assert bool((diff <= bound).all()), f"{where}: max abs diff {worst:.3g} at {at} > atol {tol['atol']}"
         return worst
 
 
@@ -53,6 +65,7 @@ def _case_root(case_dir: Path) -> Path:
 
 
 def _case_dirs(entry: Path) -> list[Path]:
+    """`entry` itself if it is a case folder, else the case folders in `entry/cases` or `entry`."""
     if (entry / "case.json").is_file():
         return [entry]
     if (entry / "cases").is_dir():
@@ -60,13 +73,19 @@ def _case_dirs(entry: Path) -> list[Path]:
     return sorted(p for p in entry.iterdir() if (p / "case.json").is_file())
 
 
-def discover(modes: set[str] | None = None, *, prefix: str | None = None) -> list[Case]:
-    """Shared cases, then every case under the folders in LINGBOT_PARITY_DIRS (os.pathsep-separated)."""
+def discover(modes: set[str] | None = None, *, prefix: str | None = None, extra: bool = True) -> list[Case]:
+    """Shared cases, then (unless `extra` is False) every case under the folders in LINGBOT_PARITY_DIRS.
+
+    LINGBOT_PARITY_DIRS is os.pathsep-separated; each entry is a case folder, a folder of case folders,
+    or a folder with a `cases/` subfolder. Entries that are not folders are skipped.
+    """
     entries = [FIXTURES / "cases"]
-    entries += [Path(p) for p in os.environ.get("LINGBOT_PARITY_DIRS", "").split(os.pathsep) if p.strip()]
+    if extra:
+        raw = os.environ.get("LINGBOT_PARITY_DIRS", "").split(os.pathsep)
+        entries += [Path(p).resolve() for p in raw if p.strip()]
     cases = []
     for entry in entries:
-        if not entry.exists():
+        if not entry.is_dir():
             continue
         for d in _case_dirs(entry):
             spec = json.loads((d / "case.json").read_text())

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from conftest import FIXTURES
+from parity_cases import discover
 from PIL import Image
-from safetensors.torch import load_file
 
 from lingbot_core.image import (
     load_image,
@@ -23,30 +20,7 @@ from lingbot_core.image import (
 )
 from lingbot_core.prompt import build_text_inputs
 
-
-def _case_dirs(entry: Path) -> list[Path]:
-    if (entry / "case.json").is_file():
-        return [entry]
-    if (entry / "cases").is_dir():
-        entry = entry / "cases"
-    return sorted(p for p in entry.iterdir() if (p / "case.json").is_file()) if entry.is_dir() else []
-
-
-def _model_root(case_dir: Path) -> Path:
-    for parent in case_dir.parents:
-        if (parent / "models").is_dir():
-            return parent
-    return FIXTURES
-
-
-def _ti2v_cases() -> list[tuple[Path, Path]]:
-    found = [(d, FIXTURES) for d in _case_dirs(FIXTURES / "cases")]
-    for raw in filter(None, os.environ.get("LINGBOT_PARITY_DIRS", "").split(os.pathsep)):
-        found += [(d, _model_root(d)) for d in _case_dirs(Path(raw).resolve())]
-    return [(d, r) for d, r in found if json.loads((d / "case.json").read_text())["mode"] == "ti2v"]
-
-
-TI2V_CASES = _ti2v_cases()
+TI2V_CASES = discover({"ti2v"})
 
 
 @pytest.fixture(scope="module")
@@ -65,13 +39,6 @@ def processors():
     return get
 
 
-def _within(actual: torch.Tensor, expected: torch.Tensor, spec: dict) -> float:
-    assert tuple(actual.shape) == tuple(expected.shape) == tuple(spec["shape"])
-    diff = (actual.float() - expected).abs()
-    assert bool((diff <= spec["atol"] + spec["rtol"] * expected.abs()).all()), float(diff.max())
-    return float(diff.max())
-
-
 # --- parity ----------------------------------------------------------------------------------------------
 
 
@@ -79,34 +46,31 @@ def test_ti2v_cases_found(fixtures_root):
     assert TI2V_CASES
 
 
-@pytest.mark.parametrize("case", TI2V_CASES, ids=lambda c: c[0].name)
+@pytest.mark.parametrize("case", TI2V_CASES, ids=lambda c: c.name)
 def test_ti2v_image_matches_reference(case, fixtures_root, processors):
-    case_dir, model_root = case
-    cfg = json.loads((case_dir / "case.json").read_text())
-    expected = load_file(case_dir / cfg["expected"])
-    specs = cfg["tensors"]
-    processor = processors(model_root / cfg["model"])
+    cfg = case.spec
+    expected = case.expected()
+    processor = processors(case.model_dir)
 
-    source = load_image(case_dir / cfg["image"])
+    source = load_image(case.path / cfg["image"])
     assert list(source.size) == cfg["image_size_wh"]
     pixels = prepare_image_pixels(source, cfg["height"], cfg["width"])
     assert pixels.dtype == torch.float32
-    _within(pixels, expected["image_pixels"], specs["image_pixels"])
+    case.check("image_pixels", pixels, expected)
 
     seen = vision_image(pixels)  # fixture encoder: patch 16, merge 2
     assert list(seen.size) == cfg["vlm_image_size_wh"]
     inputs = build_text_inputs(processor, cfg["prompt"], seen)
-    _within(inputs["pixel_values"], expected["vlm_pixel_values"], specs["vlm_pixel_values"])
+    case.check("vlm_pixel_values", inputs["pixel_values"], expected)
     assert torch.equal(inputs["image_grid_thw"], expected["vlm_image_grid_thw"])
     assert "mm_token_type_ids" in inputs  # transformers 5.x needs it next to pixel_values
 
 
-@pytest.mark.parametrize("case", TI2V_CASES, ids=lambda c: c[0].name)
+@pytest.mark.parametrize("case", TI2V_CASES, ids=lambda c: c.name)
 def test_comfy_tensor_input_gives_same_pixels(case, fixtures_root):
-    case_dir, _ = case
-    cfg = json.loads((case_dir / "case.json").read_text())
-    expected = load_file(case_dir / cfg["expected"])["image_pixels"]
-    with Image.open(case_dir / cfg["image"]) as im:
+    cfg = case.spec
+    expected = case.expected()["image_pixels"]
+    with Image.open(case.path / cfg["image"]) as im:
         array = np.array(im.convert("RGB"))
     comfy = torch.from_numpy(array).float().div(255.0).unsqueeze(0)  # ComfyUI LoadImage layout [B,H,W,3]
     batch = torch.cat([comfy, torch.zeros_like(comfy)])

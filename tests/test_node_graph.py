@@ -142,7 +142,9 @@ def test_release_node_frees_and_a_rerun_reloads():
 @pytest.mark.parametrize(
     "override,message",
     [
-        ("Denoise.width=40", "multiples of 16"),
+        ("Denoise.width=40", r"width 40 is not a multiple of 16 \(nearest: 48\)"),
+        ("Denoise.width=5008", r"width must lie in \[16, 4096\], got 5008"),
+        ("Denoise.frames=2001", r"frames must lie in \[1, 1025\]"),
         ("Denoise.frames=6", r"4n\+1"),
         ('Prompt.prompt="{\\"a\\": }"', "not valid JSON"),
         ("Save.filename_prefix=/etc/x", "relative path"),
@@ -168,6 +170,16 @@ def test_save_writes_mp4_and_png(tmp_path):
         if suffix == ".mp4":
             frames, _ = read_video(path)
             assert tuple(frames.shape) == tuple(_frames(result, prompt).shape)
+            import av
+
+            with av.open(str(path)) as container:
+                saved_prompt = json.loads(container.metadata["prompt"])
+        else:
+            from PIL import Image
+
+            saved_prompt = json.loads(Image.open(path).text["prompt"])
+        # The graph travels with the file (ComfyUI restores a workflow dropped onto the editor from it).
+        assert saved_prompt["4"]["class_type"] == "LingBotDenoise"
 
 
 def test_workflow_json_is_valid_for_comfyui_queueing():

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import re
 import weakref
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import FIXTURES
-from safetensors.torch import load_file
+from parity_cases import discover
 
 from lingbot_core.image import load_image, prepare_image_pixels, vision_image, vision_patch_size
 from lingbot_core.prompt import (
@@ -30,38 +28,7 @@ PIPELINE_MODES = {"t2v", "t2i", "ti2v", "refine"}
 CPU = torch.device("cpu")
 
 
-# --- case discovery (collection time; the fixture root is the one conftest resolves) ----------------------
-
-
-def _model_root(case_dir: Path) -> Path:
-    """External cases name their model relative to the nearest ancestor that holds `models/`."""
-    for parent in case_dir.parents:
-        if (parent / "models").is_dir():
-            return parent
-    return FIXTURES
-
-
-def _case_dirs(entry: Path) -> list[Path]:
-    if (entry / "case.json").is_file():
-        return [entry]
-    if (entry / "cases").is_dir():
-        entry = entry / "cases"
-    return sorted(p for p in entry.iterdir() if (p / "case.json").is_file()) if entry.is_dir() else []
-
-
-def discover_cases(modes: set[str]) -> list[tuple[Path, Path]]:
-    """(case_dir, model_root) for the fixture cases plus any in LINGBOT_PARITY_DIRS."""
-    found = [(d, FIXTURES) for d in _case_dirs(FIXTURES / "cases")]
-    for raw in filter(None, os.environ.get("LINGBOT_PARITY_DIRS", "").split(os.pathsep)):
-        found += [(d, _model_root(d)) for d in _case_dirs(Path(raw).resolve())]
-    return [(d, root) for d, root in found if json.loads((d / "case.json").read_text())["mode"] in modes]
-
-
-CASES = discover_cases(PIPELINE_MODES)
-
-
-def _case_id(item: tuple[Path, Path]) -> str:
-    return item[0].name
+CASES = discover(PIPELINE_MODES)
 
 
 @pytest.fixture(scope="module")
@@ -86,20 +53,6 @@ def encoders():
     return get
 
 
-def _assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, spec: dict) -> float:
-    assert tuple(actual.shape) == tuple(expected.shape) == tuple(spec["shape"]), name
-    if not expected.is_floating_point():
-        assert actual.dtype == expected.dtype, name
-        assert torch.equal(actual.cpu(), expected), f"{name}: integer tensor differs"
-        return 0.0
-    actual = actual.detach().cpu().to(expected.dtype)
-    diff = (actual - expected).abs()
-    bound = spec["atol"] + spec["rtol"] * expected.abs()
-    worst = float(diff.max())
-    assert bool((diff <= bound).all()), f"{name}: max abs diff {worst:.3g} exceeds atol {spec['atol']}"
-    return worst
-
-
 def _count(ids: torch.Tensor, processor, token: str) -> int:
     return int((ids == processor.tokenizer.convert_tokens_to_ids(token)).sum())
 
@@ -107,18 +60,17 @@ def _count(ids: torch.Tensor, processor, token: str) -> int:
 # --- parity ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_prompt_conditioning_matches_reference(case, fixtures_root, encoders):
-    case_dir, model_root = case
-    cfg = json.loads((case_dir / "case.json").read_text())
-    expected = load_file(case_dir / cfg["expected"])
-    specs = cfg["tensors"]
+    cfg = case.spec
+    expected = case.expected()
     tokens = cfg["tokens"]
-    encoder, processor = encoders(model_root / cfg["model"])
+    encoder, processor = encoders(case.model_dir)
 
     image = None
     if cfg["mode"] == "ti2v":
-        pixels = prepare_image_pixels(load_image(case_dir / cfg["image"]), cfg["height"], cfg["width"])
+        source = load_image(case.path / cfg["image"])
+        pixels = prepare_image_pixels(source, cfg["height"], cfg["width"])
         image = vision_image(pixels, vision_patch_size(encoder, processor))
     # refine: text-only conditioning even when the base was TI2V
 
@@ -133,14 +85,9 @@ def test_prompt_conditioning_matches_reference(case, fixtures_root, encoders):
 
     for ids_key, key, string in branches:
         result = encode_text(encoder, processor, string, image=image, device=CPU)
-        _assert_close(
-            f"{ids_key}_input_ids",
-            result.input_ids,
-            expected[f"{ids_key}_input_ids"],
-            specs[f"{ids_key}_input_ids"],
-        )
-        _assert_close(f"{key}_mask", result.mask, expected[f"{key}_mask"], specs[f"{key}_mask"])
-        _assert_close(f"{key}_embeds", result.embeds, expected[f"{key}_embeds"], specs[f"{key}_embeds"])
+        case.check(f"{ids_key}_input_ids", result.input_ids, expected)
+        case.check(f"{key}_mask", result.mask, expected)
+        case.check(f"{key}_embeds", result.embeds, expected)
         assert result.embeds.dtype == torch.float32
 
         short = "prompt" if ids_key == "prompt" else "negative"
@@ -154,20 +101,20 @@ def test_prompt_conditioning_matches_reference(case, fixtures_root, encoders):
 
 
 def test_cases_were_found(fixtures_root):
-    modes = {json.loads((d / "case.json").read_text())["mode"] for d, _ in CASES}
+    modes = {c.spec["mode"] for c in CASES}
     assert {"t2v", "t2i", "ti2v", "refine"} <= modes
 
 
 # --- strings ---------------------------------------------------------------------------------------------
 
 
-def _pipeline_configs(root: Path) -> list[dict]:
-    cfgs = [json.loads((d / "case.json").read_text()) for d in _case_dirs(root / "cases")]
-    return [c for c in cfgs if c["mode"] in PIPELINE_MODES]
+def _pipeline_configs() -> list[dict]:
+    """The shared fixtures' pipeline case.json contents (not LINGBOT_PARITY_DIRS)."""
+    return [c.spec for c in discover(PIPELINE_MODES, extra=False)]
 
 
 def test_template_and_default_negatives_match_fixtures(fixtures_root):
-    cfgs = _pipeline_configs(fixtures_root)
+    cfgs = _pipeline_configs()
     assert cfgs
     for cfg in cfgs:
         assert cfg["prompt_template"] == PROMPT_TEMPLATE
@@ -192,7 +139,7 @@ def test_default_negatives_are_not_compact_json():
 
 
 def test_caption_to_text_fixture_prompts_roundtrip(fixtures_root):
-    for cfg in _pipeline_configs(fixtures_root):
+    for cfg in _pipeline_configs():
         prompt = cfg["prompt"]
         parsed = json.loads(prompt)
         assert caption_to_text(parsed) == prompt

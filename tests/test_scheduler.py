@@ -8,14 +8,10 @@ LINGBOT_PARITY_DIRS, os.pathsep-separated; each entry is a case folder or a fold
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+from parity_cases import Case, discover
 
 from lingbot_core.scheduler import (
     FlowUniPCScheduler,
@@ -28,40 +24,7 @@ PIPELINE_MODES = {"t2v", "t2i", "ti2v", "refine"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _is_pipeline_case(case_dir: Path) -> bool:
-    case_file = case_dir / "case.json"
-    return case_file.is_file() and json.loads(case_file.read_text()).get("mode") in PIPELINE_MODES
-
-
-def _case_dirs(folder: Path) -> list[Path]:
-    """A case folder itself, or the pipeline case folders directly inside `folder`."""
-    if (folder / "case.json").is_file():
-        return [folder] if _is_pipeline_case(folder) else []
-    if not folder.is_dir():
-        return []
-    return [d for d in sorted(folder.iterdir()) if _is_pipeline_case(d)]
-
-
-def _collect_cases() -> list:
-    # Same location rule as conftest.FIXTURES; needed here because parameters are fixed at collection.
-    default_root = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "lingbot"
-    root = Path(os.environ.get("LINGBOT_FIXTURES", default_root)).resolve()
-    params = [pytest.param(("fixtures", d.name), id=d.name) for d in _case_dirs(root / "cases")]
-    if not params:
-        # Keep one test so that the fixtures_root fixture reports the missing fixtures.
-        params.append(pytest.param(("fixtures", None), id="fixtures-missing"))
-    for entry in filter(None, os.environ.get("LINGBOT_PARITY_DIRS", "").split(os.pathsep)):
-        found = _case_dirs(Path(entry).resolve())
-        if not found:
-            params.append(pytest.param(("extra", entry), id=f"extra-empty:{entry}"))
-        params.extend(pytest.param(("extra", str(d)), id=f"extra:{d.name}") for d in found)
-    return params
-
-
-def _within(actual: torch.Tensor, expected: torch.Tensor, spec: dict) -> tuple[bool, float]:
-    diff = (actual.double() - expected.double()).abs()
-    limit = spec["atol"] + spec["rtol"] * expected.double().abs()
-    return bool((diff <= limit).all()), float(diff.max())
+CASES = discover(PIPELINE_MODES)
 
 
 def _dit_dtype(case: dict) -> torch.dtype:
@@ -71,28 +34,20 @@ def _dit_dtype(case: dict) -> torch.dtype:
     return _DTYPES.get(name.split()[0], torch.float32)
 
 
-def _scheduler_for(case_dir: Path, case: dict) -> FlowUniPCScheduler:
-    model_dir = case_dir.parent.parent / case.get("model", "")
-    if (model_dir / "scheduler" / "scheduler_config.json").is_file():
-        return FlowUniPCScheduler.from_pretrained(model_dir, subfolder="scheduler")
+def _scheduler_for(case: Case) -> FlowUniPCScheduler:
+    if (case.model_dir / "scheduler" / "scheduler_config.json").is_file():
+        return FlowUniPCScheduler.from_pretrained(case.model_dir, subfolder="scheduler")
     return FlowUniPCScheduler()  # defaults equal the reference checkpoint's config
 
 
-@pytest.mark.parametrize("where", _collect_cases())
-def test_replay_matches_reference(where, request):
-    kind, name = where
-    if kind == "fixtures":
-        case_dir = request.getfixturevalue("fixtures_root") / "cases" / str(name)
-    else:
-        case_dir = Path(name)
-    assert _is_pipeline_case(case_dir), f"no pipeline case.json under {case_dir}"
-    case = json.loads((case_dir / "case.json").read_text())
-    exp = load_file(str(case_dir / case.get("expected", "expected.safetensors")))
-    tol = case["tensors"]
-    sched = _scheduler_for(case_dir, case)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_replay_matches_reference(case: Case):
+    spec = case.spec
+    exp = case.expected()
+    sched = _scheduler_for(case)
 
-    if case["mode"] == "refine":
-        ref = case["refiner"]
+    if spec["mode"] == "refine":
+        ref = spec["refiner"]
         sigmas = compute_refiner_sigmas(
             sigma_max=sched.sigma_max,
             sigma_min=sched.sigma_min,
@@ -106,22 +61,20 @@ def test_replay_matches_reference(where, request):
         sched.set_timesteps(len(sigmas), sigmas=sigmas, shift=1.0)
         cond = exp.get("refiner_cond_latent")
     else:
-        sched.set_timesteps(case["num_inference_steps"], shift=case["shift"])
-        cond = exp["cond_latent"] if case["mode"] == "ti2v" else None
+        sched.set_timesteps(spec["num_inference_steps"], shift=spec["shift"])
+        cond = exp["cond_latent"] if spec["mode"] == "ti2v" else None
 
     assert sched.timesteps.dtype == torch.int64
     assert sched.timesteps.tolist() == exp["timesteps"].tolist()
     assert sched.sigmas.dtype == torch.float32
     assert torch.equal(sched.sigmas, exp["sigmas"]), (sched.sigmas, exp["sigmas"])
-    dit_t = torch.stack([transformer_timestep(t, _dit_dtype(case)) for t in sched.timesteps])
-    ok, worst = _within(dit_t, exp["transformer_timesteps"], tol["transformer_timesteps"])
-    assert ok, f"transformer_timesteps off by {worst}"
+    dit_t = torch.stack([transformer_timestep(t, _dit_dtype(spec)) for t in sched.timesteps])
+    case.check("transformer_timesteps", dit_t, exp)
 
-    guidance = float(case["guidance_scale"])
+    guidance = float(spec["guidance_scale"])
     use_cfg = guidance > 1.0 and "noise_pred_uncond" in exp
     inputs = exp["dit_input_latents"]
-    steps = len(sched.timesteps)
-    failures = []
+    outputs = []
     for i, t in enumerate(sched.timesteps):
         cond_pred = exp["noise_pred_cond"][i]
         if use_cfg:
@@ -133,12 +86,11 @@ def test_replay_matches_reference(where, request):
         assert latents.dtype == torch.float32
         if cond is not None:
             latents[:, :, : cond.shape[2]] = cond
-        key = "dit_input_latents" if i + 1 < steps else "final_latents"
-        target = inputs[i + 1] if i + 1 < steps else exp["final_latents"]
-        ok, worst = _within(latents, target, tol[key])
-        if not ok:
-            failures.append(f"step {i} ({key}): max abs diff {worst:.3g} > atol {tol[key]['atol']}")
-    assert not failures, f"{case_dir.name}: " + "; ".join(failures)
+        outputs.append(latents)
+    # Teacher-forced: step i must give the DiT input of step i + 1 (row 0 is the given start, compared
+    # with itself), the last step the final latent. A failure names the worst [step, ...] index.
+    case.check("dit_input_latents", torch.stack([inputs[0], *outputs[:-1]]), exp)
+    case.check("final_latents", outputs[-1], exp)
 
 
 def test_default_grid_40_steps_shift_3():

@@ -25,6 +25,18 @@ def ran() -> list[str]:
     return [nid for _, nid in CALLS if nid is not None]
 
 
+class AnyType(str):
+    """ComfyUI's "any type" idiom: a plain "*" is no wildcard for the server's link check."""
+
+    def __ne__(self, other: object) -> bool:
+        return False
+
+    __hash__ = str.__hash__
+
+
+ANY = AnyType("*")
+
+
 class _Node:
     CATEGORY = "tests"
     FUNCTION = "run"
@@ -115,7 +127,7 @@ class Show(_Node):
 
     @classmethod
     def INPUT_TYPES(cls) -> dict[str, Any]:
-        return {"required": {"value": ("*",)}}
+        return {"required": {"value": (ANY,)}}
 
     RETURN_TYPES = ()
 
@@ -167,9 +179,9 @@ class Switch(_Node):
     @classmethod
     def INPUT_TYPES(cls) -> dict[str, Any]:
         return {"required": {"cond": ("BOOLEAN", {"default": True}),
-                             "on_true": ("*", {"lazy": True}), "on_false": ("*", {"lazy": True})}}
+                             "on_true": (ANY, {"lazy": True}), "on_false": (ANY, {"lazy": True})}}
 
-    RETURN_TYPES = ("*",)
+    RETURN_TYPES = (ANY,)
     lazy_calls: list[tuple[Any, Any]] = []
 
     def check_lazy_status(self, cond: bool, on_true: Any = None, on_false: Any = None) -> list[str]:
@@ -341,7 +353,7 @@ class Meta(_Node):
 
     @classmethod
     def INPUT_TYPES(cls) -> dict[str, Any]:
-        return {"required": {"value": ("*",)}, "hidden": {"prompt": "PROMPT", "extra_pnginfo": "EXTRA_PNGINFO"}}
+        return {"required": {"value": (ANY,)}, "hidden": {"prompt": "PROMPT", "extra_pnginfo": "EXTRA_PNGINFO"}}
 
     RETURN_TYPES = ("STRING",)
 

@@ -148,7 +148,7 @@ def to_api(nodes: list) -> dict:
 
 
 def to_ui(nodes: list, note: str) -> dict:
-    link_rows, ui_nodes = [], []
+    link_rows, ui_nodes, heights = [], [], []
     outputs: dict[tuple[int, int], list[int]] = {}
     order = {node_id: i for i, (node_id, *_rest) in enumerate(nodes)}
     for node_id, class_type, _title, _widgets, links in nodes:
@@ -183,9 +183,12 @@ def to_ui(nodes: list, note: str) -> dict:
         ui_outputs = [{"name": n, "type": t, "links": outputs.get((node_id, i), []), "slot_index": i}
                       for i, (n, t) in enumerate(zip(getattr(cls, "RETURN_NAMES", cls.RETURN_TYPES), cls.RETURN_TYPES))]
         column = order[node_id]
+        multiline = sum(1 for _n, d, _o in _inputs(cls) if _is_widget(d) and len(d) > 1 and d[1].get("multiline"))
+        height = 60 + 26 * (len(values) + len(ui_inputs)) + 90 * multiline  # what the editor draws
+        heights.append(height)
         ui_nodes.append({
             "id": node_id, "type": class_type, "title": title,
-            "pos": [60 + 340 * column, 120 + (column % 2) * 60], "size": [320, 180],
+            "pos": [60 + 340 * column, 120 + (column % 2) * 60], "size": [320, height],
             "flags": {}, "order": order[node_id], "mode": 0,
             "inputs": ui_inputs, "outputs": ui_outputs,
             "properties": {"Node name for S&R": class_type}, "widgets_values": values,
@@ -198,7 +201,7 @@ def to_ui(nodes: list, note: str) -> dict:
     return {
         "last_node_id": note_id, "last_link_id": len(link_rows),
         "nodes": ui_nodes, "links": link_rows,
-        "groups": [{"title": "LingBot-Video", "bounding": [30, 40, width, 360], "color": "#3f789e"}],
+        "groups": [{"title": "LingBot-Video", "bounding": [30, 40, width, max(heights) + 160], "color": "#3f789e"}],
         "config": {}, "extra": {}, "version": 0.4,
     }
 

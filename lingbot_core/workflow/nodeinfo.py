@@ -155,13 +155,13 @@ def unwrap_constant(value: Any) -> Any:
 def link_types_compatible(received: Any, declared: Any) -> bool:
     """Whether an output of type ``received`` may feed an input declared as ``declared``.
 
-    Follows ComfyUI's rule (equal, or comma-separated unions that overlap) and additionally lets
-    ``"*"`` match anything, as the frontend does. A COMBO input accepts a COMBO output or a list.
-    Custom type objects that override ``__ne__`` (the "any type" trick) are honoured.
+    Follows ComfyUI's backend rule (equal, or comma-separated unions that overlap). A plain ``"*"``
+    is not a wildcard there (only the editor treats it as one): a real server rejects "*" -> LATENT
+    with "Return type mismatch". Custom type objects that override ``__ne__`` (the "any type" trick)
+    are honoured, and VALIDATE_INPUTS taking ``input_types`` skips the check. A COMBO input accepts
+    a COMBO output or a list.
     """
     if not (received != declared):
-        return True
-    if received == "*" or declared == "*":
         return True
     declared_is_combo = isinstance(declared, (list, tuple)) or declared == "COMBO"
     if declared_is_combo:
@@ -170,4 +170,4 @@ def link_types_compatible(received: Any, declared: Any) -> bool:
         return False
     got = {t.strip() for t in received.split(",")}
     want = {t.strip() for t in declared.split(",")}
-    return bool(got & want) or "*" in got or "*" in want
+    return bool(got & want)
