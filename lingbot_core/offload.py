@@ -458,8 +458,10 @@ def evict(shared) -> list[str]:
     with shared.lock:
         names = sorted(shared.resident - shared.in_stage)
         _send_home(shared, names)
-        if names and torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        if names:
+            log.info("offload: moved %s off %s on request", ", ".join(names), shared.installed.device)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         return names
 
 
