@@ -126,7 +126,7 @@ def test_failing_node_leaves_the_pipe_usable(monkeypatch):
     assert _node(prompt, "LingBotDenoise") in result.cached
 
 
-def test_release_node_frees_and_a_rerun_reloads():
+def test_refine_drops_the_base_and_a_rerun_reloads_it():
     prompt = _load("lingbot_t2v_moe_refine")
     engine = Engine(NODE_CLASS_MAPPINGS)
     first = engine.run(prompt)
@@ -137,6 +137,26 @@ def test_release_node_frees_and_a_rerun_reloads():
     second = engine.run(apply_overrides(prompt, [f"{_node(prompt, 'LingBotDenoise')}.seed=5"], NODE_CLASS_MAPPINGS))
     assert refine in second.executed
     assert view.shared.load_count["transformer"] == 2  # reloaded for the re-queued base run
+
+
+def test_release_node_frees_after_its_input_and_passes_it_through():
+    """Decode -> Release -> Save: the images reach Save, the pipe is empty after, and a re-run reloads."""
+    from lingbot_core.workflow import ApiPrompt
+
+    base = _load("lingbot_t2v_dense")
+    nodes = {k: dict(v, inputs=dict(v["inputs"])) for k, v in base.nodes.items()}
+    nodes["20"] = {"class_type": "LingBotRelease", "inputs": {"pipe": ["2", 0], "value": ["5", 0], "what": "all"}}
+    nodes["6"]["inputs"]["images"] = ["20", 0]
+    prompt = ApiPrompt(nodes)
+    engine = Engine(NODE_CLASS_MAPPINGS)
+    first = engine.run(prompt)
+    assert first.executed.index("20") > first.executed.index("5")
+    assert torch.equal(first.output("20"), first.output("5"))
+    view = first.output("2")
+    assert not view.shared.loaded
+    second = engine.run(apply_overrides(prompt, ["4.seed=9"], NODE_CLASS_MAPPINGS))
+    assert {"4", "5", "20", "6"} <= set(second.executed) and view.shared.load_count["transformer"] == 2
+    assert not view.shared.loaded
 
 
 @pytest.mark.parametrize(
