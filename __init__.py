@@ -18,6 +18,9 @@ except ImportError:
     # Appended, never prepended: ComfyUI's own top-level modules (such as `nodes`) must win.
     sys.path.append(_here)
 
-from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: E402
+if __package__:
+    from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: E402
+else:  # imported as a plain module (a test runner collecting this folder): use the installed package
+    from lingbot_nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: E402
 
 __all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]
