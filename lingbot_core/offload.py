@@ -376,12 +376,8 @@ def configure_offload(handle: PipelineHandle, mode: str, device: str | torch.dev
     Idempotent (the same settings twice install one set of hooks), switchable in any order, and
     transactional: if installing fails half way, the previous installation is restored.
     """
-    from .handle import OffloadSettings
-
     view = handle.with_device(device) if device is not None else handle
-    settings = OffloadSettings(mode, tuple(sorted(options.items())))
-    check_guards(view, settings, view.device)
-    view = view.with_offload(mode, **options)
+    view = view.with_offload(mode, **options)  # validates (check_guards) before anything is touched
     with view.shared.lock:
         _install(view.shared, view.offload, view.device)
     return view

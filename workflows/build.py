@@ -39,54 +39,61 @@ NOTE = ("Runs as shipped on the built-in tiny random-weight model (its output is
 
 PLAN = dict(plan_width=832, plan_height=480, plan_frames=121, plan_refine=True)
 
+
+def loader(checkpoint: str = "tiny (built-in dense)", variant: str = "auto") -> tuple:
+    return (1, "LingBotLoader", "Loader", dict(checkpoint=checkpoint, variant=variant, dtype="auto",
+                                               attention="default", path="", device="auto"), {})
+
+
+def offload_node(mode: str = "model") -> tuple:
+    return (2, "LingBotOffload", "Offload", dict(mode=mode, use_stream=True, low_cpu_mem_usage=False,
+                                                 num_blocks_per_group=1, **PLAN), {"pipe": (1, 0)})
+
+
+def decode_node(node_id: int, latent_from: int, tiled: bool = False) -> tuple:
+    tiles = (dict(tile_height=384, tile_width=640, stride_height=288, stride_width=480) if tiled else
+             dict(tile_height=256, tile_width=256, stride_height=192, stride_width=192))
+    return (node_id, "LingBotDecode", "Decode", dict(tiling=tiled, **tiles), {"pipe": (2, 0), "latent": (latent_from, 0)})
+
 # (id, class, title, widgets, links {input: (source id, output slot)})
 WORKFLOWS = {
     "lingbot_t2v_dense": dict(
         note=NOTE.format(size="480x832 (H x W) and 121 frames"),
         nodes=[
-            (1, "LingBotLoader", "Loader", dict(checkpoint="tiny (built-in dense)", variant="auto", dtype="auto",
-                                                attention="default", path="", device="auto"), {}),
-            (2, "LingBotOffload", "Offload", dict(mode="model", use_stream=True, low_cpu_mem_usage=False,
-                                                  num_blocks_per_group=1, **PLAN), {"pipe": (1, 0)}),
+            loader(),
+            offload_node(),
             (3, "LingBotTextEncode", "Prompt", dict(prompt=PROMPT, negative_prompt="", task="t2v"), {"pipe": (2, 0)}),
             (4, "LingBotDenoise", "Denoise", dict(width=64, height=64, frames=9, steps=4, cfg=3.0, shift=3.0, seed=42),
              {"pipe": (2, 0), "conditioning": (3, 0)}),
-            (5, "LingBotDecode", "Decode", dict(tiling=False, tile_height=256, tile_width=256, stride_height=192,
-                                                stride_width=192), {"pipe": (2, 0), "latent": (4, 0)}),
+            decode_node(5, 4),
             (6, "LingBotSaveVideo", "Save", dict(fps=24.0, filename_prefix="lingbot/t2v"), {"images": (5, 0)}),
         ],
     ),
     "lingbot_t2i_dense": dict(
         note=NOTE.format(size="480x832 (H x W), 1 frame,"),
         nodes=[
-            (1, "LingBotLoader", "Loader", dict(checkpoint="tiny (built-in dense)", variant="auto", dtype="auto",
-                                                attention="default", path="", device="auto"), {}),
-            (2, "LingBotOffload", "Offload", dict(mode="model", use_stream=True, low_cpu_mem_usage=False,
-                                                  num_blocks_per_group=1, **PLAN), {"pipe": (1, 0)}),
+            loader(),
+            offload_node(),
             (3, "LingBotTextEncode", "Prompt", dict(prompt=IMAGE_PROMPT, negative_prompt="", task="t2i"),
              {"pipe": (2, 0)}),
             (4, "LingBotDenoise", "Denoise", dict(width=96, height=64, frames=1, steps=4, cfg=3.0, shift=3.0, seed=42),
              {"pipe": (2, 0), "conditioning": (3, 0)}),
-            (5, "LingBotDecode", "Decode", dict(tiling=False, tile_height=256, tile_width=256, stride_height=192,
-                                                stride_width=192), {"pipe": (2, 0), "latent": (4, 0)}),
+            decode_node(5, 4),
             (6, "LingBotSaveVideo", "Save", dict(fps=24.0, filename_prefix="lingbot/t2i"), {"images": (5, 0)}),
         ],
     ),
     "lingbot_ti2v_dense": dict(
         note=NOTE.format(size="480x832 (H x W) and 121 frames") + " Load your own first frame in Load Image.",
         nodes=[
-            (1, "LingBotLoader", "Loader", dict(checkpoint="tiny (built-in dense)", variant="auto", dtype="auto",
-                                                attention="default", path="", device="auto"), {}),
-            (2, "LingBotOffload", "Offload", dict(mode="model", use_stream=True, low_cpu_mem_usage=False,
-                                                  num_blocks_per_group=1, **PLAN), {"pipe": (1, 0)}),
+            loader(),
+            offload_node(),
             (3, "LingBotLoadImage", "Load Image", dict(path=""), {}),
             (4, "LingBotImageEncode", "First frame", dict(width=64, height=64), {"pipe": (2, 0), "image": (3, 0)}),
             (5, "LingBotTextEncode", "Prompt", dict(prompt=IMAGE_PROMPT, negative_prompt="", task="ti2v"),
              {"pipe": (2, 0), "image_cond": (4, 0)}),
             (6, "LingBotDenoise", "Denoise", dict(width=64, height=64, frames=9, steps=4, cfg=3.0, shift=3.0, seed=42),
              {"pipe": (2, 0), "conditioning": (5, 0), "image_cond": (4, 0)}),
-            (7, "LingBotDecode", "Decode", dict(tiling=False, tile_height=256, tile_width=256, stride_height=192,
-                                                stride_width=192), {"pipe": (2, 0), "latent": (6, 0)}),
+            decode_node(7, 6),
             (8, "LingBotSaveVideo", "Save", dict(fps=24.0, filename_prefix="lingbot/ti2v"), {"images": (7, 0)}),
         ],
     ),
@@ -95,18 +102,15 @@ WORKFLOWS = {
         " Offload 'auto' picks the mode from the free GPU memory for the planned size; Refine drops the base "
         "DiT before the refiner loads (the text encoder and VAE stay shared); Memory shows where everything lives.",
         nodes=[
-            (1, "LingBotLoader", "Loader", dict(checkpoint="tiny (built-in moe)", variant="moe", dtype="auto",
-                                                attention="default", path="", device="auto"), {}),
-            (2, "LingBotOffload", "Offload", dict(mode="auto", use_stream=True, low_cpu_mem_usage=False,
-                                                  num_blocks_per_group=1, **PLAN), {"pipe": (1, 0)}),
+            loader("tiny (built-in moe)", "moe"),
+            offload_node("auto"),
             (3, "LingBotTextEncode", "Prompt", dict(prompt=PROMPT, negative_prompt="", task="t2v"), {"pipe": (2, 0)}),
             (4, "LingBotDenoise", "Denoise (base)", dict(width=64, height=64, frames=9, steps=4, cfg=3.0, shift=3.0,
                                                          seed=42), {"pipe": (2, 0), "conditioning": (3, 0)}),
             (5, "LingBotRefine", "Refine", dict(width=128, height=128, steps=8, t_thresh=0.85, cfg=3.0, shift=3.0,
                                                 seed=42, tiling=True, release_base="on"),
              {"pipe": (2, 0), "conditioning": (3, 0), "latent": (4, 0)}),
-            (6, "LingBotDecode", "Decode", dict(tiling=True, tile_height=384, tile_width=640, stride_height=288,
-                                                stride_width=480), {"pipe": (2, 0), "latent": (5, 0)}),
+            decode_node(6, 5, tiled=True),
             (7, "LingBotMemoryReport", "Memory", dict(), {"pipe": (2, 0), "value": (6, 0)}),
             (8, "LingBotSaveVideo", "Save", dict(fps=24.0, filename_prefix="lingbot/t2v_refined"), {"images": (7, 0)}),
         ],
