@@ -284,12 +284,19 @@ def load_component(folder: Path, name: str, *, dtype: torch.dtype | None = None,
         return vae.eval().requires_grad_(False)
     if name == "text_encoder":
         from transformers import Qwen3VLForConditionalGeneration
+        from transformers.utils import logging as hf_logging
 
         # Stored key names may predate transformers' renaming, so check what it reports after loading.
-        model, report = Qwen3VLForConditionalGeneration.from_pretrained(
-            folder / "text_encoder", dtype=dtype or torch.float32, attn_implementation=attn_implementation,
-            use_safetensors=True, local_files_only=True, output_loading_info=True,
-        )
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # one bar per load is noise in a node graph's log
+        try:
+            model, report = Qwen3VLForConditionalGeneration.from_pretrained(
+                folder / "text_encoder", dtype=dtype or torch.float32, attn_implementation=attn_implementation,
+                use_safetensors=True, local_files_only=True, output_loading_info=True,
+            )
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
         missing = sorted(k for k in report.get("missing_keys", ()) if k != "lm_head.weight")
         if missing or report.get("mismatched_keys"):
             raise CheckpointError(
