@@ -167,6 +167,8 @@ def encode_prompt(
     with stage(handle, "text_encoder", "processor") as device:
         encoder, processor = handle.component("text_encoder"), handle.component("processor")
         if image is not None and picture is None:
+            if pixels.ndim != 5 or pixels.shape[:3] != (1, 3, 1):
+                raise ValueError(f"expected first-frame pixels shaped (1,3,1,H,W), got {tuple(pixels.shape)}")
             picture = image_ops.vision_image(pixels, image_ops.vision_patch_size(encoder, processor))
         positive = prompt_ops.encode_text(encoder, processor, text, image=picture, device=device).to("cpu")
         negative = None

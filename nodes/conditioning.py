@@ -28,7 +28,11 @@ class LingBotTextEncode:
                                                   "tooltip": "picks the default negative (image one for t2i)"}),
             },
             "optional": {
-                "image_cond": (IMAGE_COND, {"tooltip": "TI2V: both prompts see the first frame"}),
+                "image_cond": (IMAGE_COND, {"tooltip": "TI2V: both prompts see the first frame (preferred)"}),
+                "image": ("IMAGE", {"tooltip": "TI2V without the VAE Encode node: the first frame, prepared at "
+                                              "image_width x image_height (use the Denoise size)"}),
+                "image_width": ("INT", {"default": 832, "min": 16, "max": MAX_SIZE, "step": 16}),
+                "image_height": ("INT", {"default": 480, "min": 16, "max": MAX_SIZE, "step": 16}),
             },
         }
 
@@ -44,11 +48,16 @@ class LingBotTextEncode:
                 return str(err)
         return True
 
-    def encode(self, pipe, prompt, negative_prompt="", task="t2v", image_cond=None):
+    def encode(self, pipe, prompt, negative_prompt="", task="t2v", image_cond=None, image=None, image_width=832,
+               image_height=480):
         from lingbot_core import stages
+        from lingbot_core.image import load_image, prepare_image_pixels
 
+        if image_cond is None and image is not None:
+            # The vision tower sees the frame as prepared for the video size, as the reference does.
+            image_cond = prepare_image_pixels(load_image(image), int(image_height), int(image_width))
         if task == "ti2v" and image_cond is None:
-            raise ValueError("task ti2v needs the image_cond input (from the LingBot VAE Encode node)")
+            raise ValueError("task ti2v needs the first frame: connect image_cond (LingBot VAE Encode) or image")
         with runtime.node_work(label="text encode"):
             cond = stages.encode_prompt(pipe, prompt, negative_prompt, image=image_cond,
                                         mode=task if image_cond is None else "ti2v")

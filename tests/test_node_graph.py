@@ -206,3 +206,20 @@ def test_workflow_json_is_valid_for_comfyui_queueing():
     for path in API.glob("*.json"):
         body = {"prompt": json.loads(path.read_text()), "client_id": "x"}
         assert load_workflow(body, NODE_CLASS_MAPPINGS).nodes
+
+
+def test_text_encode_takes_a_raw_image_too():
+    """TI2V conditioning from an IMAGE (prepared at the given size) equals the one via VAE Encode."""
+    from lingbot_nodes.image_input import test_pattern
+
+    nodes = NODE_CLASS_MAPPINGS
+    pipe, = nodes["LingBotLoader"]().load("tiny (built-in dense)", "auto", "auto", "default")
+    image = test_pattern(50, 70)
+    image_cond, = nodes["LingBotImageEncode"]().encode(pipe, image, 32, 32)
+    via_cond, = nodes["LingBotTextEncode"]().encode(pipe, "a boat", "", "ti2v", image_cond=image_cond)
+    via_image, = nodes["LingBotTextEncode"]().encode(pipe, "a boat", "", "ti2v", image=image, image_width=32,
+                                                     image_height=32)
+    assert torch.equal(via_cond.positive.embeds, via_image.positive.embeds)
+    assert torch.equal(via_cond.negative.embeds, via_image.negative.embeds) and via_image.with_image
+    with pytest.raises(ValueError, match="needs the first frame"):
+        nodes["LingBotTextEncode"]().encode(pipe, "a boat", "", "ti2v")

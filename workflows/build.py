@@ -132,6 +132,16 @@ def _is_widget(decl: tuple) -> bool:
     return isinstance(kind, list) or kind in WIDGET_TYPES
 
 
+def _widget_value(widgets: dict, name: str, decl: tuple):
+    """The spec's value, else the input's declared default (new optional widgets need no spec edit)."""
+    if name in widgets:
+        return widgets[name]
+    options = decl[1] if len(decl) > 1 else {}
+    if "default" in options:
+        return options["default"]
+    return decl[0][0] if isinstance(decl[0], list) else None
+
+
 def _seed_control(decl: tuple) -> bool:
     return decl[0] == "INT" and len(decl) > 1 and bool(decl[1].get("control_after_generate"))
 
@@ -146,7 +156,7 @@ def to_api(nodes: list) -> dict:
                 src, slot = links[name]
                 inputs[name] = [str(src), slot]
             elif _is_widget(decl):
-                inputs[name] = widgets[name]
+                inputs[name] = _widget_value(widgets, name, decl)
         api[str(node_id)] = {"inputs": inputs, "class_type": class_type, "_meta": {"title": title}}
     return api
 
@@ -179,7 +189,7 @@ def to_ui(nodes: list, note: str) -> dict:
             else:
                 ui_inputs.append({"name": name, "type": decl[0], "link": None})
             if _is_widget(decl) and name not in links:
-                values.append(widgets[name])
+                values.append(_widget_value(widgets, name, decl))
                 if _seed_control(decl):
                     values.append("fixed")
             elif _is_widget(decl):
