@@ -35,10 +35,6 @@ def latent_shape(height: int, width: int, num_frames: int, channels: int = 16) -
     return (1, channels, (num_frames - 1) // VAE_TEMPORAL + 1, height // VAE_SPATIAL, width // VAE_SPATIAL)
 
 
-def frames_for_latent(latent_frames: int) -> int:
-    return (latent_frames - 1) * VAE_TEMPORAL + 1
-
-
 def _stats(vae_config, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     def get(key):
         return vae_config[key] if isinstance(vae_config, dict) else getattr(vae_config, key)

@@ -76,10 +76,6 @@ class MemoryReport:
     device: str
     mode: str
 
-    def bytes_on(self, location_prefix: str) -> int:
-        return sum(b for c in self.components for loc, b in c.bytes_by_location.items()
-                   if loc.startswith(location_prefix))
-
     def one_line(self) -> str:
         return "; ".join(f"{c.name}: {c.where}" for c in self.components)
 
@@ -154,11 +150,16 @@ class ModelSizes:
     @classmethod
     def from_handle(cls, handle) -> ModelSizes:
         """Read sizes from the checkpoint files (nothing is loaded), scaled to the load dtypes."""
-        info = handle.info
+        return cls.from_shared(handle.shared)
+
+    @classmethod
+    def from_shared(cls, shared) -> ModelSizes:
+        """`from_handle` for the components a handle shares (offload resolves `auto` from these)."""
+        info = shared.info
         if info is None:
             raise ValueError("size estimates need a handle opened from a checkpoint folder")
         cfg = info.transformer_config
-        dtypes = handle.shared.dtypes
+        dtypes = shared.dtypes
 
         def scaled(name: str, stored_bytes: int) -> int:
             dtype = dtypes.get(name) or torch.float32

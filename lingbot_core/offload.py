@@ -157,7 +157,7 @@ def _resolve(shared, requested: OffloadSettings, device: torch.device, after: st
     if budget is None and device.type == "cpu":
         choice = memory.AutoChoice("none", {}, 0, "the execution device is the CPU, so offloading saves nothing")
     else:
-        sizes = memory.ModelSizes.from_handle(_HandleView(shared))
+        sizes = memory.ModelSizes.from_shared(shared)
         geometry = memory.geometry_from(options, shared.info.variant if shared.info else "dense")
         budget = int(budget) if budget is not None else memory.free_accelerator_bytes(device)
         choice = memory.choose_mode(sizes, geometry, budget, after=after)
@@ -165,13 +165,6 @@ def _resolve(shared, requested: OffloadSettings, device: torch.device, after: st
     concrete = {"group": (("use_stream", device.type == "cuda"),)}.get(choice.mode, ())
     return OffloadSettings(choice.mode, concrete), choice
 
-
-class _HandleView:
-    """The bits of a handle `memory.ModelSizes.from_handle` reads, from shared state alone."""
-
-    def __init__(self, shared):
-        self.shared = shared
-        self.info = shared.info
 
 
 def _restore_forward(module: torch.nn.Module) -> None:
