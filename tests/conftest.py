@@ -1,8 +1,16 @@
-"""Shared test helpers: where the reference fixtures live."""
+"""Shared test helpers: where the reference fixtures live, and a throwaway tiny-model folder.
+
+The fixtures ship with the repository under `tests/fixtures/`, one folder per fixture set:
+`lingbot/` (tiny models + pipeline/transformer cases) and, as features land, sets such as
+`lingbot-dmd/` or `lingbot-lora/` whose cases reuse `lingbot/models`. `LINGBOT_FIXTURES` points
+the `lingbot` set elsewhere (its sibling folders then supply the other sets);
+`LINGBOT_PARITY_DIRS` adds more case folders (see `parity_cases.discover`).
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -10,15 +18,33 @@ import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = Path(os.environ.get("LINGBOT_FIXTURES", REPO_ROOT.parent / "shared" / "fixtures" / "lingbot")).resolve()
+FIXTURES_HOME = REPO_ROOT / "tests" / "fixtures"
+FIXTURES = Path(os.environ.get("LINGBOT_FIXTURES") or FIXTURES_HOME / "lingbot").resolve()
+
+
+def fixture_set(name: str) -> Path:
+    """The folder of fixture set `name` ("lingbot", "lingbot-dmd", ...): a sibling of FIXTURES."""
+    return FIXTURES if name == "lingbot" else FIXTURES.parent / name
+
 
 torch.set_num_threads(2)
-# Tests build the tiny checkpoints in a throwaway folder, never in the user's cache.
-os.environ.setdefault("LINGBOT_TINY_DIR", tempfile.mkdtemp(prefix="lingbot-tiny-"))
+
+# Tests build the tiny checkpoints in a throwaway folder, never in the user's cache; the folder
+# is removed when the session ends (only if this run created it).
+_TINY_DIR: str | None = None
+if "LINGBOT_TINY_DIR" not in os.environ:
+    _TINY_DIR = tempfile.mkdtemp(prefix="lingbot-tiny-")
+    os.environ["LINGBOT_TINY_DIR"] = _TINY_DIR
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _TINY_DIR is not None:
+        shutil.rmtree(_TINY_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
 def fixtures_root() -> Path:
     if not (FIXTURES / "manifest.json").is_file():
-        pytest.fail(f"parity fixtures not found at {FIXTURES}; set LINGBOT_FIXTURES")
+        pytest.fail(f"parity fixtures not found at {FIXTURES} (no manifest.json); unset LINGBOT_FIXTURES "
+                    f"to use the copy in {FIXTURES_HOME / 'lingbot'}")
     return FIXTURES

@@ -1,4 +1,4 @@
-"""Discovery and comparison of reference parity cases (shared fixtures + LINGBOT_PARITY_DIRS)."""
+"""Discovery and comparison of reference parity cases (tests/fixtures sets + LINGBOT_PARITY_DIRS)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from conftest import FIXTURES
+from conftest import FIXTURES, fixture_set
 from safetensors.torch import load_file
 
 
@@ -57,7 +57,11 @@ class Case:
         return worst
 
 
-def _case_root(case_dir: Path) -> Path:
+def _case_root(case_dir: Path, spec: dict) -> Path:
+    """The folder `spec["model"]` is relative to: `model_root` (relative to the case) when the case
+    names one, else the nearest parent holding `models/`, else the `lingbot` set."""
+    if "model_root" in spec:
+        return (case_dir / spec["model_root"]).resolve()
     for parent in case_dir.parents:
         if (parent / "models").is_dir():
             return parent
@@ -73,25 +77,43 @@ def _case_dirs(entry: Path) -> list[Path]:
     return sorted(p for p in entry.iterdir() if (p / "case.json").is_file())
 
 
-def discover(modes: set[str] | None = None, *, prefix: str | None = None, extra: bool = True) -> list[Case]:
-    """Shared cases, then (unless `extra` is False) every case under the folders in LINGBOT_PARITY_DIRS.
-
-    LINGBOT_PARITY_DIRS is os.pathsep-separated; each entry is a case folder, a folder of case folders,
-    or a folder with a `cases/` subfolder. Entries that are not folders are skipped.
-    """
-    entries = [FIXTURES / "cases"]
-    if extra:
-        raw = os.environ.get("LINGBOT_PARITY_DIRS", "").split(os.pathsep)
-        entries += [Path(p).resolve() for p in raw if p.strip()]
-    cases = []
+def extra_dirs() -> list[Path]:
+    """The LINGBOT_PARITY_DIRS entries; one that is not a folder of cases is an error, never skipped."""
+    entries = [Path(p).expanduser().resolve() for p in os.environ.get("LINGBOT_PARITY_DIRS", "").split(os.pathsep)
+               if p.strip()]
     for entry in entries:
         if not entry.is_dir():
-            continue
+            raise FileNotFoundError(f"LINGBOT_PARITY_DIRS entry {entry} is not a folder (misspelled?)")
+        if not _case_dirs(entry):
+            raise FileNotFoundError(f"LINGBOT_PARITY_DIRS entry {entry} holds no case folder "
+                                    "(a folder with case.json, or folders of them, directly or under cases/)")
+    return entries
+
+
+def discover(modes: set[str] | None = None, *, prefix: str | None = None, extra: bool = True,
+             sets: tuple[str, ...] = ("lingbot",)) -> list[Case]:
+    """The cases of the fixture `sets` (folders under tests/fixtures, see conftest.fixture_set), then,
+    unless `extra` is False, every case under the folders in LINGBOT_PARITY_DIRS.
+
+    LINGBOT_PARITY_DIRS is os.pathsep-separated; each entry is a case folder, a folder of case folders,
+    or a folder with a `cases/` subfolder. A set or an entry that is missing raises, so a typo cannot
+    quietly run fewer cases.
+    """
+    entries = []
+    for name in sets:
+        folder = fixture_set(name) / "cases"
+        if not folder.is_dir():
+            raise FileNotFoundError(f"fixture set {name!r} has no cases folder at {folder}")
+        entries.append(folder)
+    if extra:
+        entries += extra_dirs()
+    cases = []
+    for entry in entries:
         for d in _case_dirs(entry):
             spec = json.loads((d / "case.json").read_text())
             if modes is not None and spec.get("mode") not in modes:
                 continue
             if prefix is not None and not spec["name"].startswith(prefix):
                 continue
-            cases.append(Case(d, spec, _case_root(d)))
+            cases.append(Case(d, spec, _case_root(d, spec)))
     return cases
