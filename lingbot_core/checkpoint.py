@@ -249,7 +249,8 @@ def load_transformer(folder: str | os.PathLike, subfolder: str = "transformer", 
     with torch.device("meta"):
         skeleton = LingBotVideoTransformer3DModel.from_config(config)
     expected = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
-    check_state_dict(subfolder, _weight_files(path, subfolder), expected)
+    check_state_dict(subfolder, _weight_files(path, subfolder if subfolder in WEIGHT_FILES else "transformer"),
+                     expected)
     model = LingBotVideoTransformer3DModel.from_pretrained(
         Path(folder), subfolder=subfolder, torch_dtype=dtype, use_safetensors=True, local_files_only=True
     )
@@ -350,3 +351,39 @@ def load_checkpoint(
     loaded = {name: load_component(info.folder, name, dtype=chosen.get(name),
                                    attn_implementation=attn_implementation) for name in wanted}
     return LoadedCheckpoint(info, loaded)
+
+
+# -- student transformers -----------------------------------------------------------------------
+
+# Config keys that record where or with what a model was saved, not what it is.
+_PROVENANCE_KEYS = ("_name_or_path", "_diffusers_version", "_commit_hash", "_use_default_values")
+
+
+def inspect_student(folder: str | os.PathLike, base: CheckpointInfo) -> tuple[Path, str, list[Path]]:
+    """Validate a student DiT (e.g. a DMD-distilled one) that replaces `base`'s `transformer/`.
+
+    `folder` is either a checkpoint-like folder with a `transformer/` subfolder (the other
+    components, if present, are ignored: the base's are used) or the transformer folder itself.
+    Its config must describe the same architecture as the base transformer; anything else is not a
+    student of this checkpoint. Returns (root, subfolder, weight files) for `load_transformer`.
+    """
+    path = Path(folder).expanduser()
+    if not path.is_dir():
+        raise CheckpointError(f"student transformer folder {path} does not exist")
+    if (path / "transformer" / "config.json").is_file():
+        root, sub = path, "transformer"
+    elif (path / "config.json").is_file():
+        root, sub = path.parent, path.name
+    else:
+        raise CheckpointError(f"{path} holds no transformer: expected {path / 'transformer' / 'config.json'} "
+                              f"(a student checkpoint folder) or {path / 'config.json'} (its transformer folder)")
+    config = _check_config_class(root / sub, "transformer")
+    differs = sorted(k for k in set(config) | set(base.transformer_config)
+                     if k not in _PROVENANCE_KEYS and config.get(k) != base.transformer_config.get(k))
+    if differs:
+        k = differs[0]
+        raise CheckpointError(
+            f"the student transformer in {root / sub} is not the base checkpoint's architecture "
+            f"({len(differs)} config fields differ, e.g. {k}: {config.get(k)!r} vs {base.transformer_config.get(k)!r} "
+            f"in {base.folder / 'transformer'}); load it with its own base checkpoint")
+    return root, sub, _weight_files(root / sub, "transformer")

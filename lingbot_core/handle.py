@@ -24,8 +24,10 @@ from .checkpoint import (
     CheckpointInfo,
     default_dtypes,
     inspect_checkpoint,
+    inspect_student,
     load_component,
     load_refiner,
+    load_transformer,
 )
 
 ALL_COMPONENTS = (*COMPONENTS, "refiner")
@@ -60,6 +62,7 @@ class SharedComponents:
         self.in_stage: set[str] = set()  # components the running stage uses
         self.ledger: list[tuple[str, str, str]] = []  # (event, component, stage): what tests read
         self.load_count: dict[str, int] = {}
+        self.transformer_source: tuple[Path, str] | None = None  # (root, subfolder) of a student DiT
 
     def get(self, name: str) -> Any:
         if name not in ALL_COMPONENTS:
@@ -71,6 +74,9 @@ class SharedComponents:
                                        "folder to reload it from")
                 if name == "refiner":
                     module = load_refiner(self.folder, dtype=self.dtypes["refiner"])
+                elif name == "transformer" and self.transformer_source is not None:
+                    root, sub = self.transformer_source
+                    module = load_transformer(root, sub, dtype=self.dtypes.get(name) or torch.float32)
                 else:
                     module = load_component(self.folder, name, dtype=self.dtypes.get(name),
                                             attn_implementation=self.text_attn)
@@ -101,10 +107,21 @@ class PipelineHandle:
         dtypes: dict[str, torch.dtype] | None = None,
         attention_backend: str | None = None,
         text_attn: str = "sdpa",
+        transformer_folder: str | os.PathLike | None = None,
     ) -> PipelineHandle:
-        """Validate the checkpoint now (cheap); load components when a stage first needs them."""
+        """Validate the checkpoint now (cheap); load components when a stage first needs them.
+
+        `transformer_folder` swaps in a student DiT (a DMD-distilled one, say): a folder that differs
+        from `folder` only in `transformer/`, or that transformer folder itself. Everything else
+        (text encoder, VAE, refiner) comes from `folder`.
+        """
         device = torch.device(device) if device is not None else default_device()
         info = inspect_checkpoint(folder)
+        student = None
+        if transformer_folder is not None and str(transformer_folder).strip():
+            root, sub, files = inspect_student(transformer_folder, info)
+            student = (root, sub)
+            info = replace(info, weight_files={**info.weight_files, "transformer": files})
         chosen = {**default_dtypes(device), **(dtypes or {})}
         if attention_backend is not None:
             from diffusers.models.attention_dispatch import AttentionBackendName
@@ -116,6 +133,7 @@ class PipelineHandle:
                 raise ValueError(f"unknown attention backend {attention_backend!r}; choose one of {names}") from None
         shared = SharedComponents(info.folder, info=info, dtypes=chosen, text_attn=text_attn,
                                   attention_backend=attention_backend)
+        shared.transformer_source = student
         return cls(shared, device)
 
     @classmethod

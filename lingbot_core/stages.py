@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from . import image as image_ops
-from . import offload
+from . import offload, sampling
 from . import prompt as prompt_ops
 from .latents import dit_to_vae, latent_shape, vae_to_dit, validate_geometry
 from .offload import stage
@@ -259,19 +259,27 @@ def denoise(
     sigmas: torch.Tensor | None = None,
     transformer: str = "transformer",
     callback: StepCallback | None = None,
+    sampler: str | sampling.Sampler | None = None,
+    trace: dict | None = None,
 ) -> torch.Tensor:
-    """Flow-UniPC sampling; returns the final DiT-space latents (float32, CPU).
+    """Sample with `sampler` (default flow-UniPC); returns the final DiT-space latents (float32, CPU).
 
-    `latents` starts from given latents instead of noise; `sigmas` is an explicit schedule (used with
-    shift 1, as the refiner does). The first-frame condition (`image_cond` or `cond_latent`) is
-    written into latent frame 0 before the loop and after every step. `callback(step, total,
-    latents)` runs after every step; raising from it cancels the run cleanly.
+    `sampler` is a name from `sampling.SAMPLERS` or a `sampling.Sampler`. `latents` starts from given
+    latents instead of noise; `sigmas` is an explicit schedule, used as given (shift does not apply,
+    as for the refiner). guidance_scale <= 1 runs one DiT forward per step and needs no negative.
+    The first-frame condition (`image_cond` or `cond_latent`) is written into latent frame 0 before
+    the loop and after every step. `callback(step, total, latents)` runs after every step; raising
+    from it cancels the run cleanly. `trace` (a dict) receives the run (`trace["run"]`: its
+    timesteps, sigmas and, for stochastic samplers, what it drew).
     """
     validate_geometry(height, width, num_frames)
     _check_steps(steps)
     _check_guidance(guidance_scale)
-    if not math.isfinite(shift) or shift <= 0:
-        raise ValueError(f"shift must be a positive number, got {shift!r}")
+    method = sampling.get_sampler(sampler)
+    method.check(steps=steps, shift=shift, sigmas=sigmas, refine=transformer == "refiner")
+    if method.recommended and guidance_scale > 1.0 and method.recommended.get("guidance_scale") == 1.0:
+        log.warning("%s: guidance %.2f on a CFG-distilled model applies guidance twice; its recipe is "
+                    "guidance 1.0", method.name, guidance_scale)
     if image_cond is not None and (image_cond.height, image_cond.width) != (height, width):
         raise ValueError(f"the image condition was prepared for {image_cond.height}x{image_cond.width} "
                          f"but the video is {height}x{width}; encode the image at the video size")
@@ -288,23 +296,24 @@ def denoise(
     elif tuple(latents.shape) != shape:
         raise ValueError(f"latents must have shape {shape} for {width}x{height}x{num_frames}, got {tuple(latents.shape)}")
 
-    with stage(handle, transformer, "scheduler") as device:
+    needs = (transformer, "scheduler") if method.uses_scheduler else (transformer,)
+    with stage(handle, *needs) as device:
         dit = handle.component(transformer)
-        scheduler = handle.component("scheduler")
         latents = latents.to(device=device, dtype=torch.float32)
         if cond_latent is not None:
             cond_latent = cond_latent.to(device=device, dtype=torch.float32)
             latents[:, :, : cond_latent.shape[2]] = cond_latent
-        if sigmas is None:
-            scheduler.set_timesteps(steps, device=device, shift=shift)
-        else:
-            scheduler.set_timesteps(len(sigmas), device=device, sigmas=sigmas, shift=1.0)
+        run = method.start(steps=steps, shift=shift, sigmas=sigmas, device=device, generator=g,
+                           scheduler=handle.component("scheduler") if method.uses_scheduler else None,
+                           record=trace is not None)
+        if trace is not None:
+            trace["run"] = run
         dit_dtype = handle.dtype_of(transformer)
         pos = positive.to(device, dit_dtype)
         neg = negative.to(device, dit_dtype) if negative is not None else None
         autocast = (torch.autocast("cuda", dtype=dit_dtype)
                     if device.type == "cuda" and dit_dtype in (torch.bfloat16, torch.float16) else nullcontext())
-        timesteps = scheduler.timesteps
+        timesteps = run.timesteps
         total = len(timesteps)
         for i, t in enumerate(timesteps):
             t_dit = transformer_timestep(t, dit_dtype).reshape(1).to(device)
@@ -313,7 +322,7 @@ def denoise(
                 if neg is not None:
                     v_uncond = dit(latents, t_dit, neg.embeds, neg.mask, return_dict=False)[0].float()
                     v = v_uncond + guidance_scale * (v - v_uncond)
-            latents = scheduler.step(v, t, latents)
+            latents = run.step(v, i, latents)
             if cond_latent is not None:
                 latents[:, :, : cond_latent.shape[2]] = cond_latent
             if callback is not None:
@@ -465,6 +474,7 @@ def refine(
     decode_output: bool = True,
     release_base: bool | None = None,
     callback: StepCallback | None = None,
+    sampler: str | sampling.Sampler | None = None,
 ) -> torch.Tensor:
     """SDEdit refinement with the MoE refiner DiT: base frames [F,H0,W0,3] -> refined frames (or latents).
 
@@ -476,6 +486,7 @@ def refine(
     if cond.with_image:
         raise ValueError("the refiner conditions on text only: encode the prompt without the image")
     _check_guidance(guidance_scale)
+    sampling.get_sampler(sampler).check(steps=steps, shift=shift, refine=True)
     if release_base is None:
         release_base = handle.folder is not None and offload.effective_mode(handle) != "none"
     if release_base and "transformer" in handle.shared.loaded:
@@ -486,7 +497,7 @@ def refine(
     latents = denoise(handle, refiner_cond, height=height, width=width, num_frames=start.num_frames,
                       steps=len(start.sigmas), guidance_scale=guidance_scale, shift=1.0, generator=start.generator,
                       latents=start.initial, sigmas=start.sigmas, cond_latent=start.cond_latent,
-                      transformer="refiner", callback=callback)
+                      transformer="refiner", callback=callback, sampler=sampler)
     if not decode_output:
         return latents
     return decode(handle, latents, tiling=REFINER_TILING if tiling is True else tiling)
@@ -538,6 +549,7 @@ def generate(
     refine_options: dict | None = None,
     output: str = "frames",
     callback: StepCallback | None = None,
+    sampler: str | sampling.Sampler | None = None,
 ) -> GenerateResult:
     """T2V, T2I or TI2V (plus the MoE refiner when asked), chaining the stages like the reference."""
     if num_frames is None:
@@ -546,6 +558,7 @@ def generate(
         raise ValueError(f"output must be 'frames' or 'latent', got {output!r}")
     validate_request(mode, height=height, width=width, num_frames=num_frames, steps=steps, image=image,
                      refine_output=refine_output, guidance_scale=guidance_scale)
+    sampling.get_sampler(sampler).check(steps=steps, shift=shift)
     if isinstance(prompt, str):
         prompt_ops.caption_to_text(prompt)  # broken JSON fails here, before any model work
     if refine_output and not handle.has_refiner:
@@ -557,7 +570,7 @@ def generate(
     cond = encode_prompt(handle, prompt, negative, image=image_cond, mode=mode)
     latents = denoise(handle, cond, height=height, width=width, num_frames=num_frames, steps=steps,
                       guidance_scale=guidance_scale, shift=shift, seed=seed, image_cond=image_cond,
-                      callback=callback)
+                      callback=callback, sampler=sampler)
     if output == "latent" and not refine_output:
         return GenerateResult(None, latents)
     frames = decode(handle, latents, tiling=tiling)

@@ -11,17 +11,45 @@ import pytest
 import torch
 from parity_cases import Case, discover
 
-from lingbot_core import stages
+from lingbot_core import sampling, stages
 from lingbot_core.handle import PipelineHandle
 from lingbot_core.latents import latent_shape
 
-CASES = discover({"t2v", "t2i", "ti2v"})
+CASES = discover({"t2v", "t2i", "ti2v"}, sets=("lingbot", "lingbot-dmd"))
 REFINE_CASES = discover({"refine"})
 
 
 def test_shared_pipeline_cases_are_present():
-    assert {"t2v-dense", "t2i-dense", "ti2v-dense", "t2v-moe"} <= {c.name for c in CASES}
+    assert {"t2v-dense", "t2i-dense", "ti2v-dense", "t2v-moe", "t2v-dense-dmd", "ti2v-dense-dmd"} <= {
+        c.name for c in CASES}
     assert "refine-moe" in {c.name for c in REFINE_CASES}
+
+
+def _sampler(case: Case):
+    """The sampler a case's `scheduler` block names (none: flow-UniPC, the checkpoint's scheduler).
+
+    A block naming a scheduler we do not implement fails the case: it must never run as flow-UniPC.
+    """
+    block = case.spec.get("scheduler")
+    if block is None:
+        return sampling.get_sampler("flow_unipc")
+    try:
+        return sampling.from_scheduler_block(block)
+    except ValueError as err:
+        pytest.fail(f"{case.name}: {err}; the case is not run as flow-UniPC")
+
+
+def _check_schedule(case: Case, e: dict, handle, trace: dict) -> None:
+    """Timesteps and sigmas of the run, and for stochastic samplers the draws and stds."""
+    run = trace["run"]
+    case.check("timesteps", run.timesteps, e)
+    case.check("sigmas", run.sigmas, e)
+    if "scheduler" not in case.spec:  # flow-UniPC: the run is the checkpoint's scheduler
+        case.check("timesteps", handle.component("scheduler").timesteps, e)
+    if "ancestral_std" in e:
+        case.check("ancestral_std", torch.stack(run.trace["std"]), e)
+        case.check("scheduler_noise", torch.stack(run.trace["noise"]), e)
+        case.check("scheduler_noise_steps", torch.tensor(run.trace["noise_steps"], dtype=torch.int64), e)
 
 
 class DiTRecorder:
@@ -88,16 +116,18 @@ def test_stages_match_reference(case):
     noise = stages.prepare_latents(latent_shape(h, w, f), g)
     case.check("initial_latents", noise, e)
 
-    scheduler = handle.component("scheduler")
+    if not cfg:
+        assert cond.negative is None  # guidance 1: the negative is never encoded
     recorder = DiTRecorder(handle.component("transformer"))
+    trace: dict = {}
     try:
+        # The same generator goes on: a stochastic sampler's step noise follows the initial noise.
         latents = stages.denoise(handle, cond, height=h, width=w, num_frames=f, steps=spec["num_inference_steps"],
                                  guidance_scale=spec["guidance_scale"], shift=spec["shift"], latents=noise.clone(),
-                                 cond_latent=cond_latent, seed=spec["seed"])
+                                 cond_latent=cond_latent, generator=g, sampler=_sampler(case), trace=trace)
     finally:
         recorder.close()
-    case.check("timesteps", scheduler.timesteps, e)
-    case.check("sigmas", scheduler.sigmas, e)
+    _check_schedule(case, e, handle, trace)
     _check_run(case, e, recorder.calls, cfg)
     case.check("final_latents", latents, e)
     case.check("frames", stages.decode(handle, latents), e)
@@ -111,7 +141,7 @@ def test_generate_matches_reference_and_stages_alone(case):
     kwargs = dict(mode=spec["mode"], image=_image(case), negative_prompt=spec["negative_prompt"],
                   height=spec["height"], width=spec["width"], num_frames=spec["num_frames"],
                   steps=spec["num_inference_steps"], guidance_scale=spec["guidance_scale"], shift=spec["shift"],
-                  seed=spec["seed"])
+                  seed=spec["seed"], sampler=_sampler(case))
     steps_seen = []
     result = stages.generate(handle, spec["prompt"], callback=lambda i, n, x: steps_seen.append((i, n)), **kwargs)
     case.check("final_latents", result.latents, e)
@@ -122,10 +152,11 @@ def test_generate_matches_reference_and_stages_alone(case):
     # The stages called one by one, without the test's help, give exactly what `generate` gives.
     image_cond = (stages.encode_image(handle, _image(case), spec["height"], spec["width"])
                   if spec["mode"] == "ti2v" else None)
-    cond = stages.encode_prompt(handle, spec["prompt"], spec["negative_prompt"], image=image_cond, mode=spec["mode"])
+    cond = stages.encode_prompt(handle, spec["prompt"], spec["negative_prompt"] if spec["guidance_scale"] > 1 else None,
+                                image=image_cond, mode=spec["mode"])
     latents = stages.denoise(handle, cond, height=spec["height"], width=spec["width"], num_frames=spec["num_frames"],
                              steps=n, guidance_scale=spec["guidance_scale"], shift=spec["shift"], seed=spec["seed"],
-                             image_cond=image_cond)
+                             image_cond=image_cond, sampler=kwargs["sampler"])
     assert torch.equal(latents, result.latents)
     assert torch.equal(stages.decode(handle, latents), result.frames)
 
@@ -208,3 +239,12 @@ def test_extra_case_folders_are_discovered(tmp_path, monkeypatch, fixtures_root)
     extra = [c for c in found if c.path in (root / "cases" / "t2i-extra", single)]
     assert len(extra) == 2
     assert next(c for c in extra if c.path == root / "cases" / "t2i-extra").model_dir == root / "models" / "tiny-dense"
+
+
+def test_a_case_naming_an_unknown_scheduler_fails_instead_of_running_as_unipc(tmp_path):
+    case = Case(tmp_path, {"name": "t2v-lcm", "scheduler": {"name": "lcm_student"}}, tmp_path)
+    with pytest.raises(pytest.fail.Exception, match="t2v-lcm.*not implemented.*not run as flow-UniPC"):
+        _sampler(case)
+    odd = Case(tmp_path, {"name": "t2v-odd", "scheduler": {"name": "dmd_student", "sigma_data": 0.5}}, tmp_path)
+    with pytest.raises(pytest.fail.Exception, match="sigma_data"):
+        _sampler(odd)
