@@ -1,0 +1,253 @@
+"""LoRA loading: every key format against a direct computation, exact removal, and bad input."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from lingbot_core import lora as lora_ops
+from lingbot_core.checkpoint import load_transformer
+from lingbot_core.lora import LoraError, LoraItem, LoraStack
+
+RANK = 3
+
+
+@pytest.fixture(scope="module")
+def moe_dit(fixtures_root):
+    return load_transformer(fixtures_root / "models" / "tiny-moe")
+
+
+@pytest.fixture(scope="module")
+def dense_dit(fixtures_root):
+    return load_transformer(fixtures_root / "models" / "tiny-dense")
+
+
+def _factors(shape, seed, experts=None):
+    g = torch.Generator().manual_seed(seed)
+    if experts is None:
+        out, inp = shape
+        return torch.randn(RANK, inp, generator=g) * 0.1, torch.randn(out, RANK, generator=g) * 0.1
+    e, out, inp = shape
+    return torch.randn(e, RANK, inp, generator=g) * 0.1, torch.randn(e, out, RANK, generator=g) * 0.1
+
+
+# (format name, how a module path and role become a file key, alpha written?)
+FORMATS = {
+    "peft": (lambda m, r: f"{m}.lora_{'A' if r == 'down' else 'B'}.weight", False),
+    "peft_no_weight": (lambda m, r: f"{m}.lora_{'A' if r == 'down' else 'B'}", False),
+    "diffusers_lora_dot": (lambda m, r: f"{m}.lora.{r}.weight", False),
+    "diffsynth_default": (lambda m, r: f"{m}.lora_{'A' if r == 'down' else 'B'}.default.weight", False),
+    "diffusers_pipeline": (lambda m, r: f"transformer.{m}.lora_{'A' if r == 'down' else 'B'}.weight", False),
+    "comfy_diffusion_model": (lambda m, r: f"diffusion_model.{m}.lora_{r}.weight", True),
+    "kohya_underscore": (lambda m, r: f"lora_unet_{m.replace('.', '_')}.lora_{r}.weight", True),
+    "mirai_dotted_kohya": (lambda m, r: f"lora_unet.{m}.lora_{r}.weight", True),
+    "lora_linear_layer": (lambda m, r: f"{m}.lora_linear_layer.{r}.weight", False),
+}
+MODULES = ["blocks.0.attn.to_q", "blocks.1.attn.to_out", "blocks.0.ffn.shared_experts.down_proj"]
+
+
+def _alpha_key(fmt, module):
+    return FORMATS[fmt][0](module, "down").replace(".lora_down.weight", ".alpha")
+
+
+def _write(tmp_path, tensors, name="lora.safetensors", dtype=None):
+    path = tmp_path / name
+    save_file({k: (v.to(dtype) if dtype is not None else v).contiguous() for k, v in tensors.items()}, path)
+    return path
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_every_key_format_merges_w_plus_scaled_product(tmp_path, moe_dit, fmt):
+    key_of, with_alpha = FORMATS[fmt]
+    params = dict(moe_dit.named_parameters())
+    tensors, want = {}, {}
+    strength, alpha = 0.7, 6.0
+    scale = alpha / RANK if with_alpha else 1.0
+    for i, module in enumerate(MODULES):
+        w = params[f"{module}.weight"]
+        down, up = _factors(tuple(w.shape), seed=i)
+        tensors[key_of(module, "down")], tensors[key_of(module, "up")] = down, up
+        if with_alpha:
+            tensors[_alpha_key(fmt, module)] = torch.tensor(alpha)
+        want[f"{module}.weight"] = (w.double() + strength * scale * (up.double() @ down.double())).float()
+    lora = lora_ops.load_lora_file(_write(tmp_path, tensors))
+    report = lora_ops.match(lora, moe_dit, "transformer")
+    assert sorted(p.param for p in report.patches) == sorted(want) and not report.unmatched
+
+    before = {n: p.detach().clone() for n, p in moe_dit.named_parameters()}
+    stack = LoraStack((LoraItem(lora, strength),))
+    stack.apply({"transformer": moe_dit}, ["transformer"])
+    try:
+        for name, p in moe_dit.named_parameters():
+            if name in want:
+                torch.testing.assert_close(p, want[name], atol=1e-6, rtol=0)
+                assert not torch.equal(p, before[name])
+            else:
+                assert torch.equal(p, before[name]), f"{fmt}: {name} changed"
+    finally:
+        stack.remove({"transformer": moe_dit}, ["transformer"])
+    assert all(torch.equal(p, before[n]) for n, p in moe_dit.named_parameters())
+
+
+def test_full_deltas_and_3d_expert_and_router_loras(tmp_path, moe_dit):
+    params = dict(moe_dit.named_parameters())
+    g = torch.Generator().manual_seed(9)
+    diff = torch.randn(32, 32, generator=g) * 0.01
+    diff_b = torch.randn(32, generator=g) * 0.01
+    down_e, up_e = _factors((4, 16, 32), seed=3, experts=True)
+    down_r, up_r = _factors((4, 32), seed=4)
+    tensors = {
+        "diffusion_model.blocks.0.attn.to_out.diff": diff,
+        "diffusion_model.blocks.0.attn.to_out.diff_b": diff_b,
+        "lora_unet.blocks.1.ffn.experts.w1.lora_down.weight": down_e,
+        "lora_unet.blocks.1.ffn.experts.w1.lora_up.weight": up_e,
+        "lora_unet.blocks.1.ffn.experts.w1.alpha": torch.tensor(1.5),
+        "lora_unet.blocks.0.ffn.router.weight.lora_down.weight": down_r,
+        "lora_unet.blocks.0.ffn.router.weight.lora_up.weight": up_r,
+    }
+    lora = lora_ops.load_lora_file(_write(tmp_path, tensors))
+    s = 0.5
+    want = {
+        "blocks.0.attn.to_out.weight": params["blocks.0.attn.to_out.weight"].double() + s * diff.double(),
+        "blocks.0.attn.to_out.bias": params["blocks.0.attn.to_out.bias"].double() + s * diff_b.double(),
+        "blocks.1.ffn.experts.w1": params["blocks.1.ffn.experts.w1"].double()
+        + s * 0.5 * torch.stack([up_e[e].double() @ down_e[e].double() for e in range(4)]),
+        "blocks.0.ffn.router.weight": params["blocks.0.ffn.router.weight"].double()
+        + s * (up_r.double() @ down_r.double()),
+    }
+    stack = LoraStack((LoraItem(lora, s),))
+    stack.apply({"transformer": moe_dit}, ["transformer"])
+    try:
+        now = dict(moe_dit.named_parameters())
+        for name, value in want.items():
+            torch.testing.assert_close(now[name].double(), value, atol=1e-6, rtol=0)
+    finally:
+        stack.remove({"transformer": moe_dit}, ["transformer"])
+
+
+def test_bf16_weights_merge_in_fp32_and_restore_exactly(fixtures_root, tmp_path):
+    dit = load_transformer(fixtures_root / "models" / "tiny-dense", dtype=torch.bfloat16)
+    w = dit.blocks[0].attn.to_q.weight
+    original = w.detach().clone()
+    down, up = _factors((32, 32), seed=1)
+    lora = lora_ops.LoraFile.from_state_dict({"blocks.0.attn.to_q.lora_A.weight": down.bfloat16(),
+                                              "blocks.0.attn.to_q.lora_B.weight": up.bfloat16()})
+    stack = LoraStack((LoraItem(lora, 1.0),))
+    stack.apply({"transformer": dit}, ["transformer"])
+    expected = (original.float() + up.bfloat16().float() @ down.bfloat16().float()).to(torch.bfloat16)
+    assert w.dtype == torch.bfloat16 and torch.equal(w, expected)
+    # A strength change re-merges from the pristine copy, not from the merged weight.
+    LoraStack((LoraItem(lora, 0.25),)).apply({"transformer": dit}, ["transformer"])
+    expected = (original.float() + 0.25 * (up.bfloat16().float() @ down.bfloat16().float())).to(torch.bfloat16)
+    assert torch.equal(w, expected)
+    stack.remove({"transformer": dit}, ["transformer"])
+    assert torch.equal(w, original)
+    assert lora_ops.pristine_copies(dit) == {}
+
+
+def test_two_loras_on_one_weight_add_up(moe_dit):
+    w = dict(moe_dit.named_parameters())["blocks.0.attn.to_q.weight"]
+    a, b = _factors((32, 32), seed=5), _factors((32, 32), seed=6)
+    first = lora_ops.LoraFile.from_state_dict({"blocks.0.attn.to_q.lora_A.weight": a[0],
+                                               "blocks.0.attn.to_q.lora_B.weight": a[1]}, name="a")
+    second = lora_ops.LoraFile.from_state_dict({"blocks.0.attn.to_q.lora_A.weight": b[0],
+                                                "blocks.0.attn.to_q.lora_B.weight": b[1]}, name="b")
+    original = w.detach().clone()
+    stack = LoraStack((LoraItem(first, 1.0), LoraItem(second, -0.5)))
+    stack.apply({"transformer": moe_dit}, ["transformer"])
+    try:
+        want = original.double() + a[1].double() @ a[0].double() - 0.5 * (b[1].double() @ b[0].double())
+        torch.testing.assert_close(w.double(), want, atol=1e-6, rtol=0)
+    finally:
+        stack.remove({"transformer": moe_dit}, ["transformer"])
+    assert torch.equal(w, original)
+
+
+def test_refiner_prefix_and_apply_to(moe_dit):
+    down, up = _factors((32, 32), seed=7)
+    lora = lora_ops.LoraFile.from_state_dict({"refiner.blocks.0.attn.to_q.lora_A.weight": down,
+                                              "refiner.blocks.0.attn.to_q.lora_B.weight": up})
+    assert lora.components() == {"refiner"}
+    assert not lora_ops.match(lora, moe_dit, "transformer").patches  # auto: the file says refiner
+    assert len(lora_ops.match(lora, moe_dit, "refiner").patches) == 1
+    assert len(lora_ops.match(lora, moe_dit, "transformer", apply_to="transformer").patches) == 1
+    assert not lora_ops.match(lora, moe_dit, "refiner", apply_to="transformer").patches
+    assert len(lora_ops.match(lora, moe_dit, "transformer", apply_to="both").patches) == 1
+
+
+# -- bad input ---------------------------------------------------------------------------------------
+
+def test_unreadable_and_non_safetensors_files(tmp_path):
+    with pytest.raises(LoraError, match="does not exist"):
+        lora_ops.load_lora_file(tmp_path / "missing.safetensors")
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    with pytest.raises(LoraError, match="not a readable safetensors file"):
+        lora_ops.load_lora_file(junk)
+    pickled = tmp_path / "lora.pt"
+    torch.save({"blocks.0.attn.to_q.lora_A.weight": torch.zeros(2, 2)}, pickled)
+    with pytest.raises(LoraError, match="pickled.*safetensors"):
+        lora_ops.load_lora_file(pickled)
+    disguised = tmp_path / "disguised.safetensors"
+    disguised.write_bytes(pickled.read_bytes())
+    with pytest.raises(LoraError, match="pickled"):
+        lora_ops.load_lora_file(disguised)
+    empty = _write(tmp_path, {"some.other.tensor": torch.zeros(2)}, "other.safetensors")
+    with pytest.raises(LoraError, match="no LoRA keys found.*some.other.tensor"):
+        lora_ops.load_lora_file(empty)
+
+
+def test_keys_matching_nothing_are_refused(fixtures_root, tmp_path):
+    from lingbot_core.handle import PipelineHandle
+
+    handle = PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu")
+    down, up = _factors((32, 32), seed=1)
+    lora = lora_ops.LoraFile.from_state_dict({"unet.down_blocks.0.to_q.lora_A.weight": down,
+                                              "unet.down_blocks.0.to_q.lora_B.weight": up}, name="sdxl.safetensors")
+    with pytest.raises(LoraError, match="sdxl.safetensors: none of its 2 keys matches.*another model"):
+        lora_ops.plan(handle, lora)
+    assert "transformer" not in handle.shared.loaded  # checked on the config's layout, no weights loaded
+
+
+@pytest.mark.parametrize("tensors, pattern", [
+    ({"blocks.0.attn.to_q.lora_A.weight": torch.zeros(3, 32), "blocks.0.attn.to_q.lora_B.weight": torch.zeros(32, 4)},
+     "rank mismatch.*rank 3"),
+    ({"blocks.0.attn.to_q.lora_A.weight": torch.zeros(3, 32)}, "no matching up factor"),
+    ({"blocks.0.attn.to_q.lora_A.weight": torch.zeros(3, 64), "blocks.0.attn.to_q.lora_B.weight": torch.zeros(64, 3)},
+     "another size"),
+    ({"lora_unet.blocks.0.ffn.experts.w1.lora_down.weight": torch.zeros(8, 3, 32),
+      "lora_unet.blocks.0.ffn.experts.w1.lora_up.weight": torch.zeros(8, 16, 3)}, "8 experts.*has 4"),
+    ({"blocks.0.ffn.experts.w1.lora_A.weight": torch.zeros(3, 32), "blocks.0.ffn.experts.w1.lora_B.weight":
+      torch.zeros(16, 3)}, "2-D factors.*3-D"),
+    ({"blocks.0.attn.to_q.lora_A.weight": torch.full((3, 32), float("nan")),
+      "blocks.0.attn.to_q.lora_B.weight": torch.zeros(32, 3)}, "non-finite"),
+    ({"blocks.0.attn.to_q.diff": torch.zeros(16, 16)}, r"is \(16, 16\) but blocks.0.attn.to_q.weight"),
+])
+def test_bad_factors_are_refused_with_the_key(moe_dit, tensors, pattern):
+    lora = lora_ops.LoraFile.from_state_dict(tensors, name="bad.safetensors")
+    with pytest.raises(LoraError, match=pattern):
+        lora_ops.match(lora, moe_dit, "transformer")
+
+
+def test_unsupported_adapter_kinds_are_refused():
+    with pytest.raises(LoraError, match="DoRA"):
+        lora_ops.LoraFile.from_state_dict({"blocks.0.attn.to_q.lora_A.weight": torch.zeros(3, 32),
+                                           "blocks.0.attn.to_q.lora_B.weight": torch.zeros(32, 3),
+                                           "blocks.0.attn.to_q.dora_scale": torch.zeros(32)})
+    with pytest.raises(LoraError, match="strength must be a finite number"):
+        LoraItem(lora_ops.LoraFile.from_state_dict({"blocks.0.attn.to_q.diff": torch.zeros(32, 32)}), float("inf"))
+
+
+def test_a_moe_lora_on_the_dense_model_warns_partial(fixtures_root, caplog):
+    from lingbot_core.handle import PipelineHandle
+
+    dense = PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu")
+    path = fixtures_root.parent / "lingbot-lora" / "cases" / "lora-lightx2v-mixed-moe" / "lora.safetensors"
+    lora = lora_ops.load_lora_file(path)
+    with caplog.at_level(logging.WARNING, logger="lingbot_core.lora"):
+        (report,) = lora_ops.plan(dense, lora)
+    assert len(report.patches) == 8 and len(report.unmatched) == 12  # attention matches, shared experts do not
+    assert "matches only part" in caplog.text and "MoE model" in caplog.text
