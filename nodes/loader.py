@@ -132,10 +132,6 @@ class LingBotMemoryReport:
     def INPUT_TYPES(cls):
         return {"required": {"pipe": (PIPE,), "value": (ANY, {"tooltip": "report after this has been computed"})}}
 
-    @classmethod
-    def VALIDATE_INPUTS(cls, input_types=None, **_):
-        return True
-
     def report(self, pipe, value):
         from lingbot_core.memory import memory_report
 
@@ -160,10 +156,6 @@ class LingBotRelease:
                 "what": (["all", "base transformer", "refiner", "text encoder"], {"default": "all"}),
             }
         }
-
-    @classmethod
-    def VALIDATE_INPUTS(cls, input_types=None, **_):
-        return True  # `value` accepts any type
 
     def release(self, pipe, value, what="all"):
         from lingbot_core.offload import release

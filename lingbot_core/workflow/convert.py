@@ -20,7 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ValidationIssue, WorkflowError, WorkflowValidationError
+from .errors import ValidationIssue, WorkflowError, WorkflowValidationError, brief
+from .graph import check_nesting, id_text, json_path
 from .nodeinfo import InputSpec, NodeClassInfo, is_link
 
 MODE_MUTED = 2
@@ -68,10 +69,38 @@ def ui_to_api(
     """Convert an editor save to the API dict the frontend would queue.
 
     Nodes come out in the saved execution ``order`` (then id), so the result is deterministic.
-    Problems (unknown classes, dangling links, unsupported subgraphs) are collected and raised
-    together as :class:`WorkflowValidationError`.
+    Problems (unknown classes, dangling links, unsupported subgraphs, malformed entries) are
+    collected and raised together as :class:`WorkflowValidationError`; a file whose top-level
+    shape is wrong raises :class:`WorkflowError` naming the JSON path.
     """
+    if not isinstance(ui, Mapping):
+        raise WorkflowError(f"{source}: a UI workflow must be a JSON object, got {type(ui).__name__}")
+    check_nesting(ui, source)
     return _Converter(ui, registry, display_names or {}, source).convert()
+
+
+@dataclass(frozen=True)
+class _UIInput:
+    """One entry of a UI node's ``inputs`` list, checked."""
+
+    name: str
+    type: Any
+    link: str | None  # the link id as a key, or None when unconnected
+    widget: bool  # a converted widget (``widget: {name}``)
+
+
+@dataclass(frozen=True)
+class _UINode:
+    """A UI node with every field the converter reads checked and in a known shape."""
+
+    id: str
+    type: str | None
+    mode: Any
+    order: Any
+    title: str | None
+    inputs: list[_UIInput | None]  # None: an entry that is not an object (kept for slot positions)
+    output_types: list[Any]
+    widgets: Any  # a list, a dict (saved by name) or None
 
 
 class _Converter:
@@ -83,53 +112,108 @@ class _Converter:
         self.issues: list[ValidationIssue] = []
         self.nodes = self._index_nodes()
         self.links = self._index_links()
-        subgraphs = ((ui.get("definitions") or {}).get("subgraphs")) or []
-        self.subgraph_ids = {str(sg.get("id")) for sg in subgraphs if isinstance(sg, Mapping)}
+        self.subgraph_ids = self._subgraph_ids()
         self.infos: dict[str, NodeClassInfo] = {}
 
-    # -- indexing ---------------------------------------------------------------------------------
+    # -- indexing: every field read later is checked here --------------------------------------------
 
-    def _index_nodes(self) -> dict[str, Mapping[str, Any]]:
-        nodes: dict[str, Mapping[str, Any]] = {}
+    def _fail(self, path: tuple[Any, ...], message: str) -> WorkflowError:
+        return WorkflowError(f"{self.source}: {json_path(path)} {message}")
+
+    def _index_nodes(self) -> dict[str, _UINode]:
+        nodes: dict[str, _UINode] = {}
         raw = self.ui.get("nodes")
         if not isinstance(raw, list):
-            raise WorkflowError(f"{self.source}: 'nodes' must be a list")
+            raise self._fail(("nodes",), "must be a list")
         for position, node in enumerate(raw):
+            where = ("nodes", position)
             if not isinstance(node, Mapping) or "id" not in node:
-                raise WorkflowError(f"{self.source}: nodes[{position}] is not a node object with an 'id'")
-            node_id = str(node["id"])
+                raise self._fail(where, "is not a node object with an 'id'")
+            node_id = id_text(node["id"])
+            if node_id is None:
+                raise self._fail(where + ("id",), f"must be an integer or a short string, got {brief(node['id'], 40)}")
             if node_id in nodes:
-                raise WorkflowError(f"{self.source}: node id {node_id} appears twice")
-            nodes[node_id] = node
+                raise self._fail(where + ("id",), f"repeats node id {node_id}")
+            nodes[node_id] = self._read_node(node_id, node, where)
         return nodes
+
+    def _read_node(self, node_id: str, node: Mapping[str, Any], where: tuple[Any, ...]) -> _UINode:
+        class_type = node.get("type")
+        raw_inputs = node.get("inputs")
+        if raw_inputs is None:
+            raw_inputs = []
+        if not isinstance(raw_inputs, list):
+            raise self._fail(where + ("inputs",), f"must be a list (node {node_id})")
+        inputs: list[_UIInput | None] = []
+        for index, entry in enumerate(raw_inputs):
+            if not isinstance(entry, Mapping):
+                inputs.append(None)
+                continue
+            name = entry.get("name", "")
+            if not isinstance(name, str):
+                raise self._fail(where + ("inputs", index, "name"), f"must be a string (node {node_id})")
+            link = entry.get("link")
+            link_key = None if link is None else id_text(link)
+            if link is not None and link_key is None:
+                raise self._fail(where + ("inputs", index, "link"),
+                                 f"must be a link id or null, got {brief(link, 40)} (node {node_id})")
+            inputs.append(_UIInput(name, entry.get("type"), link_key, entry.get("widget") is not None))
+        raw_outputs = node.get("outputs")
+        if raw_outputs is None:
+            raw_outputs = []
+        if not isinstance(raw_outputs, list):
+            raise self._fail(where + ("outputs",), f"must be a list (node {node_id})")
+        output_types = [o.get("type") if isinstance(o, Mapping) else None for o in raw_outputs]
+        widgets = node.get("widgets_values")
+        if widgets is not None and not isinstance(widgets, (list, Mapping)):
+            raise self._fail(where + ("widgets_values",), f"must be a list or an object (node {node_id})")
+        title = node.get("title")
+        return _UINode(node_id, class_type if isinstance(class_type, str) else None, node.get("mode", 0),
+                       node.get("order"), title if isinstance(title, str) and title else None,
+                       inputs, output_types, widgets)
 
     def _index_links(self) -> dict[str, _Link]:
         links: dict[str, _Link] = {}
-        for position, raw in enumerate(self.ui.get("links") or []):
-            try:
-                if isinstance(raw, Mapping):  # schema 1 saves links as objects
-                    link_id = raw["id"]
-                    link = _Link(str(raw["origin_id"]), int(raw["origin_slot"]), str(raw["target_id"]),
-                                 int(raw["target_slot"]), raw.get("type"))
-                else:
-                    link_id, origin, origin_slot, target, target_slot = raw[:5]
-                    link = _Link(str(origin), int(origin_slot), str(target), int(target_slot),
-                                 raw[5] if len(raw) > 5 else None)
-            except (KeyError, TypeError, ValueError, IndexError):
-                raise WorkflowError(f"{self.source}: links[{position}] is malformed: {raw!r}") from None
-            links[str(link_id)] = link
+        raw_links = self.ui.get("links")
+        if raw_links is None:
+            raw_links = []
+        if not isinstance(raw_links, list):
+            raise self._fail(("links",), "must be a list")
+        for position, raw in enumerate(raw_links):
+            if isinstance(raw, Mapping):  # schema 1 saves links as objects
+                fields = [raw.get(k) for k in ("id", "origin_id", "origin_slot", "target_id", "target_slot")]
+                kind = raw.get("type")
+            elif isinstance(raw, list) and len(raw) >= 5:
+                fields = list(raw[:5])
+                kind = raw[5] if len(raw) > 5 else None
+            else:
+                raise self._fail(("links", position), f"is malformed: {brief(raw)}")
+            link_id, origin, target = id_text(fields[0]), id_text(fields[1]), id_text(fields[3])
+            slots = [_slot(fields[2]), _slot(fields[4])]
+            if link_id is None or origin is None or target is None or None in slots:
+                raise self._fail(("links", position), "is malformed (expected [id, origin_id, origin_slot, "
+                                 f"target_id, target_slot, type] with integer slots): {brief(raw)}")
+            links[link_id] = _Link(origin, slots[0], target, slots[1], kind)
         return links
+
+    def _subgraph_ids(self) -> set[str]:
+        definitions = self.ui.get("definitions")
+        subgraphs = definitions.get("subgraphs") if isinstance(definitions, Mapping) else None
+        if not isinstance(subgraphs, list):
+            return set()
+        ids = (id_text(sg.get("id")) for sg in subgraphs if isinstance(sg, Mapping))
+        return {i for i in ids if i is not None}
 
     # -- conversion ---------------------------------------------------------------------------------
 
     def convert(self) -> dict[str, dict[str, Any]]:
         output: dict[str, dict[str, Any]] = {}
-        for node_id, node in sorted(self.nodes.items(), key=lambda kv: _order_key(kv[0], kv[1])):
-            class_type = node.get("type")
-            if not isinstance(class_type, str):
+        for node_id, node in sorted(self.nodes.items(), key=lambda kv: _order_key(kv[0], kv[1].order)):
+            class_type = node.type
+            if class_type is None:
                 self.issues.append(ValidationIssue(node_id, None, None, "UI node has no 'type'"))
                 continue
-            if class_type in VIRTUAL_TYPES or node.get("mode", 0) in (MODE_MUTED, MODE_BYPASS):
+            if class_type in VIRTUAL_TYPES or _mode_is(node.mode, MODE_MUTED, MODE_BYPASS):
                 continue
             info = self._info(node_id, class_type)
             if info is None:
@@ -139,7 +223,7 @@ class _Converter:
                 self._link_inputs(node_id, node, info, inputs)
             except _Abort:
                 continue
-            title = node.get("title") or self.display_names.get(class_type) or class_type
+            title = node.title or self.display_names.get(class_type) or class_type
             output[node_id] = {"inputs": inputs, "class_type": class_type, "_meta": {"title": title}}
         if self.issues:
             raise WorkflowValidationError(self.issues, source=self.source)
@@ -160,7 +244,7 @@ class _Converter:
             return None
         cls = self.registry.get(class_type)
         if cls is None:
-            self._issue(node_id, class_type, None, f"unknown node type '{class_type}'")
+            self._issue(node_id, class_type, None, f"unknown node type {brief(class_type)}")
             return None
         if class_type not in self.infos:
             try:
@@ -175,9 +259,9 @@ class _Converter:
 
     # -- widgets ------------------------------------------------------------------------------------------
 
-    def _widget_inputs(self, node_id: str, node: Mapping[str, Any], info: NodeClassInfo) -> dict[str, Any]:
+    def _widget_inputs(self, node_id: str, node: _UINode, info: NodeClassInfo) -> dict[str, Any]:
         widgets = [s for s in info.visible_inputs() if s.is_widget]
-        values = node.get("widgets_values")
+        values = node.widgets
         inputs: dict[str, Any] = {}
         if isinstance(values, Mapping):  # some packs save widgets by name
             for spec in widgets:
@@ -227,17 +311,17 @@ class _Converter:
 
     # -- links ------------------------------------------------------------------------------------------
 
-    def _link_inputs(self, node_id: str, node: Mapping[str, Any], info: NodeClassInfo, inputs: dict[str, Any]) -> None:
-        for index, ui_input in enumerate(node.get("inputs") or []):
-            if not isinstance(ui_input, Mapping) or ui_input.get("link") is None:
+    def _link_inputs(self, node_id: str, node: _UINode, info: NodeClassInfo, inputs: dict[str, Any]) -> None:
+        for index, ui_input in enumerate(node.inputs):
+            if ui_input is None or ui_input.link is None:
                 continue
-            name = str(ui_input.get("name"))
-            resolved = self._resolve_input(node_id, index, None, set())
+            resolved = self._resolve(node_id, index)
             if resolved is None:
                 continue  # nothing real upstream: the widget value (if any) stays
+            name = ui_input.name
             if isinstance(resolved, _Value):
                 spec = info.declared(name)
-                if ui_input.get("widget") is not None or (spec is not None and spec.is_widget):
+                if ui_input.widget or (spec is not None and spec.is_widget):
                     if resolved.value is not _MISSING:
                         inputs[name] = _coerce(spec, resolved.value) if spec else _wrap(resolved.value)
                 continue
@@ -245,56 +329,61 @@ class _Converter:
 
     def _link(self, node_id: str, index: int) -> _Link | None:
         node = self.nodes[node_id]
-        ui_inputs = node.get("inputs") or []
-        if index >= len(ui_inputs):
+        if index >= len(node.inputs) or node.inputs[index] is None:
             return None
-        ui_input = ui_inputs[index]
-        link_id = ui_input.get("link") if isinstance(ui_input, Mapping) else None
-        if link_id is None:
+        ui_input = node.inputs[index]
+        if ui_input.link is None:
             return None
-        link = self.links.get(str(link_id))
+        link = self.links.get(ui_input.link)
         if link is None:
-            self._issue(node_id, node.get("type"), str(ui_input.get("name")),
-                        f"uses link {link_id}, which is not in the workflow's links list (dangling link)")
+            self._issue(node_id, node.type, ui_input.name,
+                        f"uses link {ui_input.link}, which is not in the workflow's links list (dangling link)")
             raise _Abort
         if link.origin_id not in self.nodes:
-            self._issue(node_id, node.get("type"), str(ui_input.get("name")),
-                        f"link {link_id} comes from node {link.origin_id}, which does not exist (dangling link)")
+            self._issue(node_id, node.type, ui_input.name,
+                        f"link {ui_input.link} comes from node {link.origin_id}, which does not exist (dangling link)")
             raise _Abort
         return link
 
-    def _resolve_input(self, node_id: str, index: int, want_type: Any, visited: set[tuple[str, str, int]]) -> _Output | _Value | None:
-        key = (node_id, "in", index)
-        if key in visited:
-            raise WorkflowError(f"{self.source}: links loop through node {node_id} (reroute/bypass cycle)")
-        visited.add(key)
-        link = self._link(node_id, index)
-        if link is None:
-            return None
-        if want_type is None:
-            want_type = (self.nodes[node_id].get("inputs") or [])[index].get("type")
-        return self._resolve_output(link.origin_id, link.origin_slot, want_type, visited)
+    def _resolve(self, node_id: str, index: int) -> _Output | _Value | None:
+        """Follow input ``index`` of a node upstream through Reroutes and bypassed nodes.
 
-    def _resolve_output(self, node_id: str, slot: int, want_type: Any, visited: set[tuple[str, str, int]]) -> _Output | _Value | None:
-        key = (node_id, "out", slot)
-        if key in visited:
-            raise WorkflowError(f"{self.source}: links loop through node {node_id} (reroute/bypass cycle)")
-        visited.add(key)
-        node = self.nodes[node_id]
-        class_type = node.get("type")
-        if node.get("mode", 0) == MODE_BYPASS:
-            index = _bypass_input_index(node, slot, want_type)
-            return None if index < 0 else self._resolve_input(node_id, index, None, visited)
-        if class_type == "PrimitiveNode":
-            values = node.get("widgets_values")
-            return _Value(values[0] if isinstance(values, list) and values else _MISSING)
-        if class_type in NOTE_TYPES:
-            return None
-        if class_type == "Reroute" or class_type in VIRTUAL_TYPES:
-            if slot < len(node.get("inputs") or []):
-                return self._resolve_input(node_id, slot, want_type, visited)
-            return None
-        return _Output(node_id, slot)
+        A loop, not recursion: a chain of thousands of Reroutes is legal JSON and must not
+        exhaust Python's stack.
+        """
+        visited: set[tuple[str, str, int]] = set()
+        want_type: Any = None
+        while True:
+            if (node_id, "in", index) in visited:
+                raise WorkflowError(f"{self.source}: links loop through node {node_id} (reroute/bypass cycle)")
+            visited.add((node_id, "in", index))
+            link = self._link(node_id, index)
+            if link is None:
+                return None
+            if want_type is None:
+                want_type = self.nodes[node_id].inputs[index].type
+            node_id, slot = link.origin_id, link.origin_slot
+            if (node_id, "out", slot) in visited:
+                raise WorkflowError(f"{self.source}: links loop through node {node_id} (reroute/bypass cycle)")
+            visited.add((node_id, "out", slot))
+            node = self.nodes[node_id]
+            if _mode_is(node.mode, MODE_BYPASS):
+                index = _bypass_input_index(node, slot, want_type)
+                if index < 0:
+                    return None
+                want_type = None  # from here on, the bypassed node's input type is what is wanted
+                continue
+            if node.type == "PrimitiveNode":
+                values = node.widgets
+                return _Value(values[0] if isinstance(values, list) and values else _MISSING)
+            if node.type in NOTE_TYPES:
+                return None
+            if node.type in VIRTUAL_TYPES:  # a Reroute passes its one input through
+                if slot < len(node.inputs):
+                    index = slot
+                    continue
+                return None
+            return _Output(node_id, slot)
 
 
 class _Abort(Exception):
@@ -304,14 +393,33 @@ class _Abort(Exception):
 _MISSING = object()
 
 
-def _order_key(node_id: str, node: Mapping[str, Any]) -> tuple[float, float, str]:
-    order = node.get("order")
-    order_f = float(order) if isinstance(order, (int, float)) and not isinstance(order, bool) else math.inf
+def _order_key(node_id: str, order: Any) -> tuple[float, float, str]:
+    try:
+        order_f = float(order) if isinstance(order, (int, float)) and not isinstance(order, bool) else math.inf
+    except OverflowError:
+        order_f = math.inf
+    if math.isnan(order_f):
+        order_f = math.inf
     try:
         numeric = float(node_id)
-    except ValueError:
+    except (ValueError, OverflowError):
+        numeric = math.inf
+    if math.isnan(numeric):
         numeric = math.inf
     return order_f, numeric, node_id
+
+
+def _slot(value: Any) -> int | None:
+    """A slot index from a link entry: a small non-negative integer (JSON may write it as 1.0)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 16:
+        return value
+    return None
+
+
+def _mode_is(mode: Any, *wanted: int) -> bool:
+    return isinstance(mode, int) and not isinstance(mode, bool) and mode in wanted
 
 
 def _default(spec: InputSpec) -> Any:
@@ -343,28 +451,34 @@ def _valid_connection(a: Any, b: Any) -> bool:
     b = 0 if b in ("", "*") else b
     if not a or not b or a == b:
         return True
-    a, b = str(a).lower(), str(b).lower()
+    if not isinstance(a, str) or not isinstance(b, str):
+        return False
+    a, b = a.lower(), b.lower()
     if "," not in a and "," not in b:
         return a == b
     return any(x == y for x in a.split(",") for y in b.split(","))
 
 
-def _bypass_input_index(node: Mapping[str, Any], slot: int, want_type: Any) -> int:
-    """Which input a bypassed node passes through to output ``slot`` (the frontend's rule)."""
-    inputs = [i for i in (node.get("inputs") or []) if isinstance(i, Mapping)]
-    outputs = node.get("outputs") or []
-    output_type = outputs[slot].get("type") if slot < len(outputs) and isinstance(outputs[slot], Mapping) else None
-    if want_type in ("*", "", None):
-        return slot if len(inputs) > slot else (0 if inputs else -1)
-    if slot < len(inputs):
-        same = inputs[slot].get("type")
+def _bypass_input_index(node: _UINode, slot: int, want_type: Any) -> int:
+    """Which input a bypassed node passes through to output ``slot`` (the frontend's rule).
+
+    The index is into the node's whole ``inputs`` list (entries that are not objects keep their
+    positions but are never chosen).
+    """
+    inputs = [(i, entry) for i, entry in enumerate(node.inputs) if entry is not None]
+    output_type = node.output_types[slot] if slot < len(node.output_types) else None
+    if not isinstance(want_type, str) or want_type in ("*", ""):
+        if not inputs:
+            return -1
+        return slot if slot < len(node.inputs) and node.inputs[slot] is not None else inputs[0][0]
+    if slot < len(node.inputs) and node.inputs[slot] is not None:
+        same = node.inputs[slot].type
         if _valid_connection(same, output_type) and _valid_connection(same, want_type):
             return slot
-    for index, ui_input in enumerate(inputs):
-        if ui_input.get("type") == want_type:
+    for index, ui_input in inputs:
+        if ui_input.type == want_type:
             return index
-    for index, ui_input in enumerate(inputs):
-        t = ui_input.get("type")
-        if _valid_connection(t, output_type) and _valid_connection(t, want_type):
+    for index, ui_input in inputs:
+        if _valid_connection(ui_input.type, output_type) and _valid_connection(ui_input.type, want_type):
             return index
     return -1

@@ -25,9 +25,10 @@ from .errors import (
     ValidationIssue,
     WorkflowError,
     WorkflowValidationError,
+    brief,
     is_interrupt,
 )
-from .graph import ApiPrompt, Registry, check_structure, class_infos, normalize_api
+from .graph import ApiPrompt, Registry, check_structure, class_infos, id_text, normalize_api, reading_guard
 from .nodeinfo import NodeClassInfo, is_link, unwrap_constant
 from .validate import hidden_value, validate_node
 
@@ -119,11 +120,18 @@ class Engine:
     # -- planning -----------------------------------------------------------------------------------
 
     def _plan(self, prompt: ApiPrompt | Mapping[str, Any], outputs: Iterable[str] | None) -> _Plan:
+        source = prompt.source if isinstance(prompt, ApiPrompt) else "<dict>"
+        with reading_guard(source):
+            return self._plan_checked(prompt, outputs)
+
+    def _plan_checked(self, prompt: ApiPrompt | Mapping[str, Any], outputs: Iterable[str] | None) -> _Plan:
         extra = None
         if isinstance(prompt, ApiPrompt):
             source, nodes = prompt.source, normalize_api(prompt.nodes, prompt.source)
             extra = {"workflow": prompt.ui} if prompt.ui is not None else None
         else:
+            if not isinstance(prompt, Mapping):
+                raise WorkflowError(f"a prompt must be a dict of nodes, got {type(prompt).__name__}")
             source, nodes = None, normalize_api(prompt)
         infos, issues = class_infos(nodes, self.registry)
         issues += check_structure(nodes, self.registry, infos)
@@ -137,7 +145,7 @@ class Engine:
                     [ValidationIssue(None, None, None, "the workflow has no output nodes (OUTPUT_NODE); "
                                      "name the nodes to run with outputs=")], source=source)
         else:
-            targets = [str(t) for t in outputs]
+            targets = [id_text(t) or brief(t, 40) for t in outputs]
             missing = [ValidationIssue(t, None, None, "requested as an output but no such node exists")
                        for t in targets if t not in nodes]
             if missing:

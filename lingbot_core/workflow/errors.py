@@ -6,12 +6,55 @@ graph open and needs to find the node, not a stack frame.
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
+
+MESSAGE_LIMIT = 1000  # characters of one issue or failure message
+VALUE_LIMIT = 120  # characters of a value echoed inside a message
+ISSUE_LIMIT = 50  # issues listed in one WorkflowValidationError (all are kept in ``issues``)
+
+_repr = reprlib.Repr()
+_repr.maxstring = VALUE_LIMIT
+_repr.maxother = VALUE_LIMIT
+_repr.maxlong = 40
+_repr.maxlevel = 3
+_repr.maxlist = _repr.maxtuple = _repr.maxdict = _repr.maxset = 6
+
+
+def brief(value: Any, limit: int = VALUE_LIMIT) -> str:
+    """A short, safe ``repr`` for messages: a 200 KB field or a 5,000-digit integer is elided.
+
+    ``repr`` of an int past Python's digit limit raises, and a deeply nested value can exceed the
+    recursion limit; neither may turn an error message into a second error.
+    """
+    try:
+        if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+            return f"<an integer of about {int(value.bit_length() * 0.30103) + 1} digits>"
+        text = _repr.repr(value)
+    except (ValueError, RecursionError, TypeError, OverflowError):
+        text = f"<{type(value).__name__}>"
+    except Exception:  # a user object whose __repr__ raises
+        text = f"<{type(value).__name__}>"
+    return clip(text, limit)
+
+
+def clip(text: str, limit: int = MESSAGE_LIMIT) -> str:
+    """``text`` cut to ``limit`` characters, saying how much was left out."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... [{len(text) - limit} more characters]"
 
 
 class WorkflowError(Exception):
-    """Base class: anything wrong with a workflow file, a prompt or a run."""
+    """Base class: anything wrong with a workflow file, a prompt or a run.
+
+    ``internal`` is True only for the safety net that turns an unexpected failure while reading
+    a malformed workflow into this type (the fuzz tests require that it never fires).
+    """
+
+    internal = False
 
 
 @dataclass(frozen=True)
@@ -31,8 +74,9 @@ class ValidationIssue:
             where.append(f"({self.class_type})")
         if self.input_name:
             where.append(f"input '{self.input_name}'")
-        prefix = " ".join(where)
-        return f"{prefix}: {self.message}" if prefix else self.message
+        prefix = clip(" ".join(where), 300)
+        message = clip(self.message)
+        return f"{prefix}: {message}" if prefix else message
 
 
 class WorkflowValidationError(WorkflowError):
@@ -41,10 +85,12 @@ class WorkflowValidationError(WorkflowError):
     def __init__(self, issues: Iterable[ValidationIssue], *, source: str | None = None) -> None:
         self.issues: list[ValidationIssue] = list(issues)
         self.source = source
-        head = f"{source}: " if source else ""
+        head = f"{clip(source, 500)}: " if source else ""
         n = len(self.issues)
         lines = [f"{head}workflow is invalid ({n} problem{'s' if n != 1 else ''}):"]
-        lines += [f"  - {issue}" for issue in self.issues]
+        lines += [f"  - {issue}" for issue in self.issues[:ISSUE_LIMIT]]
+        if n > ISSUE_LIMIT:
+            lines.append(f"  ... and {n - ISSUE_LIMIT} more")
         super().__init__("\n".join(lines))
 
 
@@ -59,7 +105,7 @@ class NodeExecutionError(WorkflowError):
         self.node_id = node_id
         self.class_type = class_type
         self.executed = list(executed or [])
-        super().__init__(f"node {node_id} ({class_type}) failed: {message}")
+        super().__init__(f"node {node_id} ({class_type}) failed: {clip(message)}")
 
 
 class RunInterrupted(WorkflowError):

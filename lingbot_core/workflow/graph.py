@@ -10,15 +10,19 @@ from __future__ import annotations
 import copy
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ValidationIssue, WorkflowError, WorkflowValidationError
+from .errors import ValidationIssue, WorkflowError, WorkflowValidationError, brief, clip
 from .nodeinfo import NodeClassInfo, is_link, link_types_compatible
 
 Registry = Mapping[str, type]
+
+MAX_NESTING = 64  # containers inside containers; editor saves use under 10
+MAX_FILE_BYTES = 256 * 1024 * 1024
 
 
 @dataclass
@@ -63,35 +67,101 @@ def load_workflow(
     else:
         data = source
         origin = "<dict>"
-    kind = detect_format(data, origin)
-    ui: dict[str, Any] | None = None
-    if kind == "ui":
-        ui = copy.deepcopy(dict(data))
-        api = ui_to_api(data, registry, display_names=display_names, source=origin)
-    else:
-        if "prompt" in data and isinstance(data["prompt"], Mapping) and "class_type" not in data["prompt"]:
-            data = data["prompt"]  # a saved POST /prompt body
-        api = normalize_api(data, origin)
-    issues = check_structure(api, registry)
+    with reading_guard(origin):
+        check_nesting(data, origin)
+        kind = detect_format(data, origin)
+        ui: dict[str, Any] | None = None
+        if kind == "ui":
+            ui = copy.deepcopy(dict(data))
+            api = ui_to_api(data, registry, display_names=display_names, source=origin)
+        else:
+            if "prompt" in data and isinstance(data["prompt"], Mapping) and "class_type" not in data["prompt"]:
+                data = data["prompt"]  # a saved POST /prompt body
+            api = normalize_api(data, origin)
+        issues = check_structure(api, registry)
     if issues:
         raise WorkflowValidationError(issues, source=origin)
     return ApiPrompt(nodes=api, source=origin, format=kind, ui=ui)
 
 
-def read_json(path: Path) -> Any:
-    """Parse a JSON file; a syntax error names the file, line and column."""
+@contextmanager
+def reading_guard(origin: str) -> Iterator[None]:
+    """The safety net around reading a workflow: anything but our own error becomes one.
+
+    The readers check shapes explicitly; this only makes sure that a case they missed still
+    reaches the user (and the CLI's exit code 2) as a :class:`WorkflowError` naming the file.
+    The fuzz tests fail if it ever fires.
+    """
     try:
-        text = path.read_text(encoding="utf-8")
+        yield
+    except WorkflowError:
+        raise
+    except RecursionError:
+        raise WorkflowError(f"{clip(origin, 500)}: the workflow is nested too deeply to read") from None
+    except Exception as exc:
+        err = WorkflowError(f"{clip(origin, 500)}: malformed workflow ({type(exc).__name__}: {clip(str(exc), 300)})")
+        err.internal = True
+        raise err from exc
+
+
+def check_nesting(data: Any, origin: str = "<dict>", limit: int = MAX_NESTING) -> None:
+    """Refuse values nested deeper than ``limit`` before anything recurses into them.
+
+    Copying, hashing and printing a value recurse; a few thousand levels (easy to write in a
+    file) would raise ``RecursionError`` deep inside. Walks iteratively and names the JSON path.
+    """
+    stack: list[tuple[Any, int, tuple[Any, ...]]] = [(data, 0, ())]
+    while stack:
+        value, depth, path = stack.pop()
+        if isinstance(value, Mapping):
+            children = value.items()
+        elif isinstance(value, (list, tuple)):
+            children = enumerate(value)
+        else:
+            continue
+        if depth >= limit:
+            raise WorkflowError(f"{clip(origin, 500)}: values nest more than {limit} levels deep "
+                                f"at {json_path(path[:8])}...; a workflow never needs that")
+        for key, child in children:
+            if isinstance(child, (Mapping, list, tuple)):
+                stack.append((child, depth + 1, path + (key,) if depth < 8 else path))
+
+
+def json_path(path: tuple[Any, ...]) -> str:
+    """``("nodes", 3, "inputs")`` -> ``nodes[3].inputs`` (keys shortened)."""
+    out = "$"
+    for key in path:
+        out += f"[{key}]" if isinstance(key, int) else f".{clip(str(key), 40)}"
+    return out
+
+
+def read_json(path: Path) -> Any:
+    """Parse a JSON file; every failure (encoding, syntax, size, nesting) names the file."""
+    try:
+        if path.stat().st_size > MAX_FILE_BYTES:
+            raise WorkflowError(f"{path}: the file is over {MAX_FILE_BYTES >> 20} MiB; not a workflow")
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise WorkflowError(f"{path}: workflow file not found") from None
+    except IsADirectoryError:
+        raise WorkflowError(f"{path}: is a folder, not a workflow file") from None
     except OSError as exc:
         raise WorkflowError(f"{path}: cannot read workflow file: {exc}") from exc
+    try:
+        text = raw.decode("utf-8-sig")  # a BOM, as some Windows editors write, is accepted
+    except UnicodeDecodeError as exc:
+        raise WorkflowError(f"{path}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+                            "save the workflow as UTF-8 JSON") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise WorkflowError(
             f"{path}: not valid JSON at line {exc.lineno}, column {exc.colno} (char {exc.pos}): {exc.msg}"
-        ) from exc
+        ) from None
+    except RecursionError:
+        raise WorkflowError(f"{path}: the JSON nests too deeply to read (a workflow uses a few levels)") from None
+    except ValueError as exc:  # e.g. an integer with more digits than Python converts
+        raise WorkflowError(f"{path}: cannot read a value in the JSON: {clip(str(exc), 200)}") from None
 
 
 def detect_format(data: Any, origin: str = "<dict>") -> str:
@@ -113,10 +183,14 @@ def detect_format(data: Any, origin: str = "<dict>") -> str:
 
 def normalize_api(data: Mapping[str, Any], origin: str = "<dict>") -> dict[str, dict[str, Any]]:
     """Copy an API dict with string node ids and string link sources; reject malformed nodes."""
+    check_nesting(data, origin)
     issues: list[ValidationIssue] = []
     out: dict[str, dict[str, Any]] = {}
     for raw_id, node in data.items():
-        node_id = str(raw_id)
+        node_id = id_text(raw_id)
+        if node_id is None:
+            issues.append(ValidationIssue(brief(raw_id, 40), None, None, "node id must be a string or an integer"))
+            continue
         if not isinstance(node, Mapping):
             issues.append(ValidationIssue(node_id, None, None, f"node must be an object, got {type(node).__name__}"))
             continue
@@ -126,20 +200,47 @@ def normalize_api(data: Mapping[str, Any], origin: str = "<dict>") -> dict[str, 
             continue
         inputs = node.get("inputs", {})
         if not isinstance(inputs, Mapping):
-            issues.append(ValidationIssue(node_id, class_type, None, "'inputs' must be an object"))
+            issues.append(ValidationIssue(node_id, clip(class_type, 100), None, "'inputs' must be an object"))
             continue
         new_node = copy.deepcopy(dict(node))
         new_inputs: dict[str, Any] = {}
         for name, value in inputs.items():
+            if not isinstance(name, str):
+                issues.append(ValidationIssue(node_id, clip(class_type, 100), brief(name, 40),
+                                              "input names must be strings"))
+                continue
             value = copy.deepcopy(value)
             if is_link(value):
-                value = [str(value[0]), value[1]]
-            new_inputs[str(name)] = value
+                source = id_text(value[0])
+                if source is None:
+                    issues.append(ValidationIssue(node_id, clip(class_type, 100), name,
+                                                  f"links to node id {brief(value[0], 40)}, which is not a valid id"))
+                    continue
+                value = [source, value[1]]
+            new_inputs[name] = value
         new_node["inputs"] = new_inputs
         out[node_id] = new_node
     if issues:
         raise WorkflowValidationError(issues, source=origin)
     return out
+
+
+MAX_ID_CHARS = 64
+
+
+def id_text(raw: Any) -> str | None:
+    """A node or link id as the string key we use, or None if it cannot be one.
+
+    Strings and integers only (not bools), of bounded size: ``str()`` of a 5,000-digit integer
+    raises, and an id is echoed in every message about its node.
+    """
+    if isinstance(raw, bool):
+        return None
+    if isinstance(raw, int):
+        return str(raw) if raw.bit_length() <= 64 else None
+    if isinstance(raw, str) and 0 < len(raw) <= MAX_ID_CHARS:
+        return raw
+    return None
 
 
 def class_infos(prompt: Mapping[str, Mapping[str, Any]], registry: Registry) -> tuple[dict[str, NodeClassInfo], list[ValidationIssue]]:
@@ -212,7 +313,7 @@ def check_structure(
             if not is_link(value):
                 issues.append(ValidationIssue(
                     node_id, class_type, name,
-                    f"bad link {value!r}: must be [source_node_id, output_index] "
+                    f"bad link {brief(value)}: must be [source_node_id, output_index] "
                     "(wrap list constants as {\"__value__\": [...]})",
                 ))
                 continue
@@ -228,7 +329,7 @@ def check_structure(
             if not 0 <= index < len(outputs):
                 issues.append(ValidationIssue(
                     node_id, class_type, name,
-                    f"links to output {index} of node {src_id} ({src_info.class_type}), "
+                    f"links to output {brief(index)} of node {src_id} ({src_info.class_type}), "
                     f"which has {len(outputs)} output{'s' if len(outputs) != 1 else ''}",
                 ))
                 continue

@@ -31,7 +31,7 @@ def parse_override(text: str) -> tuple[str, str, Any, str]:
         raise WorkflowError(f"bad override {text!r}: expected NODE.INPUT=VALUE, e.g. 3.seed=42")
     try:
         value = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, an over-long integer, or absurd nesting: the text
         value = raw
     return node.strip(), input_name.strip(), value, raw
 

@@ -11,8 +11,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import ValidationIssue
-from .nodeinfo import InputSpec, NodeClassInfo, is_link, unwrap_constant
+from .errors import ValidationIssue, brief, clip
+from .nodeinfo import WIDGET_TYPES, InputSpec, NodeClassInfo, is_link, unwrap_constant
 
 
 def validate_node(
@@ -22,7 +22,10 @@ def validate_node(
     prompt: Mapping[str, Mapping[str, Any]],
     received_types: Mapping[str, Any],
 ) -> list[ValidationIssue]:
-    """Check one node's inputs; converted constants are written back into ``node["inputs"]``."""
+    """Check one node's inputs; converted constants are written back into ``node["inputs"]``.
+
+    At most one issue per input, attached to that input; then the node's own ``VALIDATE_INPUTS``.
+    """
     issues: list[ValidationIssue] = []
     class_type = info.class_type
     inputs: dict[str, Any] = node["inputs"]
@@ -35,6 +38,11 @@ def validate_node(
         if value is True or (isinstance(value, (list, tuple)) and any(value)):
             issue(None, f"{flag} is not supported by the headless engine")
 
+    for name, value in inputs.items():
+        problem = _undeclared_problem(info, name, value)
+        if problem is not None:
+            issue(name, problem)
+
     validator = info.validate_inputs_params()
     own_params, takes_kwargs = validator if validator is not None else (set(), False)
 
@@ -45,6 +53,10 @@ def validate_node(
             continue
         value = inputs[spec.name]
         if is_link(value):
+            continue
+        if not _takes_constants(spec):
+            issue(spec.name, f"must be connected to a node output of type {_type_label(spec)}; "
+                  f"a constant ({brief(unwrap_constant(value), 60)}) cannot stand in for it")
             continue
         value = unwrap_constant(value)
         converted, problem = _convert(spec, value)
@@ -58,9 +70,33 @@ def validate_node(
         if problem is not None:
             issue(spec.name, problem)
 
-    if validator is not None and (own_params or takes_kwargs):
+    # The node's own check sees only inputs that passed ours (else one bad value reads as two errors).
+    flagged = {i.input_name for i in issues}
+    if validator is not None and (own_params or takes_kwargs) and not (flagged & own_params or takes_kwargs and issues):
         issues.extend(_run_validate_inputs(node_id, node, info, prompt, received_types, own_params, takes_kwargs))
     return issues
+
+
+def _undeclared_problem(info: NodeClassInfo, name: str, value: Any) -> str | None:
+    """Inputs the class does not declare (or that only the host fills in) are refused, not ignored."""
+    spec = info.declared(name)
+    if spec is None:
+        declared = ", ".join(s.name for s in info.visible_inputs()) or "none"
+        what = "a link" if is_link(value) else "a value"
+        return f"the node has no input of this name, but the workflow gives it {what} (inputs: {declared})"
+    if spec.category == "hidden":
+        return f"is a hidden input ({spec.type}) that the host fills in; the workflow must not set it"
+    return None
+
+
+def _takes_constants(spec: InputSpec) -> bool:
+    """Whether a constant may be given for the input: widget types (also with forceInput), COMBOs."""
+    return spec.combo_options is not None or spec.type in WIDGET_TYPES
+
+
+def _type_label(spec: InputSpec) -> str:
+    text = spec.type_name()
+    return "any type" if text.strip() == "*" else text
 
 
 def _convert(spec: InputSpec, value: Any) -> tuple[Any, str | None]:
@@ -68,7 +104,7 @@ def _convert(spec: InputSpec, value: Any) -> tuple[Any, str | None]:
     t = spec.type
     if t == "INT":
         if isinstance(value, bool):
-            return value, f"expected an integer, got {value!r}"
+            return value, f"expected an integer, got {brief(value)}"
         if isinstance(value, int):
             return value, None
         if isinstance(value, float) and value.is_integer():
@@ -78,10 +114,10 @@ def _convert(spec: InputSpec, value: Any) -> tuple[Any, str | None]:
                 return int(value.strip()), None
             except ValueError:
                 pass
-        return value, f"expected an integer, got {value!r}"
+        return value, f"expected an integer, got {brief(value)}"
     if t == "FLOAT":
         if isinstance(value, bool):
-            return value, f"expected a number, got {value!r}"
+            return value, f"expected a number, got {brief(value)}"
         number: float | None = None
         if isinstance(value, (int, float)):
             number = float(value)
@@ -91,18 +127,18 @@ def _convert(spec: InputSpec, value: Any) -> tuple[Any, str | None]:
             except ValueError:
                 pass
         if number is None:
-            return value, f"expected a number, got {value!r}"
+            return value, f"expected a number, got {brief(value)}"
         if not math.isfinite(number):
-            return value, f"expected a finite number, got {value!r}"
+            return value, f"expected a finite number, got {brief(value)}"
         return number, None
     if t == "BOOLEAN":
         if isinstance(value, bool):
             return value, None
-        return value, f"expected true or false, got {value!r}"
+        return value, f"expected true or false, got {brief(value)}"
     if t == "STRING":
         if isinstance(value, str):
             return value, None
-        return value, f"expected a string, got {type(value).__name__} {value!r}"
+        return value, f"expected a string, got {type(value).__name__} {brief(value)}"
     return value, None
 
 
@@ -111,14 +147,14 @@ def _check_range_and_combo(spec: InputSpec, value: Any) -> str | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         low, high = options.get("min"), options.get("max")
         if isinstance(low, (int, float)) and value < low:
-            return f"value {value} is smaller than the minimum {low}"
+            return f"value {brief(value)} is smaller than the minimum {low}"
         if isinstance(high, (int, float)) and value > high:
-            return f"value {value} is bigger than the maximum {high}"
+            return f"value {brief(value)} is bigger than the maximum {high}"
         # No step-grid check: ComfyUI's backend has none, and the frontend rounds relative to 0, not to min.
     choices = spec.combo_options
     if choices is not None and value not in choices:
-        shown = choices if len(choices) <= 20 else f"a list of {len(choices)} options"
-        return f"value {value!r} is not one of {shown}"
+        shown = brief(choices, 400) if len(choices) <= 20 else f"a list of {len(choices)} options"
+        return f"value {brief(value)} is not one of {shown}"
     return None
 
 
@@ -149,10 +185,10 @@ def _run_validate_inputs(
         result = info.cls.VALIDATE_INPUTS(**kwargs)
     except Exception as exc:
         return [ValidationIssue(node_id, info.class_type, None,
-                                f"VALIDATE_INPUTS raised {type(exc).__name__}: {exc}")]
+                                f"VALIDATE_INPUTS raised {type(exc).__name__}: {clip(str(exc), 300)}")]
     if result is True:
         return []
-    detail = "returned False" if result is False else str(result)
+    detail = "returned False" if result is False else clip(str(result), 500)
     names = sorted(k for k in kwargs if k != "input_types")
     input_name = names[0] if len(names) == 1 else None
     return [ValidationIssue(node_id, info.class_type, input_name, f"VALIDATE_INPUTS: {detail}")]
