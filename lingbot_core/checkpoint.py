@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from . import checkpoint_checks as checks
 
 COMPONENTS = ("transformer", "vae", "text_encoder", "processor", "scheduler")
 
@@ -56,8 +57,8 @@ CONFIG_FILES = {
 }
 
 
-class CheckpointError(ValueError):
-    """A checkpoint folder that cannot be loaded; the message names the file and the fix."""
+# The open-time checks live in checkpoint_checks; the error type is shared.
+from .checkpoint_checks import CheckpointError  # noqa: E402
 
 
 @dataclass
@@ -91,44 +92,22 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
         raise CheckpointError(f"{what}: missing file {path}. Re-download the checkpoint or point the loader at the "
                               "folder that holds model_index.json.")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{what}: cannot parse {path} ({err}). The file is corrupt; re-download it.") from err
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{what}: cannot read {path} ({err}). The file is corrupt; re-download it.") from err
+    data = checks.parse_json_text(text, f"{what}: {path}")
     if not isinstance(data, dict):
         raise CheckpointError(f"{what}: {path} does not hold a JSON object; re-download it.")
     return data
 
 
 def check_safetensors(path: Path) -> None:
-    """Verify a safetensors file's header and that the file is as long as the header says (cheap)."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as fh:
-            raw = fh.read(8)
-            if len(raw) < 8:
-                raise CheckpointError(f"{path} is truncated ({size} bytes): re-download it.")
-            (header_len,) = struct.unpack("<Q", raw)
-            if header_len > size - 8:
-                raise CheckpointError(f"{path} is truncated: its header needs {header_len} bytes, the file has "
-                                      f"{size}. Re-download it.")
-            header = json.loads(fh.read(header_len))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{path} is not a valid safetensors file ({err}); re-download it.") from err
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + header_len + end > size:
-        raise CheckpointError(f"{path} is truncated: {size} bytes on disk, {8 + header_len + end} expected. "
-                              "Re-download it.")
+    """Verify a safetensors file's header (entries, dtypes, shapes, byte ranges) against the file (cheap)."""
+    checks.read_safetensors_entries(path)
 
 
 def _stored_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
-    from safetensors import safe_open
-
-    shapes: dict[str, tuple[int, ...]] = {}
-    for f in files:
-        with safe_open(f, framework="pt") as fh:
-            for key in fh.keys():
-                shapes[key] = tuple(fh.get_slice(key).get_shape())
-    return shapes
+    return {name: t.shape for name, t in checks.stored_tensors(files).items()}
 
 
 def check_state_dict(component: str, files: list[Path], expected: dict[str, tuple[int, ...]],
@@ -204,11 +183,14 @@ def inspect_checkpoint(folder: str | os.PathLike) -> CheckpointInfo:
     if not root.is_dir():
         raise CheckpointError(f"checkpoint folder {root} does not exist. Pass the folder that holds model_index.json.")
     index = _read_json(root / "model_index.json", "model_index.json")
+    checks.refuse_remote_code(root, (*COMPONENTS, "refiner"))
     for name in COMPONENTS:
         entry = index.get(name)
-        if not (isinstance(entry, list) and len(entry) == 2):
-            raise CheckpointError(f"{root / 'model_index.json'} has no usable '{name}' entry (got {entry!r}); "
-                                  "a LingBot-Video checkpoint lists transformer, vae, text_encoder, processor, scheduler.")
+        if not (isinstance(entry, list) and len(entry) == 2 and all(isinstance(e, str) for e in entry)):
+            shown = json.dumps(entry)[:80] if isinstance(entry, (list, str, int, float, type(None))) else "?"
+            raise CheckpointError(f"{root / 'model_index.json'} has no usable '{name}' entry (got {shown}); "
+                                  "a LingBot-Video checkpoint lists transformer, vae, text_encoder, processor, scheduler "
+                                  "as [library, class] pairs.")
         if tuple(entry) not in KNOWN_CLASSES[name]:
             known = ", ".join(f"{lib}.{cls}" for lib, cls in KNOWN_CLASSES[name])
             raise CheckpointError(f"{root / 'model_index.json'}: '{name}' is {entry[0]}.{entry[1]}, which lingbot-nodes "
@@ -217,12 +199,12 @@ def inspect_checkpoint(folder: str | os.PathLike) -> CheckpointInfo:
             raise CheckpointError(f"{name}: missing folder {root / name}. Re-download the checkpoint.")
 
     files: dict[str, list[Path]] = {}
-    transformer_config = _check_config_class(root / "transformer", "transformer")
+    configs: dict[str, dict[str, Any]] = {}
     for name in ("transformer", "vae", "text_encoder"):
-        if name != "transformer":
-            _check_config_class(root / name, name)
+        configs[name] = _check_config_class(root / name, name)
         files[name] = _weight_files(root / name, name)
-    _check_config_class(root / "scheduler", "scheduler")
+    transformer_config = configs["transformer"]
+    configs["scheduler"] = _check_config_class(root / "scheduler", "scheduler")
     processor = root / "processor"
     if not (processor / "tokenizer.json").is_file() and not (processor / "tokenizer_config.json").is_file():
         raise CheckpointError(f"processor: no tokenizer in {processor} (tokenizer.json); re-download the checkpoint.")
@@ -232,10 +214,44 @@ def inspect_checkpoint(folder: str | os.PathLike) -> CheckpointInfo:
 
     has_refiner = (root / "refiner").is_dir()
     if has_refiner:
-        _check_config_class(root / "refiner", "refiner")
+        configs["refiner"] = _check_config_class(root / "refiner", "refiner")
         files["refiner"] = _weight_files(root / "refiner", "refiner")
+    check_values_and_shapes(root, configs, files)
     variant = "moe" if int(transformer_config.get("num_experts") or 0) > 0 else "dense"
     return CheckpointInfo(root, variant, has_refiner, transformer_config, files)
+
+
+def check_values_and_shapes(root: Path, configs: dict[str, dict[str, Any]], files: dict[str, list[Path]]) -> None:
+    """Config values of every component, then every stored tensor's shape against its config.
+
+    Shapes come from the safetensors headers and a meta-device skeleton of each model, so a
+    mismatched refiner is refused when the checkpoint opens, not after the base video sampled.
+    """
+    for name in ("transformer", "refiner"):
+        if name in configs:
+            checks.check_transformer_config(configs[name], str(root / name / "config.json"))
+    checks.check_vae_config(configs["vae"], str(root / "vae" / "config.json"))
+    checks.check_scheduler_config(configs["scheduler"], str(root / "scheduler" / "scheduler_config.json"))
+    checks.check_text_encoder_config(configs["text_encoder"], str(root / "text_encoder" / "config.json"),
+                                     configs["transformer"].get("text_dim"))
+    vae_dim, dit_in = configs["vae"]["z_dim"], configs["transformer"]["in_channels"]
+    if vae_dim != dit_in:
+        raise CheckpointError(f"{root}: the VAE's z_dim is {vae_dim} but the transformer takes {dit_in} channels; "
+                              "the folders come from different models. Re-download the checkpoint.")
+    for name in ("transformer", "refiner", "vae", "text_encoder"):
+        if name not in files or any(f.suffix != ".safetensors" for f in files[name]):
+            continue  # GGUF stores are checked by their own reader
+        where = root / name
+        stored = checks.stored_tensors(files[name])
+        if name in ("transformer", "refiner"):
+            expected = checks.dit_shapes(configs[name], str(where / "config.json"))
+            quantized = any(t.dtype.startswith("F8") for t in stored.values())
+            checks.compare_shapes(name, where, stored, expected, strict_names=not quantized)
+        elif name == "vae":
+            checks.compare_shapes(name, where, stored, checks.vae_shapes(configs[name], str(where / "config.json")))
+        else:  # transformers may rename stored keys on load: here only shapes, names at load time
+            expected = checks.text_encoder_shapes(where, configs[name], str(where / "config.json"))
+            checks.compare_shapes(name, where, stored, expected, strict_names=False)
 
 
 # -- loading ------------------------------------------------------------------------------------
@@ -265,14 +281,21 @@ def load_refiner(folder: str | os.PathLike, *, dtype: torch.dtype = torch.float3
             f"{info.folder} has no refiner/ folder: the refiner ships only with the MoE checkpoint "
             "(robbyant/lingbot-video-moe-30b-a3b). Load that checkpoint, or disable refinement."
         )
-    return load_transformer(info.folder, "refiner", dtype=dtype)
+    return _finite(load_transformer(info.folder, "refiner", dtype=dtype), "refiner", info.folder)
+
+
+def _finite(module: Any, name: str, folder: Path) -> Any:
+    """Weights with NaN/inf are refused when the component loads (a sum per tensor: cheap)."""
+    if os.environ.get("LINGBOT_SKIP_WEIGHT_SCAN") != "1" and isinstance(module, torch.nn.Module):
+        checks.scan_non_finite(module, name, Path(folder) / name)
+    return module
 
 
 def load_component(folder: Path, name: str, *, dtype: torch.dtype | None = None,
                    attn_implementation: str = "sdpa") -> Any:
     """Load one component from a validated folder (CPU)."""
     if name == "transformer":
-        return load_transformer(folder, dtype=dtype or torch.float32)
+        return _finite(load_transformer(folder, dtype=dtype or torch.float32), name, folder)
     if name == "vae":
         from diffusers import AutoencoderKLWan
 
@@ -282,7 +305,7 @@ def load_component(folder: Path, name: str, *, dtype: torch.dtype | None = None,
                          {k: tuple(v.shape) for k, v in skeleton.state_dict().items()})
         vae = AutoencoderKLWan.from_pretrained(folder, subfolder="vae", torch_dtype=dtype or torch.float32,
                                                use_safetensors=True, local_files_only=True)
-        return vae.eval().requires_grad_(False)
+        return _finite(vae.eval().requires_grad_(False), name, folder)
     if name == "text_encoder":
         from transformers import Qwen3VLForConditionalGeneration
         from transformers.utils import logging as hf_logging
@@ -293,7 +316,7 @@ def load_component(folder: Path, name: str, *, dtype: torch.dtype | None = None,
         try:
             model, report = Qwen3VLForConditionalGeneration.from_pretrained(
                 folder / "text_encoder", dtype=dtype or torch.float32, attn_implementation=attn_implementation,
-                use_safetensors=True, local_files_only=True, output_loading_info=True,
+                use_safetensors=True, local_files_only=True, output_loading_info=True, trust_remote_code=False,
             )
         finally:
             if bars:
@@ -305,11 +328,11 @@ def load_component(folder: Path, name: str, *, dtype: torch.dtype | None = None,
                 f"(missing: {missing[:3]}, mismatched: {list(report.get('mismatched_keys') or [])[:3]}). "
                 "Re-download it."
             )
-        return model.eval().requires_grad_(False)
+        return _finite(model.eval().requires_grad_(False), name, folder)
     if name == "processor":
         from transformers import Qwen3VLProcessor
 
-        return Qwen3VLProcessor.from_pretrained(folder / "processor", local_files_only=True)
+        return Qwen3VLProcessor.from_pretrained(folder / "processor", local_files_only=True, trust_remote_code=False)
     if name == "scheduler":
         from .scheduler import FlowUniPCScheduler
 

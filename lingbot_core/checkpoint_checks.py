@@ -1,0 +1,449 @@
+"""Open-time checks of a checkpoint folder: file headers, config values, tensor shapes, remote code.
+
+A downloaded checkpoint is untrusted input like a workflow. Everything here reads only JSON and
+safetensors headers (never tensor data, never Python from the folder), so a broken or hostile
+folder is refused in a second with a message naming the file, before the text encoder loads and
+long before a bad refiner would be reached after minutes of base sampling. The one check that
+reads tensors, :func:`scan_non_finite`, runs when a component has loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit
+MAX_JSON_NESTING = 64
+
+# safetensors dtype -> bytes per element (the sub-byte F4/F6 kinds are not used by any LingBot weights)
+SAFETENSORS_ITEMSIZE = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4,
+    "I64": 8, "U64": 8, "F64": 8,
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be loaded; the message names the file and the fix."""
+
+
+CheckFailed = CheckpointError  # the name used inside this module
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    dtype: str
+    shape: tuple[int, ...]
+
+
+# -- JSON ------------------------------------------------------------------------------------------
+
+def parse_json_text(text: str, where: str) -> Any:
+    """``json.loads`` whose every failure (syntax, nesting, 5,000-digit numbers) is a CheckFailed."""
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        raise CheckFailed(f"{where} nests too deeply to be a config; re-download it.") from None
+    except ValueError as err:  # JSONDecodeError, and integers past Python's digit limit
+        raise CheckFailed(f"cannot parse {where} ({str(err)[:200]}). The file is corrupt; re-download it.") from None
+    _check_nesting(data, where)
+    return data
+
+
+def _check_nesting(data: Any, where: str) -> None:
+    stack = [(data, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            children = list(value.values())
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        if depth >= MAX_JSON_NESTING:
+            raise CheckFailed(f"{where} nests more than {MAX_JSON_NESTING} levels deep; not a config file.")
+        stack += [(c, depth + 1) for c in children if isinstance(c, (dict, list))]
+
+
+# -- safetensors headers ---------------------------------------------------------------------------
+
+def read_safetensors_entries(path: Path) -> dict[str, StoredTensor]:
+    """Validate a safetensors file's header against the file and return each tensor's dtype and shape.
+
+    Checks what the format promises: a bounded JSON header of tensor entries, known dtypes, shapes
+    of non-negative integers, byte ranges that match ``numel * itemsize``, lie inside the file and
+    do not overlap. Only the header is read.
+    """
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            raw = fh.read(8)
+            if len(raw) < 8:
+                raise CheckFailed(f"{path} is truncated ({size} bytes): re-download it.")
+            (header_len,) = struct.unpack("<Q", raw)
+            if header_len > MAX_HEADER_BYTES:
+                raise CheckFailed(f"{path} is not a valid safetensors file (header of {header_len} bytes); "
+                                  "re-download it.")
+            if header_len > size - 8:
+                raise CheckFailed(f"{path} is truncated: its header needs {header_len} bytes, the file has "
+                                  f"{size}. Re-download it.")
+            header_bytes = fh.read(header_len)
+    except OSError as err:
+        raise CheckFailed(f"{path} cannot be read ({err}); re-download it.") from err
+    try:
+        text = header_bytes.decode("utf-8")
+    except UnicodeDecodeError:
+        raise CheckFailed(f"{path} is not a valid safetensors file (its header is not UTF-8); re-download it.") from None
+    try:
+        header = parse_json_text(text, "its header")
+    except CheckFailed as err:
+        raise CheckFailed(f"{path} is not a valid safetensors file ({err}); re-download it.") from None
+    if not isinstance(header, dict):
+        raise CheckFailed(f"{path} is not a valid safetensors file (its header is not a JSON object); re-download it.")
+    data_size = size - 8 - header_len
+    entries: dict[str, StoredTensor] = {}
+    ranges: list[tuple[int, int, str]] = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            if not isinstance(entry, dict):
+                raise CheckFailed(f"{path}: __metadata__ must be an object; the file is corrupt, re-download it.")
+            continue
+        entries[name] = _tensor_entry(path, name, entry, data_size, ranges)
+    ranges.sort()
+    for (_b0, e0, n0), (b1, _e1, n1) in zip(ranges, ranges[1:]):
+        if b1 < e0:
+            raise CheckFailed(f"{path}: tensors {n0!r} and {n1!r} overlap in the file; it is corrupt, re-download it.")
+    return entries
+
+
+def _tensor_entry(path: Path, name: str, entry: Any, data_size: int,
+                  ranges: list[tuple[int, int, str]]) -> StoredTensor:
+    def bad(what: str) -> CheckFailed:
+        return CheckFailed(f"{path}: tensor {name[:200]!r} {what}; the file is corrupt, re-download it.")
+
+    if not isinstance(entry, dict):
+        raise bad("has no header entry object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in SAFETENSORS_ITEMSIZE:
+        raise bad(f"has an unknown dtype {str(dtype)[:40]!r}")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise bad("has a malformed shape")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
+            and offsets[0] <= offsets[1]):
+        raise bad("has malformed data_offsets")
+    begin, end = offsets
+    expected = math.prod(shape) * SAFETENSORS_ITEMSIZE[dtype]
+    if end - begin != expected:
+        raise bad(f"claims {end - begin} bytes for shape {tuple(shape)} of {dtype} ({expected} needed)")
+    if end > data_size:
+        raise CheckFailed(f"{path} is truncated: tensor {name[:200]!r} ends at byte {end} of a {data_size}-byte "
+                          "data section. Re-download it.")
+    if end > begin:
+        ranges.append((begin, end, name))
+    return StoredTensor(dtype, tuple(shape))
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 62
+
+
+def stored_tensors(files: Iterable[Path]) -> dict[str, StoredTensor]:
+    """All tensors of a component (its shards together); a name in two shards is refused."""
+    out: dict[str, StoredTensor] = {}
+    for f in files:
+        for name, entry in read_safetensors_entries(f).items():
+            if name in out:
+                raise CheckFailed(f"{f}: tensor {name!r} is stored in two shards; re-download the checkpoint.")
+            out[name] = entry
+    return out
+
+
+# -- config values ---------------------------------------------------------------------------------
+
+def _need(config: Mapping[str, Any], key: str, where: str, check, what: str, *, default: Any = None,
+          optional: bool = False) -> Any:
+    value = config.get(key, default)
+    if value is None and optional:
+        return None
+    if not check(value):
+        shown = json.dumps(value)[:80] if _jsonable(value) else type(value).__name__
+        raise CheckFailed(f"{where}: '{key}' must be {what}, got {shown}. The config is corrupt or not a "
+                          "LingBot-Video checkpoint; re-download it.")
+    return value
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def _pos_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 1 <= v < 1 << 31
+
+
+def _nonneg_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 31
+
+
+def _pos_float(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def _bool(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
+def _int_list(n: int, item=_pos_int):
+    return lambda v: isinstance(v, (list, tuple)) and len(v) == n and all(item(x) for x in v)
+
+
+def check_transformer_config(config: Mapping[str, Any], where: str) -> None:
+    """The DiT's config values: types, ranges and the relations the model relies on."""
+    for key in ("in_channels", "out_channels", "hidden_size", "num_attention_heads", "depth",
+                "intermediate_size", "text_dim", "freq_dim"):
+        _need(config, key, where, _pos_int, "a positive integer")
+    _need(config, "patch_size", where, _int_list(3), "a list of 3 positive integers")
+    heads, hidden = config["num_attention_heads"], config["hidden_size"]
+    if hidden % heads:
+        raise CheckFailed(f"{where}: hidden_size {hidden} is not divisible by num_attention_heads {heads}; "
+                          "the config is corrupt, re-download it.")
+    axes = _need(config, "axes_dims", where, _int_list(3), "a list of 3 positive integers")
+    if sum(axes) != hidden // heads or any(a % 2 for a in axes):
+        raise CheckFailed(f"{where}: axes_dims {axes} must be even and sum to the head size {hidden // heads}; "
+                          "the config is corrupt, re-download it.")
+    _need(config, "axes_lens", where, _int_list(3), "a list of 3 positive integers")
+    for key in ("norm_eps", "rope_theta"):
+        _need(config, key, where, _pos_float, "a positive finite number", optional=True)
+    for key in ("qkv_bias", "out_bias", "patch_embed_bias", "timestep_mlp_bias"):
+        _need(config, key, where, _bool, "true or false", optional=True)
+    experts = _need(config, "num_experts", where, _nonneg_int, "an integer >= 0", default=0, optional=True) or 0
+    if experts:
+        _need(config, "num_experts_per_tok", where, lambda v: _pos_int(v) and v <= experts,
+              f"an integer in [1, num_experts={experts}]")
+        _need(config, "moe_intermediate_size", where, _pos_int, "a positive integer")
+        _need(config, "decoder_sparse_step", where, _pos_int, "a positive integer", optional=True)
+        _need(config, "n_shared_experts", where, _nonneg_int, "an integer >= 0 or null", optional=True)
+        _need(config, "score_func", where, lambda v: v in ("sigmoid", "softmax"), "'sigmoid' or 'softmax'",
+              optional=True)
+        _need(config, "norm_topk_prob", where, _bool, "true or false", optional=True)
+        groups = _need(config, "n_group", where, lambda v: _pos_int(v) and experts % v == 0,
+                       f"a positive divisor of num_experts={experts} or null", optional=True)
+        if groups and groups > 1:
+            _need(config, "topk_group", where, lambda v: _pos_int(v) and v <= groups,
+                  f"an integer in [1, n_group={groups}]")
+        _need(config, "routed_scaling_factor", where, _pos_float, "a positive finite number", optional=True)
+    layers = config.get("mlp_only_layers", [])
+    if layers is not None and not (isinstance(layers, list) and all(_nonneg_int(x) for x in layers)):
+        raise CheckFailed(f"{where}: 'mlp_only_layers' must be a list of layer indices; re-download the checkpoint.")
+
+
+def check_vae_config(config: Mapping[str, Any], where: str) -> None:
+    """The Wan VAE's config: channel counts and the latent statistics every stage divides by."""
+    z_dim = _need(config, "z_dim", where, _pos_int, "a positive integer")
+    for key in ("base_dim", "num_res_blocks", "in_channels", "out_channels"):
+        _need(config, key, where, _pos_int, "a positive integer", optional=True)
+    _need(config, "dim_mult", where, lambda v: isinstance(v, list) and v and all(_pos_int(x) for x in v),
+          "a non-empty list of positive integers", optional=True)
+
+    def finite_list(v: Any) -> bool:
+        return isinstance(v, list) and len(v) == z_dim and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v)
+
+    _need(config, "latents_mean", where, finite_list, f"a list of {z_dim} finite numbers")
+    std = _need(config, "latents_std", where, finite_list, f"a list of {z_dim} finite numbers")
+    if any(x <= 0 for x in std):
+        raise CheckFailed(f"{where}: latents_std holds {min(std)}; every entry must be > 0 (latents are divided "
+                          "by it). The config is corrupt; re-download it.")
+
+
+def check_scheduler_config(config: Mapping[str, Any], where: str) -> None:
+    _need(config, "num_train_timesteps", where, _pos_int, "a positive integer", default=1000)
+    _need(config, "shift", where, _pos_float, "a positive finite number", optional=True)
+    _need(config, "solver_order", where, lambda v: _pos_int(v) and v <= 3, "1, 2 or 3", optional=True)
+
+
+def check_text_encoder_config(config: Mapping[str, Any], where: str, text_dim: int | None) -> None:
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckFailed(f"{where}: no 'text_config' object; a Qwen3-VL config has one. Re-download it.")
+    hidden = _need(text, "hidden_size", f"{where} (text_config)", _pos_int, "a positive integer")
+    if text_dim is not None and hidden != text_dim:
+        raise CheckFailed(f"{where}: the text encoder's hidden_size is {hidden}, but the transformer's text_dim is "
+                          f"{text_dim}; the two folders come from different models. Re-download the checkpoint.")
+
+
+# -- remote code -----------------------------------------------------------------------------------
+
+REMOTE_CODE_KEYS = ("auto_map",)
+
+
+def refuse_remote_code(folder: Path, subfolders: Iterable[str]) -> None:
+    """Refuse any config that asks transformers/diffusers to import Python from the checkpoint.
+
+    ``auto_map`` (in a config, tokenizer or processor file) names classes inside the folder's own
+    ``.py`` files; loading those would run the checkpoint's code. Loads always set
+    trust_remote_code to False; refusing here also means transformers never gets to ask "[y/N]".
+    """
+    candidates = [folder / "model_index.json"]
+    for sub in subfolders:
+        if (folder / sub).is_dir():
+            candidates += sorted((folder / sub).glob("*.json"))
+    for path in candidates:
+        if not path.is_file() or path.name.endswith(".safetensors.index.json"):
+            continue
+        try:
+            data = parse_json_text(path.read_text(encoding="utf-8"), str(path))
+        except (OSError, UnicodeDecodeError):
+            continue  # unreadable configs are reported by the component's own check
+        key = _find_key(data, REMOTE_CODE_KEYS)
+        if key is not None:
+            raise CheckFailed(
+                f"{path} has an '{key}' entry: it asks to run Python code shipped with the checkpoint, which "
+                "lingbot-nodes never does (trust_remote_code is always False). Use the official "
+                "LingBot-Video checkpoint files, or delete the entry if you know the stock classes apply.")
+
+
+def _find_key(data: Any, keys: tuple[str, ...]) -> str | None:
+    stack = [data]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if k in keys:
+                    return k
+                if isinstance(v, (dict, list)):
+                    stack.append(v)
+        elif isinstance(value, list):
+            stack += [v for v in value if isinstance(v, (dict, list))]
+    return None
+
+
+# -- shapes ----------------------------------------------------------------------------------------
+
+_SHAPE_MEMO: dict[tuple[str, str], dict[str, tuple[int, ...]]] = {}
+
+
+def _memo(kind: str, config: Mapping[str, Any], build) -> dict[str, tuple[int, ...]]:
+    key = (kind, json.dumps(config, sort_keys=True, default=str))
+    if key not in _SHAPE_MEMO:
+        if len(_SHAPE_MEMO) > 32:
+            _SHAPE_MEMO.clear()
+        _SHAPE_MEMO[key] = build()
+    return _SHAPE_MEMO[key]
+
+
+def _skeleton_shapes(make, where: str) -> dict[str, tuple[int, ...]]:
+    try:
+        with torch.device("meta"):
+            module = make()
+    except Exception as err:  # the library's own error about a config it cannot build
+        raise CheckFailed(f"{where}: the config cannot build the model ({type(err).__name__}: {str(err)[:300]}). "
+                          "Re-download the checkpoint.") from err
+    return {k: tuple(v.shape) for k, v in module.state_dict().items()}
+
+
+def dit_shapes(config: Mapping[str, Any], where: str) -> dict[str, tuple[int, ...]]:
+    from .models.transformer import LingBotVideoTransformer3DModel
+
+    clean = {k: v for k, v in config.items() if not k.startswith("_")}
+    return _memo("dit", clean, lambda: _skeleton_shapes(
+        lambda: LingBotVideoTransformer3DModel.from_config(clean), where))
+
+
+def vae_shapes(config: Mapping[str, Any], where: str) -> dict[str, tuple[int, ...]]:
+    from diffusers import AutoencoderKLWan
+
+    clean = {k: v for k, v in config.items() if not k.startswith("_")}
+    return _memo("vae", clean, lambda: _skeleton_shapes(lambda: AutoencoderKLWan.from_config(clean), where))
+
+
+def text_encoder_shapes(folder: Path, config: Mapping[str, Any], where: str) -> dict[str, tuple[int, ...]]:
+    def build() -> dict[str, tuple[int, ...]]:
+        from transformers import AutoConfig, Qwen3VLForConditionalGeneration
+
+        try:
+            hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=False, local_files_only=True)
+        except Exception as err:
+            raise CheckFailed(f"{where}: transformers cannot read it ({type(err).__name__}: {str(err)[:300]}). "
+                              "Re-download the checkpoint.") from err
+        return _skeleton_shapes(lambda: Qwen3VLForConditionalGeneration._from_config(hf_config), where)
+
+    return _memo("text_encoder", config, build)
+
+
+def compare_shapes(component: str, where: Path, stored: Mapping[str, StoredTensor],
+                   expected: Mapping[str, tuple[int, ...]], *, strict_names: bool = True,
+                   ignore_missing: Iterable[str] = ()) -> None:
+    """Stored tensors against the shapes the config implies.
+
+    ``strict_names`` False compares only the tensors present under both names (for stores whose key
+    names a library may remap on load, or that carry extra quantization scales); wrong shapes are
+    always refused.
+    """
+    wrong = sorted(k for k in set(stored) & set(expected)
+                   if stored[k].shape != expected[k] and not stored[k].dtype.startswith("F8"))
+    problems = []
+    if strict_names:
+        missing = sorted(set(expected) - set(stored) - set(ignore_missing))
+        unexpected = sorted(set(stored) - set(expected))
+        if missing:
+            problems.append(f"{len(missing)} missing tensors (e.g. {', '.join(missing[:3])})")
+        if unexpected:
+            problems.append(f"{len(unexpected)} unexpected tensors (e.g. {', '.join(unexpected[:3])})")
+    if wrong:
+        k = wrong[0]
+        problems.append(f"{len(wrong)} tensors with the wrong shape (e.g. {k}: stored {stored[k].shape}, "
+                        f"config implies {expected[k]})")
+    if problems:
+        raise CheckFailed(f"{component}: the weights in {where} do not match its config: {'; '.join(problems)}. "
+                          "The folder is incomplete or from another model; re-download it.")
+
+
+# -- weights after loading -------------------------------------------------------------------------
+
+def scan_non_finite(module: torch.nn.Module, component: str, where: Path) -> None:
+    """Refuse a loaded component whose weights hold NaN or infinity (a corrupt or broken export).
+
+    One float32-accumulated sum per tensor: NaN or inf anywhere makes the sum non-finite, and no
+    temporary the size of the tensor is allocated; only a suspicious tensor gets the exact check.
+    Tensors on the meta device (not materialised yet) are skipped.
+    """
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if tensor.device.type == "meta" or not tensor.is_floating_point() or tensor.numel() == 0:
+            continue
+        with torch.no_grad():
+            if math.isfinite(_sum(tensor)):
+                continue
+            bad = sum(int((~torch.isfinite(chunk.float())).sum()) for chunk in _chunks(tensor))
+        if bad == 0:
+            continue  # a finite tensor whose sum overflowed float32 (not seen in practice)
+        raise CheckFailed(f"{component}: weight {name} in {where} holds {bad} NaN/inf value(s); the file is "
+                          "corrupt or was exported wrongly. Re-download it.")
+
+
+_NATIVE_SUM = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _chunks(tensor: torch.Tensor, size: int = 1 << 24) -> Iterable[torch.Tensor]:
+    flat = tensor.detach().reshape(-1)
+    return (flat[i:i + size] for i in range(0, flat.numel(), size))
+
+
+def _sum(tensor: torch.Tensor) -> float:
+    """A float32-accumulated sum; dtypes without a native sum (fp8) go through small float chunks."""
+    if tensor.dtype in _NATIVE_SUM:
+        return float(tensor.sum(dtype=torch.float32))
+    if tensor.dtype == torch.float64:
+        return float(tensor.sum())
+    return float(sum(chunk.float().sum() for chunk in _chunks(tensor)))
