@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/x.
 import torch
 
 from bench._common import cpu_peak_bytes, environment, fmt, fmt_bytes, max_abs_diff, table, write_json
-from lingbot_core.models.layers import joint_positions
+from lingbot_core.models.rotary import joint_positions
 from lingbot_core.models.transformer import LingBotVideoTransformer3DModel
 
 TOLERANCE = 1e-5

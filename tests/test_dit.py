@@ -10,7 +10,9 @@ import torch
 
 import lingbot_core
 from lingbot_core.models import moe as moe_module
-from lingbot_core.models.transformer import LingBotVideoTransformer3DModel, keeps_fp32
+from lingbot_core.models.config import DiTConfig
+from lingbot_core.models.precision import stays_float32
+from lingbot_core.models.transformer import LingBotVideoTransformer3DModel
 
 CONFIGS = Path(lingbot_core.__file__).parent / "configs"
 
@@ -53,7 +55,7 @@ def test_half_cast_keeps_reference_fp32_modules():
     assert params["blocks.0.attn.to_q.weight"].dtype == torch.bfloat16
     assert params["blocks.0.ffn.experts.w1"].dtype == torch.bfloat16
     for name, p in params.items():
-        assert p.dtype == (torch.float32 if keeps_fp32(name) else torch.bfloat16), name
+        assert p.dtype == (torch.float32 if stays_float32(name) else torch.bfloat16), name
 
 
 def test_bf16_model_runs_without_autocast_and_tracks_fp32():
@@ -121,16 +123,64 @@ def test_attention_backend_choice_reaches_dispatch(monkeypatch):
 
 def test_rope_table_growth_does_not_change_outputs():
     model = _random_model(**TINY_MOE)
-    x, t, text = _inputs(text=40)  # text positions 1..40 exceed the initial 32-long h/w tables? t axis: 64
+    x, t, text = _inputs(text=40)  # text positions reach 40 on the frame axis
     with torch.no_grad():
         a = model(x, t, text).sample
-        model.rope.axes_lens = [2, 2, 2]
-        model.rope._tables = None
-        b = model(x, t, text).sample
-    assert model.rope.axes_lens[0] > 40
+        fresh = _random_model(**{**TINY_MOE, "axes_lens": (2, 2, 2)})  # same seed, same weights, tiny tables
+        b = fresh(x, t, text).sample
+    assert fresh.rope.axes[0].capacity > 40
     torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
 def test_bad_config_is_rejected():
     with pytest.raises(ValueError, match="axes_dims"):
         LingBotVideoTransformer3DModel(hidden_size=32, num_attention_heads=2, axes_dims=(4, 4, 4))
+
+
+@pytest.mark.parametrize("name", ["dense-1.3b", "moe-30b-a3b"])
+def test_config_round_trips_the_published_json(name):
+    raw = json.loads((CONFIGS / f"{name}.transformer.json").read_text())
+    spec = DiTConfig.from_mapping(raw)
+    assert spec.to_mapping() == {k: v for k, v in raw.items() if not k.startswith("_")}
+    assert spec.moe.num_experts == raw["num_experts"] and spec.head_dim * raw["num_attention_heads"] == raw["hidden_size"]
+    with torch.device("meta"):
+        model = LingBotVideoTransformer3DModel.from_config(raw)
+    assert model.spec == spec
+    assert {k: model.config[k] for k in DiTConfig.keys()} == spec.to_mapping()
+
+
+def test_model_takes_a_typed_config_or_fields_alike(tmp_path):
+    spec = DiTConfig.from_mapping(TINY_MOE)
+    by_spec, by_fields = LingBotVideoTransformer3DModel(spec), LingBotVideoTransformer3DModel(**TINY_MOE)
+    assert by_spec.spec == by_fields.spec
+    assert {k: v.shape for k, v in by_spec.state_dict().items()} == {k: v.shape for k, v in by_fields.state_dict().items()}
+    by_spec.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["_class_name"] == "LingBotVideoTransformer3DModel"
+    assert DiTConfig.from_mapping(saved) == spec
+    with pytest.raises(TypeError, match="not both"):
+        LingBotVideoTransformer3DModel(spec, depth=3)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"hidden_sise": 32}, r"unknown keys \['hidden_sise'\]"),
+    ({"depth": "2"}, "depth must be a whole number"),
+    ({"qkv_bias": 1}, "qkv_bias must be true or false"),
+    ({"patch_size": [1, 2]}, "patch_size needs three numbers"),
+    ({"norm_eps": 0}, "norm_eps must be above 0"),
+    ({"score_func": "relu"}, "score_func is 'relu'"),
+    ({"num_attention_heads": 3}, "not a multiple of num_attention_heads=3"),
+    ({"n_group": 3}, "does not split into n_group=3"),
+    ({"topk_group": 5}, "topk_group must be between 1 and 2"),
+    ({"num_experts_per_tok": 5}, "only num_experts=4"),
+])
+def test_config_errors_name_the_key(change, message):
+    with pytest.raises(ValueError, match=message):
+        DiTConfig.from_mapping({**TINY_MOE, **change})
+
+
+def test_layer_sparsity_follows_step_and_dense_list():
+    spec = DiTConfig.from_mapping({**TINY_MOE, "depth": 6, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
+    assert [spec.moe.is_sparse(i) for i in range(6)] == [False, True, False, False, False, True]
+    model = LingBotVideoTransformer3DModel(spec)
+    assert [type(b.ffn).__name__ for b in model.blocks] == ["SwiGLU", "SparseMoE", "SwiGLU", "SwiGLU", "SwiGLU", "SparseMoE"]

@@ -1,11 +1,13 @@
-"""Sparse mixture-of-experts FFN of the MoE LingBot DiT.
+"""The expert FFN of the MoE DiT: a router, a stack of SwiGLU experts, an optional shared expert.
 
-Routing: sigmoid scores; the score-correction bias steers *which* experts are chosen but the gates
-use the unbiased scores; selection is group-limited (a group scores the sum of its two best biased
-scores); gates are renormalised and scaled. The router always runs in float32.
+Routing facts (from the reference behaviour the fixtures pin): scores are sigmoid (or softmax) of
+float32 logits; a learned per-expert bias (`e_score_correction_bias`) is added only to *choose*
+experts, the gates use the scores without it; with `n_group` > 1 a token first keeps its best
+`topk_group` groups, a group rated by the sum of its two best biased scores; the chosen gates are
+renormalised to sum to 1 (when more than one is chosen) and multiplied by `routed_scaling_factor`.
 
-Experts: a float32 model computes every expert in float32 (the parity fixtures pin this path). A
-bf16/fp16 model may use `torch._grouped_mm`, one kernel for all experts, when the shapes allow it.
+Expert compute: a float32 model runs the experts one by one in float32 (the path the parity
+fixtures pin). A bf16/fp16 model may run all experts in one `torch._grouped_mm` call.
 """
 
 from __future__ import annotations
@@ -14,61 +16,54 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .config import MoEConfig
 from .layers import SwiGLU
+
+__all__ = ["ExpertWeights", "Router", "SparseMoE"]
 
 
 class Router(nn.Module):
-    def __init__(
-        self,
-        hidden_size: int,
-        num_experts: int,
-        top_k: int,
-        score_func: str,
-        norm_topk_prob: bool,
-        n_group: int | None,
-        topk_group: int | None,
-        route_scale: float,
-    ):
-        super().__init__()
-        if score_func not in ("sigmoid", "softmax"):
-            raise ValueError(f"unknown MoE score_func {score_func!r}; expected 'sigmoid' or 'softmax'")
-        if n_group and n_group > 1 and (num_experts % n_group or not topk_group):
-            raise ValueError(f"num_experts={num_experts} must split into n_group={n_group} groups with topk_group set")
-        self.num_experts = num_experts
-        self.top_k = top_k
-        self.score_func = score_func
-        self.norm_topk_prob = norm_topk_prob
-        self.n_group = n_group
-        self.topk_group = topk_group
-        self.route_scale = route_scale
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
-        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts), persistent=True)
+    """Token -> (expert ids, gates). All its settings live in one `MoEConfig`."""
 
-    def _choose(self, biased: torch.Tensor) -> torch.Tensor:
-        if not self.n_group or self.n_group <= 1:
-            return biased.topk(self.top_k, dim=-1, sorted=False).indices
-        n = biased.shape[0]
-        grouped = biased.view(n, self.n_group, -1)
-        group_score = grouped.topk(2, dim=-1).values.sum(-1)
-        kept = group_score.topk(self.topk_group, dim=-1, sorted=False).indices
-        keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, kept, True)
-        masked = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(n, -1)
-        return masked.topk(self.top_k, dim=-1, sorted=False).indices
+    def __init__(self, hidden_size: int, routing: MoEConfig):
+        super().__init__()
+        self.routing = routing
+        self.weight = nn.Parameter(torch.empty(routing.num_experts, hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(routing.num_experts), persistent=True)
+
+    def _pick(self, preference: torch.Tensor) -> torch.Tensor:
+        """Expert ids per token from the bias-corrected scores (N, E), group limit applied."""
+        k = self.routing.num_experts_per_tok
+        if not self.routing.grouped:
+            return preference.topk(k, dim=-1, sorted=False).indices
+        tokens, groups = preference.shape[0], int(self.routing.n_group or 1)
+        by_group = preference.unflatten(-1, (groups, -1))
+        best_two = by_group.topk(2, dim=-1).values
+        group_rating = best_two[..., 0] + best_two[..., 1]
+        kept_groups = group_rating.topk(int(self.routing.topk_group or 1), dim=-1, sorted=False).indices
+        allowed = torch.zeros(tokens, groups, dtype=torch.bool, device=preference.device)
+        allowed[torch.arange(tokens, device=preference.device)[:, None], kept_groups] = True
+        candidates = torch.where(allowed[..., None], by_group, float("-inf")).flatten(1)
+        return candidates.topk(k, dim=-1, sorted=False).indices
 
     def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(N, D) tokens -> expert indices (N, k) and gates (N, k) in the token dtype."""
+        """(N, D) tokens -> chosen expert ids (N, k) and their gates (N, k) in the tokens' dtype."""
         with torch.autocast(tokens.device.type, enabled=False):
             logits = F.linear(tokens.float(), self.weight.float())
-        scores = logits.sigmoid() if self.score_func == "sigmoid" else logits.softmax(-1)
-        chosen = self._choose(scores + self.e_score_correction_bias.float())
-        gates = scores.gather(1, chosen)
-        if self.top_k > 1 and self.norm_topk_prob:
-            gates = gates / (gates.sum(-1, keepdim=True) + 1e-20)
-        return chosen, (gates * self.route_scale).to(tokens.dtype)
+        scores = torch.sigmoid(logits) if self.routing.score_func == "sigmoid" else torch.softmax(logits, dim=-1)
+        chosen = self._pick(scores + self.e_score_correction_bias.float())
+        gates = torch.gather(scores, 1, chosen)
+        if self.routing.norm_topk_prob and chosen.shape[1] > 1:
+            gates = gates / (gates.sum(dim=-1, keepdim=True) + 1e-20)
+        gates = gates * self.routing.routed_scaling_factor
+        return chosen, gates.to(tokens.dtype)
 
 
 class ExpertWeights(nn.Module):
-    """Stacked expert weights (w1, w3: [E, I, D]; w2: [E, D, I]). A container: it has no forward."""
+    """The experts' stacked SwiGLU weights: w1 (gate) and w3 (up) are [E, I, D], w2 (down) is [E, D, I].
+
+    Only a container (the checkpoint's key layout); `SparseMoE` does the compute.
+    """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -77,78 +72,66 @@ class ExpertWeights(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
 
 
-def _grouped_mm_usable(tokens: torch.Tensor, experts: ExpertWeights) -> bool:
-    if tokens.dtype not in (torch.bfloat16, torch.float16) or not hasattr(torch, "_grouped_mm"):
+def _grouped_mm_fits(tokens: torch.Tensor, experts: ExpertWeights) -> bool:
+    """torch._grouped_mm exists, the dtype is half precision and both matmul strides are 16-byte aligned."""
+    if not hasattr(torch, "_grouped_mm") or tokens.dtype not in (torch.bfloat16, torch.float16):
         return False
-    inner, hidden = experts.w1.shape[1:]
-    # _grouped_mm needs 16-byte aligned strides on both matmul dimensions.
-    return (inner * tokens.element_size()) % 16 == 0 and (hidden * tokens.element_size()) % 16 == 0
+    width = tokens.element_size()
+    return all(size * width % 16 == 0 for size in experts.w1.shape[1:])
 
 
 class SparseMoE(nn.Module):
-    def __init__(
-        self,
-        hidden_size: int,
-        num_experts: int,
-        top_k: int,
-        moe_intermediate_size: int,
-        score_func: str,
-        norm_topk_prob: bool,
-        n_group: int | None,
-        topk_group: int | None,
-        routed_scaling_factor: float,
-        n_shared_experts: int | None,
-    ):
+    """Routed experts plus the shared expert (when the config has one), on (B, S, D) hidden states."""
+
+    def __init__(self, hidden_size: int, routing: MoEConfig):
         super().__init__()
         self.hidden_size = hidden_size
-        self.router = Router(
-            hidden_size, num_experts, top_k, score_func, norm_topk_prob, n_group, topk_group, routed_scaling_factor
-        )
-        self.experts = ExpertWeights(num_experts, hidden_size, moe_intermediate_size)
-        self.shared_experts = (
-            SwiGLU(hidden_size, moe_intermediate_size * n_shared_experts) if n_shared_experts else None
-        )
+        self.router = Router(hidden_size, routing)
+        self.experts = ExpertWeights(routing.num_experts, hidden_size, routing.moe_intermediate_size)
+        self.shared_experts = SwiGLU(hidden_size, routing.shared_width) if routing.shared_width else None
         self.use_grouped_mm = True
 
     def _experts_loop(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        w1, w2, w3 = self.experts.w1, self.experts.w2, self.experts.w3
-        out = []
-        for e, chunk in enumerate(tokens.split(counts)):
-            if chunk.shape[0]:
-                out.append(F.linear(F.silu(F.linear(chunk, w1[e])) * F.linear(chunk, w3[e]), w2[e]))
-        return torch.cat(out) if out else tokens.new_zeros(tokens.shape)
+        """Expert by expert over expert-sorted tokens; `counts[e]` rows belong to expert e."""
+        gate, down, up = self.experts.w1, self.experts.w2, self.experts.w3
+        outputs = [
+            F.linear(F.silu(F.linear(rows, gate[e])) * F.linear(rows, up[e]), down[e])
+            for e, rows in enumerate(tokens.split(counts))
+            if rows.shape[0]
+        ]
+        return torch.cat(outputs) if outputs else tokens.new_zeros(tokens.shape)
 
     def _experts_grouped(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        dtype = tokens.dtype
-        offs = torch.tensor(counts, device=tokens.device).cumsum(0).to(torch.int32)
-        w1, w2, w3 = (w.to(dtype) for w in (self.experts.w1, self.experts.w2, self.experts.w3))
-        h = F.silu(torch._grouped_mm(tokens, w1.transpose(-2, -1), offs=offs))
-        h = h * torch._grouped_mm(tokens, w3.transpose(-2, -1), offs=offs)
-        return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+        """All experts in three grouped matmuls over expert-sorted tokens."""
+        ends = torch.tensor(counts, device=tokens.device).cumsum(0).to(torch.int32)
+        gate, down, up = (w.to(tokens.dtype).transpose(-2, -1) for w in (self.experts.w1, self.experts.w2, self.experts.w3))
+        inner = F.silu(torch._grouped_mm(tokens, gate, offs=ends)) * torch._grouped_mm(tokens, up, offs=ends)
+        return torch._grouped_mm(inner, down, offs=ends)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
         tokens = x.reshape(-1, self.hidden_size)
         chosen, gates = self.router(tokens)
-        n, k = chosen.shape
+        n_tokens, per_token = chosen.shape
 
-        flat_gates = gates.reshape(-1)
-        flat_experts = chosen.reshape(-1)
-        active = (flat_gates != 0).nonzero().squeeze(1)
-        order = active[flat_experts[active].argsort(stable=True)]
-        counts = torch.bincount(flat_experts[order], minlength=self.router.num_experts).tolist()
-        routed_in = tokens[order // k]
-        if self.use_grouped_mm and _grouped_mm_usable(routed_in, self.experts):
-            routed_out = self._experts_grouped(routed_in, counts)
+        # One row per (token, choice) with a non-zero gate, stably sorted by expert id.
+        expert_of = chosen.flatten()
+        gate_of = gates.flatten()
+        live = torch.nonzero(gate_of != 0).squeeze(1)
+        slots = live[torch.argsort(expert_of[live], stable=True)]
+        counts = torch.bincount(expert_of[slots], minlength=self.router.routing.num_experts).tolist()
+        rows = tokens[slots // per_token]
+        if self.use_grouped_mm and _grouped_mm_fits(rows, self.experts):
+            answers = self._experts_grouped(rows, counts)
         else:
-            routed_out = self._experts_loop(routed_in, counts)
+            answers = self._experts_loop(rows, counts)
 
-        # Sum gate * expert output over the k choices in float32, in choice order.
-        per_choice = routed_out.new_zeros(n * k, self.hidden_size, dtype=torch.float32)
-        per_choice[order] = routed_out.float()
-        weights = torch.zeros(n * k, dtype=torch.float32, device=x.device)
-        weights[order] = flat_gates[order].float()
-        out = (per_choice.view(n, k, -1) * weights.view(n, k, 1)).sum(1).to(x.dtype).view(shape)
+        # Weighted sum over each token's choices in float32, in choice order (dropped slots stay 0).
+        by_slot = answers.new_zeros(n_tokens * per_token, self.hidden_size, dtype=torch.float32)
+        by_slot[slots] = answers.float()
+        weight = torch.zeros(n_tokens * per_token, dtype=torch.float32, device=x.device)
+        weight[slots] = gate_of[slots].float()
+        mixed = (by_slot.view(n_tokens, per_token, -1) * weight.view(n_tokens, per_token, 1)).sum(dim=1)
+        out = mixed.to(x.dtype).view(x.shape)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
