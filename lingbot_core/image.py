@@ -74,26 +74,48 @@ def load_image(image: str | os.PathLike | Image.Image | torch.Tensor | np.ndarra
     raise TypeError(f"unsupported image type {type(image).__name__}")
 
 
-def prepare_image_pixels(image: Image.Image, height: int, width: int) -> torch.Tensor:
-    """First-frame conditioning pixels, (1,3,1,H,W) float32 in [0,1] on the CPU.
+def _uint8_batch(image: Image.Image) -> torch.Tensor:
+    """RGB PIL image -> (1, 3, H, W) uint8 tensor."""
+    rgb = image if image.mode == "RGB" else image.convert("RGB")
+    return torch.from_numpy(np.array(rgb)).permute(2, 0, 1).unsqueeze(0).contiguous()
 
-    Scales the uint8 image to cover H×W with bilinear interpolation *on the uint8 tensor* (so every pixel is
-    re-quantised to 8 bits, as in the reference), then centre-crops. Runs on the CPU because the uint8
-    bilinear kernel is what the fixtures pin down.
+
+def _covering_size(source: tuple[int, int], target: tuple[int, int]) -> tuple[int, int]:
+    """The source size scaled, aspect kept, by the least factor that makes it cover `target`.
+
+    Each side is rounded up and never falls below the target (float error in the ratio could
+    otherwise leave it one pixel short).
+    """
+    ratio = max(want / have for want, have in zip(target, source))
+    return tuple(max(math.ceil(have * ratio), want) for have, want in zip(source, target))  # type: ignore[return-value]
+
+
+def _centred_start(have: int, want: int) -> int:
+    """Offset of a centred `want`-long window in `have` (an odd surplus splits by Python's round)."""
+    return int(round((have - want) / 2.0))
+
+
+def prepare_image_pixels(image: Image.Image, height: int, width: int) -> torch.Tensor:
+    """First-frame conditioning pixels, (1, 3, 1, H, W) float32 in [0, 1] on the CPU.
+
+    The picture is scaled to cover H×W and centre-cropped. The scaling is bilinear (no corner
+    alignment) applied to the *uint8* tensor, so every resampled pixel is re-quantised to 8 bits
+    before the division by 255; that rounding is part of what the fixtures pin, and the uint8
+    kernel used is the CPU one.
     """
     if height <= 0 or width <= 0:
-        raise ValueError(f"target size must be positive, got {height}x{width}")
-    rgb = image if image.mode == "RGB" else image.convert("RGB")
-    pixels = torch.from_numpy(np.array(rgb)).permute(2, 0, 1).unsqueeze(0).contiguous()
-    src_h, src_w = pixels.shape[-2:]
-    scale = max(height / src_h, width / src_w)
-    cover_h = max(math.ceil(src_h * scale), height)
-    cover_w = max(math.ceil(src_w * scale), width)
-    covered = F.interpolate(pixels, size=(cover_h, cover_w), mode="bilinear", align_corners=False)
-    top = int(round((cover_h - height) / 2.0))
-    left = int(round((cover_w - width) / 2.0))
-    crop = covered[:, :, top : top + height, left : left + width]
-    return (crop.float() / 255.0).unsqueeze(2)
+        raise ValueError(f"the conditioning image needs a positive target size, got {height}x{width}")
+    frame = _uint8_batch(image)
+    cover_h, cover_w = _covering_size(tuple(frame.shape[-2:]), (height, width))
+    scaled = F.interpolate(frame, size=(cover_h, cover_w), mode="bilinear", align_corners=False)
+    top, left = _centred_start(cover_h, height), _centred_start(cover_w, width)
+    window = scaled[..., top : top + height, left : left + width]
+    return window.float().div(255.0)[:, :, None]
+
+
+def _snap(length: float, factor: int, rounding) -> int:
+    """`length` as a multiple of `factor`, rounded with `rounding` (round, math.floor or math.ceil)."""
+    return rounding(length / factor) * factor
 
 
 def smart_resize(
@@ -103,67 +125,75 @@ def smart_resize(
     min_pixels: int | None = None,
     max_pixels: int | None = None,
 ) -> tuple[int, int]:
-    """Size for the vision tower: multiples of ``factor``, area within [min_pixels, max_pixels].
+    """Size for the vision tower: both sides multiples of ``factor``, the area within [min_pixels, max_pixels].
 
-    Each side is rounded to the nearest multiple (Python ``round``, ties to even); if the area is out of range
-    both sides are rescaled by a common factor (aspect ratio kept) and floored/ceiled to multiples.
-    ``min_pixels``/``max_pixels`` default to 4 and 16384 tokens of ``factor``², as in the reference.
+    First each side goes to its nearest multiple (Python ``round``: ties to even; at least one
+    ``factor``). If that area is too large (small), the original size is scaled by one common factor
+    beta to fit, and the sides are floored (ceiled) to multiples. ``min_pixels``/``max_pixels``
+    default to 4 and 16384 tokens of ``factor``², as in the reference.
     """
     if height <= 0 or width <= 0:
-        raise ValueError(f"image size must be positive, got {height}x{width}")
-    min_pixels = MIN_IMAGE_TOKENS * factor * factor if min_pixels is None else min_pixels
-    max_pixels = MAX_IMAGE_TOKENS * factor * factor if max_pixels is None else max_pixels
-    if max_pixels < min_pixels:
-        raise ValueError(f"max_pixels ({max_pixels}) must be >= min_pixels ({min_pixels})")
+        raise ValueError(f"the image to resize must have a positive size, got {height}x{width}")
+    low = MIN_IMAGE_TOKENS * factor * factor if min_pixels is None else min_pixels
+    high = MAX_IMAGE_TOKENS * factor * factor if max_pixels is None else max_pixels
+    if high < low:
+        raise ValueError(f"max_pixels ({high}) is below min_pixels ({low}); no size can satisfy both")
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        raise ValueError(f"image aspect ratio {width}x{height} exceeds {MAX_ASPECT_RATIO}:1")
+        raise ValueError(f"a {width}x{height} image has an aspect ratio beyond {MAX_ASPECT_RATIO}:1, more "
+                         "than the vision tower takes")
 
-    new_h = max(factor, round(height / factor) * factor)
-    new_w = max(factor, round(width / factor) * factor)
-    if new_h * new_w > max_pixels:
-        shrink = math.sqrt(height * width / max_pixels)
-        new_h = math.floor(height / shrink / factor) * factor
-        new_w = math.floor(width / shrink / factor) * factor
-    elif new_h * new_w < min_pixels:
-        grow = math.sqrt(min_pixels / (height * width))
-        new_h = math.ceil(height * grow / factor) * factor
-        new_w = math.ceil(width * grow / factor) * factor
-    return new_h, new_w
+    nearest = (max(factor, _snap(height, factor, round)), max(factor, _snap(width, factor, round)))
+    area = nearest[0] * nearest[1]
+    if area > high:
+        beta = math.sqrt(height * width / high)
+        return _snap(height / beta, factor, math.floor), _snap(width / beta, factor, math.floor)
+    if area < low:
+        beta = math.sqrt(low / (height * width))
+        return _snap(height * beta, factor, math.ceil), _snap(width * beta, factor, math.ceil)
+    return nearest
+
+
+def _first_frame_hwc(image_pixels: torch.Tensor) -> torch.Tensor:
+    """(3, H, W) of the first frame, from (B, 3, T, H, W), (B, 3, H, W) or (3, H, W) pixels."""
+    frame = image_pixels.detach().cpu()
+    if frame.ndim in (4, 5):
+        frame = frame[0, :, 0] if frame.ndim == 5 else frame[0]
+    if frame.ndim != 3 or frame.shape[0] != 3:
+        raise ValueError(f"expected image pixels shaped (1,3,1,H,W), got {tuple(image_pixels.shape)}")
+    return frame
 
 
 def vision_image(
     image_pixels: torch.Tensor, patch_size: int = DEFAULT_PATCH_SIZE, merge_size: int = SPATIAL_MERGE_SIZE
 ) -> Image.Image:
-    """The picture the vision tower sees, derived from the conditioning pixels (not from the raw input).
+    """The picture the vision tower sees, made from the conditioning pixels (not from the raw input).
 
-    Reference steps: back to uint8 with a *truncating* cast of ``clamp(0,1)*255`` (exact for the k/255
-    values :func:`prepare_image_pixels` produces), then :func:`smart_resize` with factor patch·merge and a
-    PIL resize with PIL's default filter.
+    The pixels go back to uint8 with a *truncating* cast of ``clamp(0, 1) * 255`` (lossless for the
+    k/255 values :func:`prepare_image_pixels` produces), then PIL resizes them (its default filter)
+    to :func:`smart_resize` of their size with factor patch·merge.
     """
-    frame = image_pixels.detach().cpu()
-    if frame.ndim == 5:  # (B,3,T,H,W)
-        frame = frame[0, :, 0]
-    elif frame.ndim == 4:  # (B,3,H,W)
-        frame = frame[0]
-    if frame.ndim != 3 or frame.shape[0] != 3:
-        raise ValueError(f"expected image pixels shaped (1,3,1,H,W), got {tuple(image_pixels.shape)}")
-    array = frame.float().clamp(0, 1).permute(1, 2, 0).mul(255).to(torch.uint8).numpy()
-    picture = Image.fromarray(array, mode="RGB")
-    width, height = picture.size
-    new_h, new_w = smart_resize(height, width, factor=patch_size * merge_size)
+    levels = _first_frame_hwc(image_pixels).float().clamp(0, 1).mul(255).to(torch.uint8)
+    picture = Image.fromarray(levels.permute(1, 2, 0).numpy(), mode="RGB")
+    new_h, new_w = smart_resize(picture.height, picture.width, factor=patch_size * merge_size)
     return picture.resize((new_w, new_h))
 
 
+# Where a vision patch size may be found, first match wins: the text encoder's vision config, the
+# processor's image-processor config, the image processor itself.
+_PATCH_SIZE_PATHS = (
+    ("encoder", ("config", "vision_config", "patch_size")),
+    ("processor", ("image_processor", "config", "patch_size")),
+    ("processor", ("image_processor", "patch_size")),
+)
+
+
 def vision_patch_size(text_encoder: Any, processor: Any) -> int:
-    """Vision patch size, looked up where the reference looks (encoder config, then processor), else 16."""
-    image_processor = getattr(processor, "image_processor", None)
-    candidates = (
-        getattr(getattr(text_encoder, "config", None), "vision_config", None),
-        getattr(image_processor, "config", None),
-        image_processor,
-    )
-    for source in candidates:
-        patch = getattr(source, "patch_size", None)
-        if patch is not None:
-            return int(patch)
+    """The vision tower's patch size (see `_PATCH_SIZE_PATHS`), 16 when none of them has one."""
+    roots = {"encoder": text_encoder, "processor": processor}
+    for root, path in _PATCH_SIZE_PATHS:
+        value = roots[root]
+        for attribute in path:
+            value = getattr(value, attribute, None)
+        if value is not None:
+            return int(value)
     return DEFAULT_PATCH_SIZE

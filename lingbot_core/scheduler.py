@@ -19,24 +19,30 @@ and bh1 returns the x0 estimate on the final step where the reference computes -
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
-from diffusers.configuration_utils import ConfigMixin, register_to_config
+from diffusers.configuration_utils import ConfigMixin
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
 __all__ = [
     "FlowUniPCScheduler",
+    "UniPCSettings",
+    "check_sigmas",
     "compute_refiner_sigmas",
     "transformer_timestep",
-    "validate_sigmas",
 ]
 
 SigmaList = Sequence[float] | np.ndarray | torch.Tensor
 
-# Solver-type aliases the reference silently maps to bh2.
-_BH2_ALIASES = ("midpoint", "heun", "logrho")
+# Sigmas closer than this count as equal (a refiner threshold against a grid value).
+_SIGMA_TOLERANCE = 1e-6
+# The DiT is trained on timesteps t = 1000 * sigma.
+_TIMESTEP_SCALE = 1000.0
 
 
 def _flow_shift(sigmas, shift: float):
@@ -65,79 +71,85 @@ def _as_float_array(sigmas: SigmaList) -> np.ndarray:
     return arr
 
 
-def validate_sigmas(sigmas: SigmaList, *, t_thresh: float | None = None) -> None:
-    """Reject sigma lists the solver cannot use: it needs a strictly falling sequence inside [0, 1].
+# -- sigma lists ---------------------------------------------------------------------------------
 
-    With `t_thresh` the list must also start there (within 1e-6), as a refiner schedule does.
-    """
-    arr = _as_float_array(sigmas).astype(np.float64)
-    if arr.ndim != 1 or arr.size == 0:
-        raise ValueError(f"sigma schedule must be a non-empty 1-D list, got shape {tuple(arr.shape)}")
-    if not np.all(np.isfinite(arr)):
-        raise ValueError(f"sigma schedule contains non-finite values: {arr.tolist()}")
-    if np.any(arr < 0.0) or np.any(arr > 1.0):
-        raise ValueError(f"sigma schedule values must lie in [0, 1], got {arr.tolist()}")
-    if arr.size > 1 and not np.all(np.diff(arr) < 0.0):
-        raise ValueError(f"sigma schedule must be strictly descending, got {arr.tolist()}")
-    if t_thresh is not None and abs(float(arr[0]) - float(t_thresh)) > 1e-6:
-        raise ValueError(f"sigma schedule must start at t_thresh={float(t_thresh)}, got {float(arr[0])}")
+def _what_is_wrong(values: np.ndarray, start: float | None) -> str | None:
+    """The first reason a flat float64 sigma list cannot drive the solver, or None when it can."""
+    if not np.isfinite(values).all():
+        return "it holds NaN or infinite values"
+    if values.min() < 0.0 or values.max() > 1.0:
+        return "every sigma must be within [0, 1]"
+    if (np.diff(values) >= 0.0).any():
+        return "sigmas must strictly decrease from one step to the next"
+    if start is not None and abs(float(values[0]) - start) > _SIGMA_TOLERANCE:
+        return f"a refiner schedule must begin at t_thresh={start}, this one begins at {float(values[0])}"
+    return None
+
+
+def check_sigmas(sigmas: SigmaList, *, start: float | None = None) -> None:
+    """Raise ValueError unless `sigmas` is a usable schedule: a flat, non-empty list of finite values in
+    [0, 1], strictly decreasing, and (with `start`) beginning at `start` within 1e-6."""
+    values = _as_float_array(sigmas).astype(np.float64)
+    if values.ndim != 1 or values.size == 0:
+        raise ValueError(f"a sigma schedule is a non-empty flat list of numbers; got an array shaped {values.shape}")
+    reason = _what_is_wrong(values, None if start is None else float(start))
+    if reason:
+        raise ValueError(f"unusable sigma schedule {values.tolist()}: {reason}")
+
+
+def _positive_whole(name: str, value: Any) -> int:
+    number = int(value)
+    if number < 1:
+        raise ValueError(f"{name} is {number}; it counts steps, so it must be 1 or more")
+    return number
 
 
 def compute_refiner_sigmas(
-    *,
-    sigma_max: float,
-    sigma_min: float,
-    num_inference_steps: int,
-    shift: float,
-    t_thresh: float | None,
-    tail_steps: int = 2,
+    *, t_thresh: float | None, num_inference_steps: int, shift: float,
+    sigma_max: float, sigma_min: float, tail_steps: int = 2,
 ) -> torch.Tensor | None:
-    """Sigma list for the refiner: the shifted base grid cut at `t_thresh`, plus a low-noise tail.
+    """The refiner's float32 sigma list, or None when `t_thresh` is None (no refinement).
 
-    The refiner re-noises an upscaled video to `t_thresh` and only denoises from there, so the
-    grid starts at `t_thresh`; `tail_steps` extra sigmas split the gap between the last grid
-    value and `sigma_min` (the reference's "low_noise_tail_v1", default 2). Returns None when
-    `t_thresh` is None (no refinement: use the plain grid). The result is float32, as the
-    reference hands it to `set_timesteps(len(s), sigmas=s, shift=1.0)`.
+    The refiner re-noises an upscaled video to `t_thresh` and denoises from there. Its list is:
+    the base grid of `num_inference_steps` (shifted by `shift`) from `t_thresh` down, `t_thresh`
+    itself put in front when the grid does not already hold it, then `tail_steps` sigmas evenly
+    between the last of those and `sigma_min`, ends excluded (the reference's "low_noise_tail_v1",
+    2 by default). Pipelines pass it as `set_timesteps(sigmas=..., shift=1.0)`.
     """
     if t_thresh is None:
         return None
-    t_value = float(t_thresh)
-    if not 0.0 < t_value <= 1.0:
-        raise ValueError(f"refiner t_thresh must lie in (0, 1], got {t_value}")
-    steps = int(num_inference_steps)
-    if steps < 1:
-        raise ValueError(f"num_inference_steps must be >= 1, got {steps}")
+    start = float(t_thresh)
+    if not 0.0 < start <= 1.0:
+        raise ValueError(f"t_thresh (the noise level the refiner starts from) is {start}; it must be in (0, 1]")
+    steps = _positive_whole("num_inference_steps", num_inference_steps)
     tail = int(tail_steps or 0)
     if tail < 0:
-        raise ValueError(f"tail_steps must be >= 0, got {tail}")
+        raise ValueError(f"tail_steps is {tail}; use 0 for no low-noise tail, or more")
 
-    eps = 1e-6
-    grid = _flow_shift(np.linspace(float(sigma_max), float(sigma_min), steps + 1)[:-1], float(shift))
-    kept = grid[grid <= t_value + eps]
-    if kept.size == 0 or abs(float(kept[0]) - t_value) > eps:
-        kept = np.concatenate([[t_value], kept])
-    if tail > 0:
-        last = float(kept[-1])
-        # Interior points only: the first equals `last`, the final sigma is appended by the scheduler.
-        tail_values = np.linspace(last, min(float(sigma_min), last), tail + 2, dtype=np.float64)[1:-1]
-        kept = np.concatenate([kept, tail_values])
-    validate_sigmas(kept, t_thresh=t_value)
-    return torch.from_numpy(kept.astype(np.float32))
+    base = _flow_shift(np.linspace(float(sigma_max), float(sigma_min), steps + 1)[:-1], float(shift))
+    head = base[base <= start + _SIGMA_TOLERANCE]
+    if head.size == 0 or abs(float(head[0]) - start) > _SIGMA_TOLERANCE:
+        head = np.concatenate(([start], head))
+    last = float(head[-1])
+    # tail + 2 evenly spaced points from `last` to the floor; both ends are dropped (`last` is already
+    # in, and the scheduler appends the final sigma itself).
+    tail_values = np.linspace(last, min(float(sigma_min), last), tail + 2, dtype=np.float64)[1:-1]
+    schedule = np.concatenate((head, tail_values))
+    check_sigmas(schedule, start=start)
+    return torch.from_numpy(schedule.astype(np.float32))
 
 
 def transformer_timestep(timestep: torch.Tensor, transformer_dtype: torch.dtype) -> torch.Tensor:
-    """The timestep value the DiT is given for a scheduler timestep, as the reference computes it.
+    """The float32 timestep the DiT is called with for a scheduler timestep `t`.
 
-    sigma = t / 1000 is cast to a half-precision DiT dtype and multiplied back by 1000 *in that
-    dtype* before the float32 cast, so a bf16 DiT sees 999 -> 1000.0, 899 -> 900.0, 499 -> 498.0.
-    (Multiplying in float32 instead would give 898.4375 / 498.046875, which the reference does not.)
-    A float32 DiT gets float32(t / 1000) * 1000.
+    It is 1000 * (t / 1000), the round trip done in the DiT's dtype when that is bf16 or fp16:
+    sigma = t / 1000 is rounded to the half dtype and multiplied by 1000 *in that dtype*, so a bf16 DiT
+    sees 999 -> 1000.0, 899 -> 900.0, 499 -> 498.0 (a float32 multiply would give 898.4375 and
+    498.046875, which the reference does not). Any other DiT dtype gets float32(t / 1000) * 1000.
     """
-    sigma = torch.as_tensor(timestep).float() / 1000.0
-    if transformer_dtype in (torch.bfloat16, torch.float16):
-        sigma = sigma.to(transformer_dtype)
-    return (sigma * 1000.0).float()
+    working = transformer_dtype if transformer_dtype in (torch.bfloat16, torch.float16) else torch.float32
+    sigma = (torch.as_tensor(timestep).float() / _TIMESTEP_SCALE).to(working)
+    return (sigma * _TIMESTEP_SCALE).float()
 
 
 def _log_snr(sigma: torch.Tensor) -> torch.Tensor:
@@ -145,11 +157,94 @@ def _log_snr(sigma: torch.Tensor) -> torch.Tensor:
     return torch.log(1 - sigma) - torch.log(sigma)
 
 
+# -- scheduler_config.json -----------------------------------------------------------------------
+
+# Keys the checkpoint's config carries that this solver supports at one value only, and that value.
+_ONLY_VALUE: dict[str, Any] = {
+    "prediction_type": "flow_prediction",
+    "use_dynamic_shifting": False,
+    "thresholding": False,
+    "solver_p": None,
+    "predict_x0": True,  # the other form divides by zero on the final step to sigma 0 (NaN latents)
+    "timestep_spacing": "linspace",
+    "steps_offset": 0,
+}
+# Keys read and kept for save_pretrained but without effect here (they only matter with thresholding).
+_INERT: dict[str, Any] = {"dynamic_thresholding_ratio": 0.995, "sample_max_value": 1.0}
+# Names of the multistep "B(h)" variants; the reference maps the three old names to bh2.
+_SOLVER_VARIANTS = {"bh1": "bh1", "bh2": "bh2", "midpoint": "bh2", "heun": "bh2", "logrho": "bh2"}
+
+
+@dataclass(frozen=True)
+class UniPCSettings:
+    """What `scheduler_config.json` asks of the solver, parsed and checked once."""
+
+    num_train_timesteps: int = 1000
+    shift: float = 1.0
+    solver_order: int = 2
+    solver_type: str = "bh2"
+    lower_order_final: bool = True
+    disable_corrector: tuple[int, ...] = ()
+    final_sigmas_type: str = "zero"
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any]) -> UniPCSettings:
+        given = {k: v for k, v in raw.items() if not str(k).startswith("_")}
+        unknown = sorted(set(given) - set(cls.keys()))
+        if unknown:
+            raise ValueError(f"scheduler config: unknown keys {unknown}; the known keys are {sorted(cls.keys())}")
+        for key, only in _ONLY_VALUE.items():
+            if key in given and given[key] != only:
+                raise NotImplementedError(f"scheduler config: {key}={given[key]!r} is not supported by "
+                                          f"FlowUniPCScheduler; LingBot checkpoints use {key}={only!r}")
+        variant = given.get("solver_type", "bh2")
+        if variant not in _SOLVER_VARIANTS:
+            raise NotImplementedError(f"scheduler config: solver_type={variant!r} is not a UniPC variant "
+                                      "(use 'bh1' or 'bh2')")
+        final = given.get("final_sigmas_type", "zero")
+        if final not in ("zero", "sigma_min"):
+            raise ValueError(f"scheduler config: final_sigmas_type={final!r}; the last sigma is either 'zero' "
+                             "or the training 'sigma_min'")
+        shift = given.get("shift", 1.0)
+        if shift is None or not float(shift) > 0.0:
+            raise ValueError(f"scheduler config: shift={shift!r}; the time shift must be a number above 0")
+        settings = cls(
+            num_train_timesteps=_positive_whole("num_train_timesteps", given.get("num_train_timesteps", 1000)),
+            shift=float(shift),
+            solver_order=_positive_whole("solver_order", given.get("solver_order", 2)),
+            solver_type=_SOLVER_VARIANTS[variant],
+            lower_order_final=bool(given.get("lower_order_final", True)),
+            disable_corrector=tuple(int(i) for i in given.get("disable_corrector", ())),
+            final_sigmas_type=final,
+        )
+        if not settings.lower_order_final and settings.solver_order > 1:
+            raise NotImplementedError(
+                f"scheduler config: lower_order_final=False with solver_order={settings.solver_order} would take a "
+                "higher-order last step to sigma 0, which divides by zero; use lower_order_final=True or order 1"
+            )
+        return settings
+
+    @staticmethod
+    def keys() -> tuple[str, ...]:
+        own = tuple(UniPCSettings.__dataclass_fields__)
+        return own + tuple(_ONLY_VALUE) + tuple(_INERT)
+
+    def to_mapping(self, raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The full config.json fields: ours, the fixed ones, and the inert ones as given in `raw`."""
+        given = dict(raw or {})
+        flat: dict[str, Any] = {**_ONLY_VALUE, **{k: given.get(k, v) for k, v in _INERT.items()}}
+        for key in UniPCSettings.__dataclass_fields__:
+            value = getattr(self, key)
+            flat[key] = list(value) if isinstance(value, tuple) else value
+        return flat
+
+
 class FlowUniPCScheduler(SchedulerMixin, ConfigMixin):
     """Multistep UniPC (predictor UniP + corrector UniC) for flow-matching models.
 
-    Reads the reference's `scheduler_config.json` unchanged (every field is accepted); settings this
-    implementation does not support raise at construction instead of being silently ignored.
+    Build it from `scheduler_config.json` (`from_pretrained`), from its fields as keywords, or from a
+    `UniPCSettings`. Every key of the reference's config is accepted; settings this implementation
+    does not support raise at construction instead of being silently ignored.
 
     `step` tracks its position internally: the first call after `set_timesteps` locates the given
     timestep in `self.timesteps` (the second match if it occurs twice, like diffusers), later calls
@@ -159,66 +254,14 @@ class FlowUniPCScheduler(SchedulerMixin, ConfigMixin):
     config_name = "scheduler_config.json"
     order = 1
 
-    @register_to_config
-    def __init__(
-        self,
-        num_train_timesteps: int = 1000,
-        solver_order: int = 2,
-        prediction_type: str = "flow_prediction",
-        shift: float = 1.0,
-        use_dynamic_shifting: bool = False,
-        thresholding: bool = False,
-        dynamic_thresholding_ratio: float = 0.995,
-        sample_max_value: float = 1.0,
-        predict_x0: bool = True,
-        solver_type: str = "bh2",
-        lower_order_final: bool = True,
-        disable_corrector: Sequence[int] = (),
-        solver_p: object | None = None,
-        timestep_spacing: str = "linspace",
-        steps_offset: int = 0,
-        final_sigmas_type: str = "zero",
-    ) -> None:
-        if prediction_type != "flow_prediction":
-            raise ValueError(f"prediction_type must be 'flow_prediction', got {prediction_type!r}")
-        if solver_type in _BH2_ALIASES:
-            self.register_to_config(solver_type="bh2")
-        elif solver_type not in ("bh1", "bh2"):
-            raise NotImplementedError(f"solver_type {solver_type!r} is not supported (use 'bh1' or 'bh2')")
-        if int(solver_order) < 1:
-            raise ValueError(f"solver_order must be >= 1, got {solver_order}")
-        if int(num_train_timesteps) < 1:
-            raise ValueError(f"num_train_timesteps must be >= 1, got {num_train_timesteps}")
-        if final_sigmas_type not in ("zero", "sigma_min"):
-            raise ValueError(f"final_sigmas_type must be 'zero' or 'sigma_min', got {final_sigmas_type!r}")
-        if shift is None or not float(shift) > 0.0:
-            raise ValueError(f"shift must be a positive number, got {shift!r}")
-        unsupported = {
-            "use_dynamic_shifting": use_dynamic_shifting,
-            "thresholding": thresholding,
-            "solver_p": solver_p is not None,
-        }
-        for name, enabled in unsupported.items():
-            if enabled:
-                raise NotImplementedError(f"{name} is not supported by FlowUniPCScheduler")
-        # Both of these divide by zero on the last step (to sigma 0) in the reference, which then
-        # returns NaN latents; refuse them instead of reproducing that.
-        if not predict_x0:
-            raise NotImplementedError(
-                "predict_x0=False is not supported: its update is NaN on the final step to sigma 0"
-            )
-        if not lower_order_final and int(solver_order) > 1:
-            raise NotImplementedError(
-                "lower_order_final=False needs solver_order=1: a higher-order final step to sigma 0 "
-                "divides by zero"
-            )
-        if timestep_spacing != "linspace" or int(steps_offset) != 0:
-            raise NotImplementedError(
-                "only timestep_spacing='linspace' with steps_offset=0 is supported, got "
-                f"{timestep_spacing!r} / {steps_offset!r}"
-            )
-
-        self.disable_corrector = {int(i) for i in disable_corrector}
+    def __init__(self, settings: UniPCSettings | None = None, /, **fields: Any) -> None:
+        if settings is None:
+            settings = UniPCSettings.from_mapping(fields)
+        elif fields:
+            raise TypeError("give either UniPCSettings or scheduler_config.json fields, not both")
+        self.register_to_config(**settings.to_mapping(fields))
+        self.settings = settings
+        self.disable_corrector = set(settings.disable_corrector)
         self._sigma_max, self._sigma_min = self._training_sigma_range()
         self.num_inference_steps: int | None = None
         self.sigmas: torch.Tensor | None = None
@@ -226,16 +269,16 @@ class FlowUniPCScheduler(SchedulerMixin, ConfigMixin):
         self._reset_solver_state()
 
     def _training_sigma_range(self) -> tuple[float, float]:
-        """Ends of the training sigma table, as float32 values like the reference keeps them.
+        """First and last sigma of the training table, float32 values as the reference keeps them.
 
-        The table is 1 - reversed(linspace(1, 1/N, N)) in float64, cast to float32 and shifted by
-        the *config* shift there; the default gives sigma_max = float32(0.999), sigma_min = 0.
+        The table is 1 - (1/N, 2/N, ..., 1) built in float64 (numpy linspace, exact end points), cast to
+        float32 and shifted there by the *config* shift: only its two ends are ever used, so only they
+        are computed. The default config gives sigma_max = float32(0.999), sigma_min = 0.
         """
-        n = int(self.config.num_train_timesteps)
-        alphas = np.linspace(1.0, 1.0 / n, n)[::-1].copy()
-        table = torch.from_numpy(1.0 - alphas).to(torch.float32)
-        table = _flow_shift(table, float(self.config.shift))
-        return table[0].item(), table[-1].item()
+        n = self.settings.num_train_timesteps
+        ends = torch.tensor([1.0 - 1.0 / n, 1.0 - 1.0], dtype=torch.float64).to(torch.float32)
+        ends = _flow_shift(ends, self.settings.shift)
+        return ends[0].item(), ends[1].item()
 
     @property
     def sigma_max(self) -> float:
@@ -294,7 +337,7 @@ class FlowUniPCScheduler(SchedulerMixin, ConfigMixin):
             grid = np.linspace(self.sigma_max, self.sigma_min, int(num_inference_steps) + 1)[:-1]
         else:
             grid = _as_float_array(sigmas)
-            validate_sigmas(grid)
+            check_sigmas(grid)
             if num_inference_steps is not None and int(num_inference_steps) != grid.size:
                 raise ValueError(
                     f"num_inference_steps={num_inference_steps} does not match the {grid.size} explicit sigmas"
@@ -351,14 +394,14 @@ class FlowUniPCScheduler(SchedulerMixin, ConfigMixin):
         b_h = hh if self.config.solver_type == "bh1" else torch.expm1(hh)
 
         rks = torch.stack([*ratios, torch.ones((), dtype=torch.float32)]).to(device)
-        rows, rhs = [], []
-        h_phi_k = h_phi_1 / hh - 1
-        factorial = 1
+        rows = [torch.pow(rks, power) for power in range(order)]
+        # b_k = k! * phi_k(h) / B(h), with phi_{k+1} = (phi_k - 1/k!) / h built up in float32.
+        rhs = []
+        phi, k_factorial = h_phi_1 / hh - 1, 1
         for k in range(1, order + 1):
-            rows.append(torch.pow(rks, k - 1))
-            rhs.append(h_phi_k * factorial / b_h)
-            factorial *= k + 1
-            h_phi_k = h_phi_k / hh - 1 / factorial
+            rhs.append(phi * k_factorial / b_h)
+            k_factorial *= k + 1
+            phi = phi / hh - 1 / k_factorial
         return {
             "sigma_t": sigma_t,
             "sigma_s0": sigma_s0,
@@ -456,3 +499,18 @@ class FlowUniPCScheduler(SchedulerMixin, ConfigMixin):
 
     def __len__(self) -> int:
         return int(self.config.num_train_timesteps)
+
+
+def _published_signature() -> inspect.Signature:
+    """`(self, settings=None, /, *, <every scheduler_config.json key>=<default>)`: diffusers reads the
+    config keys from `__init__`'s signature."""
+    defaults = UniPCSettings().to_mapping()
+    params = [
+        inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY),
+        inspect.Parameter("settings", inspect.Parameter.POSITIONAL_ONLY, default=None),
+    ]
+    params += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=defaults[k]) for k in UniPCSettings.keys()]
+    return inspect.Signature(params)
+
+
+FlowUniPCScheduler.__init__.__signature__ = _published_signature()  # type: ignore[attr-defined]

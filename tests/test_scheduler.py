@@ -15,9 +15,10 @@ from parity_cases import Case, discover
 
 from lingbot_core.scheduler import (
     FlowUniPCScheduler,
+    UniPCSettings,
+    check_sigmas,
     compute_refiner_sigmas,
     transformer_timestep,
-    validate_sigmas,
 )
 
 PIPELINE_MODES = {"t2v", "t2i", "ti2v", "refine"}
@@ -194,7 +195,7 @@ def test_step_accepts_timestep_forms_and_guards_misuse():
 
 def test_explicit_sigma_validation():
     sched = FlowUniPCScheduler()
-    with pytest.raises(ValueError, match="strictly descending"):
+    with pytest.raises(ValueError, match="strictly decrease"):
         sched.set_timesteps(sigmas=[0.5, 0.6], shift=1.0)
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         sched.set_timesteps(sigmas=[1.2, 0.5], shift=1.0)
@@ -202,9 +203,9 @@ def test_explicit_sigma_validation():
         sched.set_timesteps(sigmas=[0.5, 0.0], shift=1.0)
     with pytest.raises(ValueError, match="does not match"):
         sched.set_timesteps(3, sigmas=[0.5, 0.25], shift=1.0)
-    with pytest.raises(ValueError, match="must start at t_thresh=0.85"):
-        validate_sigmas([0.8, 0.5], t_thresh=0.85)
-    with pytest.raises(ValueError, match="strictly descending"):
+    with pytest.raises(ValueError, match="must begin at t_thresh=0.85"):
+        check_sigmas([0.8, 0.5], start=0.85)
+    with pytest.raises(ValueError, match="strictly decrease"):
         compute_refiner_sigmas(sigma_max=0.2, sigma_min=0.8, num_inference_steps=4, shift=1.0, t_thresh=0.85)
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         compute_refiner_sigmas(
@@ -247,3 +248,43 @@ def test_bh1_and_order3_run_finite():
         sched = FlowUniPCScheduler(**kwargs)
         sched.set_timesteps(6, shift=3.0)
         assert torch.isfinite(_run(sched)[-1]).all(), kwargs
+
+
+def test_settings_round_trip_the_checkpoint_config(fixtures_root, tmp_path):
+    import json
+
+    raw = json.loads((fixtures_root / "models" / "tiny-dense" / "scheduler" / "scheduler_config.json").read_text())
+    sched = FlowUniPCScheduler.from_pretrained(fixtures_root / "models" / "tiny-dense", subfolder="scheduler")
+    assert sched.settings == UniPCSettings.from_mapping(raw)
+    assert {k: v for k, v in sched.config.items() if not k.startswith("_")} == {
+        k: v for k, v in raw.items() if not k.startswith("_")}
+    sched.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "scheduler_config.json").read_text())
+    assert {k: v for k, v in saved.items() if not k.startswith("_")} == {
+        k: v for k, v in raw.items() if not k.startswith("_")}
+    assert FlowUniPCScheduler(UniPCSettings(shift=3.0)).config.shift == 3.0
+    with pytest.raises(TypeError, match="not both"):
+        FlowUniPCScheduler(UniPCSettings(), shift=2.0)
+
+
+def test_settings_parse_aliases_and_reject_unknown_keys():
+    assert FlowUniPCScheduler(solver_type="heun").config.solver_type == "bh2"
+    assert UniPCSettings.from_mapping({"solver_type": "logrho"}).solver_type == "bh2"
+    with pytest.raises(ValueError, match=r"unknown keys \['solver_ordr'\]"):
+        UniPCSettings.from_mapping({"solver_ordr": 3})
+    with pytest.raises(ValueError, match="solver_order is 0"):
+        FlowUniPCScheduler(solver_order=0)
+    with pytest.raises(ValueError, match="shift=0"):
+        FlowUniPCScheduler(shift=0)
+
+
+def test_refiner_sigma_errors_say_what_to_change():
+    with pytest.raises(ValueError, match="num_inference_steps is 0"):
+        compute_refiner_sigmas(t_thresh=0.5, num_inference_steps=0, shift=1.0, sigma_max=0.999, sigma_min=0.0)
+    with pytest.raises(ValueError, match="tail_steps is -1"):
+        compute_refiner_sigmas(t_thresh=0.5, num_inference_steps=4, shift=1.0, sigma_max=0.999, sigma_min=0.0,
+                               tail_steps=-1)
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        check_sigmas([0.5, float("nan")])
+    with pytest.raises(ValueError, match="non-empty flat list"):
+        check_sigmas([])
