@@ -137,12 +137,11 @@ class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
         """`nn.Module.to`, except that a cast to bf16/fp16 (any float but float32) stores the
         tensors of `precision.FLOAT32_NAMES` in float32."""
         device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
-        if not precision.is_split_precision_cast(dtype):
-            return super().to(*args, **kwargs)
-        if device is not None:
-            super().to(device=device, non_blocking=non_blocking)
-        precision.cast_split_precision(self, dtype, non_blocking=non_blocking)
-        return self
+        if precision.is_split_precision_cast(dtype):
+            placed = self if device is None else super().to(device=device, non_blocking=non_blocking)
+            precision.cast_split_precision(placed, dtype, non_blocking=non_blocking)
+            return placed
+        return super().to(*args, **kwargs)
 
     def set_attention_backend(self, backend: str | None) -> None:
         """Send every attention call to this diffusers backend (None = diffusers' active default)."""
