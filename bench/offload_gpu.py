@@ -146,7 +146,7 @@ def build_transformer(config: dict[str, Any], device: torch.device, dtype: torch
     with torch.device("meta"):
         model = LingBotVideoTransformer3DModel.from_config({k: v for k, v in config.items() if not k.startswith("_")})
     if dtype != torch.float32:
-        model.to(dtype)  # our override keeps FP32_MODULES in float32 (on meta this only changes dtypes)
+        model.to(dtype)  # our override keeps precision.FLOAT32_NAMES in float32 (on meta this only changes dtypes)
     return materialise(model, device, seed, "transformer")
 
 
