@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -19,16 +21,34 @@ def to_uint8(frames: torch.Tensor) -> np.ndarray:
     return frames.detach().float().clamp(0, 1).mul(255).round().to(torch.uint8).cpu().numpy()
 
 
+@contextmanager
+def _written_whole(path: Path) -> Iterator[Path]:
+    """Yield a hidden temporary name beside `path`; rename it to `path` only once writing finished.
+
+    A failed or interrupted (Ctrl-C) save therefore leaves no partial file behind. The suffix is
+    kept so PIL and FFmpeg still pick the format from the name.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.stem}.partial{path.suffix}")
+    try:
+        yield partial
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+
+
 def save_png(frame: torch.Tensor, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> Path:
     """PNG with optional text chunks (ComfyUI keeps `prompt` and `workflow` there)."""
     from PIL.PngImagePlugin import PngInfo
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     info = PngInfo()
     for key, value in (metadata or {}).items():
         info.add_text(key, value)
-    Image.fromarray(to_uint8(frame)[0]).save(path, pnginfo=info)
+    image = Image.fromarray(to_uint8(frame)[0])
+    with _written_whole(path) as partial:
+        image.save(partial, format="PNG", pnginfo=info)
     return path
 
 
@@ -47,10 +67,10 @@ def save_mp4(frames: torch.Tensor, path: str | os.PathLike, fps: float = 24.0, c
     if h % 2 or w % 2:
         data = np.pad(data, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), mode="edge")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     from fractions import Fraction
 
-    with av.open(str(path), mode="w", options={"movflags": "use_metadata_tags"}) as container:
+    with _written_whole(path) as partial, av.open(str(partial), mode="w", format="mp4",
+                                                  options={"movflags": "use_metadata_tags"}) as container:
         container.metadata.update(metadata or {})
         stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
         stream.width, stream.height = data.shape[2], data.shape[1]

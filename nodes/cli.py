@@ -1,17 +1,28 @@
 """`lingbot-run` / `python -m lingbot_nodes`: run a saved workflow (UI or API format) headless.
 
 With no arguments it runs the shipped T2V workflow on the built-in tiny checkpoint and writes an
-mp4 under ./output/lingbot/.
+mp4 under ./output/lingbot/. Written files are printed on stdout, one per line; progress, the
+offload choice and Memory Report texts go to stderr.
+
+Exit codes: 0 done, 1 a failure while running, 2 bad input (arguments, workflow, override,
+checkpoint, output folder), 130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-WORKFLOWS = Path(__file__).resolve().parent.parent / "workflows"
+HERE = Path(__file__).resolve().parent
+# An installed wheel carries the workflows inside the package (lingbot_nodes/workflows); a source
+# checkout (editable install, ComfyUI's custom_nodes) has them beside nodes/.
+WORKFLOW_DIRS = (HERE / "workflows", HERE.parent / "workflows")
 SHORT_NAMES = {"t2v": "lingbot_t2v_dense", "t2i": "lingbot_t2i_dense", "ti2v": "lingbot_ti2v_dense",
                "moe": "lingbot_t2v_moe_refine", "refine": "lingbot_t2v_moe_refine"}
 
@@ -21,39 +32,156 @@ def resolve_workflow(name: str) -> Path:
     if path.is_file():
         return path
     stem = SHORT_NAMES.get(name, name)
-    for candidate in (WORKFLOWS / "api" / f"{stem}.json", WORKFLOWS / f"{stem}.json"):
-        if candidate.is_file():
-            return candidate
+    for folder in WORKFLOW_DIRS:
+        for candidate in (folder / "api" / f"{stem}.json", folder / f"{stem}.json"):
+            if candidate.is_file():
+                return candidate
     known = ", ".join(sorted(SHORT_NAMES))
     raise FileNotFoundError(f"workflow {name!r} not found (a file, or one of: {known})")
 
 
-class TerminalProgress:
-    """One line per node, a bar for nodes that report steps."""
+def check_output_dir(folder: Path) -> None:
+    """Fail now, not after the generation, when `folder` cannot hold the outputs.
 
-    def __init__(self) -> None:
+    Nothing is created here: the folder (or its nearest existing parent) must be a writable folder.
+    """
+    probe = folder
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        raise NotADirectoryError(f"--output {folder}: {probe} exists and is not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise PermissionError(f"--output {folder}: {probe} is not writable")
+
+
+class Reporter:
+    """Stage-by-stage progress on stderr, each line labelled with the node's title.
+
+    A node's line appears when it finishes, with its time; nodes that report steps (Denoise,
+    Refine) also show them: a live bar on a terminal, a line per step otherwise (logs, CI).
+    """
+
+    def __init__(self, labels: dict[str, str], stream=None, enabled: bool = True) -> None:
+        self.labels = labels
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = enabled
+        self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.current: str | None = None
+        self.started = 0.0
+        self.steps: tuple[float, float | None] | None = None
         self._bar = None
-        self._node = None
 
-    def __call__(self, node_id: str, value: float, total: float | None) -> None:
-        from tqdm.auto import tqdm
+    def label(self, node_id: str | None) -> str:
+        return self.labels.get(node_id or "", f"node {node_id}")
 
-        if node_id != self._node or self._bar is None:
-            self.close()
-            self._node = node_id
-            self._bar = tqdm(total=total, desc=f"node {node_id}", leave=False, file=sys.stderr,
-                             disable=not sys.stderr.isatty())
-        self._bar.total = total
-        self._bar.n = value
-        self._bar.refresh()
+    def write(self, line: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(line, file=self.stream)
+        else:
+            print(line, file=self.stream, flush=True)
 
-    def close(self) -> None:
+    # -- engine callbacks -------------------------------------------------------------------------------
+
+    def node_started(self, ctx) -> None:
+        if ctx.node_id == self.current:
+            return  # a lazy node entered again (check_lazy_status, then its function)
+        self.finish()
+        self.current, self.started, self.steps = ctx.node_id, time.perf_counter(), None
+        if self.tty:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=None, desc=self.label(ctx.node_id), leave=False, file=self.stream)
+
+    def progress(self, node_id: str, value: float, total: float | None) -> None:
+        if node_id != self.current:
+            self.current, self.started = node_id, time.perf_counter()
+        self.steps = (value, total)
+        if self._bar is not None:
+            self._bar.total = total
+            self._bar.n = value
+            self._bar.refresh()
+        elif self.enabled:
+            of = f"/{total:g}" if total else ""
+            self.write(f"  {self.label(node_id)}: step {value:g}{of}")
+
+    def finish(self) -> None:
+        """Close the running node's line (called when the next node starts and at the end)."""
+        self.close_bar()
+        if self.current is None:
+            return
+        took = time.perf_counter() - self.started
+        steps = ""
+        if self.steps is not None:
+            value, total = self.steps
+            steps = f", {value:g}{f'/{total:g}' if total else ''} steps"
+        self.write(f"  {self.label(self.current)}: done in {took:.2f}s{steps}")
+        self.current = None
+
+    def close_bar(self) -> None:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
 
 
-def main(argv: list[str] | None = None) -> int:
+class _ReporterLog(logging.Handler):
+    """Our library's INFO lines (e.g. the mode `auto` picked), printed through the reporter."""
+
+    def __init__(self, reporter: Reporter) -> None:
+        super().__init__(logging.INFO)
+        self.reporter = reporter
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.reporter.write(f"  {record.getMessage()}")
+        except Exception:  # logging must never break the run
+            self.handleError(record)
+
+
+@contextmanager
+def _library_log(reporter: Reporter) -> Iterator[None]:
+    logger = logging.getLogger("lingbot_core")
+    handler = _ReporterLog(reporter)
+    level = logger.level
+    logger.addHandler(handler)
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def node_labels(prompt, display_names) -> dict[str, str]:
+    """`title` (or the display name) of every node; the id is added where a label repeats."""
+    names = {}
+    for nid, node in prompt.nodes.items():
+        class_type = node.get("class_type", "")
+        names[nid] = (node.get("_meta") or {}).get("title") or display_names.get(class_type, class_type)
+    counts = {}
+    for name in names.values():
+        counts[name] = counts.get(name, 0) + 1
+    return {nid: name if counts[name] == 1 else f"{name} #{nid}" for nid, name in names.items()}
+
+
+def report_texts(result, labels: dict[str, str]) -> list[str]:
+    """Texts that output nodes show in the editor (the Memory Report), as lines for the terminal."""
+    lines = []
+    for nid, ui in result.ui.items():
+        texts = (ui or {}).get("text") or []
+        for text in texts if isinstance(texts, (list, tuple)) else [texts]:
+            lines.append(f"{labels.get(nid, f'node {nid}')}:")
+            lines += [f"  {line}" for line in str(text).splitlines()]
+    return lines
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from lingbot_core.workflow.runner import OVERRIDE_EXAMPLE
+
     parser = argparse.ArgumentParser(prog="lingbot-run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("workflow", nargs="?", default="t2v",
@@ -61,49 +189,75 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="checkpoint folder for every LingBot Loader (default: as saved)")
     parser.add_argument("--output", default="output", help="output folder (default ./output)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="NODE.INPUT=VALUE",
-                        help="override an input; NODE is an id, a unique class type or a title")
+                        help=f"override an input, e.g. {OVERRIDE_EXAMPLE}; NODE is an id, a unique class type "
+                             "or a title (repeatable)")
     parser.add_argument("--shuffle", type=int, metavar="SEED",
                         help="pick among ready nodes in a seeded random order (the graph must not care)")
-    args = parser.parse_args(argv)
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress or log lines on stderr")
+    return parser
 
-    from lingbot_core.workflow import NodeExecutionError, RunInterrupted, WorkflowError, run_workflow_file
+
+def main(argv: list[str] | None = None) -> int:
+    from lingbot_core.exit_codes import INTERRUPTED, exit_code, one_line, root_cause
+
+    args = build_parser().parse_args(argv)
+    reporter = Reporter({}, enabled=not args.quiet)
+    try:
+        return _run(args, reporter)
+    except KeyboardInterrupt:
+        reporter.close_bar()
+        where = f" in {reporter.label(reporter.current)}" if reporter.current else ""
+        print(f"interrupted{where}", file=sys.stderr)
+        return INTERRUPTED
+    except Exception as err:
+        reporter.close_bar()
+        code = exit_code(err)
+        if code == INTERRUPTED:
+            where = f" in {reporter.label(err.node_id)}" if getattr(err, "node_id", None) else ""
+            print(f"interrupted{where}", file=sys.stderr)
+            return code
+        cause = root_cause(err)
+        node_id = getattr(err, "node_id", None)
+        where = f"{reporter.label(node_id)} (node {node_id}, {err.class_type}): " if cause is not err else ""
+        kind = "" if code == 2 or isinstance(cause, (RuntimeError, OSError)) else f"{type(cause).__name__}: "
+        print(f"error: {where}{kind}{one_line(cause)}", file=sys.stderr)
+        return code
+
+
+def _run(args: argparse.Namespace, reporter: Reporter) -> int:
+    from lingbot_core.workflow import Engine, WorkflowError, apply_overrides, load_workflow
+    from lingbot_core.workflow.context import watch_nodes
 
     from . import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
 
+    path = resolve_workflow(args.workflow)
+    prompt = load_workflow(path, NODE_CLASS_MAPPINGS, display_names=NODE_DISPLAY_NAME_MAPPINGS)
     overrides = list(args.overrides)
-    try:
-        path = resolve_workflow(args.workflow)
-        if args.model:
-            from lingbot_core.workflow import load_workflow
+    if args.model:
+        loaders = [nid for nid, node in prompt.nodes.items() if node["class_type"] == "LingBotLoader"]
+        if not loaders:
+            raise WorkflowError(f"--model given, but {path} has no LingBot Loader node")
+        overrides += [f"{nid}.path={args.model}" for nid in loaders]
+    prompt = apply_overrides(prompt, overrides, NODE_CLASS_MAPPINGS)
+    output = Path(args.output)
+    check_output_dir(output)
+    engine = Engine(NODE_CLASS_MAPPINGS)
+    engine.validate(prompt)  # every graph problem before any model work
+    reporter.labels = node_labels(prompt, NODE_DISPLAY_NAME_MAPPINGS)
 
-            prompt = load_workflow(path, NODE_CLASS_MAPPINGS, display_names=NODE_DISPLAY_NAME_MAPPINGS)
-            loaders = [nid for nid, node in prompt.nodes.items() if node["class_type"] == "LingBotLoader"]
-            if not loaders:
-                raise WorkflowError(f"--model given, but {path} has no LingBot Loader node")
-            overrides += [f"{nid}.path={args.model}" for nid in loaders]
-        os.environ["LINGBOT_OUTPUT_DIR"] = str(Path(args.output))
-        progress = TerminalProgress()
+    os.environ["LINGBOT_OUTPUT_DIR"] = str(output)
+    reporter.write(f"lingbot-run: {path}")
+    with _library_log(reporter), watch_nodes(reporter.node_started):
         try:
-            result = run_workflow_file(path, NODE_CLASS_MAPPINGS, overrides=overrides, seed_order=args.shuffle,
-                                       progress=progress, display_names=NODE_DISPLAY_NAME_MAPPINGS)
+            result = engine.run(prompt, seed_order=args.shuffle, progress=reporter.progress)
         finally:
-            progress.close()
-    except NodeExecutionError as err:
-        cause = err.__cause__ or err
-        print(f"error: node {err.node_id} ({err.class_type}): {cause}", file=sys.stderr)
-        return 1
-    except RunInterrupted as err:
-        print(f"interrupted: {err}", file=sys.stderr)
-        return 130
-    except (WorkflowError, FileNotFoundError, ValueError, OSError) as err:
-        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 2
-    except Exception as err:  # a bug, not bad input: still one line, and a non-zero exit
-        print(f"error: {type(err).__name__}: {' '.join(str(err).split())}", file=sys.stderr)
-        return 1
+            reporter.close_bar()
+    reporter.finish()
+    for line in report_texts(result, reporter.labels):  # asked for by the graph: shown even with --quiet
+        print(line, file=sys.stderr)
     for ui in result.ui.values():
         for entry in (ui or {}).get("images", []):
-            print(Path(args.output) / entry.get("subfolder", "") / entry["filename"])
+            print(output / entry.get("subfolder", "") / entry["filename"])
     return 0
 
 

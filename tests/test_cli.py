@@ -37,21 +37,24 @@ def test_overrides_model_and_shuffle(tmp_path, capsys, fixtures_root):
         (["--set", "Denoise.nope=1"], 2, "nope"),
         (["--set", "garbage"], 2, "NODE.INPUT=VALUE"),
         (["no-such-workflow"], 2, "not found"),
-        (["--model", "/no/such/folder"], 1, "does not exist"),
+        (["--model", "/no/such/folder"], 2, "does not exist"),
+        (["--set", "Nope.seed=1"], 2, "4 (LingBotDenoise 'Denoise')"),
     ],
 )
 def test_failures_exit_non_zero_with_one_line(tmp_path, capsys, args, code, message):
     assert main([*args, "--output", str(tmp_path)]) == code
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and message in err and err.startswith("error:")
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message in err and err.startswith("error:")
 
 
-def test_malformed_workflow_json(tmp_path, capsys):
+@pytest.mark.parametrize("text,where", [('{"1": {"class_type": "LingBotLoader", "inputs": {', "line 1 column 50"),
+                                        ('{"1": {"class_type": "LingBot', "Unterminated string starting at: line 1 column 22")])
+def test_malformed_workflow_json(tmp_path, capsys, text, where):
     bad = tmp_path / "bad.json"
-    bad.write_text('{"1": {"class_type": "LingBotLoader", "inputs": {')
+    bad.write_text(text)
     assert main([str(bad), "--output", str(tmp_path)]) == 2
-    err = capsys.readouterr().err
-    assert "bad.json" in err and "line 1" in err
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "bad.json" in err and where in err and err.endswith(")")
 
 
 def test_python_dash_m_entry_points(tmp_path):
@@ -63,3 +66,156 @@ def test_python_dash_m_entry_points(tmp_path):
     assert core.stdout.strip().endswith("clip.mp4")
     bad = subprocess.run([sys.executable, "-m", "lingbot_core", "--height", "40"], capture_output=True, text=True)
     assert bad.returncode == 2 and "multiples of 16" in bad.stderr
+
+
+def _stderr_lines(capsys) -> list[str]:
+    return capsys.readouterr().err.strip().splitlines()
+
+
+def test_progress_is_labelled_by_node_title(tmp_path, capsys):
+    """Every stage that runs gets a line with its title, text encode and VAE decode included."""
+    assert main(["t2i", "--output", str(tmp_path)]) == 0
+    err = "\n".join(_stderr_lines(capsys))
+    for title in ("Loader", "Offload", "Prompt", "Denoise", "Decode", "Save"):
+        assert f"  {title}: done in " in err, title
+    assert "Denoise: step 1/4" in err and "4/4 steps" in err
+    assert "node " not in err
+
+
+def test_memory_report_text_and_auto_choice_are_printed(tmp_path, capsys):
+    import json
+
+    workflow = tmp_path / "report.json"
+    workflow.write_text(json.dumps({
+        "1": {"class_type": "LingBotLoader", "inputs": {"checkpoint": "tiny (built-in dense)", "variant": "auto",
+                                                        "dtype": "auto", "attention": "default"}},
+        "2": {"class_type": "LingBotOffload", "inputs": {"pipe": ["1", 0], "mode": "auto"},
+              "_meta": {"title": "Plan memory"}},
+        "3": {"class_type": "LingBotMemoryReport", "inputs": {"pipe": ["2", 0], "value": ["2", 0]},
+              "_meta": {"title": "Where is it"}},
+    }))
+    assert main([str(workflow), "--quiet", "--output", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "Where is it:" in err and "LingBot memory (none offload" in err  # --quiet keeps what the graph asked for
+    assert "done in" not in err and "auto offload" not in err
+    assert main([str(workflow), "--output", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "auto offload: the execution device is the CPU" in err and "Plan memory: done" in err
+
+
+def test_set_error_example_is_valid_for_the_default_workflow():
+    from lingbot_core.workflow import WorkflowError, apply_overrides, find_node, load_workflow, parse_override
+    from lingbot_nodes import NODE_CLASS_MAPPINGS
+    from lingbot_nodes.cli import resolve_workflow
+
+    with pytest.raises(WorkflowError) as err:
+        apply_overrides(load_workflow(resolve_workflow("t2v"), NODE_CLASS_MAPPINGS), ["garbage"], NODE_CLASS_MAPPINGS)
+    example = str(err.value).rsplit("e.g. ", 1)[1]
+    ref, input_name, value, _ = parse_override(example)
+    for name in ("t2v", "t2i", "ti2v"):  # the dense workflows; the MoE one titles it "Denoise (base)"
+        prompt = load_workflow(resolve_workflow(name), NODE_CLASS_MAPPINGS)
+        changed = apply_overrides(prompt, [example], NODE_CLASS_MAPPINGS)
+        assert changed.nodes[find_node(changed, ref)]["inputs"][input_name] == value, name
+
+
+def test_bad_output_folder_fails_before_any_model_work(tmp_path, capsys, monkeypatch):
+    from lingbot_nodes import NODE_CLASS_MAPPINGS
+
+    def must_not_run(*_a, **_k):
+        raise AssertionError("the loader ran")
+
+    monkeypatch.setattr(NODE_CLASS_MAPPINGS["LingBotLoader"], "load", must_not_run)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["--output", str(blocker / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error: --output") and "not a folder" in err
+
+
+@pytest.fixture
+def broken_checkpoints(tmp_path, fixtures_root):
+    import shutil
+
+    good = fixtures_root / "models" / "tiny-dense"
+    (tmp_path / "empty").mkdir()
+    shutil.copytree(good, tmp_path / "truncated")
+    weights = tmp_path / "truncated" / "transformer" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+    return {"missing": tmp_path / "missing", "empty": tmp_path / "empty", "truncated": tmp_path / "truncated"}
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty", "truncated"])
+def test_bad_checkpoint_is_bad_input_for_both_commands(tmp_path, capsys, broken_checkpoints, kind):
+    from lingbot_core.__main__ import main as core_main
+
+    folder = broken_checkpoints[kind]
+    assert main(["t2i", "--model", str(folder), "--output", str(tmp_path / "out")]) == 2
+    assert _stderr_lines(capsys)[-1].startswith("error: Loader (node 1, LingBotLoader): ")
+    assert core_main(["--model", str(folder), "--mode", "t2i", "--output", str(tmp_path / "core")]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob("core*"))
+
+
+@pytest.mark.parametrize("flag", ["--steps", "--frames", "--width", "--height", "--fps", "--shift"])
+@pytest.mark.parametrize("value", ["0", "-16"])
+def test_core_command_rejects_zero_and_negative(capsys, flag, value):
+    from lingbot_core.__main__ import main as core_main
+
+    with pytest.raises(SystemExit) as done:
+        core_main([flag, value])
+    assert done.value.code == 2 and "must be above 0" in capsys.readouterr().err
+
+
+def test_interrupt_inside_a_node_is_one_line_and_130(tmp_path, capsys, monkeypatch):
+    from lingbot_nodes import NODE_CLASS_MAPPINGS
+
+    def ctrl_c(*_a, **_k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(NODE_CLASS_MAPPINGS["LingBotDecode"], "decode", ctrl_c)
+    assert main(["t2i", "--set", "Denoise.steps=1", "--output", str(tmp_path)]) == 130
+    assert _stderr_lines(capsys)[-1] == "interrupted in Decode"
+    assert not any(p.is_file() for p in tmp_path.rglob("*"))
+
+
+def test_interrupt_while_writing_leaves_no_partial_file(tmp_path, capsys, monkeypatch):
+    import av
+
+    real = av.VideoFrame.from_ndarray
+    calls = []
+
+    def second_frame_interrupts(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(av.VideoFrame, "from_ndarray", second_frame_interrupts)
+    assert main(["--set", "Denoise.steps=1", "--output", str(tmp_path)]) == 130
+    assert _stderr_lines(capsys)[-1] == "interrupted in Save"
+    assert len(calls) == 3 and not any(p.is_file() for p in tmp_path.rglob("*"))
+
+
+def test_ctrl_c_in_a_real_process(tmp_path):
+    """SIGINT to `python -m lingbot_nodes` mid-run: exit 130, one line, no traceback, no file."""
+    import os
+    import signal
+    import time
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "lingbot_nodes", "--set", "Denoise.steps=200",
+                             "--output", str(tmp_path)], stderr=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=env)
+    lines = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        lines.append(line)
+        if "Denoise: step 2/200" in line or not line:
+            break
+    proc.send_signal(signal.SIGINT)
+    _, rest = proc.communicate(timeout=60)
+    assert proc.returncode == 130, "".join(lines) + rest
+    assert rest.strip().splitlines()[-1] == "interrupted in Denoise", rest
+    assert "Traceback" not in rest and "KeyboardInterrupt" not in rest
+    assert not any(p.is_file() for p in tmp_path.rglob("*"))

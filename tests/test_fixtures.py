@@ -66,3 +66,18 @@ def test_sibling_sets_resolve_models_through_model_root(tmp_path, monkeypatch):
     found = {c.path.name: c for c in parity_cases.discover() if c.path.parent == other}
     assert found["with-root"].model_dir == src / "models" / "tiny-dense"
     assert found["without-root"].model_dir == src / "models" / "tiny-dense"
+
+
+def test_a_test_run_leaves_no_tiny_folder_behind(tmp_path):
+    """conftest makes a throwaway LINGBOT_TINY_DIR per session and removes it at the end."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "LINGBOT_TINY_DIR"}
+    env["TMPDIR"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           f"{__file__}::test_unknown_fixture_set_fails_loudly"],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not list(tmp_path.glob("lingbot-tiny-*"))

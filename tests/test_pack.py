@@ -10,7 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
-import tomllib
+
+try:  # Python 3.11+
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10 (declared supported): tomli, or the copy pip vendors
+    try:
+        import tomli as tomllib
+    except ModuleNotFoundError:
+        from pip._vendor import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,6 +76,23 @@ def test_comfy_registry_section():
     assert data["project"]["name"] and data["project"]["version"] and data["project"]["license"]
     assert not any(d.startswith("torch") and any(op in d for op in "=<>~") and "torch>=" not in d
                    for d in data["project"]["dependencies"]), "torch must not be pinned to one build"
+
+
+def test_wheel_lists_every_package_and_carries_the_workflows():
+    """`packages` is an explicit list (nodes/ is installed as lingbot_nodes), so a new sub-package
+    must be added to it; the shipped workflows must be package data, or `lingbot-run t2v` fails
+    from a plain `pip install .` (.ci/wheel-check runs that for real)."""
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {"lingbot_core": ROOT / "lingbot_core", "lingbot_nodes": ROOT / "nodes"}
+    found = {"lingbot_nodes.workflows"}
+    for name, folder in folders.items():
+        for init in folder.rglob("__init__.py"):
+            found.add(".".join([name, *init.parent.relative_to(folder).parts]))
+    assert set(setup["packages"]) == found
+    assert setup["package-dir"]["lingbot_nodes.workflows"] == "workflows"
+    shipped = {str(p.relative_to(ROOT / "workflows")) for p in (ROOT / "workflows").rglob("*.json")}
+    patterns = setup["package-data"]["lingbot_nodes.workflows"]
+    assert shipped and all(any(Path(f).match(pat) for pat in patterns) for f in shipped), shipped
 
 
 def _python_files():

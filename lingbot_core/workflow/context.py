@@ -20,6 +20,9 @@ ProgressCallback = Callable[[str, float, "float | None"], None]
 InterruptCheck = Callable[[], "bool | None"]
 """Returns True (or raises :class:`Interrupted`) when the run should stop."""
 
+NodeWatcher = Callable[["NodeContext"], None]
+"""Called with the node's context each time the engine enters node code (see :func:`watch_nodes`)."""
+
 
 @dataclass(frozen=True)
 class NodeContext:
@@ -30,6 +33,7 @@ class NodeContext:
 
 
 _CURRENT: ContextVar[NodeContext | None] = ContextVar("lingbot_workflow_node", default=None)
+_WATCHER: ContextVar[NodeWatcher | None] = ContextVar("lingbot_workflow_watcher", default=None)
 
 
 def current_node_id() -> str | None:
@@ -64,7 +68,25 @@ def report_progress(value: float, total: float | None = None) -> None:
 
 
 @contextmanager
+def watch_nodes(watcher: NodeWatcher | None) -> Iterator[None]:
+    """Tell `watcher` whenever a node's code starts, for the runs inside this block.
+
+    A front end (the console command) uses it to label progress with the node that is working,
+    for nodes that never report steps too (text encode, VAE decode). A node with lazy inputs is
+    entered more than once (``check_lazy_status``, then its function); watchers see each entry.
+    """
+    token = _WATCHER.set(watcher)
+    try:
+        yield
+    finally:
+        _WATCHER.reset(token)
+
+
+@contextmanager
 def node_context(ctx: NodeContext) -> Iterator[None]:
+    watcher = _WATCHER.get()
+    if watcher is not None:
+        watcher(ctx)
     token = _CURRENT.set(ctx)
     try:
         yield

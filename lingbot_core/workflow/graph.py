@@ -155,9 +155,9 @@ def read_json(path: Path) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise WorkflowError(
-            f"{path}: not valid JSON at line {exc.lineno}, column {exc.colno} (char {exc.pos}): {exc.msg}"
-        ) from None
+        # str(exc) is the decoder's whole sentence ("Unterminated string starting at: line 1 column 9
+        # (char 8)"); exc.msg alone can end mid-phrase.
+        raise WorkflowError(f"{path}: not valid JSON: {exc}") from None
     except RecursionError:
         raise WorkflowError(f"{path}: the JSON nests too deeply to read (a workflow uses a few levels)") from None
     except ValueError as exc:  # e.g. an integer with more digits than Python converts

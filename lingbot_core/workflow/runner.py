@@ -18,6 +18,10 @@ from .errors import WorkflowError
 from .graph import ApiPrompt, Registry, load_workflow
 from .nodeinfo import NodeClassInfo
 
+# Valid for the default workflow and the other dense ones (a node titled "Denoise" with a `seed`
+# input); tests/test_cli.py applies it to them.
+OVERRIDE_EXAMPLE = "Denoise.seed=42"
+
 
 def parse_override(text: str) -> tuple[str, str, Any, str]:
     """Split ``NODE.INPUT=VALUE`` into (node, input, parsed value, raw value text).
@@ -28,7 +32,7 @@ def parse_override(text: str) -> tuple[str, str, Any, str]:
     target, sep, raw = text.partition("=")
     node, dot, input_name = target.rpartition(".")
     if not sep or not dot or not node.strip() or not input_name.strip():
-        raise WorkflowError(f"bad override {text!r}: expected NODE.INPUT=VALUE, e.g. 3.seed=42")
+        raise WorkflowError(f"bad override {text!r}: expected NODE.INPUT=VALUE, e.g. {OVERRIDE_EXAMPLE}")
     try:
         value = json.loads(raw)
     except (ValueError, RecursionError):  # not JSON, an over-long integer, or absurd nesting: the text
@@ -49,7 +53,17 @@ def find_node(prompt: ApiPrompt, ref: str) -> str:
     if len(by_class) > 1 or len(by_title) > 1:
         ids = ", ".join(sorted(set(by_class + by_title)))
         raise WorkflowError(f"node '{ref}' is ambiguous: it matches nodes {ids}; use a node id")
-    raise WorkflowError(f"no node '{ref}' in {prompt.source} (give a node id, a class type used once, or a title)")
+    raise WorkflowError(f"no node '{ref}' in {prompt.source}; give a node id, a class type used once, or a title: "
+                        f"{describe_nodes(prompt)}")
+
+
+def describe_nodes(prompt: ApiPrompt) -> str:
+    """Every node as ``id (class type 'title')``, the ways an override can name it."""
+    parts = []
+    for nid, node in prompt.nodes.items():
+        title = (node.get("_meta") or {}).get("title")
+        parts.append(f"{nid} ({node.get('class_type')}" + (f" '{title}')" if title else ")"))
+    return ", ".join(parts)
 
 
 def apply_overrides(prompt: ApiPrompt, overrides: Iterable[str], registry: Registry) -> ApiPrompt:
