@@ -1,0 +1,163 @@
+"""Draw a shipped UI workflow as a PNG for the README (Pillow only; no browser, no ComfyUI).
+
+The picture is drawn from the workflow file itself: node boxes at their saved positions and sizes,
+titles, input/output slots, each widget's name (from the node class's declared inputs) with its
+saved value, the links between slots coloured by type, and the group frame. It imitates the
+ComfyUI editor's look; it is not a screenshot of it.
+
+    python docs/render_graph.py                                   # docs/graph-moe-refine.png
+    python docs/render_graph.py workflows/lingbot_t2v_dense.json docs/graph-t2v.png
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+from PIL import Image, ImageDraw, ImageFont
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / ".dev")]
+
+SCALE = 0.75
+TITLE_H, SLOT_H, WIDGET_H, PAD = 30, 20, 22, 40
+BACKGROUND, GRID = (32, 32, 32), (40, 40, 40)
+NODE_BODY, NODE_TITLE, NODE_EDGE, TEXT, DIM = (53, 53, 53), (34, 34, 34), (20, 20, 20), (230, 230, 230), (160, 160, 160)
+WIDGET_BG = (34, 34, 34)
+LINK_COLOURS = {"LINGBOT_PIPE": (178, 132, 255), "LINGBOT_COND": (255, 170, 80), "LINGBOT_IMAGE_COND": (120, 200, 120),
+                "LATENT": (255, 156, 249), "IMAGE": (100, 181, 246), "*": (200, 200, 200)}
+
+
+def font(size: int, bold: bool = False) -> ImageFont.ImageFont:
+    name = "DejaVuSans-Bold.ttf" if bold else "DejaVuSans.ttf"
+    for folder in ("/usr/share/fonts/truetype/dejavu", "/usr/share/fonts/dejavu", "/Library/Fonts"):
+        if (Path(folder) / name).is_file():
+            return ImageFont.truetype(str(Path(folder) / name), size)
+    return ImageFont.load_default()
+
+
+def widget_names(class_type: str) -> list[str]:
+    """Widget names in the order the editor saves their values (a seed adds its control widget)."""
+    from lingbot_core.workflow.nodeinfo import NodeClassInfo
+    from lingbot_nodes import NODE_CLASS_MAPPINGS
+
+    cls = NODE_CLASS_MAPPINGS.get(class_type)
+    if cls is None:
+        return []
+    names = []
+    for spec in NodeClassInfo(class_type, cls).visible_inputs():
+        if spec.is_widget:
+            names.append(spec.name)
+            if spec.has_control_widget:
+                names.append("control after generate")
+    return names
+
+
+def shown(value: object, width: int) -> str:
+    text = json.dumps(value) if isinstance(value, bool) else str(value)
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def render(workflow: Path, out: Path) -> Path:
+    data = json.loads(workflow.read_text())
+    nodes = {n["id"]: n for n in data["nodes"]}
+    xs = [n["pos"][0] for n in nodes.values()] + [g["bounding"][0] for g in data.get("groups", [])]
+    ys = [n["pos"][1] - TITLE_H for n in nodes.values()] + [g["bounding"][1] for g in data.get("groups", [])]
+    x1 = max([n["pos"][0] + n["size"][0] for n in nodes.values()]
+             + [g["bounding"][0] + g["bounding"][2] for g in data.get("groups", [])])
+    y1 = max([n["pos"][1] + n["size"][1] for n in nodes.values()]
+             + [g["bounding"][1] + g["bounding"][3] for g in data.get("groups", [])])
+    ox, oy = min(xs) - PAD, min(ys) - PAD
+
+    def p(x: float, y: float) -> tuple[float, float]:
+        return ((x - ox) * SCALE, (y - oy) * SCALE)
+
+    size = (int((x1 - ox + PAD) * SCALE), int((y1 - oy + PAD) * SCALE))
+    image = Image.new("RGB", size, BACKGROUND)
+    draw = ImageDraw.Draw(image)
+    for gx in range(0, size[0], int(100 * SCALE)):
+        draw.line([(gx, 0), (gx, size[1])], fill=GRID)
+    for gy in range(0, size[1], int(100 * SCALE)):
+        draw.line([(0, gy), (size[0], gy)], fill=GRID)
+    f_title, f_text, f_small = font(int(16 * SCALE), True), font(int(14 * SCALE)), font(int(13 * SCALE))
+
+    for group in data.get("groups", []):
+        gx, gy, gw, gh = group["bounding"]
+        colour = tuple(int(group.get("color", "#3f789e")[i:i + 2], 16) for i in (1, 3, 5))
+        draw.rectangle([p(gx, gy), p(gx + gw, gy + gh)], outline=colour, width=2)
+        draw.rectangle([p(gx, gy), p(gx + gw, gy + 34)], fill=tuple(c // 2 for c in colour))
+        draw.text(p(gx + 10, gy + 6), group.get("title", ""), font=font(int(20 * SCALE), True), fill=TEXT)
+
+    def slot_y(node: dict, index: int) -> float:
+        return node["pos"][1] + 14 + index * SLOT_H
+
+    # Links first, so the boxes sit on top of their ends.
+    for _lid, src, src_slot, dst, dst_slot, kind in data["links"]:
+        a, b = nodes[src], nodes[dst]
+        start = (a["pos"][0] + a["size"][0], slot_y(a, src_slot))
+        end = (b["pos"][0], slot_y(b, dst_slot))
+        bend = max(60.0, abs(end[0] - start[0]) * 0.5)
+        curve = []
+        for i in range(41):  # cubic Bezier with horizontal tangents, as litegraph draws links
+            t = i / 40
+            cx = [start[0], start[0] + bend, end[0] - bend, end[0]]
+            cy = [start[1], start[1], end[1], end[1]]
+            w = [(1 - t) ** 3, 3 * t * (1 - t) ** 2, 3 * t * t * (1 - t), t ** 3]
+            curve.append(p(sum(wi * c for wi, c in zip(w, cx)), sum(wi * c for wi, c in zip(w, cy))))
+        draw.line(curve, fill=LINK_COLOURS.get(kind, LINK_COLOURS["*"]), width=max(2, int(4 * SCALE)))
+
+    for node in nodes.values():
+        x, y = node["pos"]
+        w, h = node["size"]
+        title = node.get("title") or node["type"]
+        if node["type"] == "Note":
+            draw.rectangle([p(x, y - TITLE_H), p(x + w, y + h)], fill=(70, 66, 40), outline=NODE_EDGE)
+            draw.text(p(x + 8, y - TITLE_H + 7), "Note", font=f_title, fill=TEXT)
+            body = textwrap.wrap(str((node.get("widgets_values") or [""])[0]), width=int(w / 7.4))
+            for i, line in enumerate(body[: int(h / 18)]):
+                draw.text(p(x + 8, y + 6 + i * 18), line, font=f_small, fill=TEXT)
+            continue
+        draw.rounded_rectangle([p(x, y - TITLE_H), p(x + w, y + h)], radius=int(8 * SCALE), fill=NODE_BODY,
+                               outline=NODE_EDGE, width=2)
+        draw.rounded_rectangle([p(x, y - TITLE_H), p(x + w, y)], radius=int(8 * SCALE), fill=NODE_TITLE)
+        draw.ellipse([p(x + 10, y - 20), p(x + 20, y - 10)], fill=DIM)
+        draw.text(p(x + 28, y - TITLE_H + 7), title, font=f_title, fill=TEXT)
+        for i, slot in enumerate(node.get("inputs", [])):
+            colour = LINK_COLOURS.get(slot.get("type"), LINK_COLOURS["*"])
+            cy = slot_y(node, i)
+            draw.ellipse([p(x - 5, cy - 5), p(x + 5, cy + 5)], fill=colour if slot.get("link") else BACKGROUND,
+                         outline=colour, width=2)
+            draw.text(p(x + 12, cy - 8), slot["name"], font=f_text, fill=TEXT if slot.get("link") else DIM)
+        for i, slot in enumerate(node.get("outputs", [])):
+            colour = LINK_COLOURS.get(slot.get("type"), LINK_COLOURS["*"])
+            cy = slot_y(node, i)
+            draw.ellipse([p(x + w - 5, cy - 5), p(x + w + 5, cy + 5)], fill=colour, outline=colour)
+            label = slot["name"]
+            lw = draw.textlength(label, font=f_text) / SCALE
+            draw.text(p(x + w - 12 - lw, cy - 8), label, font=f_text, fill=TEXT)
+        rows = max(len(node.get("inputs", [])), len(node.get("outputs", [])))
+        top = y + 14 + rows * SLOT_H
+        linked = {s["name"] for s in node.get("inputs", []) if s.get("widget")}
+        for i, (name, value) in enumerate(zip(widget_names(node["type"]), node.get("widgets_values") or [])):
+            wy = top + i * (WIDGET_H + 4)
+            if wy + WIDGET_H > y + h:
+                break
+            draw.rounded_rectangle([p(x + 10, wy), p(x + w - 10, wy + WIDGET_H)], radius=int(10 * SCALE),
+                                   fill=WIDGET_BG, outline=(70, 70, 70))
+            draw.text(p(x + 20, wy + 3), name, font=f_small, fill=DIM if name in linked else DIM)
+            text = shown(value, 26 if len(name) < 12 else 16)
+            tw = draw.textlength(text, font=f_small) / SCALE
+            draw.text(p(x + w - 20 - tw, wy + 3), text, font=f_small, fill=TEXT)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    image.save(out, optimize=True)
+    return out
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    source = Path(args[0]) if args else ROOT / "workflows" / "lingbot_t2v_moe_refine.json"
+    target = Path(args[1]) if len(args) > 1 else ROOT / "docs" / "graph-moe-refine.png"
+    print(render(source, target))
