@@ -72,3 +72,117 @@ def test_every_offload_node_and_prompt_field_is_sane():
         for node in prompt.values():
             if node["class_type"] == "LingBotTextEncode":
                 json.loads(node["inputs"]["prompt"])  # structured captions ship as valid JSON
+
+
+# -- independent truth ---------------------------------------------------------------------------------
+# The tests above check the UI files against our converter and the API files, which build.py writes
+# from the same spec. The ones below do not go through `ui_to_api`: a conversion written out by
+# hand for one workflow, and invariants read straight from the node classes' declarations.
+
+def _ui_prompt_text() -> str:
+    ui = json.loads((ROOT / "lingbot_t2v_dense.json").read_text())
+    return next(n for n in ui["nodes"] if n["id"] == 3)["widgets_values"][0]
+
+
+def test_t2v_dense_converts_as_written_out_by_hand():
+    """What ComfyUI's frontend sends for lingbot_t2v_dense.json, worked out by hand from the file.
+
+    Its rules (graphToPrompt): one entry per node that is not a Note, keyed by the node id as a string;
+    every widget's value under the widget's name, except the seed's "control after generate" widget,
+    which is not serialised; a linked input as [source id, output slot]; unlinked optional inputs
+    are absent; `_meta.title` is the node's title. If you change the workflow on purpose, redo this
+    by hand from the new file; do not paste the converter's output here.
+    """
+    expected = {
+        "1": {"class_type": "LingBotLoader", "_meta": {"title": "Loader"},
+              "inputs": {"checkpoint": "tiny (built-in dense)", "variant": "auto", "dtype": "auto",
+                         "attention": "default", "path": "", "device": "auto"}},
+        "2": {"class_type": "LingBotOffload", "_meta": {"title": "Offload"},
+              "inputs": {"pipe": ["1", 0], "mode": "model", "use_stream": True, "low_cpu_mem_usage": False,
+                         "num_blocks_per_group": 1, "plan_width": 832, "plan_height": 480, "plan_frames": 121,
+                         "plan_refine": True}},
+        "3": {"class_type": "LingBotTextEncode", "_meta": {"title": "Prompt"},
+              "inputs": {"pipe": ["2", 0], "prompt": _ui_prompt_text(), "negative_prompt": "", "task": "t2v",
+                         "image_width": 832, "image_height": 480}},
+        "4": {"class_type": "LingBotDenoise", "_meta": {"title": "Denoise"},
+              "inputs": {"pipe": ["2", 0], "conditioning": ["3", 0], "width": 64, "height": 64, "frames": 9,
+                         "steps": 4, "cfg": 3.0, "shift": 3.0, "seed": 42}},
+        "5": {"class_type": "LingBotDecode", "_meta": {"title": "Decode"},
+              "inputs": {"pipe": ["2", 0], "latent": ["4", 0], "tiling": False, "tile_height": 256,
+                         "tile_width": 256, "stride_height": 192, "stride_width": 192}},
+        "6": {"class_type": "LingBotSaveVideo", "_meta": {"title": "Save"},
+              "inputs": {"images": ["5", 0], "fps": 24.0, "filename_prefix": "lingbot/t2v"}},
+    }
+    assert _ui_prompt_text().startswith('{"comprehensive_description"')
+    ui = json.loads((ROOT / "lingbot_t2v_dense.json").read_text())
+    assert ui_to_api(ui, NODE_CLASS_MAPPINGS, display_names=NODE_DISPLAY_NAME_MAPPINGS) == expected
+    assert json.loads((ROOT / "api" / "lingbot_t2v_dense.json").read_text()) == expected
+
+
+def _declared(class_type: str):
+    from lingbot_core.workflow.nodeinfo import NodeClassInfo
+
+    return NodeClassInfo(class_type, NODE_CLASS_MAPPINGS[class_type])
+
+
+def _fits(spec, value) -> bool:
+    options = spec.combo_options
+    if options is not None:
+        return value in options
+    kind = spec.type
+    if kind == "BOOLEAN":
+        return isinstance(value, bool)
+    if kind == "INT":
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind == "FLOAT":
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif kind == "STRING":
+        return isinstance(value, str)
+    else:
+        return False  # a connection type cannot take a constant
+    low, high = spec.options.get("min"), spec.options.get("max")
+    return ok and (low is None or value >= low) and (high is None or value <= high)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "api").glob("*.json")), ids=lambda p: p.stem)
+def test_api_files_follow_the_declarations(path):
+    """Every input is declared, every required one is given, constants fit their widget, and every
+    link leaves an existing output whose type is the one the input declares."""
+    prompt = json.loads(path.read_text())
+    for nid, node in prompt.items():
+        info = _declared(node["class_type"])
+        visible = {s.name: s for s in info.visible_inputs()}
+        assert set(node["inputs"]) <= set(visible), (nid, set(node["inputs"]) - set(visible))
+        required = {n for n, s in visible.items() if s.category == "required"}
+        assert required <= set(node["inputs"]), (nid, required - set(node["inputs"]))
+        for name, value in node["inputs"].items():
+            spec = visible[name]
+            if isinstance(value, list):
+                src, slot = value
+                returns = _declared(prompt[src]["class_type"]).return_types
+                assert slot < len(returns), (nid, name)
+                assert "*" in (returns[slot], spec.type) or returns[slot] == spec.type, (nid, name, returns[slot])
+            else:
+                assert _fits(spec, value), (nid, name, value)
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
+def test_ui_widget_values_line_up_with_the_declared_widgets(path):
+    """One saved value per declared widget, in declaration order, plus one after each seed; the API
+    twin holds the same constants (the shipped API file, not our converter's output)."""
+    ui = json.loads(path.read_text())
+    api = json.loads((ROOT / "api" / path.name).read_text())
+    nodes = [n for n in ui["nodes"] if n["type"] != "Note"]
+    assert {str(n["id"]) for n in nodes} == set(api)
+    for node in nodes:
+        widgets = [s for s in _declared(node["type"]).visible_inputs() if s.is_widget]
+        values = list(node.get("widgets_values") or [])
+        controls = sum(bool(s.options.get("control_after_generate")) for s in widgets)
+        assert len(values) == len(widgets) + controls, node["title"]
+        for spec in widgets:
+            value = values.pop(0)
+            if spec.options.get("control_after_generate"):
+                assert values.pop(0) in ("fixed", "increment", "decrement", "randomize"), node["title"]
+            linked = any(i["name"] == spec.name and i.get("link") is not None for i in node.get("inputs", []))
+            if not linked:
+                assert api[str(node["id"])]["inputs"][spec.name] == value, (node["title"], spec.name)
