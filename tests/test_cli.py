@@ -219,3 +219,28 @@ def test_ctrl_c_in_a_real_process(tmp_path):
     assert rest.strip().splitlines()[-1] == "interrupted in Denoise", rest
     assert "Traceback" not in rest and "KeyboardInterrupt" not in rest
     assert not any(p.is_file() for p in tmp_path.rglob("*"))
+
+
+def test_terminal_bar_is_labelled_and_closed():
+    """On a terminal the reporter draws a bar per node (tqdm) and still prints each finished stage."""
+    import io
+    from types import SimpleNamespace
+
+    from lingbot_nodes.cli import Reporter
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    out = Terminal()
+    reporter = Reporter({"3": "Prompt", "4": "Denoise"}, stream=out)
+    reporter.node_started(SimpleNamespace(node_id="3"))
+    reporter.node_started(SimpleNamespace(node_id="3"))  # a lazy node entered twice: one line
+    reporter.node_started(SimpleNamespace(node_id="4"))
+    for step in (1, 2, 3):
+        reporter.progress("4", step, 3)
+    reporter.write("  auto offload: something")
+    reporter.finish()
+    text = out.getvalue()
+    assert text.count("Prompt: done in") == 1 and "Denoise: done in" in text and "3/3 steps" in text
+    assert "auto offload: something" in text and reporter._bar is None
