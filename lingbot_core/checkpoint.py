@@ -48,6 +48,7 @@ WEIGHT_FILES = {
     "vae": "diffusion_pytorch_model",
     "text_encoder": "model",
 }
+QUANTIZABLE = ("transformer", "refiner")  # components that may be stored as fp8 or GGUF
 CONFIG_FILES = {
     "transformer": "config.json",
     "refiner": "config.json",
@@ -150,6 +151,13 @@ def _weight_files(folder: Path, component: str) -> list[Path]:
         for f in files:
             if not f.is_file():
                 raise CheckpointError(f"{component}: shard {f} listed in {index.name} is missing; re-download it.")
+    elif component in QUANTIZABLE and list(folder.glob("*.gguf")):
+        from .weights.loader import find_gguf
+        from .weights.sources import GGUFSource
+
+        files = [find_gguf(folder)]
+        GGUFSource(files[0])  # header and tensor types, checked now (the tensors stay on disk)
+        return files
     else:
         pickled = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt*")]
         hint = (f" Found only {', '.join(sorted(pickled))}: pickled weights are never loaded; convert them to "
@@ -157,7 +165,23 @@ def _weight_files(folder: Path, component: str) -> list[Path]:
         raise CheckpointError(f"{component}: missing weights {single} (or a sharded {index.name}).{hint}")
     for f in files:
         check_safetensors(f)
+    if component not in QUANTIZABLE:
+        _refuse_quantized(component, folder, files)
     return files
+
+
+def _refuse_quantized(component: str, folder: Path, files: list[Path]) -> None:
+    """fp8 / GGUF weights are for the DiTs only; the VAE and text encoder must be plain safetensors."""
+    from .weights.sources import read_safetensors_header
+
+    stray = sorted(p.name for p in folder.glob("*.gguf"))
+    fp8 = [k for f in files for k, v in read_safetensors_header(f).items()
+           if k != "__metadata__" and str(v.get("dtype", "")).startswith("F8")]
+    if stray or fp8:
+        what = f"GGUF file {stray[0]}" if stray else f"fp8 tensor {fp8[0]}"
+        raise CheckpointError(f"{component}: {folder} holds quantized weights ({what}); lingbot-nodes quantizes only "
+                              "the transformer and refiner. Use the checkpoint's original bf16/fp32 "
+                              f"{component} folder.")
 
 
 def _check_config_class(folder: Path, component: str) -> dict[str, Any]:
@@ -257,23 +281,23 @@ def check_values_and_shapes(root: Path, configs: dict[str, dict[str, Any]], file
 # -- loading ------------------------------------------------------------------------------------
 
 def load_transformer(folder: str | os.PathLike, subfolder: str = "transformer", *,
-                     dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    from .models.transformer import LingBotVideoTransformer3DModel
+                     dtype: torch.dtype | None = None, weights: str = "auto") -> torch.nn.Module:
+    """A DiT, tensor by tensor from its mapped files (`weights.loader.load_dit`).
+
+    dtype None keeps the stored dtype (fp32-kept modules in fp32); `weights` "fp8_e4m3" quantizes
+    the linear and expert weights on load. A `*.gguf` file in the folder loads as GGUF.
+    """
+    from .weights.loader import load_dit
 
     path = Path(folder) / subfolder
-    config = LingBotVideoTransformer3DModel.load_config(path)
-    with torch.device("meta"):
-        skeleton = LingBotVideoTransformer3DModel.from_config(config)
-    expected = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
-    check_state_dict(subfolder, _weight_files(path, subfolder if subfolder in WEIGHT_FILES else "transformer"),
-                     expected)
-    model = LingBotVideoTransformer3DModel.from_pretrained(
-        Path(folder), subfolder=subfolder, torch_dtype=dtype, use_safetensors=True, local_files_only=True
-    )
-    return model.eval().requires_grad_(False)
+    files = _weight_files(path, subfolder if subfolder in WEIGHT_FILES else "transformer")
+    if files[0].suffix == ".gguf":
+        return load_dit(folder, subfolder, dtype=dtype, weights=weights, gguf=files[0])
+    return load_dit(folder, subfolder, dtype=dtype, weights=weights, files=files)
 
 
-def load_refiner(folder: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def load_refiner(folder: str | os.PathLike, *, dtype: torch.dtype | None = None,
+                 weights: str = "auto") -> torch.nn.Module:
     """The MoE refiner DiT, loaded only when asked for; a dense checkpoint gets a clear error."""
     info = inspect_checkpoint(folder)
     if not info.has_refiner:
@@ -281,7 +305,7 @@ def load_refiner(folder: str | os.PathLike, *, dtype: torch.dtype = torch.float3
             f"{info.folder} has no refiner/ folder: the refiner ships only with the MoE checkpoint "
             "(robbyant/lingbot-video-moe-30b-a3b). Load that checkpoint, or disable refinement."
         )
-    return _finite(load_transformer(info.folder, "refiner", dtype=dtype), "refiner", info.folder)
+    return _finite(load_transformer(info.folder, "refiner", dtype=dtype, weights=weights), "refiner", info.folder)
 
 
 def _finite(module: Any, name: str, folder: Path) -> Any:
@@ -292,10 +316,10 @@ def _finite(module: Any, name: str, folder: Path) -> Any:
 
 
 def load_component(folder: Path, name: str, *, dtype: torch.dtype | None = None,
-                   attn_implementation: str = "sdpa") -> Any:
-    """Load one component from a validated folder (CPU)."""
+                   attn_implementation: str = "sdpa", weights: str = "auto") -> Any:
+    """Load one component from a validated folder (CPU). dtype None: as stored (the DiT) or float32."""
     if name == "transformer":
-        return _finite(load_transformer(folder, dtype=dtype or torch.float32), name, folder)
+        return _finite(load_transformer(folder, dtype=dtype, weights=weights), name, folder)
     if name == "vae":
         from diffusers import AutoencoderKLWan
 

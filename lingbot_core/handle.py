@@ -49,10 +49,11 @@ class SharedComponents:
 
     def __init__(self, folder: str | os.PathLike | None, *, info: CheckpointInfo | None,
                  dtypes: dict[str, torch.dtype], text_attn: str, attention_backend: str | None,
-                 preloaded: dict[str, Any] | None = None):
+                 preloaded: dict[str, Any] | None = None, weights: str = "auto"):
         self.folder = Path(folder) if folder is not None else None
         self.info = info
         self.dtypes = dtypes
+        self.weights = weights  # how the DiTs' weights are held: "auto" (as stored) or "fp8_e4m3"
         self.text_attn = text_attn
         self.attention_backend = attention_backend
         self.loaded: dict[str, Any] = dict(preloaded or {})
@@ -73,13 +74,13 @@ class SharedComponents:
                     raise RuntimeError(f"component {name!r} was released and this handle has no checkpoint "
                                        "folder to reload it from")
                 if name == "refiner":
-                    module = load_refiner(self.folder, dtype=self.dtypes["refiner"])
+                    module = load_refiner(self.folder, dtype=self.dtypes["refiner"], weights=self.weights)
                 elif name == "transformer" and self.transformer_source is not None:
                     root, sub = self.transformer_source
-                    module = load_transformer(root, sub, dtype=self.dtypes.get(name) or torch.float32)
+                    module = load_transformer(root, sub, dtype=self.dtypes.get(name), weights=self.weights)
                 else:
                     module = load_component(self.folder, name, dtype=self.dtypes.get(name),
-                                            attn_implementation=self.text_attn)
+                                            attn_implementation=self.text_attn, weights=self.weights)
                 if name in ("transformer", "refiner"):
                     module.set_attention_backend(self.attention_backend)
                 self.loaded[name] = module
@@ -108,13 +109,19 @@ class PipelineHandle:
         attention_backend: str | None = None,
         text_attn: str = "sdpa",
         transformer_folder: str | os.PathLike | None = None,
+        weights: str = "auto",
     ) -> PipelineHandle:
         """Validate the checkpoint now (cheap); load components when a stage first needs them.
 
         `transformer_folder` swaps in a student DiT (a DMD-distilled one, say): a folder that differs
         from `folder` only in `transformer/`, or that transformer folder itself. Everything else
         (text encoder, VAE, refiner) comes from `folder`.
+        `dtypes` maps a component to a dtype; None for a DiT keeps its stored dtype. `weights`:
+        "auto" (as stored: plain, fp8 or GGUF) or "fp8_e4m3" (quantize the DiTs on load).
         """
+        from .weights.loader import check_weights_mode
+
+        check_weights_mode(weights)
         device = torch.device(device) if device is not None else default_device()
         info = inspect_checkpoint(folder)
         student = None
@@ -132,7 +139,7 @@ class PipelineHandle:
                 names = ", ".join(b.value for b in AttentionBackendName)
                 raise ValueError(f"unknown attention backend {attention_backend!r}; choose one of {names}") from None
         shared = SharedComponents(info.folder, info=info, dtypes=chosen, text_attn=text_attn,
-                                  attention_backend=attention_backend)
+                                  attention_backend=attention_backend, weights=weights)
         shared.transformer_source = student
         return cls(shared, device)
 

@@ -162,6 +162,11 @@ class ModelSizes:
         dtypes = shared.dtypes
 
         def scaled(name: str, stored_bytes: int) -> int:
+            if name in ("transformer", "refiner"):  # as the weights loader will hold them (fp8/GGUF packed)
+                from .weights.estimate import dit_load_bytes
+
+                return dit_load_bytes(info.weight_files.get(name, []), dtypes.get(name),
+                                      getattr(shared, "weights", "auto"))
             dtype = dtypes.get(name) or torch.float32
             return stored_bytes * torch.finfo(dtype).bits // _stored_bits(info.weight_files.get(name, []))
 
@@ -178,7 +183,7 @@ class ModelSizes:
             intermediate=int(cfg.get("intermediate_size", 6144)) if not cfg.get("num_experts") else
             int(cfg.get("moe_intermediate_size", 768)) * int(cfg.get("num_experts_per_tok", 8)),
             experts_per_token=int(cfg.get("num_experts_per_tok", 0)) if cfg.get("num_experts") else 0,
-            dit_bytes_per_value=torch.finfo(dtypes.get("transformer") or torch.float32).bits // 8,
+            dit_bytes_per_value=_dit_value_bytes(info.weight_files.get("transformer", []), dtypes.get("transformer")),
             largest_block=math.ceil(dit / max(depth, 1)),
             text_largest_layer=math.ceil(text / 40),
         )
@@ -205,6 +210,12 @@ def sizes_from_modules(components: dict[str, Any]) -> ModelSizes:
         largest_block=max(sum(p.numel() * p.element_size() for p in b.parameters()) for b in dit.blocks),
         text_largest_layer=math.ceil(text / 40),
     )
+
+
+def _dit_value_bytes(files: list, dtype: torch.dtype | None) -> int:
+    from .weights.estimate import dit_compute_bytes
+
+    return dit_compute_bytes(files, dtype)
 
 
 def _stored_bits(files: list) -> int:

@@ -9,6 +9,7 @@ from .types import ANY, PIPE
 
 TINY = {"tiny (built-in dense)": "dense", "tiny (built-in moe)": "moe"}
 DTYPES = {"auto": None, "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+WEIGHTS = ["auto", "fp8_e4m3"]
 ATTENTION = ["default", "native", "_native_math", "_native_flash", "_native_efficient", "flash", "sage",
              "xformers"]
 
@@ -48,16 +49,19 @@ class LingBotLoader:
             "required": {
                 "checkpoint": (checkpoint_choices(), {"default": next(iter(TINY))}),
                 "variant": (["auto", "dense", "moe"], {"default": "auto"}),
-                "dtype": (list(DTYPES), {"default": "auto", "tooltip": "auto: bf16 DiT/text encoder on GPU, fp32 on CPU"}),
+                "dtype": (list(DTYPES), {"default": "auto", "tooltip": "auto: the DiT as stored (bf16 for the published "
+                                                                       "checkpoints); text encoder bf16 on GPU, fp32 on CPU"}),
                 "attention": (ATTENTION, {"default": "default"}),
             },
             "optional": {
                 "path": ("STRING", {"default": "", "tooltip": "a checkpoint folder; overrides the combo"}),
                 "device": (["auto", "cuda", "cpu"], {"default": "auto"}),
+                "weights": (WEIGHTS, {"default": "auto", "tooltip": "auto: as stored (bf16, pre-quantized fp8, or a "
+                                      "transformer/*.gguf); fp8_e4m3: quantize the DiT's weights on load"}),
             },
         }
 
-    def load(self, checkpoint, variant, dtype, attention, path="", device="auto"):
+    def load(self, checkpoint, variant, dtype, attention, path="", device="auto", weights="auto"):
         import torch
 
         from lingbot_core.handle import PipelineHandle
@@ -65,11 +69,11 @@ class LingBotLoader:
         runtime.install_memory_cooperation()
         folder = resolve_checkpoint(checkpoint, path)
         chosen = None if device == "auto" else device
-        dtypes = None
+        dtypes = {"transformer": None, "refiner": None}  # auto: the DiTs as stored
         if DTYPES[dtype] is not None:
             dt = getattr(torch, DTYPES[dtype])
             dtypes = {"transformer": dt, "refiner": dt, "text_encoder": dt}
-        handle = PipelineHandle.open(folder, device=chosen, dtypes=dtypes,
+        handle = PipelineHandle.open(folder, device=chosen, dtypes=dtypes, weights=weights,
                                      attention_backend=None if attention == "default" else attention)
         if variant != "auto" and handle.variant != variant:
             raise ValueError(f"{folder} is a {handle.variant} checkpoint, but the loader asks for {variant}")

@@ -73,7 +73,9 @@ def test_fallback_choice_skips_the_failed_mode():
 def test_sizes_from_a_checkpoint_read_headers_only(moe):
     sizes = ModelSizes.from_handle(moe)
     assert not moe.shared.loaded
-    assert sizes.refiner > 0 and sizes.transformer == moe.info.component_bytes("transformer")
+    # tensor bytes from the headers: the file size less its JSON header
+    header = moe.info.component_bytes("transformer") - sizes.transformer
+    assert sizes.refiner > 0 and 0 < header < 16 * 1024
     assert sizes.experts_per_token == 2 and sizes.hidden == 32
 
 

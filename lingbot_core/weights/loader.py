@@ -1,0 +1,259 @@
+"""Load a LingBot DiT (transformer/ or refiner/) tensor by tensor, never holding more than it must.
+
+The model is built on the `meta` device (no memory), then every tensor is read from the mapped
+file straight into its target form and assigned: plain weights in their target dtype, quantized
+weights (pre-quantized fp8, GGUF blocks, or fp8 quantized here on load) into `QuantizedLinear` /
+`QuantizedExperts`. Peak host memory is the finished model plus the tensor being converted; a bf16
+checkpoint never passes through float32.
+
+dtype: `None` ("auto") keeps each tensor's stored dtype; a dtype converts to it. Either way the
+reference's fp32-kept modules (norms, modulation, router, ...) are float32. Quantized layers
+compute in `compute dtype`: the dtype asked for, else the stored dtype of the plain weights (bf16 for
+a published checkpoint; bf16 when everything is quantized).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .fp8 import require_fp8
+from .modules import FP8, Packing, QuantizedExperts, QuantizedLinear, pack_fp8
+from .sources import Entry, GGUFSource, SafetensorsSource, WeightsError
+
+WEIGHT_MODES = ("auto", FP8)
+# Small layers kept in the compute dtype when quantizing on load (64-wide input / output).
+NOT_QUANTIZED_ON_LOAD = ("patch_embedder", "proj_out")
+
+
+def quantizable(key: str, shape: tuple[int, ...], keeps_fp32=None) -> bool:
+    """Whether a stored tensor is a weight we quantize: a linear weight or an expert stack, not one of
+    the reference's fp32-kept modules, not the 64-wide patch embedder / output projection."""
+    if keeps_fp32 is None:
+        from ..models.transformer import keeps_fp32
+    return (len(shape) >= 2 and key.endswith((".weight", ".experts.w1", ".experts.w2", ".experts.w3"))
+            and not keeps_fp32(key) and key.split(".")[0] not in NOT_QUANTIZED_ON_LOAD)
+
+
+def find_gguf(folder: Path) -> Path | None:
+    """The one `*.gguf` file in a component folder, or None; several are ambiguous."""
+    found = sorted(p for p in folder.glob("*.gguf") if p.is_file())
+    if len(found) > 1:
+        raise WeightsError(f"{folder} holds {len(found)} GGUF files ({', '.join(p.name for p in found)}); keep one, "
+                           "or pass the file to load explicitly.")
+    return found[0] if found else None
+
+
+def safetensors_files(folder: Path, stem: str = "diffusion_pytorch_model") -> list[Path]:
+    """The single weights file, or the shards an index lists; [] when there is neither."""
+    single = folder / f"{stem}.safetensors"
+    if single.is_file():
+        return [single]
+    index = folder / f"{stem}.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map") or {}
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    return []
+
+
+def open_source(folder: Path, files: list[Path] | None = None, gguf: str | os.PathLike | None = None):
+    """A GGUF source when `gguf` is given or the folder has no safetensors but one .gguf; else safetensors."""
+    if gguf is not None:
+        path = Path(gguf)
+        if not path.is_absolute():
+            path = folder / path
+        if not path.is_file():
+            raise WeightsError(f"GGUF file {path} does not exist.")
+        return GGUFSource(path)
+    files = files or safetensors_files(folder)
+    if files:
+        return SafetensorsSource(files)
+    found = find_gguf(folder)
+    if found is None:
+        raise WeightsError(f"{folder} has no weights (diffusion_pytorch_model.safetensors or a .gguf file).")
+    return GGUFSource(found)
+
+
+def _auto_compute_dtype(entries: dict[str, Entry]) -> torch.dtype:
+    probe = entries.get("patch_embedder.weight")
+    if probe is None or probe.quantized:
+        return torch.bfloat16
+    if probe.kind == "plain":
+        return probe.dtype if probe.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.bfloat16
+    return torch.float32 if probe.gguf_type == 0 else torch.bfloat16
+
+
+def check_entries(component: str, where: Path, entries: dict[str, Entry], expected: dict[str, tuple[int, ...]]) -> None:
+    """Names and logical shapes of the stored tensors against the config; raise naming the tensor."""
+    missing = sorted(set(expected) - set(entries))
+    unexpected = sorted(set(entries) - set(expected))
+    wrong = sorted(k for k in set(entries) & set(expected) if entries[k].shape != expected[k])
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing tensors (e.g. {', '.join(missing[:3])})")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected tensors (e.g. {', '.join(unexpected[:3])})")
+    if wrong:
+        k = wrong[0]
+        problems.append(f"{len(wrong)} tensors with the wrong shape (e.g. {k}: stored {list(entries[k].shape)}, "
+                        f"config implies {list(expected[k])})")
+    if problems:
+        raise WeightsError(f"{component}: the weights in {where} do not match its config.json: {'; '.join(problems)}. "
+                           "The file is incomplete or from another model; re-download or re-create it.")
+
+
+def _owner(model: nn.Module, key: str) -> tuple[nn.Module, str]:
+    path, _, leaf = key.rpartition(".")
+    return (model.get_submodule(path) if path else model), leaf
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, child = _owner(model, name)
+    setattr(parent, child, new)
+
+
+class _Loader:
+    def __init__(self, model: nn.Module, source: Any, dtype: torch.dtype | None, weights: str, keep_mapped: bool,
+                 keeps_fp32):
+        self.model, self.source, self.dtype, self.weights = model, source, dtype, weights
+        self.keep_mapped = keep_mapped
+        self.keeps_fp32 = keeps_fp32
+        self.entries: dict[str, Entry] = source.entries
+        self.compute = dtype or _auto_compute_dtype(self.entries)
+        self.done: set[str] = set()
+
+    # -- reading --------------------------------------------------------------------------------
+    def target_dtype(self, key: str) -> torch.dtype:
+        if self.keeps_fp32(key):
+            return torch.float32
+        if self.dtype is not None:
+            return self.dtype
+        entry = self.entries[key]
+        if entry.kind == "plain" and entry.dtype.is_floating_point:
+            return entry.dtype
+        return self.compute
+
+    def plain(self, key: str) -> torch.Tensor:
+        self.done.add(key)
+        return self.source.plain(key, self.target_dtype(key))
+
+    def packed(self, key: str, quantize: bool) -> tuple[Packing, torch.Tensor, torch.Tensor | None]:
+        """How the quantized module holds `key`: stored fp8/GGUF bytes, or fp8 made here from a plain tensor."""
+        entry = self.entries[key]
+        self.done.add(key)
+        if entry.kind == "fp8":
+            require_fp8()
+            data, scale = self.source.fp8(key)
+            return Packing(FP8, entry.shape), data, scale
+        if entry.kind == "gguf":
+            data = self.source.packed(key)
+            if not self.keep_mapped:
+                data = data.clone()
+            return Packing("gguf", entry.shape, entry.gguf_type), data, None
+        if quantize:
+            tensor = self.source.plain(key)
+            data, scale = pack_fp8(tensor)
+            del tensor
+            return Packing(FP8, entry.shape), data, scale
+        raise AssertionError(key)
+
+    # -- modules --------------------------------------------------------------------------------
+    def quantize_here(self, name: str) -> bool:
+        return (self.weights == FP8 and not self.keeps_fp32(name)
+                and name.split(".")[0] not in NOT_QUANTIZED_ON_LOAD)
+
+    def linear(self, name: str, module: nn.Linear) -> None:
+        key = f"{name}.weight"
+        entry = self.entries[key]
+        if not entry.quantized and not self.quantize_here(name):
+            return
+        if self.keeps_fp32(name):
+            # a quantized file may pack the router or modulation too: they compute in float32 here
+            self.assign(key)
+            return
+        packing, data, scale = self.packed(key, quantize=True)
+        bias = self.plain(f"{name}.bias") if module.bias is not None else None
+        _replace(self.model, name, QuantizedLinear(packing, data, scale, bias, self.compute))
+
+    def experts(self, name: str) -> None:
+        keys = [f"{name}.{w}" for w in QuantizedExperts.NAMES]
+        if not any(self.entries[k].quantized for k in keys) and not self.quantize_here(name):
+            return
+        packed = {w: self.packed(k, quantize=True) for w, k in zip(QuantizedExperts.NAMES, keys)}
+        _replace(self.model, name, QuantizedExperts(packed, self.compute))
+
+    def assign(self, key: str) -> None:
+        owner, leaf = _owner(self.model, key)
+        tensor = self.plain(key)
+        if leaf in owner._parameters:
+            owner._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+        else:
+            owner._buffers[leaf] = tensor
+
+
+def check_weights_mode(weights: str) -> None:
+    """Refuse an unknown mode, or fp8 on a torch without float8 dtypes, before anything loads."""
+    if weights not in WEIGHT_MODES:
+        raise WeightsError(f"unknown weights mode {weights!r}; choose one of {', '.join(WEIGHT_MODES)}")
+    if weights == FP8:
+        require_fp8()
+
+
+def load_dit(folder: str | os.PathLike, subfolder: str = "transformer", *, dtype: torch.dtype | None = None,
+             weights: str = "auto", files: list[Path] | None = None, gguf: str | os.PathLike | None = None,
+             keep_mapped: bool = False) -> nn.Module:
+    """The DiT of `folder/subfolder`, loaded tensor by tensor (see the module docstring).
+
+    `weights`: "auto" loads what is stored (plain, pre-quantized fp8 or GGUF); "fp8_e4m3" also
+    quantizes plain linear weights and expert stacks on load. `files`: the safetensors files (else a
+    GGUF in the folder, or `gguf`). `keep_mapped`: GGUF blocks stay views of the mapped file instead
+    of being copied into memory (the page cache then holds them).
+    """
+    from ..models.moe import ExpertWeights
+    from ..models.transformer import LingBotVideoTransformer3DModel, keeps_fp32
+
+    check_weights_mode(weights)
+    path = Path(folder) / subfolder
+    config = LingBotVideoTransformer3DModel.load_config(path)
+    with torch.device("meta"):
+        model = LingBotVideoTransformer3DModel.from_config(config)
+    source = open_source(path, files, gguf)
+    if weights == FP8 and source.kind == "gguf":
+        raise WeightsError(f"{source.files[0]} is already quantized (GGUF); load it with weights 'auto', or point "
+                           "the loader at a bf16 checkpoint to quantize to fp8.")
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    check_entries(subfolder, source.files[0].parent if len(source.files) > 1 else source.files[0], source.entries,
+                  expected)
+
+    loader = _Loader(model, source, dtype, weights, keep_mapped, keeps_fp32)
+    with torch.no_grad():
+        for name, module in list(model.named_modules()):
+            if isinstance(module, nn.Linear):
+                loader.linear(name, module)
+            elif isinstance(module, ExpertWeights):
+                loader.experts(name)
+        for key in expected:
+            if key not in loader.done:
+                loader.assign(key)
+    source.close()
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
+    if left:
+        raise RuntimeError(f"{subfolder}: no stored value for {', '.join(left[:3])} (a loader bug)")
+    model.weights_format = describe(model, source)
+    return model.eval().requires_grad_(False)
+
+
+def describe(model: nn.Module, source: Any) -> str:
+    """e.g. 'gguf: Q4_0 x98, F32 x12' or 'safetensors: bfloat16' (what the memory report shows)."""
+    from .modules import stored_formats
+
+    counts = stored_formats(model)
+    plain = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()
+                    if p.dtype.is_floating_point})
+    parts = [f"{k} x{v}" for k, v in sorted(counts.items())] + plain
+    return f"{source.kind}: {', '.join(parts)}"

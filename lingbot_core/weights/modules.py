@@ -1,0 +1,180 @@
+"""Modules that keep a quantized weight and decode it on the device, one layer at a time.
+
+The stored bytes are integer tensors (fp8 values as uint8, their float32 scales as int32 bit
+patterns, GGUF blocks as uint8), so a dtype cast of the model (`.to(bf16)`, `.float()`) can never
+expand or round them, while every device move (`.to(device)`, accelerate and diffusers offload hooks,
+pinning) moves exactly the stored bytes. `memory_report` therefore counts quantized bytes.
+
+For adapters (LoRA): `QuantizedLinear.dequantized_weight(dtype)` returns the layer's weight as a
+plain tensor, and a forward hook (or `add_delta`) adds a low-rank delta to the output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import gguf_codec
+from .fp8 import dequantize_fp8, quantize_fp8
+
+FP8 = "fp8_e4m3"
+
+
+@dataclass(frozen=True)
+class Packing:
+    """How one weight is stored: `fp8_e4m3` (values + per-row scales) or a GGUF type."""
+
+    kind: str  # "fp8_e4m3" or "gguf"
+    shape: tuple[int, ...]  # the logical (dequantized) shape
+    gguf_type: int = 0
+
+    @property
+    def label(self) -> str:
+        return FP8 if self.kind == FP8 else gguf_codec.type_name(self.gguf_type)
+
+
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+def pack_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight -> (uint8 fp8 bytes, int32 scale bits): what the quantized modules hold."""
+    q, scale = quantize_fp8(weight)
+    return q.view(torch.uint8), scale.view(torch.int32)
+
+
+def unpack(packing: Packing, data: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    if packing.kind == FP8:
+        return dequantize_fp8(data.view(torch.float8_e4m3fn), scale.view(torch.float32), dtype)
+    return gguf_codec.dequantize(data, packing.gguf_type, packing.shape, dtype)
+
+
+class QuantizedLinear(nn.Module):
+    """A Linear whose weight is stored packed and decoded to the input's dtype on every call."""
+
+    def __init__(self, packing: Packing, data: torch.Tensor, scale: torch.Tensor | None,
+                 bias: torch.Tensor | None, compute_dtype: torch.dtype):
+        super().__init__()
+        self.packing = packing
+        self.out_features, self.in_features = packing.shape
+        self.compute_dtype = compute_dtype
+        self.qdata = _param(data)
+        self.qscale = _param(scale) if scale is not None else None
+        self.bias = _param(bias) if bias is not None else None
+        self.deltas: list[Callable[[torch.Tensor], torch.Tensor]] = []
+
+    def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The weight as a plain [out, in] tensor of `dtype` (the compute dtype by default), on its device."""
+        return unpack(self.packing, self.qdata, self.qscale, dtype or self.compute_dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """Decoded on access, for code that reads `.weight` (its dtype is the compute dtype)."""
+        return self.dequantized_weight()
+
+    def add_delta(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Add `fn(x)` to every output (a runtime LoRA delta); `deltas.clear()` removes them."""
+        self.deltas.append(fn)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        out = F.linear(x, self.dequantized_weight(x.dtype), bias)
+        for fn in self.deltas:
+            out = out + fn(x).to(out.dtype)
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"stored={self.packing.label}, compute={str(self.compute_dtype).replace('torch.', '')}")
+
+    @classmethod
+    def from_linear_fp8(cls, weight: torch.Tensor, bias: torch.Tensor | None,
+                        compute_dtype: torch.dtype) -> QuantizedLinear:
+        data, scale = pack_fp8(weight)
+        return cls(Packing(FP8, tuple(weight.shape)), data, scale, bias, compute_dtype)
+
+
+class _ExpertView:
+    """`experts.w1[e]` decodes expert e only: the routed-expert loop touches the experts it uses."""
+
+    def __init__(self, owner: QuantizedExperts, name: str):
+        self._owner, self._name = owner, name
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self._owner.packings[self._name].shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._owner.compute_dtype
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        return self._owner.expert(self._name, e)
+
+    def to(self, dtype: torch.dtype) -> torch.Tensor:  # the grouped path: every expert at once
+        return self._owner.stack(self._name, dtype)
+
+
+class QuantizedExperts(nn.Module):
+    """Stacked MoE expert weights (w1, w3: [E, I, D]; w2: [E, D, I]) kept packed, one expert decoded at a time."""
+
+    NAMES = ("w1", "w2", "w3")
+
+    def __init__(self, packed: dict[str, tuple[Packing, torch.Tensor, torch.Tensor | None]],
+                 compute_dtype: torch.dtype):
+        super().__init__()
+        self.compute_dtype = compute_dtype
+        self.packings: dict[str, Packing] = {}
+        for name in self.NAMES:
+            packing, data, scale = packed[name]
+            self.packings[name] = packing
+            setattr(self, f"{name}_qdata", _param(data))
+            setattr(self, f"{name}_qscale", _param(scale) if scale is not None else None)
+        self.num_experts = self.packings["w1"].shape[0]
+
+    def expert(self, name: str, e: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        packing = self.packings[name]
+        data = getattr(self, f"{name}_qdata")[e]
+        scale = getattr(self, f"{name}_qscale")
+        one = Packing(packing.kind, packing.shape[1:], packing.gguf_type)
+        return unpack(one, data, scale[e] if scale is not None else None, dtype or self.compute_dtype)
+
+    def stack(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        packing = self.packings[name]
+        return unpack(packing, getattr(self, f"{name}_qdata"), getattr(self, f"{name}_qscale"),
+                      dtype or self.compute_dtype)
+
+    @property
+    def w1(self) -> _ExpertView:
+        return _ExpertView(self, "w1")
+
+    @property
+    def w2(self) -> _ExpertView:
+        return _ExpertView(self, "w2")
+
+    @property
+    def w3(self) -> _ExpertView:
+        return _ExpertView(self, "w3")
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, stored={self.packings['w1'].label}"
+
+
+def is_quantized(module: nn.Module) -> bool:
+    return isinstance(module, (QuantizedLinear, QuantizedExperts))
+
+
+def stored_formats(model: nn.Module) -> dict[str, int]:
+    """Count of quantized modules per stored format (for reports)."""
+    counts: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear):
+            counts[m.packing.label] = counts.get(m.packing.label, 0) + 1
+        elif isinstance(m, QuantizedExperts):
+            label = m.packings["w1"].label
+            counts[label] = counts.get(label, 0) + 1
+    return counts

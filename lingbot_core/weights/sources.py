@@ -1,0 +1,171 @@
+"""Where a DiT's tensors come from: safetensors files (plain or fp8 + scales) or one GGUF file.
+
+Both are memory-mapped; a tensor is read when the loader asks for it, so loading never holds more
+than the model so far plus one tensor. A source answers, for every state-dict name, how the
+tensor is stored (`Entry`) before anything is read, so the loader can check names, shapes and
+types against the config first and fail before heavy work.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import CheckpointError
+from . import gguf_codec
+from .modules import FP8
+
+SCALE_SUFFIX = ".scale"
+FORMAT_KEY = "lingbot_weights"  # safetensors metadata: "fp8_e4m3" in a pre-quantized file
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class WeightsError(CheckpointError):
+    """Weights that cannot be used as asked; the message names the file or tensor and the fix."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """How one tensor is stored: `plain` (a torch dtype), `fp8` (+ scale) or `gguf` (a GGML type)."""
+
+    kind: str
+    shape: tuple[int, ...]  # logical shape
+    dtype: torch.dtype | None = None  # plain tensors
+    gguf_type: int = 0
+
+    @property
+    def quantized(self) -> bool:
+        return self.kind == "fp8" or (self.kind == "gguf" and not gguf_codec.is_plain(self.gguf_type))
+
+    @property
+    def label(self) -> str:
+        if self.kind == "plain":
+            return str(self.dtype).replace("torch.", "")
+        return FP8 if self.kind == "fp8" else gguf_codec.type_name(self.gguf_type)
+
+
+def read_safetensors_header(path: Path) -> dict:
+    with open(path, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        return json.loads(fh.read(n))
+
+
+class SafetensorsSource:
+    """One or more safetensors files (a sharded checkpoint), memory-mapped."""
+
+    kind = "safetensors"
+
+    def __init__(self, files: list[Path]):
+        from safetensors import safe_open
+
+        self.files = list(files)
+        self._handles = [safe_open(str(f), framework="pt") for f in self.files]
+        self._where: dict[str, int] = {}
+        raw: dict[str, tuple[str, tuple[int, ...]]] = {}
+        self.metadata: dict[str, str] = {}
+        for i, f in enumerate(self.files):
+            header = read_safetensors_header(f)
+            self.metadata.update(header.pop("__metadata__", None) or {})
+            for key, info in header.items():
+                self._where[key] = i
+                raw[key] = (info["dtype"], tuple(info["shape"]))
+        self.entries: dict[str, Entry] = {}
+        for key, (dt, shape) in raw.items():
+            if key.endswith(SCALE_SUFFIX) and key[: -len(SCALE_SUFFIX)] in raw:
+                continue
+            if dt == "F8_E4M3":
+                scale = raw.get(key + SCALE_SUFFIX)
+                if scale is None:
+                    raise WeightsError(f"{self._file(key)}: fp8 tensor {key!r} has no {key + SCALE_SUFFIX!r} next to "
+                                       "it; a pre-quantized lingbot checkpoint stores one float32 scale per output "
+                                       "row. Re-create it with `python -m lingbot_core.quantize`.")
+                if scale[0] != "F32" or scale[1] != shape[:-1]:
+                    raise WeightsError(f"{self._file(key)}: {key + SCALE_SUFFIX!r} is {scale[0]} {list(scale[1])}, "
+                                       f"expected F32 {list(shape[:-1])} (one scale per row of {key!r}).")
+                self.entries[key] = Entry("fp8", shape)
+            elif dt in _SAFETENSORS_DTYPES:
+                self.entries[key] = Entry("plain", shape, _SAFETENSORS_DTYPES[dt])
+            else:
+                raise WeightsError(f"{self._file(key)}: tensor {key!r} is stored as {dt}, which lingbot-nodes does "
+                                   "not load (it reads F32/F16/BF16 and F8_E4M3 with scales).")
+
+    def _file(self, key: str) -> Path:
+        return self.files[self._where[key]]
+
+    def plain(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        t = self._handles[self._where[key]].get_tensor(key)
+        return t if dtype is None or t.dtype == dtype else t.to(dtype)
+
+    def fp8(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(uint8 fp8 bytes, int32 scale bits) as the quantized modules hold them."""
+        data = self._handles[self._where[key]].get_tensor(key).view(torch.uint8)
+        scale_key = key + SCALE_SUFFIX
+        scale = self._handles[self._where[scale_key]].get_tensor(scale_key)
+        return data, scale.contiguous().view(torch.int32)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+class GGUFSource:
+    """One GGUF file (the checkpoint's own state-dict names), memory-mapped with the `gguf` package."""
+
+    kind = "gguf"
+
+    def __init__(self, path: Path):
+        from gguf import GGUFReader
+
+        self.files = [path]
+        try:
+            self._reader = GGUFReader(path, mode="c")  # copy-on-write map: writable views, no copy
+        except (ValueError, OSError) as err:
+            raise WeightsError(f"{path} is not a readable GGUF file ({err}); re-download or re-create it.") from err
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        self.entries: dict[str, Entry] = {}
+        for name, t in self._tensors.items():
+            qtype = int(t.tensor_type)
+            try:
+                gguf_codec.check_supported(qtype, name)
+            except ValueError as err:
+                raise WeightsError(f"{path}: {err}") from None
+            shape = self._orig_shape(name) or tuple(int(n) for n in reversed(t.shape.tolist()))
+            self.entries[name] = Entry("gguf", shape, gguf_type=qtype)
+
+    def _orig_shape(self, name: str) -> tuple[int, ...] | None:
+        # ComfyUI-GGUF files record the torch shape of tensors they had to reshape.
+        field = self._reader.fields.get(f"comfy.gguf.orig_shape.{name}")
+        if field is None:
+            return None
+        return tuple(int(field.parts[i][0]) for i in field.data)
+
+    def packed(self, key: str) -> torch.Tensor:
+        """The stored bytes of `key` as uint8 [..., bytes per row] (a view of the mapped file)."""
+        t = self._tensors[key]
+        entry = self.entries[key]
+        start = t.data_offset
+        flat = self._reader.data[start:start + int(t.n_bytes)]
+        data = torch.from_numpy(flat.view("uint8"))
+        row = gguf_codec.bytes_per_row(entry.gguf_type, entry.shape[-1])
+        return data.view(*entry.shape[:-1], row)
+
+    def plain(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A tensor decoded to `dtype` (float32 by default), in memory of its own."""
+        entry = self.entries[key]
+        out = gguf_codec.dequantize(self.packed(key), entry.gguf_type, entry.shape, dtype or torch.float32)
+        return out.clone() if gguf_codec.is_plain(entry.gguf_type) and out.dtype == self._plain_dtype(entry) else out
+
+    @staticmethod
+    def _plain_dtype(entry: Entry) -> torch.dtype:
+        return {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}.get(entry.gguf_type, torch.float32)
+
+    def close(self) -> None:
+        self._tensors.clear()

@@ -1,0 +1,365 @@
+"""Weight formats: the RAM-frugal loader, fp8 and GGUF round trips, offload with packed weights, bad inputs.
+
+Tolerances come from the quantization step: e4m3 keeps 3 mantissa bits (a weight is off by at most
+2^-4 of itself, or 2^-10 of its row scale when subnormal); Q8_0 and Q4_0 blocks are off by at most
+half (Q8_0) or one (Q4_0, whose extreme value clips) step of the block scale `d`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from lingbot_core.checkpoint import CheckpointError, inspect_checkpoint, load_transformer
+from lingbot_core.handle import PipelineHandle
+from lingbot_core.models.transformer import keeps_fp32
+from lingbot_core.offload import configure_offload, stage
+from lingbot_core.quantize import quantize_checkpoint
+from lingbot_core.weights import fp8 as fp8_mod
+from lingbot_core.weights import gguf_codec
+from lingbot_core.weights.modules import QuantizedExperts, QuantizedLinear
+
+T = gguf.GGMLQuantizationType
+MODES = ["none", "model", "sequential", "group"]
+# Byte offsets of the float16 fields in each block layout (kept finite in random blocks).
+HALF_FIELDS = {T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q4_K: [0, 2],
+               T.Q5_K: [0, 2], T.Q6_K: [208]}
+
+
+def _inputs(hidden_text: int = 32):
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(1, 16, 3, 8, 8, generator=g), torch.tensor([500.0]), torch.randn(1, 7, hidden_text, generator=g))
+
+
+def _run(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(*_inputs()).sample
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory, fixtures_root):
+    """tiny dense and MoE checkpoints, quantized once per target with the quantize command's function."""
+    root = tmp_path_factory.mktemp("quantized")
+    out = {}
+    for variant in ("dense", "moe"):
+        for target in ("fp8", "gguf-q8_0", "gguf-q4_0"):
+            out[variant, target] = quantize_checkpoint(fixtures_root / "models" / f"tiny-{variant}",
+                                                       root / f"{variant}-{target}", target)
+    return out
+
+
+# -- GGUF decoding -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("qtype", [t for t in gguf_codec.SUPPORTED if t not in (T.F32, T.F16, T.BF16)],
+                         ids=lambda t: t.name)
+def test_gguf_blocks_decode_like_the_gguf_package(qtype):
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(int(qtype))
+    raw = rng.integers(0, 256, size=(6, 4 * size), dtype=np.uint8)
+    blocks = raw.reshape(-1, size)
+    for at in HALF_FIELDS[qtype]:
+        blocks[:, at + 1] &= 0x3B  # a finite float16 exponent
+    expected = gguf.quants.dequantize(raw, qtype)
+    ours = gguf_codec.dequantize(torch.from_numpy(raw.copy()), int(qtype), expected.shape)
+    np.testing.assert_array_equal(ours.numpy(), expected)
+
+
+@pytest.mark.parametrize("qtype", [T.F32, T.F16, T.BF16], ids=lambda t: t.name)
+def test_gguf_plain_types_decode_exactly(qtype):
+    values = np.random.default_rng(0).standard_normal((3, 64)).astype(np.float32)
+    raw = gguf.quants.quantize(values, qtype).view(np.uint8)
+    ours = gguf_codec.dequantize(torch.from_numpy(raw.copy()), int(qtype), (3, 64))
+    np.testing.assert_array_equal(ours.numpy(), gguf.quants.dequantize(raw, qtype))
+
+
+# half a step (Q8_0) or one (Q4_0's clipped extreme), plus the float16 rounding of d times the largest |q|
+@pytest.mark.parametrize("qtype,steps", [(T.Q8_0, 0.5 + 127 * 2**-11), (T.Q4_0, 1.0 + 8 * 2**-11)],
+                         ids=["Q8_0", "Q4_0"])
+def test_gguf_quantization_error_is_within_its_step(qtype, steps):
+    values = np.random.default_rng(1).standard_normal((8, 256)).astype(np.float32)
+    raw = gguf.quants.quantize(values, qtype)
+    back = gguf_codec.dequantize(torch.from_numpy(raw), int(qtype), values.shape).numpy()
+    d = np.abs(raw.reshape(-1, gguf.GGML_QUANT_SIZES[qtype][1])[:, :2].copy().view(np.float16).astype(np.float32))
+    step = np.repeat(d, 32, axis=1).reshape(values.shape)
+    assert np.all(np.abs(back - values) <= steps * step * 1.0001 + 1e-7)
+
+
+# -- fp8 ---------------------------------------------------------------------------------------------
+
+def test_fp8_rows_are_within_half_an_ulp():
+    w = torch.randn(64, 96, generator=torch.Generator().manual_seed(2)) * torch.logspace(-3, 1, 64)[:, None]
+    q, scale = fp8_mod.quantize_fp8(w)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (64,) and scale.dtype == torch.float32
+    back = fp8_mod.dequantize_fp8(q, scale, torch.float32)
+    bound = fp8_mod.REL_STEP * w.abs() + fp8_mod.SUBNORMAL_STEP * scale[:, None]
+    assert torch.all((back - w).abs() <= bound * 1.0001)
+
+
+def test_fp8_on_load_quantizes_linears_and_expert_stacks(fixtures_root):
+    folder = fixtures_root / "models" / "tiny-moe"
+    ref = load_transformer(folder, dtype=torch.float32)
+    model = load_transformer(folder, dtype=torch.float32, weights="fp8_e4m3")
+    block = model.blocks[0]
+    assert isinstance(block.attn.to_q, QuantizedLinear) and isinstance(block.ffn.experts, QuantizedExperts)
+    assert isinstance(block.ffn.shared_experts.down_proj, QuantizedLinear)
+    assert type(model.patch_embedder) is torch.nn.Linear and type(block.ffn.router) is type(ref.blocks[0].ffn.router)
+    # stored bytes: fp8 values as uint8 and their fp32 scales, never a float copy
+    assert block.attn.to_q.qdata.dtype == torch.uint8 and block.attn.to_q.qscale.dtype == torch.int32
+    for name, lin in model.named_modules():
+        if isinstance(lin, QuantizedLinear):
+            w = ref.get_submodule(name).weight
+            scale = lin.qscale.view(torch.float32)
+            bound = fp8_mod.REL_STEP * w.abs() + fp8_mod.SUBNORMAL_STEP * scale[:, None]
+            assert torch.all((lin.dequantized_weight(torch.float32) - w).abs() <= bound * 1.0001), name
+    # only the routed experts are decoded: expert e of the view equals row e of the full stack
+    experts = block.ffn.experts
+    assert torch.equal(experts.w2[1], experts.stack("w2")[1])
+    assert _rel(_run(model), _run(ref)) < 0.06  # ~2^-4 per weight; measured 0.04 on this model
+
+
+def test_fp8_dtype_casts_never_touch_stored_bytes(fixtures_root):
+    model = load_transformer(fixtures_root / "models" / "tiny-dense", dtype=torch.float32, weights="fp8_e4m3")
+    before = model.blocks[0].attn.to_q.qdata.clone()
+    model.to(torch.bfloat16)
+    layer = model.blocks[0].attn.to_q
+    assert layer.qdata.dtype == torch.uint8 and torch.equal(layer.qdata, before)
+    assert layer.qscale.dtype == torch.int32
+
+
+def test_prequantized_fp8_equals_quantizing_on_load(quantized, fixtures_root):
+    folder = quantized["dense", "fp8"]
+    header = json.loads(_header(folder / "transformer" / "diffusion_pytorch_model.safetensors"))
+    assert header["blocks.0.attn.to_q.weight"]["dtype"] == "F8_E4M3"
+    assert header["blocks.0.attn.to_q.weight.scale"]["dtype"] == "F32"
+    assert header["blocks.0.norm1.weight"]["dtype"] == "F32"
+    pre = load_transformer(folder, dtype=torch.float32)
+    onload = load_transformer(fixtures_root / "models" / "tiny-dense", dtype=torch.float32, weights="fp8_e4m3")
+    assert torch.equal(_run(pre), _run(onload))
+    # the rest of the checkpoint is linked, not rewritten
+    assert os.path.samefile(folder / "vae" / "diffusion_pytorch_model.safetensors",
+                            fixtures_root / "models" / "tiny-dense" / "vae" / "diffusion_pytorch_model.safetensors")
+
+
+def _header(path: Path) -> str:
+    with open(path, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        return fh.read(n).decode()
+
+
+# -- GGUF files -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("target,tol", [("gguf-q8_0", 0.02), ("gguf-q4_0", 0.15)])
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_gguf_checkpoint_round_trip(quantized, fixtures_root, variant, target, tol):
+    folder = quantized[variant, target]
+    assert inspect_checkpoint(folder).weight_files["transformer"][0].suffix == ".gguf"
+    ref = load_transformer(fixtures_root / "models" / f"tiny-{variant}", dtype=torch.float32)
+    model = load_transformer(folder, dtype=torch.float32)
+    reader = gguf.GGUFReader(folder / "transformer" / "diffusion_pytorch_model.gguf")
+    for t in reader.tensors:
+        if t.name == "blocks.0.attn.to_q.weight":
+            assert t.tensor_type == T[target.split("-")[1].upper()]
+            expected = gguf.quants.dequantize(t.data, t.tensor_type)
+            np.testing.assert_array_equal(model.blocks[0].attn.to_q.dequantized_weight(torch.float32).numpy(),
+                                          expected)
+    # Q8_0 ~0.5% and Q4_0 ~7% output error on these models (a weight is off by <= 1 step of its block)
+    assert _rel(_run(model), _run(ref)) < tol
+    assert model.blocks[0].attn.to_q.qdata.dtype == torch.uint8
+
+
+def test_quantize_command_output_opens_with_the_loader(quantized, tmp_path):
+    from lingbot_core import stages
+    from lingbot_nodes.loader import LingBotLoader
+
+    handle, = LingBotLoader().load("tiny (built-in moe)", "moe", "auto", "default",
+                                   path=str(quantized["moe", "gguf-q8_0"]), device="cpu")
+    cond = stages.encode_prompt(handle, "a boat", None)
+    latents = stages.denoise(handle, cond, height=32, width=32, num_frames=1, steps=1, guidance_scale=1.0, seed=0)
+    assert torch.isfinite(latents).all()
+    assert isinstance(handle.transformer.blocks[0].attn.to_q, QuantizedLinear)
+    rc = subprocess.run([sys.executable, "-m", "lingbot_core.quantize", str(quantized["moe", "fp8"]),
+                         str(tmp_path / "again"), "--to", "fp8"], capture_output=True, text=True)
+    assert rc.returncode == 2 and "already quantized" in rc.stderr
+
+
+# -- offload with packed weights --------------------------------------------------------------------
+
+@pytest.mark.parametrize("weights", ["fp8", "gguf-q4_0"])
+def test_every_offload_mode_gives_identical_outputs(quantized, weights):
+    outs = {}
+    for mode in MODES:
+        handle = PipelineHandle.open(quantized["moe", weights], device="cpu", dtypes={"transformer": torch.float32})
+        handle = configure_offload(handle, mode, **({"use_stream": False} if mode == "group" else {}))
+        with stage(handle, "transformer") as device:
+            outs[mode] = _run(handle.transformer).to(device)
+        packed = [p for n, p in handle.shared.loaded["transformer"].named_parameters() if n.endswith("qdata")]
+        assert packed and all(p.dtype == torch.uint8 for p in packed)
+    for mode in MODES[1:]:
+        assert torch.equal(outs[mode], outs["none"]), mode
+
+
+def test_memory_estimate_counts_stored_bytes(quantized):
+    from lingbot_core.memory import ModelSizes, memory_report
+
+    for target in ("fp8", "gguf-q4_0"):
+        handle = PipelineHandle.open(quantized["moe", target], device="cpu", dtypes={"transformer": torch.float32})
+        estimate = ModelSizes.from_handle(handle).transformer
+        dit = handle.transformer
+        loaded = sum(t.numel() * t.element_size() for t in [*dit.parameters(), *dit.buffers()])
+        assert abs(estimate - loaded) <= 0.05 * loaded, target  # GGUF: file bytes incl. its header
+        report = memory_report(handle)
+        assert next(c for c in report.components if c.name == "transformer").bytes_by_location["CPU"] == loaded
+
+
+# -- the RAM-frugal loader --------------------------------------------------------------------------
+
+def _bf16_checkpoint(src: Path, dst: Path, hidden: int = 512, depth: int = 6) -> Path:
+    """A plain bf16 DiT folder of a few tens of MB (random), for memory checks."""
+    from safetensors.torch import save_file
+
+    from lingbot_core.models.transformer import LingBotVideoTransformer3DModel
+
+    config = json.loads((src / "transformer" / "config.json").read_text())
+    config.update(hidden_size=hidden, num_attention_heads=hidden // 16, axes_dims=[4, 6, 6], depth=depth,
+                  intermediate_size=4 * hidden, text_dim=32)
+    with torch.device("meta"):
+        skeleton = LingBotVideoTransformer3DModel.from_config(config)
+    g = torch.Generator().manual_seed(0)
+    tensors = {}
+    for k, v in skeleton.state_dict().items():
+        dtype = torch.float32 if keeps_fp32(k) else torch.bfloat16
+        tensors[k] = (torch.randn(v.shape, generator=g) * 0.02).to(dtype)
+    (dst / "transformer").mkdir(parents=True)
+    save_file(tensors, str(dst / "transformer" / "diffusion_pytorch_model.safetensors"))
+    (dst / "transformer" / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+_PEAK_SCRIPT = """
+import json, resource, sys, torch
+from lingbot_core.weights.loader import load_dit
+import lingbot_core.models.transformer  # imports done before the baseline
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+model = load_dit(sys.argv[1], dtype=None)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+dtypes = {n: str(p.dtype) for n, p in model.named_parameters()}
+print(json.dumps({"base": base * 1024, "peak": peak * 1024, "dtypes": dtypes}))
+"""
+
+
+def test_bf16_checkpoint_loads_as_bf16_without_an_fp32_copy(tmp_path, fixtures_root):
+    folder = _bf16_checkpoint(fixtures_root / "models" / "tiny-dense", tmp_path / "bf16")
+    stored = (folder / "transformer" / "diffusion_pytorch_model.safetensors").stat().st_size
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(folder)], capture_output=True, text=True, env=env,
+                         check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    for name, dtype in result["dtypes"].items():
+        assert dtype == ("torch.float32" if keeps_fp32(name) else "torch.bfloat16"), name
+    grown = result["peak"] - result["base"]
+    # the model itself plus one tensor in flight; an fp32 detour would need about twice the stored bytes
+    assert grown < 1.3 * stored + 16 * 2**20, (grown, stored)
+
+
+# -- bad input --------------------------------------------------------------------------------------
+
+def _gguf_file(path: Path, tensors: dict[str, tuple[np.ndarray, T]]) -> Path:
+    writer = gguf.GGUFWriter(path, arch="lingbot_video")
+    for name, (data, qtype) in tensors.items():
+        writer.add_tensor(name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _swap_transformer_weights(quantized, tmp_path, variant="dense", target="gguf-q8_0") -> Path:
+    import shutil
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(quantized[variant, target], folder)
+    return folder
+
+
+def test_gguf_type_we_cannot_decode_is_named(quantized, tmp_path):
+    folder = _swap_transformer_weights(quantized, tmp_path)
+    target = folder / "transformer" / "diffusion_pytorch_model.gguf"
+    reader = gguf.GGUFReader(target)
+    tensors = {t.name: (np.array(t.data), t.tensor_type) for t in reader.tensors}
+    del reader
+    size = gguf.GGML_QUANT_SIZES[T.Q2_K][1]
+    tensors["blocks.0.attn.to_q.weight"] = (np.zeros((32, size // 8 if False else size), dtype=np.uint8)[:, :size],
+                                           T.Q2_K)
+    target.unlink()
+    # a Q2_K row holds 256 values; the shape check comes second, the type check first
+    _gguf_file(target, tensors)
+    with pytest.raises(CheckpointError, match=r"blocks.0.attn.to_q.weight.*Q2_K.*cannot dequantize"):
+        PipelineHandle.open(folder, device="cpu")
+
+
+def test_gguf_tensor_with_the_wrong_shape_is_named(quantized, tmp_path):
+    folder = _swap_transformer_weights(quantized, tmp_path)
+    target = folder / "transformer" / "diffusion_pytorch_model.gguf"
+    reader = gguf.GGUFReader(target)
+    tensors = {t.name: (np.array(t.data), t.tensor_type) for t in reader.tensors}
+    del reader
+    tensors["blocks.1.attn.to_k.weight"] = (gguf.quants.quantize(np.ones((16, 32), np.float32), T.Q8_0), T.Q8_0)
+    target.unlink()
+    _gguf_file(target, tensors)
+    with pytest.raises(CheckpointError, match=r"wrong shape \(e.g. blocks.1.attn.to_k.weight: stored \[16, 32\]"):
+        load_transformer(folder)
+
+
+def test_fp8_file_with_the_wrong_shape_is_named(quantized, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = _swap_transformer_weights(quantized, tmp_path, target="fp8")
+    path = folder / "transformer" / "diffusion_pytorch_model.safetensors"
+    tensors = load_file(str(path))
+    tensors["blocks.0.attn.to_v.weight"] = tensors["blocks.0.attn.to_v.weight"][:8].clone()
+    path.unlink()
+    save_file(tensors, str(path))
+    with pytest.raises(CheckpointError, match=r"blocks.0.attn.to_v.weight.scale.*expected F32 \[8\]"):
+        load_transformer(folder)
+    tensors["blocks.0.attn.to_v.weight.scale"] = tensors["blocks.0.attn.to_v.weight.scale"][:8].clone()
+    path.unlink()
+    save_file(tensors, str(path))
+    with pytest.raises(CheckpointError, match=r"blocks.0.attn.to_v.weight: stored \[8, 32\], config implies \[32, 32\]"):
+        load_transformer(folder)
+
+
+def test_fp8_without_float8_in_torch_is_refused_before_loading(fixtures_root, monkeypatch):
+    monkeypatch.setattr(fp8_mod, "fp8_available", lambda: False)
+    with pytest.raises(ValueError, match=r"fp8 weights need a torch with float8 dtypes"):
+        PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu", weights="fp8_e4m3")
+
+
+def test_unknown_weights_mode_is_refused(fixtures_root):
+    with pytest.raises(ValueError, match=r"unknown weights mode 'int4'"):
+        PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu", weights="int4")
+
+
+@pytest.mark.parametrize("component", ["vae", "text_encoder"])
+def test_quantized_vae_or_text_encoder_is_refused(quantized, tmp_path, component):
+    folder = _swap_transformer_weights(quantized, tmp_path)
+    (folder / component / "extra.gguf").write_bytes(b"GGUF")
+    with pytest.raises(CheckpointError, match=rf"{component}: .* holds quantized weights .*extra.gguf"):
+        inspect_checkpoint(folder)
+
+
+def test_fp8_request_for_a_gguf_checkpoint_is_refused(quantized):
+    with pytest.raises(CheckpointError, match=r"already quantized \(GGUF\)"):
+        load_transformer(quantized["dense", "gguf-q8_0"], weights="fp8_e4m3")
