@@ -210,7 +210,9 @@ class PipelineHandle:
         """The compute dtype of a DiT or encoder: its bulk weights' dtype (not the fp32-kept norms)."""
         module = self.shared.get(name)
         if name in ("transformer", "refiner"):
-            return module.patch_embedder.weight.dtype
+            from .models.precision import matmul_dtype
+
+            return matmul_dtype(module.patch_embedder)
         return next(module.parameters()).dtype
 
 

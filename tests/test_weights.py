@@ -20,7 +20,7 @@ import torch
 
 from lingbot_core.checkpoint import CheckpointError, inspect_checkpoint, load_transformer
 from lingbot_core.handle import PipelineHandle
-from lingbot_core.models.transformer import keeps_fp32
+from lingbot_core.models.precision import stays_float32 as keeps_fp32
 from lingbot_core.offload import configure_offload, stage
 from lingbot_core.quantize import quantize_checkpoint
 from lingbot_core.weights import fp8 as fp8_mod

@@ -120,7 +120,9 @@ class SparseMoE(nn.Module):
         slots = live[torch.argsort(expert_of[live], stable=True)]
         counts = torch.bincount(expert_of[slots], minlength=self.router.routing.num_experts).tolist()
         rows = tokens[slots // per_token]
-        if self.use_grouped_mm and _grouped_mm_fits(rows, self.experts):
+        # Packed (fp8/GGUF) experts go one by one: each routed expert is decoded, used and dropped.
+        packed = getattr(self.experts, "decodes_per_expert", False)
+        if self.use_grouped_mm and not packed and _grouped_mm_fits(rows, self.experts):
             answers = self._experts_grouped(rows, counts)
         else:
             answers = self._experts_loop(rows, counts)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-__all__ = ["FLOAT32_NAMES", "cast_split_precision", "is_split_precision_cast", "stays_float32"]
+__all__ = ["FLOAT32_NAMES", "cast_split_precision", "is_split_precision_cast", "matmul_dtype", "stays_float32"]
 
 _TIMESTEP_PATH = ("time_embedder", "time_modulation", "norm_out_modulation", "scale_shift_table")
 _NORM_GAINS = ("norm", "norm1", "norm2", "norm_q", "norm_k", "norm_post_attn", "norm_post_ffn", "norm_out")
@@ -48,3 +48,10 @@ def cast_split_precision(model: nn.Module, dtype: torch.dtype, *, non_blocking: 
                 wanted = torch.float32 if stays_float32(full_name) else dtype
                 if tensor.dtype != wanted:
                     tensor.data = tensor.data.to(dtype=wanted, non_blocking=non_blocking)
+
+
+def matmul_dtype(layer: nn.Module) -> torch.dtype:
+    """The dtype a linear layer computes in: its weight's, or a quantized layer's compute dtype
+    (whose packed weight is decoded only when it computes; see `lingbot_core.weights.modules`)."""
+    packed = getattr(layer, "compute_dtype", None)
+    return packed if isinstance(packed, torch.dtype) else layer.weight.dtype

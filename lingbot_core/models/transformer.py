@@ -81,7 +81,7 @@ class JointBlock(nn.Module):
 
     def compute_dtype(self) -> torch.dtype:
         """The dtype the branch inputs are cast to: that of the block's matmul weights."""
-        return self.attn.to_q.weight.dtype
+        return precision.matmul_dtype(self.attn.to_q)
 
     def _branch(self, x, pre_norm, inner, post_norm, shift, scale, gate) -> torch.Tensor:
         h = (pre_norm(x) * (1.0 + scale) + shift).to(self.compute_dtype())
@@ -193,7 +193,7 @@ class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
     def _time_embedding(self, timestep: torch.Tensor, batch: int, device: torch.device) -> torch.Tensor:
         """(B,) timesteps on the 0..1000 scale -> (B, D) embedding from the float32 timestep MLP."""
         t = timestep.to(device=device).float().reshape(-1).expand(batch)
-        return self.time_embedder(self.time_proj(t).to(self.time_embedder.linear_1.weight.dtype))
+        return self.time_embedder(self.time_proj(t).to(precision.matmul_dtype(self.time_embedder.linear_1)))
 
     # -- forward ---------------------------------------------------------------------------------
 
@@ -216,8 +216,8 @@ class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
         n_text = encoder_hidden_states.shape[1]
         device = hidden_states.device
 
-        video = self.patch_embedder(self._patchify(hidden_states).to(self.patch_embedder.weight.dtype))
-        text = self.text_embedder(encoder_hidden_states.to(self.text_embedder.linear_1.weight.dtype))
+        video = self.patch_embedder(self._patchify(hidden_states).to(precision.matmul_dtype(self.patch_embedder)))
+        text = self.text_embedder(encoder_hidden_states.to(precision.matmul_dtype(self.text_embedder.linear_1)))
         x = torch.cat((video, text.to(video.dtype)), dim=1)
 
         text_lens, key_mask = self._text_layout(encoder_attention_mask, batch, n_video, n_text, device)
@@ -230,7 +230,7 @@ class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
 
         shift, scale = self.norm_out_modulation(t_emb).float().unsqueeze(1).chunk(2, dim=-1)
         x = self.norm_out(x[:, :n_video]) * (1.0 + scale) + shift
-        out = self._unpatchify(self.proj_out(x.to(self.proj_out.weight.dtype)), hidden_states.shape)
+        out = self._unpatchify(self.proj_out(x.to(precision.matmul_dtype(self.proj_out))), hidden_states.shape)
         return Transformer2DModelOutput(sample=out) if return_dict else (out,)
 
 

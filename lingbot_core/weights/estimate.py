@@ -18,7 +18,7 @@ _BITS = {"F64": 64, "F32": 32, "F16": 16, "BF16": 16, "F8_E4M3": 8, "F8_E5M2": 8
 
 
 def _keeps_fp32(key: str) -> bool:
-    from ..models.transformer import keeps_fp32
+    from ..models.precision import stays_float32 as keeps_fp32
 
     return keeps_fp32(key)
 

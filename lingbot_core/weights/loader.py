@@ -35,7 +35,7 @@ def quantizable(key: str, shape: tuple[int, ...], keeps_fp32=None) -> bool:
     """Whether a stored tensor is a weight we quantize: a linear weight or an expert stack, not one of
     the reference's fp32-kept modules, not the 64-wide patch embedder / output projection."""
     if keeps_fp32 is None:
-        from ..models.transformer import keeps_fp32
+        from ..models.precision import stays_float32 as keeps_fp32
     return (len(shape) >= 2 and key.endswith((".weight", ".experts.w1", ".experts.w2", ".experts.w3"))
             and not keeps_fp32(key) and key.split(".")[0] not in NOT_QUANTIZED_ON_LOAD)
 
@@ -215,7 +215,8 @@ def load_dit(folder: str | os.PathLike, subfolder: str = "transformer", *, dtype
     of being copied into memory (the page cache then holds them).
     """
     from ..models.moe import ExpertWeights
-    from ..models.transformer import LingBotVideoTransformer3DModel, keeps_fp32
+    from ..models.precision import stays_float32 as keeps_fp32
+    from ..models.transformer import LingBotVideoTransformer3DModel
 
     check_weights_mode(weights)
     path = Path(folder) / subfolder

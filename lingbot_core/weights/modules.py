@@ -123,6 +123,7 @@ class QuantizedExperts(nn.Module):
     """Stacked MoE expert weights (w1, w3: [E, I, D]; w2: [E, D, I]) kept packed, one expert decoded at a time."""
 
     NAMES = ("w1", "w2", "w3")
+    decodes_per_expert = True  # SparseMoE runs these expert by expert (models/moe.py)
 
     def __init__(self, packed: dict[str, tuple[Packing, torch.Tensor, torch.Tensor | None]],
                  compute_dtype: torch.dtype):
