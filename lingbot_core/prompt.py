@@ -15,6 +15,7 @@ Which strings get compacted (matching the reference CLI):
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import weakref
 from dataclasses import dataclass
@@ -100,6 +101,7 @@ RUNTIME_KEYS: frozenset[str] = frozenset(
 """Top-level keys of a prompt.json sample that are run settings, not caption text."""
 
 _TEMPLATE_HEAD, _TEMPLATE_TAIL = PROMPT_TEMPLATE.split("{}")
+log = logging.getLogger(__name__)
 
 
 # --- caption -> string ------------------------------------------------------------------------------------
@@ -150,7 +152,10 @@ def caption_to_text(prompt: str | dict | list) -> str:
         caption = {key: value for key, value in prompt.items() if key not in RUNTIME_KEYS}
     if isinstance(caption, (dict, list)):
         return _compact(caption)
-    return str(caption)
+    if not isinstance(caption, str):
+        # str(None) would encode the word "None"; a number or bool is no caption either.
+        raise ValueError(f"the prompt's 'caption' must be text or a JSON object, got {'null' if caption is None else type(caption).__name__}")
+    return caption
 
 
 # --- encoding ---------------------------------------------------------------------------------------------
@@ -226,7 +231,7 @@ def build_text_inputs(processor: Any, text: str, image: Image.Image | None = Non
     templated = _TEMPLATE_HEAD + caption + _TEMPLATE_TAIL
     if image is not None:
         _check_image_size(processor, image)
-    return processor(
+    inputs = processor(
         text=[templated],
         images=[image] if image is not None else None,
         videos=None,
@@ -236,6 +241,11 @@ def build_text_inputs(processor: Any, text: str, image: Image.Image | None = Non
         padding="longest",
         return_tensors="pt",
     )
+    if inputs["input_ids"].shape[-1] >= MAX_TEXT_TOKENS:
+        # The reference truncates silently at this length; we do the same (parity) but say so.
+        log.warning("the prompt is %d characters and was cut at %d tokens (the reference's limit); the rest of "
+                    "the caption is ignored", len(text), MAX_TEXT_TOKENS)
+    return inputs
 
 
 def encode_text(

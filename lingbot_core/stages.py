@@ -27,9 +27,11 @@ from PIL import Image
 from . import image as image_ops
 from . import offload, sampling
 from . import prompt as prompt_ops
+from . import stage_inputs as checks
 from .latents import dit_to_vae, latent_shape, vae_to_dit, validate_geometry
 from .offload import stage
 from .prompt import PromptEmbeds
+from .sampling.base import check_shift
 from .scheduler import compute_refiner_sigmas, transformer_timestep
 
 log = logging.getLogger(__name__)
@@ -132,9 +134,7 @@ def _generator(seed: int | None, generator: torch.Generator | None) -> torch.Gen
         return generator
     if seed is None:
         raise ValueError("give a seed (or a torch.Generator)")
-    if not isinstance(seed, int) or seed < 0 or seed >= 2**64:
-        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
-    return torch.Generator("cpu").manual_seed(seed)
+    return torch.Generator("cpu").manual_seed(checks.check_seed(seed))
 
 
 # -- text ------------------------------------------------------------------------------------------
@@ -155,6 +155,7 @@ def encode_prompt(
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    checks.check_negative_prompt(negative_prompt)
     text = prompt_ops.caption_to_text(prompt)
     if not text.strip():
         raise ValueError("the prompt is empty")
@@ -164,11 +165,14 @@ def encode_prompt(
     if image is not None:
         pixels = image.pixels if isinstance(image, ImageCondition) else image
         picture = image.vision_image if isinstance(image, ImageCondition) else None
+        if picture is None:  # raw pixels: checked here, before the encoder loads
+            if not isinstance(pixels, torch.Tensor) or pixels.ndim != 5 or tuple(pixels.shape[:3]) != (1, 3, 1):
+                shape = tuple(pixels.shape) if isinstance(pixels, torch.Tensor) else type(pixels).__name__
+                raise ValueError(f"expected first-frame pixels shaped (1,3,1,H,W), got {shape}")
+            checks.checked_pixels(pixels, "image", unit_range_only=True)
     with stage(handle, "text_encoder", "processor") as device:
         encoder, processor = handle.component("text_encoder"), handle.component("processor")
         if image is not None and picture is None:
-            if pixels.ndim != 5 or pixels.shape[:3] != (1, 3, 1):
-                raise ValueError(f"expected first-frame pixels shaped (1,3,1,H,W), got {tuple(pixels.shape)}")
             picture = image_ops.vision_image(pixels, image_ops.vision_patch_size(encoder, processor))
         positive = prompt_ops.encode_text(encoder, processor, text, image=picture, device=device).to("cpu")
         negative = None
@@ -221,7 +225,10 @@ def _encode_posterior(vae, pixels: torch.Tensor, device: torch.device):
 def encode_image(handle, image: Any, height: int, width: int, *, tiling: dict | bool | None = None) -> ImageCondition:
     """TI2V first frame: reference pixel preparation, the vision-tower picture, and the VAE posterior."""
     validate_geometry(height, width, 1)
-    picture = image_ops.load_image(image)
+    checks.check_request_fits(handle, height=height, width=width, num_frames=1, phase="decode",
+                              what="encoding the first frame")
+    picture = image_ops.load_image(checks.checked_image(image))
+    checks.check_picture(picture)
     pixels = image_ops.prepare_image_pixels(picture, height, width)
     with stage(handle, "vae") as device:
         vae = handle.component("vae")
@@ -286,15 +293,21 @@ def denoise(
     do_cfg = guidance_scale > 1.0
     positive = cond.positive
     negative = cond.negative_for_cfg() if do_cfg else None
+    shape = latent_shape(height, width, num_frames)
+    if latents is not None:
+        checks.checked_latents(latents, shape=shape)
+    if cond_latent is not None:
+        checks.checked_latents(cond_latent, "cond_latent", channels=shape[1])
+        if tuple(cond_latent.shape[3:]) != shape[3:] or cond_latent.shape[2] > shape[2]:
+            raise ValueError(f"cond_latent {tuple(cond_latent.shape)} does not fit latents of shape {shape}")
+    checks.check_request_fits(handle, height=height, width=width, num_frames=num_frames, cfg=do_cfg,
+                              what="denoising")
     g = _generator(seed, generator)
 
     if cond_latent is None and image_cond is not None:
         cond_latent = image_cond.sample_latent(g)
-    shape = latent_shape(height, width, num_frames)
     if latents is None:
         latents = prepare_latents(shape, g)
-    elif tuple(latents.shape) != shape:
-        raise ValueError(f"latents must have shape {shape} for {width}x{height}x{num_frames}, got {tuple(latents.shape)}")
 
     needs = (transformer, "scheduler") if method.uses_scheduler else (transformer,)
     with stage(handle, *needs) as device:
@@ -335,8 +348,7 @@ def denoise(
 @oom_fallback
 def decode(handle, latents: torch.Tensor, *, tiling: dict | bool | None = None) -> torch.Tensor:
     """DiT-space latents (1,16,T,h,w) -> frames [F,H,W,3] float32 in [0,1] on the CPU."""
-    if latents.ndim != 5 or latents.shape[0] != 1:
-        raise ValueError(f"expected latents shaped (1,16,T,h,w), got {tuple(latents.shape)}")
+    _check_decode_input(handle, latents)
     with stage(handle, "vae") as device:
         vae = handle.component("vae")
         z = dit_to_vae(latents.to(device), vae.config).to(dtype=torch.float32)
@@ -350,8 +362,17 @@ def decode(handle, latents: torch.Tensor, *, tiling: dict | bool | None = None) 
         return frames.cpu().contiguous()
 
 
+def _check_decode_input(handle, latents: Any) -> None:
+    checks.checked_latents(latents, channels=checks.vae_channels(handle), finite=False)
+    frames, height, width = checks.decode_output_shape(latents)
+    checks.check_request_fits(handle, height=height, width=width, num_frames=frames, phase="decode",
+                              what="decoding these latents")
+    checks.check_finite_latents(latents)  # after the size check: scanning an absurd tensor is slow too
+
+
 def decode_vae_latents(handle, vae_latents: torch.Tensor, **kwargs: Any) -> torch.Tensor:
     """Decode raw Wan-VAE latents (ComfyUI's LATENT convention)."""
+    _check_decode_input(handle, vae_latents)  # before the VAE config is read, let alone the VAE loaded
     with stage(handle, "vae"):
         config = handle.component("vae").config
     return decode(handle, vae_to_dit(vae_latents, config), **kwargs)
@@ -370,7 +391,8 @@ def upscale_frames(frames: torch.Tensor, height: int, width: int) -> torch.Tenso
 
 def refiner_first_frame(image: Any, height: int, width: int, base_height: int, base_width: int) -> torch.Tensor:
     """TI2V refiner condition: centre-crop to the base video's aspect, PIL bicubic to the refiner size."""
-    picture = image_ops.load_image(image)
+    picture = image_ops.load_image(checks.checked_image(image, "first_frame"))
+    checks.check_picture(picture, "first_frame")
     w, h = picture.size
     target = base_width / base_height
     if w / h > target:
@@ -384,6 +406,35 @@ def refiner_first_frame(image: Any, height: int, width: int, base_height: int, b
     picture = picture.resize((width, height), Image.BICUBIC)
     pixels = torch.from_numpy(np.asarray(picture, dtype=np.uint8).copy()).permute(2, 0, 1).float() / 255.0
     return pixels[:, None].unsqueeze(0)  # (1,3,1,H,W)
+
+
+def _check_refine_request(handle, frames: Any, *, height: int, width: int, steps: int, shift: float,
+                          t_thresh: float, tail_steps: int, seed: int, first_frame: Any) -> int:
+    """Every refine argument, before anything is released or loaded; returns the usable frame count."""
+    if not handle.has_refiner:
+        raise ValueError("refinement needs the MoE checkpoint's refiner/ folder; this checkpoint has none")
+    if not isinstance(frames, torch.Tensor) or frames.ndim != 4 or frames.shape[-1] != 3 or frames.shape[0] < 1:
+        shape = tuple(frames.shape) if isinstance(frames, torch.Tensor) else type(frames).__name__
+        raise ValueError(f"expected base frames shaped [F,H,W,3], got {shape}")
+    checks.checked_pixels(frames, "base frames", unit_range_only=True)
+    n = int(frames.shape[0])
+    if n == 1:
+        raise ValueError("the refiner works on videos; a single frame (T2I) cannot be refined")
+    usable = (n - 1) // 4 * 4 + 1
+    validate_geometry(height, width, usable)
+    _check_steps(steps)
+    check_shift(shift)
+    if (isinstance(t_thresh, bool) or not isinstance(t_thresh, (int, float)) or not math.isfinite(t_thresh)
+            or not 0.0 < t_thresh <= 1.0):
+        raise ValueError(f"t_thresh must lie in (0, 1], got {t_thresh!r}")
+    checks.check_count("tail_steps", tail_steps)
+    checks.check_seed(seed)
+    if first_frame is not None:
+        picture = checks.checked_image(first_frame, "first_frame")
+        if isinstance(picture, Image.Image):
+            checks.check_picture(picture, "first_frame")
+    checks.check_request_fits(handle, height=height, width=width, num_frames=usable, what="refining")
+    return usable
 
 
 @dataclass
@@ -416,19 +467,9 @@ def prepare_refine(
     tiling: dict | bool | None = True,
 ) -> RefineStart:
     """Upscale, VAE-encode and re-noise the base frames to `t_thresh` (a fresh generator from `seed`)."""
-    if not handle.has_refiner:
-        raise ValueError("refinement needs the MoE checkpoint's refiner/ folder; this checkpoint has none")
-    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.shape[0] < 1:
-        raise ValueError(f"expected base frames shaped [F,H,W,3], got {tuple(frames.shape)}")
-    n = int(frames.shape[0])
-    if n == 1:
-        raise ValueError("the refiner works on videos; a single frame (T2I) cannot be refined")
-    usable = (n - 1) // 4 * 4 + 1
+    usable = _check_refine_request(handle, frames, height=height, width=width, steps=steps, shift=shift,
+                                   t_thresh=t_thresh, tail_steps=tail_steps, seed=seed, first_frame=first_frame)
     frames = frames[:usable]
-    validate_geometry(height, width, usable)
-    _check_steps(steps)
-    if not 0.0 < t_thresh <= 1.0:
-        raise ValueError(f"t_thresh must lie in (0, 1], got {t_thresh}")
     if tiling is True:
         tiling = dict(REFINER_TILING)
     with stage(handle, "scheduler"):
@@ -487,6 +528,9 @@ def refine(
         raise ValueError("the refiner conditions on text only: encode the prompt without the image")
     _check_guidance(guidance_scale)
     sampling.get_sampler(sampler).check(steps=steps, shift=shift, refine=True)
+    # Everything that can refuse the request runs before the base DiT is released (it would be lost).
+    _check_refine_request(handle, frames, height=height, width=width, steps=steps, shift=shift,
+                          t_thresh=t_thresh, tail_steps=tail_steps, seed=seed, first_frame=first_frame)
     if release_base is None:
         release_base = handle.folder is not None and offload.effective_mode(handle) != "none"
     if release_base and "transformer" in handle.shared.loaded:
@@ -559,11 +603,20 @@ def generate(
     validate_request(mode, height=height, width=width, num_frames=num_frames, steps=steps, image=image,
                      refine_output=refine_output, guidance_scale=guidance_scale)
     sampling.get_sampler(sampler).check(steps=steps, shift=shift)
-    if isinstance(prompt, str):
-        prompt_ops.caption_to_text(prompt)  # broken JSON fails here, before any model work
+    checks.check_seed(seed)
+    checks.check_negative_prompt(negative_prompt)
+    prompt_ops.caption_to_text(prompt)  # broken JSON or a null caption fails here, before any model work
     if refine_output and not handle.has_refiner:
         raise ValueError("refine_output=True needs the MoE checkpoint (it has the refiner/); this one has none")
-    picture = image_ops.load_image(image) if image is not None else None
+    refine_size = None
+    if refine_output:
+        options = refine_options or {}
+        refine_size = (options.get("height", REFINER_DEFAULTS["height"]), options.get("width", REFINER_DEFAULTS["width"]))
+    checks.check_request_fits(handle, height=height, width=width, num_frames=num_frames, cfg=guidance_scale > 1.0,
+                              refine=refine_size, what="this generate request")
+    picture = image_ops.load_image(checks.checked_image(image)) if image is not None else None
+    if picture is not None:
+        checks.check_picture(picture)
 
     image_cond = encode_image(handle, picture, height, width, tiling=tiling) if picture is not None else None
     negative = negative_prompt if guidance_scale > 1.0 else None

@@ -9,9 +9,16 @@ import copy
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 import workflow_fakes as fakes
+from PIL import Image
 
+from lingbot_core import stage_inputs as checks
+from lingbot_core import stages
+from lingbot_core.handle import PipelineHandle
+from lingbot_core.prompt import PromptEmbeds, caption_to_text
 from lingbot_core.workflow import Engine, WorkflowValidationError, load_workflow
 from lingbot_core.workflow.cache import SignatureBuilder
 from lingbot_nodes import NODE_CLASS_MAPPINGS
@@ -160,3 +167,172 @@ def test_a_workflow_file_with_bad_link_shapes_names_the_json_path(tmp_path):
         load_workflow(path, NODE_CLASS_MAPPINGS)
     assert "links[0]" in str(info.value) and str(path) in str(info.value)
     assert type(info.value).__name__ == "WorkflowError"
+
+
+# -- stage inputs (items 4, 7, 9): a clear ValueError before any model work -------------------------
+
+
+SMALL = dict(height=32, width=32, num_frames=5, steps=2)
+
+
+@pytest.fixture
+def dense_handle(fixtures_root):
+    return PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu")
+
+
+@pytest.fixture
+def moe_handle(fixtures_root):
+    return PipelineHandle.open(fixtures_root / "models" / "tiny-moe", device="cpu")
+
+
+def _cond() -> stages.Conditioning:
+    embeds = PromptEmbeds(torch.zeros(1, 4, 32), torch.ones(1, 4, dtype=torch.int64), torch.zeros(1, 4))
+    return stages.Conditioning(embeds, embeds, prompt="a boat")
+
+
+@pytest.mark.parametrize("overrides,pattern", [
+    (dict(seed=True), "seed must be an integer"),
+    (dict(seed=-1), "seed must be an integer"),
+    (dict(seed=1.5), "seed must be an integer"),
+    (dict(seed=2 ** 64), "seed must be an integer"),
+    (dict(shift=float("nan")), "shift must be a positive number"),
+    (dict(shift=0.0), "shift must be a positive number"),
+    (dict(negative_prompt=5), "negative_prompt must be a string"),
+    (dict(negative_prompt={"a": 1}), "negative_prompt must be a string"),
+    (dict(height=16384, width=16384, num_frames=1025), r"GiB.*limit"),
+    (dict(height=4096, width=4096, num_frames=4097), r"GiB.*limit"),
+])
+def test_generate_refuses_before_any_model_work(dense_handle, overrides, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        stages.generate(dense_handle, "a boat", **{**SMALL, **overrides})
+    assert not dense_handle.shared.loaded, "a component loaded before the input was refused"
+
+
+def test_the_size_limit_names_what_fits(dense_handle):
+    with pytest.raises(ValueError) as info:
+        stages.generate(dense_handle, "a boat", height=16384, width=16384, num_frames=1025, steps=2)
+    assert "fits" in str(info.value) or "fewer frames" in str(info.value)
+
+
+@pytest.mark.parametrize("prompt", [{"caption": None}, {"caption": 5}, {"caption": True}, '{"caption": null}'])
+def test_a_caption_that_is_not_text_is_refused(dense_handle, prompt):
+    with pytest.raises(ValueError, match="caption"):
+        caption_to_text(prompt)
+    with pytest.raises(ValueError, match="caption"):
+        stages.generate(dense_handle, prompt, **SMALL)
+    assert not dense_handle.shared.loaded
+
+
+@pytest.mark.parametrize("image,pattern", [
+    (Image.new("RGB", (0, 0)), "at least one pixel"),
+    (torch.zeros(1, 0, 32, 3), "empty"),
+    (np.zeros((0, 0, 3), dtype=np.uint8), "empty"),
+    (torch.full((32, 32, 3), float("nan")), "NaN"),
+    (torch.full((32, 32, 3), 200.0), "0..255"),
+    (torch.full((32, 32, 3), -3.0), r"\[0, 1\]"),
+    (torch.full((32, 32, 3), 300, dtype=torch.int64), r"\[0, 255\]"),
+    (torch.ones(32, 32, 3, dtype=torch.bool), "not an image"),
+    (np.array([[object()]]), "not an image"),
+])
+def test_bad_first_frames_are_refused_before_loading(dense_handle, image, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        stages.generate(dense_handle, "a boat", mode="ti2v", image=image, **SMALL)
+    assert not dense_handle.shared.loaded
+
+
+def test_integer_0_255_pixels_are_read_as_0_255_not_clamped_white():
+    from lingbot_core.image import load_image
+
+    pixels = torch.full((8, 8, 3), 100, dtype=torch.int64)
+    picture = load_image(checks.checked_image(pixels))
+    assert np.asarray(picture)[0, 0].tolist() == [100, 100, 100]
+
+
+def test_raw_pixels_for_text_encode_are_checked_before_the_encoder_loads(dense_handle):
+    pixels = torch.full((1, 3, 1, 32, 32), float("nan"))
+    with pytest.raises(ValueError, match="NaN"):
+        stages.encode_prompt(dense_handle, "a boat", image=pixels, mode="ti2v")
+    with pytest.raises(ValueError, match=r"\(1,3,1,H,W\)"):
+        stages.encode_prompt(dense_handle, "a boat", image=torch.zeros(3, 32, 32), mode="ti2v")
+    with pytest.raises(ValueError, match="negative_prompt"):
+        stages.encode_prompt(dense_handle, "a boat", 42)
+    assert not dense_handle.shared.loaded
+
+
+@pytest.mark.parametrize("latents,pattern", [
+    (torch.zeros(1, 15, 2, 4, 4), r"\(1,16,T,h,w\)"),
+    (torch.zeros(1, 16, 0, 4, 4), r"T, h, w >= 1"),
+    (torch.zeros(16, 2, 4, 4), r"\(1,16,T,h,w\)"),
+    (torch.full((1, 16, 2, 4, 4), float("nan")), "NaN"),
+    (torch.zeros(1, 16, 2, 4, 4, dtype=torch.int64), "floating point"),
+    (torch.zeros(1, 16, 1, 1, 1).expand(1, 16, 4097, 2048, 2048), r"GiB.*limit"),
+    ("latents", "must be a tensor"),
+])
+def test_bad_latents_are_refused_before_the_vae_loads(dense_handle, latents, pattern):
+    for decode in (stages.decode, stages.decode_vae_latents):
+        with pytest.raises(ValueError, match=pattern):
+            decode(dense_handle, latents)
+    assert not dense_handle.shared.loaded
+
+
+def test_denoise_checks_given_latents_and_sizes_before_the_dit_loads(dense_handle):
+    shape = (1, 16, 2, 4, 4)
+    with pytest.raises(ValueError, match="NaN"):
+        stages.denoise(dense_handle, _cond(), **SMALL, seed=1, latents=torch.full(shape, float("nan")))
+    with pytest.raises(ValueError, match="cond_latent"):
+        stages.denoise(dense_handle, _cond(), **SMALL, seed=1, cond_latent=torch.zeros(1, 16, 1, 3, 3))
+    with pytest.raises(ValueError, match=r"GiB.*limit"):
+        stages.denoise(dense_handle, _cond(), height=16384, width=16384, num_frames=1025, steps=2, seed=1)
+    with pytest.raises(ValueError, match="seed"):
+        stages.denoise(dense_handle, _cond(), **SMALL, seed=True)
+    assert not dense_handle.shared.loaded
+
+
+def test_refine_on_a_dense_handle_refuses_before_releasing_the_base(dense_handle):
+    sentinel = torch.nn.Linear(1, 1)
+    dense_handle.shared.loaded["transformer"] = sentinel
+    frames = torch.rand(5, 32, 32, 3)
+    with pytest.raises(ValueError, match="refiner"):
+        stages.refine(dense_handle, frames, _cond(), release_base=True)
+    assert dense_handle.shared.loaded.get("transformer") is sentinel, "the base was dropped before the refusal"
+
+
+@pytest.mark.parametrize("overrides,pattern", [
+    (dict(t_thresh=float("nan")), "t_thresh"),
+    (dict(tail_steps=-1), "tail_steps"),
+    (dict(seed=True), "seed"),
+    (dict(shift=float("nan")), "shift"),
+    (dict(height=40), "multiples of 16"),
+    (dict(first_frame=Image.new("RGB", (0, 0))), "first_frame"),
+])
+def test_refine_arguments_are_checked_before_anything_is_released(moe_handle, overrides, pattern):
+    sentinel = torch.nn.Linear(1, 1)
+    moe_handle.shared.loaded["transformer"] = sentinel
+    frames = torch.rand(5, 32, 32, 3)
+    with pytest.raises(ValueError, match=pattern):
+        stages.refine(moe_handle, frames, _cond(), **{"height": 32, "width": 32, **overrides}, release_base=True)
+    assert moe_handle.shared.loaded.get("transformer") is sentinel
+    assert "refiner" not in moe_handle.shared.loaded
+
+
+def test_refine_frames_must_be_pixels(moe_handle):
+    for frames, pattern in ((torch.full((5, 32, 32, 3), float("nan")), "NaN"),
+                            (torch.full((5, 32, 32, 3), 255.0), "0..255")):
+        with pytest.raises(ValueError, match=pattern):
+            stages.refine(moe_handle, frames, _cond(), height=32, width=32)
+    assert not moe_handle.shared.loaded
+
+
+def test_an_over_long_caption_is_cut_with_a_warning(fixtures_root, caplog):
+    from lingbot_core.checkpoint import load_component
+    from lingbot_core.prompt import MAX_TEXT_TOKENS, build_text_inputs
+
+    processor = load_component(fixtures_root / "models" / "tiny-dense", "processor")
+    with caplog.at_level("WARNING", logger="lingbot_core.prompt"):
+        inputs = build_text_inputs(processor, "boat " * (MAX_TEXT_TOKENS + 100))
+    assert inputs["input_ids"].shape[-1] == MAX_TEXT_TOKENS
+    assert any("cut at" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lingbot_core.prompt"):
+        build_text_inputs(processor, "a short boat")
+    assert not any("cut at" in r.getMessage() for r in caplog.records)

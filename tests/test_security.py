@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 
 from lingbot_core.checkpoint import CheckpointError, inspect_checkpoint, load_component
+from lingbot_core.save_path import UnsafePrefix, expand_prefix, save_target
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -124,3 +127,56 @@ def test_no_eval_exec_or_pickle_in_the_pack():
                 if any(n and n.split(".")[0] in ("pickle", "dill", "cloudpickle") for n in names):
                     offenders.append(f"{path.relative_to(REPO)}:{node.lineno} imports pickle")
     assert not offenders, offenders
+
+
+# -- save paths (item 1, issue 13 item 2) --------------------------------------------------------------
+
+
+
+@pytest.mark.parametrize("prefix", [
+    "", ".", "./", "x/", "x/.", "../x", "../../x/pwn", "a/../../b", "a/..", "/etc/x", "~/x",
+    "\\x", "a\\..\\..\\x", "D:x", "C:\\x", "C:/x", "x:stream", "x\x00y", "x\ny", " ", "a/ b", "a./b",
+    "x" * 5000,
+])
+def test_prefixes_that_leave_the_output_folder_or_name_no_file_are_refused(tmp_path, prefix):
+    out = tmp_path / "output"
+    out.mkdir()
+    before = sorted(tmp_path.rglob("*"))
+    with pytest.raises(UnsafePrefix):
+        save_target(prefix, out)
+    assert sorted(tmp_path.rglob("*")) == before, "something was created"
+
+
+def test_a_link_inside_the_output_folder_that_points_outside_is_refused(tmp_path):
+    out = tmp_path / "output"
+    outside = tmp_path / "elsewhere"
+    out.mkdir()
+    outside.mkdir()
+    os.symlink(outside, out / "link")
+    with pytest.raises(UnsafePrefix, match="outside"):
+        save_target("link/pwn", out)
+    with pytest.raises(UnsafePrefix, match="outside"):
+        save_target("link/deeper/pwn", out)
+    assert list(outside.iterdir()) == []
+
+
+def test_counter_follows_comfyui_numbering(tmp_path):
+    out = tmp_path / "output"
+    (out / "lingbot").mkdir(parents=True)
+    for name in ("video_00001_.mp4", "video_00007_.png", "videox_00009_.mp4", "video_abc_.mp4", "video_00003.mp4"):
+        (out / "lingbot" / name).write_bytes(b"")
+    target = save_target("lingbot/video", out)
+    assert target.counter == 8 and target.subfolder == "lingbot" and target.stem == "video"
+    assert target.path("mp4").name == "video_00008_.mp4"
+    fresh = save_target("new/deeper/clip", out)
+    assert fresh.counter == 1 and fresh.folder == out / "new" / "deeper" and fresh.folder.is_dir()
+
+
+def test_date_and_server_fields_are_expanded():
+    now = time.struct_time((2026, 3, 4, 5, 6, 7, 0, 63, 0))
+    assert expand_prefix("v/%date:yyyy-MM-dd%/x", now=now) == "v/2026-03-04/x"
+    assert expand_prefix("%date:yy.M.d h_m_s%", now=now) == "26.3.4 5_6_7"
+    assert expand_prefix("%date:hhmmss%", now=now) == "050607"
+    assert expand_prefix("%year%/%month%/%day%/%hour%%minute%%second%_%width%x%height%", width=832, height=480,
+                         now=now) == "2026/03/04/050607_832x480"
+    assert expand_prefix("100%", now=now) == "100%"

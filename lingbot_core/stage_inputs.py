@@ -1,0 +1,239 @@
+"""What a stage accepts: checks that run at stage entry, before any model loads or computes.
+
+The Python API is as exposed as a workflow: a seed of ``True``, a 0x0 picture, 0..255 integers
+where 0..1 floats belong, NaN pixels, a request a thousand times too big. Each gets a ValueError
+that names the argument and the fix, raised before the text encoder or the DiT is touched (the
+expensive part, and the part that leaves memory behind when it fails half way).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+GiB = 1 << 30
+MAX_IMAGE_SIDE = 16384  # a picture side we accept at all (the conditioning image is resized anyway)
+
+
+# -- scalars ---------------------------------------------------------------------------------------
+
+def check_seed(seed: Any) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be an integer in [0, 2**64), got {_short(seed)}")
+    return seed
+
+
+def check_negative_prompt(negative_prompt: Any) -> None:
+    if negative_prompt is not None and not isinstance(negative_prompt, str):
+        raise ValueError("negative_prompt must be a string ('' for the default negative, None for none), "
+                         f"got {type(negative_prompt).__name__}")
+
+
+def check_finite_number(name: str, value: Any, *, low: float | None = None, high: float | None = None,
+                        low_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {_short(value)}")
+    if low is not None and (value <= low if low_open else value < low):
+        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value}")
+    return float(value)
+
+
+def check_count(name: str, value: Any, *, low: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {_short(value)}")
+    return value
+
+
+def _short(value: Any) -> str:
+    text = repr(value) if not isinstance(value, int) or abs(value) < 10**30 else "a huge integer"
+    return text if len(text) <= 80 else text[:80] + "..."
+
+
+# -- images ----------------------------------------------------------------------------------------
+
+def checked_image(image: Any, name: str = "image") -> Any:
+    """The image as the stage may take it: a path, a PIL image, or a checked uint8/float tensor.
+
+    Tensors and arrays must hold pixels: non-empty, finite, floats in [0, 1] or integers in
+    [0, 255] (integers are converted to uint8, so 0..255 data is read as 0..255, not as 0..1
+    clamped to white). A PIL image must have at least one pixel.
+    """
+    if image is None:
+        return None
+    if isinstance(image, np.ndarray):
+        if image.dtype == object or image.dtype.kind not in "biuf":
+            raise ValueError(f"{name}: an array of {image.dtype} is not an image; pass uint8 or float pixels")
+        image = torch.from_numpy(np.ascontiguousarray(image))
+    if isinstance(image, torch.Tensor):
+        return checked_pixels(image, name)
+    if isinstance(image, Image.Image):
+        check_picture(image, name)
+        return image
+    if isinstance(image, (str, os.PathLike)):
+        return image
+    raise ValueError(f"{name}: expected a path, a PIL image or an image tensor, got {type(image).__name__}")
+
+
+def checked_pixels(pixels: torch.Tensor, name: str = "image", *, unit_range_only: bool = False) -> torch.Tensor:
+    """Pixels in a tensor: no empty side, no NaN/inf, a value range that matches the dtype."""
+    if pixels.numel() == 0 or any(s == 0 for s in pixels.shape):
+        raise ValueError(f"{name} is empty (shape {tuple(pixels.shape)}); it needs at least one pixel")
+    if pixels.ndim >= 2 and max(pixels.shape[-3:-1] if pixels.ndim >= 3 else pixels.shape) > MAX_IMAGE_SIDE:
+        raise ValueError(f"{name} has a side over {MAX_IMAGE_SIDE} pixels (shape {tuple(pixels.shape)})")
+    if pixels.dtype == torch.bool or pixels.is_complex():
+        raise ValueError(f"{name}: a {pixels.dtype} tensor is not an image; pass uint8 or float pixels")
+    if pixels.dtype == torch.uint8:
+        if unit_range_only:
+            raise ValueError(f"{name} must be float pixels in [0, 1], got uint8")
+        return pixels
+    if not pixels.is_floating_point():
+        low, high = int(pixels.min()), int(pixels.max())
+        if unit_range_only or low < 0 or high > 255:
+            raise ValueError(f"{name}: integer pixels must lie in [0, 255], got [{low}, {high}]")
+        return pixels.to(torch.uint8)
+    if not bool(torch.isfinite(pixels).all()):
+        raise ValueError(f"{name} holds NaN or infinite values")
+    low, high = float(pixels.min()), float(pixels.max())
+    if low < -1e-3 or high > 1.0 + 1e-3:
+        hint = " (it looks like 0..255 data: divide by 255, or pass uint8)" if high > 1.5 else ""
+        raise ValueError(f"{name}: float pixels must lie in [0, 1], got [{low:.4g}, {high:.4g}]{hint}")
+    return pixels
+
+
+def check_picture(picture: Image.Image, name: str = "image") -> None:
+    width, height = picture.size
+    if width < 1 or height < 1:
+        raise ValueError(f"{name} is {width}x{height}; it needs at least one pixel")
+    if max(width, height) > MAX_IMAGE_SIDE:
+        raise ValueError(f"{name} is {width}x{height}; sides over {MAX_IMAGE_SIDE} pixels are not accepted")
+
+
+# -- latents ---------------------------------------------------------------------------------------
+
+def checked_latents(latents: Any, name: str = "latents", *, channels: int = 16,
+                    shape: tuple[int, ...] | None = None, finite: bool = True) -> torch.Tensor:
+    """A (1, C, T, h, w) float latent with every side >= 1, C channels and only finite values."""
+    if not isinstance(latents, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor shaped (1,{channels},T,h,w), got {type(latents).__name__}")
+    got = tuple(latents.shape)
+    if shape is not None and got != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {got}")
+    if latents.ndim != 5 or got[0] != 1 or got[1] != channels or min(got[2:]) < 1:
+        raise ValueError(f"{name} must be shaped (1,{channels},T,h,w) with T, h, w >= 1 (T latent frames = "
+                         f"(frames - 1) / 4 + 1), got {got}")
+    if not latents.is_floating_point():
+        raise ValueError(f"{name} must be floating point, got {latents.dtype}")
+    if finite:
+        check_finite_latents(latents, name)
+    return latents
+
+
+def check_finite_latents(latents: torch.Tensor, name: str = "latents") -> None:
+    if not bool(torch.isfinite(latents).all()):
+        raise ValueError(f"{name} hold NaN or infinite values (a diverged run or a corrupt file)")
+
+
+def vae_channels(handle: Any) -> int:
+    """The VAE's latent channel count from its config (16 for Wan 2.1), without loading weights."""
+    try:
+        config = handle.vae_config()
+        value = config["z_dim"] if isinstance(config, dict) else config.z_dim
+        return int(value)
+    except Exception:
+        return 16
+
+
+# -- size against memory -----------------------------------------------------------------------------
+
+def device_capacity(device: torch.device) -> int | None:
+    """All memory of the execution device (GPU total, or the host's physical RAM); None if unknown."""
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.get_device_properties(device).total_memory)
+        if device.type == "cpu":
+            return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError, RuntimeError, AssertionError):
+        return None
+    return None
+
+
+def _model_sizes(handle: Any) -> Any:
+    from . import memory
+
+    try:
+        if handle.folder is not None and handle.info is not None:
+            return memory.ModelSizes.from_handle(handle)
+        return memory.sizes_from_modules(handle.shared.loaded)
+    except Exception:
+        return None
+
+
+def check_request_fits(handle: Any, *, height: int, width: int, num_frames: int, cfg: bool = True,
+                       refine: tuple[int, int] | None = None, phase: str | None = None,
+                       what: str = "this request") -> None:
+    """Refuse a size that cannot fit the execution device even under the most frugal offload mode.
+
+    The need comes from the memory estimate (`lingbot_core.memory`: the smallest weight working set
+    plus the request's activations, or one VAE pass for ``phase="decode"``); the limit is the
+    device's whole memory. So only requests
+    that cannot possibly run are refused, and they are refused before anything loads.
+    """
+    from . import memory
+
+    sizes = _model_sizes(handle)
+    capacity = device_capacity(torch.device(handle.device))
+    if sizes is None or capacity is None:
+        return
+
+    def need(h: int, w: int, frames: int) -> int:
+        geometry = memory.Geometry(height=h, width=w, num_frames=frames, cfg=cfg, refine=refine)
+        if phase == "decode":  # a VAE pass alone: the VAE's weights and its activations
+            return sizes.vae + memory.activation_bytes(sizes, geometry)["decode"]
+        return memory.estimate_peak("sequential", sizes, geometry)
+
+    needed = need(height, width, num_frames)
+    if needed <= capacity:
+        return
+    fit = _largest_fitting(need, height, width, num_frames, capacity)
+    hint = (f"; at this aspect ratio and frame count about {fit[1]}x{fit[0]} fits" if fit else
+            "; fewer frames are needed first")
+    raise ValueError(
+        f"{what} ({width}x{height}, {num_frames} frames) needs about {needed / GiB:,.1f} GiB on {handle.device} "
+        f"even with sequential offload (memory estimate), but the device has {capacity / GiB:,.1f} GiB: "
+        f"that is the limit{hint}. Choose a smaller size.")
+
+
+def _largest_fitting(need, height: int, width: int, num_frames: int, capacity: int) -> tuple[int, int] | None:
+    """The largest (height, width) at the same aspect (multiples of 16) whose need fits, if any."""
+    aspect = width / height
+    low, high = 1, max(1, height // 16)
+    best = None
+    while low <= high:
+        mid = (low + high) // 2
+        h = mid * 16
+        w = max(16, int(round(h * aspect / 16)) * 16)
+        if need(h, w, num_frames) <= capacity:
+            best, low = (h, w), mid + 1
+        else:
+            high = mid - 1
+    return best
+
+
+def decode_output_shape(latents: torch.Tensor) -> tuple[int, int, int]:
+    """(frames, height, width) a Wan VAE decode of ``latents`` produces."""
+    t, h, w = (int(s) for s in latents.shape[2:])
+    return (t - 1) * 4 + 1, h * 8, w * 8
+
+
+__all__ = [
+    "check_count", "check_finite_number", "check_negative_prompt", "check_picture", "check_request_fits",
+    "check_seed", "checked_image", "checked_latents", "checked_pixels", "decode_output_shape",
+    "device_capacity", "vae_channels",
+]
