@@ -356,7 +356,13 @@ def load_component(folder: Path, name: str, *, dtype: torch.dtype | None = None,
     if name == "processor":
         from transformers import Qwen3VLProcessor
 
-        return Qwen3VLProcessor.from_pretrained(folder / "processor", local_files_only=True, trust_remote_code=False)
+        try:
+            return Qwen3VLProcessor.from_pretrained(folder / "processor", local_files_only=True,
+                                                    trust_remote_code=False)
+        except Exception as err:  # transformers' and tokenizers' own errors (tokenizers raises bare Exception)
+            raise CheckpointError(f"processor: {folder / 'processor'} cannot be loaded ({type(err).__name__}: "
+                                  f"{str(err)[:300]}). The tokenizer/processor files are corrupt; re-download "
+                                  "them.") from err
     if name == "scheduler":
         from .scheduler import FlowUniPCScheduler
 

@@ -303,9 +303,10 @@ def refuse_remote_code(folder: Path, subfolders: Iterable[str]) -> None:
         if not path.is_file() or path.name.endswith(".safetensors.index.json"):
             continue
         try:
-            data = parse_json_text(path.read_text(encoding="utf-8"), str(path))
-        except (OSError, UnicodeDecodeError):
-            continue  # unreadable configs are reported by the component's own check
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise CheckFailed(f"cannot read {path} ({err}); the file is corrupt, re-download it.") from None
+        data = parse_json_text(text, str(path))  # every JSON file of the checkpoint must parse
         key = _find_key(data, REMOTE_CODE_KEYS)
         if key is not None:
             raise CheckFailed(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from typing import Any
 
 import numpy as np
@@ -164,15 +165,34 @@ def device_capacity(device: torch.device) -> int | None:
     return None
 
 
+_SIZES: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
+
+
 def _model_sizes(handle: Any) -> Any:
+    """The handle's model sizes for the estimate, cached per shared components and load dtypes."""
     from . import memory
 
+    shared = handle.shared
+    key = (id(shared.info), tuple(sorted((k, str(v)) for k, v in (shared.dtypes or {}).items())),
+           tuple(sorted(shared.loaded)) if shared.info is None else ())
+    try:
+        cached = _SIZES.get(shared)
+    except TypeError:
+        cached = None
+    if cached is not None and cached[0] == key:
+        return cached[1]
     try:
         if handle.folder is not None and handle.info is not None:
-            return memory.ModelSizes.from_handle(handle)
-        return memory.sizes_from_modules(handle.shared.loaded)
+            sizes = memory.ModelSizes.from_handle(handle)
+        else:
+            sizes = memory.sizes_from_modules(shared.loaded)
     except Exception:
-        return None
+        sizes = None
+    try:
+        _SIZES[shared] = (key, sizes)
+    except TypeError:
+        pass
+    return sizes
 
 
 def check_request_fits(handle: Any, *, height: int, width: int, num_frames: int, cfg: bool = True,

@@ -198,3 +198,24 @@ def test_pickled_weights_are_never_unpickled(dense, monkeypatch):
     monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load called"))
     with pytest.raises(CheckpointError, match="pickled weights are never loaded"):
         inspect_checkpoint(dense)
+
+
+@pytest.mark.parametrize("config", ["processor/tokenizer_config.json", "processor/preprocessor_config.json",
+                                    "text_encoder/generation_config.json"])
+def test_any_unparsable_json_in_the_checkpoint_is_refused_at_open(dense, config):
+    (dense / config).write_text('{"oops": ')
+    with pytest.raises(CheckpointError, match=config.split("/")[-1]):
+        inspect_checkpoint(dense)
+
+
+def test_a_text_encoder_config_transformers_cannot_build_is_ours_to_report(dense):
+    _edit(dense / "text_encoder/config.json", lambda d: d["text_config"].__setitem__("num_attention_heads", 0))
+    with pytest.raises(CheckpointError, match="text_encoder"):
+        inspect_checkpoint(dense)
+
+
+def test_a_processor_transformers_cannot_load_is_a_checkpoint_error(dense):
+    (dense / "processor/tokenizer.json").write_text('{"version": "1.0", "model": {"type": "Nonsense"}}')
+    info = inspect_checkpoint(dense)
+    with pytest.raises(CheckpointError, match="processor"):
+        load_component(info.folder, "processor")
