@@ -252,11 +252,27 @@ class MatchReport:
 
 
 def _layout(model: torch.nn.Module) -> dict[str, Any]:
-    """Parameter shapes plus the module/parameter lookup tables a file's names resolve through."""
+    """Parameter shapes plus the module/parameter lookup tables a file's names resolve through.
+
+    Quantized layers (fp8/GGUF, `lingbot_core.weights`) hold packed bytes, not a float weight; they
+    are listed under their logical names (`to_q.weight`, `experts.w1`) and marked `quantized`, so
+    a LoRA on them becomes a runtime delta instead of a merge.
+    """
+    from .weights.modules import QuantizedExperts, QuantizedLinear
+
     params = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    quantized: dict[str, tuple[str, str]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedLinear):
+            params[f"{name}.weight"] = tuple(module.packing.shape)
+            quantized[f"{name}.weight"] = (name, "linear")
+        elif isinstance(module, QuantizedExperts):
+            for w in QuantizedExperts.NAMES:
+                params[f"{name}.{w}"] = tuple(module.packings[w].shape)
+                quantized[f"{name}.{w}"] = (name, "experts")
     modules = {n for n, _ in model.named_modules() if n}
     underscored = {n.replace(".", "_"): n for n in [*modules, *params]}
-    return {"params": params, "modules": modules, "underscored": underscored}
+    return {"params": params, "modules": modules, "underscored": underscored, "quantized": quantized}
 
 
 def _resolve(group: _Group, layout: dict[str, Any]) -> tuple[str | None, str | None] | None:
@@ -436,8 +452,38 @@ class LoraStack:
         return out
 
 
+# module -> [(quantized layer, delta function)] added by `_merge`, so `restore` takes off only ours.
+_RUNTIME: weakref.WeakKeyDictionary[torch.nn.Module, list[tuple[Any, Any]]] = weakref.WeakKeyDictionary()
+
+
+def _runtime_delta(patch: Patch, coefficient: float):
+    """`x -> coefficient * x @ (up @ down)^T` (or `x @ diff^T`), computed in float32 on x's device.
+
+    The factors stay on the CPU and travel with each call, so every offload mode computes the same
+    thing; the quantized weight itself is never touched.
+    """
+    import torch.nn.functional as F
+
+    if patch.kind == "diff":
+        diff = patch.diff
+
+        def delta(x: torch.Tensor) -> torch.Tensor:
+            return F.linear(x.float(), diff.to(x.device, torch.float32)) * coefficient
+    else:
+        down, up = patch.down, patch.up
+
+        def delta(x: torch.Tensor) -> torch.Tensor:
+            h = F.linear(x.float(), down.to(x.device, torch.float32))
+            return F.linear(h, up.to(x.device, torch.float32)) * coefficient
+    return delta
+
+
 def restore(module: torch.nn.Module) -> None:
-    """Put back the original value of every parameter a LoRA changed (bit-exact) and forget the copies."""
+    """Put back the original value of every parameter a LoRA changed (bit-exact) and forget the copies;
+    take off the runtime deltas it added to quantized layers."""
+    for layer, fn in _RUNTIME.pop(module, []):
+        if fn in layer.deltas:
+            layer.deltas.remove(fn)
     saved = _PRISTINE.pop(module, None)
     if not saved:
         return
@@ -459,6 +505,25 @@ def _merge(module: torch.nn.Module, patches: list[tuple[float, Patch]]) -> None:
     live = [(s, p) for s, p in patches if s != 0.0]
     if not live:
         return
+    quantized = _layout(module)["quantized"]
+    if any(p.param in quantized for _s, p in live):
+        layers = dict(module.named_modules())
+        added = []
+        for strength, patch in live:
+            if patch.param not in quantized:
+                continue
+            owner, kind = quantized[patch.param]
+            if kind != "linear":
+                raise LoraError(f"cannot apply a LoRA to {patch.param}: stacked MoE experts stored as fp8/GGUF take no "
+                                "LoRA; load the DiT with plain (bf16/fp32) weights for expert LoRAs")
+            added.append((layers[owner], _runtime_delta(patch, strength if patch.kind == "diff"
+                                                        else strength * patch.scale)))
+        for layer, fn in added:
+            layer.add_delta(fn)
+        _RUNTIME[module] = added
+        live = [(s, p) for s, p in live if p.param not in quantized]
+        if not live:
+            return
     params = dict(module.named_parameters())
     by_param: dict[str, list[tuple[float, Patch]]] = {}
     for strength, patch in live:

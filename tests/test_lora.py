@@ -251,3 +251,39 @@ def test_a_moe_lora_on_the_dense_model_warns_partial(fixtures_root, caplog):
         (report,) = lora_ops.plan(dense, lora)
     assert len(report.patches) == 8 and len(report.unmatched) == 12  # attention matches, shared experts do not
     assert "matches only part" in caplog.text and "MoE model" in caplog.text
+
+
+# -- quantized weights: runtime deltas --------------------------------------------------------------
+
+def test_fp8_layers_take_a_lora_as_a_runtime_delta(fixtures_root):
+    from lingbot_core.weights.modules import QuantizedLinear
+
+    dit = load_transformer(fixtures_root / "models" / "tiny-moe", weights="fp8_e4m3")
+    layer = dit.blocks[0].attn.to_q
+    assert isinstance(layer, QuantizedLinear)
+    packed = layer.qdata.detach().clone()
+    down, up = _factors((32, 32), seed=11)
+    lora = lora_ops.LoraFile.from_state_dict({"blocks.0.attn.to_q.lora.down.weight": down,
+                                              "blocks.0.attn.to_q.lora.up.weight": up,
+                                              "blocks.0.attn.to_q.alpha": torch.tensor(1.5)})
+    assert [p.param for p in lora_ops.match(lora, dit, "transformer").patches] == ["blocks.0.attn.to_q.weight"]
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        plain = layer(x)
+        stack = LoraStack((LoraItem(lora, 0.8),))
+        stack.apply({"transformer": dit}, ["transformer"])
+        adapted = layer(x)
+        want = plain.double() + 0.8 * 0.5 * (x.double() @ (up.double() @ down.double()).T)
+        torch.testing.assert_close(adapted.double(), want, atol=1e-5, rtol=0)
+        assert torch.equal(layer.qdata, packed)  # the packed weight is never touched
+        stack.remove({"transformer": dit}, ["transformer"])
+        assert torch.equal(layer(x), plain) and layer.deltas == []
+
+
+def test_a_3d_lora_on_fp8_experts_is_refused(fixtures_root):
+    dit = load_transformer(fixtures_root / "models" / "tiny-moe", weights="fp8_e4m3")
+    down, up = _factors((4, 16, 32), seed=3, experts=True)
+    lora = lora_ops.LoraFile.from_state_dict({"lora_unet.blocks.0.ffn.experts.w1.lora_down.weight": down,
+                                              "lora_unet.blocks.0.ffn.experts.w1.lora_up.weight": up})
+    with pytest.raises(LoraError, match="experts stored as fp8/GGUF take no LoRA"):
+        LoraStack((LoraItem(lora, 1.0),)).apply({"transformer": dit}, ["transformer"])
