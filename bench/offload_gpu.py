@@ -7,7 +7,9 @@ Qwen3-VL-4B from the geometry in `reference-model.md` §7, the diffusers-default
 in one handle, and runs TI2V 320x192x49 (W x H x frames) under none / model / sequential / group on
 views of the SAME components (nothing is released between modes). It reports wall time, peak
 accelerator memory, ratios to `none`, the pixel difference to `none`, the published baseline and
-the issue's targets, each marked PASS/FAIL.
+the issue's targets, each marked PASS/FAIL. After each mode (on CUDA, or with --fault-checks) it
+cancels one run and breaks another inside a DiT block, and checks that the allocated memory is back
+at the mode's clean level and that a rerun gives the same frames.
 
 Nothing is downloaded: the processor (tokenizer + image processor) and the scheduler come from the
 tiny checkpoint built locally (its ids stay below Qwen's 151936-token vocabulary).
@@ -17,7 +19,7 @@ then filled in place with small seeded normal values (bf16 DiT and text encoder,
 as `checkpoint.default_dtypes`); the text encoder's rotary tables (non-persistent buffers) are
 recomputed by transformers' own `_init_weights`.
 
-    python bench/offload_gpu.py                       # CUDA, 40 steps, all modes (estimated 2-4 min on an H200; not yet run)
+    python bench/offload_gpu.py                       # CUDA, 40 steps, all modes (estimated 2-4 min on an H200; never run yet: no GPU so far)
     python bench/offload_gpu.py --steps 10 --modes none,group
     python bench/offload_gpu.py --tiny                # CPU, tiny checkpoint sizes (< 30 s)
 """
@@ -325,11 +327,60 @@ def run_mode(base, mode: str, options: dict[str, Any], request: dict[str, Any], 
             "estimate_bytes": estimated_peak(base, mode, request), "frames": result.frames}
 
 
-def estimated_peak(base, mode: str, request: dict[str, Any]) -> int:
-    """lingbot_core.memory's estimate for this request (what `auto` decides with)."""
-    from lingbot_core.memory import Geometry, estimate_peak, sizes_from_modules
+class InjectedFault(Exception):
+    """Raised on purpose inside a run (a cancel from the step callback, an error in a DiT block)."""
 
-    sizes = sizes_from_modules(base.shared.loaded)
+
+def _allocated(device: torch.device) -> int | None:
+    gc.collect()
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
+def fault_check(base, mode: str, options: dict[str, Any], request: dict[str, Any],
+                device: torch.device) -> dict[str, Any]:
+    """A cancel mid-denoise, then an error inside a DiT block: after each, the allocated device memory
+    is back at the mode's clean level (what a finished run leaves), and a rerun gives the same frames."""
+    from lingbot_core import stages
+    from lingbot_core.offload import configure_offload
+
+    view = configure_offload(base, mode, **options)
+    short = {**request, "steps": min(int(request["steps"]), 2)}
+    clean_frames = stages.generate(view, PROMPT, **short).frames
+    clean = _allocated(device)
+    out: dict[str, Any] = {"clean_allocated_bytes": clean}
+
+    def cancel(step: int, total: int, latents: torch.Tensor) -> None:
+        raise InjectedFault("cancelled at the first step")
+
+    def fail(_module, _args):
+        raise InjectedFault("error inside a DiT block")
+
+    for kind in ("cancel", "error"):
+        hook = base.component("transformer").blocks[0].register_forward_pre_hook(fail) if kind == "error" else None
+        try:
+            stages.generate(view, PROMPT, **short, callback=cancel if kind == "cancel" else None)
+            raised = False
+        except InjectedFault:
+            raised = True
+        finally:
+            if hook is not None:
+                hook.remove()
+        after = _allocated(device)
+        rerun = stages.generate(view, PROMPT, **short).frames
+        out[kind] = {"raised": raised, "allocated_after_bytes": after,
+                     "back_to_clean": None if after is None else after <= clean + 2**20,
+                     "rerun_equal": bool(torch.equal(rerun, clean_frames))}
+    return out
+
+
+def estimated_peak(base, mode: str, request: dict[str, Any]) -> int:
+    """lingbot_core.placement's estimate for this request (what `auto` decides with)."""
+    from lingbot_core.placement.estimate import Geometry, ModelSizes, estimate_peak
+
+    sizes = ModelSizes.from_modules(base.shared.loaded)
     geometry = Geometry(height=request["height"], width=request["width"], num_frames=request["num_frames"],
                         cfg=request.get("guidance_scale", 3.0) > 1)
     return estimate_peak(mode, sizes, geometry)
@@ -405,6 +456,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma list of HxWxFRAMES: estimate vs measured peak per mode at more sizes (few steps); "
                         "default 480x832x49 on GPU, 64x64x9 with --tiny")
     p.add_argument("--extra-steps", type=int, default=2, help="steps for the extra sizes (peaks do not depend on it)")
+    p.add_argument("--fault-checks", action=argparse.BooleanOptionalAction, default=None,
+                   help="after each mode: cancel-then-rerun and error-then-rerun, allocated memory back at the "
+                        "mode's clean level (default: on with CUDA, off with --tiny)")
     p.add_argument("--out-json", "--json", dest="json", metavar="PATH", help="write the results as JSON")
     args = p.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -422,6 +476,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.extra_sizes = [parse_size(t) for t in extra.split(",") if t.strip()]
     if args.threads is None and args.tiny:
         args.threads = 1
+    if args.fault_checks is None:
+        args.fault_checks = not args.tiny and not args.dry_run
     return args
 
 
@@ -526,6 +582,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             _clear(device)
         else:
             frames = row.pop("frames")
+            if args.fault_checks:
+                try:
+                    row["faults"] = fault_check(base, mode, options.get(mode, {}), request, device)
+                except Exception as err:
+                    row["faults"] = {"failed": f"{type(err).__name__}: {err}"}
+                _clear(device)
             if mode == "none":
                 reference = frames
             row["frames_finite"] = bool(torch.isfinite(frames).all())
@@ -588,6 +650,25 @@ def report(result: dict[str, Any]) -> str:
         err = f"{(est - peak) / peak:+.0%}" if peak and est else "-"
         est_rows.append(["x".join(map(str, size)), r["mode"], f"{est / 1e9:.2f}" if est else "-",
                          f"{peak / 1e9:.2f}" if peak is not None else "-", err])
+    fault_rows = []
+    for r in result["rows"]:
+        faults = r.get("faults")
+        if not faults:
+            continue
+        if "failed" in faults:
+            fault_rows.append([r["mode"], f"FAILED {faults['failed'][:60]}", "-", "-"])
+            continue
+        clean = faults["clean_allocated_bytes"]
+        cells = []
+        for kind in ("cancel", "error"):
+            f = faults[kind]
+            after = "-" if f["allocated_after_bytes"] is None else f"{f['allocated_after_bytes'] / 1e9:.3f}"
+            ok = {True: "PASS", False: "FAIL", None: "n/a"}[f["back_to_clean"]]
+            cells.append(f"{after} GB {ok}, rerun {'==' if f['rerun_equal'] else '!='}")
+        fault_rows.append([r["mode"], "-" if clean is None else f"{clean / 1e9:.3f}", *cells])
+    if fault_rows:
+        lines.append("faults: allocated after a cancel / an error vs the clean level, and the rerun's frames")
+        lines.append(table(["mode", "clean GB", "after cancel", "after error"], fault_rows))
     if est_rows:
         lines.append("auto offload: estimated vs measured peak (H x W x frames)")
         lines.append(table(["size", "mode", "estimate GB", "measured GB", "error"], est_rows))

@@ -5,8 +5,11 @@ later run. It therefore never dies: components load on first use, `release()` dr
 next stage that needs one loads it again from the checkpoint folder.
 
 A handle is a *view*: shared components (one copy in RAM, shared by every view and by the base and
-refiner DiTs) plus the view's own execution device and offload settings, which `offload.stage()`
-applies when a stage enters.
+refiner DiTs) plus the view's own execution device, offload settings and per-view states (a LoRA
+stack, say), which the stage door (`placement.door.stage`) applies when a stage enters. The shared
+components own one opaque placement object (`placement.state.Placement`); only the door acts on it.
+
+Attribute access never loads anything: components come from `component(name)`.
 """
 
 from __future__ import annotations
@@ -29,19 +32,12 @@ from .checkpoint import (
     load_refiner,
     load_transformer,
 )
+from .placement.door import check_settings
+from .placement.settings import OffloadSettings
+from .placement.state import Placement
 
 ALL_COMPONENTS = (*COMPONENTS, "refiner")
-
-
-@dataclass(frozen=True)
-class OffloadSettings:
-    """How components are placed while stages run (see `offload.py`)."""
-
-    mode: str = "none"
-    options: tuple[tuple[str, Any], ...] = ()
-
-    def option(self, name: str, default: Any = None) -> Any:
-        return dict(self.options).get(name, default)
+__all__ = ["ALL_COMPONENTS", "OffloadSettings", "PipelineHandle", "SharedComponents", "default_device"]
 
 
 class SharedComponents:
@@ -58,10 +54,7 @@ class SharedComponents:
         self.attention_backend = attention_backend
         self.loaded: dict[str, Any] = dict(preloaded or {})
         self.lock = threading.RLock()
-        self.installed: Any = None  # offload state currently applied to these components (offload.py)
-        self.resident: set[str] = set()  # components the offload state holds on the accelerator
-        self.in_stage: set[str] = set()  # components the running stage uses
-        self.ledger: list[tuple[str, str, str]] = []  # (event, component, stage): what tests read
+        self.placement = Placement()  # what is installed and resident (placement/door.py acts on it)
         self.load_count: dict[str, int] = {}
         self.transformer_source: tuple[Path, str] | None = None  # (root, subfolder) of a student DiT
 
@@ -93,11 +86,15 @@ class SharedComponents:
 
 @dataclass
 class PipelineHandle:
-    """One view of a checkpoint: shared components + this view's device and offload settings."""
+    """One view of a checkpoint: shared components + this view's device, offload settings and states.
+
+    `view_states` holds per-view state objects applied at stage entry (see `placement.door`).
+    """
 
     shared: SharedComponents
     device: torch.device
     offload: OffloadSettings = field(default_factory=OffloadSettings)
+    view_states: tuple[Any, ...] = ()
 
     @classmethod
     def open(
@@ -154,13 +151,22 @@ class PipelineHandle:
         return cls(shared, device)
 
     # -- views ----------------------------------------------------------------------------------
-    def with_offload(self, mode: str, **options: Any) -> PipelineHandle:
-        """A view over the same components with other offload settings (validated by offload.py)."""
-        from .offload import check_guards
-
-        settings = OffloadSettings(mode, tuple(sorted(options.items())))
-        check_guards(self, settings, self.device)
+    def with_offload(self, mode: str, *, offload_to: str = "ram", **options: Any) -> PipelineHandle:
+        """A view over the same components with other offload settings (validated here, installed at
+        the next stage or by `configure_offload`)."""
+        settings = OffloadSettings.make(mode, offload_to, **options)
+        check_settings(self, settings)
         return replace(self, offload=settings)
+
+    def with_view_state(self, state: Any) -> PipelineHandle:
+        """A view that carries `state` (replacing any state of the same `kind`), applied to the shared
+        components when this view's stages enter (see `placement.door`)."""
+        kept = tuple(s for s in self.view_states if s.kind != state.kind)
+        return replace(self, view_states=(*kept, state))
+
+    def without_view_state(self, kind: str) -> PipelineHandle:
+        """A view without a state of this kind (its stages take it off the shared components)."""
+        return replace(self, view_states=tuple(s for s in self.view_states if s.kind != kind))
 
     def with_device(self, device: str | torch.device) -> PipelineHandle:
         return replace(self, device=torch.device(device))
@@ -188,13 +194,8 @@ class PipelineHandle:
         return "refiner" in self.shared.loaded
 
     def component(self, name: str) -> Any:
-        """The component, loading it if needed. Stages call this only inside `offload.stage()`."""
+        """The component, loading it if needed. Stages call this only inside the stage door."""
         return self.shared.get(name)
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ALL_COMPONENTS:
-            return self.shared.get(name)
-        raise AttributeError(name)
 
     def vae_config(self) -> Any:
         """The VAE's config (latent statistics) without loading its weights when it is not loaded."""

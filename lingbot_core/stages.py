@@ -2,7 +2,7 @@
 
 Each stage is a plain function: a handle plus explicit inputs in, plain CPU tensors or dataclasses
 out. Nothing is carried between stages except the handle, and every stage enters through
-`offload.stage()`. `generate()` chains them the way the reference pipeline does.
+the stage door (`placement.door.stage`). `generate()` chains them the way the reference pipeline does.
 
 RNG order (reference): TI2V draws the first frame's VAE posterior sample, then the initial noise,
 from one CPU generator seeded with `seed`. The refiner uses a fresh generator from the same seed:
@@ -11,7 +11,6 @@ posterior sample of the upscaled video, then (TI2V) of the first-frame image, th
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from collections.abc import Callable
@@ -25,11 +24,11 @@ import torch.nn.functional as F
 from PIL import Image
 
 from . import image as image_ops
-from . import offload, sampling
 from . import prompt as prompt_ops
+from . import sampling
 from . import stage_inputs as checks
 from .latents import dit_to_vae, latent_shape, vae_to_dit, validate_geometry
-from .offload import stage
+from .placement.door import effective_mode, oom_fallback, release, stage
 from .prompt import PromptEmbeds
 from .sampling.base import check_shift
 from .scheduler import compute_refiner_sigmas, transformer_timestep
@@ -43,24 +42,6 @@ REFINER_DEFAULTS = dict(height=1088, width=1920, steps=8, shift=3.0, guidance_sc
                         tail_steps=2)
 REFINER_TILING = dict(tile_sample_min_height=384, tile_sample_min_width=640, tile_sample_stride_height=288,
                       tile_sample_stride_width=480)
-
-
-def oom_fallback(fn):
-    """Under `auto` offload, an out-of-memory error moves to the next smaller mode and retries once."""
-    @functools.wraps(fn)
-    def wrapper(handle, *args, **kwargs):
-        generator = kwargs.get("generator")
-        rng_state = generator.get_state() if generator is not None else None
-        try:
-            return fn(handle, *args, **kwargs)
-        except torch.OutOfMemoryError:
-            if not offload.fall_back(handle):
-                raise
-        if generator is not None:
-            generator.set_state(rng_state)  # the retry draws the same numbers
-        return fn(handle, *args, **kwargs)
-
-    return wrapper
 
 
 # -- data passed between stages -------------------------------------------------------------------
@@ -532,9 +513,9 @@ def refine(
     _check_refine_request(handle, frames, height=height, width=width, steps=steps, shift=shift,
                           t_thresh=t_thresh, tail_steps=tail_steps, seed=seed, first_frame=first_frame)
     if release_base is None:
-        release_base = handle.folder is not None and offload.effective_mode(handle) != "none"
+        release_base = handle.folder is not None and effective_mode(handle) != "none"
     if release_base and "transformer" in handle.shared.loaded:
-        offload.release(handle, ["transformer"])
+        release(handle, ["transformer"])
     start = prepare_refine(handle, frames, height=height, width=width, steps=steps, shift=shift, t_thresh=t_thresh,
                            tail_steps=tail_steps, seed=seed, first_frame=first_frame, tiling=tiling)
     refiner_cond = Conditioning(cond.positive, None, zero_negative=True, prompt=cond.prompt)

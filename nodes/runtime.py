@@ -148,10 +148,10 @@ class ResidentStandIn:
         return False
 
     def _resident_bytes(self) -> int:
-        from lingbot_core.offload import module_bytes
+        from lingbot_core.offload import resident_bytes
 
         shared = self._shared()
-        return 0 if shared is None else sum(module_bytes(shared.loaded.get(n)) for n in shared.resident)
+        return 0 if shared is None else resident_bytes(shared)
 
     def model_memory(self) -> int:
         return self._resident_bytes()
@@ -188,8 +188,10 @@ class ResidentStandIn:
 
 def _track_resident(shared, device) -> None:
     """After a stage: make sure ComfyUI knows about what we keep on its device."""
+    from lingbot_core.offload import resident_bytes
+
     mm = _comfy("comfy.model_management")
-    if mm is None or not shared.resident:
+    if mm is None or not resident_bytes(shared):
         return
     if device.type == "cuda" and device.index is None:  # ComfyUI compares devices with their index
         import torch
@@ -204,11 +206,11 @@ def _track_resident(shared, device) -> None:
 def install_memory_cooperation() -> None:
     """Inside ComfyUI: free ComfyUI's models before ours move onto the GPU, and let ComfyUI's memory
     requests free ours."""
-    from lingbot_core import offload
+    from lingbot_core.placement import door
 
     if not in_comfy():
         return
-    if _free_comfy_memory not in offload.ACQUIRE_LISTENERS:
-        offload.ACQUIRE_LISTENERS.append(_free_comfy_memory)
-    if _track_resident not in offload.SETTLE_LISTENERS:
-        offload.SETTLE_LISTENERS.append(_track_resident)
+    if _free_comfy_memory not in door.MEMORY_LISTENERS:
+        door.MEMORY_LISTENERS.append(_free_comfy_memory)
+    if _track_resident not in door.SETTLE_LISTENERS:
+        door.SETTLE_LISTENERS.append(_track_resident)

@@ -72,10 +72,10 @@ def comfy(tmp_path, monkeypatch):
     for name, module in {"comfy": package, "comfy.model_management": mm, "comfy.utils": utils,
                          "folder_paths": folder_paths}.items():
         monkeypatch.setitem(sys.modules, name, module)
-    from lingbot_core import offload
+    from lingbot_core.placement import door
 
-    monkeypatch.setattr(offload, "ACQUIRE_LISTENERS", [])
-    monkeypatch.setattr(offload, "SETTLE_LISTENERS", [])
+    monkeypatch.setattr(door, "MEMORY_LISTENERS", [])
+    monkeypatch.setattr(door, "SETTLE_LISTENERS", [])
     state.mm = mm
     state.tmp = tmp_path
     return state
@@ -98,6 +98,8 @@ def test_checkpoints_under_models_lingbot_video_are_offered(comfy, fixtures_root
 
 
 def test_progress_output_folder_and_unload_models(comfy):
+    from lingbot_core import offload
+
     prompt = _prompt()
     engine = Engine(NODE_CLASS_MAPPINGS)
     first = engine.run(prompt)
@@ -109,9 +111,9 @@ def test_progress_output_folder_and_unload_models(comfy):
     # ComfyUI now knows about our resident components, and its "Unload models" frees them.
     view = first.output("2")
     ours = [m for m in comfy.mm.current_loaded_models if m.real_model() is view.shared]
-    assert len(ours) == 1 and ours[0].model_memory() > 0 and view.shared.resident
+    assert len(ours) == 1 and ours[0].model_memory() > 0 and offload.resident_components(view)
     comfy.mm.unload_all_models()
-    assert not view.shared.resident and comfy.mm.current_loaded_models == []
+    assert not offload.resident_components(view) and comfy.mm.current_loaded_models == []
     assert all(p.device.type == "cpu" for n in ("transformer", "vae", "text_encoder")
                for p in view.shared.loaded[n].parameters())
     # The next run brings back what it needs, and gives the same frames.
@@ -143,26 +145,26 @@ def test_comfy_interrupt_cancels_mid_denoise_and_the_next_run_works(comfy):
 
 def test_free_memory_before_our_components_move_to_an_accelerator(comfy, monkeypatch):
     """Moving a whole component onto an accelerator first asks ComfyUI for room."""
-    from lingbot_core import offload
+    from lingbot_core.placement import door
     from lingbot_nodes import runtime
 
     NODE_CLASS_MAPPINGS["LingBotLoader"]().load("tiny (built-in dense)", "auto", "auto", "default")
-    assert runtime._free_comfy_memory in offload.ACQUIRE_LISTENERS
-    assert runtime._track_resident in offload.SETTLE_LISTENERS
+    assert runtime._free_comfy_memory in door.MEMORY_LISTENERS
+    assert runtime._track_resident in door.SETTLE_LISTENERS
     asked = []
     monkeypatch.setattr(comfy.mm, "free_memory", lambda need, device, keep_loaded=(): asked.append((need, device)))
-    for listener in offload.ACQUIRE_LISTENERS:
+    for listener in door.MEMORY_LISTENERS:
         listener("transformer", None, torch.device("cuda", 0), 123)
     assert asked == [(123, torch.device("cuda", 0))]
 
 
 def test_outside_comfyui_nothing_is_registered(monkeypatch):
-    from lingbot_core import offload
+    from lingbot_core.placement import door
     from lingbot_nodes import runtime
 
-    monkeypatch.setattr(offload, "ACQUIRE_LISTENERS", [])
+    monkeypatch.setattr(door, "MEMORY_LISTENERS", [])
     for name in ("comfy", "comfy.model_management", "comfy.utils", "folder_paths"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     assert not runtime.in_comfy()
     runtime.install_memory_cooperation()
-    assert offload.ACQUIRE_LISTENERS == []
+    assert door.MEMORY_LISTENERS == []

@@ -111,7 +111,7 @@ def test_auto_falls_back_one_step_once_on_out_of_memory(moe, monkeypatch):
 
     monkeypatch.setattr(dit, "forward", flaky)
     result = stages.generate(view, "a boat", height=32, width=32, num_frames=5, steps=2)
-    assert offload.effective_mode(view) == "model" and view.shared.installed.fell_back
+    assert offload.effective_mode(view) == "model" and offload.has_fallen_back(view)
     assert torch.equal(result.frames, reference.frames)
     calls["n"] = 0
     # Once only: a second out-of-memory error propagates.

@@ -38,7 +38,7 @@ def _frames(result, prompt):
 def _assert_handle_clean(view):
     assert offload.resident_components(view) <= offload.allowed_resident(view)
     for name, module in view.shared.loaded.items():
-        if isinstance(module, torch.nn.Module) and view.shared.installed.settings.mode != "sequential":
+        if isinstance(module, torch.nn.Module) and offload.installed_mode(view) != "sequential":
             assert all(p.device.type != "meta" for p in module.parameters()), name
 
 

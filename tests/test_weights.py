@@ -188,7 +188,7 @@ def test_quantize_command_output_opens_with_the_loader(quantized, tmp_path):
     cond = stages.encode_prompt(handle, "a boat", None)
     latents = stages.denoise(handle, cond, height=32, width=32, num_frames=1, steps=1, guidance_scale=1.0, seed=0)
     assert torch.isfinite(latents).all()
-    assert isinstance(handle.transformer.blocks[0].attn.to_q, QuantizedLinear)
+    assert isinstance(handle.component("transformer").blocks[0].attn.to_q, QuantizedLinear)
     rc = subprocess.run([sys.executable, "-m", "lingbot_core.quantize", str(quantized["moe", "fp8"]),
                          str(tmp_path / "again"), "--to", "fp8"], capture_output=True, text=True)
     assert rc.returncode == 2 and "already quantized" in rc.stderr
@@ -203,7 +203,7 @@ def test_every_offload_mode_gives_identical_outputs(quantized, weights):
         handle = PipelineHandle.open(quantized["moe", weights], device="cpu", dtypes={"transformer": torch.float32})
         handle = configure_offload(handle, mode, **({"use_stream": False} if mode == "group" else {}))
         with stage(handle, "transformer") as device:
-            outs[mode] = _run(handle.transformer).to(device)
+            outs[mode] = _run(handle.component("transformer")).to(device)
         packed = [p for n, p in handle.shared.loaded["transformer"].named_parameters() if n.endswith("qdata")]
         assert packed and all(p.dtype == torch.uint8 for p in packed)
     for mode in MODES[1:]:
@@ -216,7 +216,7 @@ def test_memory_estimate_counts_stored_bytes(quantized):
     for target in ("fp8", "gguf-q4_0"):
         handle = PipelineHandle.open(quantized["moe", target], device="cpu", dtypes={"transformer": torch.float32})
         estimate = ModelSizes.from_handle(handle).transformer
-        dit = handle.transformer
+        dit = handle.component("transformer")
         loaded = sum(t.numel() * t.element_size() for t in [*dit.parameters(), *dit.buffers()])
         assert abs(estimate - loaded) <= 0.05 * loaded, target  # GGUF: file bytes incl. its header
         report = memory_report(handle)

@@ -1,0 +1,382 @@
+"""The one door every stage enters, and what acts on placement from outside a stage.
+
+`stage(handle, *components)` is both the hook-reset helper and the execution-device helper. On
+entry it (re)loads what was released, applies the view's per-view state (see "View state"
+below), installs the view's offload settings on the shared components if they differ from what
+is installed (transactionally), brings every component to the clean state of the mode, acquires
+what the stage names and yields the handle's execution device. On exit — success, exception or
+interrupt — it returns every component to the clean state, so nothing stays on the device that
+the mode does not allow.
+
+View state (the extension point for per-view settings such as a LoRA stack). A view carries a
+tuple of objects, `handle.view_states`, each with:
+
+    kind: str                                  # one state per kind on a view, e.g. "lora"
+    apply(components, names) -> None           # put this state on components[n] for n in names
+    remove(components, names) -> None          # take it off again
+
+and value equality (a frozen dataclass is ideal: equal states are not re-applied). At stage
+entry the door compares the view's states with what the shared components carry; when a kind
+differs, or a component was (re)loaded since, it suspends the offload installation (hooks off,
+every tensor back in its CPU home: plain modules), calls `remove` of the old state and `apply` of
+the new one on the loaded module components (`text_encoder`, `transformer`, `refiner`, `vae`), and
+installs the offload mode again, so hooks see the modules as the state left them (added LoRA
+layers included). This runs under the shared lock, before anything is acquired.
+
+Modes and their clean state (what may stay on the accelerator between stages):
+
+| mode         | mechanism                                                   | resident between stages |
+|--------------|-------------------------------------------------------------|-------------------------|
+| `none`       | components moved to the device                              | everything loaded       |
+| `model`      | a stage's components moved whole (rebinding each tensor     | nothing                 |
+|              | between its CPU home and a device copy); no hooks           |                         |
+| `sequential` | accelerate `cpu_offload` per leaf (weights on `meta` between | nothing                |
+|              | calls); Qwen's vision tower and each MoE FFN preload as a   |                         |
+|              | unit; the VAE moves whole                                   |                         |
+| `group`      | diffusers block-level group offloading (prefetch stream and | nothing                 |
+|              | pinned memory on CUDA) for the DiTs and the Qwen layer      |                         |
+|              | stacks; the VAE moves whole                                 |                         |
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import logging
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from ..interrupt import checkpoints
+from . import estimate
+from .hooks import component_device
+from .report import MemoryReport, build_report
+from .settings import MODULE_COMPONENTS, OffloadSettings, check_guards, same_device
+from .tensors import stored_bytes
+
+PipelineHandle = Any
+"""A `lingbot_core.handle.PipelineHandle` view (not imported: the handle depends on placement)."""
+SharedComponents = Any
+"""Its `SharedComponents`: `.loaded`, `.lock`, `.placement`, `.info`, `.dtypes`, `.folder`."""
+log = logging.getLogger("lingbot_core.offload")
+
+MEMORY_LISTENERS: list = []
+"""Callables `(component, module, device, nbytes)` run before placement needs `nbytes` of device
+memory: before a whole component is moved onto the device, and before `auto` reads the free
+memory (component "auto plan", module None). A host such as ComfyUI frees its own models here.
+Hosts append to these lists (never rebind them); tests monkeypatch them on this module."""
+
+SETTLE_LISTENERS: list = []
+"""Callables `(shared, device)` run after every stage; a host tracks what stays resident with them."""
+
+
+def module_bytes(module: Any) -> int:
+    """Bytes a component holds in real storage (weights on `meta` count nothing)."""
+    return stored_bytes(module)
+
+
+# -- settings ----------------------------------------------------------------------------------------
+
+def check_settings(handle: PipelineHandle, settings: OffloadSettings) -> None:
+    """Every check on a view's offload settings, before anything is touched."""
+    check_guards(settings, handle.device, handle.shared.loaded)
+    if settings.mode == "auto" and any(settings.option(k) is not None for k in ("height", "width", "num_frames")):
+        from ..latents import validate_geometry
+
+        validate_geometry(int(settings.option("height", 480)), int(settings.option("width", 832)),
+                          int(settings.option("num_frames", 121)))
+
+
+def configure_offload(handle: PipelineHandle, mode: str, device: str | torch.device | None = None,
+                      offload_to: str = "ram", **options: Any) -> PipelineHandle:
+    """A view of `handle` with these offload settings, installed now on the shared components.
+
+    Idempotent (the same settings twice install one set of hooks), switchable in any order, and
+    transactional: if installing fails part way, the previous installation is restored exactly
+    and the original error is raised.
+    """
+    view = handle.with_device(device) if device is not None else handle
+    view = view.with_offload(mode, offload_to=offload_to, **options)  # validates before anything moves
+    with view.shared.lock:
+        _ensure(view)
+    return view
+
+
+def _free_budget(device: torch.device, wanted: int) -> int:
+    """Free accelerator bytes, read after asking the host to make `wanted` bytes free."""
+    for listener in list(MEMORY_LISTENERS):
+        listener("auto plan", None, device, wanted)
+    return free_accelerator_bytes(device)
+
+
+def free_accelerator_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    raise ValueError(f"auto offload needs an accelerator to measure; the device is {device}")
+
+
+def _group_defaults(device: torch.device) -> tuple[tuple[str, Any], ...]:
+    return (("use_stream", device.type == "cuda"),)
+
+
+def resolve(shared: SharedComponents, requested: OffloadSettings,
+            device: torch.device) -> tuple[OffloadSettings, estimate.AutoChoice | None]:
+    """Concrete settings for a request; `auto` picks a mode from the memory estimate."""
+    if requested.mode != "auto":
+        return requested, None
+    budget = requested.option("budget_bytes")
+    if budget is None and device.type == "cpu":
+        choice = estimate.AutoChoice("none", {}, 0, "the execution device is the CPU, so offloading saves nothing")
+    else:
+        sizes = estimate.ModelSizes.from_checkpoint(shared.info, shared.dtypes, shared.loaded,
+                                                    getattr(shared, "weights", "auto"))
+        geometry = estimate.geometry_from(dict(requested.options), shared.info.variant if shared.info else "dense")
+        if budget is None:
+            wanted = estimate.estimate_peak("none", sizes, geometry) + estimate.RESERVE_BYTES
+            budget = _free_budget(device, wanted)
+        choice = estimate.choose_mode(sizes, geometry, int(budget))
+    log.info(estimate.describe(choice) if choice.estimates else f"auto offload: {choice.reason}")
+    options = _group_defaults(device) if choice.mode == "group" else ()
+    return OffloadSettings(choice.mode, options, requested.offload_to), choice
+
+
+def _ensure(handle: PipelineHandle) -> None:
+    """Make the view's settings the installed ones (call under the shared lock)."""
+    shared = handle.shared
+    placement = shared.placement
+    if placement.matches(handle.offload, handle.device):
+        placement.install_pending(shared.loaded)
+        return
+    concrete, choice = resolve(shared, handle.offload, handle.device)
+    placement.install(shared.loaded, handle.offload, concrete, handle.device, auto=choice)
+
+
+def effective_mode(handle: PipelineHandle) -> str:
+    """The concrete mode this view runs under (auto resolved), installing it if needed."""
+    with handle.shared.lock:
+        _ensure(handle)
+        return handle.shared.placement.mode.name
+
+
+def installed_mode(handle: PipelineHandle) -> str | None:
+    """The concrete mode installed on the shared components now (None: nothing installed)."""
+    mode = handle.shared.placement.mode
+    return mode.name if mode is not None else None
+
+
+def has_fallen_back(handle: PipelineHandle) -> bool:
+    """Has `auto` moved to a smaller mode after running out of memory?"""
+    return handle.shared.placement.fell_back
+
+
+# -- per-view state -----------------------------------------------------------------------------------
+
+def _apply_view_states(handle: PipelineHandle) -> None:
+    shared = handle.shared
+    placement = shared.placement
+    modules = {n: shared.loaded[n] for n in MODULE_COMPONENTS if isinstance(shared.loaded.get(n), torch.nn.Module)}
+    wanted = {state.kind: state for state in getattr(handle, "view_states", ())}
+    plans, touched = [], set()
+    for kind in sorted(set(wanted) | set(placement.view_states)):
+        state = wanted.get(kind)
+        old, applied = placement.view_states.get(kind, (None, {}))
+        carried = [n for n, ref in applied.items() if n in modules and ref() is modules[n]]
+        stale = carried if old is not None and old != state else []
+        keep = [n for n in carried if n not in stale]
+        fresh = [n for n in modules if n not in keep] if state is not None else []
+        if stale or fresh or (state is None and old is not None):
+            plans.append((kind, state, old, stale, keep, fresh))
+            touched.update(stale + fresh)
+    if not plans:
+        return
+    with placement.suspended(shared.loaded, sorted(touched)):
+        for kind, state, old, stale, keep, fresh in plans:
+            if stale:
+                old.remove(modules, stale)
+            if state is None:
+                placement.view_states.pop(kind, None)
+                continue
+            if fresh:
+                state.apply(modules, fresh)
+            placement.view_states[kind] = (state, {n: weakref.ref(modules[n]) for n in [*keep, *fresh]})
+
+
+# -- the stage door -------------------------------------------------------------------------------------
+
+def execution_device(handle: PipelineHandle, name: str | None = None) -> torch.device:
+    """The device a stage builds its inputs on: the handle's. With `name`, check the component agrees."""
+    if name is not None:
+        found = component_device(handle.shared.loaded.get(name))
+        if found is not None and not same_device(found, handle.device):
+            raise RuntimeError(f"{name} is set up to run on {found} but the handle's execution device is "
+                               f"{handle.device}; reconfigure offload")
+    return handle.device
+
+
+def _before_move(name: str, module: Any, device: torch.device) -> None:
+    for listener in list(MEMORY_LISTENERS):
+        listener(name, module, device, stored_bytes(module, include_meta=True))
+
+
+def _settle(shared: SharedComponents, used: tuple[str, ...] = ()) -> None:
+    """The clean state for what is resident and what the stage used (only those can hold anything)."""
+    placement = shared.placement
+    names = [n for n in MODULE_COMPONENTS if n in placement.resident or n in used]
+    placement.settle(shared.loaded, names)
+    if placement.device is not None and placement.device.type == "cuda" and not placement.mode.keeps_resident:
+        torch.cuda.empty_cache()
+
+
+@contextmanager
+def stage(handle: PipelineHandle, *components: str, label: str | None = None) -> Iterator[torch.device]:
+    """Acquire `components` for one stage and yield the execution device; restore the clean state after."""
+    shared = handle.shared
+    placement = shared.placement
+    label = label or "+".join(components)
+    with shared.lock:
+        for name in components:
+            handle.component(name)  # (re)load what was released
+        _apply_view_states(handle)
+        _ensure(handle)
+        try:
+            _settle(shared)
+            placement.in_stage = set(components)
+            for name in components:
+                if name in MODULE_COMPONENTS:
+                    placement.acquire(name, shared.loaded[name], _before_move)
+                    placement.ledger.append(("acquire", name, label))
+            device = execution_device(handle, components[0] if components else None)
+            for name in components[1:]:
+                execution_device(handle, name)
+            with checkpoints({name: shared.loaded.get(name) for name in components}):
+                yield device
+        finally:
+            for name in components:
+                if name in MODULE_COMPONENTS:
+                    placement.ledger.append(("release", name, label))
+            placement.in_stage = set()
+            _settle(shared, components)
+            for listener in list(SETTLE_LISTENERS):
+                listener(shared, handle.device)
+            if log.isEnabledFor(logging.INFO):
+                log.info("after %s: %s", label, memory_report(handle).one_line())
+
+
+def resident_components(handle: PipelineHandle) -> set[str]:
+    """Components the offload state holds on the accelerator right now."""
+    return set(handle.shared.placement.resident)
+
+
+def resident_bytes(shared: SharedComponents) -> int:
+    """Bytes of the components held on the accelerator between stages (what a host may ask back)."""
+    return sum(stored_bytes(shared.loaded.get(n)) for n in shared.placement.resident)
+
+
+def allowed_resident(handle: PipelineHandle) -> set[str]:
+    """What the installed mode allows to stay resident between stages."""
+    return handle.shared.placement.allowed_resident(handle.shared.loaded)
+
+
+def ledger(handle: PipelineHandle) -> list[tuple[str, str, str]]:
+    """The newest (event, component, stage) records: acquire, release, drop."""
+    return list(handle.shared.placement.ledger)
+
+
+def memory_report(handle: PipelineHandle) -> MemoryReport:
+    """Where each component's tensors live now, and their bytes per location."""
+    mode = installed_mode(handle) or handle.offload.mode
+    return build_report(handle.shared.loaded, handle.device, mode)
+
+
+# -- from outside a stage ----------------------------------------------------------------------------
+
+def evict(shared: SharedComponents) -> list[str]:
+    """Move what the offload state holds on the accelerator back home (a host asked for memory).
+
+    Components the running stage uses stay; the next stage brings back what it needs.
+    """
+    with shared.lock:
+        placement = shared.placement
+        names = sorted(placement.resident - placement.in_stage)
+        if not names or placement.mode is None:
+            return []
+        mode = placement.mode
+        for name in names:
+            module = shared.loaded.get(name)
+            if mode.keeps_resident:
+                if isinstance(module, torch.nn.Module):
+                    module.to("cpu")
+            else:
+                mode.settle(name, module)
+            placement.resident.discard(name)
+        log.info("offload: moved %s off %s on request", ", ".join(names), mode.device)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return names
+
+
+def release(handle: PipelineHandle, components: tuple[str, ...] | list[str] | None = None) -> list[str]:
+    """Drop components (all by default): hooks first, then the modules; the handle reloads them on demand.
+
+    Returns the names released. Hook-held references (weights maps, offload groups, prefetch lists)
+    would otherwise keep a released model alive.
+    """
+    shared = handle.shared
+    with shared.lock:
+        names = [n for n in (components or list(shared.loaded)) if n in shared.loaded]
+        if shared.folder is None and names:
+            raise RuntimeError("this handle was built from in-memory components and cannot reload them; "
+                               "keep them or open the handle from a checkpoint folder")
+        for name in names:
+            module = shared.loaded.pop(name)
+            shared.placement.drop(name, module)
+            shared.placement.ledger.append(("drop", name, "release"))
+            del module
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return names
+
+
+def fall_back(handle: PipelineHandle) -> bool:
+    """After an out-of-memory error under `auto`: install the next smaller mode, once. True if it did."""
+    shared = handle.shared
+    with shared.lock:
+        placement = shared.placement
+        if placement.mode is None or placement.requested is None or placement.requested.mode != "auto":
+            return False
+        current = placement.mode.name
+        if placement.fell_back or current == estimate.MODE_ORDER[-1]:
+            return False
+        following = estimate.MODE_ORDER[estimate.MODE_ORDER.index(current) + 1]
+        concrete = OffloadSettings(following, _group_defaults(placement.device) if following == "group" else (),
+                                   placement.requested.offload_to)
+        log.warning("auto offload: out of memory under '%s'; falling back to '%s' and retrying once",
+                    current, following)
+        placement.install(shared.loaded, placement.requested, concrete, placement.device, auto=placement.auto,
+                          fell_back=True)
+        if placement.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return True
+
+
+def oom_fallback(fn):
+    """Under `auto` offload, an out-of-memory error moves to the next smaller mode and retries once."""
+    @functools.wraps(fn)
+    def wrapper(handle, *args, **kwargs):
+        generator = kwargs.get("generator")
+        rng_state = generator.get_state() if generator is not None else None
+        try:
+            return fn(handle, *args, **kwargs)
+        except torch.OutOfMemoryError:
+            if not fall_back(handle):
+                raise
+        if generator is not None:
+            generator.set_state(rng_state)  # the retry draws the same numbers
+        return fn(handle, *args, **kwargs)
+
+    return wrapper

@@ -1,0 +1,250 @@
+"""How much accelerator memory a request needs under each mode, and the `auto` choice.
+
+Pure arithmetic: checkpoint facts and a request in, bytes out (the free-memory budget is read by
+the door, after the host has been asked to free its own models). Weights count the bytes a
+component really holds: the tensors themselves once loaded (stored dtype, quantized or not),
+else the checkpoint files scaled to the load dtype. Each mode's peak formula lives with the mode
+(`modes/*.estimate`); `choose_mode` picks the fastest mode expected to fit: none > model > group >
+sequential.
+
+The activation model (documented constants; the estimate is of `torch.cuda.max_memory_allocated`).
+Calibration: the published peaks of the reference (TI2V 192x320x49: none 14.3 GB, model 9.9 GB,
+sequential 1.78 GB; T2V 480x832x121: none 27.1 GiB with 2.4 GB of per-token modulation we do not
+spend) all give a VAE decode factor of 18.6-19.6 on top of the bf16 weights. The GPU check prints
+estimate against measured peak per mode.
+- DiT forward (batch 1; CFG runs two forwards one after the other): ~`DIT_ACT_FACTOR` copies of the
+  hidden state S x D in the compute dtype live at once (residual stream, modulated input, q/k/v,
+  attention output, the FFN's two intermediate-width tensors at I/D times the width), plus the
+  fp32 latents and the flow prediction, plus the MoE routing buffers (S x k x D fp32).
+- Attention through SDPA flash / memory-efficient kernels is linear in S; the math fallback would
+  be quadratic and is not assumed.
+- VAE decode of the Wan VAE is causal and frame-chunked: its peak scales with one chunk of the
+  output at the widest decoder stage, H x W x `VAE_DECODE_CHANNELS` x 4 bytes x
+  `VAE_DECODE_FACTOR`; tiling caps H x W at the tile size. The whole output video (F x H x W x 3
+  fp32) lives alongside.
+- The text encoder needs ~`TEXT_ACT_BYTES_PER_TOKEN` per token per layer-width at its dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .modes import MODE_CLASSES
+from .tensors import stored_bytes
+
+GiB = 1024**3
+MODE_ORDER = ("none", "model", "group", "sequential")  # fastest first
+DIT_ACT_FACTOR = 14
+VAE_DECODE_CHANNELS = 384
+VAE_DECODE_FACTOR = 19
+TEXT_TOKENS = 1024
+TEXT_ACT_BYTES_PER_TOKEN = 64 * 1024
+RESERVE_BYTES = int(0.8 * GiB)  # allocator slack and fragmentation, added when deciding what fits
+MOE_REFINE_SIZE = (1088, 1920)
+TEXT_LAYERS_GUESS = 40  # Qwen3-VL-4B: 36 language layers + the vision tower's share
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """One request, as far as memory is concerned (H x W x frames, and what runs after it)."""
+
+    height: int
+    width: int
+    num_frames: int
+    cfg: bool = True
+    refine: tuple[int, int] | None = None  # (height, width) of the refiner pass, if any
+    vae_tiling: bool = False
+    release_base: bool = False  # the refine stage drops the base DiT before the refiner loads
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSizes:
+    """Weight bytes held per component, and the DiT shape the activation model needs."""
+
+    text_encoder: int
+    transformer: int
+    vae: int
+    refiner: int = 0
+    # the DiT's shape
+    hidden: int
+    depth: int
+    intermediate: int  # per token: the dense FFN width, or active experts x expert width
+    experts_per_token: int = 0
+    dit_bytes_per_value: int = 2
+    # the largest unit group / sequential offload holds at once
+    largest_block: int
+    text_largest_layer: int
+
+    @classmethod
+    def from_handle(cls, handle: Any) -> ModelSizes:
+        """Sizes for a handle opened from a checkpoint folder (nothing is loaded for this)."""
+        shared = handle.shared
+        return cls.from_checkpoint(shared.info, shared.dtypes, shared.loaded, getattr(shared, "weights", "auto"))
+
+    @classmethod
+    def from_checkpoint(cls, info: Any, dtypes: Mapping[str, torch.dtype | None],
+                        loaded: Mapping[str, Any] | None = None, weights: str = "auto") -> ModelSizes:
+        """Loaded components count the bytes their tensors hold. The DiTs not loaded yet count what
+        the weights loader will hold (`weights.estimate`: fp8 values + scales, GGUF blocks, plain
+        tensors at their load dtype); the other components their files scaled to the load dtype."""
+        from ..weights.estimate import dit_compute_bytes, dit_load_bytes
+
+        if info is None:
+            raise ValueError("size estimates need a handle opened from a checkpoint folder")
+        loaded = loaded or {}
+        cfg = info.transformer_config
+
+        def held(name: str) -> int:
+            if name == "refiner" and not info.has_refiner:
+                return 0
+            if isinstance(loaded.get(name), torch.nn.Module):
+                return stored_bytes(loaded[name], include_meta=True)
+            if name in ("transformer", "refiner"):
+                return dit_load_bytes(info.weight_files.get(name, []), dtypes.get(name), weights)
+            on_disk = info.component_bytes(name)
+            dtype = dtypes.get(name, torch.float32)
+            if dtype is None:
+                return on_disk
+            return on_disk * torch.finfo(dtype).bits // _stored_bits(info.weight_files.get(name, []))
+
+        moe = bool(cfg.get("num_experts"))
+        dit, text = held("transformer"), held("text_encoder")
+        depth = int(cfg.get("depth", 24))
+        return cls(
+            text_encoder=text, transformer=dit, vae=held("vae"), refiner=held("refiner"),
+            hidden=int(cfg.get("hidden_size", 2048)), depth=depth,
+            intermediate=(int(cfg.get("moe_intermediate_size", 768)) * int(cfg.get("num_experts_per_tok", 8))
+                          if moe else int(cfg.get("intermediate_size", 6144))),
+            experts_per_token=int(cfg.get("num_experts_per_tok", 0)) if moe else 0,
+            dit_bytes_per_value=dit_compute_bytes(info.weight_files.get("transformer", []), dtypes.get("transformer")),
+            largest_block=math.ceil(dit / max(depth, 1)),
+            text_largest_layer=math.ceil(text / TEXT_LAYERS_GUESS),
+        )
+
+    @classmethod
+    def from_modules(cls, components: Mapping[str, Any]) -> ModelSizes:
+        """Sizes of components already in memory (benchmarks build them without a checkpoint)."""
+        from ..models.precision import matmul_dtype
+
+        dit = components["transformer"]
+        cfg = dit.config
+        moe = bool(cfg.num_experts)
+        text = stored_bytes(components.get("text_encoder"), include_meta=True)
+        return cls(
+            text_encoder=text, transformer=stored_bytes(dit, include_meta=True),
+            vae=stored_bytes(components.get("vae"), include_meta=True),
+            refiner=stored_bytes(components.get("refiner"), include_meta=True),
+            hidden=cfg.hidden_size, depth=cfg.depth,
+            intermediate=cfg.moe_intermediate_size * cfg.num_experts_per_tok if moe else cfg.intermediate_size,
+            experts_per_token=cfg.num_experts_per_tok if moe else 0,
+            dit_bytes_per_value=torch.finfo(matmul_dtype(dit.patch_embedder)).bits // 8,
+            largest_block=max(stored_bytes(b, include_meta=True) for b in dit.blocks),
+            text_largest_layer=math.ceil(text / TEXT_LAYERS_GUESS),
+        )
+
+
+_SAFETENSORS_BITS = {"F64": 64, "F32": 32, "F16": 16, "BF16": 16, "F8_E4M3": 8, "F8_E5M2": 8, "I64": 64,
+                     "I32": 32, "I16": 16, "I8": 8, "U8": 8}
+
+
+def _stored_bits(files: list) -> int:
+    """The dtype width holding most bytes of a component's safetensors files (headers only)."""
+    by_width: dict[int, int] = {}
+    for path in files:
+        with open(path, "rb") as fh:
+            (length,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(length))
+        for key, entry in header.items():
+            if key != "__metadata__":
+                start, stop = entry["data_offsets"]
+                width = _SAFETENSORS_BITS.get(entry["dtype"], 32)
+                by_width[width] = by_width.get(width, 0) + stop - start
+    return max(by_width, key=by_width.get) if by_width else 32
+
+
+def activation_bytes(sizes: ModelSizes, geometry: Geometry) -> dict[str, int]:
+    """Peak activation bytes per phase for one request (see the module docstring for the model)."""
+    latent_frames = (geometry.num_frames - 1) // 4 + 1
+
+    def dit(height: int, width: int) -> int:
+        tokens = latent_frames * (height // 16) * (width // 16) + TEXT_TOKENS
+        width_factor = DIT_ACT_FACTOR + 2 * sizes.intermediate / max(sizes.hidden, 1)
+        hidden = tokens * sizes.hidden * sizes.dit_bytes_per_value * width_factor
+        routing = tokens * max(sizes.experts_per_token, 0) * sizes.hidden * 4
+        latents = 3 * 16 * latent_frames * (height // 8) * (width // 8) * 4
+        return int(hidden + routing + latents)
+
+    def vae(height: int, width: int, tiled: bool) -> int:
+        h, w = (min(height, 384), min(width, 640)) if tiled else (height, width)
+        chunk = h * w * VAE_DECODE_CHANNELS * 4 * VAE_DECODE_FACTOR
+        video = geometry.num_frames * height * width * 3 * 4 * 2
+        return int(chunk + video)
+
+    phases = {
+        "text": TEXT_TOKENS * TEXT_ACT_BYTES_PER_TOKEN,
+        "denoise": dit(geometry.height, geometry.width),
+        "decode": vae(geometry.height, geometry.width, geometry.vae_tiling),
+    }
+    if geometry.refine is not None:
+        rh, rw = geometry.refine
+        phases["refine"] = dit(rh, rw)
+        phases["refine_decode"] = vae(rh, rw, True)
+    return phases
+
+
+def estimate_peak(mode: str, sizes: ModelSizes, geometry: Geometry) -> int:
+    """Expected peak accelerator bytes of one request under `mode` (the mode's own formula)."""
+    if mode not in MODE_CLASSES:
+        raise ValueError(f"no estimate for mode {mode!r}")
+    return MODE_CLASSES[mode].estimate(sizes, geometry, activation_bytes(sizes, geometry))
+
+
+@dataclass
+class AutoChoice:
+    mode: str
+    estimates: dict[str, int]
+    budget: int
+    reason: str
+
+
+def choose_mode(sizes: ModelSizes, geometry: Geometry, budget_bytes: int, *, after: str | None = None) -> AutoChoice:
+    """The fastest mode whose estimate fits `budget_bytes` (sequential if none does).
+
+    `after` skips modes up to and including it (the one-step fallback after an out-of-memory error).
+    """
+    order = list(MODE_ORDER)
+    if after is not None:
+        order = order[order.index(after) + 1:] or [MODE_ORDER[-1]]
+    estimates = {m: estimate_peak(m, sizes, geometry) for m in MODE_ORDER}
+    for mode in order:
+        if estimates[mode] + RESERVE_BYTES <= budget_bytes:
+            reason = (f"'{mode}' is the fastest mode expected to fit: needs ~{estimates[mode] / GiB:.1f} GiB of "
+                      f"{budget_bytes / GiB:.1f} GiB free")
+            if after is not None:
+                reason = f"after running out of memory under '{after}', {reason}"
+            return AutoChoice(mode, estimates, budget_bytes, reason)
+    mode = order[-1]
+    return AutoChoice(mode, estimates, budget_bytes,
+                      f"nothing is expected to fit in {budget_bytes / GiB:.1f} GiB (sequential needs "
+                      f"~{estimates['sequential'] / GiB:.1f} GiB); using '{mode}', the smallest")
+
+
+def describe(choice: AutoChoice) -> str:
+    table = ", ".join(f"{m} ~{b / GiB:.1f} GiB" for m, b in choice.estimates.items())
+    return f"auto offload: {choice.reason} (estimates: {table})"
+
+
+def geometry_from(options: Mapping[str, Any], variant: str) -> Geometry:
+    """The request `auto` plans for, from its options (MoE plans for the refiner unless told not to)."""
+    refine = options.get("refine", MOE_REFINE_SIZE if variant == "moe" else None)
+    return Geometry(height=int(options.get("height", 480)), width=int(options.get("width", 832)),
+                    num_frames=int(options.get("num_frames", 121)), cfg=bool(options.get("cfg", True)),
+                    refine=tuple(refine) if refine else None, vae_tiling=bool(options.get("vae_tiling", False)),
+                    release_base=bool(options.get("release_base", False)))

@@ -1,0 +1,108 @@
+"""What every offload mode does, and the shared way of moving a whole component.
+
+A mode is one small class. The door calls, per component:
+
+- `install(name, module)` when the mode takes over a component (a configure, or a component
+  loaded later). Atomic per component: if it fails part way, the component is put back as it was.
+- `acquire(name, module)` when a stage is about to use the component: bring onto the device what
+  the mode moves explicitly.
+- `settle(name, module)` after every stage (success, error or cancel) and before the next: return
+  to the mode's clean state, whatever a hooked forward that did not finish left on the device.
+- `uninstall(name, module)` when the mode lets go (a switch, a release): hooks removed, every
+  tensor back in its slot (ties included) and on the CPU.
+- `estimate(sizes, activations)` the peak accelerator bytes the mode needs for one request
+  (pure arithmetic over `estimate.ModelSizes` and the per-phase activation bytes).
+
+Modes move tensors generically (`tensors.Homes`): stored dtypes and tensor subclasses travel as
+they are, so quantized weights move at their stored size.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from ..hooks import strip_hooks
+from ..settings import CPU, OffloadSettings
+from ..tensors import Homes
+
+
+class Mode:
+    name: ClassVar[str] = ""
+    keeps_resident: ClassVar[bool] = False
+    """True if components may stay on the device between stages (`none`)."""
+
+    def __init__(self, settings: OffloadSettings, device: torch.device):
+        self.settings = settings
+        self.device = device
+        self.homes: dict[str, Homes] = {}
+
+    # -- the interface the door uses ---------------------------------------------------------------
+    def install(self, name: str, module: Any) -> None:
+        if not isinstance(module, torch.nn.Module):
+            return
+        if not self.keeps_resident and any(t.device.type not in ("cpu", "meta") for t in module.parameters()):
+            module.to(CPU)  # built or loaded on the device (benchmarks do): its home is the CPU
+        self.homes[name] = Homes(module, keep_data=self._keeps_homes(name))
+        try:
+            self._install(name, module)
+        except BaseException:
+            self.uninstall(name, module)
+            raise
+
+    def acquire(self, name: str, module: Any) -> None:
+        """Bring what this mode moves explicitly onto the device (hooks move the rest)."""
+
+    def settle(self, name: str, module: Any) -> None:
+        """Back to the clean state of the mode."""
+
+    def uninstall(self, name: str, module: Any) -> None:
+        homes = self.homes.pop(name, None)
+        if not isinstance(module, torch.nn.Module):
+            return
+        self._before_strip(name, module)
+        strip_hooks(module)
+        if homes is not None:
+            homes.restore()
+            lost = homes.lost()
+            if lost:
+                raise RuntimeError(f"{name}: {len(lost)} weights have no data after removing offload hooks "
+                                   f"(e.g. {lost[0]})")
+
+    def moves_whole(self, name: str) -> bool:
+        """Does `acquire` move this component onto the device as a whole (hosts free memory first)?"""
+        return False
+
+    def installed(self) -> set[str]:
+        return set(self.homes)
+
+    @staticmethod
+    def estimate(sizes: Any, geometry: Any, activations: dict[str, int]) -> int:
+        """Peak accelerator bytes of one request (`estimate.ModelSizes`, `estimate.Geometry`)."""
+        raise NotImplementedError
+
+    # -- for subclasses ----------------------------------------------------------------------------
+    def _keeps_homes(self, name: str) -> bool:
+        """Keep each tensor's home storage (rebinding moves) rather than only its slot."""
+        return False
+
+    def _install(self, name: str, module: torch.nn.Module) -> None:
+        pass
+
+    def _before_strip(self, name: str, module: torch.nn.Module) -> None:
+        pass
+
+    # -- moving a component as a whole -------------------------------------------------------------
+    def _onload_whole(self, name: str) -> None:
+        self.homes[name].onload(self.device)
+
+    def _offload_whole(self, name: str) -> None:
+        homes = self.homes.get(name)
+        if homes is not None:
+            homes.offload()
+
+
+def peak_over_phases(sizes: Any, activations: dict[str, int], weights: dict[str, int]) -> int:
+    """The largest weights-plus-activations over the phases; phases not named hold the VAE whole."""
+    return max(weights.get(phase, sizes.vae) + act for phase, act in activations.items())

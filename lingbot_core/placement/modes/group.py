@@ -1,0 +1,126 @@
+"""`group`: diffusers' block-level group offloading (block streaming).
+
+The DiTs are grouped as diffusers sees them (their `blocks` list, plus one group for the rest). For
+Qwen3-VL the top-level children are `model` and `lm_head`, so block level there would degrade to
+whole-model offload hooked on a forward the encoder call bypasses; the language model and the
+vision tower are grouped instead. The VAE moves as a whole.
+
+Two gaps in the hooks are closed here:
+- Qwen3VLModel looks up token embeddings itself, before calling its language model, and under
+  block offloading those embeddings belong to the language model's top-level group. A pre-hook
+  onloads that group when the inner model is entered, and, with a prefetch stream, waits for the
+  copy the way diffusers' own hook does after a synchronous onload (`stream.synchronize()`).
+- A group is offloaded in its leader's `post_forward`, which an exception or a cancel skips;
+  `settle` offloads any group left on the device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..hooks import group_hooks
+from ..settings import CPU
+from .base import Mode, peak_over_phases
+
+WHOLE = ("vae",)
+
+
+def group_targets(name: str, module: torch.nn.Module) -> list[torch.nn.Module]:
+    if name in ("transformer", "refiner"):
+        return [module]
+    if name == "text_encoder":
+        inner = module.model
+        return [inner.language_model, inner.visual]
+    return []
+
+
+def group_is_onloaded(group: Any) -> bool:
+    """Does any tensor of the group live off its offload device?"""
+    tensors = [*group.parameters, *group.buffers]
+    for m in group.modules:
+        tensors += [*m.parameters(), *m.buffers()]
+    return any(t.device != group.offload_device for t in tensors)
+
+
+def onload_and_wait(group: Any) -> None:
+    """Onload a group now and wait for the copy (diffusers' synchronous onload in `pre_forward`)."""
+    group.onload_()
+    if group.stream is not None:
+        group.stream.synchronize()
+
+
+def _embedding_prehook(text_encoder: torch.nn.Module):
+    from diffusers.hooks import HookRegistry
+
+    language_model = text_encoder.model.language_model
+    hook = HookRegistry.check_if_exists_or_initialize(language_model).get_hook("group_offloading")
+    group = getattr(hook, "group", None)
+
+    def onload(_module, _args):
+        if group is not None:
+            onload_and_wait(group)
+
+    return text_encoder.model.register_forward_pre_hook(onload)
+
+
+class GroupMode(Mode):
+    name = "group"
+
+    def __init__(self, settings, device):
+        super().__init__(settings, device)
+        self.prehooks: dict[str, Any] = {}
+
+    def _keeps_homes(self, name: str) -> bool:
+        # The VAE moves by rebinding. Grouped components keep only their slots: with a stream,
+        # diffusers rebinds weights to pinned copies, and keeping the pageable originals too would
+        # double the host memory.
+        return name in WHOLE
+
+    def _install(self, name: str, module: torch.nn.Module) -> None:
+        targets = group_targets(name, module)
+        if not targets:
+            return
+        from diffusers.hooks import apply_group_offloading
+
+        s = self.settings
+        use_stream = bool(s.option("use_stream", self.device.type == "cuda"))
+        for target in targets:
+            apply_group_offloading(
+                target, onload_device=self.device, offload_device=CPU, offload_type="block_level",
+                num_blocks_per_group=int(s.option("num_blocks_per_group", 1)), use_stream=use_stream,
+                record_stream=bool(s.option("record_stream", False)),
+                low_cpu_mem_usage=bool(s.option("low_cpu_mem_usage", False)),
+            )
+        if name == "text_encoder":
+            self.prehooks[name] = _embedding_prehook(module)
+
+    def moves_whole(self, name: str) -> bool:
+        return name in WHOLE
+
+    def acquire(self, name: str, module: Any) -> None:
+        if name in WHOLE:
+            self._onload_whole(name)
+
+    def settle(self, name: str, module: Any) -> None:
+        if name in WHOLE:
+            self._offload_whole(name)
+            return
+        if isinstance(module, torch.nn.Module):
+            for hook in group_hooks(module):
+                if group_is_onloaded(hook.group):
+                    hook.group.offload_()
+
+    def _before_strip(self, name: str, module: torch.nn.Module) -> None:
+        handle = self.prehooks.pop(name, None)
+        if handle is not None:
+            handle.remove()
+        self.settle(name, module)
+
+    @staticmethod
+    def estimate(sizes: Any, geometry: Any, activations: dict[str, int]) -> int:
+        # two blocks in flight (prefetch) plus the top-level group; the VAE whole
+        weights = {"text": 2 * sizes.text_largest_layer, "denoise": 3 * sizes.largest_block,
+                   "refine": 3 * sizes.largest_block}
+        return peak_over_phases(sizes, activations, weights)

@@ -1,0 +1,84 @@
+"""The memory report: where each component's tensors are now, and how many bytes each place holds.
+
+Bytes are those of the storages actually held (quantized weights at their stored size, a tied
+embedding and head once). Under `sequential` the weights show as `meta`: between calls their
+bytes live in accelerate's offload map on the CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .tensors import module_tensors, unique_storages
+
+GiB = 1024**3
+REPORTED = ("transformer", "vae", "text_encoder", "refiner")
+
+
+def location(t: torch.Tensor) -> str:
+    if t.device.type == "meta":
+        return "meta"
+    if t.device.type == "cpu":
+        return "pinned CPU" if t.is_pinned() else "CPU"
+    return f"accelerator ({t.device})"
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB // 100 else f"{nbytes / 2**20:.1f} MiB"
+
+
+@dataclass
+class ComponentMemory:
+    name: str
+    loaded: bool
+    bytes_by_location: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def where(self) -> str:
+        if not self.loaded:
+            return "not loaded"
+        if not self.bytes_by_location:
+            return "no weights"
+        ranked = sorted(self.bytes_by_location.items(), key=lambda kv: -kv[1])
+        return ", ".join(f"{place} {_size(n)}" for place, n in ranked)
+
+
+@dataclass
+class MemoryReport:
+    components: list[ComponentMemory]
+    device: str
+    mode: str
+
+    def one_line(self) -> str:
+        return "; ".join(f"{c.name}: {c.where}" for c in self.components)
+
+    def totals(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for c in self.components:
+            for place, n in c.bytes_by_location.items():
+                out[place] = out.get(place, 0) + n
+        return out
+
+    def __str__(self) -> str:
+        rows = [f"LingBot memory ({self.mode} offload, execution device {self.device})"]
+        rows += [f"  {c.name:<13} {c.where}" for c in self.components]
+        summary = ", ".join(f"{place} {n / GiB:.2f} GiB" for place, n in sorted(self.totals().items()))
+        rows.append(f"  {'total':<13} {summary or 'nothing loaded'}")
+        return "\n".join(rows)
+
+
+def component_memory(name: str, module: Any) -> ComponentMemory:
+    if not isinstance(module, torch.nn.Module):
+        return ComponentMemory(name, False)
+    usage: dict[str, int] = {}
+    for t, nbytes in unique_storages(t for _o, _k, _n, t in module_tensors(module)):
+        usage[location(t)] = usage.get(location(t), 0) + nbytes
+    return ComponentMemory(name, True, usage)
+
+
+def build_report(loaded: Mapping[str, Any], device: torch.device, mode: str) -> MemoryReport:
+    return MemoryReport([component_memory(n, loaded.get(n)) for n in REPORTED], str(device), mode)

@@ -1,0 +1,156 @@
+"""The placement object a handle's shared components own: what is installed, what is resident.
+
+Opaque to the handle. The door (`door.py`) drives it; tests and hosts read it through the door's
+functions. Installing is transactional: `install()` either leaves the new mode fully installed on
+every loaded component or, after any failure (an exception or an interrupt), the previous mode
+installed exactly as a fresh install would leave it, and re-raises the original error.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from .modes import MODE_CLASSES, Mode
+from .settings import CPU, MODULE_COMPONENTS, OffloadSettings, same_device
+
+log = logging.getLogger("lingbot_core.offload")
+
+LEDGER_SIZE = 512
+"""Acquire/release events kept (the newest); enough for a test to read one run, bounded for servers."""
+
+
+class Placement:
+    def __init__(self) -> None:
+        self.mode: Mode | None = None  # the concrete mode installed
+        self.requested: OffloadSettings | None = None  # what the view asked for (possibly `auto`)
+        self.auto: Any = None  # estimate.AutoChoice when `requested` is auto
+        self.fell_back = False
+        self.resident: set[str] = set()  # components the mode holds on the accelerator now
+        self.in_stage: set[str] = set()  # components the running stage uses
+        self.ledger: deque[tuple[str, str, str]] = deque(maxlen=LEDGER_SIZE)  # (event, component, stage)
+        self.view_states: dict[str, tuple[Any, dict[str, Any]]] = {}  # kind -> (state, {component: weakref})
+
+    # -- what is installed -------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device | None:
+        return self.mode.device if self.mode is not None else None
+
+    def matches(self, requested: OffloadSettings, device: torch.device) -> bool:
+        return (self.mode is not None and self.requested == requested and same_device(self.mode.device, device))
+
+    def install(self, loaded: Mapping[str, Any], requested: OffloadSettings, concrete: OffloadSettings,
+                device: torch.device, *, auto: Any = None, fell_back: bool = False) -> None:
+        """Replace what is installed by `concrete`, or leave the previous state exactly."""
+        previous = (self.requested, self.mode.settings, self.mode.device, self.auto, self.fell_back) \
+            if self.mode is not None else None
+        try:
+            self.uninstall_all(loaded)
+            self.mode = MODE_CLASSES[concrete.mode](concrete, device)
+            self.requested, self.auto, self.fell_back = requested, auto, fell_back
+            self.install_pending(loaded)
+        except BaseException as err:
+            self._roll_back(loaded, previous, err)
+            raise
+        log.info("offload: %s on %s", concrete.mode, device)
+
+    def _roll_back(self, loaded: Mapping[str, Any], previous: tuple | None, err: BaseException) -> None:
+        try:
+            self.uninstall_all(loaded)
+            if previous is not None:
+                requested, settings, device, auto, fell_back = previous
+                self.mode = MODE_CLASSES[settings.mode](settings, device)
+                self.requested, self.auto, self.fell_back = requested, auto, fell_back
+                self.install_pending(loaded)
+        except BaseException as rollback:  # keep the original error; say what else went wrong
+            log.error("offload: restoring the previous installation failed too: %r", rollback)
+            err.add_note(f"restoring the previous offload installation also failed: {rollback!r}")
+            self.mode = None
+            self.requested = None
+
+    @contextmanager
+    def suspended(self, loaded: Mapping[str, Any], names: list[str]) -> Iterator[None]:
+        """The named components as plain modules on the CPU for the body (hooks off, tensors home);
+        the installed mode takes them over again afterwards. Components not installed yet are
+        left alone (the next install takes them)."""
+        mode = self.mode
+        held = [n for n in names if mode is not None and n in mode.homes]
+        for name in held:
+            mode.uninstall(name, loaded.get(name))
+            self.resident.discard(name)
+        try:
+            yield
+        finally:
+            for name in held:
+                if name in loaded:
+                    mode.install(name, loaded[name])
+
+    def install_pending(self, loaded: Mapping[str, Any]) -> None:
+        """Install the current mode on components loaded since (lazy loads, reloads after release)."""
+        mode = self.mode
+        for name in MODULE_COMPONENTS:
+            if name in loaded and name not in mode.homes and isinstance(loaded[name], torch.nn.Module):
+                mode.install(name, loaded[name])
+
+    def uninstall_all(self, loaded: Mapping[str, Any]) -> None:
+        """Every component back to plain modules on the CPU; the first failure is raised after all ran."""
+        mode, failure = self.mode, None
+        if mode is not None:
+            for name in sorted(mode.installed()):
+                try:
+                    mode.uninstall(name, loaded.get(name))
+                except BaseException as err:  # noqa: PERF203 - every component must be tried
+                    failure = failure or err
+        self.mode, self.requested, self.auto = None, None, None
+        self.resident.clear()
+        if failure is not None:
+            raise failure
+
+    # -- stages ------------------------------------------------------------------------------------
+    def acquire(self, name: str, module: Any,
+                before_move: Callable[[str, Any, torch.device], None] | None = None) -> None:
+        """Bring a stage's component onto the device; `before_move` first, when a whole one moves."""
+        mode = self.mode
+        if (before_move is not None and name not in self.resident and mode.device.type != "cpu"
+                and mode.moves_whole(name)):
+            before_move(name, module, mode.device)
+        self.mode.acquire(name, module)
+        self.resident.add(name)
+
+    def settle(self, loaded: Mapping[str, Any], names: list[str] | None = None) -> list[str]:
+        """Bring components (all loaded by default) to the mode's clean state; returns those moved off."""
+        mode = self.mode
+        if mode is None:
+            return []
+        moved = []
+        for name in names if names is not None else [n for n in MODULE_COMPONENTS if n in loaded]:
+            if name not in mode.homes:
+                continue
+            mode.settle(name, loaded.get(name))
+            if not mode.keeps_resident and name in self.resident:
+                self.resident.discard(name)
+                moved.append(name)
+        return moved
+
+    def allowed_resident(self, loaded: Mapping[str, Any]) -> set[str]:
+        if self.mode is None or self.mode.keeps_resident:
+            return {n for n in MODULE_COMPONENTS if n in loaded}
+        return set()
+
+    def drop(self, name: str, module: Any) -> None:
+        """Let go of one component (a release): hooks off, tensors home, then forget it."""
+        if self.mode is not None and name in self.mode.homes:
+            self.mode.uninstall(name, module)
+        elif isinstance(module, torch.nn.Module):
+            from .hooks import strip_hooks
+
+            strip_hooks(module)
+            module.to(CPU)
+        self.resident.discard(name)
+        for _kind, (_state, applied) in self.view_states.items():
+            applied.pop(name, None)
