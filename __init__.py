@@ -19,8 +19,17 @@ except ImportError:
     sys.path.append(_here)
 
 if __package__:
-    from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: E402
+    from . import nodes as _pack  # noqa: E402
 else:  # imported as a plain module (a test runner collecting this folder): use the installed package
-    from lingbot_nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: E402
+    import lingbot_nodes as _pack  # noqa: E402
 
-__all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]
+if _pack.HAVE_COMFY_API:
+    # ComfyUI with the V3 node API (0.3.48+): register through the extension entry point only,
+    # since ComfyUI ignores `comfy_entrypoint` when a module also has NODE_CLASS_MAPPINGS.
+    comfy_entrypoint = _pack.comfy_entrypoint
+    __all__ = ["comfy_entrypoint"]
+else:
+    # Without `comfy_api` (an older ComfyUI, or no ComfyUI): the same classes, run as V1 nodes.
+    NODE_CLASS_MAPPINGS = _pack.NODE_CLASS_MAPPINGS
+    NODE_DISPLAY_NAME_MAPPINGS = _pack.NODE_DISPLAY_NAME_MAPPINGS
+    __all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]

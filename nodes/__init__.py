@@ -1,37 +1,52 @@
-"""ComfyUI node classes for LingBot-Video: thin type translation over lingbot_core."""
+"""ComfyUI node classes for LingBot-Video: thin type translation over lingbot_core.
 
+The nodes are V3 (`io.ComfyNode`): inside ComfyUI they are registered through `comfy_entrypoint`,
+headless (no `comfy_api`) they run on the pack's own V3 subset (`v3_fallback`) in our engine.
+`NODE_CLASS_MAPPINGS` is the registry the headless engine, the CLI and the tests use.
+"""
+
+from __future__ import annotations
+
+from .caption import LingBotCaption
 from .conditioning import LingBotImageEncode, LingBotTextEncode
 from .image_input import LingBotLoadImage
 from .loader import LingBotLoader, LingBotMemoryReport, LingBotOffload, LingBotRelease
 from .output import LingBotDecode, LingBotSaveVideo
 from .sampling import LingBotDenoise, LingBotRefine
+from .v3 import HAVE_COMFY_API, ComfyExtension
 
-NODE_CLASS_MAPPINGS = {
-    "LingBotLoader": LingBotLoader,
-    "LingBotOffload": LingBotOffload,
-    "LingBotTextEncode": LingBotTextEncode,
-    "LingBotImageEncode": LingBotImageEncode,
-    "LingBotDenoise": LingBotDenoise,
-    "LingBotRefine": LingBotRefine,
-    "LingBotDecode": LingBotDecode,
-    "LingBotRelease": LingBotRelease,
-    "LingBotSaveVideo": LingBotSaveVideo,
-    "LingBotLoadImage": LingBotLoadImage,
-    "LingBotMemoryReport": LingBotMemoryReport,
-}
+NODES = [
+    LingBotLoader,
+    LingBotOffload,
+    LingBotTextEncode,
+    LingBotImageEncode,
+    LingBotDenoise,
+    LingBotRefine,
+    LingBotDecode,
+    LingBotRelease,
+    LingBotSaveVideo,
+    LingBotLoadImage,
+    LingBotMemoryReport,
+    LingBotCaption,
+]
 
-NODE_DISPLAY_NAME_MAPPINGS = {
-    "LingBotLoader": "LingBot Loader",
-    "LingBotOffload": "LingBot Offload",
-    "LingBotTextEncode": "LingBot Text Encode",
-    "LingBotImageEncode": "LingBot VAE Encode (first frame)",
-    "LingBotDenoise": "LingBot Denoise",
-    "LingBotRefine": "LingBot Refine (MoE)",
-    "LingBotDecode": "LingBot Decode",
-    "LingBotRelease": "LingBot Release",
-    "LingBotSaveVideo": "LingBot Save Video",
-    "LingBotLoadImage": "LingBot Load Image",
-    "LingBotMemoryReport": "LingBot Memory Report",
-}
 
-__all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]
+def _schema(cls):
+    return cls.define_schema()
+
+
+NODE_CLASS_MAPPINGS = {_schema(cls).node_id: cls for cls in NODES}
+NODE_DISPLAY_NAME_MAPPINGS = {_schema(cls).node_id: _schema(cls).display_name for cls in NODES}
+
+
+class LingBotExtension(ComfyExtension):
+    async def get_node_list(self):
+        return list(NODES)
+
+
+async def comfy_entrypoint() -> LingBotExtension:
+    """What ComfyUI (0.3.48 and newer, the V3 node API) calls to register the pack."""
+    return LingBotExtension()
+
+
+__all__ = ["HAVE_COMFY_API", "NODES", "NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "comfy_entrypoint"]

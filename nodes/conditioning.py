@@ -2,42 +2,66 @@
 
 from __future__ import annotations
 
+import logging
+
 from . import runtime
-from .types import COND, IMAGE_COND, MAX_SIZE, PIPE, geometry_errors
+from .types import CATEGORY, MAX_SIZE, Cond, ImageCond, Pipe, geometry_errors
+from .v3 import io
+
+log = logging.getLogger("lingbot_nodes")
+
+DEFAULT_PROMPT = ('{"comprehensive_description":{"scene_content_description":'
+                  '"A small red paper boat drifts along a canal at dawn."}}')
+_warned_prose = False
 
 
-class LingBotTextEncode:
+def warn_if_prose(prompt: str) -> bool:
+    """Log once per process that a plain-text prompt was given: LingBot was trained on structured
+    JSON captions and follows prose less well. Returns whether the prompt is prose."""
+    global _warned_prose
+    prose = isinstance(prompt, str) and bool(prompt.strip()) and not prompt.lstrip().startswith(("{", "["))
+    if prose and not _warned_prose:
+        _warned_prose = True
+        log.warning("lingbot: the prompt is plain prose; LingBot-Video was trained on structured JSON captions "
+                    "and follows them better. Build one with the LingBot Caption node.")
+    return prose
+
+
+class LingBotTextEncode(io.ComfyNode):
     """Prompt (structured JSON caption or prose) and negative -> cached conditioning (CPU)."""
 
-    CATEGORY = "LingBot-Video"
-    RETURN_TYPES = (COND,)
-    RETURN_NAMES = ("conditioning",)
-    FUNCTION = "encode"
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="LingBotTextEncode",
+            display_name="LingBot Text Encode",
+            category=CATEGORY,
+            description="Encodes the prompt and the negative prompt with the Qwen3-VL text encoder. The prompt "
+                        "is best a structured JSON caption (see LingBot Caption); for TI2V both prompts also "
+                        "see the first frame. The result is cached on the CPU, so a new seed does not re-encode.",
+            inputs=[
+                Pipe.Input("pipe", tooltip="From LingBot Loader or LingBot Offload"),
+                io.String.Input("prompt", multiline=True, dynamic_prompts=False, default=DEFAULT_PROMPT,
+                                tooltip="A structured JSON caption (preferred) or plain text"),
+                io.String.Input("negative_prompt", multiline=True, dynamic_prompts=False, default="",
+                                tooltip="Empty: the reference default negative prompt"),
+                io.Combo.Input("task", options=["t2v", "t2i", "ti2v"], default="t2v",
+                               tooltip="Picks the default negative (the image one for t2i); ti2v needs a first frame"),
+                ImageCond.Input("image_cond", optional=True,
+                                tooltip="TI2V: the first frame from LingBot VAE Encode (preferred)"),
+                io.Image.Input("image", optional=True,
+                               tooltip="TI2V without the VAE Encode node: the first frame, prepared at "
+                                       "image_width x image_height (use the Denoise size)"),
+                io.Int.Input("image_width", default=832, min=16, max=MAX_SIZE, step=16, optional=True,
+                             tooltip="Width the raw `image` is prepared at"),
+                io.Int.Input("image_height", default=480, min=16, max=MAX_SIZE, step=16, optional=True,
+                             tooltip="Height the raw `image` is prepared at"),
+            ],
+            outputs=[Cond.Output(display_name="conditioning", tooltip="Prompt and negative embeddings (CPU)")],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "pipe": (PIPE,),
-                "prompt": ("STRING", {"multiline": True, "dynamicPrompts": False,
-                                      "default": '{"comprehensive_description":{"scene_content_description":'
-                                                 '"A small red paper boat drifts along a canal at dawn."}}'}),
-                "negative_prompt": ("STRING", {"multiline": True, "dynamicPrompts": False, "default": "",
-                                               "tooltip": "empty: the reference default negative"}),
-                "task": (["t2v", "t2i", "ti2v"], {"default": "t2v",
-                                                  "tooltip": "picks the default negative (image one for t2i)"}),
-            },
-            "optional": {
-                "image_cond": (IMAGE_COND, {"tooltip": "TI2V: both prompts see the first frame (preferred)"}),
-                "image": ("IMAGE", {"tooltip": "TI2V without the VAE Encode node: the first frame, prepared at "
-                                              "image_width x image_height (use the Denoise size)"}),
-                "image_width": ("INT", {"default": 832, "min": 16, "max": MAX_SIZE, "step": 16}),
-                "image_height": ("INT", {"default": 480, "min": 16, "max": MAX_SIZE, "step": 16}),
-            },
-        }
-
-    @classmethod
-    def VALIDATE_INPUTS(cls, prompt=None):
+    def validate_inputs(cls, prompt=None):
         if isinstance(prompt, str):
             from lingbot_core.prompt import caption_to_text
 
@@ -48,11 +72,13 @@ class LingBotTextEncode:
                 return str(err)
         return True
 
-    def encode(self, pipe, prompt, negative_prompt="", task="t2v", image_cond=None, image=None, image_width=832,
-               image_height=480):
+    @classmethod
+    def execute(cls, pipe, prompt, negative_prompt="", task="t2v", image_cond=None, image=None, image_width=832,
+                image_height=480):
         from lingbot_core import stages
         from lingbot_core.image import load_image, prepare_image_pixels
 
+        warn_if_prose(prompt)
         if image_cond is None and image is not None:
             # The vision tower sees the frame as prepared for the video size, as the reference does.
             image_cond = prepare_image_pixels(load_image(image), int(image_height), int(image_width))
@@ -61,36 +87,38 @@ class LingBotTextEncode:
         with runtime.node_work(label="text encode"):
             cond = stages.encode_prompt(pipe, prompt, negative_prompt, image=image_cond,
                                         mode=task if image_cond is None else "ti2v")
-        return (cond,)
+        return io.NodeOutput(cond)
 
 
-class LingBotImageEncode:
+class LingBotImageEncode(io.ComfyNode):
     """TI2V first frame: reference pixel preparation and the VAE posterior of the frame."""
 
-    CATEGORY = "LingBot-Video"
-    RETURN_TYPES = (IMAGE_COND,)
-    RETURN_NAMES = ("image_cond",)
-    FUNCTION = "encode"
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="LingBotImageEncode",
+            display_name="LingBot VAE Encode (first frame)",
+            category=CATEGORY,
+            description="TI2V: resizes and crops the first frame as the reference does and encodes it with the "
+                        "Wan VAE. Feed it to Text Encode and Denoise at the same width and height.",
+            inputs=[
+                Pipe.Input("pipe", tooltip="From LingBot Loader or LingBot Offload"),
+                io.Image.Input("image", tooltip="The first frame (the first image of the batch is used)"),
+                io.Int.Input("width", default=832, min=16, max=MAX_SIZE, step=16,
+                             tooltip="Video width (a multiple of 16); must match Denoise"),
+                io.Int.Input("height", default=480, min=16, max=MAX_SIZE, step=16,
+                             tooltip="Video height (a multiple of 16); must match Denoise"),
+            ],
+            outputs=[ImageCond.Output(display_name="image_cond", tooltip="Prepared pixels and the VAE latent")],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "pipe": (PIPE,),
-                "image": ("IMAGE",),
-                "width": ("INT", {"default": 832, "min": 16, "max": MAX_SIZE, "step": 16}),
-                "height": ("INT", {"default": 480, "min": 16, "max": MAX_SIZE, "step": 16}),
-            }
-        }
-
-    @classmethod
-    def VALIDATE_INPUTS(cls, width=None, height=None):
-        if width is None or height is None:
-            return True
+    def validate_inputs(cls, width=None, height=None):
         return geometry_errors(width, height)
 
-    def encode(self, pipe, image, width, height):
+    @classmethod
+    def execute(cls, pipe, image, width, height):
         from lingbot_core import stages
 
         with runtime.node_work(label="vae encode"):
-            return (stages.encode_image(pipe, image, int(height), int(width)),)
+            return io.NodeOutput(stages.encode_image(pipe, image, int(height), int(width)))

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from .types import CATEGORY
+from .v3 import io
+
 
 def test_pattern(height: int = 256, width: int = 384) -> torch.Tensor:
     """Diagonal colour bands: a deterministic first frame for demos and tests, [1,H,W,3] in 0..1."""
@@ -14,36 +17,42 @@ def test_pattern(height: int = 256, width: int = 384) -> torch.Tensor:
     return rgb.unsqueeze(0).float()
 
 
-class LingBotLoadImage:
-    CATEGORY = "LingBot-Video"
-    RETURN_TYPES = ("IMAGE",)
-    RETURN_NAMES = ("image",)
-    FUNCTION = "load"
+class LingBotLoadImage(io.ComfyNode):
+    """An image file (or a built-in test pattern) as IMAGE, without ComfyUI's upload folder."""
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"path": ("STRING", {"default": "", "tooltip": "empty: a built-in test pattern"})}}
+    def define_schema(cls):
+        return io.Schema(
+            node_id="LingBotLoadImage",
+            display_name="LingBot Load Image",
+            category=CATEGORY,
+            description="Loads an image file as IMAGE for TI2V; with an empty path, a built-in colour test pattern. "
+                        "Works headless too (core Load Image needs the server's input folder).",
+            inputs=[io.String.Input("path", default="", tooltip="An image file; empty: a built-in test pattern")],
+            outputs=[io.Image.Output(display_name="image", tooltip="The image [1,H,W,3] in 0..1")],
+        )
 
     @classmethod
-    def IS_CHANGED(cls, path=""):
+    def fingerprint_inputs(cls, path=""):
         import os
 
         return os.path.getmtime(path) if path and os.path.isfile(path) else path
 
     @classmethod
-    def VALIDATE_INPUTS(cls, path=""):
+    def validate_inputs(cls, path=""):
         import os
 
         if path and not os.path.isfile(path):
             return f"image file not found: {path}"
         return True
 
-    def load(self, path=""):
+    @classmethod
+    def execute(cls, path=""):
         import numpy as np
 
         from lingbot_core.image import load_image
 
         if not path:
-            return (test_pattern(),)
+            return io.NodeOutput(test_pattern())
         array = np.asarray(load_image(path), dtype=np.float32) / 255.0
-        return (torch.from_numpy(array).unsqueeze(0),)
+        return io.NodeOutput(torch.from_numpy(array).unsqueeze(0))

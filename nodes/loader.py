@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import runtime
-from .types import ANY, PIPE
+from .types import CATEGORY, Pipe, problems_or_true
+from .v3 import io, ui
 
 TINY = {"tiny (built-in dense)": "dense", "tiny (built-in moe)": "moe"}
 DTYPES = {"auto": None, "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -35,82 +36,114 @@ def resolve_checkpoint(choice: str, path: str = "") -> Path:
     raise ValueError(f"checkpoint {choice!r} not found under {', '.join(map(str, runtime.model_roots()))}")
 
 
-class LingBotLoader:
+class LingBotLoader(io.ComfyNode):
     """Validates a checkpoint and returns a handle; components load when a stage first needs them."""
 
-    CATEGORY = "LingBot-Video"
-    RETURN_TYPES = (PIPE,)
-    RETURN_NAMES = ("pipe",)
-    FUNCTION = "load"
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="LingBotLoader",
+            display_name="LingBot Loader",
+            category=CATEGORY,
+            description="Opens a LingBot-Video checkpoint (dense 1.3B or MoE 30B-A3B, diffusers folder layout) "
+                        "and returns the pipeline handle every other LingBot node takes. Nothing heavy loads "
+                        "here: each component loads when a stage first needs it.",
+            inputs=[
+                io.Combo.Input("checkpoint", options=checkpoint_choices(), default=next(iter(TINY)),
+                               tooltip="A folder under models/lingbot_video/ holding model_index.json, or a "
+                                       "built-in tiny random-weight model (for trying workflows; output is noise)"),
+                io.Combo.Input("variant", options=["auto", "dense", "moe"], default="auto",
+                               tooltip="auto: read it from the checkpoint; dense/moe: also check that it matches"),
+                io.Combo.Input("dtype", options=list(DTYPES), default="auto",
+                               tooltip="auto: the DiT as stored (bf16 for the published checkpoints); text "
+                                       "encoder bf16 on GPU, fp32 on CPU (the VAE stays fp32)"),
+                io.Combo.Input("attention", options=ATTENTION, default="default",
+                               tooltip="Attention kernel of the DiT. default: PyTorch SDPA; flash/sage/xformers "
+                                       "need their package installed"),
+                io.String.Input("path", default="", optional=True,
+                                tooltip="A checkpoint folder; overrides the combo when not empty"),
+                io.Combo.Input("device", options=["auto", "cuda", "cpu"], default="auto", optional=True,
+                               tooltip="Execution device. auto: ComfyUI's device inside ComfyUI (honours --cpu "
+                                       "and --cuda-device), else CUDA when available"),
+                io.Combo.Input("weights", options=WEIGHTS, default="auto", optional=True,
+                               tooltip="auto: as stored (bf16, pre-quantized fp8, or a transformer/*.gguf); "
+                                       "fp8_e4m3: quantize the DiT's weights on load"),
+            ],
+            outputs=[Pipe.Output(display_name="pipe", tooltip="The pipeline handle")],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "checkpoint": (checkpoint_choices(), {"default": next(iter(TINY))}),
-                "variant": (["auto", "dense", "moe"], {"default": "auto"}),
-                "dtype": (list(DTYPES), {"default": "auto", "tooltip": "auto: the DiT as stored (bf16 for the published "
-                                                                       "checkpoints); text encoder bf16 on GPU, fp32 on CPU"}),
-                "attention": (ATTENTION, {"default": "default"}),
-            },
-            "optional": {
-                "path": ("STRING", {"default": "", "tooltip": "a checkpoint folder; overrides the combo"}),
-                "device": (["auto", "cuda", "cpu"], {"default": "auto"}),
-                "weights": (WEIGHTS, {"default": "auto", "tooltip": "auto: as stored (bf16, pre-quantized fp8, or a "
-                                      "transformer/*.gguf); fp8_e4m3: quantize the DiT's weights on load"}),
-            },
-        }
+    def validate_inputs(cls, attention=None, device=None):
+        problems = {}
+        if isinstance(attention, str):
+            problem = runtime.attention_problem(attention, device if isinstance(device, str) else "auto")
+            if problem:
+                problems["attention"] = problem
+        if isinstance(device, str):
+            problem = runtime.device_problem(device)
+            if problem:
+                problems["device"] = problem
+        return problems_or_true(problems)
 
-    def load(self, checkpoint, variant, dtype, attention, path="", device="auto", weights="auto"):
+    @classmethod
+    def execute(cls, checkpoint, variant, dtype, attention, path="", device="auto", weights="auto"):
         import torch
 
         from lingbot_core.handle import PipelineHandle
 
         runtime.install_memory_cooperation()
         folder = resolve_checkpoint(checkpoint, path)
-        chosen = None if device == "auto" else device
         dtypes = {"transformer": None, "refiner": None}  # auto: the DiTs as stored
+        dtypes.update(runtime.comfy_dtypes())  # ... unless ComfyUI's dtype flags say otherwise
         if DTYPES[dtype] is not None:
             dt = getattr(torch, DTYPES[dtype])
             dtypes = {"transformer": dt, "refiner": dt, "text_encoder": dt}
-        handle = PipelineHandle.open(folder, device=chosen, dtypes=dtypes, weights=weights,
+        handle = PipelineHandle.open(folder, device=runtime.execution_device(device), dtypes=dtypes, weights=weights,
                                      attention_backend=None if attention == "default" else attention)
         if variant != "auto" and handle.variant != variant:
             raise ValueError(f"{folder} is a {handle.variant} checkpoint, but the loader asks for {variant}")
-        return (handle,)
+        return io.NodeOutput(handle)
 
 
-class LingBotOffload:
+class LingBotOffload(io.ComfyNode):
     """Returns a view of the pipe with its own offload settings, applied when a stage enters."""
 
-    CATEGORY = "LingBot-Video"
-    RETURN_TYPES = (PIPE,)
-    RETURN_NAMES = ("pipe",)
-    FUNCTION = "configure"
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="LingBotOffload",
+            display_name="LingBot Offload",
+            category=CATEGORY,
+            description="Chooses where the components live while stages run (GPU, CPU, streamed), as a view "
+                        "of the pipe: the Loader's cached handle is not changed, so two Offload nodes with "
+                        "different settings can share one Loader.",
+            inputs=[
+                Pipe.Input("pipe", tooltip="From LingBot Loader"),
+                io.Combo.Input("mode", options=["auto", "none", "model", "sequential", "group"], default="auto",
+                               tooltip="auto: the fastest mode expected to fit the free GPU memory for the size "
+                                       "below. none: all on the GPU. model: one component at a time. "
+                                       "sequential: layer by layer (smallest, slowest). group: DiT blocks streamed"),
+                io.Boolean.Input("use_stream", default=True, optional=True,
+                                 tooltip="group: prefetch the next blocks on a CUDA stream"),
+                io.Boolean.Input("low_cpu_mem_usage", default=False, optional=True,
+                                 tooltip="group: pin host memory on the fly instead of up front (less RAM, slower)"),
+                io.Int.Input("num_blocks_per_group", default=1, min=1, max=64, optional=True,
+                             tooltip="group: DiT blocks moved together"),
+                io.Int.Input("plan_width", default=832, min=16, max=4096, step=16, optional=True,
+                             tooltip="auto: the video width to plan memory for"),
+                io.Int.Input("plan_height", default=480, min=16, max=4096, step=16, optional=True,
+                             tooltip="auto: the video height to plan memory for"),
+                io.Int.Input("plan_frames", default=121, min=1, max=1025, step=4, optional=True,
+                             tooltip="auto: the frame count to plan memory for"),
+                io.Boolean.Input("plan_refine", default=True, optional=True,
+                                 tooltip="auto: include the 1088x1920 refiner pass (MoE)"),
+            ],
+            outputs=[Pipe.Output(display_name="pipe", tooltip="A view of the pipe with these offload settings")],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "pipe": (PIPE,),
-                "mode": (["auto", "none", "model", "sequential", "group"], {
-                    "default": "auto",
-                    "tooltip": "auto: the fastest mode expected to fit the free GPU memory for the size below"}),
-            },
-            "optional": {
-                "use_stream": ("BOOLEAN", {"default": True, "tooltip": "group: prefetch on a CUDA stream"}),
-                "low_cpu_mem_usage": ("BOOLEAN", {"default": False, "tooltip": "group: pin on the fly"}),
-                "num_blocks_per_group": ("INT", {"default": 1, "min": 1, "max": 64}),
-                "plan_width": ("INT", {"default": 832, "min": 16, "max": 4096, "step": 16,
-                                       "tooltip": "auto: the video size to plan for"}),
-                "plan_height": ("INT", {"default": 480, "min": 16, "max": 4096, "step": 16}),
-                "plan_frames": ("INT", {"default": 121, "min": 1, "max": 1025, "step": 4}),
-                "plan_refine": ("BOOLEAN", {"default": True, "tooltip": "auto: include the 1088x1920 refiner (MoE)"}),
-            },
-        }
-
-    def configure(self, pipe, mode, use_stream=True, low_cpu_mem_usage=False, num_blocks_per_group=1,
-                  plan_width=832, plan_height=480, plan_frames=121, plan_refine=True):
+    def execute(cls, pipe, mode, use_stream=True, low_cpu_mem_usage=False, num_blocks_per_group=1,
+                plan_width=832, plan_height=480, plan_frames=121, plan_refine=True):
         from lingbot_core.offload import configure_offload
 
         options = {}
@@ -120,51 +153,63 @@ class LingBotOffload:
         elif mode == "auto":
             options = dict(width=int(plan_width), height=int(plan_height), num_frames=int(plan_frames),
                            refine=(1088, 1920) if plan_refine and pipe.variant == "moe" else None)
-        return (configure_offload(pipe, mode, **options),)
+        return io.NodeOutput(configure_offload(pipe, mode, **options))
 
 
-class LingBotMemoryReport:
+class LingBotMemoryReport(io.ComfyNode):
     """Where each component lives now (GPU, pinned CPU, CPU, meta, not loaded) and its size."""
 
-    CATEGORY = "LingBot-Video"
-    RETURN_TYPES = (ANY, "STRING")
-    RETURN_NAMES = ("value", "report")
-    FUNCTION = "report"
-    OUTPUT_NODE = True
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="LingBotMemoryReport",
+            display_name="LingBot Memory Report",
+            category=CATEGORY,
+            description="After `value` is computed, reports where each component lives (GPU, pinned CPU, CPU, "
+                        "not loaded) and its size. The report is a STRING output: wire it to Preview Any or "
+                        "a text display node; headless runs print it.",
+            inputs=[
+                Pipe.Input("pipe", tooltip="The pipe to report on"),
+                io.AnyType.Input("value", tooltip="Report after this has been computed (passed through)"),
+            ],
+            outputs=[io.AnyType.Output(display_name="value", tooltip="`value`, unchanged"),
+                     io.String.Output(display_name="report", tooltip="The memory report as text")],
+            is_output_node=True,
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"pipe": (PIPE,), "value": (ANY, {"tooltip": "report after this has been computed"})}}
-
-    def report(self, pipe, value):
+    def execute(cls, pipe, value):
         from lingbot_core.memory import memory_report
 
         text = str(memory_report(pipe))
-        return {"ui": {"text": [text]}, "result": (value, text)}
+        return io.NodeOutput(value, text, ui=ui.PreviewText(text))
 
 
-class LingBotRelease:
+class LingBotRelease(io.ComfyNode):
     """Frees the pipe's components (hooks first) after `value` is computed; passes `value` through."""
 
-    CATEGORY = "LingBot-Video"
-    RETURN_TYPES = (ANY,)
-    RETURN_NAMES = ("value",)
-    FUNCTION = "release"
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="LingBotRelease",
+            display_name="LingBot Release",
+            category=CATEGORY,
+            description="Frees the pipe's components (GPU and host memory) once `value` is computed and passes "
+                        "`value` on. The handle stays usable: the next run loads what it needs again.",
+            inputs=[
+                Pipe.Input("pipe", tooltip="The pipe whose components to free"),
+                io.AnyType.Input("value", tooltip="Wire the last output here: the release runs after it"),
+                io.Combo.Input("what", options=["all", "base transformer", "refiner", "text encoder"],
+                               default="all", tooltip="Which components to free"),
+            ],
+            outputs=[io.AnyType.Output(display_name="value", tooltip="`value`, unchanged")],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "pipe": (PIPE,),
-                "value": (ANY, {"tooltip": "wire the last output here: release runs after it"}),
-                "what": (["all", "base transformer", "refiner", "text encoder"], {"default": "all"}),
-            }
-        }
-
-    def release(self, pipe, value, what="all"):
+    def execute(cls, pipe, value, what="all"):
         from lingbot_core.offload import release
 
         names = {"all": None, "base transformer": ["transformer"], "refiner": ["refiner"],
                  "text encoder": ["text_encoder"]}[what]
         release(pipe, names)
-        return (value,)
+        return io.NodeOutput(value)

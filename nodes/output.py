@@ -2,33 +2,54 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
 from pathlib import Path
 
 from . import runtime
-from .types import PIPE, latent_in
+from .types import CATEGORY, Pipe, latent_in
+from .v3 import InputImpl, Types, io
 
 
-class LingBotDecode:
-    CATEGORY = "LingBot-Video"
-    RETURN_TYPES = ("IMAGE",)
-    RETURN_NAMES = ("images",)
-    FUNCTION = "decode"
+def video_value(frames, fps: float):
+    """Frames [T,H,W,3] and a frame rate as ComfyUI's VIDEO (core SaveVideo, GetVideoComponents...)."""
+    rate = Fraction(float(fps)).limit_denominator(1001)
+    return InputImpl.VideoFromComponents(Types.VideoComponents(images=frames, audio=None, frame_rate=rate))
+
+
+class LingBotDecode(io.ComfyNode):
+    """Latents -> frames (IMAGE) and the same frames as a VIDEO."""
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {"pipe": (PIPE,), "latent": ("LATENT",)},
-            "optional": {
-                "tiling": ("BOOLEAN", {"default": False}),
-                "tile_height": ("INT", {"default": 256, "min": 32, "max": 4096, "step": 16}),
-                "tile_width": ("INT", {"default": 256, "min": 32, "max": 4096, "step": 16}),
-                "stride_height": ("INT", {"default": 192, "min": 16, "max": 4096, "step": 16}),
-                "stride_width": ("INT", {"default": 192, "min": 16, "max": 4096, "step": 16}),
-            },
-        }
+    def define_schema(cls):
+        return io.Schema(
+            node_id="LingBotDecode",
+            display_name="LingBot Decode",
+            category=CATEGORY,
+            description="Decodes LATENT video latents with the Wan VAE into frames (IMAGE, frames as the batch) "
+                        "and the same frames as a VIDEO at `fps`, which core Save Video and other video nodes take.",
+            inputs=[
+                Pipe.Input("pipe", tooltip="From LingBot Loader or LingBot Offload"),
+                io.Latent.Input("latent", tooltip="From LingBot Denoise or Refine (raw Wan 2.1 VAE latents)"),
+                io.Boolean.Input("tiling", default=False, optional=True,
+                                 tooltip="Decode in overlapping tiles: much less memory, a little slower"),
+                io.Int.Input("tile_height", default=256, min=32, max=4096, step=16, optional=True,
+                             tooltip="Tile height in pixels"),
+                io.Int.Input("tile_width", default=256, min=32, max=4096, step=16, optional=True,
+                             tooltip="Tile width in pixels"),
+                io.Int.Input("stride_height", default=192, min=16, max=4096, step=16, optional=True,
+                             tooltip="Vertical distance between tiles (smaller than the tile: they overlap)"),
+                io.Int.Input("stride_width", default=192, min=16, max=4096, step=16, optional=True,
+                             tooltip="Horizontal distance between tiles"),
+                io.Float.Input("fps", default=24.0, min=1.0, max=120.0, step=1.0, optional=True,
+                               tooltip="Frame rate of the VIDEO output (LingBot-Video is trained at 24)"),
+            ],
+            outputs=[io.Image.Output(display_name="images", tooltip="Frames [T,H,W,3] in 0..1"),
+                     io.Video.Output(display_name="video", tooltip="The frames as a VIDEO at `fps`")],
+        )
 
-    def decode(self, pipe, latent, tiling=False, tile_height=256, tile_width=256, stride_height=192,
-               stride_width=192):
+    @classmethod
+    def execute(cls, pipe, latent, tiling=False, tile_height=256, tile_width=256, stride_height=192,
+                stride_width=192, fps=24.0):
         from lingbot_core import stages
 
         options = None
@@ -37,39 +58,44 @@ class LingBotDecode:
                            tile_sample_stride_height=int(stride_height), tile_sample_stride_width=int(stride_width))
         with runtime.node_work(label="decode"):
             frames = stages.decode_vae_latents(pipe, latent_in(latent), tiling=options if tiling else False)
-        return (frames,)
+        runtime.log_run_summary(pipe, frames)
+        return io.NodeOutput(frames, video_value(frames, fps))
 
 
-class LingBotSaveVideo:
+class LingBotSaveVideo(io.ComfyNode):
     """IMAGE frames -> mp4 (PyAV's bundled FFmpeg), or PNG for a single frame."""
 
-    CATEGORY = "LingBot-Video"
-    RETURN_TYPES = ()
-    FUNCTION = "save"
-    OUTPUT_NODE = True
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="LingBotSaveVideo",
+            display_name="LingBot Save Video",
+            category=CATEGORY,
+            description="Saves frames to ComfyUI's output folder: an H.264 mp4 (PyAV, no ffmpeg needed), or a "
+                        "PNG for a single frame, with the workflow embedded, and shows it in the editor.",
+            inputs=[
+                io.Image.Input("images", tooltip="Frames [T,H,W,3] from LingBot Decode"),
+                io.Float.Input("fps", default=24.0, min=1.0, max=120.0, step=1.0, tooltip="Frame rate of the mp4"),
+                io.String.Input("filename_prefix", default="lingbot/video",
+                                tooltip="File name prefix, relative to the output folder; may hold a subfolder"),
+            ],
+            outputs=[],
+            is_output_node=True,
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "images": ("IMAGE",),
-                "fps": ("FLOAT", {"default": 24.0, "min": 1.0, "max": 120.0, "step": 1.0}),
-                "filename_prefix": ("STRING", {"default": "lingbot/video"}),
-            },
-            "hidden": {"prompt": "PROMPT", "extra_pnginfo": "EXTRA_PNGINFO"},
-        }
-
-    @classmethod
-    def VALIDATE_INPUTS(cls, filename_prefix=None):
+    def validate_inputs(cls, filename_prefix=None):
         if isinstance(filename_prefix, str) and (Path(filename_prefix).is_absolute() or ".." in Path(filename_prefix).parts):
             return "filename_prefix must be a relative path inside the output folder"
         return True
 
-    def save(self, images, fps, filename_prefix, prompt=None, extra_pnginfo=None):
+    @classmethod
+    def execute(cls, images, fps, filename_prefix):
         import json
 
         from lingbot_core.video import save_frames
 
+        prompt, extra_pnginfo = cls.hidden.prompt, cls.hidden.extra_pnginfo
         # The graph travels with the file, so dropping it back into ComfyUI restores the workflow.
         metadata = {}
         if prompt is not None:
@@ -85,4 +111,4 @@ class LingBotSaveVideo:
         path = save_frames(images, stem.parent / f"{stem.name}_{counter:05d}", float(fps), metadata)
         subfolder = str(path.parent.relative_to(root)) if path.parent != root else ""
         entry = {"filename": path.name, "subfolder": subfolder, "type": "output"}
-        return {"ui": {"images": [entry], "animated": (path.suffix == ".mp4",)}, "result": ()}
+        return io.NodeOutput(ui={"images": [entry], "animated": (path.suffix == ".mp4",)})

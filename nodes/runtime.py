@@ -55,10 +55,13 @@ class Progress:
 
             self._tqdm = tqdm(total=total, desc=label, leave=False, disable=not sys.stderr.isatty())
 
-    def update(self, value: int, total: int | None = None) -> None:
+    def update(self, value: int, total: int | None = None, preview: object = None) -> None:
         total = total or self.total
         if self._bar is not None:
-            self._bar.update_absolute(value, total)
+            if preview is not None:
+                self._bar.update_absolute(value, total, preview)
+            else:
+                self._bar.update_absolute(value, total)
         elif self._tqdm is not None:
             self._tqdm.n = value
             self._tqdm.refresh()
@@ -73,14 +76,25 @@ class Progress:
 
 
 @contextmanager
-def node_work(total_steps: int = 0, label: str = "lingbot") -> Iterator[Callable[[int, int, object], None]]:
+def node_work(total_steps: int = 0, label: str = "lingbot",
+              preview: bool = False) -> Iterator[Callable[[int, int, object], None]]:
     """Run node work with cancellation points installed; yield a per-step callback for stages."""
     check = interrupt_check()
     bar = Progress(total_steps, label) if total_steps else None
+    previewer = None
+    if preview:
+        from .preview import Previewer
 
-    def on_step(step: int, total: int, _latents: object) -> None:
+        previewer = Previewer(label, comfy=in_comfy())
+        previewer = previewer if previewer.active else None
+
+    def on_step(step: int, total: int, latents: object) -> None:
+        image = None
+        if previewer is not None:
+            image = previewer.comfy_preview(latents)
+            previewer.write(step, latents, _node_id())
         if bar is not None:
-            bar.update(step, total)
+            bar.update(step, total, image)
         check()
 
     check()
@@ -90,6 +104,108 @@ def node_work(total_steps: int = 0, label: str = "lingbot") -> Iterator[Callable
     finally:
         if bar is not None:
             bar.close()
+
+
+# -- devices, dtypes and attention kernels ---------------------------------------------------------
+
+_CUDA_ONLY_ATTENTION = {"flash", "sage", "xformers", "_native_flash", "_native_efficient", "_native_cudnn"}
+_ATTENTION_PACKAGES = {"flash": "flash_attn", "sage": "sageattention", "xformers": "xformers"}
+
+
+def execution_device(choice: str = "auto"):
+    """The torch device a new handle runs on: ComfyUI's own device for `auto` inside ComfyUI (it
+    honours `--cpu`, `--cuda-device`, `--directml`...), else CUDA when available, else the CPU."""
+    import torch
+
+    if choice and choice != "auto":
+        return torch.device(choice)
+    mm = _comfy("comfy.model_management") if in_comfy() else None
+    if mm is not None:
+        return torch.device(mm.get_torch_device())
+    from lingbot_core.handle import default_device
+
+    return default_device()
+
+
+def device_problem(choice: str) -> str | None:
+    """Why the Loader's `device` cannot be used here, or None."""
+    import torch
+
+    if choice == "cuda" and not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}, but no GPU is visible"
+        return (f"device 'cuda' was chosen, but PyTorch {torch.__version__} ({build}) has no CUDA device; "
+                "choose auto or cpu")
+    return None
+
+
+def attention_problem(name: str, device: str = "auto") -> str | None:
+    """Why the Loader's `attention` kernel cannot run, or None: the package it needs is missing
+    (diffusers' own requirement check), or it needs a CUDA device the run will not have."""
+    if name in ("default", None):
+        return None
+    try:
+        from diffusers.models import attention_dispatch
+
+        backend = attention_dispatch.AttentionBackendName(name)
+    except (ImportError, ValueError):
+        return f"unknown attention backend {name!r}"
+    check = getattr(attention_dispatch, "_check_attention_backend_requirements", None)
+    if check is not None:
+        try:
+            check(backend)
+        except (RuntimeError, ImportError) as exc:
+            return f"attention '{name}' cannot be used here: {exc}"
+    elif name in _ATTENTION_PACKAGES:
+        import importlib.util
+
+        if importlib.util.find_spec(_ATTENTION_PACKAGES[name]) is None:
+            return f"attention '{name}' needs the `{_ATTENTION_PACKAGES[name]}` package, which is not installed"
+    if name in _CUDA_ONLY_ATTENTION and device_problem(device) is None:
+        if execution_device(device).type != "cuda":
+            return f"attention '{name}' runs on CUDA only, but the run uses {execution_device(device)}; choose default"
+    return None
+
+
+def comfy_dtypes() -> dict:
+    """Inside ComfyUI: the component dtypes its command-line flags ask for (`--bf16-unet`,
+    `--fp16-text-enc`, `--force-fp32`, ...); empty when none is given or outside ComfyUI."""
+    import torch
+
+    cli = _comfy("comfy.cli_args") if in_comfy() else None
+    args = getattr(cli, "args", None)
+    if args is None:
+        return {}
+    chosen: dict = {}
+    if getattr(args, "force_fp32", False):
+        return {"transformer": torch.float32, "refiner": torch.float32, "text_encoder": torch.float32}
+    for flag, dtype in (("fp32_unet", torch.float32), ("bf16_unet", torch.bfloat16), ("fp16_unet", torch.float16)):
+        if getattr(args, flag, False):
+            chosen.update(transformer=dtype, refiner=dtype)
+    for flag, dtype in (("fp32_text_enc", torch.float32), ("bf16_text_enc", torch.bfloat16),
+                        ("fp16_text_enc", torch.float16)):
+        if getattr(args, flag, False):
+            chosen["text_encoder"] = dtype
+    return chosen
+
+
+def _node_id() -> str | None:
+    """The id of the node our engine is running (None inside ComfyUI or outside a run)."""
+    from lingbot_core.workflow.context import current_node_id
+
+    return current_node_id()
+
+
+def log_run_summary(pipe, frames) -> None:
+    """One INFO line per run (after the decode that ends it): what came out and where the
+    components are. The per-stage lines are DEBUG."""
+    import logging
+
+    logger = logging.getLogger("lingbot_nodes")
+    if logger.isEnabledFor(logging.INFO):
+        from lingbot_core.memory import memory_report
+
+        shape = "x".join(str(int(n)) for n in tuple(frames.shape)[:3])
+        logger.info("lingbot: decoded %s frames (T x H x W); %s", shape, memory_report(pipe).one_line())
 
 
 def output_dir() -> Path:
@@ -114,10 +230,39 @@ def model_roots() -> list[Path]:
     return roots
 
 
+def _device_index(device) -> int | None:
+    if device.index is not None or device.type != "cuda":
+        return device.index
+    import torch
+
+    return torch.cuda.current_device()
+
+
+def comfy_device_spellings(mm, device) -> list:
+    """`device` as ComfyUI's loaded models spell it. ComfyUI compares devices with `==`, and
+    `cuda` != `cuda:0` in torch although both name the same GPU: a request for the one would free
+    nothing loaded on the other. So: the indexed form ComfyUI itself uses, plus every other spelling
+    of the same device found among its loaded models."""
+    import torch
+
+    device = torch.device(device)
+    index = _device_index(device)
+    spellings = [torch.device(device.type, index) if index is not None else device]
+    for entry in list(getattr(mm, "current_loaded_models", [])):
+        other = getattr(entry, "device", None)
+        if isinstance(other, torch.device) and other.type == device.type and other not in spellings \
+                and _device_index(other) == index:
+            spellings.append(other)
+    return spellings
+
+
 def _free_comfy_memory(name, module, device, nbytes) -> None:
     mm = _comfy("comfy.model_management")
-    if mm is not None and nbytes:
-        mm.free_memory(nbytes + mm.minimum_inference_memory(), device)
+    if mm is None or not nbytes:
+        return
+    need = nbytes + mm.minimum_inference_memory()
+    for spelling in comfy_device_spellings(mm, device):
+        mm.free_memory(need, spelling)
 
 
 class ResidentStandIn:
@@ -193,10 +338,7 @@ def _track_resident(shared, device) -> None:
     mm = _comfy("comfy.model_management")
     if mm is None or not resident_bytes(shared):
         return
-    if device.type == "cuda" and device.index is None:  # ComfyUI compares devices with their index
-        import torch
-
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = comfy_device_spellings(mm, device)[0]  # ComfyUI compares devices with their index
     for entry in mm.current_loaded_models:
         if isinstance(entry, ResidentStandIn) and entry.real_model() is shared:
             return

@@ -3,105 +3,129 @@
 from __future__ import annotations
 
 from . import runtime
-from .types import COND, IMAGE_COND, MAX_FRAMES, MAX_SIZE, PIPE, geometry_errors, latent_in, latent_out
+from .types import (
+    CATEGORY,
+    MAX_FRAMES,
+    MAX_SIZE,
+    Cond,
+    ImageCond,
+    Pipe,
+    geometry_errors,
+    latent_in,
+    latent_out,
+)
+from .v3 import io
+
+SEED_MAX = 0xFFFFFFFFFFFFFFFF
 
 
-class LingBotDenoise:
-    CATEGORY = "LingBot-Video"
-    RETURN_TYPES = ("LATENT",)
-    RETURN_NAMES = ("latent",)
-    FUNCTION = "denoise"
-
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "pipe": (PIPE,),
-                "conditioning": (COND,),
-                "width": ("INT", {"default": 832, "min": 16, "max": MAX_SIZE, "step": 16}),
-                "height": ("INT", {"default": 480, "min": 16, "max": MAX_SIZE, "step": 16}),
-                "frames": ("INT", {"default": 121, "min": 1, "max": MAX_FRAMES, "step": 4}),
-                "steps": ("INT", {"default": 40, "min": 1, "max": 200}),
-                "cfg": ("FLOAT", {"default": 3.0, "min": 0.0, "max": 30.0, "step": 0.1}),
-                "shift": ("FLOAT", {"default": 3.0, "min": 0.01, "max": 100.0, "step": 0.1}),
-                "seed": ("INT", {"default": 42, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "control_after_generate": True}),
-            },
-            "optional": {
-                "image_cond": (IMAGE_COND,),
-                "latent": ("LATENT", {"tooltip": "start from these latents instead of fresh noise"}),
-            },
-        }
+class LingBotDenoise(io.ComfyNode):
+    """Flow-matching sampling from noise (or given latents) to video latents."""
 
     @classmethod
-    def VALIDATE_INPUTS(cls, width=None, height=None, frames=None):
-        if None in (width, height, frames):
-            return True
+    def define_schema(cls):
+        return io.Schema(
+            node_id="LingBotDenoise",
+            display_name="LingBot Denoise",
+            category=CATEGORY,
+            description="Samples a video (or one image with frames=1) with the LingBot DiT and the flow-matching "
+                        "UniPC scheduler. Outputs raw Wan 2.1 VAE latents as a LATENT, so core latent nodes and "
+                        "previews understand them.",
+            inputs=[
+                Pipe.Input("pipe", tooltip="From LingBot Loader or LingBot Offload"),
+                Cond.Input("conditioning", tooltip="From LingBot Text Encode"),
+                io.Int.Input("width", default=832, min=16, max=MAX_SIZE, step=16,
+                             tooltip="Video width in pixels, a multiple of 16"),
+                io.Int.Input("height", default=480, min=16, max=MAX_SIZE, step=16,
+                             tooltip="Video height in pixels, a multiple of 16"),
+                io.Int.Input("frames", default=121, min=1, max=MAX_FRAMES, step=4,
+                             tooltip="Frame count: 1 (an image) or 4n+1; 121 is 5 s at 24 fps"),
+                io.Int.Input("steps", default=40, min=1, max=200, tooltip="Sampling steps"),
+                io.Float.Input("cfg", default=3.0, min=0.0, max=30.0, step=0.1,
+                               tooltip="Classifier-free guidance scale; 1 or less skips the negative pass"),
+                io.Float.Input("shift", default=3.0, min=0.01, max=100.0, step=0.1,
+                               tooltip="Timestep shift of the flow-matching schedule"),
+                io.Int.Input("seed", default=42, min=0, max=SEED_MAX, control_after_generate=True,
+                             tooltip="Noise seed (a CPU generator: the same seed gives the same noise on any device)"),
+                ImageCond.Input("image_cond", optional=True,
+                                tooltip="TI2V: the first frame from LingBot VAE Encode, at the same size"),
+                io.Latent.Input("latent", optional=True, tooltip="Start from these latents instead of fresh noise"),
+            ],
+            outputs=[io.Latent.Output(display_name="latent", tooltip="Raw Wan 2.1 VAE latents (1,16,T,H/8,W/8)")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, width=None, height=None, frames=None):
         return geometry_errors(width, height, frames)
 
-    def denoise(self, pipe, conditioning, width, height, frames, steps, cfg, shift, seed, image_cond=None,
+    @classmethod
+    def execute(cls, pipe, conditioning, width, height, frames, steps, cfg, shift, seed, image_cond=None,
                 latent=None):
         from lingbot_core import stages
         from lingbot_core.latents import dit_to_vae, vae_to_dit
 
         start = vae_to_dit(latent_in(latent), pipe.vae_config()) if latent is not None else None
-        with runtime.node_work(steps, "denoise") as on_step:
+        with runtime.node_work(steps, "denoise", preview=True) as on_step:
             out = stages.denoise(pipe, conditioning, height=int(height), width=int(width), num_frames=int(frames),
                                  steps=int(steps), guidance_scale=float(cfg), shift=float(shift), seed=int(seed),
                                  image_cond=image_cond, latents=start, callback=on_step)
-        return (latent_out(dit_to_vae(out, pipe.vae_config())),)
+        return io.NodeOutput(latent_out(dit_to_vae(out, pipe.vae_config())))
 
 
-class LingBotRefine:
+class LingBotRefine(io.ComfyNode):
     """The MoE refiner (SDEdit at t_thresh) on base frames or a base LATENT."""
 
-    CATEGORY = "LingBot-Video"
-    RETURN_TYPES = ("LATENT",)
-    RETURN_NAMES = ("latent",)
-    FUNCTION = "refine"
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="LingBotRefine",
+            display_name="LingBot Refine (MoE)",
+            category=CATEGORY,
+            description="MoE only: upscales the base video and re-noises it to t_thresh, then denoises it with "
+                        "the refiner DiT (SDEdit), for a sharper high-resolution result. Outputs a LATENT.",
+            inputs=[
+                Pipe.Input("pipe", tooltip="A MoE pipe (the checkpoint has a refiner/ folder)"),
+                Cond.Input("conditioning", tooltip="Text-only conditioning (no image)"),
+                io.Int.Input("width", default=1920, min=16, max=MAX_SIZE, step=16,
+                             tooltip="Output width, a multiple of 16"),
+                io.Int.Input("height", default=1088, min=16, max=MAX_SIZE, step=16,
+                             tooltip="Output height, a multiple of 16"),
+                io.Int.Input("steps", default=8, min=1, max=200, tooltip="Refiner steps"),
+                io.Float.Input("t_thresh", default=0.85, min=0.01, max=1.0, step=0.01,
+                               tooltip="How far the base video is re-noised (1: from pure noise)"),
+                io.Float.Input("cfg", default=3.0, min=0.0, max=30.0, step=0.1, tooltip="Guidance scale"),
+                io.Float.Input("shift", default=3.0, min=0.01, max=100.0, step=0.1, tooltip="Timestep shift"),
+                io.Int.Input("seed", default=42, min=0, max=SEED_MAX, control_after_generate=True,
+                             tooltip="Noise seed"),
+                io.Latent.Input("latent", optional=True, tooltip="Base latents (decoded here), or give images"),
+                io.Image.Input("images", optional=True, tooltip="Base frames [T,H,W,3], instead of latent"),
+                io.Image.Input("first_frame", optional=True, tooltip="TI2V: the original input image"),
+                io.Boolean.Input("tiling", default=True, optional=True,
+                                 tooltip="Tiled VAE for the base decode and the refined encode (less memory)"),
+                io.Combo.Input("release_base", options=["auto", "on", "off"], default="auto", optional=True,
+                               tooltip="Drop the base DiT before the refiner loads (auto: whenever offload is "
+                                       "not 'none')"),
+            ],
+            outputs=[io.Latent.Output(display_name="latent", tooltip="Refined raw Wan 2.1 VAE latents")],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "pipe": (PIPE,),
-                "conditioning": (COND, {"tooltip": "text-only conditioning (no image)"}),
-                "width": ("INT", {"default": 1920, "min": 16, "max": MAX_SIZE, "step": 16}),
-                "height": ("INT", {"default": 1088, "min": 16, "max": MAX_SIZE, "step": 16}),
-                "steps": ("INT", {"default": 8, "min": 1, "max": 200}),
-                "t_thresh": ("FLOAT", {"default": 0.85, "min": 0.01, "max": 1.0, "step": 0.01}),
-                "cfg": ("FLOAT", {"default": 3.0, "min": 0.0, "max": 30.0, "step": 0.1}),
-                "shift": ("FLOAT", {"default": 3.0, "min": 0.01, "max": 100.0, "step": 0.1}),
-                "seed": ("INT", {"default": 42, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "control_after_generate": True}),
-            },
-            "optional": {
-                "latent": ("LATENT", {"tooltip": "base latents (decoded here), or give images"}),
-                "images": ("IMAGE", {"tooltip": "base frames [T,H,W,3]"}),
-                "first_frame": ("IMAGE", {"tooltip": "TI2V: the original input image"}),
-                "tiling": ("BOOLEAN", {"default": True}),
-                "release_base": (["auto", "on", "off"], {
-                    "default": "auto",
-                    "tooltip": "drop the base DiT before the refiner loads (auto: whenever offload is not 'none')"}),
-            },
-        }
-
-    @classmethod
-    def VALIDATE_INPUTS(cls, width=None, height=None):
-        if None in (width, height):
-            return True
+    def validate_inputs(cls, width=None, height=None):
         return geometry_errors(width, height)
 
-    def refine(self, pipe, conditioning, width, height, steps, t_thresh, cfg, shift, seed, latent=None, images=None,
-               first_frame=None, tiling=True, release_base="auto"):
+    @classmethod
+    def execute(cls, pipe, conditioning, width, height, steps, t_thresh, cfg, shift, seed, latent=None, images=None,
+                first_frame=None, tiling=True, release_base="auto"):
         from lingbot_core import stages
         from lingbot_core.latents import dit_to_vae
 
         if (latent is None) == (images is None):
             raise ValueError("connect exactly one of `latent` or `images` as the base video")
-        with runtime.node_work(steps, "refine") as on_step:
+        with runtime.node_work(steps, "refine", preview=True) as on_step:
             frames = images if images is not None else stages.decode_vae_latents(pipe, latent_in(latent))
             out = stages.refine(pipe, frames, conditioning, height=int(height), width=int(width), steps=int(steps),
                                 t_thresh=float(t_thresh), guidance_scale=float(cfg), shift=float(shift),
                                 seed=int(seed), first_frame=first_frame, tiling=bool(tiling), decode_output=False,
                                 release_base={"auto": None, "on": True, "off": False}[release_base],
                                 callback=on_step)
-        return (latent_out(dit_to_vae(out, pipe.vae_config())),)
+        return io.NodeOutput(latent_out(dit_to_vae(out, pipe.vae_config())))

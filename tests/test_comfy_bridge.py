@@ -46,6 +46,7 @@ def comfy(tmp_path, monkeypatch):
             raise InterruptProcessingException()
 
     mm.free_memory = free_memory
+    mm.get_torch_device = lambda: torch.device("cpu")
     mm.unload_all_models = lambda: free_memory(1e30, torch.device("cpu"))
     mm.minimum_inference_memory = lambda: 0
     mm.throw_exception_if_processing_interrupted = throw
@@ -91,9 +92,9 @@ def _prompt(overrides=()):
 def test_checkpoints_under_models_lingbot_video_are_offered(comfy, fixtures_root):
     target = comfy.tmp / "models" / "lingbot_video" / "my-dense"
     shutil.copytree(fixtures_root / "models" / "tiny-dense", target)
-    choices = NODE_CLASS_MAPPINGS["LingBotLoader"].INPUT_TYPES()["required"]["checkpoint"][0]
+    choices = NODE_CLASS_MAPPINGS["LingBotLoader"].INPUT_TYPES()["required"]["checkpoint"][1]["options"]
     assert "my-dense" in choices and "tiny (built-in dense)" in choices
-    handle, = NODE_CLASS_MAPPINGS["LingBotLoader"]().load("my-dense", "dense", "auto", "default")
+    handle, = NODE_CLASS_MAPPINGS["LingBotLoader"].execute("my-dense", "dense", "auto", "default").args
     assert handle.folder == target
 
 
@@ -148,7 +149,7 @@ def test_free_memory_before_our_components_move_to_an_accelerator(comfy, monkeyp
     from lingbot_core.placement import door
     from lingbot_nodes import runtime
 
-    NODE_CLASS_MAPPINGS["LingBotLoader"]().load("tiny (built-in dense)", "auto", "auto", "default")
+    NODE_CLASS_MAPPINGS["LingBotLoader"].execute("tiny (built-in dense)", "auto", "auto", "default")
     assert runtime._free_comfy_memory in door.MEMORY_LISTENERS
     assert runtime._track_resident in door.SETTLE_LISTENERS
     asked = []
@@ -168,3 +169,132 @@ def test_outside_comfyui_nothing_is_registered(monkeypatch):
     assert not runtime.in_comfy()
     runtime.install_memory_cooperation()
     assert door.MEMORY_LISTENERS == []
+
+
+class _Loaded:
+    """One entry of ComfyUI's current_loaded_models, on a given device."""
+
+    def __init__(self, device):
+        self.device = device
+        self.unloaded = False
+        self.currently_used = False
+        self.model = types.SimpleNamespace(model=self)
+
+    def is_dead(self):
+        return False
+
+    def model_offloaded_memory(self):
+        return 0
+
+    def model_memory(self):
+        return 1
+
+    def model_unload(self, _memory_to_free=None):
+        self.unloaded = True
+        return True
+
+
+@pytest.mark.parametrize("theirs, ours", [("cuda:0", "cuda"), ("cuda", "cuda:0"), ("cuda:0", "cuda:0")])
+def test_free_memory_reaches_comfy_models_however_the_gpu_is_spelled(comfy, monkeypatch, theirs, ours):
+    """ComfyUI compares devices with ==, and torch.device("cuda") != torch.device("cuda", 0): our
+    request must free ComfyUI's models on the same GPU whichever spelling either side uses."""
+    from lingbot_nodes import runtime
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    other_gpu = _Loaded(torch.device("cuda", 1))
+    same_gpu = _Loaded(torch.device(theirs))
+    comfy.mm.current_loaded_models[:] = [other_gpu, same_gpu]
+    runtime._free_comfy_memory("transformer", None, torch.device(ours), 10)
+    assert same_gpu.unloaded and not other_gpu.unloaded
+    assert comfy.mm.current_loaded_models == [other_gpu]
+
+
+def test_device_auto_is_comfyuis_device(comfy, monkeypatch):
+    from lingbot_nodes import runtime
+
+    monkeypatch.setattr(comfy.mm, "get_torch_device", lambda: torch.device("cpu"))  # as under --cpu
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # even on a GPU machine
+    assert runtime.execution_device("auto") == torch.device("cpu")
+    handle, = NODE_CLASS_MAPPINGS["LingBotLoader"].execute("tiny (built-in dense)", "auto", "auto", "default").args
+    assert handle.device == torch.device("cpu")
+    monkeypatch.setattr(comfy.mm, "get_torch_device", lambda: torch.device("cuda", 0))
+    assert runtime.execution_device("auto") == torch.device("cuda", 0)
+    assert runtime.execution_device("cpu") == torch.device("cpu")
+
+
+def test_loader_refuses_missing_attention_packages_and_devices(monkeypatch):
+    import importlib.util
+
+    from lingbot_core.workflow import WorkflowValidationError, load_workflow
+
+    prompt = load_workflow(API / "lingbot_t2v_dense.json", NODE_CLASS_MAPPINGS).to_dict()
+    engine = Engine(NODE_CLASS_MAPPINGS)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    prompt["1"]["inputs"]["device"] = "cuda"
+    if importlib.util.find_spec("sageattention") is None:
+        prompt["1"]["inputs"]["attention"] = "sage"
+    with pytest.raises(WorkflowValidationError) as err:
+        engine.validate(prompt)
+    found = {i.input_name: i.message for i in err.value.issues}
+    assert "no CUDA device" in found["device"] and "choose auto or cpu" in found["device"]
+    if importlib.util.find_spec("sageattention") is None:
+        assert "sage" in found["attention"].lower() and "install" in found["attention"].lower()
+    prompt["1"]["inputs"].update(device="cpu", attention="_native_flash")
+    with pytest.raises(WorkflowValidationError) as err:
+        engine.validate(prompt)
+    assert [(i.input_name, "CUDA only" in i.message) for i in err.value.issues] == [("attention", True)]
+
+
+def test_denoise_sends_comfyuis_latent_previews(comfy, monkeypatch):
+    """Each step's progress update carries the preview ComfyUI's previewer made for Wan 2.1 latents."""
+    made = []
+
+    class FakePreviewer:
+        def decode_latent_to_preview_image(self, fmt, x0):
+            made.append(tuple(x0.shape))
+            return (fmt, "image", 512)
+
+    latent_preview = types.ModuleType("latent_preview")
+    latent_formats = types.ModuleType("comfy.latent_formats")
+    latent_formats.Wan21 = type("Wan21", (), {"latent_channels": 16})
+    asked = []
+    latent_preview.get_previewer = lambda device, fmt: asked.append(type(fmt).__name__) or FakePreviewer()
+    monkeypatch.setitem(sys.modules, "latent_preview", latent_preview)
+    monkeypatch.setitem(sys.modules, "comfy.latent_formats", latent_formats)
+    sys.modules["comfy"].latent_formats = latent_formats
+    previews = []
+    original = sys.modules["comfy.utils"].ProgressBar.update_absolute
+
+    def update_absolute(self, value, total=None, preview=None):
+        previews.append(preview)
+        original(self, value, total)
+
+    monkeypatch.setattr(sys.modules["comfy.utils"].ProgressBar, "update_absolute", update_absolute)
+    prompt = _prompt()
+    Engine(NODE_CLASS_MAPPINGS).run(prompt)
+    steps = prompt.nodes["4"]["inputs"]["steps"]
+    assert asked == ["Wan21"] and len(made) == steps and made[0][:2] == (1, 16)
+    assert previews.count(("JPEG", "image", 512)) == steps
+
+
+def test_headless_preview_frames_per_step_and_one_info_line_per_run(tmp_path, monkeypatch, caplog):
+    import logging
+
+    from PIL import Image
+
+    from lingbot_core.workflow import apply_overrides
+
+    monkeypatch.setenv("LINGBOT_PREVIEW_DIR", str(tmp_path / "previews"))
+    prompt = load_workflow(API / "lingbot_t2v_dense.json", NODE_CLASS_MAPPINGS)
+    prompt = apply_overrides(prompt, ["Offload.mode=none"], NODE_CLASS_MAPPINGS)
+    with caplog.at_level(logging.DEBUG):
+        Engine(NODE_CLASS_MAPPINGS).run(prompt)
+    stage_lines = [r for r in caplog.records if r.getMessage().startswith("after ")]
+    summary = [r for r in caplog.records if r.name == "lingbot_nodes" and r.levelno == logging.INFO]
+    assert stage_lines and all(r.levelno == logging.DEBUG for r in stage_lines)
+    assert len(summary) == 1 and "decoded 9x64x64" in summary[0].getMessage()
+    files = sorted((tmp_path / "previews").glob("*.png"))
+    steps, width = prompt.nodes["4"]["inputs"]["steps"], prompt.nodes["4"]["inputs"]["width"]
+    assert [f.name for f in files] == [f"denoise_4_{i:04d}.png" for i in range(1, steps + 1)]
+    with Image.open(files[-1]) as image:
+        assert image.size[0] == width // 8 and image.mode == "RGB"

@@ -213,13 +213,13 @@ def test_text_encode_takes_a_raw_image_too():
     from lingbot_nodes.image_input import test_pattern
 
     nodes = NODE_CLASS_MAPPINGS
-    pipe, = nodes["LingBotLoader"]().load("tiny (built-in dense)", "auto", "auto", "default")
+    pipe, = nodes["LingBotLoader"].execute("tiny (built-in dense)", "auto", "auto", "default").args
     image = test_pattern(50, 70)
-    image_cond, = nodes["LingBotImageEncode"]().encode(pipe, image, 32, 32)
-    via_cond, = nodes["LingBotTextEncode"]().encode(pipe, "a boat", "", "ti2v", image_cond=image_cond)
-    via_image, = nodes["LingBotTextEncode"]().encode(pipe, "a boat", "", "ti2v", image=image, image_width=32,
-                                                     image_height=32)
+    image_cond, = nodes["LingBotImageEncode"].execute(pipe, image, 32, 32).args
+    via_cond, = nodes["LingBotTextEncode"].execute(pipe, "a boat", "", "ti2v", image_cond=image_cond).args
+    via_image, = nodes["LingBotTextEncode"].execute(pipe, "a boat", "", "ti2v", image=image, image_width=32,
+                                                    image_height=32).args
     assert torch.equal(via_cond.positive.embeds, via_image.positive.embeds)
     assert torch.equal(via_cond.negative.embeds, via_image.negative.embeds) and via_image.with_image
     with pytest.raises(ValueError, match="needs the first frame"):
-        nodes["LingBotTextEncode"]().encode(pipe, "a boat", "", "ti2v")
+        nodes["LingBotTextEncode"].execute(pipe, "a boat", "", "ti2v")

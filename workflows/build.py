@@ -18,9 +18,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from lingbot_core.workflow.nodeinfo import InputSpec, NodeClassInfo  # noqa: E402
 from nodes import NODE_CLASS_MAPPINGS  # noqa: E402
 
-WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN")
 PROMPT = ('{"comprehensive_description":{"scene_content_description":"A small red paper boat drifts along a '
           'narrow canal at dawn. Soft mist hangs over the water and a stone bridge arches in the background.",'
           '"camera_movement_description":"The camera tracks slowly to the right, keeping the boat centered."},'
@@ -118,45 +118,35 @@ WORKFLOWS = {
 }
 
 
-def _inputs(cls) -> list[tuple[str, tuple, bool]]:
-    spec = cls.INPUT_TYPES()
-    out = []
-    for section in ("required", "optional"):
-        for name, value in spec.get(section, {}).items():
-            out.append((name, value, section == "optional"))
-    return out
+def _info(class_type: str) -> NodeClassInfo:
+    return NodeClassInfo(class_type, NODE_CLASS_MAPPINGS[class_type])
 
 
-def _is_widget(decl: tuple) -> bool:
-    kind = decl[0]
-    return isinstance(kind, list) or kind in WIDGET_TYPES
+def _inputs(class_type: str) -> list[InputSpec]:
+    """Required then optional inputs, as the engine and the editor order them."""
+    return _info(class_type).visible_inputs()
 
 
-def _widget_value(widgets: dict, name: str, decl: tuple):
+def _widget_value(widgets: dict, spec: InputSpec):
     """The spec's value, else the input's declared default (new optional widgets need no spec edit)."""
-    if name in widgets:
-        return widgets[name]
-    options = decl[1] if len(decl) > 1 else {}
-    if "default" in options:
-        return options["default"]
-    return decl[0][0] if isinstance(decl[0], list) else None
-
-
-def _seed_control(decl: tuple) -> bool:
-    return decl[0] == "INT" and len(decl) > 1 and bool(decl[1].get("control_after_generate"))
+    if spec.name in widgets:
+        return widgets[spec.name]
+    if "default" in spec.options:
+        return spec.options["default"]
+    choices = spec.combo_options
+    return choices[0] if choices else None
 
 
 def to_api(nodes: list) -> dict:
     api = {}
     for node_id, class_type, title, widgets, links in nodes:
-        cls = NODE_CLASS_MAPPINGS[class_type]
         inputs = {}
-        for name, decl, _optional in _inputs(cls):
-            if name in links:
-                src, slot = links[name]
-                inputs[name] = [str(src), slot]
-            elif _is_widget(decl):
-                inputs[name] = _widget_value(widgets, name, decl)
+        for spec in _inputs(class_type):
+            if spec.name in links:
+                src, slot = links[spec.name]
+                inputs[spec.name] = [str(src), slot]
+            elif spec.is_widget:
+                inputs[spec.name] = _widget_value(widgets, spec)
         api[str(node_id)] = {"inputs": inputs, "class_type": class_type, "_meta": {"title": title}}
     return api
 
@@ -165,39 +155,36 @@ def to_ui(nodes: list, note: str) -> dict:
     link_rows, ui_nodes, heights = [], [], []
     outputs: dict[tuple[int, int], list[int]] = {}
     order = {node_id: i for i, (node_id, *_rest) in enumerate(nodes)}
+    classes = {node_id: class_type for node_id, class_type, *_rest in nodes}
     for node_id, class_type, _title, _widgets, links in nodes:
-        cls = NODE_CLASS_MAPPINGS[class_type]
         for name, (src, slot) in links.items():
             link_id = len(link_rows) + 1
-            dst_slot = [n for n, d, _o in _inputs(cls) if not _is_widget(d) or n in links].index(name)
-            src_cls = NODE_CLASS_MAPPINGS[next(n[1] for n in nodes if n[0] == src)]
-            link_rows.append([link_id, src, slot, node_id, dst_slot, src_cls.RETURN_TYPES[slot]])
+            dst_slot = [s.name for s in _inputs(class_type) if not s.is_widget or s.name in links].index(name)
+            link_rows.append([link_id, src, slot, node_id, dst_slot, str(_info(classes[src]).return_types[slot])])
             outputs.setdefault((src, slot), []).append(link_id)
     for node_id, class_type, title, widgets, links in nodes:
-        cls = NODE_CLASS_MAPPINGS[class_type]
+        info = _info(class_type)
         ui_inputs, values = [], []
-        for name, decl, _optional in _inputs(cls):
-            if name in links:
-                link_id = next(r[0] for r in link_rows if r[3] == node_id and r[2] == links[name][1]
-                               and r[1] == links[name][0])
-                entry = {"name": name, "type": decl[0] if isinstance(decl[0], str) else "COMBO", "link": link_id}
-                if _is_widget(decl):
-                    entry["widget"] = {"name": name}
+        for spec in _inputs(class_type):
+            if spec.name in links:
+                link_id = next(r[0] for r in link_rows if r[3] == node_id and r[2] == links[spec.name][1]
+                               and r[1] == links[spec.name][0])
+                entry = {"name": spec.name, "type": spec.type_name(), "link": link_id}
+                if spec.is_widget:
+                    entry["widget"] = {"name": spec.name}
                 ui_inputs.append(entry)
-            elif _is_widget(decl):
-                pass
-            else:
-                ui_inputs.append({"name": name, "type": decl[0], "link": None})
-            if _is_widget(decl) and name not in links:
-                values.append(_widget_value(widgets, name, decl))
-                if _seed_control(decl):
+            elif not spec.is_widget:
+                ui_inputs.append({"name": spec.name, "type": spec.type_name(), "link": None})
+            if spec.is_widget and spec.name not in links:
+                values.append(_widget_value(widgets, spec))
+                if spec.has_control_widget:
                     values.append("fixed")
-            elif _is_widget(decl):
-                values.append(widgets.get(name))
-        ui_outputs = [{"name": n, "type": t, "links": outputs.get((node_id, i), []), "slot_index": i}
-                      for i, (n, t) in enumerate(zip(getattr(cls, "RETURN_NAMES", cls.RETURN_TYPES), cls.RETURN_TYPES))]
+            elif spec.is_widget:
+                values.append(widgets.get(spec.name))
+        ui_outputs = [{"name": n, "type": str(t), "links": outputs.get((node_id, i), []), "slot_index": i}
+                      for i, (n, t) in enumerate(zip(info.return_names, info.return_types))]
         column = order[node_id]
-        multiline = sum(1 for _n, d, _o in _inputs(cls) if _is_widget(d) and len(d) > 1 and d[1].get("multiline"))
+        multiline = sum(1 for s in _inputs(class_type) if s.is_widget and s.options.get("multiline"))
         height = 60 + 26 * (len(values) + len(ui_inputs)) + 90 * multiline  # what the editor draws
         heights.append(height)
         ui_nodes.append({

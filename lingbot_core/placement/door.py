@@ -262,8 +262,8 @@ def stage(handle: PipelineHandle, *components: str, label: str | None = None) ->
             _settle(shared, components)
             for listener in list(SETTLE_LISTENERS):
                 listener(shared, handle.device)
-            if log.isEnabledFor(logging.INFO):
-                log.info("after %s: %s", label, memory_report(handle).one_line())
+            if log.isEnabledFor(logging.DEBUG):  # per stage: DEBUG (a run logs one INFO summary)
+                log.debug("after %s: %s", label, memory_report(handle).one_line())
 
 
 def resident_components(handle: PipelineHandle) -> set[str]:

@@ -1,4 +1,4 @@
-"""The headless engine: validate, schedule, cache and run a prompt of ComfyUI V1 node classes.
+"""The headless engine: validate, schedule, cache and run a prompt of ComfyUI node classes (V3 or V1).
 
 Semantics follow ComfyUI (0.3.x) so that what passes here behaves the same inside ComfyUI:
 execution is pulled from output nodes, only their ancestors run, results are cached by
@@ -173,17 +173,17 @@ class Engine:
 
     def _is_changed(self, plan: _Plan, node_id: str) -> Any:
         info = plan.info(node_id)
-        fn = getattr(info.cls, "IS_CHANGED", None)
-        if fn is None:
+        if info.fingerprint is None:
             return False
         kwargs: dict[str, Any] = {}
         for name, value in plan.prompt[node_id]["inputs"].items():
             if is_link(value):
                 kwargs[name] = None  # only constants are known before running
-            elif info.declared(name) is not None:
+            elif info.declared(name) is not None and info.declared(name).category != "hidden":
                 kwargs[name] = unwrap_constant(value)
-        for name, kind in info.hidden_values.items():
-            kwargs[name] = hidden_value(kind, node_id, plan.prompt, plan.extra_pnginfo)
+        as_kwargs, as_attrs = info.hidden_kwargs(_hidden_by_kind(info, node_id, plan))
+        kwargs.update(as_kwargs)
+        fn = info.bound(info.cls, as_attrs).fingerprint_inputs if info.v3 else info.fingerprint
         try:
             value = fn(**kwargs)
         except Exception as exc:  # ComfyUI turns this into NaN: always re-run, with a warning
@@ -329,11 +329,14 @@ class _Run:
         key = (node_id, class_type)
         obj = self.engine._objects.get(key)
         if obj is None:
-            obj = self._call(node_id, class_type, "creating the node object", info.cls)
+            obj = self._call(node_id, class_type, "creating the node object", info.new_object)
             self.engine._objects[key] = obj
         kwargs, missing = self._gather_inputs(node_id, info)
+        as_kwargs, as_attrs = info.hidden_kwargs(_hidden_by_kind(info, node_id, self.plan))
+        kwargs.update(as_kwargs)
+        obj = info.bound(obj, as_attrs)
 
-        lazy_check = getattr(obj, "check_lazy_status", None)
+        lazy_check = info.lazy_checker(obj)
         if lazy_check is not None:
             with node_context(ctx):
                 requested = self._call(node_id, class_type, "check_lazy_status", lazy_check, **kwargs)
@@ -349,11 +352,12 @@ class _Run:
                     self.schedule.add_strong_link(str(value[0]), node_id)
                 raise _Pending
 
-        function = getattr(obj, info.cls.FUNCTION)
+        function = info.function(obj)
+        name = "execute" if info.v3 else info.cls.FUNCTION
         with node_context(ctx):
-            result = self._call(node_id, class_type, info.cls.FUNCTION, function, **kwargs)
+            result = self._call(node_id, class_type, name, function, **kwargs)
             if inspect.isawaitable(result):
-                result = self._call(node_id, class_type, info.cls.FUNCTION, _await, result)
+                result = self._call(node_id, class_type, name, _await, result)
         outputs, ui = self._split_result(node_id, info, result)
         self.engine._store[self.keys[node_id]] = CacheEntry(outputs, ui)
 
@@ -403,30 +407,31 @@ class _Run:
                     kwargs[name] = entry.outputs[value[1]]
             elif spec is not None and spec.category != "hidden":
                 kwargs[name] = unwrap_constant(value)
-        for name, kind in info.hidden_values.items():
-            kwargs[name] = hidden_value(kind, node_id, self.plan.prompt, self.plan.extra_pnginfo)
         return kwargs, missing
 
     def _split_result(self, node_id: str, info: NodeClassInfo, result: Any) -> tuple[tuple[Any, ...], Any]:
         """A node returns a tuple, or ``{"ui": ..., "result": tuple}``; check it fits RETURN_TYPES."""
         expected = len(info.return_types)
-        ui = None
-        values: Any = result
-        if isinstance(result, Mapping):
-            if "expand" in result:
-                raise NodeExecutionError(node_id, info.class_type,
-                                         "returned a graph expansion ('expand'), which the headless engine does not support",
-                                         executed=self.executed)
-            ui = result.get("ui")
-            values = result.get("result", () if expected == 0 else None)
-        elif result is None and expected == 0:
-            values = ()
+        try:
+            values, ui, expand = info.split_result(result)
+        except ValueError as exc:
+            raise NodeExecutionError(node_id, info.class_type, str(exc), executed=self.executed) from exc
+        if expand is not None:
+            raise NodeExecutionError(node_id, info.class_type,
+                                     "returned a graph expansion ('expand'), which the headless engine does not support",
+                                     executed=self.executed)
         if not isinstance(values, (tuple, list)) or len(values) != expected:
             got = f"{len(values)} values" if isinstance(values, (tuple, list)) else repr(type(values).__name__)
             raise NodeExecutionError(node_id, info.class_type,
                                      f"returned {got}, but RETURN_TYPES declares {expected} output(s)",
                                      executed=self.executed)
         return tuple(values), ui
+
+
+def _hidden_by_kind(info: NodeClassInfo, node_id: str, plan: _Plan) -> dict[str, Any]:
+    """The hidden values the class asks for, keyed by kind (``UNIQUE_ID``, ``PROMPT``, ...)."""
+    return {kind: hidden_value(kind, node_id, plan.prompt, plan.extra_pnginfo)
+            for kind in info.hidden_values.values()}
 
 
 def _await(awaitable: Any) -> Any:

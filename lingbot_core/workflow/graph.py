@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ValidationIssue, WorkflowError, WorkflowValidationError, brief, clip
-from .nodeinfo import NodeClassInfo, is_link, link_types_compatible
+from .nodeinfo import NodeClassInfo, class_problem, is_link, link_types_compatible
 
 Registry = Mapping[str, type]
 
@@ -258,7 +258,7 @@ def class_infos(prompt: Mapping[str, Mapping[str, Any]], registry: Registry) -> 
         cls = registry.get(class_type)
         if cls is None:
             continue  # reported per node by check_structure
-        problem = _v1_problem(cls)
+        problem = class_problem(cls)
         if problem is None:
             try:
                 infos[class_type] = NodeClassInfo(class_type, cls)
@@ -268,17 +268,6 @@ def class_infos(prompt: Mapping[str, Mapping[str, Any]], registry: Registry) -> 
             broken.add(class_type)
             issues.append(ValidationIssue(node_id, class_type, None, f"class {problem}"))
     return infos, issues
-
-
-def _v1_problem(cls: type) -> str | None:
-    if not callable(getattr(cls, "INPUT_TYPES", None)):
-        return "has no INPUT_TYPES classmethod (only ComfyUI V1 node classes are supported)"
-    function = getattr(cls, "FUNCTION", None)
-    if not isinstance(function, str) or not callable(getattr(cls, function, None)):
-        return f"declares FUNCTION={function!r} but has no such method"
-    if not isinstance(getattr(cls, "RETURN_TYPES", ()), (tuple, list)):
-        return "has a RETURN_TYPES that is not a tuple"
-    return None
 
 
 def check_structure(

@@ -33,9 +33,8 @@ def validate_node(
     def issue(name: str | None, message: str) -> None:
         issues.append(ValidationIssue(node_id, class_type, name, message))
 
-    for flag in ("INPUT_IS_LIST", "OUTPUT_IS_LIST"):
-        value = getattr(info.cls, flag, False)
-        if value is True or (isinstance(value, (list, tuple)) and any(value)):
+    for flag, value in (("INPUT_IS_LIST", info.input_is_list), ("OUTPUT_IS_LIST", any(info.output_is_list))):
+        if value:
             issue(None, f"{flag} is not supported by the headless engine")
 
     for name, value in inputs.items():
@@ -177,17 +176,22 @@ def _run_validate_inputs(
         elif spec is not None and (name in params or takes_kwargs):
             kwargs[name] = unwrap_constant(value)
     for name, kind in info.hidden_values.items():
-        if name in params or takes_kwargs:
+        if not info.v3 and (name in params or takes_kwargs):  # V3 nodes read them from cls.hidden
             kwargs[name] = hidden_value(kind, node_id, prompt)
     if "input_types" in params:
         kwargs["input_types"] = dict(received_types)
     try:
-        result = info.cls.VALIDATE_INPUTS(**kwargs)
+        result = info.run_validator(kwargs, {kind: hidden_value(kind, node_id, prompt)
+                                             for kind in info.hidden_values.values()})
     except Exception as exc:
         return [ValidationIssue(node_id, info.class_type, None,
                                 f"VALIDATE_INPUTS raised {type(exc).__name__}: {clip(str(exc), 300)}")]
     if result is True:
         return []
+    per_input = getattr(result, "per_input", None)  # one message per wrong input (see InputProblems)
+    if isinstance(per_input, Mapping) and per_input:
+        return [ValidationIssue(node_id, info.class_type, str(name), clip(str(message), 500))
+                for name, message in per_input.items()]
     detail = "returned False" if result is False else clip(str(result), 500)
     names = sorted(k for k in kwargs if k != "input_types")
     input_name = names[0] if len(names) == 1 else None

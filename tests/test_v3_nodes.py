@@ -1,0 +1,143 @@
+"""The nodes as V3 classes: schemas read by the engine, hidden values, per-input validation, the V1 view."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from lingbot_core.workflow import Engine, WorkflowValidationError
+from lingbot_core.workflow.nodeinfo import NodeClassInfo
+from lingbot_nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS, NODES, comfy_entrypoint
+from lingbot_nodes.v3_fallback import ComfyNode, Hidden, NodeOutput, Schema, io, ui
+
+
+def test_every_node_is_v3_with_a_description_and_tooltips_on_every_input():
+    for class_type, cls in NODE_CLASS_MAPPINGS.items():
+        info = NodeClassInfo(class_type, cls)
+        assert info.v3 and cls.define_schema().node_id == class_type
+        assert len(info.description) > 40, class_type
+        for spec in info.visible_inputs():
+            assert len(spec.options.get("tooltip") or "") > 5, f"{class_type}.{spec.name} has no tooltip"
+        assert NODE_DISPLAY_NAME_MAPPINGS[class_type].startswith("LingBot ")
+        assert cls.CATEGORY == "LingBot-Video"
+
+
+def test_extension_lists_the_same_nodes():
+    extension = asyncio.run(comfy_entrypoint())
+    assert asyncio.run(extension.get_node_list()) == NODES
+    assert {c.define_schema().node_id for c in NODES} == set(NODE_CLASS_MAPPINGS)
+
+
+def test_schema_reading_matches_the_v1_view():
+    """nodeinfo's reading of the V3 schema and the V1 INPUT_TYPES view (what ComfyUI's /object_info
+    shows) agree on types, categories and options."""
+    for class_type, cls in NODE_CLASS_MAPPINGS.items():
+        info = NodeClassInfo(class_type, cls)
+        v1 = cls.INPUT_TYPES()
+        for category in ("required", "optional"):
+            for name, (kind, options) in v1.get(category, {}).items():
+                spec = info.declared(name)
+                assert spec.category == category and spec.type == kind and dict(spec.options) == options
+        assert set(info.hidden_values) == set(v1.get("hidden", {}))
+        assert list(info.return_types) == list(cls.RETURN_TYPES)
+    combo = NodeClassInfo("LingBotLoader", NODE_CLASS_MAPPINGS["LingBotLoader"]).declared("variant")
+    assert combo.type_name() == "COMBO" and combo.combo_options == ["auto", "dense", "moe"] and combo.is_widget
+    seed = NodeClassInfo("LingBotDenoise", NODE_CLASS_MAPPINGS["LingBotDenoise"]).declared("seed")
+    assert seed.has_control_widget
+
+
+class Source(ComfyNode):
+    calls: list = []
+
+    @classmethod
+    def define_schema(cls):
+        return Schema(node_id="Source", inputs=[io.Int.Input("value", default=1, min=0, max=10, tooltip="v")],
+                      outputs=[io.Int.Output(display_name="value")], hidden=[Hidden.unique_id])
+
+    @classmethod
+    def fingerprint_inputs(cls, value):
+        cls.calls.append(("fingerprint", value, cls.hidden.unique_id))
+        return value
+
+    @classmethod
+    def execute(cls, value):
+        cls.calls.append(("execute", value, cls.hidden.unique_id))
+        return NodeOutput(value * 2)
+
+
+class Sink(ComfyNode):
+    seen: list = []
+
+    @classmethod
+    def define_schema(cls):
+        return Schema(node_id="Sink", is_output_node=True,
+                      inputs=[io.Int.Input("value", tooltip="v"),
+                              io.Int.Input("lazy_one", optional=True, lazy=True, tooltip="l")],
+                      outputs=[io.String.Output(display_name="text")])
+
+    @classmethod
+    def check_lazy_status(cls, value, lazy_one=None):
+        return ["lazy_one"] if value > 2 and lazy_one is None else []
+
+    @classmethod
+    def validate_inputs(cls, value=None):
+        return True if value is None or value != 7 else "seven is not allowed"
+
+    @classmethod
+    def execute(cls, value, lazy_one=None):
+        cls.seen.append((value, lazy_one, cls.hidden.prompt is not None))
+        return NodeOutput(f"{value}/{lazy_one}", ui=ui.PreviewText(f"v={value}"))
+
+
+def test_engine_runs_v3_nodes_with_hidden_values_fingerprints_and_lazy_inputs():
+    Source.calls.clear()
+    Sink.seen.clear()
+    registry = {"Source": Source, "Sink": Sink}
+    prompt = {"1": {"class_type": "Source", "inputs": {"value": 2}},
+              "2": {"class_type": "Source", "inputs": {"value": 3}},
+              "3": {"class_type": "Sink", "inputs": {"value": ["1", 0], "lazy_one": ["2", 0]}}}
+    engine = Engine(registry)
+    result = engine.run(prompt)
+    assert result.output("3") == "4/6" and result.ui["3"] == {"text": ("v=4",)}
+    assert Sink.seen == [(4, 6, True)]  # value 4 > 2: the lazy input was requested, and the prompt is hidden
+    assert ("execute", 2, "1") in Source.calls and ("fingerprint", 3, "2") in Source.calls
+    assert Source.hidden.unique_id is None  # values live on a per-execution clone only
+    again = engine.run(prompt)
+    assert again.executed == [] and set(again.cached) == {"1", "2", "3"}
+
+    prompt["3"]["inputs"]["value"] = 7
+    with pytest.raises(WorkflowValidationError) as err:
+        engine.run(prompt)
+    assert [(i.node_id, i.input_name) for i in err.value.issues] == [("3", "value")]
+
+
+def _issues(prompt, node_id):
+    with pytest.raises(WorkflowValidationError) as err:
+        Engine(NODE_CLASS_MAPPINGS).validate(prompt)
+    return sorted((i.input_name, i.message) for i in err.value.issues if i.node_id == node_id)
+
+
+def test_one_message_per_wrong_input_attached_to_that_input():
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "workflows" / "api" / "lingbot_t2v_dense.json"
+    prompt = json.loads(path.read_text())
+    prompt["4"]["inputs"]["width"] = 100
+    issues = _issues(prompt, "4")
+    assert [name for name, _ in issues] == ["width"] and "multiple of 16" in issues[0][1] and "96" in issues[0][1]
+    prompt["4"]["inputs"]["frames"] = 10
+    issues = _issues(prompt, "4")
+    assert [name for name, _ in issues] == ["frames", "width"] and "4n+1" in issues[0][1]
+
+
+def test_the_v1_view_runs_a_node_as_a_classic_host_would():
+    """A ComfyUI without V3 calls FUNCTION with hidden values as keyword arguments."""
+    node = Sink()
+    assert Sink.VALIDATE_INPUTS(value=7) == "seven is not allowed"
+    assert "hidden" in Sink.INPUT_TYPES() and Sink.OUTPUT_NODE is True and Sink.RETURN_TYPES == ("STRING",)
+    Sink.seen.clear()
+    out = getattr(node, Sink.FUNCTION)(value=1, prompt={"x": 1}, extra_pnginfo=None)
+    assert out == {"ui": {"text": ("v=1",)}, "result": ("1/None",)} and Sink.seen == [(1, None, True)]
+    assert Source.IS_CHANGED(value=5) == 5
