@@ -47,7 +47,38 @@ def test_pack_imports_as_a_custom_nodes_folder_without_comfyui(tmp_path):
     (tmp_path / "probe.py").write_text(f"ROOT = {str(ROOT)!r}\n" + PROBE)
     done = subprocess.run([sys.executable, str(tmp_path / "probe.py")], capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["11", "True"]
+    assert done.stdout.split() == ["12", "True"]
+
+
+V3_PROBE = """
+import asyncio, importlib.util, sys, types
+# A ComfyUI with the V3 API: `comfy_api.latest` importable (here it hands out the pack's own subset).
+sys.path.insert(0, ROOT + "/nodes")
+import v3_fallback
+latest = types.ModuleType("comfy_api.latest")
+for name in ("ComfyExtension", "InputImpl", "Types", "io", "ui"):
+    setattr(latest, name, getattr(v3_fallback, name))
+sys.modules["comfy_api"] = types.ModuleType("comfy_api")
+sys.modules["comfy_api.latest"] = latest
+sys.path.pop(0)
+spec = importlib.util.spec_from_file_location("lingbot-nodes", ROOT + "/__init__.py",
+                                              submodule_search_locations=[ROOT])
+mod = importlib.util.module_from_spec(spec)
+sys.modules["lingbot-nodes"] = mod
+spec.loader.exec_module(mod)
+assert not hasattr(mod, "NODE_CLASS_MAPPINGS"), "ComfyUI would ignore comfy_entrypoint"
+extension = asyncio.run(mod.comfy_entrypoint())
+assert isinstance(extension, v3_fallback.ComfyExtension)
+names = [c.GET_SCHEMA().node_id for c in asyncio.run(extension.get_node_list())]
+print(len(names), all(n.startswith("LingBot") for n in names))
+"""
+
+
+def test_pack_registers_through_comfy_entrypoint_when_comfyui_has_v3(tmp_path):
+    (tmp_path / "probe.py").write_text(f"ROOT = {str(ROOT)!r}\n" + V3_PROBE)
+    done = subprocess.run([sys.executable, str(tmp_path / "probe.py")], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["12", "True"]
 
 
 def test_node_contracts():
@@ -55,7 +86,7 @@ def test_node_contracts():
 
     expected = {"LingBotLoader", "LingBotOffload", "LingBotTextEncode", "LingBotImageEncode", "LingBotDenoise",
                 "LingBotRefine", "LingBotDecode", "LingBotRelease", "LingBotSaveVideo", "LingBotLoadImage",
-                "LingBotMemoryReport"}
+                "LingBotMemoryReport", "LingBotCaption"}
     assert set(NODE_CLASS_MAPPINGS) == expected == set(NODE_DISPLAY_NAME_MAPPINGS)
     for name, cls in NODE_CLASS_MAPPINGS.items():
         spec = cls.INPUT_TYPES()
