@@ -191,9 +191,16 @@ class LingBotCaption(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, elements=None, duration=None):
-        problems = caption_problems(elements, duration)
-        return InputProblems(problems) if problems else True
+    def validate_inputs(cls, elements=None):
+        """The elements text parses (one input per validator, so the message lands on `elements`;
+        timing against the duration is checked when the node runs, before anything downstream)."""
+        if not isinstance(elements, str):
+            return True
+        try:
+            parse_elements(elements, video=True)
+        except ValueError as exc:
+            return InputProblems({"elements": str(exc).replace(" (duration 0)", "")})
+        return True
 
     @classmethod
     def execute(cls, scene_description, camera_movement, color, frame_size, shot_type_angle, lens_size,

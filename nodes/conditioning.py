@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from . import runtime
-from .types import CATEGORY, MAX_SIZE, Cond, ImageCond, Pipe, geometry_errors
+from .types import CATEGORY, MAX_SIZE, Cond, ImageCond, Pipe
 from .v3 import io
 
 log = logging.getLogger("lingbot_nodes")
@@ -111,10 +111,6 @@ class LingBotImageEncode(io.ComfyNode):
             ],
             outputs=[ImageCond.Output(display_name="image_cond", tooltip="Prepared pixels and the VAE latent")],
         )
-
-    @classmethod
-    def validate_inputs(cls, width=None, height=None):
-        return geometry_errors(width, height)
 
     @classmethod
     def execute(cls, pipe, image, width, height):

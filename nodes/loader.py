@@ -73,17 +73,11 @@ class LingBotLoader(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, attention=None, device=None):
-        problems = {}
-        if isinstance(attention, str):
-            problem = runtime.attention_problem(attention, device if isinstance(device, str) else "auto")
-            if problem:
-                problems["attention"] = problem
-        if isinstance(device, str):
-            problem = runtime.device_problem(device)
-            if problem:
-                problems["device"] = problem
-        return problems_or_true(problems)
+    def validate_inputs(cls, attention=None):
+        """Is the attention kernel's package there? (One input per validator: ComfyUI attaches the
+        message to every input a validator names.) The device is checked first thing in execute."""
+        problem = runtime.attention_problem(attention) if isinstance(attention, str) else None
+        return problems_or_true({"attention": problem} if problem else {})
 
     @classmethod
     def execute(cls, checkpoint, variant, dtype, attention, path="", device="auto", weights="auto"):
@@ -91,6 +85,9 @@ class LingBotLoader(io.ComfyNode):
 
         from lingbot_core.handle import PipelineHandle
 
+        problem = runtime.device_problem(device) or runtime.attention_problem(attention, device)
+        if problem:
+            raise ValueError(problem)
         runtime.install_memory_cooperation()
         folder = resolve_checkpoint(checkpoint, path)
         dtypes = {"transformer": None, "refiner": None}  # auto: the DiTs as stored

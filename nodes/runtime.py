@@ -160,7 +160,7 @@ def attention_problem(name: str, device: str = "auto") -> str | None:
 
         if importlib.util.find_spec(_ATTENTION_PACKAGES[name]) is None:
             return f"attention '{name}' needs the `{_ATTENTION_PACKAGES[name]}` package, which is not installed"
-    if name in _CUDA_ONLY_ATTENTION and device_problem(device) is None:
+    if name in _CUDA_ONLY_ATTENTION and device_problem(device or "auto") is None:
         if execution_device(device).type != "cuda":
             return f"attention '{name}' runs on CUDA only, but the run uses {execution_device(device)}; choose default"
     return None

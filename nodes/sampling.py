@@ -10,7 +10,7 @@ from .types import (
     Cond,
     ImageCond,
     Pipe,
-    geometry_errors,
+    frames_problems,
     latent_in,
     latent_out,
 )
@@ -55,8 +55,8 @@ class LingBotDenoise(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, width=None, height=None, frames=None):
-        return geometry_errors(width, height, frames)
+    def validate_inputs(cls, frames=None):
+        return frames_problems(frames)
 
     @classmethod
     def execute(cls, pipe, conditioning, width, height, frames, steps, cfg, shift, seed, image_cond=None,
@@ -108,10 +108,6 @@ class LingBotRefine(io.ComfyNode):
             ],
             outputs=[io.Latent.Output(display_name="latent", tooltip="Refined raw Wan 2.1 VAE latents")],
         )
-
-    @classmethod
-    def validate_inputs(cls, width=None, height=None):
-        return geometry_errors(width, height)
 
     @classmethod
     def execute(cls, pipe, conditioning, width, height, steps, t_thresh, cfg, shift, seed, latent=None, images=None,

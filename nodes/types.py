@@ -64,29 +64,24 @@ def latent_in(latent: dict) -> torch.Tensor:
     return samples[:1]
 
 
-def geometry_errors(width: int | None, height: int | None, frames: int | None = None) -> InputProblems | bool:
-    """The validator's check of a video size: True, or one message per input to change.
+def frames_problems(frames: int | None) -> InputProblems | bool:
+    """Validator check of a frame count (1 or 4n+1 within range): True, or the message for `frames`.
 
-    ComfyUI skips its own min/max checks for inputs a validator names, so the bounds are applied
-    here too. Inputs that are links (None at validation time) are skipped.
+    ComfyUI attaches a validator's message to every input the validator names, so validators here
+    name one input each. Width and height need no validator: their range is the host's own
+    per-input min/max check, the editor steps them by 16, and the first stage refuses a size that
+    is not a multiple of 16 (naming both values and the nearest valid size) before any work.
+    ComfyUI also skips its own range check for a named input, so the range is checked here.
     """
-    from lingbot_core.latents import SIZE_MULTIPLE, VAE_TEMPORAL
+    from lingbot_core.latents import VAE_TEMPORAL
 
-    problems: dict[str, str] = {}
-    for name, value in (("width", width), ("height", height)):
-        if value is None:
-            continue
-        value = int(value)
-        if not SIZE_MULTIPLE <= value <= MAX_SIZE:
-            problems[name] = f"must lie in [{SIZE_MULTIPLE}, {MAX_SIZE}], got {value}"
-        elif value % SIZE_MULTIPLE:
-            nearest = min(MAX_SIZE, (value + SIZE_MULTIPLE // 2) // SIZE_MULTIPLE * SIZE_MULTIPLE)
-            problems[name] = f"{value} is not a multiple of {SIZE_MULTIPLE} (nearest: {nearest})"
-    if frames is not None:
-        frames = int(frames)
-        if not 1 <= frames <= MAX_FRAMES:
-            problems["frames"] = f"must lie in [1, {MAX_FRAMES}], got {frames}"
-        elif frames != 1 and (frames - 1) % VAE_TEMPORAL:
-            lower = (frames - 1) // VAE_TEMPORAL * VAE_TEMPORAL + 1
-            problems["frames"] = f"must be 1 or 4n+1 (5, 9, ..., 121), got {frames}; try {lower} or {lower + VAE_TEMPORAL}"
-    return problems_or_true(problems)
+    if frames is None:
+        return True
+    frames = int(frames)
+    if not 1 <= frames <= MAX_FRAMES:
+        return InputProblems({"frames": f"must lie in [1, {MAX_FRAMES}], got {frames}"})
+    if frames != 1 and (frames - 1) % VAE_TEMPORAL:
+        lower = (frames - 1) // VAE_TEMPORAL * VAE_TEMPORAL + 1
+        return InputProblems({"frames": f"must be 1 or 4n+1 (5, 9, ..., 121), got {frames}; "
+                                        f"try {lower} or {lower + VAE_TEMPORAL}"})
+    return True

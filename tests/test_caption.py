@@ -73,15 +73,13 @@ def _validate(**overrides):
     Engine(NODE_CLASS_MAPPINGS).validate(prompt)
 
 
-def test_actions_past_the_duration_are_refused_on_the_duration_input():
+def test_bad_elements_are_refused_on_that_input_and_late_actions_when_the_node_runs():
     _validate(elements="boat: b\n  0-5: drifts", duration=5.0)
-    with pytest.raises(WorkflowValidationError) as err:
-        _validate(elements="boat: b\n  0-3: drifts\n  3-6.5: turns", duration=5.0)
-    issues = [(i.input_name, i.message) for i in err.value.issues]
-    assert len(issues) == 1 and issues[0][0] == "duration" and "6.5" in issues[0][1]
     with pytest.raises(WorkflowValidationError) as err:
         _validate(elements="boat: b\n  drifts without a time", duration=5.0)
     assert [i.input_name for i in err.value.issues] == ["elements"] and "line 2" in err.value.issues[0].message
+    with pytest.raises(ValueError, match=r"duration: the last action ends at 6.5 s, after the 5 s duration"):
+        LingBotCaption.execute(**_caption(elements="boat: b\n  0-3: drifts\n  3-6.5: turns", duration=5.0))
 
 
 def test_text_encode_warns_once_on_prose(caplog, monkeypatch):

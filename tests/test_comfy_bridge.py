@@ -225,24 +225,26 @@ def test_device_auto_is_comfyuis_device(comfy, monkeypatch):
 def test_loader_refuses_missing_attention_packages_and_devices(monkeypatch):
     import importlib.util
 
-    from lingbot_core.workflow import WorkflowValidationError, load_workflow
+    from lingbot_core.workflow import NodeExecutionError, WorkflowValidationError
 
+    loader = NODE_CLASS_MAPPINGS["LingBotLoader"]
     prompt = load_workflow(API / "lingbot_t2v_dense.json", NODE_CLASS_MAPPINGS).to_dict()
     engine = Engine(NODE_CLASS_MAPPINGS)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    prompt["1"]["inputs"]["device"] = "cuda"
     if importlib.util.find_spec("sageattention") is None:
         prompt["1"]["inputs"]["attention"] = "sage"
-    with pytest.raises(WorkflowValidationError) as err:
-        engine.validate(prompt)
-    found = {i.input_name: i.message for i in err.value.issues}
-    assert "no CUDA device" in found["device"] and "choose auto or cpu" in found["device"]
-    if importlib.util.find_spec("sageattention") is None:
-        assert "sage" in found["attention"].lower() and "install" in found["attention"].lower()
-    prompt["1"]["inputs"].update(device="cpu", attention="_native_flash")
-    with pytest.raises(WorkflowValidationError) as err:
-        engine.validate(prompt)
-    assert [(i.input_name, "CUDA only" in i.message) for i in err.value.issues] == [("attention", True)]
+        with pytest.raises(WorkflowValidationError) as err:
+            engine.validate(prompt)
+        assert [i.input_name for i in err.value.issues] == ["attention"]
+        assert "sageattention" in err.value.issues[0].message
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="no CUDA device.*choose auto or cpu"):
+        loader.execute("tiny (built-in dense)", "auto", "auto", "default", device="cuda")
+    with pytest.raises(ValueError, match="CUDA only"):
+        loader.execute("tiny (built-in dense)", "auto", "auto", "_native_flash", device="cpu")
+    prompt["1"]["inputs"].update(attention="default", device="cuda")
+    with pytest.raises(NodeExecutionError) as err:
+        engine.run(prompt)
+    assert err.value.node_id == "1"  # the first node fails, before any model loads
 
 
 def test_denoise_sends_comfyuis_latent_previews(comfy, monkeypatch):

@@ -119,17 +119,38 @@ def _issues(prompt, node_id):
 
 
 def test_one_message_per_wrong_input_attached_to_that_input():
+    """ComfyUI attaches a validator's message to every input the validator names, so each
+    validator names one input: a bad width is one message, on width; a bad width and a bad frame
+    count are two, each on its input."""
     import json
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "workflows" / "api" / "lingbot_t2v_dense.json"
     prompt = json.loads(path.read_text())
-    prompt["4"]["inputs"]["width"] = 100
+    prompt["4"]["inputs"]["width"] = 5000
     issues = _issues(prompt, "4")
-    assert [name for name, _ in issues] == ["width"] and "multiple of 16" in issues[0][1] and "96" in issues[0][1]
+    assert [name for name, _ in issues] == ["width"] and "4096" in issues[0][1]
     prompt["4"]["inputs"]["frames"] = 10
     issues = _issues(prompt, "4")
     assert [name for name, _ in issues] == ["frames", "width"] and "4n+1" in issues[0][1]
+    for class_type, cls in NODE_CLASS_MAPPINGS.items():
+        params = NodeClassInfo(class_type, cls).validate_inputs_params()
+        assert params is None or (len(params[0]) <= 1 and not params[1]), class_type
+
+
+def test_a_size_off_the_16_grid_is_refused_before_denoising():
+    import json
+    from pathlib import Path
+
+    from lingbot_core.workflow import NodeExecutionError
+
+    path = Path(__file__).resolve().parents[1] / "workflows" / "api" / "lingbot_t2v_dense.json"
+    prompt = json.loads(path.read_text())
+    prompt["4"]["inputs"]["width"] = 100
+    prompt["2"]["inputs"]["mode"] = "none"
+    with pytest.raises(NodeExecutionError) as err:
+        Engine(NODE_CLASS_MAPPINGS).run(prompt)
+    assert err.value.node_id == "4" and "multiples of 16" in str(err.value) and "96" in str(err.value)
 
 
 def test_the_v1_view_runs_a_node_as_a_classic_host_would():
