@@ -162,10 +162,9 @@ def test_release_node_frees_after_its_input_and_passes_it_through():
 @pytest.mark.parametrize(
     "override,message",
     [
-        ("Denoise.width=40", r"width 40 is not a multiple of 16 \(nearest: 48\)"),
-        ("Denoise.width=5008", r"width must lie in \[16, 4096\], got 5008"),
-        ("Denoise.frames=2001", r"frames must lie in \[1, 1025\]"),
-        ("Denoise.frames=6", r"4n\+1"),
+        ("Denoise.width=5008", r"input 'width': .*5008.*4096"),
+        ("Denoise.frames=2001", r"input 'frames': must lie in \[1, 1025\]"),
+        ("Denoise.frames=6", r"input 'frames': must be 1 or 4n\+1"),
         ('Prompt.prompt="{\\"a\\": }"', "not valid JSON"),
         ("Save.filename_prefix=/etc/x", "relative path"),
     ],
