@@ -109,7 +109,7 @@ def test_t2v_dense_converts_as_written_out_by_hand():
                          "steps": 4, "cfg": 3.0, "shift": 3.0, "seed": 42}},
         "5": {"class_type": "LingBotDecode", "_meta": {"title": "Decode"},
               "inputs": {"pipe": ["2", 0], "latent": ["4", 0], "tiling": False, "tile_height": 256,
-                         "tile_width": 256, "stride_height": 192, "stride_width": 192}},
+                         "tile_width": 256, "stride_height": 192, "stride_width": 192, "fps": 24.0}},
         "6": {"class_type": "LingBotSaveVideo", "_meta": {"title": "Save"},
               "inputs": {"images": ["5", 0], "fps": 24.0, "filename_prefix": "lingbot/t2v"}},
     }
