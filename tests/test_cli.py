@@ -33,7 +33,7 @@ def test_overrides_model_and_shuffle(tmp_path, capsys, fixtures_root):
 @pytest.mark.parametrize(
     "args,code,message",
     [
-        (["--set", "Denoise.width=40"], 2, "not a multiple of 16"),
+        (["--set", "Denoise.width=40"], 2, "multiples of 16"),
         (["--set", "Denoise.nope=1"], 2, "nope"),
         (["--set", "garbage"], 2, "NODE.INPUT=VALUE"),
         (["no-such-workflow"], 2, "not found"),
@@ -124,7 +124,7 @@ def test_bad_output_folder_fails_before_any_model_work(tmp_path, capsys, monkeyp
     def must_not_run(*_a, **_k):
         raise AssertionError("the loader ran")
 
-    monkeypatch.setattr(NODE_CLASS_MAPPINGS["LingBotLoader"], "load", must_not_run)
+    monkeypatch.setattr(NODE_CLASS_MAPPINGS["LingBotLoader"], "execute", must_not_run)
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     assert main(["--output", str(blocker / "out")]) == 2
@@ -172,7 +172,7 @@ def test_interrupt_inside_a_node_is_one_line_and_130(tmp_path, capsys, monkeypat
     def ctrl_c(*_a, **_k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(NODE_CLASS_MAPPINGS["LingBotDecode"], "decode", ctrl_c)
+    monkeypatch.setattr(NODE_CLASS_MAPPINGS["LingBotDecode"], "execute", ctrl_c)
     assert main(["t2i", "--set", "Denoise.steps=1", "--output", str(tmp_path)]) == 130
     assert _stderr_lines(capsys)[-1] == "interrupted in Decode"
     assert not any(p.is_file() for p in tmp_path.rglob("*"))
