@@ -41,10 +41,9 @@ class Previewer:
         self._folder: Path | None = None
         if comfy:
             try:
-                import latent_preview
-
                 import comfy.latent_formats
                 import comfy.model_management
+                import latent_preview
 
                 self._comfy = latent_preview.get_previewer(comfy.model_management.get_torch_device(),
                                                            comfy.latent_formats.Wan21())
