@@ -11,6 +11,7 @@ from .caption import LingBotCaption
 from .conditioning import LingBotImageEncode, LingBotTextEncode
 from .image_input import LingBotLoadImage
 from .loader import LingBotLoader, LingBotMemoryReport, LingBotOffload, LingBotRelease
+from .lora import LingBotLoRA
 from .output import LingBotDecode, LingBotSaveVideo
 from .sampling import LingBotDenoise, LingBotRefine
 from .v3 import HAVE_COMFY_API, ComfyExtension
@@ -18,6 +19,7 @@ from .v3 import HAVE_COMFY_API, ComfyExtension
 NODES = [
     LingBotLoader,
     LingBotOffload,
+    LingBotLoRA,
     LingBotTextEncode,
     LingBotImageEncode,
     LingBotDenoise,

@@ -56,6 +56,9 @@ class LingBotTextEncode(io.ComfyNode):
                              tooltip="Width the raw `image` is prepared at"),
                 io.Int.Input("image_height", default=480, min=16, max=MAX_SIZE, step=16, optional=True,
                              tooltip="Height the raw `image` is prepared at"),
+                io.Boolean.Input("encode_negative", default=True, optional=True,
+                                 tooltip="Off: no negative is encoded. cfg 1 and the distilled few-step profiles "
+                                         "(DMD 8-step, LightLingBot 4-step) never use it"),
             ],
             outputs=[Cond.Output(display_name="conditioning", tooltip="Prompt and negative embeddings (CPU)")],
         )
@@ -74,7 +77,7 @@ class LingBotTextEncode(io.ComfyNode):
 
     @classmethod
     def execute(cls, pipe, prompt, negative_prompt="", task="t2v", image_cond=None, image=None, image_width=832,
-                image_height=480):
+                image_height=480, encode_negative=True):
         from lingbot_core import stages
         from lingbot_core.image import load_image, prepare_image_pixels
 
@@ -85,7 +88,7 @@ class LingBotTextEncode(io.ComfyNode):
         if task == "ti2v" and image_cond is None:
             raise ValueError("task ti2v needs the first frame: connect image_cond (LingBot VAE Encode) or image")
         with runtime.node_work(label="text encode"):
-            cond = stages.encode_prompt(pipe, prompt, negative_prompt, image=image_cond,
+            cond = stages.encode_prompt(pipe, prompt, negative_prompt if encode_negative else None, image=image_cond,
                                         mode=task if image_cond is None else "ti2v")
         return io.NodeOutput(cond)
 

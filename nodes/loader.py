@@ -36,6 +36,19 @@ def resolve_checkpoint(choice: str, path: str = "") -> Path:
     raise ValueError(f"checkpoint {choice!r} not found under {', '.join(map(str, runtime.model_roots()))}")
 
 
+def resolve_student(path: str = "") -> Path | None:
+    """The Loader's `transformer_path`; inside ComfyUI it must lie under a models/lingbot_video folder."""
+    if not path or not path.strip():
+        return None
+    chosen = Path(path.strip()).expanduser()
+    if runtime.in_comfy():
+        real = chosen.resolve()
+        if not any(real.is_relative_to(root.resolve()) for root in runtime.model_roots() if root.is_dir()):
+            raise ValueError(f"transformer_path {chosen} is outside ComfyUI's models/lingbot_video folders; put the "
+                             "student folder there")
+    return chosen
+
+
 class LingBotLoader(io.ComfyNode):
     """Validates a checkpoint and returns a handle; components load when a stage first needs them."""
 
@@ -68,6 +81,10 @@ class LingBotLoader(io.ComfyNode):
                 io.Combo.Input("weights", options=WEIGHTS, default="auto", optional=True,
                                tooltip="auto: as stored (bf16, pre-quantized fp8, or a transformer/*.gguf); "
                                        "fp8_e4m3: quantize the DiT's weights on load"),
+                io.String.Input("transformer_path", default="", optional=True,
+                                tooltip="A student DiT (e.g. DMD-distilled): a folder that differs from the checkpoint "
+                                        "only in transformer/, or that transformer folder. Inside ComfyUI it must "
+                                        "lie under models/lingbot_video. Empty: the checkpoint's own"),
             ],
             outputs=[Pipe.Output(display_name="pipe", tooltip="The pipeline handle")],
         )
@@ -80,7 +97,8 @@ class LingBotLoader(io.ComfyNode):
         return problems_or_true({"attention": problem} if problem else {})
 
     @classmethod
-    def execute(cls, checkpoint, variant, dtype, attention, path="", device="auto", weights="auto"):
+    def execute(cls, checkpoint, variant, dtype, attention, path="", device="auto", weights="auto",
+                transformer_path=""):
         import torch
 
         from lingbot_core.handle import PipelineHandle
@@ -96,7 +114,8 @@ class LingBotLoader(io.ComfyNode):
             dt = getattr(torch, DTYPES[dtype])
             dtypes = {"transformer": dt, "refiner": dt, "text_encoder": dt}
         handle = PipelineHandle.open(folder, device=runtime.execution_device(device), dtypes=dtypes, weights=weights,
-                                     attention_backend=None if attention == "default" else attention)
+                                     attention_backend=None if attention == "default" else attention,
+                                     transformer_folder=resolve_student(transformer_path))
         if variant != "auto" and handle.variant != variant:
             raise ValueError(f"{folder} is a {handle.variant} checkpoint, but the loader asks for {variant}")
         return io.NodeOutput(handle)

@@ -17,6 +17,7 @@ from .types import (
 from .v3 import io
 
 SEED_MAX = 0xFFFFFFFFFFFFFFFF
+SAMPLERS = ["flow_unipc", "euler", "dmd_student"]  # lingbot_core.sampling.SAMPLERS, listed without importing torch
 
 
 class LingBotDenoise(io.ComfyNode):
@@ -28,9 +29,10 @@ class LingBotDenoise(io.ComfyNode):
             node_id="LingBotDenoise",
             display_name="LingBot Denoise",
             category=CATEGORY,
-            description="Samples a video (or one image with frames=1) with the LingBot DiT and the flow-matching "
-                        "UniPC scheduler. Outputs raw Wan 2.1 VAE latents as a LATENT, so core latent nodes and "
-                        "previews understand them.",
+            description="Samples a video (or one image with frames=1) with the LingBot DiT: flow-matching UniPC "
+                        "(the reference), flow Euler, or the DMD student sampler for distilled few-step checkpoints. "
+                        "Outputs raw Wan 2.1 VAE latents as a LATENT, so core latent nodes and previews understand "
+                        "them.",
             inputs=[
                 Pipe.Input("pipe", tooltip="From LingBot Loader or LingBot Offload"),
                 Cond.Input("conditioning", tooltip="From LingBot Text Encode"),
@@ -50,6 +52,14 @@ class LingBotDenoise(io.ComfyNode):
                 ImageCond.Input("image_cond", optional=True,
                                 tooltip="TI2V: the first frame from LingBot VAE Encode, at the same size"),
                 io.Latent.Input("latent", optional=True, tooltip="Start from these latents instead of fresh noise"),
+                io.Combo.Input("sampler", options=SAMPLERS, default="flow_unipc", optional=True,
+                               tooltip="flow_unipc: the reference (40 steps, cfg 3). euler: flow Euler (4 steps, cfg 1 "
+                                       "is the LightLingBot LoRA's trained grid). dmd_student: DMD-distilled student "
+                                       "checkpoints (8 steps, cfg 1, shift 3)"),
+                io.String.Input("sigmas", default="", optional=True,
+                                tooltip="A custom sigma list, e.g. 1.0, 0.9, 0.75, 0.5 (used as given: shift does not "
+                                        "apply; it sets the step count). Empty: the sampler's own grid. "
+                                        "dmd_student refuses one"),
             ],
             outputs=[io.Latent.Output(display_name="latent", tooltip="Raw Wan 2.1 VAE latents (1,16,T,H/8,W/8)")],
         )
@@ -60,15 +70,20 @@ class LingBotDenoise(io.ComfyNode):
 
     @classmethod
     def execute(cls, pipe, conditioning, width, height, frames, steps, cfg, shift, seed, image_cond=None,
-                latent=None):
+                latent=None, sampler="flow_unipc", sigmas=""):
         from lingbot_core import stages
         from lingbot_core.latents import dit_to_vae, vae_to_dit
+        from lingbot_core.sampling import parse_sigmas
 
+        custom = parse_sigmas(sigmas)
+        if custom is not None:
+            steps = len(custom) - (custom[-1] == 0.0)
         start = vae_to_dit(latent_in(latent), pipe.vae_config()) if latent is not None else None
         with runtime.node_work(steps, "denoise", preview=True) as on_step:
             out = stages.denoise(pipe, conditioning, height=int(height), width=int(width), num_frames=int(frames),
                                  steps=int(steps), guidance_scale=float(cfg), shift=float(shift), seed=int(seed),
-                                 image_cond=image_cond, latents=start, callback=on_step)
+                                 image_cond=image_cond, latents=start, callback=on_step, sampler=sampler,
+                                 sigmas=custom)
         return io.NodeOutput(latent_out(dit_to_vae(out, pipe.vae_config())))
 
 

@@ -12,7 +12,8 @@ from lingbot_nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
 
 ROOT = Path(__file__).resolve().parents[1] / "workflows"
 UI_FILES = sorted(ROOT.glob("lingbot_*.json"))
-EXPECTED = {"lingbot_t2v_dense", "lingbot_t2i_dense", "lingbot_ti2v_dense", "lingbot_t2v_moe_refine"}
+EXPECTED = {"lingbot_t2v_dense", "lingbot_t2i_dense", "lingbot_ti2v_dense", "lingbot_t2v_moe_refine",
+            "lingbot_t2v_dense_dmd8", "lingbot_t2v_moe_lightlingbot4"}
 
 
 def test_every_shipped_workflow_has_both_formats():
@@ -96,17 +97,18 @@ def test_t2v_dense_converts_as_written_out_by_hand():
     expected = {
         "1": {"class_type": "LingBotLoader", "_meta": {"title": "Loader"},
               "inputs": {"checkpoint": "tiny (built-in dense)", "variant": "auto", "dtype": "auto",
-                         "attention": "default", "path": "", "device": "auto", "weights": "auto"}},
+                         "attention": "default", "path": "", "device": "auto", "weights": "auto",
+                         "transformer_path": ""}},
         "2": {"class_type": "LingBotOffload", "_meta": {"title": "Offload"},
               "inputs": {"pipe": ["1", 0], "mode": "model", "use_stream": True, "low_cpu_mem_usage": False,
                          "num_blocks_per_group": 1, "plan_width": 832, "plan_height": 480, "plan_frames": 121,
                          "plan_refine": True}},
         "3": {"class_type": "LingBotTextEncode", "_meta": {"title": "Prompt"},
               "inputs": {"pipe": ["2", 0], "prompt": _ui_prompt_text(), "negative_prompt": "", "task": "t2v",
-                         "image_width": 832, "image_height": 480}},
+                         "image_width": 832, "image_height": 480, "encode_negative": True}},
         "4": {"class_type": "LingBotDenoise", "_meta": {"title": "Denoise"},
               "inputs": {"pipe": ["2", 0], "conditioning": ["3", 0], "width": 64, "height": 64, "frames": 9,
-                         "steps": 4, "cfg": 3.0, "shift": 3.0, "seed": 42}},
+                         "steps": 4, "cfg": 3.0, "shift": 3.0, "seed": 42, "sampler": "flow_unipc", "sigmas": ""}},
         "5": {"class_type": "LingBotDecode", "_meta": {"title": "Decode"},
               "inputs": {"pipe": ["2", 0], "latent": ["4", 0], "tiling": False, "tile_height": 256,
                          "tile_width": 256, "stride_height": 192, "stride_width": 192, "fps": 24.0}},

@@ -55,6 +55,21 @@ def decode_node(node_id: int, latent_from: int, tiled: bool = False) -> tuple:
              dict(tile_height=256, tile_width=256, stride_height=192, stride_width=192))
     return (node_id, "LingBotDecode", "Decode", dict(tiling=tiled, **tiles), {"pipe": (2, 0), "latent": (latent_from, 0)})
 
+# Sampling profiles: what Denoise needs for each kind of checkpoint (the distilled ones run without
+# CFG, so their Text Encode skips the negative).
+PROFILES = {
+    "default": dict(sampler="flow_unipc", steps=40, cfg=3.0, shift=3.0),
+    "DMD 8-step": dict(sampler="dmd_student", steps=8, cfg=1.0, shift=3.0),
+    "LightLingBot 4-step": dict(sampler="flow_unipc", steps=4, cfg=1.0, shift=3.0),
+}
+FEW_STEP_NOTE = ("Profile {profile}: sampler {sampler}, {steps} steps, cfg {cfg}, shift {shift}; no negative is encoded. "
+                 "Runs as shipped on the built-in tiny random-weight model (its output is noise). {how}")
+
+
+def profile_note(profile: str, how: str) -> str:
+    return FEW_STEP_NOTE.format(profile=profile, how=how, **PROFILES[profile])
+
+
 # (id, class, title, widgets, links {input: (source id, output slot)})
 WORKFLOWS = {
     "lingbot_t2v_dense": dict(
@@ -113,6 +128,43 @@ WORKFLOWS = {
             decode_node(6, 5, tiled=True),
             (7, "LingBotMemoryReport", "Memory", dict(), {"pipe": (2, 0), "value": (6, 0)}),
             (8, "LingBotSaveVideo", "Save", dict(fps=24.0, filename_prefix="lingbot/t2v_refined"), {"images": (7, 0)}),
+        ],
+    ),
+    "lingbot_t2v_dense_dmd8": dict(
+        note=profile_note("DMD 8-step", "For real output load the base checkpoint in the Loader and set its "
+                          "transformer_path to the DMD student folder (it differs only in transformer/), then use "
+                          "480x832 and 121 frames."),
+        nodes=[
+            loader(),
+            offload_node(),
+            (3, "LingBotTextEncode", "Prompt", dict(prompt=PROMPT, negative_prompt="", task="t2v",
+                                                    encode_negative=False), {"pipe": (2, 0)}),
+            (4, "LingBotDenoise", "Denoise (DMD 8-step)", dict(width=64, height=64, frames=9, seed=42,
+                                                               **PROFILES["DMD 8-step"]),
+             {"pipe": (2, 0), "conditioning": (3, 0)}),
+            decode_node(5, 4),
+            (6, "LingBotSaveVideo", "Save", dict(fps=24.0, filename_prefix="lingbot/t2v_dmd8"), {"images": (5, 0)}),
+        ],
+    ),
+    "lingbot_t2v_moe_lightlingbot4": dict(
+        note=profile_note("LightLingBot 4-step", "For real output pick the MoE checkpoint in the Loader and "
+                          "lightlingbot_video_moe30b_4steps_rank128_v2.safetensors (from models/loras) in LoRA at "
+                          "strength 1.0, then use 480x832 and 121 frames; the LoRA needs plain (bf16) DiT weights "
+                          "to be merged (fp8/GGUF apply it at run time). sampler euler gives its training grid."),
+        nodes=[
+            loader("tiny (built-in moe)", "moe"),
+            offload_node(),
+            (3, "LingBotLoRA", "LoRA (LightLingBot)", dict(lora_name="none", strength=1.0, apply_to="auto", path=""),
+             {"pipe": (2, 0)}),
+            (4, "LingBotTextEncode", "Prompt", dict(prompt=PROMPT, negative_prompt="", task="t2v",
+                                                    encode_negative=False), {"pipe": (3, 0)}),
+            (5, "LingBotDenoise", "Denoise (LightLingBot 4-step)", dict(width=64, height=64, frames=9, seed=42,
+                                                                        **PROFILES["LightLingBot 4-step"]),
+             {"pipe": (3, 0), "conditioning": (4, 0)}),
+            (6, "LingBotDecode", "Decode", dict(tiling=False, tile_height=256, tile_width=256, stride_height=192,
+                                                stride_width=192), {"pipe": (3, 0), "latent": (5, 0)}),
+            (7, "LingBotSaveVideo", "Save", dict(fps=24.0, filename_prefix="lingbot/t2v_lightlingbot4"),
+             {"images": (6, 0)}),
         ],
     ),
 }
