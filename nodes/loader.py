@@ -153,13 +153,16 @@ class LingBotOffload(io.ComfyNode):
                              tooltip="auto: the frame count to plan memory for"),
                 io.Boolean.Input("plan_refine", default=True, optional=True,
                                  tooltip="auto: include the 1088x1920 refiner pass (MoE)"),
+                io.Combo.Input("offload_to", options=["ram", "disk"], default="ram", optional=True,
+                               tooltip="where the DiT's offloaded weights live: ram, or disk (streamed from the "
+                                       "checkpoint file, no host copy)"),
             ],
             outputs=[Pipe.Output(display_name="pipe", tooltip="A view of the pipe with these offload settings")],
         )
 
     @classmethod
     def execute(cls, pipe, mode, use_stream=True, low_cpu_mem_usage=False, num_blocks_per_group=1,
-                plan_width=832, plan_height=480, plan_frames=121, plan_refine=True):
+                plan_width=832, plan_height=480, plan_frames=121, plan_refine=True, offload_to="ram"):
         from lingbot_core.offload import configure_offload
 
         options = {}
@@ -169,7 +172,7 @@ class LingBotOffload(io.ComfyNode):
         elif mode == "auto":
             options = dict(width=int(plan_width), height=int(plan_height), num_frames=int(plan_frames),
                            refine=(1088, 1920) if plan_refine and pipe.variant == "moe" else None)
-        return io.NodeOutput(configure_offload(pipe, mode, **options))
+        return io.NodeOutput(configure_offload(pipe, mode, offload_to=offload_to, **options))
 
 
 class LingBotMemoryReport(io.ComfyNode):

@@ -363,3 +363,44 @@ def test_quantized_vae_or_text_encoder_is_refused(quantized, tmp_path, component
 def test_fp8_request_for_a_gguf_checkpoint_is_refused(quantized):
     with pytest.raises(CheckpointError, match=r"already quantized \(GGUF\)"):
         load_transformer(quantized["dense", "gguf-q8_0"], weights="fp8_e4m3")
+
+
+# -- disk-backed offload ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["model", "sequential", "group"])
+@pytest.mark.parametrize("weights", ["plain", "fp8", "gguf-q4_0"])
+def test_disk_offload_streams_from_the_file_and_matches_ram(quantized, fixtures_root, mode, weights):
+    folder = fixtures_root / "models" / "tiny-moe" if weights == "plain" else quantized["moe", weights]
+    ram = PipelineHandle.open(folder, device="cpu")
+    with stage(ram, "transformer"):
+        expected = _run(ram.transformer)
+    handle = configure_offload(PipelineHandle.open(folder, device="cpu"), mode, offload_to="disk",
+                               **({"use_stream": False} if mode == "group" else {}))
+    with stage(handle, "transformer"):
+        dit = handle.transformer
+        got = _run(dit)
+    # between forwards no weight is held in memory: the file is the home
+    assert all(t.device.type == "meta" for t in [*dit.parameters(), *dit.buffers()])
+    assert torch.equal(got, expected)
+    configure_offload(handle, "none")  # switching away reads every tensor back
+    assert all(t.device.type == "cpu" for t in dit.parameters())
+    with stage(handle, "transformer"):
+        assert torch.equal(_run(dit), expected)
+
+
+def test_disk_offload_on_a_file_that_is_gone_is_refused(quantized, tmp_path):
+    import shutil
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(quantized["dense", "gguf-q8_0"], folder)
+    handle = PipelineHandle.open(folder, device="cpu")
+    handle.component("transformer")
+    (folder / "transformer" / "diffusion_pytorch_model.gguf").unlink()
+    with pytest.raises(ValueError, match=r"disk offload needs the checkpoint file .*gguf to be mappable"):
+        configure_offload(handle, "sequential", offload_to="disk")
+
+
+def test_unknown_offload_home_is_refused(fixtures_root):
+    handle = PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu")
+    with pytest.raises(ValueError, match=r"offload_to must be one of ram, disk"):
+        configure_offload(handle, "group", offload_to="tape", use_stream=False)

@@ -79,6 +79,9 @@ def component_device(module: Any) -> torch.device | None:
     """Where a component computes, read from its offload hook when it has one, else from its weights."""
     if not isinstance(module, torch.nn.Module):
         return None
+    disk = module.__dict__.get("_lingbot_disk")  # streamed from its file (weights/disk.py)
+    if disk is not None:
+        return disk.device
     for _sub, h in accelerate_hooks(module):
         if getattr(h, "execution_device", None) is not None:
             return torch.device(h.execution_device)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .modes import MODE_CLASSES, Mode
+from .modes.disk import make_mode
 from .settings import CPU, MODULE_COMPONENTS, OffloadSettings, same_device
 
 log = logging.getLogger("lingbot_core.offload")
@@ -51,7 +52,7 @@ class Placement:
             if self.mode is not None else None
         try:
             self.uninstall_all(loaded)
-            self.mode = MODE_CLASSES[concrete.mode](concrete, device)
+            self.mode = make_mode(MODE_CLASSES, concrete, device)
             self.requested, self.auto, self.fell_back = requested, auto, fell_back
             self.install_pending(loaded)
         except BaseException as err:
@@ -64,7 +65,7 @@ class Placement:
             self.uninstall_all(loaded)
             if previous is not None:
                 requested, settings, device, auto, fell_back = previous
-                self.mode = MODE_CLASSES[settings.mode](settings, device)
+                self.mode = make_mode(MODE_CLASSES, settings, device)
                 self.requested, self.auto, self.fell_back = requested, auto, fell_back
                 self.install_pending(loaded)
         except BaseException as rollback:  # keep the original error; say what else went wrong
@@ -145,7 +146,7 @@ class Placement:
     def drop(self, name: str, module: Any) -> None:
         """Let go of one component (a release): hooks off, tensors home, then forget it."""
         if self.mode is not None and name in self.mode.homes:
-            self.mode.uninstall(name, module)
+            getattr(self.mode, "forget", self.mode.uninstall)(name, module)  # disk: no read-back
         elif isinstance(module, torch.nn.Module):
             from .hooks import strip_hooks
 

@@ -22,9 +22,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from . import gguf_codec
 from .fp8 import require_fp8
 from .modules import FP8, Packing, QuantizedExperts, QuantizedLinear, pack_fp8
-from .sources import Entry, GGUFSource, SafetensorsSource, WeightsError
+from .sources import SCALE_SUFFIX, Entry, GGUFSource, SafetensorsSource, WeightsError
 
 WEIGHT_MODES = ("auto", FP8)
 # Small layers kept in the compute dtype when quantizing on load (64-wide input / output).
@@ -126,6 +127,7 @@ class _Loader:
         self.entries: dict[str, Entry] = source.entries
         self.compute = dtype or _auto_compute_dtype(self.entries)
         self.done: set[str] = set()
+        self.spans: dict = {}  # model tensor name -> FileSpan, for tensors kept exactly as stored
 
     # -- reading --------------------------------------------------------------------------------
     def target_dtype(self, key: str) -> torch.dtype:
@@ -140,20 +142,31 @@ class _Loader:
 
     def plain(self, key: str) -> torch.Tensor:
         self.done.add(key)
-        return self.source.plain(key, self.target_dtype(key))
+        tensor = self.source.plain(key, self.target_dtype(key))
+        entry = self.entries[key]
+        if entry.kind == "plain" and entry.dtype == tensor.dtype or \
+                entry.kind == "gguf" and gguf_codec.is_plain(entry.gguf_type) and tensor.dtype == \
+                GGUFSource._plain_dtype(entry):
+            self.spans[key] = self.source.span(key, tensor.dtype, tuple(tensor.shape))
+        return tensor
 
-    def packed(self, key: str, quantize: bool) -> tuple[Packing, torch.Tensor, torch.Tensor | None]:
-        """How the quantized module holds `key`: stored fp8/GGUF bytes, or fp8 made here from a plain tensor."""
+    def packed(self, key: str, quantize: bool, data_key: str = "", scale_key: str = ""
+               ) -> tuple[Packing, torch.Tensor, torch.Tensor | None]:
+        """How the quantized module holds `key`: stored fp8/GGUF bytes, or fp8 made here from a plain tensor.
+
+        `data_key` / `scale_key`: the model's names for the packed tensors (their disk homes are recorded).
+        """
         entry = self.entries[key]
         self.done.add(key)
         if entry.kind == "fp8":
             require_fp8()
             data, scale = self.source.fp8(key)
+            self.spans[data_key] = self.source.span(key, torch.uint8, tuple(data.shape))
+            self.spans[scale_key] = self.source.span(key + SCALE_SUFFIX, torch.int32, tuple(scale.shape))
             return Packing(FP8, entry.shape), data, scale
         if entry.kind == "gguf":
-            data = self.source.packed(key)
-            if not self.keep_mapped:
-                data = data.clone()
+            data = self.source.packed(key, mapped=self.keep_mapped)
+            self.spans[data_key] = self.source.span(key, torch.uint8, tuple(data.shape))
             return Packing("gguf", entry.shape, entry.gguf_type), data, None
         if quantize:
             tensor = self.source.plain(key)
@@ -176,7 +189,7 @@ class _Loader:
             # a quantized file may pack the router or modulation too: they compute in float32 here
             self.assign(key)
             return
-        packing, data, scale = self.packed(key, quantize=True)
+        packing, data, scale = self.packed(key, True, f"{name}.qdata", f"{name}.qscale")
         bias = self.plain(f"{name}.bias") if module.bias is not None else None
         _replace(self.model, name, QuantizedLinear(packing, data, scale, bias, self.compute))
 
@@ -184,7 +197,8 @@ class _Loader:
         keys = [f"{name}.{w}" for w in QuantizedExperts.NAMES]
         if not any(self.entries[k].quantized for k in keys) and not self.quantize_here(name):
             return
-        packed = {w: self.packed(k, quantize=True) for w, k in zip(QuantizedExperts.NAMES, keys)}
+        packed = {w: self.packed(k, True, f"{name}.{w}_qdata", f"{name}.{w}_qscale")
+                  for w, k in zip(QuantizedExperts.NAMES, keys)}
         _replace(self.model, name, QuantizedExperts(packed, self.compute))
 
     def assign(self, key: str) -> None:
@@ -246,6 +260,7 @@ def load_dit(folder: str | os.PathLike, subfolder: str = "transformer", *, dtype
     if left:
         raise RuntimeError(f"{subfolder}: no stored value for {', '.join(left[:3])} (a loader bug)")
     model.weights_format = describe(model, source)
+    model.weight_spans = loader.spans  # disk homes of the tensors kept exactly as stored (weights.disk)
     return model.eval().requires_grad_(False)
 
 

@@ -17,9 +17,11 @@ import torch
 
 from ..checkpoint import CheckpointError
 from . import gguf_codec
+from .disk import FileSpan
 from .modules import FP8
 
 SCALE_SUFFIX = ".scale"
+_CPU = torch.device("cpu")
 FORMAT_KEY = "lingbot_weights"  # safetensors metadata: "fp8_e4m3" in a pre-quantized file
 
 _SAFETENSORS_DTYPES = {
@@ -53,6 +55,11 @@ class Entry:
         return FP8 if self.kind == "fp8" else gguf_codec.type_name(self.gguf_type)
 
 
+def _header_length(path: Path) -> int:
+    with open(path, "rb") as fh:
+        return struct.unpack("<Q", fh.read(8))[0]
+
+
 def read_safetensors_header(path: Path) -> dict:
     with open(path, "rb") as fh:
         (n,) = struct.unpack("<Q", fh.read(8))
@@ -65,19 +72,20 @@ class SafetensorsSource:
     kind = "safetensors"
 
     def __init__(self, files: list[Path]):
-        from safetensors import safe_open
-
         self.files = list(files)
-        self._handles = [safe_open(str(f), framework="pt") for f in self.files]
         self._where: dict[str, int] = {}
         raw: dict[str, tuple[str, tuple[int, ...]]] = {}
         self.metadata: dict[str, str] = {}
+        self._spans: dict[str, tuple[Path, int, int]] = {}  # key -> (file, byte offset, byte count)
         for i, f in enumerate(self.files):
             header = read_safetensors_header(f)
+            base = 8 + _header_length(f)
             self.metadata.update(header.pop("__metadata__", None) or {})
             for key, info in header.items():
                 self._where[key] = i
                 raw[key] = (info["dtype"], tuple(info["shape"]))
+                start, end = info["data_offsets"]
+                self._spans[key] = (f, base + start, end - start)
         self.entries: dict[str, Entry] = {}
         for key, (dt, shape) in raw.items():
             if key.endswith(SCALE_SUFFIX) and key[: -len(SCALE_SUFFIX)] in raw:
@@ -101,19 +109,26 @@ class SafetensorsSource:
     def _file(self, key: str) -> Path:
         return self.files[self._where[key]]
 
+    def span(self, key: str, dtype: torch.dtype, shape: tuple[int, ...]) -> FileSpan:
+        """Where `key`'s bytes sit in its file (read as `dtype`/`shape`): a disk home for offload."""
+        path, offset, nbytes = self._spans[key]
+        return FileSpan(str(path), offset, nbytes, dtype, tuple(shape))
+
+    # Tensors are read with plain file reads into memory of their own: mapping the file and copying
+    # out of the mapping would also leave every page mapped in this process (RSS twice the model).
     def plain(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        t = self._handles[self._where[key]].get_tensor(key)
+        entry = self.entries[key]
+        t = self.span(key, entry.dtype, entry.shape).read(_CPU)
         return t if dtype is None or t.dtype == dtype else t.to(dtype)
 
     def fp8(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(uint8 fp8 bytes, int32 scale bits) as the quantized modules hold them."""
-        data = self._handles[self._where[key]].get_tensor(key).view(torch.uint8)
-        scale_key = key + SCALE_SUFFIX
-        scale = self._handles[self._where[scale_key]].get_tensor(scale_key)
-        return data, scale.contiguous().view(torch.int32)
+        shape = self.entries[key].shape
+        return (self.span(key, torch.uint8, shape).read(_CPU),
+                self.span(key + SCALE_SUFFIX, torch.int32, shape[:-1]).read(_CPU))
 
     def close(self) -> None:
-        self._handles.clear()
+        pass
 
 
 class GGUFSource:
@@ -147,21 +162,26 @@ class GGUFSource:
             return None
         return tuple(int(field.parts[i][0]) for i in field.data)
 
-    def packed(self, key: str) -> torch.Tensor:
-        """The stored bytes of `key` as uint8 [..., bytes per row] (a view of the mapped file)."""
+    def span(self, key: str, dtype: torch.dtype, shape: tuple[int, ...]) -> FileSpan:
+        t = self._tensors[key]
+        return FileSpan(str(self.files[0]), int(t.data_offset), int(t.n_bytes), dtype, tuple(shape))
+
+    def packed(self, key: str, mapped: bool = False) -> torch.Tensor:
+        """The stored bytes of `key` as uint8 [..., bytes per row]: read into memory of their own, or
+        (`mapped`) a view of the mapped file."""
         t = self._tensors[key]
         entry = self.entries[key]
+        shape = (*entry.shape[:-1], gguf_codec.bytes_per_row(entry.gguf_type, entry.shape[-1]))
+        if not mapped:
+            return self.span(key, torch.uint8, shape).read(_CPU)
         start = t.data_offset
         flat = self._reader.data[start:start + int(t.n_bytes)]
-        data = torch.from_numpy(flat.view("uint8"))
-        row = gguf_codec.bytes_per_row(entry.gguf_type, entry.shape[-1])
-        return data.view(*entry.shape[:-1], row)
+        return torch.from_numpy(flat.view("uint8")).view(shape)
 
     def plain(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A tensor decoded to `dtype` (float32 by default), in memory of its own."""
         entry = self.entries[key]
-        out = gguf_codec.dequantize(self.packed(key), entry.gguf_type, entry.shape, dtype or torch.float32)
-        return out.clone() if gguf_codec.is_plain(entry.gguf_type) and out.dtype == self._plain_dtype(entry) else out
+        return gguf_codec.dequantize(self.packed(key), entry.gguf_type, entry.shape, dtype or torch.float32)
 
     @staticmethod
     def _plain_dtype(entry: Entry) -> torch.dtype:

@@ -1,0 +1,79 @@
+"""`offload_to="disk"`: the DiTs stream from their checkpoint files; other components as the mode says.
+
+A wrapper around any offloading mode. For the transformer and refiner it installs
+`weights.disk.DiskStreaming` (no host copy: a unit's tensors are read from the file right before it
+computes and dropped after; `model` streams the whole DiT, `group` one block, `sequential` one
+layer), and hands every other component to the wrapped mode. A release forgets the streamed
+tensors instead of reading them back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..settings import CPU
+
+DITS = ("transformer", "refiner")
+
+
+class DiskBacked:
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.streams: dict[str, Any] = {}
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.inner, attr)
+
+    @property
+    def homes(self) -> dict[str, Any]:
+        return {**self.inner.homes, **self.streams}
+
+    def install(self, name: str, module: Any) -> None:
+        if name in DITS and isinstance(module, torch.nn.Module):
+            from ...weights.disk import UNIT_OF_MODE, DiskStreaming
+
+            module.to(CPU)
+            self.streams[name] = DiskStreaming(module, self.inner.device, UNIT_OF_MODE[self.inner.name])
+            return
+        self.inner.install(name, module)
+
+    def acquire(self, name: str, module: Any) -> None:
+        if name not in self.streams:
+            self.inner.acquire(name, module)
+
+    def settle(self, name: str, module: Any) -> None:
+        if name in self.streams:
+            self.streams[name].settle()  # a forward that failed half way leaves no unit loaded
+        else:
+            self.inner.settle(name, module)
+
+    def uninstall(self, name: str, module: Any) -> None:
+        stream = self.streams.pop(name, None)
+        if stream is not None:
+            stream.remove(restore=True)  # every tensor read back into host memory
+        else:
+            self.inner.uninstall(name, module)
+
+    def forget(self, name: str, module: Any) -> None:
+        """A release: hooks off without reading the weights back (the module is being dropped)."""
+        stream = self.streams.pop(name, None)
+        if stream is not None:
+            stream.remove(restore=False)
+        else:
+            self.inner.uninstall(name, module)
+
+    def moves_whole(self, name: str) -> bool:
+        return name not in self.streams and self.inner.moves_whole(name)
+
+    def installed(self) -> set[str]:
+        return self.inner.installed() | set(self.streams)
+
+
+def make_mode(classes: dict[str, type], settings: Any, device: torch.device) -> Any:
+    """The mode object for `settings`, disk-backed for the DiTs when `offload_to` is `disk`."""
+    mode = classes[settings.mode](settings, device)
+    if getattr(settings, "offload_to", "ram") == "disk" and not mode.keeps_resident:
+        return DiskBacked(mode)
+    return mode

@@ -1,0 +1,183 @@
+"""Disk-backed offload for the DiTs: the checkpoint file is the CPU home of their weights.
+
+With `offload_to="disk"` a DiT keeps no weights in host memory between uses: every tensor the
+loader kept exactly as stored has a `FileSpan` (file, byte offset, byte count), and a streaming unit
+(a block under `group`, a leaf layer under `sequential`) reads its tensors from the file right
+before it computes and drops them right after. The file is read with ordinary reads, not mapped
+into the process, so host RSS stays near one unit while the page cache (not counted in RSS, and
+given back under pressure) does the caching. Tensors without a span (converted on load: a dtype
+change, fp8 quantized on load) stay in host memory, their home, and are copied in and out like
+`ram` offload. Pre-quantize with `python -m lingbot_core.quantize` to stream those from disk too.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class FileSpan:
+    path: str
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def read(self, device: torch.device) -> torch.Tensor:
+        """The tensor, read from the file into fresh memory (then moved to `device`)."""
+        out = torch.empty(self.nbytes, dtype=torch.uint8)
+        with open(self.path, "rb", buffering=0) as fh:
+            fh.seek(self.offset)
+            view = memoryview(out.numpy())
+            got = 0
+            while got < self.nbytes:
+                n = fh.readinto(view[got:])
+                if not n:
+                    raise OSError(f"{self.path} ended early: expected {self.nbytes} bytes at offset {self.offset}")
+                got += n
+        tensor = out.view(self.dtype).reshape(self.shape)
+        return tensor if device.type == "cpu" else tensor.to(device)
+
+
+def check_mappable(spans: dict[str, FileSpan]) -> None:
+    """Refuse disk offload when a home file is gone, changed size, or cannot be mapped and read."""
+    seen: dict[str, int] = {}
+    for span in spans.values():
+        if span.path in seen:
+            continue
+        try:
+            size = os.stat(span.path).st_size
+            np.memmap(span.path, dtype=np.uint8, mode="r", shape=(min(size, 8),))
+        except (OSError, ValueError) as err:
+            raise ValueError(f"disk offload needs the checkpoint file {span.path} to be mappable ({err}); use "
+                             "offload_to='ram', or copy the checkpoint to a local disk.") from None
+        seen[span.path] = size
+    for name, span in spans.items():
+        if span.offset + span.nbytes > seen[span.path]:
+            raise ValueError(f"disk offload: {span.path} is shorter than its header says (tensor {name}); "
+                             "the file changed since it was loaded. Reload the checkpoint.")
+
+
+def _has_forward(module: nn.Module) -> bool:
+    return type(module).forward is not nn.Module.forward
+
+
+def _units(model: nn.Module, unit: str) -> list[tuple[nn.Module, list[tuple[nn.Module, str, str]]]]:
+    """Streaming units and the tensors each brings in: (owner module, local name, full name).
+
+    `model`: the whole DiT. `group`: every top-level child, each block of `blocks` on its own.
+    `sequential`: every module with tensors of its own; a container without a forward (the expert
+    stacks) joins its parent.
+    """
+    by_unit: dict[int, tuple[nn.Module, list]] = {}
+    names = dict(model.named_modules())
+    for prefix, module in model.named_modules():
+        own = [*module._parameters.items(), *module._buffers.items()]
+        if not own:
+            continue
+        if unit == "model":
+            owner = model
+        elif unit == "group":
+            parts = prefix.split(".")
+            head = ".".join(parts[:2]) if parts[0] == "blocks" and len(parts) > 1 else parts[0]
+            owner = names[head] if head else model
+        else:
+            owner_name = prefix
+            while owner_name and not _has_forward(names[owner_name]):
+                owner_name = owner_name.rpartition(".")[0]
+            owner = names[owner_name] if owner_name else model
+        entry = by_unit.setdefault(id(owner), (owner, []))
+        for local, tensor in own:
+            if tensor is not None:
+                entry[1].append((module, local, f"{prefix}.{local}" if prefix else local))
+    return list(by_unit.values())
+
+
+UNIT_OF_MODE = {"model": "model", "group": "group", "sequential": "sequential"}
+
+
+class DiskStreaming:
+    """Streams a DiT's weights from its files, unit by unit; `remove()` brings them back into memory."""
+
+    def __init__(self, model: nn.Module, device: torch.device, unit: str = "group"):
+        spans = getattr(model, "weight_spans", None) or {}
+        check_mappable(spans)
+        self.model, self.device, self.spans = model, torch.device(device), spans
+        self.homes: dict[str, torch.Tensor] = {}  # tensors without a span: their host copy
+        self.hooks: list = []
+        self.units = _units(model, unit)
+        for _owner, tensors in self.units:
+            for module, local, full in tensors:
+                store = module._parameters if local in module._parameters else module._buffers
+                tensor = store[local]
+                if full in spans:
+                    self._bind(module, local, torch.empty(tensor.shape, dtype=tensor.dtype, device="meta"))
+                else:
+                    self.homes[full] = tensor.data
+        for owner, tensors in self.units:
+            self.hooks.append(owner.register_forward_pre_hook(self._loader(tensors)))
+            self.hooks.append(owner.register_forward_hook(self._dropper(tensors)))
+        model._lingbot_disk = self
+
+    @staticmethod
+    def _bind(module: nn.Module, local: str, value: torch.Tensor) -> None:
+        if local in module._parameters:
+            module._parameters[local] = nn.Parameter(value, requires_grad=False)
+        else:
+            module._buffers[local] = value
+
+    def _fetch(self, full: str) -> torch.Tensor:
+        if full in self.spans:
+            return self.spans[full].read(self.device)
+        return self.homes[full].to(self.device)
+
+    def _loader(self, tensors):
+        def load(_module, _args):
+            for module, local, full in tensors:
+                self._bind(module, local, self._fetch(full))
+        return load
+
+    def _dropper(self, tensors):
+        def drop(_module, _args, _output):
+            self._drop(tensors)
+        return drop
+
+    def _drop(self, tensors) -> None:
+        for module, local, full in tensors:
+            store = module._parameters if local in module._parameters else module._buffers
+            current = store[local]
+            if full in self.spans:
+                self._bind(module, local, torch.empty(current.shape, dtype=current.dtype, device="meta"))
+            else:
+                self._bind(module, local, self.homes[full])
+
+    def settle(self) -> None:
+        """Every unit back home (after an error or interrupt inside a forward)."""
+        for _owner, tensors in self.units:
+            self._drop(tensors)
+
+    def stored_bytes(self) -> int:
+        return sum(s.nbytes for s in self.spans.values())
+
+    def remove(self, restore: bool = True) -> None:
+        """Hooks off and (`restore`) every tensor back in host memory, read once from the file."""
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks.clear()
+        self.model.__dict__.pop("_lingbot_disk", None)
+        if not restore:
+            return
+        cpu = torch.device("cpu")
+        for _owner, tensors in self.units:
+            for module, local, full in tensors:
+                self._bind(module, local, self.spans[full].read(cpu) if full in self.spans else self.homes[full])
+        self.model.__dict__.pop("_lingbot_disk", None)
+
+
+def streaming_of(module: nn.Module) -> DiskStreaming | None:
+    return module.__dict__.get("_lingbot_disk") if isinstance(module, nn.Module) else None
