@@ -102,7 +102,7 @@ def test_t2v_dense_converts_as_written_out_by_hand():
         "2": {"class_type": "LingBotOffload", "_meta": {"title": "Offload"},
               "inputs": {"pipe": ["1", 0], "mode": "model", "use_stream": True, "low_cpu_mem_usage": False,
                          "num_blocks_per_group": 1, "plan_width": 832, "plan_height": 480, "plan_frames": 121,
-                         "plan_refine": True}},
+                         "plan_refine": True, "offload_to": "ram"}},
         "3": {"class_type": "LingBotTextEncode", "_meta": {"title": "Prompt"},
               "inputs": {"pipe": ["2", 0], "prompt": _ui_prompt_text(), "negative_prompt": "", "task": "t2v",
                          "image_width": 832, "image_height": 480, "encode_negative": True}},
