@@ -183,8 +183,8 @@ def test_quantize_command_output_opens_with_the_loader(quantized, tmp_path):
     from lingbot_core import stages
     from lingbot_nodes.loader import LingBotLoader
 
-    handle, = LingBotLoader().load("tiny (built-in moe)", "moe", "auto", "default",
-                                   path=str(quantized["moe", "gguf-q8_0"]), device="cpu")
+    handle, = LingBotLoader.execute("tiny (built-in moe)", "moe", "auto", "default",
+                                    path=str(quantized["moe", "gguf-q8_0"]), device="cpu").args
     cond = stages.encode_prompt(handle, "a boat", None)
     latents = stages.denoise(handle, cond, height=32, width=32, num_frames=1, steps=1, guidance_scale=1.0, seed=0)
     assert torch.isfinite(latents).all()
@@ -373,11 +373,11 @@ def test_disk_offload_streams_from_the_file_and_matches_ram(quantized, fixtures_
     folder = fixtures_root / "models" / "tiny-moe" if weights == "plain" else quantized["moe", weights]
     ram = PipelineHandle.open(folder, device="cpu")
     with stage(ram, "transformer"):
-        expected = _run(ram.transformer)
+        expected = _run(ram.component("transformer"))
     handle = configure_offload(PipelineHandle.open(folder, device="cpu"), mode, offload_to="disk",
                                **({"use_stream": False} if mode == "group" else {}))
     with stage(handle, "transformer"):
-        dit = handle.transformer
+        dit = handle.component("transformer")
         got = _run(dit)
     # between forwards no weight is held in memory: the file is the home
     assert all(t.device.type == "meta" for t in [*dit.parameters(), *dit.buffers()])
