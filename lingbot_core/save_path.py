@@ -89,10 +89,10 @@ def split_prefix(prefix: str) -> tuple[list[str], str]:
     if re.match(r"^[A-Za-z]:", prefix) or ":" in prefix:
         raise UnsafePrefix(f"filename_prefix {shown!r} contains ':' (a drive or stream name on Windows)")
     if prefix.startswith("/") or prefix.startswith("~"):
-        raise UnsafePrefix(f"filename_prefix {shown!r} is an absolute path; give a path inside the output folder")
+        raise UnsafePrefix(f"filename_prefix {shown!r} is an absolute path; give a relative path inside the output folder")
     parts = [p for p in prefix.split("/") if p not in ("", ".")]
     if any(p == ".." for p in parts):
-        raise UnsafePrefix(f"filename_prefix {shown!r} climbs out with '..'; give a path inside the output folder")
+        raise UnsafePrefix(f"filename_prefix {shown!r} climbs out with '..'; give a relative path inside the output folder")
     if not parts or prefix.endswith("/") or prefix.rstrip("/").endswith("/.") or prefix.strip() in (".", ""):
         raise UnsafePrefix(f"filename_prefix {shown!r} has no file name; end it with a name, e.g. 'lingbot/video'")
     if any(p.strip() != p or p.endswith(".") for p in parts):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from . import paths
 from .types import CATEGORY
 from .v3 import io
 
@@ -28,22 +29,30 @@ class LingBotLoadImage(io.ComfyNode):
             category=CATEGORY,
             description="Loads an image file as IMAGE for TI2V; with an empty path, a built-in colour test pattern. "
                         "Works headless too (core Load Image needs the server's input folder).",
-            inputs=[io.String.Input("path", default="", tooltip="An image file; empty: a built-in test pattern")],
+            inputs=[io.String.Input("path", default="", tooltip="An image file; empty: a built-in test pattern. In "
+                                    "ComfyUI a file in its input folder ('cat.png', or 'x.png [output]' / "
+                                    "'[temp]'); headless any path")],
             outputs=[io.Image.Output(display_name="image", tooltip="The image [1,H,W,3] in 0..1")],
         )
 
     @classmethod
     def fingerprint_inputs(cls, path=""):
-        import os
-
-        return os.path.getmtime(path) if path and os.path.isfile(path) else path
+        if not path:
+            return path
+        try:
+            return f"{path}@{paths.image_path(path).stat().st_mtime_ns}"
+        except (ValueError, OSError):
+            return path  # validation reports it
 
     @classmethod
     def validate_inputs(cls, path=""):
-        import os
-
-        if path and not os.path.isfile(path):
-            return f"image file not found: {path}"
+        # Inside ComfyUI only its input/output/temp folders; a file outside and a missing file get the
+        # same answer, so validation cannot be used to probe the server's disk.
+        if path:
+            try:
+                paths.image_path(path)
+            except ValueError as err:
+                return str(err)
         return True
 
     @classmethod
@@ -54,5 +63,5 @@ class LingBotLoadImage(io.ComfyNode):
 
         if not path:
             return io.NodeOutput(test_pattern())
-        array = np.asarray(load_image(path), dtype=np.float32) / 255.0
+        array = np.asarray(load_image(paths.image_path(path)), dtype=np.float32) / 255.0
         return io.NodeOutput(torch.from_numpy(array).unsqueeze(0))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import runtime
+from . import paths, runtime
 from .types import CATEGORY, Pipe, problems_or_true
 from .v3 import io, ui
 
@@ -27,9 +27,11 @@ def resolve_checkpoint(choice: str, path: str = "") -> Path:
     from lingbot_core.tiny import ensure_tiny_checkpoint
 
     if path.strip():
-        return Path(path.strip()).expanduser()
+        return paths.checkpoint_path(path)  # inside ComfyUI: only its model folders (see nodes/paths.py)
     if choice in TINY:
         return ensure_tiny_checkpoint(TINY[choice])
+    if not isinstance(choice, str) or Path(choice).name != choice or choice in ("", ".", ".."):
+        raise ValueError(f"checkpoint {str(choice)[:80]!r} is not a checkpoint folder name")
     for root in runtime.model_roots():
         if (root / choice / "model_index.json").is_file():
             return root / choice
@@ -74,7 +76,8 @@ class LingBotLoader(io.ComfyNode):
                                tooltip="Attention kernel of the DiT. default: PyTorch SDPA; flash/sage/xformers "
                                        "need their package installed"),
                 io.String.Input("path", default="", optional=True,
-                                tooltip="A checkpoint folder; overrides the combo when not empty"),
+                                tooltip="A checkpoint folder; overrides the combo when not empty. In ComfyUI it "
+                                        "must lie under its model folders (LINGBOT_ALLOW_ANY_MODEL_PATH=1 lifts that)"),
                 io.Combo.Input("device", options=["auto", "cuda", "cpu"], default="auto", optional=True,
                                tooltip="Execution device. auto: ComfyUI's device inside ComfyUI (honours --cpu "
                                        "and --cuda-device), else CUDA when available"),

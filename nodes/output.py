@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from fractions import Fraction
-from pathlib import Path
 
-from . import runtime
+from . import paths, runtime
 from .types import CATEGORY, Pipe, latent_in
 from .v3 import InputImpl, Types, io
 
@@ -77,7 +76,8 @@ class LingBotSaveVideo(io.ComfyNode):
                 io.Image.Input("images", tooltip="Frames [T,H,W,3] from LingBot Decode"),
                 io.Float.Input("fps", default=24.0, min=1.0, max=120.0, step=1.0, tooltip="Frame rate of the mp4"),
                 io.String.Input("filename_prefix", default="lingbot/video",
-                                tooltip="File name prefix, relative to the output folder; may hold a subfolder"),
+                                tooltip="File name prefix inside the output folder; may hold a subfolder and "
+                                        "%date:yyyy-MM-dd% / %year% fields. Files: <prefix>_00001_.mp4"),
             ],
             outputs=[],
             is_output_node=True,
@@ -85,8 +85,9 @@ class LingBotSaveVideo(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, filename_prefix=None):
-        if isinstance(filename_prefix, str) and (Path(filename_prefix).is_absolute() or ".." in Path(filename_prefix).parts):
-            return "filename_prefix must be a relative path inside the output folder"
+        # A linked prefix arrives as None here; execute() checks the real value when it writes.
+        if isinstance(filename_prefix, str):
+            return paths.check_save_prefix(filename_prefix) or True
         return True
 
     @classmethod
@@ -103,12 +104,11 @@ class LingBotSaveVideo(io.ComfyNode):
         for key, value in (extra_pnginfo or {}).items():
             metadata[key] = json.dumps(value)
 
-        root = runtime.output_dir()
-        stem = root / filename_prefix
-        stem.parent.mkdir(parents=True, exist_ok=True)
-        counter = 1 + max((int(p.stem.rsplit("_", 1)[-1]) for p in stem.parent.glob(f"{stem.name}_*.*")
-                           if p.stem.rsplit("_", 1)[-1].isdigit()), default=0)
-        path = save_frames(images, stem.parent / f"{stem.name}_{counter:05d}", float(fps), metadata)
-        subfolder = str(path.parent.relative_to(root)) if path.parent != root else ""
-        entry = {"filename": path.name, "subfolder": subfolder, "type": "output"}
+        # Resolved now, whatever the prefix came through (a link is not seen by validate_inputs), with
+        # ComfyUI's rules: %date:..%/%year%.. fields, <prefix>_<00001>_.<ext>, nothing outside the folder.
+        height, width = (int(images.shape[-3]), int(images.shape[-2])) if images.ndim >= 3 else (0, 0)
+        target = paths.save_target(filename_prefix, width=width, height=height)
+        single = images.ndim == 3 or images.shape[0] == 1
+        path = save_frames(images, target.path("png" if single else "mp4"), float(fps), metadata)
+        entry = {"filename": path.name, "subfolder": target.subfolder, "type": "output"}
         return io.NodeOutput(ui={"images": [entry], "animated": (path.suffix == ".mp4",)})

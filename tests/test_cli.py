@@ -24,7 +24,7 @@ def test_overrides_model_and_shuffle(tmp_path, capsys, fixtures_root):
                  "--set", "Denoise.width=48", "--set", "Save.filename_prefix=still", "--shuffle", "3"])
     assert code == 0
     out = capsys.readouterr().out.split()
-    assert out == [str(tmp_path / "still_00001.png")]
+    assert out == [str(tmp_path / "still_00001_.png")]  # ComfyUI's <prefix>_<counter>_ naming
     from PIL import Image
 
     assert Image.open(out[0]).size == (48, 64)

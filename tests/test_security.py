@@ -9,13 +9,18 @@ import ast
 import json
 import os
 import shutil
+import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from lingbot_core.checkpoint import CheckpointError, inspect_checkpoint, load_component
 from lingbot_core.save_path import UnsafePrefix, expand_prefix, save_target
+from lingbot_core.workflow import Engine, NodeExecutionError
+from lingbot_nodes import NODE_CLASS_MAPPINGS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -180,3 +185,227 @@ def test_date_and_server_fields_are_expanded():
     assert expand_prefix("%year%/%month%/%day%/%hour%%minute%%second%_%width%x%height%", width=832, height=480,
                          now=now) == "2026/03/04/050607_832x480"
     assert expand_prefix("100%", now=now) == "100%"
+
+
+# -- the nodes inside ComfyUI and headless (items 1-3) -------------------------------------------------
+
+
+
+def _within(directory: str, target: str) -> bool:
+    directory, target = os.path.realpath(directory), os.path.realpath(target)
+    return os.path.commonpath((directory, target)) == directory
+
+
+@pytest.fixture
+def comfy(tmp_path, monkeypatch):
+    """A stand-in ``folder_paths`` with ComfyUI's folders and its get_save_image_path contract."""
+    folders = {name: tmp_path / name for name in ("models", "input", "output", "temp")}
+    for folder in folders.values():
+        folder.mkdir()
+    fp = types.ModuleType("folder_paths")
+    fp.models_dir = str(folders["models"])
+    fp.folder_names_and_paths = {"checkpoints": ([str(folders["models"] / "checkpoints")], set())}
+    fp.add_model_folder_path = lambda name, path: fp.folder_names_and_paths.setdefault(name, ([], set()))[0].append(path)
+    fp.get_folder_paths = lambda name: fp.folder_names_and_paths[name][0]
+    fp.get_output_directory = lambda: str(folders["output"])
+    fp.get_input_directory = lambda: str(folders["input"])
+    fp.get_temp_directory = lambda: str(folders["temp"])
+    fp.calls = []
+
+    def get_save_image_path(prefix, output_dir, width=0, height=0):
+        fp.calls.append(prefix)
+        prefix = prefix.replace("%width%", str(width)).replace("%height%", str(height))
+        subfolder = os.path.dirname(os.path.normpath(prefix))
+        filename = os.path.basename(os.path.normpath(prefix))
+        full = os.path.join(output_dir, subfolder)
+        if not _within(output_dir, full):
+            raise Exception("Saving image outside the output folder is not allowed.")
+        os.makedirs(full, exist_ok=True)
+        counters = [int(n[len(filename) + 1:].split("_")[0]) for n in os.listdir(full)
+                    if n.startswith(filename + "_") and n[len(filename) + 1:].split("_")[0].isdigit()]
+        return full, filename, max(counters, default=0) + 1, subfolder, prefix
+
+    fp.get_save_image_path = get_save_image_path
+    monkeypatch.setitem(sys.modules, "folder_paths", fp)
+    monkeypatch.setitem(sys.modules, "comfy", types.ModuleType("comfy"))
+    monkeypatch.delenv("LINGBOT_ALLOW_ANY_MODEL_PATH", raising=False)
+    return types.SimpleNamespace(fp=fp, tmp=tmp_path, **folders)
+
+
+class _Text:
+    """A core PrimitiveString stand-in: a STRING arriving through a link."""
+
+    CATEGORY = "tests"
+    RETURN_TYPES = ("STRING",)
+    FUNCTION = "run"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"value": ("STRING", {"default": ""})}}
+
+    def run(self, value):
+        return (value,)
+
+
+REGISTRY = {**NODE_CLASS_MAPPINGS, "Text": _Text}
+
+
+def _save_prompt(prefix_source: dict) -> dict:
+    return {"1": {"class_type": "LingBotLoadImage", "inputs": {"path": ""}},
+            "2": prefix_source,
+            "3": {"class_type": "LingBotSaveVideo",
+                  "inputs": {"images": ["1", 0], "fps": 24.0, "filename_prefix": ["2", 0]}}}
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("prefix", ["../../x/pwn", "", ".", "./", "\\x", "D:x", "../sibling"])
+def test_save_video_refuses_a_linked_prefix_that_escapes_inside_comfyui(comfy, prefix):
+    prompt = _save_prompt({"class_type": "Text", "inputs": {"value": prefix}})
+    before = _files(comfy.tmp)
+    with pytest.raises(NodeExecutionError, match="filename_prefix"):
+        Engine(REGISTRY).run(prompt)
+    assert _files(comfy.tmp) == before
+
+
+@pytest.mark.parametrize("prefix", ["../../x/pwn", "", ".", "./", "\\x", "D:x"])
+def test_save_video_refuses_a_linked_prefix_that_escapes_headless(tmp_path, monkeypatch, prefix):
+    out = tmp_path / "out" / "output"
+    out.mkdir(parents=True)
+    monkeypatch.setenv("LINGBOT_OUTPUT_DIR", str(out))
+    prompt = _save_prompt({"class_type": "Text", "inputs": {"value": prefix}})
+    with pytest.raises(NodeExecutionError, match="filename_prefix"):
+        Engine(REGISTRY).run(prompt)
+    assert _files(tmp_path) == []
+
+
+def test_save_video_refuses_a_constant_escape_at_validation(comfy):
+    prompt = _save_prompt({"class_type": "Text", "inputs": {"value": "x"}})
+    prompt["3"]["inputs"]["filename_prefix"] = "../../x/pwn"
+    from lingbot_core.workflow import WorkflowValidationError
+
+    with pytest.raises(WorkflowValidationError, match="filename_prefix"):
+        Engine(REGISTRY).validate(prompt)
+
+
+def test_save_video_uses_comfyui_naming_and_its_save_path(comfy):
+    prompt = _save_prompt({"class_type": "Text", "inputs": {"value": "lingbot/%year%/clip"}})
+    first = Engine(REGISTRY).run(prompt).ui["3"]["images"][0]
+    second = Engine(REGISTRY).run(prompt).ui["3"]["images"][0]
+    year = str(time.localtime().tm_year)
+    assert first == {"filename": "clip_00001_.png", "subfolder": f"lingbot/{year}", "type": "output"}
+    assert second["filename"] == "clip_00002_.png"
+    assert (comfy.output / "lingbot" / year / "clip_00002_.png").is_file()
+    assert comfy.fp.calls and "%" not in comfy.fp.calls[-1]  # ComfyUI's function placed it
+
+
+def test_save_video_headless_follows_the_same_rules(tmp_path, monkeypatch):
+    monkeypatch.setenv("LINGBOT_OUTPUT_DIR", str(tmp_path / "out"))
+    node = NODE_CLASS_MAPPINGS["LingBotSaveVideo"]
+    frames = torch.rand(5, 16, 16, 3)
+    ui = node.execute(frames, 8.0, "v/%date:yyyy%/x").ui
+    year = str(time.localtime().tm_year)
+    assert ui["images"][0] == {"filename": "x_00001_.mp4", "subfolder": f"v/{year}", "type": "output"}
+    assert node.execute(frames, 8.0, "v/%date:yyyy%/x").ui["images"][0]["filename"] == "x_00002_.mp4"
+
+
+def _image(path: Path) -> Path:
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (8, 8), (10, 200, 30)).save(path)
+    return path
+
+
+def test_load_image_inside_comfyui_reads_only_its_folders(comfy):
+    node = NODE_CLASS_MAPPINGS["LingBotLoadImage"]
+    _image(comfy.input / "cat.png")
+    _image(comfy.output / "render.png")
+    secret = _image(comfy.tmp / "secret" / "private.png")
+    assert node.validate_inputs(path="cat.png") is True
+    assert node.validate_inputs(path="render.png [output]") is True
+    image, = node.execute("cat.png").args
+    assert image.shape == (1, 8, 8, 3) and abs(float(image[0, 0, 0, 1]) - 200 / 255) < 1e-6
+    os.symlink(secret, comfy.input / "link.png")
+    for probe in (str(secret), "../secret/private.png", "link.png", "..\\secret\\private.png",
+                  "../secret/private.png [output]"):
+        message = node.validate_inputs(path=probe)
+        assert message is not True and "not a file in ComfyUI's" in message, probe
+        with pytest.raises(ValueError, match="not a file in ComfyUI's"):
+            node.execute(probe)
+
+
+def test_load_image_answers_alike_for_missing_and_existing_outside_files(comfy):
+    node = NODE_CLASS_MAPPINGS["LingBotLoadImage"]
+    _image(comfy.tmp / "exists.png")
+    there = node.validate_inputs(path=str(comfy.tmp / "exists.png"))
+    missing = node.validate_inputs(path=str(comfy.tmp / "absent.png"))
+    assert there.replace("exists", "X") == missing.replace("absent", "X")
+
+
+def test_load_image_headless_takes_any_path(tmp_path):
+    node = NODE_CLASS_MAPPINGS["LingBotLoadImage"]
+    path = _image(tmp_path / "anywhere" / "frame.png")
+    assert node.validate_inputs(path=str(path)) is True
+    assert node.execute(str(path)).args[0].shape == (1, 8, 8, 3)
+    assert "not found" in node.validate_inputs(path=str(tmp_path / "nope.png"))
+
+
+def test_loader_path_inside_comfyui_is_limited_to_model_folders(comfy, fixtures_root, monkeypatch):
+    from lingbot_nodes.loader import resolve_checkpoint
+
+    outside = comfy.tmp / "elsewhere" / "ckpt"
+    shutil.copytree(fixtures_root / "models" / "tiny-dense", outside)
+    answers = []
+    for probe in (str(outside), str(comfy.tmp / "no" / "such" / "dir"), "../elsewhere/ckpt", "/etc"):
+        with pytest.raises(ValueError, match="LINGBOT_ALLOW_ANY_MODEL_PATH") as info:
+            resolve_checkpoint("tiny (built-in dense)", probe)
+        answers.append(str(info.value))
+    assert len(set(answers)) == 1, "the answer must not depend on whether the folder exists"
+    inside = comfy.models / "lingbot_video" / "mine"
+    shutil.copytree(fixtures_root / "models" / "tiny-dense", inside)
+    assert resolve_checkpoint("x", str(inside)) == inside
+    assert resolve_checkpoint("x", "lingbot_video/mine") == inside
+    with pytest.raises(ValueError, match="not a checkpoint folder name"):
+        resolve_checkpoint("../elsewhere", "")
+    monkeypatch.setenv("LINGBOT_ALLOW_ANY_MODEL_PATH", "1")
+    assert resolve_checkpoint("x", str(outside)) == outside
+
+
+def test_loader_path_headless_takes_any_folder(tmp_path, fixtures_root):
+    from lingbot_nodes.loader import resolve_checkpoint
+
+    target = tmp_path / "ckpt"
+    shutil.copytree(fixtures_root / "models" / "tiny-dense", target)
+    assert resolve_checkpoint("x", str(target)) == target
+
+
+def test_no_prefix_writes_outside_the_output_folder(tmp_path_factory):
+    """Property: for any text, save_target refuses it or lands inside the output folder."""
+    hypothesis = pytest.importorskip("hypothesis")
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    root = tmp_path_factory.mktemp("prop")
+    out = root / "output"
+    out.mkdir()
+    (root / "outside").mkdir()
+    os.symlink(root / "outside", out / "escape")
+    pieces = st.sampled_from(["..", ".", "", "a", "escape", "b.c", " ", "\\", "D:", "%date:yyyy%", "%year%", "~",
+                              "/", "x\x00", "%", "..\\..", "é"])
+
+    @settings(max_examples=120, deadline=None, derandomize=True)
+    @given(st.lists(pieces, min_size=0, max_size=6).map("/".join) | st.text(max_size=20))
+    def check(prefix):
+        try:
+            target = save_target(prefix, out)
+        except UnsafePrefix:
+            return
+        assert os.path.commonpath([os.path.realpath(target.folder), os.path.realpath(out)]) == os.path.realpath(out)
+        assert target.stem and target.stem not in (".", "..")
+
+    assert hypothesis
+    check()
+    assert list((root / "outside").iterdir()) == []
