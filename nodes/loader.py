@@ -39,16 +39,11 @@ def resolve_checkpoint(choice: str, path: str = "") -> Path:
 
 
 def resolve_student(path: str = "") -> Path | None:
-    """The Loader's `transformer_path`; inside ComfyUI it must lie under a models/lingbot_video folder."""
+    """The Loader's `transformer_path`: the same rule as `path` (inside ComfyUI, its model folders only,
+    unless LINGBOT_ALLOW_ANY_MODEL_PATH=1; see nodes/paths.py)."""
     if not path or not path.strip():
         return None
-    chosen = Path(path.strip()).expanduser()
-    if runtime.in_comfy():
-        real = chosen.resolve()
-        if not any(real.is_relative_to(root.resolve()) for root in runtime.model_roots() if root.is_dir()):
-            raise ValueError(f"transformer_path {chosen} is outside ComfyUI's models/lingbot_video folders; put the "
-                             "student folder there")
-    return chosen
+    return paths.checkpoint_path(path)
 
 
 class LingBotLoader(io.ComfyNode):

@@ -409,3 +409,14 @@ def test_no_prefix_writes_outside_the_output_folder(tmp_path_factory):
     assert hypothesis
     check()
     assert list((root / "outside").iterdir()) == []
+
+
+def test_loader_transformer_path_follows_the_same_rule(comfy, monkeypatch):
+    from lingbot_nodes.loader import resolve_student
+
+    with pytest.raises(ValueError, match="LINGBOT_ALLOW_ANY_MODEL_PATH"):
+        resolve_student(str(comfy.tmp / "elsewhere" / "student"))
+    inside = comfy.models / "lingbot_video" / "student"
+    assert resolve_student(str(inside)) == inside
+    monkeypatch.setenv("LINGBOT_ALLOW_ANY_MODEL_PATH", "1")
+    assert resolve_student(str(comfy.tmp / "elsewhere")) == comfy.tmp / "elsewhere"
