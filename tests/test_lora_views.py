@@ -144,3 +144,16 @@ def test_the_lora_node_chains_on_a_workflow(fixtures_root, tmp_path, monkeypatch
     assert not torch.equal(plain, light) and torch.equal(plain, zero)
     with pytest.raises(Exception, match="not one of"):
         frames(['3.path=""', '3.lora_name="missing.safetensors"'])
+
+
+def test_fp8_runtime_deltas_are_identical_under_every_offload_mode(fixtures_root, loras):
+    """fp8 layers take the LoRA at run time; the result must not depend on where the weights live."""
+    handle = PipelineHandle.open(fixtures_root / "models" / "tiny-moe", device="cpu", weights="fp8_e4m3")
+    cond = stages.encode_prompt(handle, "a red boat", None)
+    plain = _denoise(handle, cond)
+    view = lora_ops.with_lora(handle, loras[0], 1.0)
+    results = {mode: _denoise(configure_offload(view, mode, **OPTS.get(mode, {})), cond) for mode in MODES}
+    assert not torch.equal(results["none"], plain)
+    for mode, out in results.items():
+        assert torch.equal(out, results["none"]), mode
+    assert torch.equal(_denoise(handle, cond), plain)  # the plain view takes the deltas off again
