@@ -305,13 +305,9 @@ class ComfyNode:
     NOT_IDEMPOTENT = _classproperty(lambda c: c.GET_SCHEMA().not_idempotent)
 
 
-io.Schema = Schema
-io.ComfyNode = ComfyNode
-io.NodeOutput = NodeOutput
-io.Hidden = Hidden
-io.HiddenHolder = HiddenHolder
-io.NumberDisplay = NumberDisplay
-io.FolderType = FolderType
+# The `io` namespace exposes these under their comfy_api names (io.Schema, io.ComfyNode, ...).
+for _exported in (Schema, ComfyNode, NodeOutput, Hidden, HiddenHolder, NumberDisplay, FolderType):
+    setattr(io, _exported.__name__, _exported)
 
 
 class ComfyExtension:
