@@ -119,18 +119,7 @@ def check_state_dict(component: str, files: list[Path], expected: dict[str, tupl
     mismatched checkpoint must fail loudly instead.
     """
     stored = _stored_shapes(files)
-    missing = sorted(set(expected) - set(stored) - set(ignore_missing))
-    unexpected = sorted(set(stored) - set(expected))
-    wrong = sorted(k for k in set(stored) & set(expected) if stored[k] != expected[k])
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} missing tensors (e.g. {', '.join(missing[:3])})")
-    if unexpected:
-        problems.append(f"{len(unexpected)} unexpected tensors (e.g. {', '.join(unexpected[:3])})")
-    if wrong:
-        k = wrong[0]
-        problems.append(f"{len(wrong)} tensors with the wrong shape (e.g. {k}: stored {stored[k]}, "
-                        f"config implies {expected[k]})")
+    problems = checks.tensor_set_problems(stored, expected, ignore_missing=ignore_missing)
     if problems:
         where = files[0].parent
         raise CheckpointError(f"{component}: the weights in {where} do not match its config.json: "

@@ -392,23 +392,36 @@ def compare_shapes(component: str, where: Path, stored: Mapping[str, StoredTenso
     names a library may remap on load, or that carry extra quantization scales); wrong shapes are
     always refused.
     """
-    wrong = sorted(k for k in set(stored) & set(expected)
-                   if stored[k].shape != expected[k] and not stored[k].dtype.startswith("F8"))
-    problems = []
-    if strict_names:
-        missing = sorted(set(expected) - set(stored) - set(ignore_missing))
-        unexpected = sorted(set(stored) - set(expected))
-        if missing:
-            problems.append(f"{len(missing)} missing tensors (e.g. {', '.join(missing[:3])})")
-        if unexpected:
-            problems.append(f"{len(unexpected)} unexpected tensors (e.g. {', '.join(unexpected[:3])})")
-    if wrong:
-        k = wrong[0]
-        problems.append(f"{len(wrong)} tensors with the wrong shape (e.g. {k}: stored {stored[k].shape}, "
-                        f"config implies {expected[k]})")
+    # fp8 stores keep their own packed layout; their shapes are checked by the weights loader
+    comparable = {k: expected[k] if v.dtype.startswith("F8") and k in expected else v.shape
+                  for k, v in stored.items() if strict_names or k in expected}
+    problems = tensor_set_problems(comparable, expected,
+                                   ignore_missing=ignore_missing if strict_names else expected)
     if problems:
         raise CheckFailed(f"{component}: the weights in {where} do not match its config: {'; '.join(problems)}. "
                           "The folder is incomplete or from another model; re-download it.")
+
+
+def tensor_set_problems(stored: Mapping[str, Any], expected: Mapping[str, Any], *,
+                        ignore_missing: Iterable[str] = ()) -> list[str]:
+    """What differs between stored tensor shapes and the shapes a config implies, one phrase per kind.
+
+    The one comparison behind every "the weights do not match the config" error (open-time checks,
+    the state-dict check, the weights loader); each caller wraps the phrases in its own error.
+    """
+    missing = sorted(set(expected) - set(stored) - set(ignore_missing))
+    unexpected = sorted(set(stored) - set(expected))
+    wrong = sorted(k for k in set(stored) & set(expected) if tuple(stored[k]) != tuple(expected[k]))
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing tensors (e.g. {', '.join(missing[:3])})")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected tensors (e.g. {', '.join(unexpected[:3])})")
+    if wrong:
+        k = wrong[0]
+        problems.append(f"{len(wrong)} tensors with the wrong shape (e.g. {k}: stored {list(stored[k])}, "
+                        f"config implies {list(expected[k])})")
+    return problems
 
 
 # -- weights after loading -------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..checkpoint_checks import tensor_set_problems
 from . import gguf_codec
 from .fp8 import require_fp8
 from .modules import FP8, Packing, QuantizedExperts, QuantizedLinear, pack_fp8
@@ -91,18 +92,7 @@ def _auto_compute_dtype(entries: dict[str, Entry]) -> torch.dtype:
 
 def check_entries(component: str, where: Path, entries: dict[str, Entry], expected: dict[str, tuple[int, ...]]) -> None:
     """Names and logical shapes of the stored tensors against the config; raise naming the tensor."""
-    missing = sorted(set(expected) - set(entries))
-    unexpected = sorted(set(entries) - set(expected))
-    wrong = sorted(k for k in set(entries) & set(expected) if entries[k].shape != expected[k])
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} missing tensors (e.g. {', '.join(missing[:3])})")
-    if unexpected:
-        problems.append(f"{len(unexpected)} unexpected tensors (e.g. {', '.join(unexpected[:3])})")
-    if wrong:
-        k = wrong[0]
-        problems.append(f"{len(wrong)} tensors with the wrong shape (e.g. {k}: stored {list(entries[k].shape)}, "
-                        f"config implies {list(expected[k])})")
+    problems = tensor_set_problems({k: e.shape for k, e in entries.items()}, expected)
     if problems:
         raise WeightsError(f"{component}: the weights in {where} do not match its config.json: {'; '.join(problems)}. "
                            "The file is incomplete or from another model; re-download or re-create it.")
