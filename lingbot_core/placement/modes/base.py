@@ -32,6 +32,9 @@ class Mode:
     name: ClassVar[str] = ""
     keeps_resident: ClassVar[bool] = False
     """True if components may stay on the device between stages (`none`)."""
+    whole: ClassVar[frozenset[str] | None] = frozenset()
+    """The components `acquire` moves onto the device as one piece (None: every one); the mode's
+    hooks stream the others, and `_settle_streamed` puts those back."""
 
     def __init__(self, settings: OffloadSettings, device: torch.device):
         self.settings = settings
@@ -53,9 +56,15 @@ class Mode:
 
     def acquire(self, name: str, module: Any) -> None:
         """Bring what this mode moves explicitly onto the device (hooks move the rest)."""
+        if self.moves_whole(name):
+            self._onload_whole(name)
 
     def settle(self, name: str, module: Any) -> None:
         """Back to the clean state of the mode."""
+        if self.moves_whole(name):
+            self._offload_whole(name)
+        elif isinstance(module, torch.nn.Module):
+            self._settle_streamed(name, module)
 
     def uninstall(self, name: str, module: Any) -> None:
         homes = self.homes.pop(name, None)
@@ -72,7 +81,7 @@ class Mode:
 
     def moves_whole(self, name: str) -> bool:
         """Does `acquire` move this component onto the device as a whole (hosts free memory first)?"""
-        return False
+        return self.whole is None or name in self.whole
 
     def installed(self) -> set[str]:
         return set(self.homes)
@@ -92,6 +101,9 @@ class Mode:
 
     def _before_strip(self, name: str, module: torch.nn.Module) -> None:
         pass
+
+    def _settle_streamed(self, name: str, module: torch.nn.Module) -> None:
+        """Offload whatever the hooks of a streamed (not `whole`) component left on the device."""
 
     # -- moving a component as a whole -------------------------------------------------------------
     def _onload_whole(self, name: str) -> None:

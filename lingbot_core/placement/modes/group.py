@@ -67,6 +67,7 @@ def _embedding_prehook(text_encoder: torch.nn.Module):
 
 class GroupMode(Mode):
     name = "group"
+    whole = frozenset(WHOLE)
 
     def __init__(self, settings, device):
         super().__init__(settings, device)
@@ -96,21 +97,10 @@ class GroupMode(Mode):
         if name == "text_encoder":
             self.prehooks[name] = _embedding_prehook(module)
 
-    def moves_whole(self, name: str) -> bool:
-        return name in WHOLE
-
-    def acquire(self, name: str, module: Any) -> None:
-        if name in WHOLE:
-            self._onload_whole(name)
-
-    def settle(self, name: str, module: Any) -> None:
-        if name in WHOLE:
-            self._offload_whole(name)
-            return
-        if isinstance(module, torch.nn.Module):
-            for hook in group_hooks(module):
-                if group_is_onloaded(hook.group):
-                    hook.group.offload_()
+    def _settle_streamed(self, name: str, module: torch.nn.Module) -> None:
+        for hook in group_hooks(module):
+            if group_is_onloaded(hook.group):
+                hook.group.offload_()
 
     def _before_strip(self, name: str, module: torch.nn.Module) -> None:
         handle = self.prehooks.pop(name, None)

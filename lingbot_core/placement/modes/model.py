@@ -18,14 +18,7 @@ class ModelMode(Mode):
     def _keeps_homes(self, name: str) -> bool:
         return True
 
-    def moves_whole(self, name: str) -> bool:
-        return True
-
-    def acquire(self, name: str, module: Any) -> None:
-        self._onload_whole(name)
-
-    def settle(self, name: str, module: Any) -> None:
-        self._offload_whole(name)
+    whole = None  # every component moves as one piece
 
     @staticmethod
     def estimate(sizes: Any, geometry: Any, activations: dict[str, int]) -> int:

@@ -17,6 +17,9 @@ class NoneMode(Mode):
     def acquire(self, name: str, module: Any) -> None:
         module.to(self.device)
 
+    def settle(self, name: str, module: Any) -> None:
+        pass  # resident between stages: nothing goes back
+
     @staticmethod
     def estimate(sizes: Any, geometry: Any, activations: dict[str, int]) -> int:
         # Everything stays resident. With a refiner, the base DiT is dropped first only when the

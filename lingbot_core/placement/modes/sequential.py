@@ -49,6 +49,7 @@ def reoffload(module: torch.nn.Module) -> int:
 
 class SequentialMode(Mode):
     name = "sequential"
+    whole = frozenset(WHOLE)
 
     def _keeps_homes(self, name: str) -> bool:
         return True  # accelerate keeps the same storages as its weights map: remembering them is free
@@ -62,18 +63,8 @@ class SequentialMode(Mode):
         cpu_offload(module, execution_device=device, offload_buffers=False,
                     preload_module_classes=_preload_classes(name, module) or None)
 
-    def moves_whole(self, name: str) -> bool:
-        return name in WHOLE
-
-    def acquire(self, name: str, module: Any) -> None:
-        if name in WHOLE:
-            self._onload_whole(name)
-
-    def settle(self, name: str, module: Any) -> None:
-        if name in WHOLE:
-            self._offload_whole(name)
-        elif isinstance(module, torch.nn.Module):
-            reoffload(module)
+    def _settle_streamed(self, name: str, module: torch.nn.Module) -> None:
+        reoffload(module)
 
     @staticmethod
     def estimate(sizes: Any, geometry: Any, activations: dict[str, int]) -> int:
