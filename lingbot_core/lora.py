@@ -452,7 +452,7 @@ class LoraStack:
         return out
 
 
-# module -> [(quantized layer, delta function)] added by `_merge`, so `restore` takes off only ours.
+# module -> [(quantized layer, its delta entry)] added by `_merge`, so `restore` takes off only ours.
 _RUNTIME: weakref.WeakKeyDictionary[torch.nn.Module, list[tuple[Any, Any]]] = weakref.WeakKeyDictionary()
 
 
@@ -475,6 +475,28 @@ def _runtime_delta(patch: Patch, coefficient: float):
         def delta(x: torch.Tensor) -> torch.Tensor:
             h = F.linear(x.float(), down.to(x.device, torch.float32))
             return F.linear(h, up.to(x.device, torch.float32)) * coefficient
+    return delta
+
+
+def _expert_runtime_delta(patch: Patch, coefficient: float):
+    """`(e, rows) -> coefficient * rows @ (up[e] @ down[e])^T` (or `rows @ diff[e]^T`) in float32.
+
+    Factors are [E, r, in] / [E, out, r] (a diff is [E, out, in]) and stay on the CPU; only expert
+    e's slice travels to the rows' device, and only for the experts the block routes tokens to.
+    """
+    import torch.nn.functional as F
+
+    if patch.kind == "diff":
+        diff = patch.diff
+
+        def delta(e: int, x: torch.Tensor) -> torch.Tensor:
+            return F.linear(x.float(), diff[e].to(x.device, torch.float32)) * coefficient
+    else:
+        down, up = patch.down, patch.up
+
+        def delta(e: int, x: torch.Tensor) -> torch.Tensor:
+            h = F.linear(x.float(), down[e].to(x.device, torch.float32))
+            return F.linear(h, up[e].to(x.device, torch.float32)) * coefficient
     return delta
 
 
@@ -513,13 +535,15 @@ def _merge(module: torch.nn.Module, patches: list[tuple[float, Patch]]) -> None:
             if patch.param not in quantized:
                 continue
             owner, kind = quantized[patch.param]
-            if kind != "linear":
-                raise LoraError(f"cannot apply a LoRA to {patch.param}: stacked MoE experts stored as fp8/GGUF take no "
-                                "LoRA; load the DiT with plain (bf16/fp32) weights for expert LoRAs")
-            added.append((layers[owner], _runtime_delta(patch, strength if patch.kind == "diff"
-                                                        else strength * patch.scale)))
-        for layer, fn in added:
-            layer.add_delta(fn)
+            coefficient = strength if patch.kind == "diff" else strength * patch.scale
+            layer = layers[owner]
+            if kind == "linear":
+                fn = _runtime_delta(patch, coefficient)
+                layer.add_delta(fn)
+                added.append((layer, fn))
+            else:  # stacked experts: a per-expert delta on w1/w2/w3, run only for the routed experts
+                added.append((layer, layer.add_delta(patch.param.rsplit(".", 1)[1],
+                                                      _expert_runtime_delta(patch, coefficient))))
         _RUNTIME[module] = added
         live = [(s, p) for s, p in live if p.param not in quantized]
         if not live:

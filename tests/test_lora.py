@@ -280,10 +280,97 @@ def test_fp8_layers_take_a_lora_as_a_runtime_delta(fixtures_root):
         assert torch.equal(layer(x), plain) and layer.deltas == []
 
 
-def test_a_3d_lora_on_fp8_experts_is_refused(fixtures_root):
-    dit = load_transformer(fixtures_root / "models" / "tiny-moe", weights="fp8_e4m3")
-    down, up = _factors((4, 16, 32), seed=3, experts=True)
+@pytest.fixture(scope="module")
+def packed_moe(tmp_path_factory, fixtures_root):
+    """The tiny MoE DiT with packed experts: fp8 quantized on load, and a Q8_0 GGUF file."""
+    from lingbot_core.quantize import quantize_checkpoint
+
+    gguf_folder = quantize_checkpoint(fixtures_root / "models" / "tiny-moe",
+                                      tmp_path_factory.mktemp("lora-gguf") / "moe", "gguf-q8_0")
+    return {"fp8": load_transformer(fixtures_root / "models" / "tiny-moe", weights="fp8_e4m3"),
+            "gguf": load_transformer(gguf_folder)}
+
+
+def _plain_moe_with(ffn, weights):
+    """A plain copy of a MoE FFN whose experts hold `weights` (name -> [E, out, in] float32)."""
+    import copy
+
+    from lingbot_core.models.moe import ExpertWeights
+
+    ref = copy.deepcopy(ffn)
+    e, inner, hidden = weights["w1"].shape
+    ref.experts = ExpertWeights(e, hidden, inner)
+    for name, w in weights.items():
+        setattr(ref.experts, name, torch.nn.Parameter(w, requires_grad=False))
+    ref.use_grouped_mm = False
+    return ref
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "gguf"])
+def test_a_3d_lora_on_packed_experts_is_a_runtime_delta_on_routed_experts(packed_moe, fmt):
+    from lingbot_core.weights.modules import QuantizedExperts
+
+    dit = packed_moe[fmt]
+    ffn = dit.blocks[0].ffn
+    experts = ffn.experts
+    assert isinstance(experts, QuantizedExperts)
+    stored = {n: p.detach().clone() for n, p in experts.named_parameters()}
+    down1, up1 = _factors((4, 16, 32), seed=3, experts=True)
+    down2, up2 = _factors((4, 32, 16), seed=4, experts=True)
+    lora = lora_ops.LoraFile.from_state_dict({
+        "lora_unet.blocks.0.ffn.experts.w1.lora_down.weight": down1,
+        "lora_unet.blocks.0.ffn.experts.w1.lora_up.weight": up1,
+        "lora_unet.blocks.0.ffn.experts.w1.alpha": torch.tensor(1.5),
+        "blocks.0.ffn.experts.w2.lora_A.weight": down2,
+        "blocks.0.ffn.experts.w2.lora_B.weight": up2,
+    })
+    strength = 0.8
+    x = torch.randn(1, 6, 32, generator=torch.Generator().manual_seed(5))
+    dequantized = {n: torch.stack([experts.expert(n, e, torch.float32) for e in range(4)]) for n in experts.NAMES}
+    merged = dict(dequantized)
+    merged["w1"] = (dequantized["w1"].double() + strength * 0.5 * (up1.double() @ down1.double())).float()
+    merged["w2"] = (dequantized["w2"].double() + strength * (up2.double() @ down2.double())).float()
+    with torch.no_grad():
+        plain = ffn(x)
+        torch.testing.assert_close(plain, _plain_moe_with(ffn, dequantized)(x), atol=1e-6, rtol=0)
+        stack = LoraStack((LoraItem(lora, strength),))
+        stack.apply({"transformer": dit}, ["transformer"])
+        try:
+            assert sorted(name for name, _ in experts.deltas) == ["w1", "w2"]
+            # count which experts' deltas run: exactly the experts the router sends the tokens to
+            called: list[tuple[str, int]] = []
+            original = list(experts.deltas)
+
+            def counting(name, fn):
+                def wrapped(e, rows):
+                    called.append((name, e))
+                    return fn(e, rows)
+                return wrapped
+            experts.deltas[:] = [(name, counting(name, fn)) for name, fn in original]
+            one_token = x[:, :1]
+            adapted_one = ffn(one_token)
+            experts.deltas[:] = original
+            chosen, _ = ffn.router(one_token.reshape(-1, 32))
+            routed = sorted(int(e) for e in chosen.flatten())
+            assert sorted(e for n, e in called if n == "w1") == routed == sorted(e for n, e in called if n == "w2")
+            assert len(routed) == 2  # of 4 experts
+            torch.testing.assert_close(adapted_one, _plain_moe_with(ffn, merged)(one_token), atol=1e-5, rtol=0)
+            adapted = ffn(x)
+            torch.testing.assert_close(adapted, _plain_moe_with(ffn, merged)(x), atol=1e-5, rtol=0)
+            assert not torch.allclose(adapted, plain, atol=1e-3)
+            assert all(torch.equal(p, stored[n]) for n, p in experts.named_parameters())  # packed bytes untouched
+        finally:
+            stack.remove({"transformer": dit}, ["transformer"])
+        assert experts.deltas == [] and torch.equal(ffn(x), plain)
+        zero = LoraStack((LoraItem(lora, 0.0),))
+        zero.apply({"transformer": dit}, ["transformer"])
+        assert experts.deltas == [] and torch.equal(ffn(x), plain)
+        zero.remove({"transformer": dit}, ["transformer"])
+
+
+def test_a_3d_lora_of_the_wrong_expert_count_on_packed_experts_is_refused(packed_moe):
+    down, up = _factors((3, 16, 32), seed=3, experts=True)
     lora = lora_ops.LoraFile.from_state_dict({"lora_unet.blocks.0.ffn.experts.w1.lora_down.weight": down,
                                               "lora_unet.blocks.0.ffn.experts.w1.lora_up.weight": up})
-    with pytest.raises(LoraError, match="experts stored as fp8/GGUF take no LoRA"):
-        LoraStack((LoraItem(lora, 1.0),)).apply({"transformer": dit}, ["transformer"])
+    with pytest.raises(LoraError, match="the LoRA has 3 experts, blocks.0.ffn.experts.w1 has 4"):
+        lora_ops.match(lora, packed_moe["fp8"], "transformer")

@@ -146,14 +146,34 @@ def test_the_lora_node_chains_on_a_workflow(fixtures_root, tmp_path, monkeypatch
         frames(['3.path=""', '3.lora_name="missing.safetensors"'])
 
 
-def test_fp8_runtime_deltas_are_identical_under_every_offload_mode(fixtures_root, loras):
-    """fp8 layers take the LoRA at run time; the result must not depend on where the weights live."""
-    handle = PipelineHandle.open(fixtures_root / "models" / "tiny-moe", device="cpu", weights="fp8_e4m3")
+@pytest.fixture(scope="module")
+def gguf_moe(tmp_path_factory, fixtures_root):
+    from lingbot_core.quantize import quantize_checkpoint
+
+    return quantize_checkpoint(fixtures_root / "models" / "tiny-moe", tmp_path_factory.mktemp("views-gguf") / "moe",
+                               "gguf-q8_0")
+
+
+@pytest.mark.parametrize("weights", ["fp8", "gguf"])
+def test_packed_runtime_deltas_are_identical_under_every_offload_mode(fixtures_root, gguf_moe, loras, weights):
+    """fp8/GGUF layers and packed experts take the LoRAs at run time; the result must not depend on where
+    the weights live. The second LoRA holds a 3-D expert LoRA (w2 of block 0)."""
+    if weights == "fp8":
+        handle = PipelineHandle.open(fixtures_root / "models" / "tiny-moe", device="cpu", weights="fp8_e4m3")
+    else:
+        handle = PipelineHandle.open(gguf_moe, device="cpu")
     cond = stages.encode_prompt(handle, "a red boat", None)
     plain = _denoise(handle, cond)
-    view = lora_ops.with_lora(handle, loras[0], 1.0)
-    results = {mode: _denoise(configure_offload(view, mode, **OPTS.get(mode, {})), cond) for mode in MODES}
-    assert not torch.equal(results["none"], plain)
-    for mode, out in results.items():
-        assert torch.equal(out, results["none"]), mode
+    first = lora_ops.with_lora(handle, loras[0], 1.0)
+    both = lora_ops.with_lora(first, loras[1], -0.7)
+    results = {}
+    for mode in MODES:
+        results[mode] = _denoise(configure_offload(first, mode, **OPTS.get(mode, {})), cond)
+        results[mode, "both"] = _denoise(configure_offload(both, mode, **OPTS.get(mode, {})), cond)
+        experts = handle.shared.loaded["transformer"].blocks[0].ffn.experts
+        assert [name for name, _ in experts.deltas] == ["w2"], mode  # the expert LoRA is a runtime delta
+    assert not torch.equal(results["none"], plain) and not torch.equal(results["none", "both"], results["none"])
+    for mode in MODES:
+        assert torch.equal(results[mode], results["none"]), mode
+        assert torch.equal(results[mode, "both"], results["none", "both"]), mode
     assert torch.equal(_denoise(handle, cond), plain)  # the plain view takes the deltas off again

@@ -93,9 +93,14 @@ class SparseMoE(nn.Module):
 
     def _experts_loop(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Expert by expert over expert-sorted tokens; `counts[e]` rows belong to expert e."""
-        gate, down, up = self.experts.w1, self.experts.w2, self.experts.w3
+        experts = self.experts
+        if getattr(experts, "decodes_per_expert", False):
+            project = experts.project  # packed experts: decode expert e only, plus its runtime deltas
+        else:
+            def project(name: str, e: int, rows: torch.Tensor) -> torch.Tensor:
+                return F.linear(rows, getattr(experts, name)[e])
         outputs = [
-            F.linear(F.silu(F.linear(rows, gate[e])) * F.linear(rows, up[e]), down[e])
+            project("w2", e, F.silu(project("w1", e, rows)) * project("w3", e, rows))
             for e, rows in enumerate(tokens.split(counts))
             if rows.shape[0]
         ]

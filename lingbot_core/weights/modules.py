@@ -6,7 +6,9 @@ expand or round them, while every device move (`.to(device)`, accelerate and dif
 pinning) moves exactly the stored bytes. `memory_report` therefore counts quantized bytes.
 
 For adapters (LoRA): `QuantizedLinear.dequantized_weight(dtype)` returns the layer's weight as a
-plain tensor, and a forward hook (or `add_delta`) adds a low-rank delta to the output.
+plain tensor, and `add_delta` adds a low-rank delta to the output. `QuantizedExperts.add_delta`
+does the same per expert: the MoE block calls `project(name, e, rows)` for the experts it routes
+to, so an expert LoRA costs only the routed experts' factors.
 """
 
 from __future__ import annotations
@@ -136,6 +138,27 @@ class QuantizedExperts(nn.Module):
             setattr(self, f"{name}_qdata", _param(data))
             setattr(self, f"{name}_qscale", _param(scale) if scale is not None else None)
         self.num_experts = self.packings["w1"].shape[0]
+        # (weight name, fn(expert, rows)): output deltas of runtime adapters, see `add_delta`
+        self.deltas: list[tuple[str, Callable[[int, torch.Tensor], torch.Tensor]]] = []
+
+    def add_delta(self, name: str, fn: Callable[[int, torch.Tensor], torch.Tensor]) -> tuple[str, Callable]:
+        """Add `fn(e, rows)` to expert e's `name` projection of `rows` (a runtime LoRA delta on w1/w2/w3).
+
+        Returns the entry; `deltas.remove(entry)` (or `deltas.clear()`) takes it off again.
+        """
+        if name not in self.NAMES:
+            raise ValueError(f"experts have no weight {name!r}; they hold {', '.join(self.NAMES)}")
+        entry = (name, fn)
+        self.deltas.append(entry)
+        return entry
+
+    def project(self, name: str, e: int, rows: torch.Tensor) -> torch.Tensor:
+        """`rows @ W_e^T` for expert e's weight `name`, decoded now, plus any runtime deltas on it."""
+        out = F.linear(rows, self.expert(name, e))
+        for target, fn in self.deltas:
+            if target == name:
+                out = out + fn(e, rows).to(out.dtype)
+        return out
 
     def expert(self, name: str, e: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         packing = self.packings[name]
