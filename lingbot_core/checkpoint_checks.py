@@ -431,7 +431,8 @@ def scan_non_finite(module: torch.nn.Module, component: str, where: Path) -> Non
 
     One float32-accumulated sum per tensor: NaN or inf anywhere makes the sum non-finite, and no
     temporary the size of the tensor is allocated; only a suspicious tensor gets the exact check.
-    Tensors on the meta device (not materialised yet) are skipped.
+    Tensors on the meta device (not materialised yet) are skipped. Packed fp8/GGUF weights (integer
+    bytes) get their own cheap check (`weights.scan`: NaN fp8 codes, non-finite scales and block fields).
     """
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
         if tensor.device.type == "meta" or not tensor.is_floating_point() or tensor.numel() == 0:
@@ -444,6 +445,12 @@ def scan_non_finite(module: torch.nn.Module, component: str, where: Path) -> Non
             continue  # a finite tensor whose sum overflowed float32 (not seen in practice)
         raise CheckFailed(f"{component}: weight {name} in {where} holds {bad} NaN/inf value(s); the file is "
                           "corrupt or was exported wrongly. Re-download it.")
+    from .weights.scan import packed_non_finite
+
+    for name, what in packed_non_finite(module):
+        raise CheckFailed(f"{component}: quantized weight {name} in {where} holds {what}, so it decodes to NaN/inf; "
+                          "the file is corrupt or was exported wrongly. Re-download it, or re-create it with "
+                          "`python -m lingbot_core.quantize` from the original checkpoint.")
 
 
 _NATIVE_SUM = (torch.float32, torch.float16, torch.bfloat16)

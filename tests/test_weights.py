@@ -404,3 +404,90 @@ def test_unknown_offload_home_is_refused(fixtures_root):
     handle = PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu")
     with pytest.raises(ValueError, match=r"offload_to must be one of ram, disk"):
         configure_offload(handle, "group", offload_to="tape", use_stream=False)
+
+
+# -- NaN/inf in packed weights ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("qtype", [t for t in gguf_codec.SUPPORTED if t not in (T.F32, T.F16, T.BF16)],
+                         ids=lambda t: t.name)
+def test_the_gguf_scan_flags_exactly_the_corruptions_that_decode_to_non_finite(qtype):
+    """Write an infinite float16 (0x7C00) at every byte position of a block: the scan must flag it
+    exactly when the decoder then yields NaN/inf (so it reads the right fields, and all of them)."""
+    from lingbot_core.weights.scan import gguf_bad_field_count
+
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(7)
+    raw = rng.integers(0, 256, size=(1, size), dtype=np.uint8)
+    for at in HALF_FIELDS[qtype]:
+        raw[0, at + 1] &= 0x3B  # finite to start with
+    assert gguf_bad_field_count(torch.from_numpy(raw.copy()), int(qtype)) == 0
+    flagged = 0
+    for at in range(size - 1):
+        bad = raw.copy()
+        bad[0, at], bad[0, at + 1] = 0x00, 0x7C
+        decoded = gguf_codec.dequantize(torch.from_numpy(bad.copy()), int(qtype), (1, block))
+        scanned = gguf_bad_field_count(torch.from_numpy(bad), int(qtype))
+        assert (scanned > 0) == (not bool(torch.isfinite(decoded).all())), at
+        flagged += scanned > 0
+    assert flagged == len(HALF_FIELDS[qtype])
+
+
+def test_the_fp8_scan_counts_nan_codes_and_bad_scales():
+    from lingbot_core.weights.scan import fp8_bad_scale_count, fp8_nan_count
+
+    every = torch.arange(256, dtype=torch.uint8)
+    assert fp8_nan_count(every) == int((~torch.isfinite(every.view(torch.float8_e4m3fn).float())).sum()) == 2
+    scales = torch.tensor([1.0, float("inf"), float("nan"), 3e38, 1e-3])
+    assert fp8_bad_scale_count(scales.view(torch.int32)) == 3  # 3e38 * 448 overflows float32
+
+
+def _copy(quantized, tmp_path, variant, target) -> Path:
+    import shutil
+
+    folder = tmp_path / f"{variant}-{target}"
+    shutil.copytree(quantized[variant, target], folder)
+    return folder
+
+
+def _poke(path: Path, offset: int, data: bytes) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        fh.write(data)
+
+
+def test_nan_in_an_fp8_file_is_refused_naming_the_tensor(quantized, tmp_path):
+    from lingbot_core.checkpoint import load_component
+    from lingbot_core.weights.sources import SafetensorsSource
+
+    folder = _copy(quantized, tmp_path, "moe", "fp8")
+    path = folder / "transformer" / "diffusion_pytorch_model.safetensors"
+    source = SafetensorsSource([path])
+    nan_at = source.span("blocks.1.attn.to_k.weight", torch.uint8, (32, 32)).offset + 37
+    scale_at = source.span("blocks.0.ffn.experts.w3.scale", torch.float32, (4, 16)).offset + 4 * 5
+    _poke(path, nan_at, bytes([0xFF]))
+    with pytest.raises(CheckpointError, match=r"transformer: quantized weight blocks.1.attn.to_k.weight .* holds "
+                                              r"1 NaN fp8 value\(s\)"):
+        load_component(folder, "transformer")
+    _poke(path, nan_at, bytes([0x00]))
+    load_component(folder, "transformer")  # clean again
+    _poke(path, scale_at, np.array([np.inf], dtype=np.float32).tobytes())
+    with pytest.raises(CheckpointError, match=r"blocks.0.ffn.experts.w3 .* 1 non-finite .*row scale"):
+        load_component(folder, "transformer")
+
+
+@pytest.mark.parametrize("target,tensor", [("gguf-q8_0", "blocks.0.attn.to_v.weight"),
+                                           ("gguf-q4_0", "blocks.1.ffn.experts.w1")])
+def test_a_non_finite_gguf_block_scale_is_refused_naming_the_tensor(quantized, tmp_path, target, tensor):
+    from lingbot_core.checkpoint import load_component
+
+    folder = _copy(quantized, tmp_path, "moe", target)
+    path = folder / "transformer" / "diffusion_pytorch_model.gguf"
+    reader = gguf.GGUFReader(path)
+    info = next(t for t in reader.tensors if t.name == tensor)
+    qtype, start = info.tensor_type, int(info.data_offset)
+    del reader, info
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    _poke(path, start + 3 * size, bytes([0x00, 0xFC]))  # the 4th block's d = -inf
+    with pytest.raises(CheckpointError, match=rf"quantized weight {tensor} .* holds 1 non-finite {qtype.name} block "
+                                              r"scale\(s\) \(float16 d/m fields\)"):
+        load_component(folder, "transformer")

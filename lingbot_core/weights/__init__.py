@@ -6,6 +6,7 @@
 - `gguf_codec`: GGUF block formats decoded in torch on the execution device.
 - `modules`: `QuantizedLinear` / `QuantizedExperts`, which hold the packed bytes and decode per layer
   (per routed expert) at forward time.
+- `scan`: NaN/inf checks on packed weights that read only the fields that can decode to NaN/inf.
 - `estimate`: the bytes a DiT will take once loaded, from file headers.
 
 Submodules are imported where used, so importing this package costs nothing.

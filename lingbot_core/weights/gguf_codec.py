@@ -120,6 +120,13 @@ _PLAIN: dict[GGMLQuantizationType, torch.dtype] = {
     GGMLQuantizationType.BF16: torch.bfloat16,
 }
 SUPPORTED = tuple(_PLAIN) + tuple(_DECODERS)
+# Byte offsets of each block type's float16 fields (`d`, and `m`/`dmin` where it has one): the only
+# stored values that can make a block decode to NaN/inf (the NaN scan reads just these).
+_HALF_FIELDS: dict[GGMLQuantizationType, tuple[int, ...]] = {
+    GGMLQuantizationType.Q8_0: (0,), GGMLQuantizationType.Q4_0: (0,), GGMLQuantizationType.Q4_1: (0, 2),
+    GGMLQuantizationType.Q5_0: (0,), GGMLQuantizationType.Q5_1: (0, 2), GGMLQuantizationType.Q4_K: (0, 2),
+    GGMLQuantizationType.Q5_K: (0, 2), GGMLQuantizationType.Q6_K: (208,),
+}
 
 
 def type_name(qtype: int) -> str:
@@ -136,6 +143,20 @@ def supported_names() -> str:
 def is_plain(qtype: int) -> bool:
     """F32/F16/BF16: stored values, no blocks."""
     return GGMLQuantizationType(qtype) in _PLAIN
+
+
+def plain_dtype(qtype: int) -> torch.dtype:
+    """The torch dtype of an F32/F16/BF16 tensor."""
+    return _PLAIN[GGMLQuantizationType(qtype)]
+
+
+def block_bytes(qtype: int) -> int:
+    return GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][1]
+
+
+def half_fields(qtype: int) -> tuple[int, ...]:
+    """Byte offsets of the float16 scale fields inside one block of `qtype`."""
+    return _HALF_FIELDS[GGMLQuantizationType(qtype)]
 
 
 def check_supported(qtype: int, tensor: str) -> GGMLQuantizationType:

@@ -192,6 +192,17 @@ def is_quantized(module: nn.Module) -> bool:
     return isinstance(module, (QuantizedLinear, QuantizedExperts))
 
 
+def packed_tensors(module: nn.Module) -> list[tuple[str, Packing, torch.Tensor, torch.Tensor | None]]:
+    """(stored tensor name relative to `module`, packing, data, scale) for each packed weight it holds
+    directly: `weight` of a QuantizedLinear, `w1`/`w2`/`w3` of QuantizedExperts; [] for other modules."""
+    if isinstance(module, QuantizedLinear):
+        return [("weight", module.packing, module.qdata, module.qscale)]
+    if isinstance(module, QuantizedExperts):
+        return [(name, module.packings[name], getattr(module, f"{name}_qdata"), getattr(module, f"{name}_qscale"))
+                for name in module.NAMES]
+    return []
+
+
 def stored_formats(model: nn.Module) -> dict[str, int]:
     """Count of quantized modules per stored format (for reports)."""
     counts: dict[str, int] = {}
