@@ -1,6 +1,6 @@
 """Write a quantized copy of a LingBot-Video checkpoint folder.
 
-    python -m lingbot_core.quantize SRC DST --to fp8|gguf-q8_0|gguf-q4_0
+    python -m lingbot_core.quantize SRC DST --to fp8|gguf-q8_0|gguf-q4_0 [--per-expert]
 
 Only `transformer/` and `refiner/` change; every other file is hard-linked (copied when linking is
 not possible). Tensors are read and written one at a time, so memory stays near one tensor.
@@ -9,7 +9,9 @@ not possible). Tensors are read and written one at a time, so memory stays near 
   tensors as stored. The loader reads it directly (README, "Weight formats").
 - `gguf-*`: `diffusion_pytorch_model.gguf` with the checkpoint's own state-dict names; the same
   weights in Q8_0 or Q4_0 blocks (rows whose length is not a multiple of 32 stay plain), other
-  tensors in their stored float type.
+  tensors in their stored float type. `--per-expert` stores each MoE expert stack
+  `blocks.{i}.ffn.experts.w1` ([E, I, D]) as E tensors `blocks.{i}.ffn.experts.w1.{e}` ([I, D]);
+  the blocks are the same bytes, so both layouts load to bit-identical weights.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 from .checkpoint import CheckpointError, inspect_checkpoint
 from .weights.fp8 import quantize_fp8, require_fp8
 from .weights.loader import quantizable
-from .weights.sources import FORMAT_KEY, SCALE_SUFFIX, SafetensorsSource
+from .weights.sources import FORMAT_KEY, SCALE_SUFFIX, SafetensorsSource, per_expert_key
 
 TARGETS = ("fp8", "gguf-q8_0", "gguf-q4_0")
 DIT_FOLDERS = ("transformer", "refiner")
@@ -87,8 +89,19 @@ def _write_bytes(fh, tensor: torch.Tensor) -> None:
 
 # -- GGUF -------------------------------------------------------------------------------------------
 
-def write_gguf(source: SafetensorsSource, path: Path, qtype_name: str) -> None:
-    """A GGUF file with the checkpoint's own tensor names, written tensor by tensor."""
+EXPERT_STACKS = (".experts.w1", ".experts.w2", ".experts.w3")
+
+
+def _pieces(key: str, shape: tuple[int, ...], per_expert: bool) -> list[tuple[str, tuple[int, ...]]]:
+    """The GGUF tensors one checkpoint tensor becomes: itself, or (`per_expert`) one per expert of a stack."""
+    if per_expert and key.endswith(EXPERT_STACKS) and len(shape) == 3:
+        return [(per_expert_key(key, e), shape[1:]) for e in range(shape[0])]
+    return [(key, shape)]
+
+
+def write_gguf(source: SafetensorsSource, path: Path, qtype_name: str, per_expert: bool = False) -> None:
+    """A GGUF file with the checkpoint's own tensor names, written tensor by tensor (expert stacks
+    stacked, or with `per_expert` one tensor per expert)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
 
@@ -104,25 +117,29 @@ def write_gguf(source: SafetensorsSource, path: Path, qtype_name: str) -> None:
             raise CheckpointError(f"{key} is stored as {entry.dtype}; only float tensors go into a GGUF DiT")
         kind = qtype if quantizable(key, entry.shape) and entry.shape[-1] % block == 0 else plain[entry.dtype]
         chosen[key] = kind
-        rows = int(np.prod(entry.shape[:-1])) if len(entry.shape) > 1 else 1
         block_n, size = GGML_QUANT_SIZES[kind]
-        nbytes = rows * (entry.shape[-1] // block_n) * size
-        # shapes go in in torch order; the writer stores them in ggml order (reversed)
-        writer.add_tensor_info(key, entry.shape, np.dtype(np.float32), nbytes, raw_dtype=kind)
+        for name, shape in _pieces(key, entry.shape, per_expert):
+            rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+            nbytes = rows * (shape[-1] // block_n) * size
+            # shapes go in in torch order; the writer stores them in ggml order (reversed)
+            writer.add_tensor_info(name, shape, np.dtype(np.float32), nbytes, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for key, entry in source.entries.items():
         tensor = source.plain(key)
         kind = chosen[key]
-        if kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
-            data = tensor.contiguous().view(torch.uint8).numpy()
-        else:
-            rows = tensor.reshape(-1, entry.shape[-1])
-            parts = [quantize(rows[i:i + 2048].float().numpy(), kind) for i in range(0, rows.shape[0], 2048)]
-            data = np.concatenate(parts, axis=0)
-        writer.write_tensor_data(data)
-        del tensor, data
+        pieces = _pieces(key, entry.shape, per_expert)
+        for piece in (tensor.unbind(0) if len(pieces) > 1 else (tensor,)):
+            if kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+                data = piece.contiguous().view(torch.uint8).numpy()
+            else:  # blocks run along rows, so a stack and its experts quantize to the same bytes
+                rows = piece.reshape(-1, entry.shape[-1])
+                parts = [quantize(rows[i:i + 2048].float().numpy(), kind) for i in range(0, rows.shape[0], 2048)]
+                data = np.concatenate(parts, axis=0)
+            writer.write_tensor_data(data)
+            del data
+        del tensor
     writer.close()
 
 
@@ -136,10 +153,14 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
-def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str) -> Path:
-    """Write DST: SRC with its DiT folders quantized to `to` (one of TARGETS). Returns DST."""
+def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str, *,
+                        per_expert: bool = False) -> Path:
+    """Write DST: SRC with its DiT folders quantized to `to` (one of TARGETS); `per_expert` (GGUF only)
+    stores MoE expert stacks one tensor per expert. Returns DST."""
     if to not in TARGETS:
         raise ValueError(f"unknown target {to!r}; choose one of {', '.join(TARGETS)}")
+    if per_expert and not to.startswith("gguf-"):
+        raise ValueError("--per-expert is for GGUF targets (gguf-q8_0, gguf-q4_0); fp8 files keep expert stacks")
     if to == "fp8":
         require_fp8()
     info = inspect_checkpoint(src)
@@ -162,7 +183,7 @@ def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str)
         if to == "fp8":
             write_fp8(source, out / folder / f"{WEIGHTS_STEM}.safetensors")
         else:
-            write_gguf(source, out / folder / f"{WEIGHTS_STEM}.gguf", to.split("-", 1)[1].upper())
+            write_gguf(source, out / folder / f"{WEIGHTS_STEM}.gguf", to.split("-", 1)[1].upper(), per_expert)
         source.close()
     return out
 
@@ -172,9 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("src", help="a LingBot-Video checkpoint folder (bf16 or fp32)")
     parser.add_argument("dst", help="the new folder to write")
     parser.add_argument("--to", required=True, choices=TARGETS)
+    parser.add_argument("--per-expert", action="store_true",
+                        help="GGUF: store each MoE expert as its own tensor (NAME.{e}) instead of one stack")
     args = parser.parse_args(argv)
     try:
-        out = quantize_checkpoint(args.src, args.dst, args.to)
+        out = quantize_checkpoint(args.src, args.dst, args.to, per_expert=args.per_expert)
     except (ValueError, FileExistsError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

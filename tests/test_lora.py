@@ -285,10 +285,12 @@ def packed_moe(tmp_path_factory, fixtures_root):
     """The tiny MoE DiT with packed experts: fp8 quantized on load, and a Q8_0 GGUF file."""
     from lingbot_core.quantize import quantize_checkpoint
 
-    gguf_folder = quantize_checkpoint(fixtures_root / "models" / "tiny-moe",
-                                      tmp_path_factory.mktemp("lora-gguf") / "moe", "gguf-q8_0")
+    root = tmp_path_factory.mktemp("lora-gguf")
+    gguf_folder = quantize_checkpoint(fixtures_root / "models" / "tiny-moe", root / "moe", "gguf-q8_0")
+    split_folder = quantize_checkpoint(fixtures_root / "models" / "tiny-moe", root / "split", "gguf-q8_0",
+                                       per_expert=True)
     return {"fp8": load_transformer(fixtures_root / "models" / "tiny-moe", weights="fp8_e4m3"),
-            "gguf": load_transformer(gguf_folder)}
+            "gguf": load_transformer(gguf_folder), "gguf-per-expert": load_transformer(split_folder)}
 
 
 def _plain_moe_with(ffn, weights):
@@ -306,7 +308,7 @@ def _plain_moe_with(ffn, weights):
     return ref
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "gguf"])
+@pytest.mark.parametrize("fmt", ["fp8", "gguf", "gguf-per-expert"])
 def test_a_3d_lora_on_packed_experts_is_a_runtime_delta_on_routed_experts(packed_moe, fmt):
     from lingbot_core.weights.modules import QuantizedExperts
 

@@ -476,11 +476,18 @@ def test_nan_in_an_fp8_file_is_refused_naming_the_tensor(quantized, tmp_path):
 
 
 @pytest.mark.parametrize("target,tensor", [("gguf-q8_0", "blocks.0.attn.to_v.weight"),
-                                           ("gguf-q4_0", "blocks.1.ffn.experts.w1")])
-def test_a_non_finite_gguf_block_scale_is_refused_naming_the_tensor(quantized, tmp_path, target, tensor):
+                                           ("gguf-q4_0", "blocks.1.ffn.experts.w1"),
+                                           ("per-expert", "blocks.1.ffn.experts.w3.2")])
+def test_a_non_finite_gguf_block_scale_is_refused_naming_the_tensor(quantized, per_expert, tmp_path, target, tensor):
+    import shutil
+
     from lingbot_core.checkpoint import load_component
 
-    folder = _copy(quantized, tmp_path, "moe", target)
+    if target == "per-expert":
+        folder = tmp_path / "split"
+        shutil.copytree(per_expert["gguf-q8_0"], folder)
+    else:
+        folder = _copy(quantized, tmp_path, "moe", target)
     path = folder / "transformer" / "diffusion_pytorch_model.gguf"
     reader = gguf.GGUFReader(path)
     info = next(t for t in reader.tensors if t.name == tensor)
@@ -491,3 +498,129 @@ def test_a_non_finite_gguf_block_scale_is_refused_naming_the_tensor(quantized, t
     with pytest.raises(CheckpointError, match=rf"quantized weight {tensor} .* holds 1 non-finite {qtype.name} block "
                                               r"scale\(s\) \(float16 d/m fields\)"):
         load_component(folder, "transformer")
+
+
+# -- GGUF expert stacks stored per expert -----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def per_expert(tmp_path_factory, fixtures_root):
+    """The tiny MoE checkpoint as GGUF with every expert stack stored one tensor per expert."""
+    root = tmp_path_factory.mktemp("per-expert")
+    return {target: quantize_checkpoint(fixtures_root / "models" / "tiny-moe", root / target, target, per_expert=True)
+            for target in ("gguf-q8_0", "gguf-q4_0")}
+
+
+def _gguf_tensors(folder: Path, component: str = "transformer") -> dict[str, tuple[np.ndarray, T]]:
+    reader = gguf.GGUFReader(folder / component / "diffusion_pytorch_model.gguf")
+    out = {t.name: (np.array(t.data), t.tensor_type) for t in reader.tensors}
+    del reader
+    return out
+
+
+@pytest.mark.parametrize("target", ["gguf-q8_0", "gguf-q4_0"])
+def test_per_expert_gguf_loads_bit_identical_to_the_stacked_file(quantized, per_expert, target):
+    stacked_file, split_file = _gguf_tensors(quantized["moe", target]), _gguf_tensors(per_expert[target])
+    assert "blocks.0.ffn.experts.w1" in stacked_file and "blocks.0.ffn.experts.w1" not in split_file
+    for stack in ("blocks.1.ffn.experts.w1", "blocks.1.ffn.experts.w2"):
+        data, qtype = stacked_file[stack]
+        for e in range(4):
+            part, part_type = split_file[f"{stack}.{e}"]
+            assert part_type == qtype and np.array_equal(part, data[e])  # the same blocks, expert by expert
+    for component in ("transformer", "refiner"):
+        assert "blocks.0.ffn.experts.w3.3" in _gguf_tensors(per_expert[target], component)
+    stacked = load_transformer(quantized["moe", target], dtype=torch.float32)
+    split = load_transformer(per_expert[target], dtype=torch.float32)
+    experts = split.blocks[0].ffn.experts
+    assert isinstance(experts, QuantizedExperts) and experts.per_expert("w1")
+    assert not stacked.blocks[0].ffn.experts.per_expert("w1")
+    assert "blocks.0.ffn.experts.w1_qdata.3" in dict(split.named_parameters())
+    assert torch.equal(_run(split), _run(stacked))
+
+
+@pytest.mark.parametrize("layout", ["stacked", "per-expert"])
+def test_a_forward_dequantizes_only_the_routed_experts(quantized, per_expert, monkeypatch, layout):
+    folder = quantized["moe", "gguf-q8_0"] if layout == "stacked" else per_expert["gguf-q8_0"]
+    ffn = load_transformer(folder, dtype=torch.float32).blocks[1].ffn
+    experts = ffn.experts
+    # where each expert's stored bytes start -> (weight, expert)
+    owner = {getattr(experts, f"{n}_qdata")[e].data_ptr(): (n, e) for n in experts.NAMES for e in range(4)}
+    decoded: list[tuple[str, int]] = []
+    real = gguf_codec.dequantize
+
+    def counting(packed, qtype, shape, dtype=torch.float32):
+        if packed.data_ptr() in owner:
+            assert len(shape) == 2, "a whole stack was decoded"
+            decoded.append(owner[packed.data_ptr()])
+        return real(packed, qtype, shape, dtype)
+
+    monkeypatch.setattr(gguf_codec, "dequantize", counting)
+    token = torch.randn(1, 1, 32, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ffn(token)
+    chosen, _ = ffn.router(token.reshape(1, 32))
+    routed = sorted(set(chosen.flatten().tolist()))
+    assert len(routed) == 2  # of 4 experts
+    assert sorted(decoded) == sorted((n, e) for n in experts.NAMES for e in routed)  # each once, nothing else
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_per_expert_gguf_under_every_offload_mode_and_disk(per_expert, mode):
+    folder = per_expert["gguf-q4_0"]
+    ram = PipelineHandle.open(folder, device="cpu")
+    with stage(ram, "transformer"):
+        expected = _run(ram.component("transformer"))
+    for home in ("ram", "disk") if mode != "none" else ("ram",):
+        handle = configure_offload(PipelineHandle.open(folder, device="cpu"), mode, offload_to=home,
+                                   **({"use_stream": False} if mode == "group" else {}))
+        with stage(handle, "transformer"):
+            dit = handle.component("transformer")
+            assert torch.equal(_run(dit), expected), (mode, home)
+        if home == "disk":
+            assert "blocks.0.ffn.experts.w1_qdata.2" in dit.weight_spans  # each expert has its home in the file
+            assert all(t.device.type == "meta" for t in dit.parameters())
+
+
+def _rewrite(folder: Path, change) -> Path:
+    target = folder / "transformer" / "diffusion_pytorch_model.gguf"
+    tensors = _gguf_tensors(folder)
+    change(tensors)
+    target.unlink()
+    _gguf_file(target, tensors)
+    return folder
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda t: t.pop("blocks.0.ffn.experts.w1.1"),
+     r"experts of 'blocks.0.ffn.experts.w1' are stored per expert but 'blocks.0.ffn.experts.w1.1' is missing"),
+    (lambda t: t.pop("blocks.1.ffn.experts.w3.3"),
+     r"blocks.1.ffn.experts.w3: stored \[3, 16, 32\], config implies \[4, 16, 32\]"),
+    (lambda t: t.update({"blocks.0.ffn.experts.w2.2": (np.zeros((32, 8), np.float32), T.F32)}),
+     r"per-expert tensor 'blocks.0.ffn.experts.w2.2' is \[32, 8\], but 'blocks.0.ffn.experts.w2.0' is \[32, 16\]"),
+    (lambda t: t.update({"blocks.0.ffn.experts.w1": (np.zeros((4, 16, 32), np.float32), T.F32)}),
+     r"'blocks.0.ffn.experts.w1' is stored both stacked and per expert"),
+    (lambda t: t.update({"blocks.0.ffn.experts.w1.2": (np.zeros((16, 32), np.float32), T.F32)}),
+     r"stored in mixed types \(Q8_0 for 'blocks.0.ffn.experts.w1.0', F32 for 'blocks.0.ffn.experts.w1.2'\)"),
+], ids=["gap", "too-few", "shape", "both-layouts", "mixed-types"])
+def test_bad_per_expert_files_are_refused_naming_the_tensor(per_expert, tmp_path, change, message):
+    import shutil
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(per_expert["gguf-q8_0"], folder)
+    _rewrite(folder, change)
+    with pytest.raises(CheckpointError, match=message):
+        load_transformer(folder)
+
+
+def test_per_expert_is_refused_for_fp8(fixtures_root, tmp_path):
+    with pytest.raises(ValueError, match="--per-expert is for GGUF targets"):
+        quantize_checkpoint(fixtures_root / "models" / "tiny-moe", tmp_path / "out", "fp8", per_expert=True)
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_quantize_command_writes_per_expert_files(per_expert, fixtures_root, tmp_path):
+    out = tmp_path / "cli"
+    rc = subprocess.run([sys.executable, "-m", "lingbot_core.quantize", str(fixtures_root / "models" / "tiny-moe"),
+                         str(out), "--to", "gguf-q4_0", "--per-expert"], capture_output=True, text=True)
+    assert rc.returncode == 0, rc.stderr
+    written = (out / "transformer" / "diffusion_pytorch_model.gguf").read_bytes()
+    assert written == (per_expert["gguf-q4_0"] / "transformer" / "diffusion_pytorch_model.gguf").read_bytes()

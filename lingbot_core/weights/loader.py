@@ -135,16 +135,17 @@ class _Loader:
         tensor = self.source.plain(key, self.target_dtype(key))
         entry = self.entries[key]
         if entry.kind == "plain" and entry.dtype == tensor.dtype or \
-                entry.kind == "gguf" and gguf_codec.is_plain(entry.gguf_type) and tensor.dtype == \
-                GGUFSource._plain_dtype(entry):
+                entry.kind == "gguf" and not entry.parts and gguf_codec.is_plain(entry.gguf_type) and \
+                tensor.dtype == GGUFSource._plain_dtype(entry):
             self.spans[key] = self.source.span(key, tensor.dtype, tuple(tensor.shape))
         return tensor
 
     def packed(self, key: str, quantize: bool, data_key: str = "", scale_key: str = ""
-               ) -> tuple[Packing, torch.Tensor, torch.Tensor | None]:
+               ) -> tuple[Packing, torch.Tensor | list[torch.Tensor], torch.Tensor | None]:
         """How the quantized module holds `key`: stored fp8/GGUF bytes, or fp8 made here from a plain tensor.
 
         `data_key` / `scale_key`: the model's names for the packed tensors (their disk homes are recorded).
+        A GGUF expert stack stored per expert stays per expert: a list of tensors, `data_key.{e}` each.
         """
         entry = self.entries[key]
         self.done.add(key)
@@ -154,6 +155,11 @@ class _Loader:
             self.spans[data_key] = self.source.span(key, torch.uint8, tuple(data.shape))
             self.spans[scale_key] = self.source.span(key + SCALE_SUFFIX, torch.int32, tuple(scale.shape))
             return Packing(FP8, entry.shape), data, scale
+        if entry.kind == "gguf" and entry.parts:
+            parts = self.source.packed_experts(key, mapped=self.keep_mapped)
+            for e, (part, stored) in enumerate(zip(parts, entry.parts)):
+                self.spans[f"{data_key}.{e}"] = self.source.span(stored, torch.uint8, tuple(part.shape))
+            return Packing("gguf", entry.shape, entry.gguf_type), parts, None
         if entry.kind == "gguf":
             data = self.source.packed(key, mapped=self.keep_mapped)
             self.spans[data_key] = self.source.span(key, torch.uint8, tuple(data.shape))

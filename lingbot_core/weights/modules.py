@@ -121,13 +121,28 @@ class _ExpertView:
         return self._owner.stack(self._name, dtype)
 
 
+def _stored(value: torch.Tensor | list[torch.Tensor] | None) -> nn.Parameter | nn.ParameterList | None:
+    """A stacked tensor as one parameter, a per-expert list as a ParameterList (`[e]` indexes both)."""
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return nn.ParameterList([_param(t) for t in value])
+    return _param(value)
+
+
 class QuantizedExperts(nn.Module):
-    """Stacked MoE expert weights (w1, w3: [E, I, D]; w2: [E, D, I]) kept packed, one expert decoded at a time."""
+    """MoE expert weights (w1, w3: [E, I, D]; w2: [E, D, I]) kept packed, one expert decoded at a time.
+
+    Each weight is held as the file stores it: one stacked [E, ...] tensor (`w1_qdata`), or one tensor
+    per expert (`w1_qdata.0` ... as a ParameterList), so offload and disk streaming move exactly the
+    stored bytes either way; the decoded expert is the same.
+    """
 
     NAMES = ("w1", "w2", "w3")
     decodes_per_expert = True  # SparseMoE runs these expert by expert (models/moe.py)
 
-    def __init__(self, packed: dict[str, tuple[Packing, torch.Tensor, torch.Tensor | None]],
+    def __init__(self, packed: dict[str, tuple[Packing, torch.Tensor | list[torch.Tensor],
+                                               torch.Tensor | list[torch.Tensor] | None]],
                  compute_dtype: torch.dtype):
         super().__init__()
         self.compute_dtype = compute_dtype
@@ -135,8 +150,8 @@ class QuantizedExperts(nn.Module):
         for name in self.NAMES:
             packing, data, scale = packed[name]
             self.packings[name] = packing
-            setattr(self, f"{name}_qdata", _param(data))
-            setattr(self, f"{name}_qscale", _param(scale) if scale is not None else None)
+            setattr(self, f"{name}_qdata", _stored(data))
+            setattr(self, f"{name}_qscale", _stored(scale))
         self.num_experts = self.packings["w1"].shape[0]
         # (weight name, fn(expert, rows)): output deltas of runtime adapters, see `add_delta`
         self.deltas: list[tuple[str, Callable[[int, torch.Tensor], torch.Tensor]]] = []
@@ -167,7 +182,14 @@ class QuantizedExperts(nn.Module):
         one = Packing(packing.kind, packing.shape[1:], packing.gguf_type)
         return unpack(one, data, scale[e] if scale is not None else None, dtype or self.compute_dtype)
 
+    def per_expert(self, name: str) -> bool:
+        """Whether weight `name` is held one tensor per expert (as a per-expert GGUF file stores it)."""
+        return isinstance(getattr(self, f"{name}_qdata"), nn.ParameterList)
+
     def stack(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Every expert of `name` decoded at once, [E, out, in] (the grouped-matmul path)."""
+        if self.per_expert(name):
+            return torch.stack([self.expert(name, e, dtype) for e in range(self.num_experts)])
         packing = self.packings[name]
         return unpack(packing, getattr(self, f"{name}_qdata"), getattr(self, f"{name}_qscale"),
                       dtype or self.compute_dtype)
@@ -185,7 +207,8 @@ class QuantizedExperts(nn.Module):
         return _ExpertView(self, "w3")
 
     def extra_repr(self) -> str:
-        return f"experts={self.num_experts}, stored={self.packings['w1'].label}"
+        layout = ", per expert" if self.per_expert("w1") else ""
+        return f"experts={self.num_experts}, stored={self.packings['w1'].label}{layout}"
 
 
 def is_quantized(module: nn.Module) -> bool:
@@ -198,8 +221,17 @@ def packed_tensors(module: nn.Module) -> list[tuple[str, Packing, torch.Tensor, 
     if isinstance(module, QuantizedLinear):
         return [("weight", module.packing, module.qdata, module.qscale)]
     if isinstance(module, QuantizedExperts):
-        return [(name, module.packings[name], getattr(module, f"{name}_qdata"), getattr(module, f"{name}_qscale"))
-                for name in module.NAMES]
+        out = []
+        for name in module.NAMES:
+            packing = module.packings[name]
+            data, scale = getattr(module, f"{name}_qdata"), getattr(module, f"{name}_qscale")
+            if module.per_expert(name):  # named as the file names them: `w1.{e}`
+                one = Packing(packing.kind, packing.shape[1:], packing.gguf_type)
+                out.extend((f"{name}.{e}", one, data[e], scale[e] if scale is not None else None)
+                           for e in range(module.num_experts))
+            else:
+                out.append((name, packing, data, scale))
+        return out
     return []
 
 

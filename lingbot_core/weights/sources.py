@@ -9,6 +9,7 @@ types against the config first and fail before heavy work.
 from __future__ import annotations
 
 import json
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,13 @@ from .modules import FP8
 SCALE_SUFFIX = ".scale"
 _CPU = torch.device("cpu")
 FORMAT_KEY = "lingbot_weights"  # safetensors metadata: "fp8_e4m3" in a pre-quantized file
+# A MoE expert stack stored one expert per tensor: the stack's own name plus the expert index,
+# e.g. `blocks.3.ffn.experts.w1.17` is expert 17 of `blocks.3.ffn.experts.w1` ([I, D] of [E, I, D]).
+PER_EXPERT = re.compile(r"^(?P<stack>.+\.experts\.w[123])\.(?P<expert>\d+)$")
+
+
+def per_expert_key(stack: str, expert: int) -> str:
+    return f"{stack}.{expert}"
 
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -43,6 +51,7 @@ class Entry:
     shape: tuple[int, ...]  # logical shape
     dtype: torch.dtype | None = None  # plain tensors
     gguf_type: int = 0
+    parts: tuple[str, ...] = ()  # a stack stored per expert: the file's tensor names, in expert order
 
     @property
     def quantized(self) -> bool:
@@ -154,6 +163,43 @@ class GGUFSource:
                 raise WeightsError(f"{path}: {err}") from None
             shape = self._orig_shape(name) or tuple(int(n) for n in reversed(t.shape.tolist()))
             self.entries[name] = Entry("gguf", shape, gguf_type=qtype)
+        self._group_experts(path)
+
+    def _group_experts(self, path: Path) -> None:
+        """Replace the per-expert tensors of a stack (`NAME.0` ... `NAME.{E-1}`) by one logical entry
+        `NAME` of shape [E, ...], after checking they form one: every index once, one type, one shape."""
+        stacks: dict[str, dict[int, str]] = {}
+        for name in self.entries:
+            found = PER_EXPERT.match(name)
+            if found:
+                stacks.setdefault(found["stack"], {})[int(found["expert"])] = name
+        for stack, by_index in stacks.items():
+            if stack in self.entries:
+                raise WeightsError(f"{path}: {stack!r} is stored both stacked and per expert "
+                                   f"({by_index[min(by_index)]!r}); keep one layout.")
+            missing = [i for i in range(len(by_index)) if i not in by_index]
+            if missing:
+                raise WeightsError(f"{path}: the experts of {stack!r} are stored per expert but "
+                                   f"{per_expert_key(stack, missing[0])!r} is missing (found {len(by_index)} "
+                                   f"tensors, indices up to {max(by_index)}); the file is incomplete.")
+            names = [by_index[i] for i in range(len(by_index))]
+            first = self.entries[names[0]]
+            for name in names:
+                entry = self.entries[name]
+                if len(entry.shape) != 2:
+                    raise WeightsError(f"{path}: per-expert tensor {name!r} is {list(entry.shape)}; each expert of "
+                                       f"{stack!r} must be one 2-D [out, in] matrix.")
+                if entry.shape != first.shape:
+                    raise WeightsError(f"{path}: per-expert tensor {name!r} is {list(entry.shape)}, but "
+                                       f"{names[0]!r} is {list(first.shape)}; every expert of a stack has one shape.")
+                if entry.gguf_type != first.gguf_type:
+                    raise WeightsError(f"{path}: the experts of {stack!r} are stored in mixed types "
+                                       f"({first.label} for {names[0]!r}, {entry.label} for {name!r}); "
+                                       "lingbot-nodes needs one type per expert stack. Re-quantize it.")
+            for name in names:
+                del self.entries[name]
+            self.entries[stack] = Entry("gguf", (len(names), *first.shape), gguf_type=first.gguf_type,
+                                        parts=tuple(names))
 
     def _orig_shape(self, name: str) -> tuple[int, ...] | None:
         # ComfyUI-GGUF files record the torch shape of tensors they had to reshape.
@@ -168,10 +214,20 @@ class GGUFSource:
 
     def packed(self, key: str, mapped: bool = False) -> torch.Tensor:
         """The stored bytes of `key` as uint8 [..., bytes per row]: read into memory of their own, or
-        (`mapped`) a view of the mapped file."""
-        t = self._tensors[key]
+        (`mapped`) a view of the mapped file. A stack stored per expert: see `packed_experts`."""
         entry = self.entries[key]
-        shape = (*entry.shape[:-1], gguf_codec.bytes_per_row(entry.gguf_type, entry.shape[-1]))
+        if entry.parts:
+            raise ValueError(f"{key} is stored per expert; read it with packed_experts")
+        return self._packed(key, entry.shape, entry.gguf_type, mapped)
+
+    def packed_experts(self, key: str, mapped: bool = False) -> list[torch.Tensor]:
+        """The stored bytes of each expert of a stack stored per expert (uint8 [rows, bytes per row] each)."""
+        entry = self.entries[key]
+        return [self._packed(part, entry.shape[1:], entry.gguf_type, mapped) for part in entry.parts]
+
+    def _packed(self, key: str, logical: tuple[int, ...], qtype: int, mapped: bool) -> torch.Tensor:
+        t = self._tensors[key]
+        shape = (*logical[:-1], gguf_codec.bytes_per_row(qtype, logical[-1]))
         if not mapped:
             return self.span(key, torch.uint8, shape).read(_CPU)
         start = t.data_offset
@@ -181,7 +237,11 @@ class GGUFSource:
     def plain(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A tensor decoded to `dtype` (float32 by default), in memory of its own."""
         entry = self.entries[key]
-        return gguf_codec.dequantize(self.packed(key), entry.gguf_type, entry.shape, dtype or torch.float32)
+        dtype = dtype or torch.float32
+        if entry.parts:
+            return torch.stack([gguf_codec.dequantize(p, entry.gguf_type, entry.shape[1:], dtype)
+                                for p in self.packed_experts(key)])
+        return gguf_codec.dequantize(self.packed(key), entry.gguf_type, entry.shape, dtype)
 
     @staticmethod
     def _plain_dtype(entry: Entry) -> torch.dtype:
