@@ -205,8 +205,12 @@ def load_lora_file(path: str | os.PathLike) -> LoraFile:
             tensors = {k: fh.get_tensor(k) for k in fh.keys()}
             metadata = fh.metadata() or {}
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-        with open(p, "rb") as fh:
-            head = fh.read(2)
+        try:
+            with open(p, "rb") as fh:
+                head = fh.read(2)
+        except OSError as read_err:
+            raise LoraError(f"LoRA file {p} cannot be read ({read_err.strerror or read_err}); check its "
+                            "permissions") from None
         if head == b"PK" or head[:1] == b"\x80":  # a zip (torch.save) or a raw pickle stream
             raise LoraError(pickled) from None
         raise LoraError(f"{p} is not a readable safetensors file ({err}); re-download it") from None
@@ -291,6 +295,18 @@ def _resolve(group: _Group, layout: dict[str, Any]) -> tuple[str | None, str | N
     return None
 
 
+def _float_and_finite(tensor: torch.Tensor) -> bool:
+    """Floating point with no NaN/inf. Every stage entry re-checks the whole stack, so this is the
+    cheap form: min and max propagate NaN and hold any inf (about 8x faster than isfinite().all()
+    on bf16; bench/lora.py)."""
+    if not tensor.is_floating_point():
+        return False
+    if tensor.numel() == 0:
+        return True
+    low, high = torch.aminmax(tensor)
+    return bool(torch.isfinite(low) & torch.isfinite(high))
+
+
 def _factor_patch(group: _Group, param: str, shape: tuple[int, ...], name: str) -> Patch:
     t = group.tensors
     if "down" not in t or "up" not in t:
@@ -303,6 +319,9 @@ def _factor_patch(group: _Group, param: str, shape: tuple[int, ...], name: str) 
         raise LoraError(f"{where}: factors shaped {tuple(down.shape)} and {tuple(up.shape)} are not a LoRA pair "
                         "(2-D, or 3-D for stacked experts)")
     rank = int(down.shape[-2])
+    if rank == 0:
+        raise LoraError(f"{where}: rank 0 (factors {tuple(down.shape)} and {tuple(up.shape)} hold nothing); "
+                        "the file is empty or broken")
     if int(up.shape[-1]) != rank:
         raise LoraError(f"{where}: rank mismatch, down has rank {rank} {tuple(down.shape)} but up has "
                         f"{int(up.shape[-1])} {tuple(up.shape)}")
@@ -330,7 +349,7 @@ def _factor_patch(group: _Group, param: str, shape: tuple[int, ...], name: str) 
             raise LoraError(f"{name}: {group.keys['alpha']} is not finite")
         scale = alpha_value / rank
     for key, tensor in ((group.keys["down"], down), (group.keys["up"], up)):
-        if not tensor.is_floating_point() or not torch.isfinite(tensor).all():
+        if not _float_and_finite(tensor):
             raise LoraError(f"{name}: {key} holds non-finite or non-float values")
     keys = tuple(group.keys[r] for r in ("down", "up", "alpha") if r in group.keys)
     return Patch(param, "lora", down=down, up=up, scale=scale, keys=keys)
@@ -340,7 +359,7 @@ def _diff_patch(group: _Group, param: str, shape: tuple[int, ...], name: str, ro
     diff = group.tensors[role]
     if tuple(diff.shape) != shape:
         raise LoraError(f"{name}: {group.keys[role]} is {tuple(diff.shape)} but {param} is {shape}")
-    if not diff.is_floating_point() or not torch.isfinite(diff).all():
+    if not _float_and_finite(diff):
         raise LoraError(f"{name}: {group.keys[role]} holds non-finite or non-float values")
     return Patch(param, "diff", diff=diff, keys=(group.keys[role],))
 
@@ -603,6 +622,8 @@ def plan(handle: Any, lora: LoraFile, strength: float = 1.0, apply_to: str = "au
     if "refiner" in wanted and not handle.has_refiner:
         if wanted == ["refiner"]:
             raise LoraError(f"{lora.name} is for the refiner, but this checkpoint has none (only the MoE one does)")
+        log.warning("LoRA %s: this checkpoint has no refiner, so the LoRA goes on the transformer only "
+                    "(its refiner. keys, if any, are not applied)", lora.name)
         wanted = ["transformer"]
     reports = [match(lora, dit_layout(handle, c), c, apply_to=item.apply_to) for c in wanted]
     if not any(r.patches for r in reports):

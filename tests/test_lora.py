@@ -224,12 +224,69 @@ def test_keys_matching_nothing_are_refused(fixtures_root, tmp_path):
       torch.zeros(16, 3)}, "2-D factors.*3-D"),
     ({"blocks.0.attn.to_q.lora_A.weight": torch.full((3, 32), float("nan")),
       "blocks.0.attn.to_q.lora_B.weight": torch.zeros(32, 3)}, "non-finite"),
+    ({"blocks.0.attn.to_q.lora_A.weight": torch.zeros(3, 32, dtype=torch.bfloat16),
+      "blocks.0.attn.to_q.lora_B.weight": torch.full((32, 3), -float("inf"), dtype=torch.bfloat16)}, "non-finite"),
+    ({"blocks.0.attn.to_out.diff": torch.zeros(32, 32).index_fill_(0, torch.tensor([7]), float("nan"))},
+     "non-finite"),
     ({"blocks.0.attn.to_q.diff": torch.zeros(16, 16)}, r"is \(16, 16\) but blocks.0.attn.to_q.weight"),
+    ({"blocks.0.attn.to_q.lora_A.weight": torch.zeros(0, 32), "blocks.0.attn.to_q.lora_B.weight": torch.zeros(32, 0),
+      "blocks.0.attn.to_q.alpha": torch.tensor(4.0)}, "rank 0"),
+    ({"blocks.0.attn.to_q.lora_A.weight": torch.tensor(1.0), "blocks.0.attn.to_q.lora_B.weight": torch.tensor(1.0)},
+     "not a LoRA pair"),
+    ({"blocks.0.attn.to_q.lora_A.weight": torch.zeros(3, 32), "blocks.0.attn.to_q.lora_B.weight": torch.zeros(32, 3),
+      "blocks.0.attn.to_q.alpha": torch.ones(3)}, "alpha must hold one number"),
+    ({"blocks.0.attn.to_q.lora_A.weight": torch.zeros(3, 32), "blocks.0.attn.to_q.lora_B.weight": torch.zeros(32, 3),
+      "blocks.0.attn.to_q.alpha": torch.tensor(float("inf"))}, "alpha is not finite"),
+    ({"blocks.0.attn.to_q.lora_A.weight": torch.zeros(3, 32, dtype=torch.int8),
+      "blocks.0.attn.to_q.lora_B.weight": torch.zeros(32, 3, dtype=torch.int8)}, "non-float"),
 ])
 def test_bad_factors_are_refused_with_the_key(moe_dit, tensors, pattern):
     lora = lora_ops.LoraFile.from_state_dict(tensors, name="bad.safetensors")
     with pytest.raises(LoraError, match=pattern):
         lora_ops.match(lora, moe_dit, "transformer")
+
+
+def test_two_spellings_of_one_factor_are_refused():
+    with pytest.raises(LoraError, match="two keys give the down of blocks.0.attn.to_q"):
+        lora_ops.LoraFile.from_state_dict({"blocks.0.attn.to_q.lora_A.weight": torch.zeros(3, 32),
+                                           "blocks.0.attn.to_q.lora.down.weight": torch.zeros(3, 32)})
+
+
+def test_a_file_that_cannot_be_opened_is_refused(tmp_path, monkeypatch):
+    """A file the process may not read (running as root here, so the failure is simulated)."""
+    import builtins
+
+    path = _write(tmp_path, {"blocks.0.attn.to_q.diff": torch.zeros(32, 32)})
+    real_open = builtins.open
+
+    def deny(file, *args, **kwargs):
+        if str(file) == str(path):
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", deny)
+    monkeypatch.setattr("safetensors.safe_open", lambda *a, **k: deny(path))
+    with pytest.raises(LoraError, match="cannot be read.*Permission denied.*permissions"):
+        lora_ops.load_lora_file(path)
+
+
+def test_refiner_loras_on_a_checkpoint_without_a_refiner(fixtures_root, caplog):
+    from lingbot_core.handle import PipelineHandle
+
+    dense = PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu")
+    down, up = _factors((32, 32), seed=2)
+    only_refiner = lora_ops.LoraFile.from_state_dict({"refiner.blocks.0.attn.to_q.lora_A.weight": down,
+                                                      "refiner.blocks.0.attn.to_q.lora_B.weight": up}, name="r")
+    with pytest.raises(LoraError, match="r is for the refiner, but this checkpoint has none"):
+        lora_ops.plan(dense, only_refiner)
+    both = lora_ops.LoraFile.from_state_dict({"refiner.blocks.0.attn.to_q.lora_A.weight": down,
+                                              "refiner.blocks.0.attn.to_q.lora_B.weight": up,
+                                              "transformer.blocks.0.attn.to_k.lora_A.weight": down,
+                                              "transformer.blocks.0.attn.to_k.lora_B.weight": up}, name="b")
+    with caplog.at_level(logging.WARNING, logger="lingbot_core.lora"):
+        (report,) = lora_ops.plan(dense, both)
+    assert [p.param for p in report.patches] == ["blocks.0.attn.to_k.weight"]
+    assert "no refiner" in caplog.text and "not applied" in caplog.text
 
 
 def test_unsupported_adapter_kinds_are_refused():
