@@ -150,3 +150,28 @@ def test_offload_gpu_verdicts():
     rows = {"none": _row("none", 10.0, 12.0), "group": {"mode": "group", "error": "RuntimeError: boom"}}
     offload_gpu.verdicts(rows, on_gpu=True)
     assert _results(rows)["group"] == {"ran": False}
+
+
+def test_lora_bench_quick(tmp_path, capsys):
+    """bench/lora.py at tiny shapes: the LightLingBot-shaped file resolves fully, merge and removal are exact."""
+    from bench import lora as lora_bench
+
+    result = lora_bench.main(["--quick", *THREADS, "--repeats", "2", "--data", str(tmp_path), "--json",
+                              str(tmp_path / "lora.json")])
+    printed = capsys.readouterr().out
+    assert "extrapolated" in printed and "runtime deltas" in printed
+    saved = json.loads((tmp_path / "lora.json").read_text())
+    per_block = len(lora_bench.TARGETS)
+    assert saved["file"]["modules"] == saved["depth"] * per_block and saved["file"]["unmatched"] == 0
+    assert saved["file"]["keys"] == 2 * saved["depth"] * per_block  # down + up, no alpha
+    assert saved["file"]["match_warm_seconds"] > 0
+    bf16, fp8 = result["bf16"], result["fp8"]
+    assert bf16["modules"] == result["blocks"] * per_block and bf16["unmatched"] == 0
+    # Merged: pristine copies of exactly the targeted bf16 weights; fp8: runtime deltas, no copies.
+    assert bf16["pristine_bytes"] == saved["file"]["pristine_bytes_computed"] * result["blocks"] // result["depth"]
+    assert bf16["runtime_deltas"] == 0 and fp8["runtime_deltas"] == result["blocks"] * per_block
+    assert fp8["pristine_bytes"] == 0
+    for row in (bf16, fp8):
+        assert row["plain_bit_exact_after_removal"] and row["lora_repeatable"] and row["lora_effect_rel_l2"] > 0
+        assert len(row["apply_s"]) == len(row["lora_s"]) == 2
+    assert 0 < fp8["rel_l2_vs_bf16_merged"] < 0.2
