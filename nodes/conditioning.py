@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from . import runtime
-from .types import CATEGORY, MAX_SIZE, Cond, ImageCond, Pipe
+from .types import CATEGORY, MAX_SIZE, SIZE_GRID, Cond, ImageCond, Pipe
 from .v3 import io
 
 log = logging.getLogger("lingbot_nodes")
@@ -52,9 +52,9 @@ class LingBotTextEncode(io.ComfyNode):
                 io.Image.Input("image", optional=True,
                                tooltip="TI2V without the VAE Encode node: the first frame, prepared at "
                                        "image_width x image_height (use the Denoise size)"),
-                io.Int.Input("image_width", default=832, min=16, max=MAX_SIZE, step=16, optional=True,
+                io.Int.Input("image_width", default=832, max=MAX_SIZE, **SIZE_GRID, optional=True,
                              tooltip="Width the raw `image` is prepared at"),
-                io.Int.Input("image_height", default=480, min=16, max=MAX_SIZE, step=16, optional=True,
+                io.Int.Input("image_height", default=480, max=MAX_SIZE, **SIZE_GRID, optional=True,
                              tooltip="Height the raw `image` is prepared at"),
                 io.Boolean.Input("encode_negative", default=True, optional=True,
                                  tooltip="Off: no negative is encoded. cfg 1 and the distilled few-step profiles "
@@ -107,9 +107,9 @@ class LingBotImageEncode(io.ComfyNode):
             inputs=[
                 Pipe.Input("pipe", tooltip="From LingBot Loader or LingBot Offload"),
                 io.Image.Input("image", tooltip="The first frame (the first image of the batch is used)"),
-                io.Int.Input("width", default=832, min=16, max=MAX_SIZE, step=16,
+                io.Int.Input("width", default=832, max=MAX_SIZE, **SIZE_GRID,
                              tooltip="Video width (a multiple of 16); must match Denoise"),
-                io.Int.Input("height", default=480, min=16, max=MAX_SIZE, step=16,
+                io.Int.Input("height", default=480, max=MAX_SIZE, **SIZE_GRID,
                              tooltip="Video height (a multiple of 16); must match Denoise"),
             ],
             outputs=[ImageCond.Output(display_name="image_cond", tooltip="Prepared pixels and the VAE latent")],

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import paths, runtime
-from .types import CATEGORY, Pipe, problems_or_true
+from .types import CATEGORY, FRAMES_GRID, MAX_FRAMES, MAX_SIZE, SIZE_GRID, Pipe, problems_or_true
 from .v3 import io, ui
 
 TINY = {"tiny (built-in dense)": "dense", "tiny (built-in moe)": "moe"}
@@ -143,11 +143,11 @@ class LingBotOffload(io.ComfyNode):
                                  tooltip="group: pin host memory on the fly instead of up front (less RAM, slower)"),
                 io.Int.Input("num_blocks_per_group", default=1, min=1, max=64, optional=True,
                              tooltip="group: DiT blocks moved together"),
-                io.Int.Input("plan_width", default=832, min=16, max=4096, step=16, optional=True,
+                io.Int.Input("plan_width", default=832, max=MAX_SIZE, **SIZE_GRID, optional=True,
                              tooltip="auto: the video width to plan memory for"),
-                io.Int.Input("plan_height", default=480, min=16, max=4096, step=16, optional=True,
+                io.Int.Input("plan_height", default=480, max=MAX_SIZE, **SIZE_GRID, optional=True,
                              tooltip="auto: the video height to plan memory for"),
-                io.Int.Input("plan_frames", default=121, min=1, max=1025, step=4, optional=True,
+                io.Int.Input("plan_frames", default=121, max=MAX_FRAMES, **FRAMES_GRID, optional=True,
                              tooltip="auto: the frame count to plan memory for"),
                 io.Boolean.Input("plan_refine", default=True, optional=True,
                                  tooltip="auto: include the 1088x1920 refiner pass (MoE)"),

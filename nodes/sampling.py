@@ -5,12 +5,13 @@ from __future__ import annotations
 from . import runtime
 from .types import (
     CATEGORY,
+    FRAMES_GRID,
     MAX_FRAMES,
     MAX_SIZE,
+    SIZE_GRID,
     Cond,
     ImageCond,
     Pipe,
-    frames_problems,
     latent_in,
     latent_out,
 )
@@ -36,11 +37,11 @@ class LingBotDenoise(io.ComfyNode):
             inputs=[
                 Pipe.Input("pipe", tooltip="From LingBot Loader or LingBot Offload"),
                 Cond.Input("conditioning", tooltip="From LingBot Text Encode"),
-                io.Int.Input("width", default=832, min=16, max=MAX_SIZE, step=16,
+                io.Int.Input("width", default=832, max=MAX_SIZE, **SIZE_GRID,
                              tooltip="Video width in pixels, a multiple of 16"),
-                io.Int.Input("height", default=480, min=16, max=MAX_SIZE, step=16,
+                io.Int.Input("height", default=480, max=MAX_SIZE, **SIZE_GRID,
                              tooltip="Video height in pixels, a multiple of 16"),
-                io.Int.Input("frames", default=121, min=1, max=MAX_FRAMES, step=4,
+                io.Int.Input("frames", default=121, max=MAX_FRAMES, **FRAMES_GRID,
                              tooltip="Frame count: 1 (an image) or 4n+1; 121 is 5 s at 24 fps"),
                 io.Int.Input("steps", default=40, min=1, max=200, tooltip="Sampling steps"),
                 io.Float.Input("cfg", default=3.0, min=0.0, max=30.0, step=0.1,
@@ -63,10 +64,6 @@ class LingBotDenoise(io.ComfyNode):
             ],
             outputs=[io.Latent.Output(display_name="latent", tooltip="Raw Wan 2.1 VAE latents (1,16,T,H/8,W/8)")],
         )
-
-    @classmethod
-    def validate_inputs(cls, frames=None):
-        return frames_problems(frames)
 
     @classmethod
     def execute(cls, pipe, conditioning, width, height, frames, steps, cfg, shift, seed, image_cond=None,
@@ -101,9 +98,9 @@ class LingBotRefine(io.ComfyNode):
             inputs=[
                 Pipe.Input("pipe", tooltip="A MoE pipe (the checkpoint has a refiner/ folder)"),
                 Cond.Input("conditioning", tooltip="Text-only conditioning (no image)"),
-                io.Int.Input("width", default=1920, min=16, max=MAX_SIZE, step=16,
+                io.Int.Input("width", default=1920, max=MAX_SIZE, **SIZE_GRID,
                              tooltip="Output width, a multiple of 16"),
-                io.Int.Input("height", default=1088, min=16, max=MAX_SIZE, step=16,
+                io.Int.Input("height", default=1088, max=MAX_SIZE, **SIZE_GRID,
                              tooltip="Output height, a multiple of 16"),
                 io.Int.Input("steps", default=8, min=1, max=200, tooltip="Refiner steps"),
                 io.Float.Input("t_thresh", default=0.85, min=0.01, max=1.0, step=0.01,

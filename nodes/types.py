@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+from lingbot_core.workflow.grid import GridMin
 
 from .v3 import io
 
@@ -51,6 +55,18 @@ MAX_SIZE = 4096
 MAX_FRAMES = 1025
 
 
+def on_grid(low: int, step: int) -> dict[str, Any]:
+    """``min``/``step`` for an INT input whose values must lie on ``low + k * step``: ComfyUI's own
+    range check then refuses an off-grid value at validation time, with one message on that input
+    (see lingbot_core.workflow.grid), and the editor rounds its widget to the same grid."""
+    return {"min": GridMin(low, step), "step": step}
+
+
+# Sizes are multiples of 16 (the VAE's x8, then the DiT's 2x2 patches); frame counts 1 or 4n+1.
+SIZE_GRID = on_grid(16, 16)
+FRAMES_GRID = on_grid(1, 4)
+
+
 def latent_out(vae_latents: torch.Tensor) -> dict:
     """ComfyUI LATENT: raw Wan-VAE latents (1,16,T,h,w) on the CPU."""
     return {"samples": vae_latents.detach().float().cpu()}
@@ -62,26 +78,3 @@ def latent_in(latent: dict) -> torch.Tensor:
         shape = tuple(samples.shape) if isinstance(samples, torch.Tensor) else type(samples).__name__
         raise ValueError(f"expected a Wan video LATENT with samples shaped (1,16,T,h,w), got {shape}")
     return samples[:1]
-
-
-def frames_problems(frames: int | None) -> InputProblems | bool:
-    """Validator check of a frame count (1 or 4n+1 within range): True, or the message for `frames`.
-
-    ComfyUI attaches a validator's message to every input the validator names, so validators here
-    name one input each. Width and height need no validator: their range is the host's own
-    per-input min/max check, the editor steps them by 16, and the first stage refuses a size that
-    is not a multiple of 16 (naming both values and the nearest valid size) before any work.
-    ComfyUI also skips its own range check for a named input, so the range is checked here.
-    """
-    from lingbot_core.latents import VAE_TEMPORAL
-
-    if frames is None:
-        return True
-    frames = int(frames)
-    if not 1 <= frames <= MAX_FRAMES:
-        return InputProblems({"frames": f"must lie in [1, {MAX_FRAMES}], got {frames}"})
-    if frames != 1 and (frames - 1) % VAE_TEMPORAL:
-        lower = (frames - 1) // VAE_TEMPORAL * VAE_TEMPORAL + 1
-        return InputProblems({"frames": f"must be 1 or 4n+1 (5, 9, ..., 121), got {frames}; "
-                                        f"try {lower} or {lower + VAE_TEMPORAL}"})
-    return True

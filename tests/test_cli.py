@@ -33,7 +33,7 @@ def test_overrides_model_and_shuffle(tmp_path, capsys, fixtures_root):
 @pytest.mark.parametrize(
     "args,code,message",
     [
-        (["--set", "Denoise.width=40"], 2, "multiples of 16"),
+        (["--set", "Denoise.width=40"], 2, "input 'width': value 40 is not a multiple of 16; try 32 or 48"),
         (["--set", "Denoise.nope=1"], 2, "nope"),
         (["--set", "garbage"], 2, "NODE.INPUT=VALUE"),
         (["no-such-workflow"], 2, "not found"),

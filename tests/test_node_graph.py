@@ -163,8 +163,8 @@ def test_release_node_frees_after_its_input_and_passes_it_through():
     "override,message",
     [
         ("Denoise.width=5008", r"input 'width': .*5008.*4096"),
-        ("Denoise.frames=2001", r"input 'frames': must lie in \[1, 1025\]"),
-        ("Denoise.frames=6", r"input 'frames': must be 1 or 4n\+1"),
+        ("Denoise.frames=2001", r"input 'frames': value 2001 is bigger than the maximum 1025"),
+        ("Denoise.frames=6", r"input 'frames': value 6 is not one of 1, 5, 9, \.\.\. \(1 plus a multiple of 4\); try 5 or 9"),
         ('Prompt.prompt="{\\"a\\": }"', "not valid JSON"),
         ("Save.filename_prefix=/etc/x", "relative path"),
     ],

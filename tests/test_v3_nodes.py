@@ -118,39 +118,113 @@ def _issues(prompt, node_id):
     return sorted((i.input_name, i.message) for i in err.value.issues if i.node_id == node_id)
 
 
+def _shipped(name: str = "lingbot_t2v_dense") -> dict:
+    import json
+    from pathlib import Path
+
+    return json.loads((Path(__file__).resolve().parents[1] / "workflows" / "api" / f"{name}.json").read_text())
+
+
+# Every input whose value must lie on a grid: sizes in steps of 16, frame counts 1 or 4n+1.
+GRID_INPUTS = {
+    ("LingBotDenoise", "width"), ("LingBotDenoise", "height"), ("LingBotDenoise", "frames"),
+    ("LingBotRefine", "width"), ("LingBotRefine", "height"),
+    ("LingBotImageEncode", "width"), ("LingBotImageEncode", "height"),
+    ("LingBotTextEncode", "image_width"), ("LingBotTextEncode", "image_height"),
+    ("LingBotOffload", "plan_width"), ("LingBotOffload", "plan_height"), ("LingBotOffload", "plan_frames"),
+}
+
+
+def _comfyui_064_errors(cls, inputs: dict) -> list[tuple[str, str]]:
+    """(input name, message) as ComfyUI 0.3.64's validate_inputs reports them for constant widget
+    values: its range check (`val < min`, `val > max`) for each input the node's validator does not
+    take, then the validator's message attached to every input the validator takes."""
+    import inspect
+
+    spec = cls.INPUT_TYPES()
+    declared = {**spec.get("required", {}), **spec.get("optional", {})}
+    own = cls.__dict__.get("validate_inputs")
+    named = [a for a in inspect.getfullargspec(own.__func__).args[1:] if a in inputs] if own else []
+    assert own is None or inspect.getfullargspec(own.__func__).varkw is None
+    errors = []
+    for name, value in inputs.items():
+        kind, extra = declared[name]
+        if kind != "INT" or name in named:
+            continue
+        if "min" in extra and value < extra["min"]:
+            errors.append((name, "Value {} smaller than min of {}".format(value, extra["min"])))
+        elif "max" in extra and value > extra["max"]:
+            errors.append((name, "Value {} bigger than max of {}".format(value, extra["max"])))
+    if named:
+        result = cls.validate_inputs(**{n: inputs[n] for n in named})
+        if result is not True:
+            errors += [(n, f"{n} - {result}") for n in named]
+    return errors
+
+
 def test_one_message_per_wrong_input_attached_to_that_input():
-    """ComfyUI attaches a validator's message to every input the validator names, so each
-    validator names one input: a bad width is one message, on width; a bad width and a bad frame
-    count are two, each on its input."""
-    import json
-    from pathlib import Path
+    """The headless engine: one issue per wrong input, on that input, before anything runs."""
+    prompt = _shipped()
+    prompt["4"]["inputs"]["width"] = 100
+    assert _issues(prompt, "4") == [("width", "value 100 is not a multiple of 16; try 96 or 112")]
+    prompt["4"]["inputs"]["width"] = 5008
+    assert _issues(prompt, "4") == [("width", "value 5008 is bigger than the maximum 4096")]
+    prompt["4"]["inputs"].update(width=100, frames=10, height=40)
+    prompt["2"]["inputs"]["plan_frames"] = 120
+    assert _issues(prompt, "4") == [
+        ("frames", "value 10 is not one of 1, 5, 9, ... (1 plus a multiple of 4); try 9 or 13"),
+        ("height", "value 40 is not a multiple of 16; try 32 or 48"),
+        ("width", "value 100 is not a multiple of 16; try 96 or 112")]
+    assert _issues(prompt, "2") == [("plan_frames", "value 120 is not one of 1, 5, 9, ... (1 plus a multiple of 4); "
+                                                     "try 117 or 121")]
 
-    path = Path(__file__).resolve().parents[1] / "workflows" / "api" / "lingbot_t2v_dense.json"
-    prompt = json.loads(path.read_text())
-    prompt["4"]["inputs"]["width"] = 5000
-    issues = _issues(prompt, "4")
-    assert [name for name, _ in issues] == ["width"] and "4096" in issues[0][1]
-    prompt["4"]["inputs"]["frames"] = 10
-    issues = _issues(prompt, "4")
-    assert [name for name, _ in issues] == ["frames", "width"] and "4n+1" in issues[0][1]
+
+def test_every_grid_input_gets_one_message_from_comfyui_itself():
+    """The same rule through ComfyUI's own per-input range check (its 0.3.64 logic, replayed on the
+    V1 INPUT_TYPES view it reads): one message, on the off-grid input, for every grid input."""
+    from lingbot_core.workflow.grid import GridMin
+
+    found = set()
     for class_type, cls in NODE_CLASS_MAPPINGS.items():
-        params = NodeClassInfo(class_type, cls).validate_inputs_params()
-        assert params is None or (len(params[0]) <= 1 and not params[1]), class_type
+        info = NodeClassInfo(class_type, cls)
+        params = info.validate_inputs_params()
+        assert params is None or (len(params[0]) <= 1 and not params[1]), class_type  # one input per validator
+        for spec in info.visible_inputs():
+            low = spec.options.get("min")
+            if not isinstance(low, GridMin):
+                continue
+            found.add((class_type, spec.name))
+            assert spec.options["step"] == low.step  # the editor rounds its widget to the same grid
+            good = {s.name: s.options["default"] for s in info.visible_inputs()
+                    if s.type == "INT" and "default" in s.options}
+            assert _comfyui_064_errors(cls, good) == [], class_type
+            off = int(low) + low.step + 1
+            errors = _comfyui_064_errors(cls, {**good, spec.name: off})
+            assert errors == [(spec.name, f"Value {off} smaller than min of {int(low)}, or not {low.grid_text()}")]
+    assert found == GRID_INPUTS
 
 
-def test_a_size_off_the_16_grid_is_refused_before_denoising():
-    import json
-    from pathlib import Path
+def test_a_size_off_the_16_grid_is_refused_before_anything_runs():
+    prompt = _shipped()
+    prompt["4"]["inputs"]["width"] = 100
+    with pytest.raises(WorkflowValidationError) as err:
+        Engine(NODE_CLASS_MAPPINGS).run(prompt)
+    assert [(i.node_id, i.input_name) for i in err.value.issues] == [("4", "width")]
+
+
+def test_a_linked_size_off_the_grid_is_refused_when_denoise_starts():
+    """A link's value is not known at validation time; Denoise checks it first thing."""
+    from workflow_fakes import Number
 
     from lingbot_core.workflow import NodeExecutionError
 
-    path = Path(__file__).resolve().parents[1] / "workflows" / "api" / "lingbot_t2v_dense.json"
-    prompt = json.loads(path.read_text())
-    prompt["4"]["inputs"]["width"] = 100
+    prompt = _shipped()
     prompt["2"]["inputs"]["mode"] = "none"
+    prompt["90"] = {"class_type": "Number", "inputs": {"value": 40}}
+    prompt["4"]["inputs"]["height"] = ["90", 0]
     with pytest.raises(NodeExecutionError) as err:
-        Engine(NODE_CLASS_MAPPINGS).run(prompt)
-    assert err.value.node_id == "4" and "multiples of 16" in str(err.value) and "96" in str(err.value)
+        Engine({**NODE_CLASS_MAPPINGS, "Number": Number}).run(prompt)
+    assert err.value.node_id == "4" and "multiples of 16" in str(err.value) and "48" in str(err.value)
 
 
 def test_the_v1_view_runs_a_node_as_a_classic_host_would():

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .errors import ValidationIssue, brief, clip
+from .grid import GridMin
 from .nodeinfo import WIDGET_TYPES, InputSpec, NodeClassInfo, is_link, unwrap_constant
 
 
@@ -145,11 +146,14 @@ def _check_range_and_combo(spec: InputSpec, value: Any) -> str | None:
     options = spec.options
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         low, high = options.get("min"), options.get("max")
-        if isinstance(low, (int, float)) and value < low:
+        if isinstance(low, GridMin):
+            if isinstance(value, int) and (problem := low.problem(value)) is not None:
+                return problem  # the same rule ComfyUI applies through its `value < min`
+        elif isinstance(low, (int, float)) and value < low:
             return f"value {brief(value)} is smaller than the minimum {low}"
         if isinstance(high, (int, float)) and value > high:
             return f"value {brief(value)} is bigger than the maximum {high}"
-        # No step-grid check: ComfyUI's backend has none, and the frontend rounds relative to 0, not to min.
+        # A plain `step` is not checked (ComfyUI's backend does not either); a grid is a GridMin.
     choices = spec.combo_options
     if choices is not None and value not in choices:
         shown = brief(choices, 400) if len(choices) <= 20 else f"a list of {len(choices)} options"
