@@ -120,18 +120,19 @@ def child_file(lora_path: str, config: dict[str, Any]) -> dict[str, Any]:
     # second is what every stage entry repeats.
     gc.collect()
     untouched, _ = _rss()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     report = lora_ops.match(lora, layout, "transformer")
-    match_seconds = time.perf_counter() - t0
+    match_seconds, match_cpu = time.perf_counter() - t0, time.process_time() - c0
     touched, _ = _rss()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     lora_ops.match(lora, layout, "transformer")
-    warm_seconds = time.perf_counter() - t0
+    warm_seconds, warm_cpu = time.perf_counter() - t0, time.process_time() - c0
     targeted = {p.param for p in report.patches}
     pristine = sum(torch.Size(layout["params"][name]).numel() * 2 for name in targeted)  # bf16 weights
     return {"file_bytes": os.path.getsize(lora_path), "keys": lora.num_keys, "load_seconds": seconds,
             "rss_growth": after - before, "peak_growth": peak - before if reset else None, "tensors_held": held,
             "match_seconds": match_seconds, "match_warm_seconds": warm_seconds,
+            "match_cpu_seconds": match_cpu, "match_warm_cpu_seconds": warm_cpu,
             "rss_growth_first_match": touched - untouched, "modules": report.modules, "unmatched": len(report.unmatched),
             "pristine_bytes_computed": pristine, "depth": config["depth"]}
 
@@ -270,9 +271,11 @@ def render(report: dict[str, Any]) -> str:
     f = report["file"]
     out = [f"LoRA file ({depth} blocks, rank {report['rank']}, bf16): {fmt_bytes(f['file_bytes'])} on disk, "
            f"{f['keys']} keys; opened (mapped) in {fmt(f['load_seconds'])} s, RSS +{fmt_bytes(f['rss_growth'])}; "
-           f"first match on the {depth}-block layout (reads and checks every factor) {fmt(f['match_seconds'])} s, "
+           f"first match on the {depth}-block layout (reads and checks every factor) {fmt(f['match_seconds'])} s "
+           f"({fmt(f['match_cpu_seconds'])} CPU s), "
            f"RSS +{fmt_bytes(f['rss_growth_first_match'])} more (tensors {fmt_bytes(f['tensors_held'])}); "
-           f"again (what each stage entry repeats) {fmt(f['match_warm_seconds'])} s; {f['modules']} modules, "
+           f"again (what each stage entry repeats) {fmt(f['match_warm_seconds'])} s ({fmt(f['match_warm_cpu_seconds'])} "
+           f"CPU s); {f['modules']} modules, "
            f"{f['unmatched']} keys unmatched; a full merge keeps {fmt_bytes(f['pristine_bytes_computed'])} of "
            "pristine bf16 copies (computed from the shapes)."]
     if "bf16" in report:
