@@ -97,6 +97,17 @@ class _Group:
     underscored: bool
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     keys: dict[str, str] = field(default_factory=dict)
+    # roles whose tensors passed the float/finite check: the stack is resolved again at every stage
+    # entry, and a 305 MB file's scan took seconds each time
+    checked: set[str] = field(default_factory=set)
+
+    def require_finite(self, role: str, name: str) -> None:
+        """Refuse a non-float or non-finite tensor of this target, scanning each one once."""
+        if role in self.checked:
+            return
+        if not _float_and_finite(self.tensors[role]):
+            raise LoraError(f"{name}: {self.keys[role]} holds non-finite or non-float values")
+        self.checked.add(role)
 
 
 def _split_key(key: str) -> tuple[str, str | None, bool, str] | None:
@@ -347,9 +358,8 @@ def _factor_patch(group: _Group, param: str, shape: tuple[int, ...], name: str) 
         if not math.isfinite(alpha_value):
             raise LoraError(f"{name}: {group.keys['alpha']} is not finite")
         scale = alpha_value / rank
-    for key, tensor in ((group.keys["down"], down), (group.keys["up"], up)):
-        if not _float_and_finite(tensor):
-            raise LoraError(f"{name}: {key} holds non-finite or non-float values")
+    group.require_finite("down", name)
+    group.require_finite("up", name)
     keys = tuple(group.keys[r] for r in ("down", "up", "alpha") if r in group.keys)
     return Patch(param, "lora", down=down, up=up, scale=scale, keys=keys)
 
@@ -358,8 +368,7 @@ def _diff_patch(group: _Group, param: str, shape: tuple[int, ...], name: str, ro
     diff = group.tensors[role]
     if tuple(diff.shape) != shape:
         raise LoraError(f"{name}: {group.keys[role]} is {tuple(diff.shape)} but {param} is {shape}")
-    if not _float_and_finite(diff):
-        raise LoraError(f"{name}: {group.keys[role]} holds non-finite or non-float values")
+    group.require_finite(role, name)
     return Patch(param, "diff", diff=diff, keys=(group.keys[role],))
 
 

@@ -433,3 +433,21 @@ def test_a_3d_lora_of_the_wrong_expert_count_on_packed_experts_is_refused(packed
                                               "lora_unet.blocks.0.ffn.experts.w1.lora_up.weight": up})
     with pytest.raises(LoraError, match="the LoRA has 3 experts, blocks.0.ffn.experts.w1 has 4"):
         lora_ops.match(lora, packed_moe["fp8"], "transformer")
+
+
+def test_each_factor_is_scanned_once_however_often_the_stack_resolves(moe_dit, monkeypatch):
+    """Stage entries resolve the stack again every time; the finite scan of a tensor runs once."""
+    scanned = []
+    real = lora_ops._float_and_finite
+    monkeypatch.setattr(lora_ops, "_float_and_finite", lambda t: scanned.append(id(t)) or real(t))
+    good = lora_ops.LoraFile.from_state_dict({"blocks.0.attn.to_q.lora_A.weight": torch.ones(3, 32),
+                                              "blocks.0.attn.to_q.lora_B.weight": torch.ones(32, 3),
+                                              "blocks.0.attn.to_out.diff": torch.ones(32, 32)})
+    first = lora_ops.match(good, moe_dit, "transformer")
+    second = lora_ops.match(good, moe_dit, "transformer")
+    assert len(first.patches) == len(second.patches) == 2
+    assert len(scanned) == len(set(scanned)) == 3
+    bad = lora_ops.LoraFile.from_state_dict({"blocks.0.attn.to_out.diff": torch.full((32, 32), float("nan"))})
+    for _ in range(2):  # a failed scan is not remembered as passed
+        with pytest.raises(LoraError, match="non-finite"):
+            lora_ops.match(bad, moe_dit, "transformer")
