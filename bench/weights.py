@@ -8,12 +8,19 @@ quantize command's writers. For each format it reports
   the bytes the loaded model holds (`load/stored`); the torch baseline RSS is printed once;
 - the DiT output's relative L2 error against bf16 on the same input;
 - forward time relative to bf16 (all formats timed in one process, one after the other);
-- under `sequential` and `group` with `offload_to=disk`: peak RSS during one forward (the peak is
-  reset after loading, `/proc/self/clear_refs`) divided by the model's stored bytes.
+- under `sequential` and `group` with `offload_to=disk`, through the real handle and stage door (the
+  DiT loads with its stored tensors left in the file, then one forward): peak RSS during the forward
+  (the peak is reset after loading, `/proc/self/clear_refs`) divided by the model's stored bytes, both
+  as the whole RSS and as the growth over the RSS before the forward; and the whole process's peak
+  (load + forward) minus the torch baseline.
+
+`--full-moe` (opt-in, the moonshot): the full-depth MoE DiT (48 real-size blocks, 30.1 B parameters) as
+GGUF-Q4_0 (~17 GB), written directly tensor by tensor with random blocks (no bf16 intermediate),
+then one DiT forward with disk-backed `group` and `sequential` offload, printing peak RSS and time.
 
     python bench/weights.py                       # dense + MoE-4, 256 video + 64 text tokens
     python bench/weights.py --which dense --formats bf16,fp8
-    python bench/weights.py --full-moe            # 48 blocks; needs ~100 GB of disk (opt-in)
+    python bench/weights.py --full-moe            # 48 MoE blocks as GGUF-Q4_0 (~17 GB of disk)
 
 The machine is small: every child keeps at most one model (plus bf16 for the error) in memory.
 """
@@ -192,31 +199,141 @@ def child_forward(folders: dict[str, str], video_tokens: int, text_tokens: int, 
     return results
 
 
+def _bench_handle(folder: str):
+    """A pipeline handle whose transformer loads from `folder/transformer` (bf16 compute), as a Loader's
+    would: the bench folders hold only the DiT, so the shared components are made without a full
+    checkpoint, and every load and forward below goes through the real stage door."""
+    from lingbot_core.handle import PipelineHandle, SharedComponents
+
+    shared = SharedComponents(folder, info=None, dtypes={"transformer": torch.bfloat16}, text_attn="sdpa",
+                              attention_backend=None)
+    shared.transformer_source = (Path(folder), "transformer")
+    return PipelineHandle(shared, torch.device("cpu"))
+
+
 def child_disk(folder: str, mode: str, video_tokens: int, text_tokens: int) -> dict[str, Any]:
-    from lingbot_core import offload
-    from lingbot_core.weights.loader import load_dit
-
-    model = load_dit(folder, dtype=torch.bfloat16)
-    stored = _held_bytes(model)
-    config = dict(model.config)
-    inputs = _inputs(config, video_tokens, text_tokens)
-
-    from lingbot_core.weights.disk import UNIT_OF_MODE, DiskStreaming
-
-    streaming = DiskStreaming(model, torch.device("cpu"), UNIT_OF_MODE[mode])
-    assert offload.component_device(model) == torch.device("cpu")
     import gc
 
+    import lingbot_core.models.transformer  # noqa: F401  (imports before the baseline)
+    from lingbot_core.offload import configure_offload, stage
+    from lingbot_core.placement.tensors import stored_bytes
+
+    base, _ = _rss()
+    view = configure_offload(_bench_handle(folder), mode, offload_to="disk",
+                             **({"use_stream": False} if mode == "group" else {}))
+    t0 = time.perf_counter()
+    with stage(view, "transformer"):  # loads the DiT for streaming: stored tensors stay in the file
+        model = view.component("transformer")
+    load_seconds = time.perf_counter() - t0
+    loaded, load_peak = _rss()
+    stored = stored_bytes(model, include_meta=True)
+    config = dict(model.config)
+    inputs = _inputs(config, video_tokens, text_tokens)
     gc.collect()
     before, _ = _rss()
     reset = _reset_peak()
     t0 = time.perf_counter()
-    with torch.no_grad():
-        model(*inputs)
+    with stage(view, "transformer"), torch.no_grad():
+        sample = model(*inputs).sample
     seconds = time.perf_counter() - t0
     _, peak = _rss()
-    streaming.remove(restore=False)
-    return {"stored": stored, "rss_before": before, "peak_rss": peak, "peak_reset": reset, "seconds": seconds}
+    return {"stored": stored, "baseline_rss": base, "rss_loaded": loaded, "load_peak_rss": load_peak,
+            "rss_before": before, "peak_rss": peak, "peak_reset": reset, "seconds": seconds,
+            "load_seconds": load_seconds, "weight_reads": model.weight_reads, "finite": bool(sample.isfinite().all()),
+            "format": model.weights_format}
+
+
+# -- the full-depth MoE, written directly as GGUF-Q4_0 ---------------------------------------------------
+
+def build_random_q4_0(folder: Path, config: dict[str, Any], seed: int = 0) -> Path:
+    """A transformer/ folder holding a GGUF-Q4_0 DiT of random blocks, written tensor by tensor.
+
+    No float intermediate: each quantizable tensor is written as Q4_0 blocks made directly (a float16
+    scale `d` chosen so the weights have std ~ 1/sqrt(fan_in), and random 4-bit values), the others
+    as random bf16 / float32 (the fp32-kept modules), in the layout `quantize --to gguf-q4_0` writes.
+    """
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+
+    from lingbot_core.models.precision import stays_float32
+    from lingbot_core.models.transformer import LingBotVideoTransformer3DModel
+    from lingbot_core.weights.loader import quantizable
+
+    target = folder / "transformer"
+    weights = target / "diffusion_pytorch_model.gguf"
+    if weights.is_file():
+        return folder
+    target.mkdir(parents=True, exist_ok=True)
+    with torch.device("meta"):
+        skeleton = LingBotVideoTransformer3DModel.from_config(config)
+    q4 = GGMLQuantizationType.Q4_0
+    block, size = GGML_QUANT_SIZES[q4]
+    plan = []
+    for key, value in skeleton.state_dict().items():
+        shape = tuple(value.shape)
+        if quantizable(key, shape) and shape[-1] % block == 0:
+            kind = q4
+        else:
+            kind = GGMLQuantizationType.F32 if stays_float32(key) else GGMLQuantizationType.BF16
+        plan.append((key, shape, kind))
+    tmp = weights.with_suffix(".tmp")
+    writer = GGUFWriter(tmp, arch="lingbot_video")
+    writer.add_string("lingbot.weights", "gguf-q4_0")
+    for key, shape, kind in plan:
+        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+        n_block, n_bytes = GGML_QUANT_SIZES[kind]
+        writer.add_tensor_info(key, shape, np.dtype(np.float32), rows * (shape[-1] // n_block) * n_bytes, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    g = torch.Generator().manual_seed(seed)
+    for _key, shape, kind in plan:
+        if kind == q4:
+            # value = (nibble - 8) * d; uniform nibbles have std ~4.6, so d = 1 / (4.6 sqrt(fan_in))
+            d = np.array([1.0 / (4.6 * shape[-1] ** 0.5)], dtype=np.float16).view(np.uint8)
+            raw = rng.integers(0, 256, size=(int(np.prod(shape)) // block, size), dtype=np.uint8)
+            raw[:, :2] = d  # (the largest tensor, one expert stack, is ~113 MB of blocks)
+            writer.write_tensor_data(raw)
+            del raw
+        else:
+            t = torch.randn(shape, generator=g)
+            t = t / shape[-1] ** 0.5 if len(shape) >= 2 else 1.0 + 0.1 * t
+            dtype = torch.float32 if kind == GGMLQuantizationType.F32 else torch.bfloat16
+            writer.write_tensor_data(t.to(dtype).view(torch.uint8).numpy())
+    writer.close()
+    tmp.rename(weights)
+    (target / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def run_full_moe(data: Path, video_tokens: int, text_tokens: int, modes: list[str],
+                 quick: bool = False) -> dict[str, Any]:
+    config = _config("moe", True, quick)
+    root = data / ("quick-moe-full" if quick else "moe-full")
+    t0 = time.perf_counter()
+    folder = build_random_q4_0(root / "gguf-q4_0", config)
+    file = folder / "transformer" / "diffusion_pytorch_model.gguf"
+    print(f"[moe-full] {file} ready ({file.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t0:.0f} s",
+          flush=True)
+    rows = {}
+    for mode in modes:
+        rows[mode] = _child(["disk", str(folder), mode, str(video_tokens), str(text_tokens)])
+        print(f"[moe-full] gguf-q4_0 disk {mode}: {rows[mode]}", flush=True)
+    return {"config": config, "file_bytes": file.stat().st_size, "rows": rows}
+
+
+def render_full_moe(entry: dict[str, Any], video_tokens: int, text_tokens: int) -> str:
+    rows = []
+    for mode, r in entry["rows"].items():
+        rows.append([mode, fmt_bytes(r["stored"]), fmt_bytes(r["peak_rss"]), fmt(r["peak_rss"] / r["stored"]),
+                     fmt((r["peak_rss"] - r["rss_before"]) / r["stored"]),
+                     fmt_bytes(max(r["peak_rss"], r["load_peak_rss"]) - r["baseline_rss"]),
+                     f"{r['load_seconds']:.1f}", f"{r['seconds']:.1f}", fmt(r["finite"])])
+    head = (f"full MoE (48 blocks, GGUF-Q4_0, random), {video_tokens} video + {text_tokens} text tokens, CPU bf16 "
+            f"compute, offload_to=disk; torch baseline RSS {fmt_bytes(next(iter(entry['rows'].values()))['baseline_rss'])}")
+    return head + "\n" + table(["mode", "stored", "forward peak RSS", "peak/stored", "forward growth/stored",
+                                 "process peak - baseline", "load s", "forward s", "finite"], rows)
 
 
 def _child(args: list[str]) -> dict[str, Any]:
@@ -229,33 +346,35 @@ def _child(args: list[str]) -> dict[str, Any]:
 
 # -- the report -------------------------------------------------------------------------------------------
 
-def run(which: list[str], formats: list[str], data: Path, video_tokens: int, text_tokens: int, full_moe: bool,
-        repeats: int, quick: bool = False) -> dict[str, Any]:
+def run(which: list[str], formats: list[str], data: Path, video_tokens: int, text_tokens: int, repeats: int,
+        quick: bool = False, disk_only: bool = False) -> dict[str, Any]:
     report: dict[str, Any] = {"environment": environment(), "video_tokens": video_tokens,
                               "text_tokens": text_tokens, "models": {}}
     for kind in which:
-        config = _config(kind, full_moe, quick)
-        root = data / (("quick-" if quick else "") + (f"{kind}-full" if kind == "moe" and full_moe else kind))
+        config = _config(kind, False, quick)
+        root = data / (("quick-" if quick else "") + kind)
         t0 = time.perf_counter()
         folders = {"bf16": build_bf16(root / "bf16", config)}
         for fmt_name in formats:
             if fmt_name != "bf16":
                 folders[fmt_name] = build_quantized(folders["bf16"], root / fmt_name, fmt_name)
         print(f"[{kind}] checkpoints ready in {time.perf_counter() - t0:.0f} s under {root}", flush=True)
-        if not quick and not full_moe:
+        if not quick:
             from lingbot_core.weights.sources import SafetensorsSource
 
             entries = SafetensorsSource([folders["bf16"] / "transformer" / "diffusion_pytorch_model.safetensors"]).entries
             params = sum(torch.Size(e.shape).numel() for e in entries.values())
             assert params == EXPECTED_PARAMS[kind], (kind, params)  # the real shape, to the parameter
-        rows: dict[str, Any] = {}
+        rows: dict[str, Any] = {name: {} for name in formats}
+        if not disk_only:
+            for fmt_name in formats:
+                rows[fmt_name]["load"] = _child(["load", str(folders[fmt_name])])
+                print(f"[{kind}] {fmt_name} load: {rows[fmt_name]['load']}", flush=True)
+            timed = _child(["forward", json.dumps({k: str(folders[k]) for k in formats}), str(video_tokens),
+                            str(text_tokens), str(repeats)])
+            for fmt_name in formats:
+                rows[fmt_name]["forward"] = timed[fmt_name]
         for fmt_name in formats:
-            rows[fmt_name] = {"load": _child(["load", str(folders[fmt_name])])}
-            print(f"[{kind}] {fmt_name} load: {rows[fmt_name]['load']}", flush=True)
-        timed = _child(["forward", json.dumps({k: str(folders[k]) for k in formats}), str(video_tokens),
-                        str(text_tokens), str(repeats)])
-        for fmt_name in formats:
-            rows[fmt_name]["forward"] = timed[fmt_name]
             for mode in ("sequential", "group"):
                 rows[fmt_name][f"disk_{mode}"] = _child(["disk", str(folders[fmt_name]), mode, str(video_tokens),
                                                          str(text_tokens)])
@@ -264,29 +383,39 @@ def run(which: list[str], formats: list[str], data: Path, video_tokens: int, tex
     return report
 
 
+def _disk_cells(r: dict[str, Any]) -> list[str]:
+    """peak/stored (forward growth/stored) per disk mode, then the process peak over the torch baseline."""
+    cells = []
+    for m in ("sequential", "group"):
+        d = r[f"disk_{m}"]
+        cells.append(f"{fmt(d['peak_rss'] / d['stored'])} ({fmt((d['peak_rss'] - d['rss_before']) / d['stored'])})")
+    cells.append(" / ".join(fmt_bytes(max(r[f"disk_{m}"]["peak_rss"], r[f"disk_{m}"]["load_peak_rss"])
+                                      - r[f"disk_{m}"]["baseline_rss"]) for m in ("sequential", "group")))
+    return cells
+
+
 def render(report: dict[str, Any]) -> str:
     out = []
     for kind, entry in report["models"].items():
         rows = entry["rows"]
-        base_t = rows["bf16"]["forward"]["seconds"] if "bf16" in rows else None
+        base_t = rows["bf16"]["forward"]["seconds"] if "forward" in rows.get("bf16", {}) else None
         table_rows = []
         for name, r in rows.items():
-            load = r["load"]
-            grown = load["peak_rss"] - load["baseline_rss"]
+            load = r.get("load")
+            stored = load["held"] if load else r["disk_group"]["stored"]
             table_rows.append([
-                name, fmt_bytes(load["held"]), fmt(grown / load["held"]),
-                fmt(r["forward"]["rel_l2"]),
+                name, fmt_bytes(stored),
+                fmt((load["peak_rss"] - load["baseline_rss"]) / load["held"]) if load else "-",
+                fmt(r["forward"]["rel_l2"]) if "forward" in r else "-",
                 fmt(r["forward"]["seconds"] / base_t) if base_t else "-",
-                *(fmt(r[f"disk_{m}"]["peak_rss"] / r[f"disk_{m}"]["stored"]) + " ("
-                  + fmt((r[f"disk_{m}"]["peak_rss"] - r[f"disk_{m}"]["rss_before"]) / r[f"disk_{m}"]["stored"]) + ")"
-                  for m in ("sequential", "group")),
+                *_disk_cells(r),
             ])
-        baseline = next(iter(rows.values()))["load"]["baseline_rss"]
+        baseline = next(iter(rows.values()))["disk_group"]["baseline_rss"]
         out.append(f"{kind}: {report['video_tokens']} video + {report['text_tokens']} text tokens, CPU bf16 compute; "
                    f"torch baseline RSS {fmt_bytes(baseline)}")
         out.append(table(["format", "stored", "load peak/stored", "rel-L2 vs bf16", "forward vs bf16",
-                          "seq+disk peak/stored (forward growth)", "group+disk peak/stored (forward growth)"],
-                         table_rows))
+                          "seq+disk peak/stored (forward growth)", "group+disk peak/stored (forward growth)",
+                          "seq / group process peak - baseline"], table_rows))
     return "\n\n".join(out)
 
 
@@ -299,7 +428,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--video-tokens", type=int, default=256)
     p.add_argument("--text-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--full-moe", action="store_true", help="48 MoE blocks (~60 GB bf16 on disk; not run here); opt-in")
+    p.add_argument("--full-moe", action="store_true",
+                   help="only the full-depth MoE (48 blocks) as GGUF-Q4_0, ~17 GB on disk, disk-backed forward; opt-in")
+    p.add_argument("--modes", default="group,sequential", help="disk-backed modes for --full-moe")
+    p.add_argument("--disk-only", action="store_true", help="only the disk-offload columns")
     p.add_argument("--json", type=Path)
     p.add_argument("--quick", action="store_true", help="small shapes (the smoke test)")
     args = p.parse_args(argv)
@@ -314,11 +446,17 @@ def main(argv: list[str] | None = None) -> int:
             result = child_disk(rest[0], rest[1], int(rest[2]), int(rest[3]))
         print(json.dumps(result))
         return 0
+    if args.full_moe:
+        entry = run_full_moe(args.data, args.video_tokens, args.text_tokens, args.modes.split(","), args.quick)
+        print(render_full_moe(entry, args.video_tokens, args.text_tokens))
+        write_json(args.json, {"environment": environment(), "video_tokens": args.video_tokens,
+                               "text_tokens": args.text_tokens, "full_moe": entry})
+        return 0
     formats = [f for f in args.formats.split(",") if f]
     if "bf16" not in formats:
         formats.insert(0, "bf16")
-    report = run(args.which.split(","), formats, args.data, args.video_tokens, args.text_tokens, args.full_moe,
-                 args.repeats, args.quick)
+    report = run(args.which.split(","), formats, args.data, args.video_tokens, args.text_tokens, args.repeats,
+                 args.quick, args.disk_only)
     print(render(report))
     write_json(args.json, report)
     return 0

@@ -270,23 +270,25 @@ def check_values_and_shapes(root: Path, configs: dict[str, dict[str, Any]], file
 # -- loading ------------------------------------------------------------------------------------
 
 def load_transformer(folder: str | os.PathLike, subfolder: str = "transformer", *,
-                     dtype: torch.dtype | None = None, weights: str = "auto") -> torch.nn.Module:
+                     dtype: torch.dtype | None = None, weights: str = "auto",
+                     streamed: bool = False) -> torch.nn.Module:
     """A DiT, tensor by tensor from its mapped files (`weights.loader.load_dit`).
 
     dtype None keeps the stored dtype (fp32-kept modules in fp32); `weights` "fp8_e4m3" quantizes
-    the linear and expert weights on load. A `*.gguf` file in the folder loads as GGUF.
+    the linear and expert weights on load. A `*.gguf` file in the folder loads as GGUF. `streamed`:
+    for disk-backed offload, the tensors kept as stored stay in the file (on `meta`).
     """
     from .weights.loader import load_dit
 
     path = Path(folder) / subfolder
     files = _weight_files(path, subfolder if subfolder in WEIGHT_FILES else "transformer")
     if files[0].suffix == ".gguf":
-        return load_dit(folder, subfolder, dtype=dtype, weights=weights, gguf=files[0])
-    return load_dit(folder, subfolder, dtype=dtype, weights=weights, files=files)
+        return load_dit(folder, subfolder, dtype=dtype, weights=weights, gguf=files[0], streamed=streamed)
+    return load_dit(folder, subfolder, dtype=dtype, weights=weights, files=files, streamed=streamed)
 
 
 def load_refiner(folder: str | os.PathLike, *, dtype: torch.dtype | None = None,
-                 weights: str = "auto") -> torch.nn.Module:
+                 weights: str = "auto", streamed: bool = False) -> torch.nn.Module:
     """The MoE refiner DiT, loaded only when asked for; a dense checkpoint gets a clear error."""
     info = inspect_checkpoint(folder)
     if not info.has_refiner:
@@ -294,7 +296,8 @@ def load_refiner(folder: str | os.PathLike, *, dtype: torch.dtype | None = None,
             f"{info.folder} has no refiner/ folder: the refiner ships only with the MoE checkpoint "
             "(robbyant/lingbot-video-moe-30b-a3b). Load that checkpoint, or disable refinement."
         )
-    return _finite(load_transformer(info.folder, "refiner", dtype=dtype, weights=weights), "refiner", info.folder)
+    return _finite(load_transformer(info.folder, "refiner", dtype=dtype, weights=weights, streamed=streamed),
+                   "refiner", info.folder)
 
 
 def _finite(module: Any, name: str, folder: Path) -> Any:
@@ -305,10 +308,11 @@ def _finite(module: Any, name: str, folder: Path) -> Any:
 
 
 def load_component(folder: Path, name: str, *, dtype: torch.dtype | None = None,
-                   attn_implementation: str = "sdpa", weights: str = "auto") -> Any:
-    """Load one component from a validated folder (CPU). dtype None: as stored (the DiT) or float32."""
+                   attn_implementation: str = "sdpa", weights: str = "auto", streamed: bool = False) -> Any:
+    """Load one component from a validated folder (CPU). dtype None: as stored (the DiT) or float32.
+    `streamed` (the DiT only): its stored tensors stay in the file, for disk-backed offload."""
     if name == "transformer":
-        return _finite(load_transformer(folder, dtype=dtype, weights=weights), name, folder)
+        return _finite(load_transformer(folder, dtype=dtype, weights=weights, streamed=streamed), name, folder)
     if name == "vae":
         from diffusers import AutoencoderKLWan
 

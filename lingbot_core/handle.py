@@ -58,7 +58,10 @@ class SharedComponents:
         self.load_count: dict[str, int] = {}
         self.transformer_source: tuple[Path, str] | None = None  # (root, subfolder) of a student DiT
 
-    def get(self, name: str) -> Any:
+    def get(self, name: str, *, streamed: bool = False) -> Any:
+        """The component, loaded now if it is not. `streamed` (the DiTs; the stage door passes it when
+        the component will run under disk-backed offload): its stored tensors are not read, they stay
+        in the file (`weights.disk`). Ignored when the component is loaded already."""
         if name not in ALL_COMPONENTS:
             raise ValueError(f"unknown component {name!r}; expected one of {ALL_COMPONENTS}")
         with self.lock:
@@ -67,13 +70,16 @@ class SharedComponents:
                     raise RuntimeError(f"component {name!r} was released and this handle has no checkpoint "
                                        "folder to reload it from")
                 if name == "refiner":
-                    module = load_refiner(self.folder, dtype=self.dtypes["refiner"], weights=self.weights)
+                    module = load_refiner(self.folder, dtype=self.dtypes["refiner"], weights=self.weights,
+                                          streamed=streamed)
                 elif name == "transformer" and self.transformer_source is not None:
                     root, sub = self.transformer_source
-                    module = load_transformer(root, sub, dtype=self.dtypes.get(name), weights=self.weights)
+                    module = load_transformer(root, sub, dtype=self.dtypes.get(name), weights=self.weights,
+                                              streamed=streamed)
                 else:
                     module = load_component(self.folder, name, dtype=self.dtypes.get(name),
-                                            attn_implementation=self.text_attn, weights=self.weights)
+                                            attn_implementation=self.text_attn, weights=self.weights,
+                                            streamed=streamed and name == "transformer")
                 if name in ("transformer", "refiner"):
                     module.set_attention_backend(self.attention_backend)
                 self.loaded[name] = module

@@ -388,6 +388,134 @@ def test_disk_offload_streams_from_the_file_and_matches_ram(quantized, fixtures_
         assert torch.equal(_run(dit), expected)
 
 
+class _SpanReads:
+    """Counts the reads of disk homes (`FileSpan.read`): `loads` into owned memory, `streams` of a unit."""
+
+    def __init__(self, monkeypatch):
+        from lingbot_core.weights import disk
+
+        self.loads = self.streams = 0
+        real = disk.FileSpan.read
+
+        def counting(span, device, *, transient=False):
+            if transient:
+                self.streams += 1
+            else:
+                self.loads += 1
+            return real(span, device, transient=transient)
+
+        monkeypatch.setattr(disk.FileSpan, "read", counting)
+
+
+def _disk_view(handle, mode):
+    return configure_offload(handle, mode, offload_to="disk", **({"use_stream": False} if mode == "group" else {}))
+
+
+def _all_meta(module) -> bool:
+    return all(t.device.type == "meta" for t in [*module.parameters(), *module.buffers()])
+
+
+@pytest.mark.parametrize("weights", ["plain", "gguf-q4_0"])
+def test_disk_load_leaves_the_stored_tensors_in_the_file(quantized, fixtures_root, monkeypatch, weights):
+    folder = fixtures_root / "models" / "tiny-moe" if weights == "plain" else quantized["moe", weights]
+    ram = PipelineHandle.open(folder, device="cpu")
+    with stage(ram, "transformer"):
+        expected = _run(ram.component("transformer"))
+    reads = _SpanReads(monkeypatch)
+    handle = _disk_view(PipelineHandle.open(folder, device="cpu"), "sequential")
+    with stage(handle, "transformer"):
+        dit = handle.component("transformer")
+        assert dit.weight_reads == 0 and reads.loads == 0  # loaded without reading a single stored tensor
+        assert _all_meta(dit) and len(dit.weight_spans) == len(dit.state_dict())
+        got = _run(dit)
+    assert reads.loads == 0 and reads.streams > 0
+    assert torch.equal(got, expected)
+
+
+def test_disk_load_keeps_converted_tensors_in_memory(fixtures_root, monkeypatch):
+    # a float32 checkpoint loaded as bf16: every non-fp32-kept tensor is converted, so it has no disk home
+    reads = _SpanReads(monkeypatch)
+    handle = PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu",
+                                 dtypes={"transformer": torch.bfloat16})
+    handle = _disk_view(handle, "group")
+    with stage(handle, "transformer"):
+        dit = handle.component("transformer")
+        held = {n for n, t in dit.state_dict().items() if t.device.type != "meta"}
+        assert held and held.isdisjoint(dit.weight_spans)
+        assert all(dit.state_dict()[n].dtype == torch.bfloat16 for n in held)
+        assert dit.weight_reads == reads.loads == len(held)  # only the converted ones are read
+
+
+def test_disk_then_ram_then_disk_stays_exact(quantized, monkeypatch):
+    folder = quantized["moe", "gguf-q8_0"]
+    ram = PipelineHandle.open(folder, device="cpu")
+    with stage(ram, "transformer"):
+        expected = _run(ram.component("transformer"))
+    handle = _disk_view(PipelineHandle.open(folder, device="cpu"), "group")
+    with stage(handle, "transformer"):
+        dit = handle.component("transformer")
+        assert torch.equal(_run(dit), expected)
+    reads = _SpanReads(monkeypatch)
+    in_ram = configure_offload(handle, "sequential")  # the RAM home: every stored tensor read back, once
+    assert reads.loads == len(dit.weight_spans)
+    with stage(in_ram, "transformer"):
+        assert torch.equal(_run(dit), expected)
+    back = _disk_view(handle, "model")
+    assert _all_meta(dit)
+    with stage(back, "transformer"):
+        assert torch.equal(_run(dit), expected)
+    assert handle.shared.load_count["transformer"] == 1
+
+
+def test_disk_release_reload_and_a_failed_forward_stay_exact(quantized, monkeypatch):
+    from lingbot_core.offload import release
+
+    folder = quantized["moe", "fp8"]
+    ram = PipelineHandle.open(folder, device="cpu")
+    with stage(ram, "transformer"):
+        expected = _run(ram.component("transformer"))
+    handle = _disk_view(PipelineHandle.open(folder, device="cpu"), "sequential")
+    with stage(handle, "transformer"):
+        assert torch.equal(_run(handle.component("transformer")), expected)
+    reads = _SpanReads(monkeypatch)
+    release(handle, ["transformer"])
+    assert reads.loads == 0  # a release forgets the streamed tensors, it does not read them back
+    with stage(handle, "transformer"):
+        dit = handle.component("transformer")
+        assert dit.weight_reads == 0
+        hook = dit.blocks[1].register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        with pytest.raises(KeyboardInterrupt):
+            _run(dit)
+        hook.remove()
+    assert _all_meta(dit)  # the units the cancelled forward had read are dropped
+    with stage(handle, "transformer"):
+        assert torch.equal(_run(dit), expected)
+    assert reads.loads == 0 and handle.shared.load_count["transformer"] == 2
+
+
+def test_failed_disk_install_after_a_streamed_load_leaves_the_handle_exact(quantized, monkeypatch):
+    from lingbot_core.weights import disk
+
+    folder = quantized["moe", "gguf-q4_0"]
+    ram = PipelineHandle.open(folder, device="cpu")
+    with stage(ram, "transformer"):
+        expected = _run(ram.component("transformer"))
+    handle = PipelineHandle.open(folder, device="cpu")
+    on_disk = _disk_view(handle, "group")
+    monkeypatch.setattr(disk, "check_mappable", lambda spans: (_ for _ in ()).throw(ValueError("not mappable")))
+    with pytest.raises(ValueError, match="not mappable"), stage(on_disk, "transformer"):
+        pass
+    monkeypatch.undo()
+    dit = handle.shared.loaded["transformer"]
+    assert _all_meta(dit)  # loaded for streaming; nothing was read
+    with stage(on_disk, "transformer"):  # the same view again: streaming installs now
+        assert torch.equal(_run(dit), expected)
+    with stage(handle.with_offload("model"), "transformer"):  # a RAM-homed mode reads what is in the file
+        assert not any(t.device.type == "meta" for t in dit.parameters())
+        assert torch.equal(_run(dit), expected)
+    assert handle.shared.load_count["transformer"] == 1
+
+
 def test_disk_offload_on_a_file_that_is_gone_is_refused(quantized, tmp_path):
     import shutil
 

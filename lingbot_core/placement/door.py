@@ -144,14 +144,39 @@ def resolve(shared: SharedComponents, requested: OffloadSettings,
     return OffloadSettings(choice.mode, options, requested.offload_to), choice
 
 
-def _ensure(handle: PipelineHandle) -> None:
-    """Make the view's settings the installed ones (call under the shared lock)."""
+Plan = tuple[OffloadSettings, "estimate.AutoChoice | None"] | None
+"""What `_plan` decided: the concrete settings to install (and `auto`'s choice), or None when the
+view's settings are installed already."""
+
+
+def _plan(handle: PipelineHandle) -> Plan:
+    placement = handle.shared.placement
+    if placement.matches(handle.offload, handle.device):
+        return None
+    return resolve(handle.shared, handle.offload, handle.device)
+
+
+def _load(handle: PipelineHandle, names: tuple[str, ...], plan: Plan) -> None:
+    """(Re)load what was released; a DiT that will stream from disk loads with its weights left in the file."""
+    from .modes.disk import streams_from_disk
+
+    shared = handle.shared
+    concrete = plan[0] if plan is not None else shared.placement.mode.settings
+    for name in names:
+        shared.get(name, streamed=streams_from_disk(concrete, name))
+
+
+def _ensure(handle: PipelineHandle, plan: Plan | bool = True) -> None:
+    """Make the view's settings the installed ones (call under the shared lock). `plan`: what `_plan`
+    decided for this view a moment ago (True: decide now)."""
     shared = handle.shared
     placement = shared.placement
-    if placement.matches(handle.offload, handle.device):
+    if plan is True:
+        plan = _plan(handle)
+    if plan is None:
         placement.install_pending(shared.loaded)
         return
-    concrete, choice = resolve(shared, handle.offload, handle.device)
+    concrete, choice = plan
     placement.install(shared.loaded, handle.offload, concrete, handle.device, auto=choice)
 
 
@@ -238,10 +263,10 @@ def stage(handle: PipelineHandle, *components: str, label: str | None = None) ->
     placement = shared.placement
     label = label or "+".join(components)
     with shared.lock:
-        for name in components:
-            handle.component(name)  # (re)load what was released
+        plan = _plan(handle)  # decided before loading: how a DiT loads depends on where it will live
+        _load(handle, components, plan)
         _apply_view_states(handle)
-        _ensure(handle)
+        _ensure(handle, plan)
         try:
             _settle(shared)
             placement.in_stage = set(components)

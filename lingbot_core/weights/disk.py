@@ -5,19 +5,29 @@ loader kept exactly as stored has a `FileSpan` (file, byte offset, byte count), 
 (a block under `group`, a leaf layer under `sequential`) reads its tensors from the file right
 before it computes and drops them right after. The file is read with ordinary reads, not mapped
 into the process, so host RSS stays near one unit while the page cache (not counted in RSS, and
-given back under pressure) does the caching. Tensors without a span (converted on load: a dtype
-change, fp8 quantized on load) stay in host memory, their home, and are copied in and out like
-`ram` offload. Pre-quantize with `python -m lingbot_core.quantize` to stream those from disk too.
+given back under pressure) does the caching. A unit's tensors are read into anonymous mappings of
+their own, not the allocator's heap: dropping them gives the pages straight back to the OS, where
+freed heap memory would stay in the process (glibc keeps it for reuse), and a view that outlives
+its unit keeps exactly its mapping alive.
+
+A DiT loaded for disk offload (`load_dit(streamed=True)`, the stage door asks for it) never reads
+its span-backed tensors at all: they are on `meta` from the start. `materialize` reads them into
+memory when a RAM-homed mode takes the model over. Tensors without a span (converted on load: a
+dtype change, fp8 quantized on load) stay in host memory, their home, and are copied in and out
+like `ram` offload. Pre-quantize with `python -m lingbot_core.quantize` to stream those from disk too.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn as nn
+
+_TRANSIENT_MIN = 1 << 16  # smaller tensors come from the heap (a mapping per norm weight is waste)
 
 
 @dataclass(frozen=True)
@@ -28,9 +38,16 @@ class FileSpan:
     dtype: torch.dtype
     shape: tuple[int, ...]
 
-    def read(self, device: torch.device) -> torch.Tensor:
-        """The tensor, read from the file into fresh memory (then moved to `device`)."""
-        out = torch.empty(self.nbytes, dtype=torch.uint8)
+    def read(self, device: torch.device, *, transient: bool = False) -> torch.Tensor:
+        """The tensor, read from the file into fresh memory (then moved to `device`).
+
+        `transient`: into an anonymous mapping of its own (a streamed unit's weights), so the pages go
+        back to the OS the moment the last view of the tensor is dropped.
+        """
+        if transient and self.nbytes >= _TRANSIENT_MIN:
+            out = torch.frombuffer(mmap.mmap(-1, self.nbytes), dtype=torch.uint8)
+        else:
+            out = torch.empty(self.nbytes, dtype=torch.uint8)
         with open(self.path, "rb", buffering=0) as fh:
             fh.seek(self.offset)
             view = memoryview(out.numpy())
@@ -133,7 +150,7 @@ class DiskStreaming:
 
     def _fetch(self, full: str) -> torch.Tensor:
         if full in self.spans:
-            return self.spans[full].read(self.device)
+            return self.spans[full].read(self.device, transient=True)
         return self.homes[full].to(self.device)
 
     def _loader(self, tensors):
@@ -170,13 +187,41 @@ class DiskStreaming:
             hook.remove()
         self.hooks.clear()
         self.model.__dict__.pop("_lingbot_disk", None)
-        if not restore:
-            return
-        cpu = torch.device("cpu")
-        for _owner, tensors in self.units:
-            for module, local, full in tensors:
-                self._bind(module, local, self.spans[full].read(cpu) if full in self.spans else self.homes[full])
-        self.model.__dict__.pop("_lingbot_disk", None)
+        self.settle()  # converted tensors bound to their homes, span-backed ones on meta
+        if restore:
+            materialize(self.model)
+
+
+def _span_backed(model: nn.Module):
+    """(owner, local name, full name, tensor) of every span-backed tensor still on `meta`."""
+    spans = getattr(model, "weight_spans", None) or {}
+    if not spans:
+        return
+    for prefix, module in model.named_modules():
+        for local, tensor in [*module._parameters.items(), *module._buffers.items()]:
+            full = f"{prefix}.{local}" if prefix else local
+            if tensor is not None and tensor.device.type == "meta" and full in spans:
+                yield module, local, full, tensor
+
+
+def on_disk(model: nn.Module) -> bool:
+    """Does `model` have weights that live only in their file (a streamed load, or streaming installed)?"""
+    return isinstance(model, nn.Module) and next(_span_backed(model), None) is not None
+
+
+def materialize(model: nn.Module) -> int:
+    """Read every span-backed tensor still on `meta` into host memory (a RAM-homed mode takes the model
+    over); returns how many were read. A no-op on a model loaded normally."""
+    if streaming_of(model) is not None:
+        raise RuntimeError("materialize: disk streaming is installed on this model; remove it first")
+    todo = list(_span_backed(model))
+    if todo:
+        check_mappable(model.weight_spans)
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        for module, local, full, _tensor in todo:
+            DiskStreaming._bind(module, local, model.weight_spans[full].read(cpu))
+    return len(todo)
 
 
 def streaming_of(module: nn.Module) -> DiskStreaming | None:

@@ -31,6 +31,7 @@ from .sources import SCALE_SUFFIX, Entry, GGUFSource, SafetensorsSource, Weights
 WEIGHT_MODES = ("auto", FP8)
 # Small layers kept in the compute dtype when quantizing on load (64-wide input / output).
 NOT_QUANTIZED_ON_LOAD = ("patch_embedder", "proj_out")
+_CPU = torch.device("cpu")
 
 
 def quantizable(key: str, shape: tuple[int, ...], keeps_fp32=None) -> bool:
@@ -110,14 +111,16 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
 
 class _Loader:
     def __init__(self, model: nn.Module, source: Any, dtype: torch.dtype | None, weights: str, keep_mapped: bool,
-                 keeps_fp32):
+                 keeps_fp32, streamed: bool = False):
         self.model, self.source, self.dtype, self.weights = model, source, dtype, weights
         self.keep_mapped = keep_mapped
         self.keeps_fp32 = keeps_fp32
+        self.streamed = streamed  # tensors kept exactly as stored are not read: they stay on meta (disk offload)
         self.entries: dict[str, Entry] = source.entries
         self.compute = dtype or _auto_compute_dtype(self.entries)
         self.done: set[str] = set()
         self.spans: dict = {}  # model tensor name -> FileSpan, for tensors kept exactly as stored
+        self.read = 0  # tensors read from the files (not left on meta)
 
     # -- reading --------------------------------------------------------------------------------
     def target_dtype(self, key: str) -> torch.dtype:
@@ -130,15 +133,31 @@ class _Loader:
             return entry.dtype
         return self.compute
 
+    def _stored_as(self, key: str, dtype: torch.dtype) -> bool:
+        """Is `key` stored exactly as `dtype` (so its bytes in the file are the tensor)?"""
+        entry = self.entries[key]
+        if entry.kind == "plain":
+            return entry.dtype == dtype
+        return (entry.kind == "gguf" and not entry.parts and gguf_codec.is_plain(entry.gguf_type)
+                and GGUFSource._plain_dtype(entry) == dtype)
+
+    def _span_or_read(self, name: str, key: str, dtype: torch.dtype, shape: tuple[int, ...],
+                      read=None) -> torch.Tensor:
+        """The tensor kept as stored: recorded with its disk home, and read unless the load is streamed."""
+        span = self.spans[name] = self.source.span(key, dtype, shape)
+        if self.streamed:
+            return torch.empty(shape, dtype=dtype, device="meta")
+        self.read += 1
+        return read() if read is not None else span.read(_CPU)
+
     def plain(self, key: str) -> torch.Tensor:
         self.done.add(key)
-        tensor = self.source.plain(key, self.target_dtype(key))
-        entry = self.entries[key]
-        if entry.kind == "plain" and entry.dtype == tensor.dtype or \
-                entry.kind == "gguf" and not entry.parts and gguf_codec.is_plain(entry.gguf_type) and \
-                tensor.dtype == GGUFSource._plain_dtype(entry):
-            self.spans[key] = self.source.span(key, tensor.dtype, tuple(tensor.shape))
-        return tensor
+        dtype = self.target_dtype(key)
+        shape = tuple(self.entries[key].shape)
+        if self._stored_as(key, dtype):
+            return self._span_or_read(key, key, dtype, shape)
+        self.read += 1
+        return self.source.plain(key, dtype)
 
     def packed(self, key: str, quantize: bool, data_key: str = "", scale_key: str = ""
                ) -> tuple[Packing, torch.Tensor | list[torch.Tensor], torch.Tensor | None]:
@@ -151,20 +170,24 @@ class _Loader:
         self.done.add(key)
         if entry.kind == "fp8":
             require_fp8()
-            data, scale = self.source.fp8(key)
-            self.spans[data_key] = self.source.span(key, torch.uint8, tuple(data.shape))
-            self.spans[scale_key] = self.source.span(key + SCALE_SUFFIX, torch.int32, tuple(scale.shape))
+            shape = tuple(entry.shape)
+            data = self._span_or_read(data_key, key, torch.uint8, shape)
+            scale = self._span_or_read(scale_key, key + SCALE_SUFFIX, torch.int32, shape[:-1])
             return Packing(FP8, entry.shape), data, scale
         if entry.kind == "gguf" and entry.parts:
-            parts = self.source.packed_experts(key, mapped=self.keep_mapped)
-            for e, (part, stored) in enumerate(zip(parts, entry.parts)):
-                self.spans[f"{data_key}.{e}"] = self.source.span(stored, torch.uint8, tuple(part.shape))
+            shape = (*entry.shape[1:-1], gguf_codec.bytes_per_row(entry.gguf_type, entry.shape[-1]))
+            views = self.source.packed_experts(key, mapped=True) if self.keep_mapped and not self.streamed else None
+            parts = [self._span_or_read(f"{data_key}.{e}", stored, torch.uint8, shape,
+                                        (lambda e=e: views[e]) if views is not None else None)
+                     for e, stored in enumerate(entry.parts)]
             return Packing("gguf", entry.shape, entry.gguf_type), parts, None
         if entry.kind == "gguf":
-            data = self.source.packed(key, mapped=self.keep_mapped)
-            self.spans[data_key] = self.source.span(key, torch.uint8, tuple(data.shape))
+            shape = (*entry.shape[:-1], gguf_codec.bytes_per_row(entry.gguf_type, entry.shape[-1]))
+            data = self._span_or_read(data_key, key, torch.uint8, shape,
+                                      (lambda: self.source.packed(key, mapped=True)) if self.keep_mapped else None)
             return Packing("gguf", entry.shape, entry.gguf_type), data, None
         if quantize:
+            self.read += 1
             tensor = self.source.plain(key)
             data, scale = pack_fp8(tensor)
             del tensor
@@ -216,13 +239,15 @@ def check_weights_mode(weights: str) -> None:
 
 def load_dit(folder: str | os.PathLike, subfolder: str = "transformer", *, dtype: torch.dtype | None = None,
              weights: str = "auto", files: list[Path] | None = None, gguf: str | os.PathLike | None = None,
-             keep_mapped: bool = False) -> nn.Module:
+             keep_mapped: bool = False, streamed: bool = False) -> nn.Module:
     """The DiT of `folder/subfolder`, loaded tensor by tensor (see the module docstring).
 
     `weights`: "auto" loads what is stored (plain, pre-quantized fp8 or GGUF); "fp8_e4m3" also
     quantizes plain linear weights and expert stacks on load. `files`: the safetensors files (else a
     GGUF in the folder, or `gguf`). `keep_mapped`: GGUF blocks stay views of the mapped file instead
-    of being copied into memory (the page cache then holds them).
+    of being copied into memory (the page cache then holds them). `streamed` (disk-backed offload,
+    `weights.disk`): the tensors kept exactly as stored are not read at all; they stay on `meta` with
+    their disk home in `weight_spans`, and only converted tensors are held in memory.
     """
     from ..models.moe import ExpertWeights
     from ..models.precision import stays_float32 as keeps_fp32
@@ -241,7 +266,7 @@ def load_dit(folder: str | os.PathLike, subfolder: str = "transformer", *, dtype
     check_entries(subfolder, source.files[0].parent if len(source.files) > 1 else source.files[0], source.entries,
                   expected)
 
-    loader = _Loader(model, source, dtype, weights, keep_mapped, keeps_fp32)
+    loader = _Loader(model, source, dtype, weights, keep_mapped, keeps_fp32, streamed)
     with torch.no_grad():
         for name, module in list(model.named_modules()):
             if isinstance(module, nn.Linear):
@@ -252,11 +277,13 @@ def load_dit(folder: str | os.PathLike, subfolder: str = "transformer", *, dtype
             if key not in loader.done:
                 loader.assign(key)
     source.close()
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
+            if t.device.type == "meta" and n not in loader.spans]
     if left:
         raise RuntimeError(f"{subfolder}: no stored value for {', '.join(left[:3])} (a loader bug)")
     model.weights_format = describe(model, source)
     model.weight_spans = loader.spans  # disk homes of the tensors kept exactly as stored (weights.disk)
+    model.weight_reads = loader.read  # tensors read into memory by this load (0 span-backed ones when streamed)
     return model.eval().requires_grad_(False)
 
 

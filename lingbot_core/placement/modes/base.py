@@ -45,6 +45,9 @@ class Mode:
     def install(self, name: str, module: Any) -> None:
         if not isinstance(module, torch.nn.Module):
             return
+        from ...weights.disk import materialize
+
+        materialize(module)  # a DiT loaded for disk offload: this mode's home for it is host memory
         if not self.keeps_resident and any(t.device.type not in ("cpu", "meta") for t in module.parameters()):
             module.to(CPU)  # built or loaded on the device (benchmarks do): its home is the CPU
         self.homes[name] = Homes(module, keep_data=self._keeps_homes(name))

@@ -5,6 +5,10 @@ A wrapper around any offloading mode. For the transformer and refiner it install
 computes and dropped after; `model` streams the whole DiT, `group` one block, `sequential` one
 layer), and hands every other component to the wrapped mode. A release forgets the streamed
 tensors instead of reading them back.
+
+`streams_from_disk` is the one answer to "will this component's weights live in its file?": the
+door asks it before loading a component, so a DiT that will stream is loaded with its stored
+tensors left in the file (`load_dit(streamed=True)`) instead of read and then dropped.
 """
 
 from __future__ import annotations
@@ -16,6 +20,17 @@ import torch
 from ..settings import CPU
 
 DITS = ("transformer", "refiner")
+
+
+def streams_from_disk(settings: Any, name: str, keeps_resident: bool | None = None) -> bool:
+    """Do `settings` (concrete: `auto` resolved) make `name`'s CPU home its checkpoint file?"""
+    if name not in DITS or getattr(settings, "offload_to", "ram") != "disk":
+        return False
+    if keeps_resident is None:
+        from . import MODE_CLASSES
+
+        keeps_resident = MODE_CLASSES[settings.mode].keeps_resident
+    return not keeps_resident
 
 
 class DiskBacked:
@@ -34,7 +49,8 @@ class DiskBacked:
         if name in DITS and isinstance(module, torch.nn.Module):
             from ...weights.disk import UNIT_OF_MODE, DiskStreaming
 
-            module.to(CPU)
+            if any(t.device.type not in ("cpu", "meta") for t in module.parameters()):
+                module.to(CPU)  # built or loaded on the device: its home is the CPU (and the file)
             self.streams[name] = DiskStreaming(module, self.inner.device, UNIT_OF_MODE[self.inner.name])
             return
         self.inner.install(name, module)
@@ -74,6 +90,6 @@ class DiskBacked:
 def make_mode(classes: dict[str, type], settings: Any, device: torch.device) -> Any:
     """The mode object for `settings`, disk-backed for the DiTs when `offload_to` is `disk`."""
     mode = classes[settings.mode](settings, device)
-    if getattr(settings, "offload_to", "ram") == "disk" and not mode.keeps_resident:
+    if streams_from_disk(settings, DITS[0], mode.keeps_resident):
         return DiskBacked(mode)
     return mode
