@@ -231,11 +231,18 @@ def default_tiny_dir(variant: str = "dense") -> Path:
     side by side), else `$XDG_CACHE_HOME` or `~/.cache`, then `lingbot-nodes/tiny-<variant>`.
     """
     _check_variant(variant)
+    return cache_root() / f"tiny-{variant}"
+
+
+def cache_root() -> Path:
+    """The per-user folder of everything lingbot-nodes builds once and reuses (tiny checkpoints, the
+    converted-weights cache of disk offload): `$LINGBOT_TINY_DIR`, else `$XDG_CACHE_HOME` or
+    `~/.cache`, then `lingbot-nodes`."""
     root = os.environ.get("LINGBOT_TINY_DIR")
     if root:
-        return Path(root).expanduser() / f"tiny-{variant}"
+        return Path(root).expanduser()
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache).expanduser() / "lingbot-nodes" / f"tiny-{variant}"
+    return Path(cache).expanduser() / "lingbot-nodes"
 
 
 def ensure_tiny_checkpoint(variant: str = "dense") -> Path:

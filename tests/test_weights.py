@@ -432,18 +432,68 @@ def test_disk_load_leaves_the_stored_tensors_in_the_file(quantized, fixtures_roo
     assert torch.equal(got, expected)
 
 
-def test_disk_load_keeps_converted_tensors_in_memory(fixtures_root, monkeypatch):
-    # a float32 checkpoint loaded as bf16: every non-fp32-kept tensor is converted, so it has no disk home
+def _converted_files(cache_dir: Path) -> list[Path]:
+    return sorted((cache_dir / "converted").glob("*.safetensors"))
+
+
+@pytest.mark.parametrize("weights", ["auto", "fp8_e4m3"], ids=["bf16-from-fp32", "fp8-on-load"])
+def test_disk_converted_tensors_are_cached_once_and_streamed(fixtures_root, monkeypatch, tmp_path, weights):
+    # a float32 checkpoint loaded as bf16 (and quantized to fp8 on load): converted tensors have no bytes in
+    # the checkpoint, so the first streamed load writes them to the cache and every load streams from there
+    monkeypatch.setenv("LINGBOT_TINY_DIR", str(tmp_path))
+    folder = fixtures_root / "models" / "tiny-moe"
+
+    def open_handle():
+        return PipelineHandle.open(folder, device="cpu", dtypes={"transformer": torch.bfloat16}, weights=weights)
+
+    ram = open_handle()
+    with stage(ram, "transformer"):
+        ram_dit = ram.component("transformer")
+        expected = _run(ram_dit)
+    converted = ram_dit.weight_reads - len(ram_dit.weight_spans)  # reads that were conversions
+    assert converted > 0 and not _converted_files(tmp_path)  # a RAM load converts in memory, caches nothing
+    first = _disk_view(open_handle(), "group")
+    with stage(first, "transformer"):
+        dit = first.component("transformer")
+        assert _all_meta(dit) and dit.weight_reads == converted  # each converted once, into the cache
+        assert torch.equal(_run(dit), expected)
+    (cache,) = _converted_files(tmp_path)
+    written = cache.stat().st_mtime_ns
     reads = _SpanReads(monkeypatch)
-    handle = PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu",
-                                 dtypes={"transformer": torch.bfloat16})
-    handle = _disk_view(handle, "group")
-    with stage(handle, "transformer"):
-        dit = handle.component("transformer")
-        held = {n for n, t in dit.state_dict().items() if t.device.type != "meta"}
-        assert held and held.isdisjoint(dit.weight_spans)
-        assert all(dit.state_dict()[n].dtype == torch.bfloat16 for n in held)
-        assert dit.weight_reads == reads.loads == len(held)  # only the converted ones are read
+    again = _disk_view(open_handle(), "sequential")
+    with stage(again, "transformer"):
+        dit = again.component("transformer")
+        assert dit.weight_reads == 0 and reads.loads == 0  # the cache is reused: nothing read or converted
+        assert torch.equal(_run(dit), expected)
+    assert _converted_files(tmp_path) == [cache] and cache.stat().st_mtime_ns == written
+
+
+def test_a_stale_converted_cache_is_rebuilt(fixtures_root, monkeypatch, tmp_path):
+    import shutil
+
+    monkeypatch.setenv("LINGBOT_TINY_DIR", str(tmp_path / "cache"))
+    folder = tmp_path / "ckpt"
+    shutil.copytree(fixtures_root / "models" / "tiny-dense", folder)
+
+    def streamed():
+        handle = _disk_view(PipelineHandle.open(folder, device="cpu", dtypes={"transformer": torch.bfloat16}),
+                            "model")
+        with stage(handle, "transformer"):
+            dit = handle.component("transformer")
+            return dit.weight_reads, _run(dit)
+
+    converted, expected = streamed()
+    (cache,) = _converted_files(tmp_path / "cache")
+    with open(cache, "r+b") as fh:  # a torn write: the data ends early
+        fh.truncate(cache.stat().st_size - 16)
+    assert streamed()[0] == converted and cache.stat().st_size > 16  # refused and rebuilt
+    assert torch.equal(streamed()[1], expected)
+    weights = folder / "transformer" / "diffusion_pytorch_model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # the checkpoint changed
+    reads, out = streamed()
+    assert reads == converted and torch.equal(out, expected)
+    (rebuilt,) = _converted_files(tmp_path / "cache")  # the old cache of this checkpoint is gone
+    assert rebuilt != cache
 
 
 def test_disk_then_ram_then_disk_stays_exact(quantized, monkeypatch):

@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from ..checkpoint_checks import tensor_set_problems
 from . import gguf_codec
+from .converted import Planned
 from .fp8 import require_fp8
 from .modules import FP8, Packing, QuantizedExperts, QuantizedLinear, pack_fp8
 from .sources import SCALE_SUFFIX, Entry, GGUFSource, SafetensorsSource, WeightsError
@@ -121,6 +122,8 @@ class _Loader:
         self.done: set[str] = set()
         self.spans: dict = {}  # model tensor name -> FileSpan, for tensors kept exactly as stored
         self.read = 0  # tensors read from the files (not left on meta)
+        # streamed: the converted tensors, made later into the converted-weights cache (weights.converted)
+        self.conversions: list[tuple[list[Planned], Any]] | None = [] if streamed else None
 
     # -- reading --------------------------------------------------------------------------------
     def target_dtype(self, key: str) -> torch.dtype:
@@ -150,14 +153,25 @@ class _Loader:
         self.read += 1
         return read() if read is not None else span.read(_CPU)
 
+    def _converted(self, specs: list[Planned], produce) -> list[torch.Tensor]:
+        """Tensors that must be converted: made now, or (streamed) planned for the converted-weights
+        cache and left on meta, their disk home being that cache."""
+        def made():
+            self.read += 1
+            return produce()
+
+        if self.conversions is None:
+            return list(made())
+        self.conversions.append((specs, made))
+        return [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in specs]
+
     def plain(self, key: str) -> torch.Tensor:
         self.done.add(key)
         dtype = self.target_dtype(key)
         shape = tuple(self.entries[key].shape)
         if self._stored_as(key, dtype):
             return self._span_or_read(key, key, dtype, shape)
-        self.read += 1
-        return self.source.plain(key, dtype)
+        return self._converted([Planned(key, dtype, shape)], lambda: [self.source.plain(key, dtype)])[0]
 
     def packed(self, key: str, quantize: bool, data_key: str = "", scale_key: str = ""
                ) -> tuple[Packing, torch.Tensor | list[torch.Tensor], torch.Tensor | None]:
@@ -187,10 +201,10 @@ class _Loader:
                                       (lambda: self.source.packed(key, mapped=True)) if self.keep_mapped else None)
             return Packing("gguf", entry.shape, entry.gguf_type), data, None
         if quantize:
-            self.read += 1
-            tensor = self.source.plain(key)
-            data, scale = pack_fp8(tensor)
-            del tensor
+            shape = tuple(entry.shape)
+            data, scale = self._converted([Planned(data_key, torch.uint8, shape),
+                                           Planned(scale_key, torch.int32, shape[:-1])],
+                                          lambda: pack_fp8(self.source.plain(key)))
             return Packing(FP8, entry.shape), data, scale
         raise AssertionError(key)
 
@@ -247,7 +261,8 @@ def load_dit(folder: str | os.PathLike, subfolder: str = "transformer", *, dtype
     GGUF in the folder, or `gguf`). `keep_mapped`: GGUF blocks stay views of the mapped file instead
     of being copied into memory (the page cache then holds them). `streamed` (disk-backed offload,
     `weights.disk`): the tensors kept exactly as stored are not read at all; they stay on `meta` with
-    their disk home in `weight_spans`, and only converted tensors are held in memory.
+    their disk home in `weight_spans`; converted tensors are made once into the converted-weights cache
+    (`weights.converted`) and stream from there, so nothing is held in memory.
     """
     from ..models.moe import ExpertWeights
     from ..models.precision import stays_float32 as keeps_fp32
@@ -276,6 +291,11 @@ def load_dit(folder: str | os.PathLike, subfolder: str = "transformer", *, dtype
         for key in expected:
             if key not in loader.done:
                 loader.assign(key)
+        if loader.conversions:
+            from .converted import cached
+
+            recipe = {"dtype": str(dtype), "weights": weights, "compute": str(loader.compute)}
+            loader.spans.update(cached(source.files, recipe, loader.conversions))
     source.close()
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
             if t.device.type == "meta" and n not in loader.spans]
