@@ -16,6 +16,7 @@ from .placement.estimate import (
     describe,
     estimate_peak,
     geometry_from,
+    host_bytes,
 )
 from .placement.report import ComponentMemory, MemoryReport, location
 
@@ -24,5 +25,5 @@ sizes_from_modules = ModelSizes.from_modules
 __all__ = [
     "MODE_ORDER", "RESERVE_BYTES", "AutoChoice", "ComponentMemory", "Geometry", "GiB", "MemoryReport", "ModelSizes",
     "activation_bytes", "choose_mode", "describe", "estimate_peak", "free_accelerator_bytes", "geometry_from",
-    "location", "memory_report", "sizes_from_modules",
+    "host_bytes", "location", "memory_report", "sizes_from_modules",
 ]

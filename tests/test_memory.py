@@ -194,3 +194,53 @@ def test_moe_workflow_with_auto_and_release_matches_none(monkeypatch, tmp_path):
     assert torch.equal(auto.output("6"), plain.output("6"))
     assert "not loaded" in auto.output("7", 1) and "transformer" in auto.output("7", 1)
     assert auto.ui["7"]["text"][0] == auto.output("7", 1)
+
+
+# -- disk-backed offload in the estimate and the report ---------------------------------------------------
+
+def test_host_ram_under_disk_is_one_unit_not_the_model():
+    others = MOE.text_encoder + MOE.vae
+    for mode in ("model", "group", "sequential"):
+        assert memory.host_bytes(mode, MOE, "ram") == others + MOE.transformer + MOE.refiner
+    assert memory.host_bytes("group", MOE, "disk") == memory.host_bytes("sequential", MOE, "disk") == \
+        others + MOE.largest_block
+    assert memory.host_bytes("model", MOE, "disk") == others + MOE.transformer  # the whole DiT, read per forward
+    assert memory.host_bytes("none", MOE, "disk") == memory.host_bytes("none", MOE, "ram") == 0
+
+
+def test_choose_mode_respects_the_host_budget():
+    # a 24 GB card on a 64 GB PC: the MoE fits the card under group, and the host only with disk offload
+    ram = choose_mode(MOE, TI2V_SMALL, 24 * GiB, host_budget=64 * GiB)
+    assert ram.mode == "sequential" and "host RAM" in ram.reason and "offload_to='disk'" in ram.reason
+    disk = choose_mode(MOE, TI2V_SMALL, 24 * GiB, host_budget=64 * GiB, offload_to="disk")
+    assert disk.mode == "group" and "host RAM" in disk.reason
+    assert disk.host["group"] < 12 * GiB < disk.host["model"]
+    # a bigger card: `model` fits it, and the host too once the DiTs stay in their files
+    assert choose_mode(MOE, TI2V_SMALL, 60 * GiB, host_budget=100 * GiB, offload_to="disk").mode == "model"
+    assert choose_mode(MOE, TI2V_SMALL, 60 * GiB, host_budget=100 * GiB).mode == "sequential"
+    assert choose_mode(MOE, TI2V_SMALL, 60 * GiB).mode == "model"  # no host budget: the card alone decides
+    assert "host RAM: none ~0.0 GiB" in memory.describe(disk)
+
+
+def test_auto_plans_disk_offload_within_the_host_budget(moe, caplog):
+    sizes = ModelSizes.from_handle(moe)
+    geometry = Geometry(height=32, width=32, num_frames=5, refine=None)
+    budget = estimate_peak("model", sizes, geometry) + memory.RESERVE_BYTES  # the card fits `model`, not `none`
+    assert estimate_peak("none", sizes, geometry) + memory.RESERVE_BYTES > budget
+    host = memory.host_bytes("model", sizes, "disk") + 1  # and the host only the disk-backed `model`
+    options = dict(budget_bytes=budget, host_budget_bytes=host, height=32, width=32, num_frames=5, refine=None)
+    assert offload.effective_mode(configure_offload(moe, "auto", **options)) == "sequential"
+    assert offload.effective_mode(configure_offload(moe, "auto", offload_to="disk", **options)) == "model"
+
+
+def test_memory_report_shows_disk_homed_weights(moe):
+    view = configure_offload(moe, "group", offload_to="disk", use_stream=False)
+    with offload.stage(view, "transformer"):
+        pass
+    report = memory_report(view)
+    dit = next(c for c in report.components if c.name == "transformer")
+    assert set(dit.bytes_by_location) == {"disk"} and dit.bytes_by_location["disk"] > 0
+    assert "disk" in str(report)
+    configure_offload(moe, "group", use_stream=False)
+    dit = next(c for c in memory_report(moe).components if c.name == "transformer")
+    assert "disk" not in dit.bytes_by_location and dit.bytes_by_location.get("CPU", 0) > 0

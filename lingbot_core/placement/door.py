@@ -135,10 +135,14 @@ def resolve(shared: SharedComponents, requested: OffloadSettings,
         sizes = estimate.ModelSizes.from_checkpoint(shared.info, shared.dtypes, shared.loaded,
                                                     getattr(shared, "weights", "auto"))
         geometry = estimate.geometry_from(dict(requested.options), shared.info.variant if shared.info else "dense")
+        host_budget = requested.option("host_budget_bytes")
         if budget is None:
             wanted = estimate.estimate_peak("none", sizes, geometry) + estimate.RESERVE_BYTES
             budget = _free_budget(device, wanted)
-        choice = estimate.choose_mode(sizes, geometry, int(budget))
+            if host_budget is None:
+                host_budget = estimate.available_host_bytes()
+        choice = estimate.choose_mode(sizes, geometry, int(budget), host_budget=host_budget,
+                                      offload_to=requested.offload_to)
     log.info(estimate.describe(choice) if choice.estimates else f"auto offload: {choice.reason}")
     options = _group_defaults(device) if choice.mode == "group" else ()
     return OffloadSettings(choice.mode, options, requested.offload_to), choice

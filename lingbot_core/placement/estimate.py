@@ -7,6 +7,12 @@ else the checkpoint files scaled to the load dtype. Each mode's peak formula liv
 (`modes/*.estimate`); `choose_mode` picks the fastest mode expected to fit: none > model > group >
 sequential.
 
+Host RAM (`host_bytes`): under an offloading mode with `offload_to="ram"` every component's home
+copy is in host memory; with `offload_to="disk"` the DiTs' home is their file (the page cache, which
+the kernel gives back under pressure, is not counted), so their share is the unit being read
+(`modes.disk.unit_bytes`). `choose_mode` skips a mode whose host need exceeds a host budget when
+it is given one (the door reads the host's available memory when it plans for an accelerator).
+
 The activation model (documented constants; the estimate is of `torch.cuda.max_memory_allocated`).
 Calibration: the published peaks of the reference (TI2V 192x320x49: none 14.3 GB, model 9.9 GB,
 sequential 1.78 GB; T2V 480x832x121: none 27.1 GiB with 2.4 GB of per-token modulation we do not
@@ -31,7 +37,7 @@ import json
 import math
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -206,16 +212,34 @@ def estimate_peak(mode: str, sizes: ModelSizes, geometry: Geometry) -> int:
     return MODE_CLASSES[mode].estimate(sizes, geometry, activation_bytes(sizes, geometry))
 
 
+def host_bytes(mode: str, sizes: ModelSizes, offload_to: str = "ram") -> int:
+    """Host RAM the weights need under `mode` and `offload_to` (see the module docstring)."""
+    if mode not in MODE_CLASSES:
+        raise ValueError(f"no estimate for mode {mode!r}")
+    if MODE_CLASSES[mode].keeps_resident:
+        return 0  # everything lives on the accelerator
+    others = sizes.text_encoder + sizes.vae
+    if offload_to == "disk":
+        from .modes.disk import unit_bytes
+
+        return others + unit_bytes(mode, sizes)
+    return others + sizes.transformer + sizes.refiner
+
+
 @dataclass
 class AutoChoice:
     mode: str
     estimates: dict[str, int]
     budget: int
     reason: str
+    host: dict[str, int] = field(default_factory=dict)  # host RAM the weights need per mode
+    host_budget: int | None = None
 
 
-def choose_mode(sizes: ModelSizes, geometry: Geometry, budget_bytes: int, *, after: str | None = None) -> AutoChoice:
-    """The fastest mode whose estimate fits `budget_bytes` (sequential if none does).
+def choose_mode(sizes: ModelSizes, geometry: Geometry, budget_bytes: int, *, after: str | None = None,
+                host_budget: int | None = None, offload_to: str = "ram") -> AutoChoice:
+    """The fastest mode whose estimate fits `budget_bytes` (sequential if none does), and whose host RAM
+    need (`host_bytes` under `offload_to`) fits `host_budget` when one is given.
 
     `after` skips modes up to and including it (the one-step fallback after an out-of-memory error).
     """
@@ -223,22 +247,42 @@ def choose_mode(sizes: ModelSizes, geometry: Geometry, budget_bytes: int, *, aft
     if after is not None:
         order = order[order.index(after) + 1:] or [MODE_ORDER[-1]]
     estimates = {m: estimate_peak(m, sizes, geometry) for m in MODE_ORDER}
+    host = {m: host_bytes(m, sizes, offload_to) for m in MODE_ORDER}
     for mode in order:
-        if estimates[mode] + RESERVE_BYTES <= budget_bytes:
+        if estimates[mode] + RESERVE_BYTES <= budget_bytes and (host_budget is None or host[mode] <= host_budget):
             reason = (f"'{mode}' is the fastest mode expected to fit: needs ~{estimates[mode] / GiB:.1f} GiB of "
                       f"{budget_bytes / GiB:.1f} GiB free")
+            if host_budget is not None:
+                reason += f" and ~{host[mode] / GiB:.1f} GiB of {host_budget / GiB:.1f} GiB host RAM"
             if after is not None:
                 reason = f"after running out of memory under '{after}', {reason}"
-            return AutoChoice(mode, estimates, budget_bytes, reason)
+            return AutoChoice(mode, estimates, budget_bytes, reason, host, host_budget)
     mode = order[-1]
-    return AutoChoice(mode, estimates, budget_bytes,
-                      f"nothing is expected to fit in {budget_bytes / GiB:.1f} GiB (sequential needs "
-                      f"~{estimates['sequential'] / GiB:.1f} GiB); using '{mode}', the smallest")
+    reason = (f"nothing is expected to fit in {budget_bytes / GiB:.1f} GiB (sequential needs "
+              f"~{estimates['sequential'] / GiB:.1f} GiB)")
+    if host_budget is not None and host[mode] > host_budget:
+        reason += (f" and {host_budget / GiB:.1f} GiB of host RAM ('{mode}' needs ~{host[mode] / GiB:.1f} GiB"
+                   + ("; offload_to='disk' keeps the DiTs' weights in their files)" if offload_to != "disk" else ")"))
+    return AutoChoice(mode, estimates, budget_bytes, f"{reason}; using '{mode}', the smallest", host, host_budget)
 
 
 def describe(choice: AutoChoice) -> str:
     table = ", ".join(f"{m} ~{b / GiB:.1f} GiB" for m, b in choice.estimates.items())
+    if choice.host:
+        table += "; host RAM: " + ", ".join(f"{m} ~{b / GiB:.1f} GiB" for m, b in choice.host.items())
     return f"auto offload: {choice.reason} (estimates: {table})"
+
+
+def available_host_bytes() -> int | None:
+    """The host's available memory (`MemAvailable`: free plus reclaimable cache), None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def geometry_from(options: Mapping[str, Any], variant: str) -> Geometry:

@@ -2,7 +2,9 @@
 
 Bytes are those of the storages actually held (quantized weights at their stored size, a tied
 embedding and head once). Under `sequential` the weights show as `meta`: between calls their
-bytes live in accelerate's offload map on the CPU.
+bytes live in accelerate's offload map on the CPU. Under disk-backed offload the DiTs' weights show
+as `disk`: their only home is the checkpoint file (or the converted-weights cache), read a unit at a
+time, so they hold no host memory.
 """
 
 from __future__ import annotations
@@ -74,9 +76,13 @@ class MemoryReport:
 def component_memory(name: str, module: Any) -> ComponentMemory:
     if not isinstance(module, torch.nn.Module):
         return ComponentMemory(name, False)
+    from ..weights.disk import disk_homed
+
     usage: dict[str, int] = {}
+    on_disk = disk_homed(module)
     for t, nbytes in unique_storages(t for _o, _k, _n, t in module_tensors(module)):
-        usage[location(t)] = usage.get(location(t), 0) + nbytes
+        place = "disk" if id(t) in on_disk else location(t)
+        usage[place] = usage.get(place, 0) + nbytes
     return ComponentMemory(name, True, usage)
 
 

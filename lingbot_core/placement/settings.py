@@ -22,9 +22,9 @@ OPTIONS: dict[str, frozenset[str]] = {
     "model": frozenset(),
     "sequential": frozenset(),
     "group": frozenset({"use_stream", "low_cpu_mem_usage", "num_blocks_per_group", "record_stream"}),
-    # auto: the request it plans for, and (tests, simulations) the memory budget to plan within
+    # auto: the request it plans for, and (tests, simulations) the accelerator and host memory to plan within
     "auto": frozenset({"height", "width", "num_frames", "cfg", "refine", "release_base", "vae_tiling",
-                       "budget_bytes"}),
+                       "budget_bytes", "host_budget_bytes"}),
 }
 CPU = torch.device("cpu")
 
@@ -86,9 +86,9 @@ def check_guards(settings: OffloadSettings, device: torch.device, loaded: Mappin
         allowed = ", ".join(sorted(OPTIONS[mode])) or "none"
         raise ValueError(f"offload mode {mode!r} does not take {', '.join(sorted(unknown))} (options: {allowed})")
     if mode == "auto":
-        budget = settings.option("budget_bytes")
-        if budget is not None:
-            _positive_int("budget_bytes", budget)
+        for name in ("budget_bytes", "host_budget_bytes"):
+            if settings.option(name) is not None:
+                _positive_int(name, settings.option(name))
         return
     if mode == "none":
         return

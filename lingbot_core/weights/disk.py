@@ -8,7 +8,9 @@ into the process, so host RSS stays near one unit while the page cache (not coun
 given back under pressure) does the caching. A unit's tensors are read into anonymous mappings of
 their own, not the allocator's heap: dropping them gives the pages straight back to the OS, where
 freed heap memory would stay in the process (glibc keeps it for reuse), and a view that outlives
-its unit keeps exactly its mapping alive.
+its unit keeps exactly its mapping alive. The unit's computation still allocates its temporaries
+from the heap, and glibc keeps freed heap pages for reuse (RSS only grows over a long forward), so
+every `TRIM_EVERY` bytes streamed the free heap is handed back (`malloc_trim`).
 
 A DiT loaded for disk offload (`load_dit(streamed=True)`, the stage door asks for it) never reads
 its span-backed tensors at all: they are on `meta` from the start. `materialize` reads them into
@@ -19,6 +21,8 @@ like `ram` offload. Pre-quantize with `python -m lingbot_core.quantize` to strea
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import mmap
 import os
 from dataclasses import dataclass
@@ -28,6 +32,27 @@ import torch
 import torch.nn as nn
 
 _TRANSIENT_MIN = 1 << 16  # smaller tensors come from the heap (a mapping per norm weight is waste)
+TRIM_EVERY = 64 << 20  # streamed bytes between two hand-backs of the free heap
+
+
+def _malloc_trim():
+    """glibc's `malloc_trim`, or None (another C library, or none found)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+_TRIM = _malloc_trim()
+
+
+def release_free_heap() -> None:
+    """Give the allocator's free heap pages back to the OS (glibc; elsewhere a no-op)."""
+    if _TRIM is not None:
+        _TRIM(0)
 
 
 @dataclass(frozen=True)
@@ -45,7 +70,8 @@ class FileSpan:
         back to the OS the moment the last view of the tensor is dropped.
         """
         if transient and self.nbytes >= _TRANSIENT_MIN:
-            out = torch.frombuffer(mmap.mmap(-1, self.nbytes), dtype=torch.uint8)
+            out = torch.frombuffer(mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
+                                   dtype=torch.uint8)
         else:
             out = torch.empty(self.nbytes, dtype=torch.uint8)
         with open(self.path, "rb", buffering=0) as fh:
@@ -127,6 +153,7 @@ class DiskStreaming:
         self.model, self.device, self.spans = model, torch.device(device), spans
         self.homes: dict[str, torch.Tensor] = {}  # tensors without a span: their host copy
         self.hooks: list = []
+        self.streamed = 0  # bytes read since the free heap was last handed back
         self.units = _units(model, unit)
         for _owner, tensors in self.units:
             for module, local, full in tensors:
@@ -160,8 +187,14 @@ class DiskStreaming:
         return load
 
     def _dropper(self, tensors):
+        nbytes = sum(self.spans[full].nbytes for _m, _l, full in tensors if full in self.spans)
+
         def drop(_module, _args, _output):
             self._drop(tensors)
+            self.streamed += nbytes
+            if self.streamed >= TRIM_EVERY:
+                self.streamed = 0
+                release_free_heap()
         return drop
 
     def _drop(self, tensors) -> None:
@@ -202,6 +235,11 @@ def _span_backed(model: nn.Module):
             full = f"{prefix}.{local}" if prefix else local
             if tensor is not None and tensor.device.type == "meta" and full in spans:
                 yield module, local, full, tensor
+
+
+def disk_homed(model: nn.Module) -> set[int]:
+    """ids of the tensors whose only home is a file now (span-backed, on `meta`): the memory report's `disk`."""
+    return {id(t) for _m, _l, _f, t in _span_backed(model)} if isinstance(model, nn.Module) else set()
 
 
 def on_disk(model: nn.Module) -> bool:

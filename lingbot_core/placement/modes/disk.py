@@ -87,6 +87,15 @@ class DiskBacked:
         return self.inner.installed() | set(self.streams)
 
 
+def unit_bytes(mode: str, sizes: Any) -> int:
+    """Host bytes a streamed DiT holds at once under `mode` (`estimate.ModelSizes`): the unit it reads.
+    `model` reads the whole DiT per forward; `group` one block, `sequential` one layer (a block bounds it,
+    a MoE FFN streams as one piece)."""
+    if mode == "model":
+        return max(sizes.transformer, sizes.refiner)
+    return sizes.largest_block
+
+
 def make_mode(classes: dict[str, type], settings: Any, device: torch.device) -> Any:
     """The mode object for `settings`, disk-backed for the DiTs when `offload_to` is `disk`."""
     mode = classes[settings.mode](settings, device)
