@@ -415,9 +415,10 @@ def _all_meta(module) -> bool:
     return all(t.device.type == "meta" for t in [*module.parameters(), *module.buffers()])
 
 
-@pytest.mark.parametrize("weights", ["plain", "gguf-q4_0"])
-def test_disk_load_leaves_the_stored_tensors_in_the_file(quantized, fixtures_root, monkeypatch, weights):
-    folder = fixtures_root / "models" / "tiny-moe" if weights == "plain" else quantized["moe", weights]
+@pytest.mark.parametrize("weights", ["plain", "gguf-q4_0", "per-expert"])
+def test_disk_load_leaves_the_stored_tensors_in_the_file(quantized, per_expert, fixtures_root, monkeypatch, weights):
+    folder = {"plain": fixtures_root / "models" / "tiny-moe", "per-expert": per_expert["gguf-q4_0"]}.get(
+        weights) or quantized["moe", weights]
     ram = PipelineHandle.open(folder, device="cpu")
     with stage(ram, "transformer"):
         expected = _run(ram.component("transformer"))
