@@ -175,3 +175,15 @@ def test_lora_bench_quick(tmp_path, capsys):
         assert row["plain_bit_exact_after_removal"] and row["lora_repeatable"] and row["lora_effect_rel_l2"] > 0
         assert len(row["apply_s"]) == len(row["lora_s"]) == 2
     assert 0 < fp8["rel_l2_vs_bf16_merged"] < 0.2
+
+
+def test_weights_full_moe_writes_random_gguf_and_streams_it_from_disk(tmp_path, capsys):
+    from bench import weights
+
+    assert weights.main(["--quick", "--full-moe", "--modes", "group", "--data", str(tmp_path),
+                         "--json", str(tmp_path / "out.json")]) == 0
+    out = capsys.readouterr().out
+    assert "full MoE (48 blocks, GGUF-Q4_0" in out
+    row = json.loads((tmp_path / "out.json").read_text())["full_moe"]["rows"]["group"]
+    assert row["weight_reads"] == 0 and row["finite"]  # loaded without reading a tensor; a finite output
+    assert row["format"].startswith("gguf: Q4_0")
