@@ -579,6 +579,10 @@ def _merge(module: torch.nn.Module, patches: list[tuple[float, Patch]]) -> None:
     by_param: dict[str, list[tuple[float, Patch]]] = {}
     for strength, patch in live:
         by_param.setdefault(patch.param, []).append((strength, patch))
+    from .weights.disk import materialize
+
+    if materialize(module, set(by_param)):  # disk offload: the targeted weights were still in their file
+        params = dict(module.named_parameters())
     for name in by_param:
         param = params[name]
         if param.device.type == "meta":

@@ -803,3 +803,34 @@ def test_the_quantize_command_writes_per_expert_files(per_expert, fixtures_root,
     assert rc.returncode == 0, rc.stderr
     written = (out / "transformer" / "diffusion_pytorch_model.gguf").read_bytes()
     assert written == (per_expert["gguf-q4_0"] / "transformer" / "diffusion_pytorch_model.gguf").read_bytes()
+
+
+@pytest.mark.parametrize("mode", ["model", "sequential", "group"])
+def test_a_merged_lora_survives_disk_offload(fixtures_root, tmp_path, mode):
+    # a merge changes weights in memory: those no longer match their file, so they stay in memory
+    from safetensors.torch import save_file
+
+    from lingbot_core.lora import with_lora
+
+    folder = fixtures_root / "models" / "tiny-moe"
+    g = torch.Generator().manual_seed(5)
+    path = tmp_path / "lora.safetensors"
+    save_file({"blocks.0.attn.to_q.lora_A.weight": torch.randn(4, 32, generator=g),
+               "blocks.0.attn.to_q.lora_B.weight": torch.randn(32, 4, generator=g)}, path)
+    plain = PipelineHandle.open(folder, device="cpu")
+    with stage(plain, "transformer"):
+        without = _run(plain.component("transformer"))
+    ram = with_lora(PipelineHandle.open(folder, device="cpu"), path)
+    with stage(ram, "transformer"):
+        expected = _run(ram.component("transformer"))
+    assert not torch.equal(expected, without)
+    handle = PipelineHandle.open(folder, device="cpu")
+    view = with_lora(_disk_view(handle, mode), path)
+    for _ in range(2):
+        with stage(view, "transformer"):
+            dit = view.component("transformer")
+            assert torch.equal(_run(dit), expected)
+    assert dit.blocks[0].attn.to_q.weight.device.type == "cpu"  # merged: held in memory
+    assert dit.blocks[1].attn.to_q.weight.device.type == "meta"  # untouched: still in its file
+    with stage(_disk_view(handle, mode), "transformer"):  # the LoRA taken off: back to the file's values
+        assert torch.equal(_run(dit), without)

@@ -148,10 +148,12 @@ class Placement:
         if self.mode is not None and name in self.mode.homes:
             getattr(self.mode, "forget", self.mode.uninstall)(name, module)  # disk: no read-back
         elif isinstance(module, torch.nn.Module):
+            from ..weights.disk import on_disk
             from .hooks import strip_hooks
 
             strip_hooks(module)
-            module.to(CPU)
+            if not on_disk(module):  # a DiT loaded for disk offload has nothing to move
+                module.to(CPU)
         self.resident.discard(name)
         for _kind, (_state, applied) in self.view_states.items():
             applied.pop(name, None)

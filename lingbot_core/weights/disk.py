@@ -25,6 +25,7 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -148,21 +149,25 @@ class DiskStreaming:
     """Streams a DiT's weights from its files, unit by unit; `remove()` brings them back into memory."""
 
     def __init__(self, model: nn.Module, device: torch.device, unit: str = "group"):
-        spans = getattr(model, "weight_spans", None) or {}
-        check_mappable(spans)
-        self.model, self.device, self.spans = model, torch.device(device), spans
-        self.homes: dict[str, torch.Tensor] = {}  # tensors without a span: their host copy
+        known = getattr(model, "weight_spans", None) or {}
+        self.model, self.device = model, torch.device(device)
+        self.spans: dict[str, FileSpan] = {}  # the tensors streamed: those whose values are their file's
+        self.homes: dict[str, torch.Tensor] = {}  # the others (converted, or changed in memory): host copies
         self.hooks: list = []
         self.streamed = 0  # bytes read since the free heap was last handed back
         self.units = _units(model, unit)
-        for _owner, tensors in self.units:
-            for module, local, full in tensors:
-                store = module._parameters if local in module._parameters else module._buffers
-                tensor = store[local]
-                if full in spans:
-                    self._bind(module, local, torch.empty(tensor.shape, dtype=tensor.dtype, device="meta"))
-                else:
-                    self.homes[full] = tensor.data
+        slots = [(module, local, full) for _owner, tensors in self.units for module, local, full in tensors]
+        for module, local, full in slots:
+            tensor = _slot(module, local)
+            if full in known and matches_file(model, full, tensor):
+                self.spans[full] = known[full]
+            else:
+                self.homes[full] = tensor.data
+        check_mappable(self.spans)
+        for module, local, full in slots:
+            if full in self.spans:
+                tensor = _slot(module, local)
+                self._bind(module, local, torch.empty(tensor.shape, dtype=tensor.dtype, device="meta"))
         for owner, tensors in self.units:
             self.hooks.append(owner.register_forward_pre_hook(self._loader(tensors)))
             self.hooks.append(owner.register_forward_hook(self._dropper(tensors)))
@@ -215,7 +220,8 @@ class DiskStreaming:
         return sum(s.nbytes for s in self.spans.values())
 
     def remove(self, restore: bool = True) -> None:
-        """Hooks off and (`restore`) every tensor back in host memory, read once from the file."""
+        """Hooks off; with `restore` every tensor back in host memory, read once from the file (else the
+        streamed ones stay on `meta`, read when a RAM-homed mode takes the model: `materialize`)."""
         for hook in self.hooks:
             hook.remove()
         self.hooks.clear()
@@ -225,16 +231,40 @@ class DiskStreaming:
             materialize(self.model)
 
 
-def _span_backed(model: nn.Module):
-    """(owner, local name, full name, tensor) of every span-backed tensor still on `meta`."""
+def _slot(module: nn.Module, local: str) -> torch.Tensor:
+    return module._parameters[local] if local in module._parameters else module._buffers[local]
+
+
+def _span_backed(model: nn.Module, on_meta: bool = True):
+    """(owner, local name, full name, tensor) of every span-backed tensor (`on_meta`: only those on `meta`)."""
     spans = getattr(model, "weight_spans", None) or {}
     if not spans:
         return
     for prefix, module in model.named_modules():
         for local, tensor in [*module._parameters.items(), *module._buffers.items()]:
             full = f"{prefix}.{local}" if prefix else local
-            if tensor is not None and tensor.device.type == "meta" and full in spans:
+            if tensor is not None and full in spans and (tensor.device.type == "meta") == on_meta:
                 yield module, local, full, tensor
+
+
+_EXACT = "_lingbot_exact"  # model.__dict__: full name -> (weakref to the tensor, its version) as read
+
+
+def note_exact(model: nn.Module, names: set[str] | None = None) -> None:
+    """Remember that these span-backed tensors hold exactly their file's bytes now (object and version)."""
+    record = model.__dict__.setdefault(_EXACT, {})
+    for _m, _l, full, tensor in _span_backed(model, on_meta=False):
+        if names is None or full in names:
+            record[full] = (weakref.ref(tensor), tensor._version)
+
+
+def matches_file(model: nn.Module, full: str, tensor: torch.Tensor) -> bool:
+    """Are `tensor`'s values still its file's? On `meta`, or the object read then and not written since
+    (an in-place change such as a merged LoRA bumps the version: such a tensor keeps a host home)."""
+    if tensor.device.type == "meta":
+        return True
+    seen = model.__dict__.get(_EXACT, {}).get(full)
+    return seen is not None and seen[0]() is tensor and seen[1] == tensor._version
 
 
 def disk_homed(model: nn.Module) -> set[int]:
@@ -247,18 +277,22 @@ def on_disk(model: nn.Module) -> bool:
     return isinstance(model, nn.Module) and next(_span_backed(model), None) is not None
 
 
-def materialize(model: nn.Module) -> int:
-    """Read every span-backed tensor still on `meta` into host memory (a RAM-homed mode takes the model
-    over); returns how many were read. A no-op on a model loaded normally."""
+def materialize(model: nn.Module, names: set[str] | None = None) -> int:
+    """Read the span-backed tensors still on `meta` (all, or those `names`) into host memory: a RAM-homed
+    mode takes the model over, or a LoRA merges into them. Returns how many were read; a no-op on a
+    model loaded normally."""
+    if not isinstance(model, nn.Module):
+        return 0
     if streaming_of(model) is not None:
         raise RuntimeError("materialize: disk streaming is installed on this model; remove it first")
-    todo = list(_span_backed(model))
+    todo = [slot for slot in _span_backed(model) if names is None or slot[2] in names]
     if todo:
-        check_mappable(model.weight_spans)
+        check_mappable({full: model.weight_spans[full] for _m, _l, full, _t in todo})
     cpu = torch.device("cpu")
     with torch.no_grad():
         for module, local, full, _tensor in todo:
             DiskStreaming._bind(module, local, model.weight_spans[full].read(cpu))
+    note_exact(model, {full for _m, _l, full, _t in todo})
     return len(todo)
 
 

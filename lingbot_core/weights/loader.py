@@ -25,6 +25,7 @@ import torch.nn as nn
 from ..checkpoint_checks import tensor_set_problems
 from . import gguf_codec
 from .converted import Planned
+from .disk import note_exact
 from .fp8 import require_fp8
 from .modules import FP8, Packing, QuantizedExperts, QuantizedLinear, pack_fp8
 from .sources import SCALE_SUFFIX, Entry, GGUFSource, SafetensorsSource, WeightsError
@@ -304,6 +305,7 @@ def load_dit(folder: str | os.PathLike, subfolder: str = "transformer", *, dtype
     model.weights_format = describe(model, source)
     model.weight_spans = loader.spans  # disk homes of the tensors kept exactly as stored (weights.disk)
     model.weight_reads = loader.read  # tensors read into memory by this load (0 span-backed ones when streamed)
+    note_exact(model)  # what was read holds its file's bytes (disk offload may drop and re-read it)
     return model.eval().requires_grad_(False)
 
 

@@ -68,7 +68,9 @@ class DiskBacked:
     def uninstall(self, name: str, module: Any) -> None:
         stream = self.streams.pop(name, None)
         if stream is not None:
-            stream.remove(restore=True)  # every tensor read back into host memory
+            # hooks off; the streamed tensors stay in the file until a RAM-homed mode takes the DiT
+            # (`Mode.install` reads them) or a LoRA merges into some (`lora` reads those)
+            stream.remove(restore=False)
         else:
             self.inner.uninstall(name, module)
 
