@@ -13,10 +13,12 @@ from the heap, and glibc keeps freed heap pages for reuse (RSS only grows over a
 every `TRIM_EVERY` bytes streamed the free heap is handed back (`malloc_trim`).
 
 A DiT loaded for disk offload (`load_dit(streamed=True)`, the stage door asks for it) never reads
-its span-backed tensors at all: they are on `meta` from the start. `materialize` reads them into
-memory when a RAM-homed mode takes the model over. Tensors without a span (converted on load: a
-dtype change, fp8 quantized on load) stay in host memory, their home, and are copied in and out
-like `ram` offload. Pre-quantize with `python -m lingbot_core.quantize` to stream those from disk too.
+its span-backed tensors at all: they are on `meta` from the start, and tensors it had to convert
+live in the converted-weights cache (`weights.converted`). `materialize` reads them into memory when
+a RAM-homed mode takes the model over. A span-backed tensor streams only while it holds its file's
+bytes: what was read is noted (object and version, `note_exact`), so a tensor changed in memory
+since (a merged LoRA) keeps a host home and is copied in and out like `ram` offload, as are
+tensors without a span (a model loaded normally with a dtype change or fp8 quantized on load).
 """
 
 from __future__ import annotations

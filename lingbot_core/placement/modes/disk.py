@@ -3,8 +3,9 @@
 A wrapper around any offloading mode. For the transformer and refiner it installs
 `weights.disk.DiskStreaming` (no host copy: a unit's tensors are read from the file right before it
 computes and dropped after; `model` streams the whole DiT, `group` one block, `sequential` one
-layer), and hands every other component to the wrapped mode. A release forgets the streamed
-tensors instead of reading them back.
+layer), and hands every other component to the wrapped mode. Uninstalling (a release, a switch, a
+suspension for a LoRA) never reads the streamed tensors back: they stay on `meta` until a RAM-homed
+mode installs (`Mode.install` materializes them) or a LoRA merges into some (it reads only those).
 
 `streams_from_disk` is the one answer to "will this component's weights live in its file?": the
 door asks it before loading a component, so a DiT that will stream is loaded with its stored
