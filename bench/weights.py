@@ -360,10 +360,13 @@ def run(which: list[str], formats: list[str], data: Path, video_tokens: int, tex
                 folders[fmt_name] = build_quantized(folders["bf16"], root / fmt_name, fmt_name)
         print(f"[{kind}] checkpoints ready in {time.perf_counter() - t0:.0f} s under {root}", flush=True)
         if not quick:
+            from lingbot_core.models.transformer import LingBotVideoTransformer3DModel
             from lingbot_core.weights.sources import SafetensorsSource
 
             entries = SafetensorsSource([folders["bf16"] / "transformer" / "diffusion_pytorch_model.safetensors"]).entries
-            params = sum(torch.Size(e.shape).numel() for e in entries.values())
+            with torch.device("meta"):
+                buffers = {n for n, _ in LingBotVideoTransformer3DModel.from_config(config).named_buffers()}
+            params = sum(torch.Size(e.shape).numel() for k, e in entries.items() if k not in buffers)
             assert params == EXPECTED_PARAMS[kind], (kind, params)  # the real shape, to the parameter
         rows: dict[str, Any] = {name: {} for name in formats}
         if not disk_only:
