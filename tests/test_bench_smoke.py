@@ -187,3 +187,16 @@ def test_weights_full_moe_writes_random_gguf_and_streams_it_from_disk(tmp_path, 
     row = json.loads((tmp_path / "out.json").read_text())["full_moe"]["rows"]["group"]
     assert row["weight_reads"] == 0 and row["finite"]  # loaded without reading a tensor; a finite output
     assert row["format"].startswith("gguf: Q4_0")
+
+
+def test_quant_error_on_the_tiny_model(fixtures_root, tmp_path, capsys):
+    from bench import quant_error
+
+    out = tmp_path / "q.json"
+    assert quant_error.main(["--data", str(fixtures_root / "models" / "tiny-dense"), "--formats", "noise1,q8_0,q4_0",
+                             "--video-tokens", "16", "--text-tokens", "8", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())["formats"]
+    assert report["q8_0"]["weight_rel_l2"] < report["q4_0"]["weight_rel_l2"]
+    assert abs(report["noise1"]["weight_rel_l2"] - 0.01) < 0.002  # 1 % of each layer's RMS
+    assert len(report["q4_0"]["block_rel_l2_by_depth"]) == 2  # tiny-dense has 2 blocks
+    assert "| q4_0 |" in capsys.readouterr().out
