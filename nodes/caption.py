@@ -20,7 +20,7 @@ import json
 import re
 from typing import Any
 
-from .types import CATEGORY, InputProblems
+from .types import CATEGORY, Choice, InputProblems
 from .v3 import io
 
 # camera_info fields and the values the reference's caption schema lists for them (video captions).
@@ -155,7 +155,7 @@ class LingBotCaption(io.ComfyNode):
 
     @classmethod
     def define_schema(cls):
-        camera = [io.Combo.Input(name, options=options, default=DEFAULTS[name],
+        camera = [Choice(name, options=options, default=DEFAULTS[name],
                                  tooltip=f"camera_info.{name} of the caption")
                   for name, options in CAMERA_FIELDS.items()]
         return io.Schema(

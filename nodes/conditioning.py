@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from . import runtime
-from .types import CATEGORY, MAX_SIZE, SIZE_GRID, Cond, ImageCond, Pipe
+from .types import CATEGORY, MAX_SIZE, SIZE_GRID, Choice, Cond, ImageCond, Pipe
 from .v3 import io
 
 log = logging.getLogger("lingbot_nodes")
@@ -45,7 +45,7 @@ class LingBotTextEncode(io.ComfyNode):
                                 tooltip="A structured JSON caption (preferred) or plain text"),
                 io.String.Input("negative_prompt", multiline=True, dynamic_prompts=False, default="",
                                 tooltip="Empty: the reference default negative prompt"),
-                io.Combo.Input("task", options=["t2v", "t2i", "ti2v"], default="t2v",
+                Choice("task", options=["t2v", "t2i", "ti2v"], default="t2v",
                                tooltip="Picks the default negative (the image one for t2i); ti2v needs a first frame"),
                 ImageCond.Input("image_cond", optional=True,
                                 tooltip="TI2V: the first frame from LingBot VAE Encode (preferred)"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import paths, runtime
-from .types import CATEGORY, FRAMES_GRID, MAX_FRAMES, MAX_SIZE, SIZE_GRID, Pipe, problems_or_true
+from .types import CATEGORY, FRAMES_GRID, MAX_FRAMES, MAX_SIZE, SIZE_GRID, Choice, Pipe, problems_or_true
 from .v3 import io, ui
 
 TINY = {"tiny (built-in dense)": "dense", "tiny (built-in moe)": "moe"}
@@ -59,24 +59,24 @@ class LingBotLoader(io.ComfyNode):
                         "and returns the pipeline handle every other LingBot node takes. Nothing heavy loads "
                         "here: each component loads when a stage first needs it.",
             inputs=[
-                io.Combo.Input("checkpoint", options=checkpoint_choices(), default=next(iter(TINY)),
+                Choice("checkpoint", options=checkpoint_choices(), default=next(iter(TINY)),
                                tooltip="A folder under models/lingbot_video/ holding model_index.json, or a "
                                        "built-in tiny random-weight model (for trying workflows; output is noise)"),
-                io.Combo.Input("variant", options=["auto", "dense", "moe"], default="auto",
+                Choice("variant", options=["auto", "dense", "moe"], default="auto",
                                tooltip="auto: read it from the checkpoint; dense/moe: also check that it matches"),
-                io.Combo.Input("dtype", options=list(DTYPES), default="auto",
+                Choice("dtype", options=list(DTYPES), default="auto",
                                tooltip="auto: the DiT as stored (bf16 for the published checkpoints); text "
                                        "encoder bf16 on GPU, fp32 on CPU (the VAE stays fp32)"),
-                io.Combo.Input("attention", options=ATTENTION, default="default",
+                Choice("attention", options=ATTENTION, default="default",
                                tooltip="Attention kernel of the DiT. default: PyTorch SDPA; flash/sage/xformers "
                                        "need their package installed"),
                 io.String.Input("path", default="", optional=True,
                                 tooltip="A checkpoint folder; overrides the combo when not empty. In ComfyUI it "
                                         "must lie under its model folders (LINGBOT_ALLOW_ANY_MODEL_PATH=1 lifts that)"),
-                io.Combo.Input("device", options=["auto", "cuda", "cpu"], default="auto", optional=True,
+                Choice("device", options=["auto", "cuda", "cpu"], default="auto", optional=True,
                                tooltip="Execution device. auto: ComfyUI's device inside ComfyUI (honours --cpu "
                                        "and --cuda-device), else CUDA when available"),
-                io.Combo.Input("weights", options=WEIGHTS, default="auto", optional=True,
+                Choice("weights", options=WEIGHTS, default="auto", optional=True,
                                tooltip="auto: as stored (bf16, pre-quantized fp8, or a transformer/*.gguf); "
                                        "fp8_e4m3: quantize the DiT's weights on load"),
                 io.String.Input("transformer_path", default="", optional=True,
@@ -133,7 +133,7 @@ class LingBotOffload(io.ComfyNode):
                         "different settings can share one Loader.",
             inputs=[
                 Pipe.Input("pipe", tooltip="From LingBot Loader"),
-                io.Combo.Input("mode", options=["auto", "none", "model", "sequential", "group"], default="auto",
+                Choice("mode", options=["auto", "none", "model", "sequential", "group"], default="auto",
                                tooltip="auto: the fastest mode expected to fit the free GPU memory for the size "
                                        "below. none: all on the GPU. model: one component at a time. "
                                        "sequential: layer by layer (smallest, slowest). group: DiT blocks streamed"),
@@ -151,7 +151,7 @@ class LingBotOffload(io.ComfyNode):
                              tooltip="auto: the frame count to plan memory for"),
                 io.Boolean.Input("plan_refine", default=True, optional=True,
                                  tooltip="auto: include the 1088x1920 refiner pass (MoE)"),
-                io.Combo.Input("offload_to", options=["ram", "disk"], default="ram", optional=True,
+                Choice("offload_to", options=["ram", "disk"], default="ram", optional=True,
                                tooltip="where the DiT's offloaded weights live: ram, or disk (streamed from the "
                                        "checkpoint file, no host copy)"),
             ],
@@ -216,7 +216,7 @@ class LingBotRelease(io.ComfyNode):
             inputs=[
                 Pipe.Input("pipe", tooltip="The pipe whose components to free"),
                 io.AnyType.Input("value", tooltip="Wire the last output here: the release runs after it"),
-                io.Combo.Input("what", options=["all", "base transformer", "refiner", "text encoder"],
+                Choice("what", options=["all", "base transformer", "refiner", "text encoder"],
                                default="all", tooltip="Which components to free"),
             ],
             outputs=[io.AnyType.Output(display_name="value", tooltip="`value`, unchanged")],

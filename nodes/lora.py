@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from . import runtime
-from .types import CATEGORY, Pipe
+from .types import CATEGORY, Choice, Pipe
 from .v3 import io
 
 NONE = "none"
@@ -16,9 +16,10 @@ APPLY_TO = ["auto", "transformer", "refiner", "both"]
 def lora_roots() -> list[Path]:
     """Folders LoRA files are offered from: ComfyUI's `loras` folders; headless LINGBOT_LORA_DIR and models/loras."""
     folder_paths = runtime._comfy("folder_paths") if runtime.in_comfy() else None
-    roots: list[Path] = []
     if folder_paths is not None:
-        roots += [Path(p) for p in folder_paths.get_folder_paths("loras")]
+        # Only ComfyUI's folders: a path relative to the server's working directory is no folder of its.
+        return [Path(p) for p in folder_paths.get_folder_paths("loras")]
+    roots: list[Path] = []
     env = os.environ.get("LINGBOT_LORA_DIR")
     if env:
         roots += [Path(p) for p in env.split(os.pathsep) if p]
@@ -73,11 +74,11 @@ class LingBotLoRA(io.ComfyNode):
                         "node gives the original weights back exactly.",
             inputs=[
                 Pipe.Input("pipe", tooltip="From LingBot Loader, Offload or another LingBot LoRA"),
-                io.Combo.Input("lora_name", options=lora_choices(), default=NONE,
+                Choice("lora_name", options=lora_choices(), default=NONE,
                                tooltip="A file in ComfyUI's models/loras folder; none passes the pipe through"),
                 io.Float.Input("strength", default=1.0, min=-10.0, max=10.0, step=0.01,
                                tooltip="Multiplies the LoRA's change; 0 leaves the model as it is"),
-                io.Combo.Input("apply_to", options=APPLY_TO, default="auto", optional=True,
+                Choice("apply_to", options=APPLY_TO, default="auto", optional=True,
                                tooltip="auto: the DiT the file's key prefixes name (none: the base DiT). "
                                        "MoE: refiner or both to adapt the refiner too"),
                 io.String.Input("path", default="", optional=True,

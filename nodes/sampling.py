@@ -9,6 +9,7 @@ from .types import (
     MAX_FRAMES,
     MAX_SIZE,
     SIZE_GRID,
+    Choice,
     Cond,
     ImageCond,
     Pipe,
@@ -53,7 +54,7 @@ class LingBotDenoise(io.ComfyNode):
                 ImageCond.Input("image_cond", optional=True,
                                 tooltip="TI2V: the first frame from LingBot VAE Encode, at the same size"),
                 io.Latent.Input("latent", optional=True, tooltip="Start from these latents instead of fresh noise"),
-                io.Combo.Input("sampler", options=SAMPLERS, default="flow_unipc", optional=True,
+                Choice("sampler", options=SAMPLERS, default="flow_unipc", optional=True,
                                tooltip="flow_unipc: the reference (40 steps, cfg 3). euler: flow Euler (4 steps, cfg 1 "
                                        "is the LightLingBot LoRA's trained grid). dmd_student: DMD-distilled student "
                                        "checkpoints (8 steps, cfg 1, shift 3)"),
@@ -114,7 +115,7 @@ class LingBotRefine(io.ComfyNode):
                 io.Image.Input("first_frame", optional=True, tooltip="TI2V: the original input image"),
                 io.Boolean.Input("tiling", default=True, optional=True,
                                  tooltip="Tiled VAE for the base decode and the refined encode (less memory)"),
-                io.Combo.Input("release_base", options=["auto", "on", "off"], default="auto", optional=True,
+                Choice("release_base", options=["auto", "on", "off"], default="auto", optional=True,
                                tooltip="Drop the base DiT before the refiner loads (auto: whenever offload is "
                                        "not 'none')"),
             ],

@@ -22,6 +22,18 @@ ImageCond = io.Custom(IMAGE_COND)
 CATEGORY = "LingBot-Video"
 
 
+class Choice(io.Combo.Input):
+    """A COMBO input that reaches ComfyUI in its list form, ``(["a", "b"], {...})``.
+
+    ComfyUI 0.3.64 checks a widget value against the options only when the input's type is that
+    list; in the V3 form (``("COMBO", {"options": [...]})``) a wrong value passes validation and
+    fails only when the node runs. The editor reads both forms alike, and so does our engine.
+    """
+
+    def get_io_type(self) -> list:
+        return list(self.options)
+
+
 class InputProblems(str):
     """A validation result naming each wrong input: reads as one message (what ComfyUI shows),
     and carries ``per_input`` so our engine reports one issue per wrong input, on that input."""

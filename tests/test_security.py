@@ -420,3 +420,21 @@ def test_loader_transformer_path_follows_the_same_rule(comfy, monkeypatch):
     assert resolve_student(str(inside)) == inside
     monkeypatch.setenv("LINGBOT_ALLOW_ANY_MODEL_PATH", "1")
     assert resolve_student(str(comfy.tmp / "elsewhere")) == comfy.tmp / "elsewhere"
+
+
+def test_lora_names_come_only_from_comfyuis_loras_folders(comfy, monkeypatch):
+    """Inside ComfyUI a LoRA name never resolves under the server's working directory."""
+    from lingbot_nodes.lora import lora_choices, resolve_lora
+
+    loras = comfy.models / "loras"
+    loras.mkdir()
+    (loras / "inside.safetensors").write_bytes(b"")
+    comfy.fp.folder_names_and_paths["loras"] = ([str(loras)], set())
+    cwd = comfy.tmp / "cwd"
+    (cwd / "models" / "loras").mkdir(parents=True)
+    (cwd / "models" / "loras" / "beside.safetensors").write_bytes(b"")
+    monkeypatch.chdir(cwd)
+    assert lora_choices() == ["none", "inside.safetensors"]
+    assert resolve_lora("inside.safetensors") == loras / "inside.safetensors"
+    with pytest.raises(ValueError, match="not found"):
+        resolve_lora("beside.safetensors")

@@ -204,6 +204,27 @@ def test_every_grid_input_gets_one_message_from_comfyui_itself():
     assert found == GRID_INPUTS
 
 
+def test_every_combo_reaches_comfyui_in_the_form_it_checks():
+    """ComfyUI 0.3.64 checks a value against a COMBO's options only when the input type is the
+    options list itself (`isinstance(input_type, list)`); a V3 ("COMBO", {"options": ...}) input is
+    never checked there, so a wrong LoRA name or sampler got through validation."""
+    combos = []
+    for class_type, cls in NODE_CLASS_MAPPINGS.items():
+        spec = cls.INPUT_TYPES()
+        for name, (kind, extra) in {**spec.get("required", {}), **spec.get("optional", {})}.items():
+            if "options" in extra:
+                combos.append(f"{class_type}.{name}")
+                assert isinstance(kind, list) and kind == extra["options"], f"{class_type}.{name}"
+                assert NodeClassInfo(class_type, cls).declared(name).type_name() == "COMBO"
+    assert "LingBotLoRA.lora_name" in combos and "LingBotDenoise.sampler" in combos and len(combos) >= 15
+
+
+def test_a_wrong_combo_value_is_one_message_on_that_input():
+    prompt = _shipped()
+    prompt["4"]["inputs"]["sampler"] = "dpmpp"
+    assert _issues(prompt, "4") == [("sampler", "value 'dpmpp' is not one of ['flow_unipc', 'euler', 'dmd_student']")]
+
+
 def test_a_size_off_the_16_grid_is_refused_before_anything_runs():
     prompt = _shipped()
     prompt["4"]["inputs"]["width"] = 100
