@@ -834,3 +834,41 @@ def test_a_merged_lora_survives_disk_offload(fixtures_root, tmp_path, mode):
     assert dit.blocks[1].attn.to_q.weight.device.type == "meta"  # untouched: still in its file
     with stage(_disk_view(handle, mode), "transformer"):  # the LoRA taken off: back to the file's values
         assert torch.equal(_run(dit), without)
+
+
+@pytest.mark.parametrize("mode", ["sequential", "group"])
+def test_disk_offload_and_a_merged_lora_under_inference_mode(fixtures_root, tmp_path, mode):
+    """ComfyUI runs every node under torch.inference_mode(): loading, streaming, a switch to RAM and back,
+    and a merged LoRA's bookkeeping must all work there and stay exact."""
+    from safetensors.torch import save_file
+
+    from lingbot_core.lora import with_lora
+
+    folder = fixtures_root / "models" / "tiny-moe"
+    g = torch.Generator().manual_seed(7)
+    path = tmp_path / "lora.safetensors"
+    save_file({"blocks.0.attn.to_q.lora_A.weight": torch.randn(4, 32, generator=g),
+               "blocks.0.attn.to_q.lora_B.weight": torch.randn(32, 4, generator=g)}, path)
+    plain = PipelineHandle.open(folder, device="cpu")
+    with stage(plain, "transformer"):
+        without = _run(plain.component("transformer"))
+    merged = with_lora(PipelineHandle.open(folder, device="cpu"), path)
+    with stage(merged, "transformer"):
+        expected = _run(merged.component("transformer"))
+    with torch.inference_mode():
+        handle = PipelineHandle.open(folder, device="cpu")
+        with stage(_disk_view(handle, mode), "transformer"):
+            dit = handle.component("transformer")
+            assert torch.equal(_run(dit), without)
+        assert _all_meta(dit)  # loaded and streamed: nothing held
+        with stage(configure_offload(handle, "model"), "transformer"):  # a RAM home, then the file again
+            assert torch.equal(_run(dit), without)
+        with stage(_disk_view(handle, mode), "transformer"):
+            assert torch.equal(_run(dit), without)
+        assert _all_meta(dit)
+        view = with_lora(_disk_view(handle, mode), path)
+        with stage(view, "transformer"):
+            assert torch.equal(_run(dit), expected)
+        assert dit.blocks[0].attn.to_q.weight.device.type == "cpu"  # merged: kept in memory
+        with stage(_disk_view(handle, mode), "transformer"):
+            assert torch.equal(_run(dit), without)

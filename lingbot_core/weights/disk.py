@@ -256,7 +256,8 @@ def note_exact(model: nn.Module, names: set[str] | None = None) -> None:
     """Remember that these span-backed tensors hold exactly their file's bytes now (object and version)."""
     record = model.__dict__.setdefault(_EXACT, {})
     for _m, _l, full, tensor in _span_backed(model, on_meta=False):
-        if names is None or full in names:
+        if (names is None or full in names) and not tensor.is_inference():
+            # an inference tensor has no version to watch: left out, it counts as changed (kept in RAM)
             record[full] = (weakref.ref(tensor), tensor._version)
 
 
@@ -291,7 +292,7 @@ def materialize(model: nn.Module, names: set[str] | None = None) -> int:
     if todo:
         check_mappable({full: model.weight_spans[full] for _m, _l, full, _t in todo})
     cpu = torch.device("cpu")
-    with torch.no_grad():
+    with torch.inference_mode(False), torch.no_grad():  # versioned tensors: see `note_exact`
         for module, local, full, _tensor in todo:
             DiskStreaming._bind(module, local, model.weight_spans[full].read(cpu))
     note_exact(model, {full for _m, _l, full, _t in todo})

@@ -283,7 +283,9 @@ def load_dit(folder: str | os.PathLike, subfolder: str = "transformer", *, dtype
                   expected)
 
     loader = _Loader(model, source, dtype, weights, keep_mapped, keeps_fp32, streamed)
-    with torch.no_grad():
+    # ComfyUI runs nodes under inference_mode; tensors made there carry no version counter, which disk
+    # offload needs to tell a weight still equal to its file from one changed in place (weights.disk).
+    with torch.inference_mode(False), torch.no_grad():
         for name, module in list(model.named_modules()):
             if isinstance(module, nn.Linear):
                 loader.linear(name, module)

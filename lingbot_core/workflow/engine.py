@@ -288,6 +288,14 @@ class _Run:
         return self.keys[node_id] in self.engine._store
 
     def execute(self) -> RunResult:
+        # ComfyUI executes a prompt under torch.inference_mode(); so does the headless engine, so a node
+        # that works here works there (inference tensors have no version counter, refuse autograd ...).
+        import torch
+
+        with torch.inference_mode():
+            return self._execute()
+
+    def _execute(self) -> RunResult:
         store = self.engine._store
         cached = [nid for nid in self.plan.needed if self._is_cached(nid)]
         for target in self.plan.targets:
