@@ -805,25 +805,33 @@ def test_the_quantize_command_writes_per_expert_files(per_expert, fixtures_root,
     assert written == (per_expert["gguf-q4_0"] / "transformer" / "diffusion_pytorch_model.gguf").read_bytes()
 
 
-@pytest.mark.parametrize("mode", ["model", "sequential", "group"])
-def test_a_merged_lora_survives_disk_offload(fixtures_root, tmp_path, mode):
-    # a merge changes weights in memory: those no longer match their file, so they stay in memory
+def _to_q_lora_outputs(folder: Path, path: Path, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write a LoRA on block 0's to_q to `path`; the DiT's output without it and with it merged (RAM)."""
     from safetensors.torch import save_file
 
     from lingbot_core.lora import with_lora
 
-    folder = fixtures_root / "models" / "tiny-moe"
-    g = torch.Generator().manual_seed(5)
-    path = tmp_path / "lora.safetensors"
+    g = torch.Generator().manual_seed(seed)
     save_file({"blocks.0.attn.to_q.lora_A.weight": torch.randn(4, 32, generator=g),
                "blocks.0.attn.to_q.lora_B.weight": torch.randn(32, 4, generator=g)}, path)
     plain = PipelineHandle.open(folder, device="cpu")
     with stage(plain, "transformer"):
         without = _run(plain.component("transformer"))
-    ram = with_lora(PipelineHandle.open(folder, device="cpu"), path)
-    with stage(ram, "transformer"):
-        expected = _run(ram.component("transformer"))
+    merged = with_lora(PipelineHandle.open(folder, device="cpu"), path)
+    with stage(merged, "transformer"):
+        expected = _run(merged.component("transformer"))
     assert not torch.equal(expected, without)
+    return without, expected
+
+
+@pytest.mark.parametrize("mode", ["model", "sequential", "group"])
+def test_a_merged_lora_survives_disk_offload(fixtures_root, tmp_path, mode):
+    # a merge changes weights in memory: those no longer match their file, so they stay in memory
+    from lingbot_core.lora import with_lora
+
+    folder = fixtures_root / "models" / "tiny-moe"
+    path = tmp_path / "lora.safetensors"
+    without, expected = _to_q_lora_outputs(folder, path, seed=5)
     handle = PipelineHandle.open(folder, device="cpu")
     view = with_lora(_disk_view(handle, mode), path)
     for _ in range(2):
@@ -840,21 +848,11 @@ def test_a_merged_lora_survives_disk_offload(fixtures_root, tmp_path, mode):
 def test_disk_offload_and_a_merged_lora_under_inference_mode(fixtures_root, tmp_path, mode):
     """ComfyUI runs every node under torch.inference_mode(): loading, streaming, a switch to RAM and back,
     and a merged LoRA's bookkeeping must all work there and stay exact."""
-    from safetensors.torch import save_file
-
     from lingbot_core.lora import with_lora
 
     folder = fixtures_root / "models" / "tiny-moe"
-    g = torch.Generator().manual_seed(7)
     path = tmp_path / "lora.safetensors"
-    save_file({"blocks.0.attn.to_q.lora_A.weight": torch.randn(4, 32, generator=g),
-               "blocks.0.attn.to_q.lora_B.weight": torch.randn(32, 4, generator=g)}, path)
-    plain = PipelineHandle.open(folder, device="cpu")
-    with stage(plain, "transformer"):
-        without = _run(plain.component("transformer"))
-    merged = with_lora(PipelineHandle.open(folder, device="cpu"), path)
-    with stage(merged, "transformer"):
-        expected = _run(merged.component("transformer"))
+    without, expected = _to_q_lora_outputs(folder, path, seed=7)
     with torch.inference_mode():
         handle = PipelineHandle.open(folder, device="cpu")
         with stage(_disk_view(handle, mode), "transformer"):
