@@ -22,6 +22,15 @@ recomputed by transformers' own `_init_weights`.
     python bench/offload_gpu.py                       # CUDA, 40 steps, all modes (estimated 2-4 min on an H200; never run yet: no GPU so far)
     python bench/offload_gpu.py --steps 10 --modes none,group
     python bench/offload_gpu.py --tiny                # CPU, tiny checkpoint sizes (< 30 s)
+    python bench/offload_gpu.py --dit-weights bf16,fp8,gguf-q8_0,gguf-q4_0   # + a row per mode x DiT format (never run on a GPU yet)
+
+`--dit-weights`: each mode also runs with the DiT held as fp8 or GGUF. The random DiT is saved once
+to a temporary safetensors folder, each format is written from it by `lingbot_core.quantize`'s
+writers and loaded by `weights.loader.load_dit`, then swapped into the same handle (text encoder and
+VAE stay the same objects). Those rows report time and peak relative to the bf16 row of the same
+mode, the pixel difference to the same format's `none` row (must be 0) and to bf16 `none`; for the
+quantized formats, sequential and group also run with `offload_to=disk` (the DiT loaded streamed,
+its weights left in the quantized file).
 """
 
 from __future__ import annotations
@@ -52,6 +61,8 @@ from bench._common import environment, fmt, max_abs_diff, table, write_json
 ROOT = Path(__file__).resolve().parents[1]
 DENSE_CONFIG = ROOT / "lingbot_core" / "configs" / "dense-1.3b.transformer.json"
 MODES = ("none", "model", "sequential", "group")
+DIT_WEIGHTS = ("bf16", "fp8", "gguf-q8_0", "gguf-q4_0")
+DISK_MODES = ("sequential", "group")  # the modes whose CPU home can be the checkpoint file
 
 # The published LingBot offload fix (offload.md §5): 24 GB card, TI2V 320x192x49, 40 steps.
 PUBLISHED = {"none": (56.5, 14.3), "model": (68.0, 9.9), "sequential": (96.0, 1.78)}  # seconds, GB
@@ -304,12 +315,13 @@ def _clear(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def run_mode(base, mode: str, options: dict[str, Any], request: dict[str, Any], device: torch.device) -> dict[str, Any]:
+def run_mode(base, mode: str, options: dict[str, Any], request: dict[str, Any], device: torch.device,
+             offload_to: str = "ram") -> dict[str, Any]:
     from lingbot_core import stages
     from lingbot_core.offload import configure_offload
 
     t0 = time.perf_counter()
-    view = configure_offload(base, mode, **options)
+    view = configure_offload(base, mode, offload_to=offload_to, **options)
     install = time.perf_counter() - t0
     _clear(device)
     resident = torch.cuda.memory_allocated() if device.type == "cuda" else None
@@ -386,6 +398,74 @@ def estimated_peak(base, mode: str, request: dict[str, Any]) -> int:
     return estimate_peak(mode, sizes, geometry)
 
 
+# -- the DiT in other weight formats ---------------------------------------------------------------
+
+def save_plain_dit(dit: torch.nn.Module, folder: Path) -> Path:
+    """`folder/transformer/` as a checkpoint's DiT folder (config + one safetensors file): the source
+    every quantized copy is written from. Returns `folder`."""
+    from safetensors.torch import save_file
+
+    sub = folder / "transformer"
+    sub.mkdir(parents=True, exist_ok=True)
+    dit.save_config(sub)
+    save_file({k: v.detach().to("cpu").contiguous() for k, v in dit.state_dict().items()},
+              str(sub / "diffusion_pytorch_model.safetensors"))
+    return folder
+
+
+def write_format(plain: Path, fmt: str, folder: Path) -> Path:
+    """`folder/transformer/` holding the plain DiT in `fmt`, written by the project's quantize writers."""
+    import shutil
+
+    from lingbot_core.quantize import write_fp8, write_gguf
+    from lingbot_core.weights.sources import SafetensorsSource
+
+    sub = folder / "transformer"
+    sub.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(plain / "transformer" / "config.json", sub / "config.json")
+    source = SafetensorsSource([plain / "transformer" / "diffusion_pytorch_model.safetensors"])
+    try:
+        if fmt == "fp8":
+            write_fp8(source, sub / "diffusion_pytorch_model.safetensors")
+        else:
+            write_gguf(source, sub / "diffusion_pytorch_model.gguf", fmt.split("-", 1)[1].upper())
+    finally:
+        source.close()
+    return folder
+
+
+def load_format(folder: Path, dtype: torch.dtype, *, streamed: bool = False) -> torch.nn.Module:
+    """The DiT of a `write_format` folder, loaded as the handle would (`checkpoint.load_transformer`)."""
+    from lingbot_core.checkpoint import load_transformer
+
+    return load_transformer(folder, "transformer", dtype=dtype, streamed=streamed)
+
+
+def use_dit(base, dit: torch.nn.Module) -> None:
+    """Make `dit` the handle's DiT: every placement taken off first (components back to the CPU), then
+    the attention backend set as `SharedComponents.get` sets it on a loaded DiT."""
+    shared = base.shared
+    with shared.lock:
+        shared.placement.uninstall_all(shared.loaded)
+        dit.set_attention_backend(shared.attention_backend)
+        shared.loaded["transformer"] = dit
+
+
+def weight_ratios(weight_rows: list[dict[str, Any]], rows: dict[str, dict[str, Any]], on_gpu: bool) -> None:
+    """Each format row against the bf16 row of the same mode (time, peak) and its format's `none` row
+    (pixels must match: offload never changes the arithmetic), in place."""
+    for row in weight_rows:
+        if "error" in row:
+            row["checks"] = [("ran", False)]
+            continue
+        bf16 = rows.get(row["mode"])
+        if bf16 is not None and "error" not in bf16:
+            row["time_vs_bf16"] = row["time_s"] / bf16["time_s"]
+            row["peak_vs_bf16"] = row["peak_bytes"] / bf16["peak_bytes"] if on_gpu else None
+        row["checks"] = [("pixels == same-format none", None if row.get("max_abs_diff") is None
+                          else row["max_abs_diff"] == 0.0)]
+
+
 def parse_size(text: str) -> tuple[int, int, int]:
     try:
         h, w, f = (int(v) for v in text.lower().split("x"))
@@ -459,8 +539,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fault-checks", action=argparse.BooleanOptionalAction, default=None,
                    help="after each mode: cancel-then-rerun and error-then-rerun, allocated memory back at the "
                         "mode's clean level (default: on with CUDA, off with --tiny)")
+    p.add_argument("--dit-weights", default="bf16",
+                   help="comma list of " + ", ".join(DIT_WEIGHTS) + ": every mode also runs with the DiT held in each "
+                        "quantized format (written by lingbot_core.quantize, loaded by load_dit); bf16 (the built "
+                        "dtype: fp32 with --tiny unless --gpu-dtypes) always runs and is what their ratios use")
+    p.add_argument("--disk-rows", action=argparse.BooleanOptionalAction, default=True,
+                   help="for the quantized formats, also run sequential and group with offload_to=disk")
     p.add_argument("--out-json", "--json", dest="json", metavar="PATH", help="write the results as JSON")
     args = p.parse_args(argv)
+    args.dit_weights = [w.strip() for w in args.dit_weights.split(",") if w.strip()]
+    for w in args.dit_weights:
+        if w not in DIT_WEIGHTS:
+            p.error(f"unknown --dit-weights entry {w!r}; choose from {', '.join(DIT_WEIGHTS)}")
+    args.dit_weights = [w for w in DIT_WEIGHTS if w in args.dit_weights and w != "bf16"]  # the quantized ones
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in args.modes:
         if m not in MODES:
@@ -541,13 +632,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     rows: dict[str, dict[str, Any]] = {}
     extra_rows: list[dict[str, Any]] = []
+    weight_rows: list[dict[str, Any]] = []
     reference: torch.Tensor | None = None
+
+    disk_modes = [m for m in args.modes if m in DISK_MODES] if args.disk_rows else []
+    planned_weight_rows = len(args.dit_weights) * (len(args.modes) + len(disk_modes))
 
     def result() -> dict[str, Any]:
         """The results so far, verdicts included (written after every mode: a killed run keeps its numbers)."""
         done = {m: dict(r) for m, r in rows.items()}
         verdicts(done, on_gpu)
-        for row in done.values():
+        by_format = [dict(r) for r in weight_rows]
+        weight_ratios(by_format, done, on_gpu)
+        for row in [*done.values(), *by_format]:
             row["checks"] = [{"check": name, "result": None if ok is None else ("PASS" if ok else "FAIL")}
                              for name, ok in row.get("checks", [])]
         return {
@@ -559,7 +656,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "published": {m: {"time_s": t, "peak_gb": g} for m, (t, g) in PUBLISHED.items()},
             "rows": list(done.values()),
             "extra_sizes": extra_rows,
-            "complete": len(rows) == len(args.modes),
+            "dit_weights": ["bf16", *args.dit_weights],
+            "weight_rows": by_format,
+            "complete": len(rows) == len(args.modes) and len(weight_rows) == planned_weight_rows,
             "total_s": time.perf_counter() - started,
             "environment": environment(),
         }
@@ -615,7 +714,71 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             extra_rows.append({"size": [height, width, frames], "mode": mode, "time_s": row["time_s"],
                                "peak_bytes": row["peak_bytes"], "estimate_bytes": row["estimate_bytes"]})
             write_json(args.json, result())
+
+    if args.dit_weights:
+        run_formats(args, base, rows, weight_rows, reference, request, options, device, dtypes["transformer"], started,
+                    lambda: write_json(args.json, result()))
     return result()
+
+
+def run_formats(args: argparse.Namespace, base, rows: dict[str, dict[str, Any]], weight_rows: list[dict[str, Any]],
+                reference: torch.Tensor | None, request: dict[str, Any], options: dict[str, dict[str, Any]],
+                device: torch.device, dtype: torch.dtype, started: float, save) -> None:
+    """Every mode again with the DiT in each quantized format (appended to `weight_rows`), loaded with
+    compute dtype `dtype` (the built DiT's); the bf16 DiT is back in the handle afterwards."""
+    from lingbot_core.placement.door import module_bytes
+
+    plain_dit = base.shared.loaded["transformer"]
+    with tempfile.TemporaryDirectory(prefix="lingbot-dit-weights-", dir=args.workdir) as tmp:
+        use_dit(base, plain_dit)  # placements off: the DiT is a plain module on the CPU
+        plain = save_plain_dit(plain_dit, Path(tmp) / "bf16")
+        disk_modes = [m for m in args.modes if m in DISK_MODES] if args.disk_rows else []
+        try:
+            for fmt in args.dit_weights:
+                t0 = time.perf_counter()
+                folder = write_format(plain, fmt, Path(tmp) / fmt)
+                written_s = time.perf_counter() - t0
+                fmt_reference: torch.Tensor | None = None
+                for mode, offload_to in [*((m, "ram") for m in args.modes), *((m, "disk") for m in disk_modes)]:
+                    head = {"mode": mode, "weights": fmt, "offload_to": offload_to, "write_s": written_s}
+                    none = rows.get("none", {})
+                    if "time_s" in none:
+                        guess = none["time_s"] * BUDGET_FACTOR[mode]
+                        elapsed = time.perf_counter() - started
+                        if elapsed + guess > args.budget_s:
+                            weight_rows.append({**head, "error": f"skipped: {elapsed:.0f} s spent + ~{guess:.0f} s "
+                                                                 f"expected > budget {args.budget_s:.0f} s"})
+                            continue
+                    try:
+                        t0 = time.perf_counter()
+                        dit = load_format(folder, dtype, streamed=offload_to == "disk")
+                        head.update(load_s=time.perf_counter() - t0, weights_format=dit.weights_format,
+                                    dit_held_bytes=module_bytes(dit))
+                        use_dit(base, dit)
+                        del dit
+                        row = {**head, **run_mode(base, mode, options.get(mode, {}), request, device, offload_to)}
+                    except Exception as err:  # one broken format/mode must not cost the others' numbers
+                        weight_rows.append({**head, "error": f"{type(err).__name__}: {err}",
+                                            "traceback": traceback.format_exc(limit=8)})
+                        print(f"{mode} {fmt} {offload_to}: FAILED {weight_rows[-1]['error']}", flush=True)
+                        _clear(device)
+                        continue
+                    frames = row.pop("frames")
+                    row["options"] = options.get(mode, {})
+                    if mode == "none" and offload_to == "ram":
+                        fmt_reference = frames
+                    row["frames_finite"] = bool(torch.isfinite(frames).all())
+                    if fmt_reference is not None:
+                        row["max_abs_diff"] = max_abs_diff(frames, fmt_reference)
+                    if reference is not None:
+                        row["max_abs_diff_vs_bf16"] = max_abs_diff(frames, reference)
+                    weight_rows.append(row)
+                    peak = f", peak {row['peak_bytes'] / 1e9:.2f} GB" if row["peak_bytes"] is not None else ""
+                    print(f"{mode} {fmt} {offload_to}: {row['time_s']:.1f} s{peak}", flush=True)
+                    save()
+                    _clear(device)
+        finally:
+            use_dit(base, plain_dit)
 
 
 def report(result: dict[str, Any]) -> str:
@@ -641,6 +804,23 @@ def report(result: dict[str, Any]) -> str:
                      fmt(r.get("max_abs_diff")), pub_cell, checks])
     lines = [head, table(["mode", "install s", "time s", "x none", "img/text/denoise/decode s", "peak GB",
                           "x none", "max|dpix|", "published (x none)", "checks"], rows)]
+    if result.get("weight_rows"):
+        w_rows = []
+        for r in result["weight_rows"]:
+            head = [r["mode"], r["weights"], r["offload_to"]]
+            if "error" in r:
+                w_rows.append([*head, "-", "-", "-", "-", "-", "-", "-", f"ERROR {r['error'][:60]}"])
+                continue
+            peak = r.get("peak_bytes")
+            checks = " ".join(f"{c['check']}:{c['result'] or 'n/a'}" for c in r.get("checks", []))
+            w_rows.append([*head, f"{r['dit_held_bytes'] / 1e9:.3g}", fmt(r["time_s"]), fmt(r.get("time_vs_bf16")),
+                           f"{peak / 1e9:.2f}" if peak is not None else "-", fmt(r.get("peak_vs_bf16")),
+                           fmt(r.get("max_abs_diff")), fmt(r.get("max_abs_diff_vs_bf16")), checks])
+        bf16_gb = result["components"]["transformer"]["bytes"] / 1e9
+        lines.append(f"DiT weight formats: each mode with the DiT held quantized (ratios to the bf16 row of the same "
+                     f"mode; bf16 DiT {bf16_gb:.3g} GB; held = in host memory when loaded, 0 for disk: left in the file)")
+        lines.append(table(["mode", "weights", "offload_to", "DiT held GB", "time s", "x bf16", "peak GB", "x bf16",
+                            "max|dpix| vs fmt none", "vs bf16 none", "checks"], w_rows))
     sized = [r for r in result["rows"] if "error" not in r] + [
         {**r, "size": r["size"]} for r in result.get("extra_sizes", []) if "error" not in r]
     est_rows = []

@@ -112,6 +112,36 @@ def test_offload_gpu_tiny(tmp_path, workdir, capsys):
         assert all(v is None for k, v in checks.items() if k != "pixels == none")  # no timing verdicts on CPU
 
 
+def test_offload_gpu_tiny_quantized_dit_rows(tmp_path, workdir, capsys):
+    """A GGUF Q4_0 DiT swapped into the same handle: its rows run, offload keeps its frames exact, and the
+    frames differ from bf16's (so the quantized DiT really ran); the disk row holds nothing in memory."""
+    out = tmp_path / "offload.json"
+    offload_gpu.main(["--tiny", *THREADS, "--steps", "1", "--frames", "5", "--warmup-steps", "0", "--workdir",
+                      str(workdir), "--modes", "none,group", "--extra-sizes", "", "--dit-weights", "bf16,gguf-q4_0",
+                      "--out-json", str(out)])
+    assert "DiT weight formats" in capsys.readouterr().out
+    saved = json.loads(out.read_text())
+    assert saved["complete"] and saved["dit_weights"] == ["bf16", "gguf-q4_0"]
+    rows = saved["weight_rows"]
+    assert [(r["mode"], r["weights"], r["offload_to"]) for r in rows] == [
+        ("none", "gguf-q4_0", "ram"), ("group", "gguf-q4_0", "ram"), ("group", "gguf-q4_0", "disk")]
+    for row in rows:
+        assert "error" not in row, row
+        assert row["weights_format"].startswith("gguf: Q4_0"), row["weights_format"]
+        assert row["max_abs_diff"] == 0.0 and row["frames_finite"]
+        assert row["max_abs_diff_vs_bf16"] > 0.0
+        assert row["time_vs_bf16"] > 0 and row["peak_vs_bf16"] is None  # no accelerator peaks on CPU
+        assert [c["result"] for c in row["checks"]] == ["PASS"]
+    assert rows[2]["dit_held_bytes"] == 0 < rows[0]["dit_held_bytes"] < saved["components"]["transformer"]["bytes"]
+    assert [r["mode"] for r in saved["rows"]] == ["none", "group"]  # the bf16 rows are unchanged
+
+
+def test_offload_gpu_rejects_unknown_dit_weights(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        offload_gpu.main(["--tiny", "--dit-weights", "bf16,int4"])
+    assert exit_info.value.code == 2 and "int4" in capsys.readouterr().err
+
+
 def test_offload_gpu_dry_run_builds_full_sizes_on_meta(capsys):
     result = offload_gpu.main(["--dry-run"])
     info = result["components"]
