@@ -206,8 +206,7 @@ class DiskStreaming:
 
     def _drop(self, tensors) -> None:
         for module, local, full in tensors:
-            store = module._parameters if local in module._parameters else module._buffers
-            current = store[local]
+            current = _slot(module, local)
             if full in self.spans:
                 self._bind(module, local, torch.empty(current.shape, dtype=current.dtype, device="meta"))
             else:
