@@ -156,7 +156,7 @@ class LingBotCaption(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         camera = [Choice(name, options=options, default=DEFAULTS[name],
-                                 tooltip=f"camera_info.{name} of the caption")
+                         tooltip=f"camera_info.{name} of the caption")
                   for name, options in CAMERA_FIELDS.items()]
         return io.Schema(
             node_id="LingBotCaption",

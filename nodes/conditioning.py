@@ -46,7 +46,7 @@ class LingBotTextEncode(io.ComfyNode):
                 io.String.Input("negative_prompt", multiline=True, dynamic_prompts=False, default="",
                                 tooltip="Empty: the reference default negative prompt"),
                 Choice("task", options=["t2v", "t2i", "ti2v"], default="t2v",
-                               tooltip="Picks the default negative (the image one for t2i); ti2v needs a first frame"),
+                       tooltip="Picks the default negative (the image one for t2i); ti2v needs a first frame"),
                 ImageCond.Input("image_cond", optional=True,
                                 tooltip="TI2V: the first frame from LingBot VAE Encode (preferred)"),
                 io.Image.Input("image", optional=True,

@@ -60,25 +60,25 @@ class LingBotLoader(io.ComfyNode):
                         "here: each component loads when a stage first needs it.",
             inputs=[
                 Choice("checkpoint", options=checkpoint_choices(), default=next(iter(TINY)),
-                               tooltip="A folder under models/lingbot_video/ holding model_index.json, or a "
-                                       "built-in tiny random-weight model (for trying workflows; output is noise)"),
+                       tooltip="A folder under models/lingbot_video/ holding model_index.json, or a "
+                               "built-in tiny random-weight model (for trying workflows; output is noise)"),
                 Choice("variant", options=["auto", "dense", "moe"], default="auto",
-                               tooltip="auto: read it from the checkpoint; dense/moe: also check that it matches"),
+                       tooltip="auto: read it from the checkpoint; dense/moe: also check that it matches"),
                 Choice("dtype", options=list(DTYPES), default="auto",
-                               tooltip="auto: the DiT as stored (bf16 for the published checkpoints); text "
-                                       "encoder bf16 on GPU, fp32 on CPU (the VAE stays fp32)"),
+                       tooltip="auto: the DiT as stored (bf16 for the published checkpoints); text "
+                               "encoder bf16 on GPU, fp32 on CPU (the VAE stays fp32)"),
                 Choice("attention", options=ATTENTION, default="default",
-                               tooltip="Attention kernel of the DiT. default: PyTorch SDPA; flash/sage/xformers "
-                                       "need their package installed"),
+                       tooltip="Attention kernel of the DiT. default: PyTorch SDPA; flash/sage/xformers "
+                               "need their package installed"),
                 io.String.Input("path", default="", optional=True,
                                 tooltip="A checkpoint folder; overrides the combo when not empty. In ComfyUI it "
                                         "must lie under its model folders (LINGBOT_ALLOW_ANY_MODEL_PATH=1 lifts that)"),
                 Choice("device", options=["auto", "cuda", "cpu"], default="auto", optional=True,
-                               tooltip="Execution device. auto: ComfyUI's device inside ComfyUI (honours --cpu "
-                                       "and --cuda-device), else CUDA when available"),
+                       tooltip="Execution device. auto: ComfyUI's device inside ComfyUI (honours --cpu "
+                               "and --cuda-device), else CUDA when available"),
                 Choice("weights", options=WEIGHTS, default="auto", optional=True,
-                               tooltip="auto: as stored (bf16, pre-quantized fp8, or a transformer/*.gguf); "
-                                       "fp8_e4m3: quantize the DiT's weights on load"),
+                       tooltip="auto: as stored (bf16, pre-quantized fp8, or a transformer/*.gguf); "
+                               "fp8_e4m3: quantize the DiT's weights on load"),
                 io.String.Input("transformer_path", default="", optional=True,
                                 tooltip="A student DiT (e.g. DMD-distilled): a folder that differs from the checkpoint "
                                         "only in transformer/, or that transformer folder. Inside ComfyUI it must "
@@ -134,9 +134,9 @@ class LingBotOffload(io.ComfyNode):
             inputs=[
                 Pipe.Input("pipe", tooltip="From LingBot Loader"),
                 Choice("mode", options=["auto", "none", "model", "sequential", "group"], default="auto",
-                               tooltip="auto: the fastest mode expected to fit the free GPU memory for the size "
-                                       "below. none: all on the GPU. model: one component at a time. "
-                                       "sequential: layer by layer (smallest, slowest). group: DiT blocks streamed"),
+                       tooltip="auto: the fastest mode expected to fit the free GPU memory for the size "
+                               "below. none: all on the GPU. model: one component at a time. "
+                               "sequential: layer by layer (smallest, slowest). group: DiT blocks streamed"),
                 io.Boolean.Input("use_stream", default=True, optional=True,
                                  tooltip="group: prefetch the next blocks on a CUDA stream"),
                 io.Boolean.Input("low_cpu_mem_usage", default=False, optional=True,
@@ -152,8 +152,8 @@ class LingBotOffload(io.ComfyNode):
                 io.Boolean.Input("plan_refine", default=True, optional=True,
                                  tooltip="auto: include the 1088x1920 refiner pass (MoE)"),
                 Choice("offload_to", options=["ram", "disk"], default="ram", optional=True,
-                               tooltip="where the DiT's offloaded weights live: ram, or disk (streamed from the "
-                                       "checkpoint file, no host copy)"),
+                       tooltip="where the DiT's offloaded weights live: ram, or disk (streamed from the "
+                               "checkpoint file, no host copy)"),
             ],
             outputs=[Pipe.Output(display_name="pipe", tooltip="A view of the pipe with these offload settings")],
         )
@@ -217,7 +217,7 @@ class LingBotRelease(io.ComfyNode):
                 Pipe.Input("pipe", tooltip="The pipe whose components to free"),
                 io.AnyType.Input("value", tooltip="Wire the last output here: the release runs after it"),
                 Choice("what", options=["all", "base transformer", "refiner", "text encoder"],
-                               default="all", tooltip="Which components to free"),
+                       default="all", tooltip="Which components to free"),
             ],
             outputs=[io.AnyType.Output(display_name="value", tooltip="`value`, unchanged")],
         )

@@ -75,12 +75,12 @@ class LingBotLoRA(io.ComfyNode):
             inputs=[
                 Pipe.Input("pipe", tooltip="From LingBot Loader, Offload or another LingBot LoRA"),
                 Choice("lora_name", options=lora_choices(), default=NONE,
-                               tooltip="A file in ComfyUI's models/loras folder; none passes the pipe through"),
+                       tooltip="A file in ComfyUI's models/loras folder; none passes the pipe through"),
                 io.Float.Input("strength", default=1.0, min=-10.0, max=10.0, step=0.01,
                                tooltip="Multiplies the LoRA's change; 0 leaves the model as it is"),
                 Choice("apply_to", options=APPLY_TO, default="auto", optional=True,
-                               tooltip="auto: the DiT the file's key prefixes name (none: the base DiT). "
-                                       "MoE: refiner or both to adapt the refiner too"),
+                       tooltip="auto: the DiT the file's key prefixes name (none: the base DiT). "
+                               "MoE: refiner or both to adapt the refiner too"),
                 io.String.Input("path", default="", optional=True,
                                 tooltip="A .safetensors path instead of lora_name (inside ComfyUI it must lie in a "
                                         "loras folder)"),

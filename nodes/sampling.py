@@ -55,9 +55,9 @@ class LingBotDenoise(io.ComfyNode):
                                 tooltip="TI2V: the first frame from LingBot VAE Encode, at the same size"),
                 io.Latent.Input("latent", optional=True, tooltip="Start from these latents instead of fresh noise"),
                 Choice("sampler", options=SAMPLERS, default="flow_unipc", optional=True,
-                               tooltip="flow_unipc: the reference (40 steps, cfg 3). euler: flow Euler (4 steps, cfg 1 "
-                                       "is the LightLingBot LoRA's trained grid). dmd_student: DMD-distilled student "
-                                       "checkpoints (8 steps, cfg 1, shift 3)"),
+                       tooltip="flow_unipc: the reference (40 steps, cfg 3). euler: flow Euler (4 steps, cfg 1 "
+                               "is the LightLingBot LoRA's trained grid). dmd_student: DMD-distilled student "
+                               "checkpoints (8 steps, cfg 1, shift 3)"),
                 io.String.Input("sigmas", default="", optional=True,
                                 tooltip="A custom sigma list, e.g. 1.0, 0.9, 0.75, 0.5 (used as given: shift does not "
                                         "apply; it sets the step count). Empty: the sampler's own grid. "
@@ -116,8 +116,8 @@ class LingBotRefine(io.ComfyNode):
                 io.Boolean.Input("tiling", default=True, optional=True,
                                  tooltip="Tiled VAE for the base decode and the refined encode (less memory)"),
                 Choice("release_base", options=["auto", "on", "off"], default="auto", optional=True,
-                               tooltip="Drop the base DiT before the refiner loads (auto: whenever offload is "
-                                       "not 'none')"),
+                       tooltip="Drop the base DiT before the refiner loads (auto: whenever offload is "
+                               "not 'none')"),
             ],
             outputs=[io.Latent.Output(display_name="latent", tooltip="Refined raw Wan 2.1 VAE latents")],
         )
