@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from . import checkpoint_checks as checks
+from .errors import CheckpointError
 
 COMPONENTS = ("transformer", "vae", "text_encoder", "processor", "scheduler")
 
@@ -56,10 +57,6 @@ CONFIG_FILES = {
     "text_encoder": "config.json",
     "scheduler": "scheduler_config.json",
 }
-
-
-# The open-time checks live in checkpoint_checks; the error type is shared.
-from .checkpoint_checks import CheckpointError  # noqa: E402
 
 
 @dataclass

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from .errors import CheckpointError
+
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit
 MAX_JSON_NESTING = 64
 
@@ -29,10 +31,6 @@ SAFETENSORS_ITEMSIZE = {
     "I32": 4, "U32": 4, "F32": 4,
     "I64": 8, "U64": 8, "F64": 8,
 }
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder that cannot be loaded; the message names the file and the fix."""
 
 
 CheckFailed = CheckpointError  # the name used inside this module

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import CheckpointError
+from ..errors import WeightsError
 from . import gguf_codec
 from .disk import FileSpan
 from .modules import FP8
@@ -37,10 +37,6 @@ _SAFETENSORS_DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-
-
-class WeightsError(CheckpointError):
-    """Weights that cannot be used as asked; the message names the file or tensor and the fix."""
 
 
 @dataclass(frozen=True)

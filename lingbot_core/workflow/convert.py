@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import ValidationIssue, WorkflowError, WorkflowValidationError, brief
-from .graph import check_nesting, id_text, json_path
 from .nodeinfo import InputSpec, NodeClassInfo, is_link
+from .values import check_nesting, id_text, json_path
 
 MODE_MUTED = 2
 MODE_BYPASS = 4

@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .convert import ui_to_api
 from .errors import ValidationIssue, WorkflowError, WorkflowValidationError, brief, clip
 from .nodeinfo import NodeClassInfo, class_problem, is_link, link_types_compatible
+from .values import MAX_ID_CHARS, MAX_NESTING, check_nesting, id_text, json_path  # noqa: F401 (re-exported)
 
 Registry = Mapping[str, type]
 
-MAX_NESTING = 64  # containers inside containers; editor saves use under 10
 MAX_FILE_BYTES = 256 * 1024 * 1024
 
 
@@ -59,8 +60,6 @@ def load_workflow(
     UI files are converted with :func:`ui_to_api`, which needs the registry to know each class's
     widgets; that is why the registry is required even for API files, which it checks.
     """
-    from .convert import ui_to_api  # local import: convert uses this module's helpers
-
     if isinstance(source, (str, os.PathLike)):
         origin = str(source)
         data: Any = read_json(Path(source))
@@ -102,37 +101,6 @@ def reading_guard(origin: str) -> Iterator[None]:
         err = WorkflowError(f"{clip(origin, 500)}: malformed workflow ({type(exc).__name__}: {clip(str(exc), 300)})")
         err.internal = True
         raise err from exc
-
-
-def check_nesting(data: Any, origin: str = "<dict>", limit: int = MAX_NESTING) -> None:
-    """Refuse values nested deeper than ``limit`` before anything recurses into them.
-
-    Copying, hashing and printing a value recurse; a few thousand levels (easy to write in a
-    file) would raise ``RecursionError`` deep inside. Walks iteratively and names the JSON path.
-    """
-    stack: list[tuple[Any, int, tuple[Any, ...]]] = [(data, 0, ())]
-    while stack:
-        value, depth, path = stack.pop()
-        if isinstance(value, Mapping):
-            children = value.items()
-        elif isinstance(value, (list, tuple)):
-            children = enumerate(value)
-        else:
-            continue
-        if depth >= limit:
-            raise WorkflowError(f"{clip(origin, 500)}: values nest more than {limit} levels deep "
-                                f"at {json_path(path[:8])}...; a workflow never needs that")
-        for key, child in children:
-            if isinstance(child, (Mapping, list, tuple)):
-                stack.append((child, depth + 1, path + (key,) if depth < 8 else path))
-
-
-def json_path(path: tuple[Any, ...]) -> str:
-    """``("nodes", 3, "inputs")`` -> ``nodes[3].inputs`` (keys shortened)."""
-    out = "$"
-    for key in path:
-        out += f"[{key}]" if isinstance(key, int) else f".{clip(str(key), 40)}"
-    return out
 
 
 def read_json(path: Path) -> Any:
@@ -223,24 +191,6 @@ def normalize_api(data: Mapping[str, Any], origin: str = "<dict>") -> dict[str, 
     if issues:
         raise WorkflowValidationError(issues, source=origin)
     return out
-
-
-MAX_ID_CHARS = 64
-
-
-def id_text(raw: Any) -> str | None:
-    """A node or link id as the string key we use, or None if it cannot be one.
-
-    Strings and integers only (not bools), of bounded size: ``str()`` of a 5,000-digit integer
-    raises, and an id is echoed in every message about its node.
-    """
-    if isinstance(raw, bool):
-        return None
-    if isinstance(raw, int):
-        return str(raw) if raw.bit_length() <= 64 else None
-    if isinstance(raw, str) and 0 < len(raw) <= MAX_ID_CHARS:
-        return raw
-    return None
 
 
 def class_infos(prompt: Mapping[str, Mapping[str, Any]], registry: Registry) -> tuple[dict[str, NodeClassInfo], list[ValidationIssue]]:

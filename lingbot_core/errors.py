@@ -1,0 +1,17 @@
+"""The error types of loading, in a leaf module every layer may import.
+
+`CheckpointError`: a checkpoint (a folder, or a single weights file) that cannot be loaded; the
+message names the file and the fix. `WeightsError`: weights that cannot be used as asked (a format,
+a tensor, a quantization mode); a `CheckpointError`, so callers catching that see both.
+They are re-exported where they used to live (`checkpoint`, `checkpoint_checks`, `weights.sources`).
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file and the fix."""
+
+
+class WeightsError(CheckpointError):
+    """Weights that cannot be used as asked; the message names the file or tensor and the fix."""
