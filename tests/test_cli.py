@@ -196,6 +196,14 @@ def test_interrupt_while_writing_leaves_no_partial_file(tmp_path, capsys, monkey
     assert len(calls) == 3 and not any(p.is_file() for p in tmp_path.rglob("*"))
 
 
+def _default_sigint() -> None:
+    """In the child: SIGINT back to its default. A suite started in the background by a shell without job
+    control inherits SIGINT as ignored, and Python then never raises KeyboardInterrupt."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_in_a_real_process(tmp_path):
     """SIGINT to `python -m lingbot_nodes` mid-run: exit 130, one line, no traceback, no file."""
     import os
@@ -205,7 +213,7 @@ def test_ctrl_c_in_a_real_process(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "lingbot_nodes", "--set", "Denoise.steps=200",
                              "--output", str(tmp_path)], stderr=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, env=env)
+                            text=True, env=env, preexec_fn=_default_sigint)
     lines = []
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
