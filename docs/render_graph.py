@@ -11,12 +11,14 @@ ComfyUI editor's look; it is not a screenshot of it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 import textwrap
 from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
+from PIL.PngImagePlugin import PngInfo
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / ".dev")]
@@ -53,6 +55,20 @@ def widget_names(class_type: str) -> list[str]:
             if spec.has_control_widget:
                 names.append("control after generate")
     return names
+
+
+DIGEST_KEY = "lingbot-inputs"  # PNG text chunk: what the picture was drawn from (tests/test_readme.py)
+
+
+def inputs_digest(workflow: Path) -> str:
+    """A hash of everything the picture depends on: the workflow file, each drawn class's widget
+    names, and this script. A stale picture (a new input, an edited workflow) no longer matches."""
+    data = json.loads(workflow.read_text())
+    widgets = {n["type"]: widget_names(n["type"]) for n in data["nodes"]}
+    h = hashlib.sha256()
+    for part in (workflow.read_bytes(), json.dumps(widgets, sort_keys=True).encode(), Path(__file__).read_bytes()):
+        h.update(hashlib.sha256(part).digest())
+    return h.hexdigest()
 
 
 def shown(value: object, width: int) -> str:
@@ -152,7 +168,9 @@ def render(workflow: Path, out: Path) -> Path:
             tw = draw.textlength(text, font=f_small) / SCALE
             draw.text(p(x + w - 20 - tw, wy + 3), text, font=f_small, fill=TEXT)
     out.parent.mkdir(parents=True, exist_ok=True)
-    image.save(out, optimize=True)
+    info = PngInfo()
+    info.add_text(DIGEST_KEY, inputs_digest(workflow))
+    image.save(out, optimize=True, pnginfo=info)
     return out
 
 

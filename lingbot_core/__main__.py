@@ -38,7 +38,8 @@ def _non_negative(text: str) -> float:
     return value
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command's options (the README's commands are parsed with this in the tests)."""
     parser = argparse.ArgumentParser(prog="python -m lingbot_core", description=__doc__)
     parser.add_argument("--model", help="checkpoint folder (default: the tiny built-in checkpoint)")
     parser.add_argument("--mode", choices=("t2v", "t2i", "ti2v"), default="t2v")
@@ -57,7 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--refine", action="store_true", help="run the MoE refiner too")
     parser.add_argument("--device", help="execution device (default: cuda if available)")
     parser.add_argument("--output", default="output/lingbot", help="file name without suffix")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     from .exit_codes import BAD_INPUT, INTERRUPTED, exit_code, one_line
 

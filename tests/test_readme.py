@@ -12,14 +12,40 @@ ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
 
-def _code_commands(program: str) -> list[list[str]]:
-    """Every `program ...` command in the README's bash blocks, continuation lines joined."""
+ILLUSTRATIVE = "(illustrative"  # in the paragraph just above a code block: the block is not run
+
+
+def _blocks(text: str, language: str) -> list[tuple[str, str]]:
+    """(the paragraph line just above, the code) for every fenced block of `language`."""
+    out = []
+    for match in re.finditer(r"```" + language + r"\n(.*?)```", text, flags=re.S):
+        above = [line for line in text[:match.start()].splitlines() if line.strip()]
+        out.append((above[-1] if above else "", match.group(1)))
+    return out
+
+
+def _checked(language: str) -> list[str]:
+    return [code for above, code in _blocks(README, language) if ILLUSTRATIVE not in above]
+
+
+def _all_commands() -> list[list[str]]:
+    """Every command line in the README's bash blocks not marked illustrative (continuations
+    joined, comments dropped, `a && b` split)."""
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", README, flags=re.S):
+    for block in _checked("bash"):
         for line in block.replace("\\\n", " ").splitlines():
-            if line.strip().startswith(program + " ") or line.strip() == program:
-                commands.append(shlex.split(line, comments=True))
+            words = shlex.split(line, comments=True)
+            while words:
+                cut = words.index("&&") if "&&" in words else len(words)
+                commands.append(words[:cut])
+                words = words[cut + 1:]
     return commands
+
+
+def _code_commands(program: str) -> list[list[str]]:
+    """Every `program ...` command in the README's bash blocks."""
+    n = len(program.split())
+    return [argv for argv in _all_commands() if argv[:n] == program.split()]
 
 
 def _table_rows(header_start: str) -> list[list[str]]:
@@ -75,3 +101,136 @@ def test_pictures_exist_and_are_pngs():
     for rel in pictures:
         data = (ROOT / rel).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n", rel
+
+
+# -- every command and snippet is run or checked -------------------------------------------------
+
+def _pip_install(argv: list[str]) -> None:
+    """The install lines: the torch wheel index is PyTorch's, the requirements file and the
+    package extra exist, and requirements.txt lists every runtime dependency but torch."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    args = argv[2:]
+    if "--index-url" in args:
+        url = args[args.index("--index-url") + 1]
+        assert re.fullmatch(r"https://download\.pytorch\.org/whl/(cpu|cu\d{3})", url), url
+        assert {a for a in args if not a.startswith("-") and a != url} <= {"torch", "torchvision"}
+    elif "-r" in args:
+        wanted = [d for d in project["dependencies"] if not d.startswith(("torch", "torchvision"))]
+        lines = [line.strip() for line in (ROOT / args[args.index("-r") + 1]).read_text().splitlines()
+                 if line.strip() and not line.startswith("#")]
+        assert sorted(lines) == sorted(wanted)
+    else:
+        assert args[0] == "-e", argv
+        extra = re.fullmatch(r"\.\[(\w+)\]", args[1])
+        assert extra and extra.group(1) in project["optional-dependencies"], argv
+
+
+def _hf_download(argv: list[str]) -> None:
+    """A download lands where the pack looks (headless roots); --exclude names a real component."""
+    from lingbot_core.tiny import ensure_tiny_checkpoint
+    from lingbot_nodes.lora import lora_roots
+    from lingbot_nodes.runtime import model_roots
+
+    args = argv[2:]
+    repo, dest = args[0], Path(args[args.index("--local-dir") + 1])
+    assert re.fullmatch(r"[\w.-]+/[\w.-]+", repo)
+    if dest.parent in model_roots():
+        from bench.memory_table import REPOS
+
+        assert repo in REPOS.values()
+        for pattern in (args[i + 1] for i, a in enumerate(args) if a in ("--exclude", "--include")):
+            assert (ensure_tiny_checkpoint("moe") / pattern.split("/")[0]).is_dir(), pattern
+    else:
+        assert dest in lora_roots(), dest
+        assert args[1].endswith(".safetensors")
+
+
+def _quantize(argv: list[str]) -> None:
+    from lingbot_core.quantize import TARGETS
+
+    src, dst = argv[3:5]
+    assert argv[argv.index("--to") + 1] in TARGETS
+    downloads = {a[a.index("--local-dir") + 1] for a in _code_commands("hf download")}
+    assert src in downloads and Path(dst).parent == Path(src).parent
+
+
+SHELL = {("python3", "-m", "venv"), (".",), ("cd",), ("python", "-m", "pytest")}
+
+
+def test_every_readme_command_is_checked():
+    """Each command line is parsed by the program it calls (or its inputs checked); a command no
+    check knows fails here: check it, or mark its block illustrative."""
+    from lingbot_core.__main__ import build_parser as core_parser
+    from lingbot_nodes.cli import build_parser as run_parser
+
+    kinds = set()
+    for argv in _all_commands():
+        if argv[:2] == ["pip", "install"] or argv[:4] == ["python", "-m", "pip", "install"]:
+            _pip_install(argv[2:] if argv[0] == "python" else argv)
+        elif argv[:2] == ["hf", "download"]:
+            _hf_download(argv)
+        elif argv[:3] == ["python", "-m", "lingbot_core.quantize"]:
+            _quantize(argv)
+        elif argv[:3] == ["python", "-m", "lingbot_core"]:
+            core_parser().parse_args(argv[3:])
+        elif argv[0] == "lingbot-run":
+            run_parser().parse_args(argv[1:])
+        else:
+            assert any(tuple(argv[:len(s)]) == s for s in SHELL), f"no check for README command {argv}"
+        kinds.add(argv[0])
+    assert {"pip", "hf", "lingbot-run", "python"} <= kinds
+
+
+def test_python_snippet_runs_and_saves(tmp_path, monkeypatch, capsys):
+    """The README's Python example, as printed, on the tiny checkpoint: it writes its video."""
+    snippets = _checked("python")
+    assert snippets
+    monkeypatch.chdir(tmp_path)
+    for code in snippets:
+        exec(compile(code, "README.md", "exec"), {"__name__": "__readme__"})
+    written = [Path(line) for line in capsys.readouterr().out.splitlines() if line.endswith((".mp4", ".png"))]
+    assert written and all((tmp_path / p).is_file() and (tmp_path / p).stat().st_size > 0 for p in written)
+
+
+def test_illustrative_blocks_say_so():
+    """Blocks the tests do not run are labelled for the reader, and only config examples are."""
+    for language in ("bash", "python", "yaml", "json"):
+        for above, code in _blocks(README, language):
+            if ILLUSTRATIVE in above:
+                assert language in ("yaml", "json"), code
+    assert _blocks(README, "yaml")
+
+
+def test_no_machine_paths_in_user_docs():
+    for path in (ROOT / "README.md", ROOT / "docs" / "benchmarks.md"):
+        text = path.read_text()
+        assert not re.search(r"(?<![\w.])/(work|root|home|Users|tmp)/", text), path
+
+
+def test_benchmarks_moved_with_their_commands():
+    """Measured tables live in docs/benchmarks.md, each section naming the bench script it came from."""
+    bench = (ROOT / "docs" / "benchmarks.md").read_text()
+    for section in re.split(r"\n## ", bench)[1:]:
+        assert re.search(r"bench/\w+\.py", section), section[:60]
+    for script in ("fewstep.py", "weights.py", "lora.py", "quant_error.py", "offload_gpu.py"):
+        assert f"bench/{script}" in bench
+        assert (ROOT / "bench" / script).is_file()
+    assert "| recipe | DiT calls" not in README and "| recipe | DiT calls" in bench
+
+
+def test_graph_picture_is_drawn_from_the_current_workflow():
+    """docs/graph-moe-refine.png carries the digest of what it was drawn from; regenerate it with
+    `python docs/render_graph.py` when the workflow, a node's inputs or the renderer change."""
+    import importlib.util
+
+    from PIL import Image
+
+    spec = importlib.util.spec_from_file_location("render_graph", ROOT / "docs" / "render_graph.py")
+    render_graph = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(render_graph)
+    with Image.open(ROOT / "docs" / "graph-moe-refine.png") as image:
+        drawn_from = image.text.get(render_graph.DIGEST_KEY)
+    expected = render_graph.inputs_digest(ROOT / "workflows" / "lingbot_t2v_moe_refine.json")
+    assert drawn_from == expected, "docs/graph-moe-refine.png is stale: run python docs/render_graph.py"
