@@ -14,11 +14,13 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..errors import WeightsError
 from . import gguf_codec
 from .disk import FileSpan
+from .gguf_file import read_header
 from .modules import FP8
 
 SCALE_SUFFIX = ".scale"
@@ -137,28 +139,24 @@ class SafetensorsSource:
 
 
 class GGUFSource:
-    """One GGUF file (the checkpoint's own state-dict names), memory-mapped with the `gguf` package."""
+    """One GGUF file (the checkpoint's own state-dict names): its header read once by the bounded walk of
+    `gguf_file`, tensors read from their spans or (`mapped`) viewed in a copy-on-write map of the file."""
 
     kind = "gguf"
 
     def __init__(self, path: Path):
-        from gguf import GGUFReader
-
         self.files = [path]
-        try:
-            self._reader = GGUFReader(path, mode="c")  # copy-on-write map: writable views, no copy
-        except (ValueError, OSError) as err:
-            raise WeightsError(f"{path} is not a readable GGUF file ({err}); re-download or re-create it.") from err
-        self._tensors = {t.name: t for t in self._reader.tensors}
+        self.header = read_header(path)  # bounded walk: every malformed file ends in a GGUFError
+        self._tensors = dict(self.header.tensors)
+        self._map: np.memmap | None = None
         self.entries: dict[str, Entry] = {}
         for name, t in self._tensors.items():
-            qtype = int(t.tensor_type)
             try:
-                gguf_codec.check_supported(qtype, name)
+                gguf_codec.check_supported(t.qtype, name)
             except ValueError as err:
                 raise WeightsError(f"{path}: {err}") from None
-            shape = self._orig_shape(name) or tuple(int(n) for n in reversed(t.shape.tolist()))
-            self.entries[name] = Entry("gguf", shape, gguf_type=qtype)
+            shape = self.header.orig_shape(name) or t.shape
+            self.entries[name] = Entry("gguf", shape, gguf_type=t.qtype)
         self._group_experts(path)
 
     def _group_experts(self, path: Path) -> None:
@@ -197,16 +195,9 @@ class GGUFSource:
             self.entries[stack] = Entry("gguf", (len(names), *first.shape), gguf_type=first.gguf_type,
                                         parts=tuple(names))
 
-    def _orig_shape(self, name: str) -> tuple[int, ...] | None:
-        # ComfyUI-GGUF files record the torch shape of tensors they had to reshape.
-        field = self._reader.fields.get(f"comfy.gguf.orig_shape.{name}")
-        if field is None:
-            return None
-        return tuple(int(field.parts[i][0]) for i in field.data)
-
     def span(self, key: str, dtype: torch.dtype, shape: tuple[int, ...]) -> FileSpan:
         t = self._tensors[key]
-        return FileSpan(str(self.files[0]), int(t.data_offset), int(t.n_bytes), dtype, tuple(shape))
+        return FileSpan(str(self.files[0]), t.offset, t.nbytes, dtype, tuple(shape))
 
     def packed(self, key: str, mapped: bool = False) -> torch.Tensor:
         """The stored bytes of `key` as uint8 [..., bytes per row]: read into memory of their own, or
@@ -226,9 +217,9 @@ class GGUFSource:
         shape = (*logical[:-1], gguf_codec.bytes_per_row(qtype, logical[-1]))
         if not mapped:
             return self.span(key, torch.uint8, shape).read(_CPU)
-        start = t.data_offset
-        flat = self._reader.data[start:start + int(t.n_bytes)]
-        return torch.from_numpy(flat.view("uint8")).view(shape)
+        if self._map is None:  # copy-on-write map: writable views, no copy
+            self._map = np.memmap(self.files[0], dtype=np.uint8, mode="c", shape=(self.header.size,))
+        return torch.from_numpy(self._map[t.offset:t.offset + t.nbytes]).view(shape)
 
     def plain(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A tensor decoded to `dtype` (float32 by default), in memory of its own."""
@@ -245,3 +236,4 @@ class GGUFSource:
 
     def close(self) -> None:
         self._tensors.clear()
+        self._map = None

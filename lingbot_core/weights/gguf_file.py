@@ -1,0 +1,327 @@
+"""A GGUF file's header, read with every count and length bounded by the bytes the file holds.
+
+The layout (GGUF v2/v3, little-endian): magic `GGUF`, uint32 version, uint64 tensor count, uint64
+metadata count; the metadata as (string key, uint32 value type, value); one record per tensor
+(string name, uint32 n_dims, n_dims uint64 sizes innermost first, uint32 GGML type, uint64 offset
+into the data section); padding to `general.alignment` (32 by default); the tensor data. A string
+is a uint64 byte count and UTF-8 bytes; an array is a uint32 element type, a uint64 count and the
+elements.
+
+Why not `gguf.GGUFReader`: it trusts the header. It loops and allocates by whatever counts the file
+claims (a 47-byte file claiming 2^62 array entries runs until memory is gone), builds one numpy
+array per metadata array element (a 4 MB array takes minutes and over a GB), recurses into nested
+arrays without a limit, opens whatever the path names (a FIFO blocks forever), accepts tensors that
+overlap, sit misaligned or do not match their bytes, and fails with whatever numpy or Python raises.
+This walk checks each count and length against the bytes left BEFORE it loops or allocates, reads
+numeric arrays in one step, and ends every problem in `GGUFError` naming the file and what is wrong.
+
+Tensor data must be laid out as llama.cpp requires: in declaration order, each tensor at the running
+total of its predecessors' sizes rounded up to the alignment. That one rule refuses overlapping,
+misaligned and gapped tensors, and a tensor whose declared type or shape does not match its bytes.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import stat
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
+from ..errors import WeightsError
+
+MAGIC = b"GGUF"
+VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
+MAX_ARRAY_DEPTH = 3  # an array of arrays of arrays; deeper nesting is refused
+MAX_NAME_BYTES = 1 << 16  # metadata keys and tensor names
+MAX_ELEMENTS = 1 << 62  # elements of one tensor (ggml counts them in int64)
+MAX_ALIGNMENT = 1 << 30
+_FIXED_PART = 24  # magic, version, two counts
+
+# value type -> (struct format of one little-endian value, numpy dtype of an array of them)
+_SCALARS: dict[int, tuple[str, str]] = {
+    GGUFValueType.UINT8: ("<B", "<u1"), GGUFValueType.INT8: ("<b", "<i1"),
+    GGUFValueType.UINT16: ("<H", "<u2"), GGUFValueType.INT16: ("<h", "<i2"),
+    GGUFValueType.UINT32: ("<I", "<u4"), GGUFValueType.INT32: ("<i", "<i4"),
+    GGUFValueType.UINT64: ("<Q", "<u8"), GGUFValueType.INT64: ("<q", "<i8"),
+    GGUFValueType.FLOAT32: ("<f", "<f4"), GGUFValueType.FLOAT64: ("<d", "<f8"),
+    GGUFValueType.BOOL: ("<B", "<u1"),
+}
+_STRING, _ARRAY = int(GGUFValueType.STRING), int(GGUFValueType.ARRAY)
+# the fewest bytes one value of a type occupies (a string: its length; an array: type and count)
+_MIN_BYTES = {**{t: struct.calcsize(f) for t, (f, _) in _SCALARS.items()}, _STRING: 8, _ARRAY: 12}
+_MIN_KV = 8 + 4 + 1  # empty key, type, one byte of value
+_MIN_TENSOR = 8 + 4 + 4 + 8  # empty name, n_dims (0), type, offset
+
+
+class GGUFError(WeightsError):
+    """A `.gguf` file that is not a well-formed GGUF file; the message names the file and the problem."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor record: its GGML type, sizes (innermost first, as stored) and where its bytes are."""
+
+    name: str
+    qtype: int
+    dims: tuple[int, ...]
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The torch (row-major) shape: the stored sizes reversed."""
+        return tuple(reversed(self.dims))
+
+    @property
+    def n_elements(self) -> int:
+        n = 1
+        for d in self.dims:
+            n *= d
+        return n
+
+    @property
+    def type_name(self) -> str:
+        return GGMLQuantizationType(self.qtype).name
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    """What a GGUF file says about itself; tensors in declaration order, metadata as Python values
+    (numeric arrays as numpy arrays, string arrays as lists)."""
+
+    path: Path
+    size: int
+    version: int
+    alignment: int
+    data_start: int
+    metadata: dict[str, Any] = field(repr=False)
+    tensors: dict[str, TensorInfo] = field(repr=False)
+
+    @property
+    def architecture(self) -> str | None:
+        arch = self.metadata.get("general.architecture")
+        return arch if isinstance(arch, str) else None
+
+    def orig_shape(self, name: str) -> tuple[int, ...] | None:
+        """The torch shape a ComfyUI-GGUF converter recorded for a tensor it reshaped
+        (`comfy.gguf.orig_shape.<name>`), or None; a record that cannot be that tensor's shape is refused."""
+        value = self.metadata.get(f"comfy.gguf.orig_shape.{name}")
+        if value is None:
+            return None
+        info = self.tensors.get(name)
+        dims = value.tolist() if isinstance(value, np.ndarray) else value
+        if (info is None or not isinstance(dims, list) or not 0 < len(dims) <= 2 * MAX_DIMS
+                or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dims)
+                or _product(dims) != info.n_elements):
+            what = "no such tensor" if info is None else f"the tensor holds {info.n_elements} values"
+            raise GGUFError(f"{self.path}: metadata comfy.gguf.orig_shape.{name} = {_short(value)} is not a shape "
+                            f"of that tensor ({what}); the file is damaged. Re-convert it.")
+        return tuple(dims)
+
+
+def _product(dims: list[int]) -> int:
+    n = 1
+    for d in dims:
+        n *= d
+    return n
+
+
+def _short(value: Any) -> str:
+    text = repr(value.tolist() if isinstance(value, np.ndarray) else value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class _Walk:
+    """A cursor over the mapped file; every read is checked against the bytes left first."""
+
+    def __init__(self, path: Path, data: mmap.mmap, size: int):
+        self.path, self.data, self.size, self.at = path, data, size, 0
+
+    def fail(self, problem: str) -> GGUFError:
+        return GGUFError(f"{self.path} is not a valid GGUF file: {problem}. Re-download or re-convert it.")
+
+    @property
+    def left(self) -> int:
+        return self.size - self.at
+
+    def need(self, n: int, what: str) -> None:
+        if n > self.left:
+            raise self.fail(f"truncated at byte {self.at} ({what} needs {n} bytes, {self.left} left)")
+
+    def scalar(self, fmt: str, what: str) -> Any:
+        n = struct.calcsize(fmt)
+        self.need(n, what)
+        (value,) = struct.unpack_from(fmt, self.data, self.at)
+        self.at += n
+        return value
+
+    def count(self, what: str, each: int, limit: int | None = None) -> int:
+        """A uint64 count of items of at least `each` bytes: refused unless they fit in what is left."""
+        n = self.scalar("<Q", what)
+        if n * each > self.left or (limit is not None and n > limit):
+            bound = f"at most {limit}" if limit is not None and n * each <= self.left else f"{self.left} bytes left"
+            raise self.fail(f"{what} claims {n} entries ({bound})")
+        return n
+
+    def string(self, what: str, limit: int | None = None) -> str:
+        n = self.scalar("<Q", f"{what} length")
+        if limit is not None and n > limit:
+            raise self.fail(f"{what} is {n} bytes long (at most {limit})")
+        self.need(n, what)
+        raw = self.data[self.at:self.at + n]
+        self.at += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise self.fail(f"{what} at byte {self.at - n} is not UTF-8") from None
+
+    def value(self, vtype: int, what: str, depth: int = 0) -> Any:
+        if vtype in _SCALARS:
+            v = self.scalar(_SCALARS[vtype][0], what)
+            return bool(v) if vtype == GGUFValueType.BOOL else v
+        if vtype == _STRING:
+            return self.string(what)
+        if vtype != _ARRAY:
+            raise self.fail(f"{what} has unknown value type {vtype}")
+        if depth >= MAX_ARRAY_DEPTH:
+            raise self.fail(f"{what} nests arrays deeper than {MAX_ARRAY_DEPTH} levels")
+        item = self.scalar("<I", f"{what} element type")
+        if item not in _MIN_BYTES:
+            raise self.fail(f"{what} is an array of unknown value type {item}")
+        n = self.count(f"{what} (array)", _MIN_BYTES[item])
+        if item in _SCALARS:  # one step, whatever the count: the bytes are there
+            dtype = np.dtype(_SCALARS[item][1])
+            raw = self.data[self.at:self.at + n * dtype.itemsize]
+            self.at += n * dtype.itemsize
+            arr = np.frombuffer(raw, dtype=dtype).astype(dtype.newbyteorder("="))
+            return arr.astype(bool) if item == GGUFValueType.BOOL else arr
+        return [self.value(item, what, depth + 1) for _ in range(n)]
+
+
+def _regular_file(path: Path) -> int:
+    """An open read-only descriptor of `path`, refused unless it is a regular file (a directory, FIFO,
+    socket or device such as /dev/zero never gets opened, and the open itself never blocks)."""
+    try:
+        info = os.stat(path)
+    except OSError as err:
+        raise GGUFError(f"GGUF file {path} cannot be read ({err.strerror or err}).") from None
+    if not stat.S_ISREG(info.st_mode):
+        kind = ("a directory" if stat.S_ISDIR(info.st_mode) else "a FIFO" if stat.S_ISFIFO(info.st_mode)
+                else "a device" if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode) else "not a regular file")
+        raise GGUFError(f"{path} is {kind}, not a GGUF file; point at the .gguf file itself.")
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as err:
+        raise GGUFError(f"GGUF file {path} cannot be opened ({err.strerror or err}).") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced between the stat and the open
+        os.close(fd)
+        raise GGUFError(f"{path} is not a regular file; point at the .gguf file itself.")
+    return fd
+
+
+def read_header(path: str | os.PathLike) -> GGUFHeader:
+    """The header of the GGUF file at `path`, checked against its size; `GGUFError` for anything malformed."""
+    path = Path(path)
+    fd = _regular_file(path)
+    try:
+        size = os.fstat(fd).st_size
+        if size < _FIXED_PART:
+            raise GGUFError(f"{path} is not a valid GGUF file: truncated header ({size} bytes; a GGUF header "
+                            f"has at least {_FIXED_PART}). Re-download or re-convert it.")
+        try:
+            data = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as err:
+            raise GGUFError(f"GGUF file {path} cannot be mapped ({err}).") from None
+    finally:
+        os.close(fd)
+    try:
+        return _walk(_Walk(path, data, size))
+    finally:
+        data.close()
+
+
+def _walk(w: _Walk) -> GGUFHeader:
+    magic = w.data[0:4]
+    if magic != MAGIC:
+        raise w.fail(f"bad magic {magic!r} (a GGUF file starts with b'GGUF')")
+    w.at = 4
+    version = w.scalar("<I", "version")
+    if version not in VERSIONS:
+        if version & 0xFFFF == 0 and int.from_bytes(version.to_bytes(4, "little"), "big") in VERSIONS:
+            raise w.fail("it is big-endian; lingbot-nodes reads little-endian GGUF files (the usual kind)")
+        raise w.fail(f"unsupported version {version} (it reads versions {', '.join(map(str, VERSIONS))})")
+    n_tensors = w.scalar("<Q", "tensor count")
+    n_kv = w.count("metadata", _MIN_KV)
+    metadata: dict[str, Any] = {}
+    for i in range(n_kv):
+        key = w.string(f"metadata key {i}", MAX_NAME_BYTES)
+        if key in metadata:
+            raise w.fail(f"metadata key {key!r} appears twice")
+        vtype = w.scalar("<I", f"type of metadata {key!r}")
+        metadata[key] = w.value(vtype, f"metadata {key!r}")
+    if n_tensors * _MIN_TENSOR > w.left:
+        raise w.fail(f"tensor count claims {n_tensors} tensors ({w.left} bytes left)")
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if (not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0
+            or alignment & (alignment - 1) or alignment > MAX_ALIGNMENT):
+        raise w.fail(f"general.alignment is {_short(alignment)} (a power of two up to {MAX_ALIGNMENT})")
+    records = [_tensor_record(w, i) for i in range(n_tensors)]
+    data_start = -(-w.at // alignment) * alignment
+    tensors: dict[str, TensorInfo] = {}
+    expected = 0  # where the next tensor must start, relative to the data section
+    previous: TensorInfo | None = None
+    for name, qtype, dims, offset in records:
+        if name in tensors:
+            raise w.fail(f"tensor {name!r} appears twice")
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+        kind = GGMLQuantizationType(qtype).name
+        if dims and dims[0] % block:
+            raise w.fail(f"tensor {name!r}: a {kind} row holds a multiple of {block} values, not {dims[0]}")
+        info = TensorInfo(name, qtype, dims, data_start + offset, _product(list(dims)) // block * type_size)
+        what = f"tensor {name!r} ({kind} {list(info.shape)}, {info.nbytes} bytes)"
+        if offset % alignment:
+            raise w.fail(f"{what} starts at data offset {offset}, not a multiple of the alignment {alignment}")
+        if offset < expected and previous is not None:
+            raise w.fail(f"{what} starts at data offset {offset}, inside {previous.name!r} (which ends at "
+                         f"{previous.offset - data_start + previous.nbytes}): tensors overlap")
+        if offset != expected:
+            after = f"after {previous.name!r}" if previous is not None else "at the start of the data"
+            raise w.fail(f"{what} starts at data offset {offset}, but {expected} is where it belongs {after}: "
+                         "a declared type or shape does not match the bytes stored")
+        if info.offset + info.nbytes > w.size:
+            raise w.fail(f"{what} runs past the end of the file (ends at byte {info.offset + info.nbytes}, the "
+                         f"file has {w.size})")
+        tensors[name] = previous = info
+        expected = offset + -(-info.nbytes // alignment) * alignment
+    end = data_start + expected
+    if tensors and w.size > end:
+        raise w.fail(f"{w.size - end} bytes follow the last tensor {previous.name!r}: its declared type or shape "
+                     "does not match the bytes stored")
+    if not tensors and w.size > data_start + alignment:
+        raise w.fail(f"it declares no tensors but holds {w.size - data_start} bytes of data")
+    return GGUFHeader(w.path, w.size, version, alignment, data_start, metadata, tensors)
+
+
+def _tensor_record(w: _Walk, i: int) -> tuple[str, int, tuple[int, ...], int]:
+    name = w.string(f"tensor {i} name", MAX_NAME_BYTES)
+    n_dims = w.scalar("<I", f"tensor {name!r} dimension count")
+    if n_dims > MAX_DIMS:
+        raise w.fail(f"tensor {name!r} has {n_dims} dimensions (at most {MAX_DIMS})")
+    w.need(8 * n_dims, f"tensor {name!r} sizes")
+    dims = struct.unpack_from(f"<{n_dims}Q", w.data, w.at)
+    w.at += 8 * n_dims
+    if any(d == 0 for d in dims) or _product(list(dims)) > MAX_ELEMENTS:
+        raise w.fail(f"tensor {name!r} has sizes {list(dims)} (each at least 1, at most 2^62 values in all)")
+    qtype = w.scalar("<I", f"tensor {name!r} type")
+    if qtype not in {int(t) for t in GGML_QUANT_SIZES}:
+        raise w.fail(f"tensor {name!r} has unknown tensor type {qtype}")
+    offset = w.scalar("<Q", f"tensor {name!r} offset")
+    return name, qtype, dims, offset
