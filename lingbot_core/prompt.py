@@ -261,6 +261,10 @@ def encode_text(
     ``text`` is encoded verbatim (apply :func:`caption_to_text` to positives beforehand). Uses the inner
     ``Qwen3VLModel`` (``text_encoder.model``) so no ``lm_head`` is involved and the encoder is left untouched.
     """
+    if image is not None:
+        from .weights.text_encoder_file import require_vision
+
+        require_vision(text_encoder)
     inputs = build_text_inputs(processor, text, image)
     input_ids = inputs["input_ids"]
     if input_ids.shape[0] != 1:
