@@ -1,0 +1,131 @@
+"""The Qwen3-VL processor from a checkpoint's processor/, an explicit folder, or a Qwen tokenizer folder
+(ComfyUI's qwen25_tokenizer layout) plus the shipped Qwen3-VL settings: the same ids and pixels."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from lingbot_core import processor_files as pf
+from lingbot_core.checkpoint import CheckpointError, load_component
+from lingbot_core.prompt import build_text_inputs
+
+TINY = Path(__file__).resolve().parent / "fixtures" / "lingbot" / "models" / "tiny-dense"
+PROMPTS = ["a red boat on a lake at dawn", "雨の夜、東京の街角で傘をさす人 🌧️☂️ 猫🐈",
+           '{"scene": "a market", "camera": {"movement": "dolly in", "fps": 24}, "elements": [{"id": 1, '
+           '"action": "walks  left\\n"}], "duration": 5.0}']
+
+
+def comfy_tokenizer_folder(target: Path, drop: str | None = None) -> Path:
+    """A tokenizer folder laid out as ComfyUI ships qwen25_tokenizer (vocab.json, merges.txt,
+    tokenizer_config.json with the added tokens), written from the tiny checkpoint's tokenizer.json."""
+    data = json.loads((TINY / "processor" / "tokenizer.json").read_text(encoding="utf-8"))
+    target.mkdir(parents=True)
+    vocab = {k: v for k, v in data["model"]["vocab"].items() if k != drop}
+    (target / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    merges = data["model"]["merges"]
+    (target / "merges.txt").write_text("#version: 0.2\n" + "".join(" ".join(m) + "\n" for m in merges),
+                                       encoding="utf-8")
+    added = {str(t["id"]): {k: t[k] for k in ("content", "lstrip", "normalized", "rstrip", "single_word", "special")}
+             for t in data["added_tokens"] if t["content"] != drop}
+    config = {"added_tokens_decoder": added, "tokenizer_class": "Qwen2Tokenizer", "bos_token": None,
+              "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": None, "errors": "replace",
+              "add_prefix_space": False, "split_special_tokens": False, "clean_up_tokenization_spaces": False,
+              "processor_class": "Qwen2_5_VLProcessor"}
+    (target / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    return target
+
+
+# The published Qwen2/2.5/3/3-VL tokenizer.json pre-tokenizer: this split, then byte-level without its own regex.
+# (The tiny fixture's tokenizer uses GPT-2's byte-level regex instead, which groups digits and spaces
+# differently; the ComfyUI route is a Qwen2Tokenizer, so it is compared with a Qwen-pipelined copy.)
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+              r"\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def qwen_pipelined_processor(target: Path) -> Path:
+    folder = shutil.copytree(TINY / "processor", target)
+    data = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    data["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": QWEN_SPLIT}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]}
+    (folder / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return load_component(TINY, "processor")
+
+
+@pytest.fixture(scope="module")
+def qwen_reference(tmp_path_factory):
+    return pf.load_processor(qwen_pipelined_processor(tmp_path_factory.mktemp("p") / "processor"))
+
+
+def _image() -> Image.Image:
+    return Image.fromarray(np.random.default_rng(1).integers(0, 255, (64, 96, 3), dtype=np.uint8))
+
+
+def _same_inputs(ours, theirs) -> None:
+    for prompt in PROMPTS:
+        a, b = build_text_inputs(ours, prompt), build_text_inputs(theirs, prompt)
+        assert a["input_ids"].tolist() == b["input_ids"].tolist(), prompt
+    a, b = build_text_inputs(ours, PROMPTS[1], _image()), build_text_inputs(theirs, PROMPTS[1], _image())
+    assert a["input_ids"].tolist() == b["input_ids"].tolist()
+    assert torch.equal(a["pixel_values"], b["pixel_values"]) and torch.equal(a["image_grid_thw"], b["image_grid_thw"])
+
+
+@pytest.mark.parametrize("where", ["checkpoint", "processor_dir", "copied"])
+def test_processor_folders(tmp_path, reference, where):
+    if where == "copied":
+        path = shutil.copytree(TINY / "processor", tmp_path / "my-processor")
+    else:
+        path = TINY if where == "checkpoint" else TINY / "processor"
+    _same_inputs(pf.load_processor(path), reference)
+
+
+def test_comfy_tokenizer_folder_gives_the_checkpoint_ids(tmp_path, qwen_reference, caplog):
+    folder = comfy_tokenizer_folder(tmp_path / "qwen25_tokenizer")
+    with caplog.at_level(logging.WARNING, logger="lingbot_core.processor_files"):
+        ours = pf.load_processor(folder)
+        pf.load_processor(folder)
+    assert [r.getMessage() for r in caplog.records] == [pf.UNVERIFIED.format(folder=folder)]
+    _same_inputs(ours, qwen_reference)
+    te_config = json.loads((TINY / "text_encoder" / "config.json").read_text())
+    pf.check_token_ids(ours, te_config, str(folder))
+
+
+def test_the_fixture_tokenizer_differs_only_where_gpt2_and_qwen_splits_differ(reference, qwen_reference):
+    """Why the route above is compared with a Qwen-pipelined copy: on text without digits or runs of
+    spaces both splits agree, on the JSON prompt (digits) they do not."""
+    plain = PROMPTS[:2]
+    assert [build_text_inputs(reference, p)["input_ids"].tolist() for p in plain] == \
+        [build_text_inputs(qwen_reference, p)["input_ids"].tolist() for p in plain]
+    assert build_text_inputs(reference, PROMPTS[2])["input_ids"].tolist() != \
+        build_text_inputs(qwen_reference, PROMPTS[2])["input_ids"].tolist()
+
+
+def test_tokenizer_without_qwen_tokens_is_refused(tmp_path):
+    folder = comfy_tokenizer_folder(tmp_path / "tok", drop="<|video_pad|>")
+    with pytest.raises(CheckpointError, match="lacks <\\|video_pad\\|>"):
+        pf.load_processor(folder)
+
+
+def test_token_ids_are_held_to_the_text_encoder(reference):
+    from lingbot_core.weights.text_encoder_file import shipped_config
+
+    with pytest.raises(CheckpointError, match="gives <\\|image_pad\\|> the id 5, but the text encoder expects 151655"):
+        pf.check_token_ids(reference, shipped_config(), "tiny")
+
+
+def test_folder_without_processor_files(tmp_path):
+    with pytest.raises(CheckpointError, match="holds no processor"):
+        pf.load_processor(tmp_path)
