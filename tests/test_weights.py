@@ -32,7 +32,7 @@ T = gguf.GGMLQuantizationType
 MODES = ["none", "model", "sequential", "group"]
 # Byte offsets of the float16 fields in each block layout (kept finite in random blocks).
 HALF_FIELDS = {T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q4_K: [0, 2],
-               T.Q5_K: [0, 2], T.Q6_K: [208]}
+               T.Q5_K: [0, 2], T.Q6_K: [208], T.Q3_K: [108], T.Q2_K: [80, 82], T.IQ4_NL: [0], T.IQ4_XS: [0]}
 
 
 def _inputs(hidden_text: int = 32):
@@ -301,13 +301,13 @@ def test_gguf_type_we_cannot_decode_is_named(quantized, tmp_path):
     reader = gguf.GGUFReader(target)
     tensors = {t.name: (np.array(t.data), t.tensor_type) for t in reader.tensors}
     del reader
-    size = gguf.GGML_QUANT_SIZES[T.Q2_K][1]
-    tensors["blocks.0.attn.to_q.weight"] = (np.zeros((32, size // 8 if False else size), dtype=np.uint8)[:, :size],
-                                           T.Q2_K)
+    assert T.IQ2_XXS not in gguf_codec.SUPPORTED
+    size = gguf.GGML_QUANT_SIZES[T.IQ2_XXS][1]
+    # an IQ2_XXS row holds 256 values; the shape check comes second, the type check first
+    tensors["blocks.0.attn.to_q.weight"] = (np.zeros((32, size), dtype=np.uint8), T.IQ2_XXS)
     target.unlink()
-    # a Q2_K row holds 256 values; the shape check comes second, the type check first
     _gguf_file(target, tensors)
-    with pytest.raises(CheckpointError, match=r"blocks.0.attn.to_q.weight.*Q2_K.*cannot dequantize"):
+    with pytest.raises(CheckpointError, match=r"blocks.0.attn.to_q.weight.*IQ2_XXS.*cannot dequantize"):
         PipelineHandle.open(folder, device="cpu")
 
 
@@ -718,11 +718,21 @@ def test_per_expert_gguf_loads_bit_identical_to_the_stacked_file(quantized, per_
     assert torch.equal(_run(split), _run(stacked))
 
 
-@pytest.mark.parametrize("layout", ["stacked", "per-expert"])
-def test_a_forward_dequantizes_only_the_routed_experts(quantized, per_expert, monkeypatch, layout):
-    folder = quantized["moe", "gguf-q8_0"] if layout == "stacked" else per_expert["gguf-q8_0"]
-    ffn = load_transformer(folder, dtype=torch.float32).blocks[1].ffn
+@pytest.mark.parametrize("layout", ["stacked", "per-expert", "stacked-Q3_K"])
+def test_a_forward_dequantizes_only_the_routed_experts(quantized, per_expert, monkeypatch, tmp_path, layout):
+    if layout == "stacked-Q3_K":  # a K type: the wide tiny MoE (rows of 256), random Q3_K blocks
+        from gguf_fakes import write_wide_moe
+
+        from lingbot_core.weights.loader import load_dit
+
+        write_wide_moe(tmp_path, T.Q3_K)
+        ffn = load_dit(tmp_path, dtype=torch.float32).blocks[0].ffn
+        assert ffn.experts.packings["w1"].gguf_type == T.Q3_K
+    else:
+        folder = quantized["moe", "gguf-q8_0"] if layout == "stacked" else per_expert["gguf-q8_0"]
+        ffn = load_transformer(folder, dtype=torch.float32).blocks[1].ffn
     experts = ffn.experts
+    hidden = experts.packings["w1"].shape[-1]
     # where each expert's stored bytes start -> (weight, expert)
     owner = {getattr(experts, f"{n}_qdata")[e].data_ptr(): (n, e) for n in experts.NAMES for e in range(4)}
     decoded: list[tuple[str, int]] = []
@@ -735,10 +745,10 @@ def test_a_forward_dequantizes_only_the_routed_experts(quantized, per_expert, mo
         return real(packed, qtype, shape, dtype)
 
     monkeypatch.setattr(gguf_codec, "dequantize", counting)
-    token = torch.randn(1, 1, 32, generator=torch.Generator().manual_seed(4))
+    token = torch.randn(1, 1, hidden, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         ffn(token)
-    chosen, _ = ffn.router(token.reshape(1, 32))
+    chosen, _ = ffn.router(token.reshape(1, hidden))
     routed = sorted(set(chosen.flatten().tolist()))
     assert len(routed) == 2  # of 4 experts
     assert sorted(decoded) == sorted((n, e) for n in experts.NAMES for e in routed)  # each once, nothing else

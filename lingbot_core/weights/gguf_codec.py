@@ -104,6 +104,68 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return ((_half(blocks, 208) * scales)[:, :, None] * q).reshape(n, QK_K)
 
 
+def _q2_k(blocks: torch.Tensor) -> torch.Tensor:
+    """84 bytes: 16 scale bytes (low nibble: the scale, high nibble: the minimum, one per 16 values),
+    64 bytes of 2-bit quants, then `d` and `dmin`. Quants: byte b of half h holds values
+    h*128 + j*32 + b at bits 2j."""
+    n = blocks.shape[0]
+    sc = blocks[:, :16]
+    shifts = torch.tensor([0, 2, 4, 6], device=blocks.device, dtype=torch.uint8)
+    q = ((blocks[:, 16:80].reshape(n, 2, 1, 32) >> shifts[None, None, :, None]) & 3).reshape(n, 16, 16).float()
+    scale = (_half(blocks, 80) * (sc & 0x0F).float())[:, :, None]
+    low = (_half(blocks, 82) * (sc >> 4).float())[:, :, None]
+    return (scale * q - low).reshape(n, QK_K)
+
+
+def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
+    """110 bytes: a 32-byte high-bit mask, 64 bytes of 2-bit low quants, 12 bytes of sixteen 6-bit
+    scales, then `d`. Value 32k + b takes bits 2(k%4) of low byte 32(k//4) + b and bit k of mask byte b;
+    a clear mask bit subtracts 4. Scale i: low 4 bits from byte i%8 (low nibble for i < 8, else high),
+    top 2 bits from byte 8 + i%4 at bits 2(i//4); stored with an offset of 32."""
+    n = blocks.shape[0]
+    dev = blocks.device
+    two = torch.tensor([0, 2, 4, 6], device=dev, dtype=torch.uint8)
+    low = ((blocks[:, 32:96].reshape(n, 2, 1, 32) >> two[None, None, :, None]) & 3).reshape(n, 16, 16)
+    bits = torch.arange(8, device=dev, dtype=torch.uint8)
+    high = ((blocks[:, None, :32] >> bits[None, :, None]) & 1).reshape(n, 16, 16)
+    q = low.float() - 4.0 * (1 - high).float()
+    packed = blocks[:, 96:108]
+    nib = torch.cat((packed[:, :8] & 0x0F, packed[:, :8] >> 4), dim=1)
+    top = ((packed[:, None, 8:12] >> two[None, :, None]) & 3).reshape(n, 16)
+    scales = (nib | (top << 4)).float() - 32.0
+    return ((_half(blocks, 108) * scales)[:, :, None] * q).reshape(n, QK_K)
+
+
+# IQ4's sixteen non-uniform levels (ggml's kvalues_iq4nl), indexed by a 4-bit code
+_IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def _iq4_levels(codes: torch.Tensor) -> torch.Tensor:
+    levels = torch.tensor(_IQ4_LEVELS, device=codes.device, dtype=torch.float32)
+    return levels[codes.long()]
+
+
+def _iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
+    """18 bytes: `d`, then 16 bytes whose low nibbles are values 0-15 and high nibbles 16-31, each a
+    code into the IQ4 levels."""
+    codes = _nibbles(blocks[:, None, 2:]).reshape(blocks.shape[0], 32)
+    return _half(blocks, 0) * _iq4_levels(codes)
+
+
+def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
+    """136 bytes: `d`, a little-endian uint16 with the top 2 bits of eight 6-bit scales (2 bits each),
+    4 bytes with their low 4 bits (low nibble first), then 128 bytes: 16 per sub-block of 32, low
+    nibbles first, each a code into the IQ4 levels. Scales are stored with an offset of 32."""
+    n = blocks.shape[0]
+    dev = blocks.device
+    high_word = blocks[:, 2].long() | (blocks[:, 3].long() << 8)
+    top = (high_word[:, None] >> (2 * torch.arange(8, device=dev))) & 3
+    nib = torch.stack((blocks[:, 4:8] & 0x0F, blocks[:, 4:8] >> 4), dim=-1).reshape(n, 8).long()
+    scales = (nib | (top << 4)).float() - 32.0
+    codes = _nibbles(blocks[:, 8:].reshape(n, 8, 16)).reshape(n, 8, 32)
+    return ((_half(blocks, 0) * scales)[:, :, None] * _iq4_levels(codes)).reshape(n, QK_K)
+
+
 _DECODERS: dict[GGMLQuantizationType, _Decoder] = {
     GGMLQuantizationType.Q8_0: _q8_0,
     GGMLQuantizationType.Q4_0: _q4_0,
@@ -113,6 +175,10 @@ _DECODERS: dict[GGMLQuantizationType, _Decoder] = {
     GGMLQuantizationType.Q4_K: _q4_k,
     GGMLQuantizationType.Q5_K: _q5_k,
     GGMLQuantizationType.Q6_K: _q6_k,
+    GGMLQuantizationType.Q3_K: _q3_k,
+    GGMLQuantizationType.Q2_K: _q2_k,
+    GGMLQuantizationType.IQ4_NL: _iq4_nl,
+    GGMLQuantizationType.IQ4_XS: _iq4_xs,
 }
 _PLAIN: dict[GGMLQuantizationType, torch.dtype] = {
     GGMLQuantizationType.F32: torch.float32,
@@ -125,7 +191,8 @@ SUPPORTED = tuple(_PLAIN) + tuple(_DECODERS)
 _HALF_FIELDS: dict[GGMLQuantizationType, tuple[int, ...]] = {
     GGMLQuantizationType.Q8_0: (0,), GGMLQuantizationType.Q4_0: (0,), GGMLQuantizationType.Q4_1: (0, 2),
     GGMLQuantizationType.Q5_0: (0,), GGMLQuantizationType.Q5_1: (0, 2), GGMLQuantizationType.Q4_K: (0, 2),
-    GGMLQuantizationType.Q5_K: (0, 2), GGMLQuantizationType.Q6_K: (208,),
+    GGMLQuantizationType.Q5_K: (0, 2), GGMLQuantizationType.Q6_K: (208,), GGMLQuantizationType.Q3_K: (108,),
+    GGMLQuantizationType.Q2_K: (80, 82), GGMLQuantizationType.IQ4_NL: (0,), GGMLQuantizationType.IQ4_XS: (0,),
 }
 
 
