@@ -1,7 +1,7 @@
 """Latent geometry and the two latent spaces.
 
 The DiT works on normalised latents `(z - mean) / std`; the Wan VAE (and ComfyUI's `LATENT`) on raw
-ones. The conversions use the reference's reciprocal form, `(z - mean) * (1/std)` and
+ones (sizes are checked in `stage_inputs.validate_geometry`). The conversions use the reference's reciprocal form, `(z - mean) * (1/std)` and
 `z / (1/std) + mean`, in float32, so they round exactly as the reference does.
 """
 
@@ -12,23 +12,6 @@ import torch
 VAE_TEMPORAL = 4
 VAE_SPATIAL = 8
 SIZE_MULTIPLE = 16  # VAE x8, then the DiT's 2x2 patches
-
-
-def validate_geometry(height: int, width: int, num_frames: int) -> None:
-    """Raise a ValueError a user can act on for sizes the VAE and DiT cannot take."""
-    for name, value in (("height", height), ("width", width), ("num_frames", num_frames)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if height % SIZE_MULTIPLE or width % SIZE_MULTIPLE:
-        def near(v: int) -> int:
-            return max(SIZE_MULTIPLE, (v + SIZE_MULTIPLE // 2) // SIZE_MULTIPLE * SIZE_MULTIPLE)
-
-        raise ValueError(f"height and width must be multiples of {SIZE_MULTIPLE}, got {height}x{width} "
-                         f"(nearest valid: {near(height)}x{near(width)})")
-    if num_frames != 1 and (num_frames - 1) % VAE_TEMPORAL:
-        lower = (num_frames - 1) // VAE_TEMPORAL * VAE_TEMPORAL + 1
-        raise ValueError(f"num_frames must be 1 or 4n+1 (5, 9, ..., 121), got {num_frames}; "
-                         f"try {lower} or {lower + VAE_TEMPORAL}")
 
 
 def latent_shape(height: int, width: int, num_frames: int, channels: int = 16) -> tuple[int, int, int, int, int]:

@@ -3,7 +3,9 @@
 The reference ships a vendored copy of Wan 2.1's flow UniPC (`FlowUniPCMultistepScheduler`). This
 module re-implements the parts inference needs: the sigma grid (linspace from the float32 sigma_max,
 float64 shift, timesteps *truncated* to int64), explicit sigma lists for the refiner, and the
-UniP/UniC multistep update with the reference's exact order of float32 operations.
+UniP/UniC multistep update with the reference's exact order of float32 operations. The sigma rules
+it shares with the other samplers (shift formula, list checks, the refiner's list) are in
+`lingbot_core.sampling.sigmas`.
 
 Why not diffusers' `UniPCMultistepScheduler`: with `use_flow_sigmas=True` its own grid starts at 1.0
 (not 0.999), keeps float timesteps and has no call-time shift, so the grid must be built here anyway.
@@ -29,6 +31,19 @@ import torch
 from diffusers.configuration_utils import ConfigMixin
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
+from .sampling.sigmas import (
+    SigmaList,
+    check_shift,
+    check_sigmas,
+    compute_refiner_sigmas,
+    positive_whole,
+    sigma_array,
+    transformer_timestep,
+    warp_sigmas,
+)
+
+# The sigma rules (shift formula, list checks, the refiner's list, the DiT timestep) live in
+# `sampling.sigmas`; the three names below are re-exported for callers that import them from here.
 __all__ = [
     "FlowUniPCScheduler",
     "UniPCSettings",
@@ -36,121 +51,6 @@ __all__ = [
     "compute_refiner_sigmas",
     "transformer_timestep",
 ]
-
-SigmaList = Sequence[float] | np.ndarray | torch.Tensor
-
-# Sigmas closer than this count as equal (a refiner threshold against a grid value).
-_SIGMA_TOLERANCE = 1e-6
-# The DiT is trained on timesteps t = 1000 * sigma.
-_TIMESTEP_SCALE = 1000.0
-
-
-def _flow_shift(sigmas, shift: float):
-    """Time-shift sigmas in whatever array type and dtype they come in.
-
-    The expression (shift * s) / (1 + (shift - 1) * s) is kept in this exact order so that float32
-    inputs round the way the reference rounds them.
-    """
-    return shift * sigmas / (1 + (shift - 1) * sigmas)
-
-
-def _as_float_array(sigmas: SigmaList) -> np.ndarray:
-    """Turn a user sigma list into a 1-D numpy array without changing a float tensor's dtype.
-
-    Float32 arrays must stay float32: the reference derives the timesteps as float32(sigma) * 1000
-    when it is handed the float32 refiner list, and truncation can flip on the last bit.
-    """
-    if isinstance(sigmas, torch.Tensor):
-        arr = sigmas.detach().cpu().numpy()
-    elif isinstance(sigmas, np.ndarray):
-        arr = sigmas
-    else:
-        arr = np.asarray(list(sigmas), dtype=np.float64)
-    if arr.dtype.kind != "f":
-        arr = arr.astype(np.float64)
-    return arr
-
-
-# -- sigma lists ---------------------------------------------------------------------------------
-
-def _what_is_wrong(values: np.ndarray, start: float | None) -> str | None:
-    """The first reason a flat float64 sigma list cannot drive the solver, or None when it can."""
-    if not np.isfinite(values).all():
-        return "it holds NaN or infinite values"
-    if values.min() < 0.0 or values.max() > 1.0:
-        return "every sigma must be within [0, 1]"
-    if (np.diff(values) >= 0.0).any():
-        return "sigmas must strictly decrease from one step to the next"
-    if start is not None and abs(float(values[0]) - start) > _SIGMA_TOLERANCE:
-        return f"a refiner schedule must begin at t_thresh={start}, this one begins at {float(values[0])}"
-    return None
-
-
-def check_sigmas(sigmas: SigmaList, *, start: float | None = None) -> None:
-    """Raise ValueError unless `sigmas` is a usable schedule: a flat, non-empty list of finite values in
-    [0, 1], strictly decreasing, and (with `start`) beginning at `start` within 1e-6."""
-    values = _as_float_array(sigmas).astype(np.float64)
-    if values.ndim != 1 or values.size == 0:
-        raise ValueError(f"a sigma schedule is a non-empty flat list of numbers; got an array shaped {values.shape}")
-    reason = _what_is_wrong(values, None if start is None else float(start))
-    if reason:
-        raise ValueError(f"unusable sigma schedule {values.tolist()}: {reason}")
-
-
-def _positive_whole(name: str, value: Any) -> int:
-    number = int(value)
-    if number < 1:
-        raise ValueError(f"{name} is {number}; it counts steps, so it must be 1 or more")
-    return number
-
-
-def compute_refiner_sigmas(
-    *, t_thresh: float | None, num_inference_steps: int, shift: float,
-    sigma_max: float, sigma_min: float, tail_steps: int = 2,
-) -> torch.Tensor | None:
-    """The refiner's float32 sigma list, or None when `t_thresh` is None (no refinement).
-
-    The refiner re-noises an upscaled video to `t_thresh` and denoises from there. Its list is:
-    the base grid of `num_inference_steps` (shifted by `shift`) from `t_thresh` down, `t_thresh`
-    itself put in front when the grid does not already hold it, then `tail_steps` sigmas evenly
-    between the last of those and `sigma_min`, ends excluded (the reference's "low_noise_tail_v1",
-    2 by default). Pipelines pass it as `set_timesteps(sigmas=..., shift=1.0)`.
-    """
-    if t_thresh is None:
-        return None
-    start = float(t_thresh)
-    if not 0.0 < start <= 1.0:
-        raise ValueError(f"t_thresh (the noise level the refiner starts from) is {start}; it must be in (0, 1]")
-    steps = _positive_whole("num_inference_steps", num_inference_steps)
-    tail = int(tail_steps or 0)
-    if tail < 0:
-        raise ValueError(f"tail_steps is {tail}; use 0 for no low-noise tail, or more")
-
-    base = _flow_shift(np.linspace(float(sigma_max), float(sigma_min), steps + 1)[:-1], float(shift))
-    head = base[base <= start + _SIGMA_TOLERANCE]
-    if head.size == 0 or abs(float(head[0]) - start) > _SIGMA_TOLERANCE:
-        head = np.concatenate(([start], head))
-    last = float(head[-1])
-    # tail + 2 evenly spaced points from `last` to the floor; both ends are dropped (`last` is already
-    # in, and the scheduler appends the final sigma itself).
-    tail_values = np.linspace(last, min(float(sigma_min), last), tail + 2, dtype=np.float64)[1:-1]
-    schedule = np.concatenate((head, tail_values))
-    check_sigmas(schedule, start=start)
-    return torch.from_numpy(schedule.astype(np.float32))
-
-
-def transformer_timestep(timestep: torch.Tensor, transformer_dtype: torch.dtype) -> torch.Tensor:
-    """The float32 timestep the DiT is called with for a scheduler timestep `t`.
-
-    It is 1000 * (t / 1000), the round trip done in the DiT's dtype when that is bf16 or fp16:
-    sigma = t / 1000 is rounded to the half dtype and multiplied by 1000 *in that dtype*, so a bf16 DiT
-    sees 999 -> 1000.0, 899 -> 900.0, 499 -> 498.0 (a float32 multiply would give 898.4375 and
-    498.046875, which the reference does not). Any other DiT dtype gets float32(t / 1000) * 1000.
-    """
-    working = transformer_dtype if transformer_dtype in (torch.bfloat16, torch.float16) else torch.float32
-    sigma = (torch.as_tensor(timestep).float() / _TIMESTEP_SCALE).to(working)
-    return (sigma * _TIMESTEP_SCALE).float()
-
 
 def _log_snr(sigma: torch.Tensor) -> torch.Tensor:
     """lambda = log(alpha) - log(sigma) with alpha = 1 - sigma (flow matching), in float32."""
@@ -209,9 +109,9 @@ class UniPCSettings:
         if shift is None or not float(shift) > 0.0:
             raise ValueError(f"scheduler config: shift={shift!r}; the time shift must be a number above 0")
         settings = cls(
-            num_train_timesteps=_positive_whole("num_train_timesteps", given.get("num_train_timesteps", 1000)),
+            num_train_timesteps=positive_whole("num_train_timesteps", given.get("num_train_timesteps", 1000)),
             shift=float(shift),
-            solver_order=_positive_whole("solver_order", given.get("solver_order", 2)),
+            solver_order=positive_whole("solver_order", given.get("solver_order", 2)),
             solver_type=_SOLVER_VARIANTS[variant],
             lower_order_final=bool(given.get("lower_order_final", True)),
             disable_corrector=tuple(int(i) for i in given.get("disable_corrector", ())),
@@ -277,7 +177,7 @@ class FlowUniPCScheduler(SchedulerMixin, ConfigMixin):
         """
         n = self.settings.num_train_timesteps
         ends = torch.tensor([1.0 - 1.0 / n, 1.0 - 1.0], dtype=torch.float64).to(torch.float32)
-        ends = _flow_shift(ends, self.settings.shift)
+        ends = warp_sigmas(ends, self.settings.shift)
         return ends[0].item(), ends[1].item()
 
     @property
@@ -328,22 +228,21 @@ class FlowUniPCScheduler(SchedulerMixin, ConfigMixin):
         with the final sigma (0, or sigma_min) appended and stays on the CPU.
         """
         shift_value = float(self.config.shift if shift is None else shift)
-        if not shift_value > 0.0:
-            raise ValueError(f"shift must be a positive number, got {shift!r}")
+        check_shift(shift_value)
 
         if sigmas is None:
             if num_inference_steps is None or int(num_inference_steps) < 1:
                 raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps!r}")
             grid = np.linspace(self.sigma_max, self.sigma_min, int(num_inference_steps) + 1)[:-1]
         else:
-            grid = _as_float_array(sigmas)
+            grid = sigma_array(sigmas)
             check_sigmas(grid)
             if num_inference_steps is not None and int(num_inference_steps) != grid.size:
                 raise ValueError(
                     f"num_inference_steps={num_inference_steps} does not match the {grid.size} explicit sigmas"
                 )
 
-        grid = _flow_shift(grid, shift_value)
+        grid = warp_sigmas(grid, shift_value)
         final_sigma = 0.0 if self.config.final_sigmas_type == "zero" else self.sigma_min
         if not float(grid[-1]) > final_sigma:
             raise ValueError(

@@ -1,5 +1,10 @@
 """What a stage accepts: checks that run at stage entry, before any model loads or computes.
 
+This is the one home of stage-input validation: scalars, geometry, images, latents, the size of a
+request against memory, and each stage's whole request (`check_denoise_request`,
+`check_refine_request`, `validate_request` for `generate`). Sigma lists and shifts are checked by
+the sigma rules (`sampling.sigmas`), which these call.
+
 The Python API is as exposed as a workflow: a seed of ``True``, a 0x0 picture, 0..255 integers
 where 0..1 floats belong, NaN pixels, a request a thousand times too big. Each gets a ValueError
 that names the argument and the fix, raised before the text encoder or the DiT is touched (the
@@ -8,6 +13,7 @@ expensive part, and the part that leaves memory behind when it fails half way).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import weakref
@@ -17,7 +23,14 @@ import numpy as np
 import torch
 from PIL import Image
 
+from . import sampling
+from .latents import SIZE_MULTIPLE, VAE_TEMPORAL, latent_shape
+from .sampling.sigmas import check_shift
+
+log = logging.getLogger(__name__)
+
 GiB = 1 << 30
+MODES = ("t2v", "t2i", "ti2v")
 MAX_IMAGE_SIDE = 16384  # a picture side we accept at all (the conditioning image is resized anyway)
 
 
@@ -50,6 +63,44 @@ def check_count(name: str, value: Any, *, low: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {_short(value)}")
     return value
+
+
+def check_steps(steps: Any) -> None:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+
+
+def check_guidance(guidance_scale: float) -> None:
+    if not math.isfinite(guidance_scale) or guidance_scale < 0:
+        raise ValueError(f"guidance_scale must be a finite number >= 0, got {guidance_scale!r}")
+
+
+def check_mode(mode: Any) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+
+def check_t_thresh(t_thresh: Any) -> None:
+    if (isinstance(t_thresh, bool) or not isinstance(t_thresh, (int, float)) or not math.isfinite(t_thresh)
+            or not 0.0 < t_thresh <= 1.0):
+        raise ValueError(f"t_thresh must lie in (0, 1], got {t_thresh!r}")
+
+
+def validate_geometry(height: int, width: int, num_frames: int) -> None:
+    """Raise a ValueError a user can act on for sizes the VAE and DiT cannot take."""
+    for name, value in (("height", height), ("width", width), ("num_frames", num_frames)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if height % SIZE_MULTIPLE or width % SIZE_MULTIPLE:
+        def near(v: int) -> int:
+            return max(SIZE_MULTIPLE, (v + SIZE_MULTIPLE // 2) // SIZE_MULTIPLE * SIZE_MULTIPLE)
+
+        raise ValueError(f"height and width must be multiples of {SIZE_MULTIPLE}, got {height}x{width} "
+                         f"(nearest valid: {near(height)}x{near(width)})")
+    if num_frames != 1 and (num_frames - 1) % VAE_TEMPORAL:
+        lower = (num_frames - 1) // VAE_TEMPORAL * VAE_TEMPORAL + 1
+        raise ValueError(f"num_frames must be 1 or 4n+1 (5, 9, ..., 121), got {num_frames}; "
+                         f"try {lower} or {lower + VAE_TEMPORAL}")
 
 
 def _short(value: Any) -> str:
@@ -106,6 +157,14 @@ def checked_pixels(pixels: torch.Tensor, name: str = "image", *, unit_range_only
         hint = " (it looks like 0..255 data: divide by 255, or pass uint8)" if high > 1.5 else ""
         raise ValueError(f"{name}: float pixels must lie in [0, 1], got [{low:.4g}, {high:.4g}]{hint}")
     return pixels
+
+
+def check_first_frame_pixels(pixels: Any) -> None:
+    """Raw first-frame pixels (1,3,1,H,W) in [0, 1], as the text encoder's image input."""
+    if not isinstance(pixels, torch.Tensor) or pixels.ndim != 5 or tuple(pixels.shape[:3]) != (1, 3, 1):
+        shape = tuple(pixels.shape) if isinstance(pixels, torch.Tensor) else type(pixels).__name__
+        raise ValueError(f"expected first-frame pixels shaped (1,3,1,H,W), got {shape}")
+    checked_pixels(pixels, "image", unit_range_only=True)
 
 
 def check_picture(picture: Image.Image, name: str = "image") -> None:
@@ -252,8 +311,94 @@ def decode_output_shape(latents: torch.Tensor) -> tuple[int, int, int]:
     return (t - 1) * 4 + 1, h * 8, w * 8
 
 
+# -- whole stage requests ----------------------------------------------------------------------------
+
+def check_denoise_request(handle: Any, cond: Any, *, height: int, width: int, num_frames: int, steps: int,
+                          guidance_scale: float, shift: float, sigmas: Any, sampler: Any, transformer: str,
+                          image_cond: Any, cond_latent: Any, latents: Any) -> tuple[Any, tuple[int, ...]]:
+    """Every denoise argument, before any model work; returns the sampler and the latent shape."""
+    validate_geometry(height, width, num_frames)
+    check_steps(steps)
+    check_guidance(guidance_scale)
+    method = sampling.get_sampler(sampler)
+    method.check(steps=steps, shift=shift, sigmas=sigmas, refine=transformer == "refiner")
+    if method.recommended and guidance_scale > 1.0 and method.recommended.get("guidance_scale") == 1.0:
+        log.warning("%s: guidance %.2f on a CFG-distilled model applies guidance twice; its recipe is "
+                    "guidance 1.0", method.name, guidance_scale)
+    if image_cond is not None and (image_cond.height, image_cond.width) != (height, width):
+        raise ValueError(f"the image condition was prepared for {image_cond.height}x{image_cond.width} "
+                         f"but the video is {height}x{width}; encode the image at the video size")
+    do_cfg = guidance_scale > 1.0
+    if do_cfg:
+        cond.negative_for_cfg()  # raises when there is no negative to guide against
+    shape = latent_shape(height, width, num_frames)
+    if latents is not None:
+        checked_latents(latents, shape=shape)
+    if cond_latent is not None:
+        checked_latents(cond_latent, "cond_latent", channels=shape[1])
+        if tuple(cond_latent.shape[3:]) != shape[3:] or cond_latent.shape[2] > shape[2]:
+            raise ValueError(f"cond_latent {tuple(cond_latent.shape)} does not fit latents of shape {shape}")
+    check_request_fits(handle, height=height, width=width, num_frames=num_frames, cfg=do_cfg, what="denoising")
+    return method, shape
+
+
+def check_refine_request(handle: Any, frames: Any, *, height: int, width: int, steps: int, shift: float,
+                         t_thresh: float, tail_steps: int, seed: int, first_frame: Any, cond: Any = None,
+                         guidance_scale: float | None = None, sampler: Any = None) -> int:
+    """Every refine argument, before anything is released or loaded; returns the usable frame count.
+
+    `cond`, `guidance_scale` and `sampler` are checked when given (the `refine` stage gives them;
+    `prepare_refine` does not sample).
+    """
+    if cond is not None and cond.with_image:
+        raise ValueError("the refiner conditions on text only: encode the prompt without the image")
+    if guidance_scale is not None:
+        check_guidance(guidance_scale)
+        sampling.get_sampler(sampler).check(steps=steps, shift=shift, refine=True)
+    if not handle.has_refiner:
+        raise ValueError("refinement needs the MoE checkpoint's refiner/ folder; this checkpoint has none")
+    if not isinstance(frames, torch.Tensor) or frames.ndim != 4 or frames.shape[-1] != 3 or frames.shape[0] < 1:
+        shape = tuple(frames.shape) if isinstance(frames, torch.Tensor) else type(frames).__name__
+        raise ValueError(f"expected base frames shaped [F,H,W,3], got {shape}")
+    checked_pixels(frames, "base frames", unit_range_only=True)
+    n = int(frames.shape[0])
+    if n == 1:
+        raise ValueError("the refiner works on videos; a single frame (T2I) cannot be refined")
+    usable = (n - 1) // 4 * 4 + 1
+    validate_geometry(height, width, usable)
+    check_steps(steps)
+    check_shift(shift)
+    check_t_thresh(t_thresh)
+    check_count("tail_steps", tail_steps)
+    check_seed(seed)
+    if first_frame is not None:
+        picture = checked_image(first_frame, "first_frame")
+        if isinstance(picture, Image.Image):
+            check_picture(picture, "first_frame")
+    check_request_fits(handle, height=height, width=width, num_frames=usable, what="refining")
+    return usable
+
+
+def validate_request(mode: str, *, height: int, width: int, num_frames: int, steps: int, image: Any,
+                     refine_output: bool, guidance_scale: float = 3.0) -> None:
+    """Every check that can fail a `generate` call without a model, run before any model work."""
+    check_mode(mode)
+    validate_geometry(height, width, num_frames)
+    check_steps(steps)
+    check_guidance(guidance_scale)
+    if mode == "ti2v" and image is None:
+        raise ValueError("TI2V needs a first-frame image")
+    if mode != "ti2v" and image is not None:
+        raise ValueError(f"an image was given but mode is {mode!r}; use mode='ti2v'")
+    if mode == "t2i" and num_frames != 1:
+        raise ValueError(f"T2I makes one frame; got num_frames={num_frames}")
+    if mode == "t2i" and refine_output:
+        raise ValueError("the refiner works on videos; it cannot refine T2I output")
+
+
 __all__ = [
-    "check_count", "check_finite_number", "check_negative_prompt", "check_picture", "check_request_fits",
+    "MODES", "check_count", "check_denoise_request", "check_first_frame_pixels", "check_guidance", "check_mode",
+    "check_refine_request", "check_steps", "check_t_thresh", "validate_geometry", "validate_request", "check_finite_number", "check_negative_prompt", "check_picture", "check_request_fits",
     "check_seed", "checked_image", "checked_latents", "checked_pixels", "decode_output_shape",
     "device_capacity", "vae_channels",
 ]

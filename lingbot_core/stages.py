@@ -12,8 +12,6 @@ posterior sample of the upscaled video, then (TI2V) of the first-frame image, th
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,16 +25,14 @@ from . import image as image_ops
 from . import prompt as prompt_ops
 from . import sampling
 from . import stage_inputs as checks
-from .latents import dit_to_vae, latent_shape, vae_to_dit, validate_geometry
+from .latents import dit_to_vae, vae_to_dit
 from .placement.door import effective_mode, oom_fallback, release, stage
 from .prompt import PromptEmbeds
-from .sampling.base import check_shift
-from .scheduler import compute_refiner_sigmas, transformer_timestep
+from .sampling.guidance import Guidance, StepCallback, pin_first_frames, sample
+from .sampling.sigmas import compute_refiner_sigmas
+from .stage_inputs import MODES, validate_geometry, validate_request  # noqa: F401  (MODES: part of the stage API)
 
 log = logging.getLogger(__name__)
-
-MODES = ("t2v", "t2i", "ti2v")
-StepCallback = Callable[[int, int, torch.Tensor], None]
 
 REFINER_DEFAULTS = dict(height=1088, width=1920, steps=8, shift=3.0, guidance_scale=3.0, t_thresh=0.85,
                         tail_steps=2)
@@ -98,17 +94,7 @@ class ImageCondition:
         return vae_to_dit(self.latent_mean, self.vae_config)
 
 
-# -- validation ------------------------------------------------------------------------------------
-
-def _check_steps(steps: int) -> None:
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
-
-
-def _check_guidance(guidance_scale: float) -> None:
-    if not math.isfinite(guidance_scale) or guidance_scale < 0:
-        raise ValueError(f"guidance_scale must be a finite number >= 0, got {guidance_scale!r}")
-
+# -- shared helpers --------------------------------------------------------------------------------
 
 def _generator(seed: int | None, generator: torch.Generator | None) -> torch.Generator:
     if generator is not None:
@@ -134,8 +120,7 @@ def encode_prompt(
     `negative_prompt=""` picks the reference default (the image one for T2I); None skips the
     negative (no CFG). For TI2V pass the image condition (or its pixels): both prompts then see it.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    checks.check_mode(mode)
     checks.check_negative_prompt(negative_prompt)
     text = prompt_ops.caption_to_text(prompt)
     if not text.strip():
@@ -147,10 +132,7 @@ def encode_prompt(
         pixels = image.pixels if isinstance(image, ImageCondition) else image
         picture = image.vision_image if isinstance(image, ImageCondition) else None
         if picture is None:  # raw pixels: checked here, before the encoder loads
-            if not isinstance(pixels, torch.Tensor) or pixels.ndim != 5 or tuple(pixels.shape[:3]) != (1, 3, 1):
-                shape = tuple(pixels.shape) if isinstance(pixels, torch.Tensor) else type(pixels).__name__
-                raise ValueError(f"expected first-frame pixels shaped (1,3,1,H,W), got {shape}")
-            checks.checked_pixels(pixels, "image", unit_range_only=True)
+            checks.check_first_frame_pixels(pixels)
     with stage(handle, "text_encoder", "processor") as device:
         encoder, processor = handle.component("text_encoder"), handle.component("processor")
         if image is not None and picture is None:
@@ -260,68 +242,48 @@ def denoise(
     from it cancels the run cleanly. `trace` (a dict) receives the run (`trace["run"]`: its
     timesteps, sigmas and, for stochastic samplers, what it drew).
     """
-    validate_geometry(height, width, num_frames)
-    _check_steps(steps)
-    _check_guidance(guidance_scale)
-    method = sampling.get_sampler(sampler)
-    method.check(steps=steps, shift=shift, sigmas=sigmas, refine=transformer == "refiner")
-    if method.recommended and guidance_scale > 1.0 and method.recommended.get("guidance_scale") == 1.0:
-        log.warning("%s: guidance %.2f on a CFG-distilled model applies guidance twice; its recipe is "
-                    "guidance 1.0", method.name, guidance_scale)
-    if image_cond is not None and (image_cond.height, image_cond.width) != (height, width):
-        raise ValueError(f"the image condition was prepared for {image_cond.height}x{image_cond.width} "
-                         f"but the video is {height}x{width}; encode the image at the video size")
-    do_cfg = guidance_scale > 1.0
-    positive = cond.positive
-    negative = cond.negative_for_cfg() if do_cfg else None
-    shape = latent_shape(height, width, num_frames)
-    if latents is not None:
-        checks.checked_latents(latents, shape=shape)
-    if cond_latent is not None:
-        checks.checked_latents(cond_latent, "cond_latent", channels=shape[1])
-        if tuple(cond_latent.shape[3:]) != shape[3:] or cond_latent.shape[2] > shape[2]:
-            raise ValueError(f"cond_latent {tuple(cond_latent.shape)} does not fit latents of shape {shape}")
-    checks.check_request_fits(handle, height=height, width=width, num_frames=num_frames, cfg=do_cfg,
-                              what="denoising")
+    method, shape = checks.check_denoise_request(
+        handle, cond, height=height, width=width, num_frames=num_frames, steps=steps,
+        guidance_scale=guidance_scale, shift=shift, sigmas=sigmas, sampler=sampler, transformer=transformer,
+        image_cond=image_cond, cond_latent=cond_latent, latents=latents)
     g = _generator(seed, generator)
-
-    if cond_latent is None and image_cond is not None:
-        cond_latent = image_cond.sample_latent(g)
-    if latents is None:
-        latents = prepare_latents(shape, g)
-
+    latents, cond_latent = _starting_latents(shape, g, latents, cond_latent, image_cond)
     needs = (transformer, "scheduler") if method.uses_scheduler else (transformer,)
     with stage(handle, *needs) as device:
-        dit = handle.component(transformer)
-        latents = latents.to(device=device, dtype=torch.float32)
-        if cond_latent is not None:
-            cond_latent = cond_latent.to(device=device, dtype=torch.float32)
-            latents[:, :, : cond_latent.shape[2]] = cond_latent
+        cond_latent = _on(cond_latent, device)
+        latents = pin_first_frames(latents.to(device=device, dtype=torch.float32), cond_latent)
         run = method.start(steps=steps, shift=shift, sigmas=sigmas, device=device, generator=g,
                            scheduler=handle.component("scheduler") if method.uses_scheduler else None,
                            record=trace is not None)
         if trace is not None:
             trace["run"] = run
-        dit_dtype = handle.dtype_of(transformer)
-        pos = positive.to(device, dit_dtype)
-        neg = negative.to(device, dit_dtype) if negative is not None else None
-        autocast = (torch.autocast("cuda", dtype=dit_dtype)
-                    if device.type == "cuda" and dit_dtype in (torch.bfloat16, torch.float16) else nullcontext())
-        timesteps = run.timesteps
-        total = len(timesteps)
-        for i, t in enumerate(timesteps):
-            t_dit = transformer_timestep(t, dit_dtype).reshape(1).to(device)
-            with torch.no_grad(), autocast:
-                v = dit(latents, t_dit, pos.embeds, pos.mask, return_dict=False)[0].float()
-                if neg is not None:
-                    v_uncond = dit(latents, t_dit, neg.embeds, neg.mask, return_dict=False)[0].float()
-                    v = v_uncond + guidance_scale * (v - v_uncond)
-            latents = run.step(v, i, latents)
-            if cond_latent is not None:
-                latents[:, :, : cond_latent.shape[2]] = cond_latent
-            if callback is not None:
-                callback(i + 1, total, latents)
+        guidance = _guidance(handle, transformer, cond, guidance_scale, device)
+        latents = sample(run, guidance, latents, cond_latent=cond_latent, callback=callback)
         return latents.cpu()
+
+
+def _starting_latents(shape: tuple[int, ...], g: torch.Generator, latents: torch.Tensor | None,
+                      cond_latent: torch.Tensor | None, image_cond: ImageCondition | None):
+    """(initial latents, first-frame condition or None), drawing from `g` in the reference's order:
+    the image condition's posterior sample first, then the noise."""
+    if cond_latent is None and image_cond is not None:
+        cond_latent = image_cond.sample_latent(g)
+    if latents is None:
+        latents = prepare_latents(shape, g)
+    return latents, cond_latent
+
+
+def _on(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(device=device, dtype=torch.float32)
+
+
+def _guidance(handle, transformer: str, cond: Conditioning, guidance_scale: float, device: torch.device) -> Guidance:
+    """The DiT's guided prediction for this call: prompts on the device in the DiT's dtype."""
+    dit_dtype = handle.dtype_of(transformer)
+    negative = cond.negative_for_cfg() if guidance_scale > 1.0 else None
+    return Guidance(handle.component(transformer), cond.positive.to(device, dit_dtype),
+                    negative.to(device, dit_dtype) if negative is not None else None, guidance_scale,
+                    dtype=dit_dtype, device=device)
 
 
 # -- decode ----------------------------------------------------------------------------------------
@@ -389,35 +351,6 @@ def refiner_first_frame(image: Any, height: int, width: int, base_height: int, b
     return pixels[:, None].unsqueeze(0)  # (1,3,1,H,W)
 
 
-def _check_refine_request(handle, frames: Any, *, height: int, width: int, steps: int, shift: float,
-                          t_thresh: float, tail_steps: int, seed: int, first_frame: Any) -> int:
-    """Every refine argument, before anything is released or loaded; returns the usable frame count."""
-    if not handle.has_refiner:
-        raise ValueError("refinement needs the MoE checkpoint's refiner/ folder; this checkpoint has none")
-    if not isinstance(frames, torch.Tensor) or frames.ndim != 4 or frames.shape[-1] != 3 or frames.shape[0] < 1:
-        shape = tuple(frames.shape) if isinstance(frames, torch.Tensor) else type(frames).__name__
-        raise ValueError(f"expected base frames shaped [F,H,W,3], got {shape}")
-    checks.checked_pixels(frames, "base frames", unit_range_only=True)
-    n = int(frames.shape[0])
-    if n == 1:
-        raise ValueError("the refiner works on videos; a single frame (T2I) cannot be refined")
-    usable = (n - 1) // 4 * 4 + 1
-    validate_geometry(height, width, usable)
-    _check_steps(steps)
-    check_shift(shift)
-    if (isinstance(t_thresh, bool) or not isinstance(t_thresh, (int, float)) or not math.isfinite(t_thresh)
-            or not 0.0 < t_thresh <= 1.0):
-        raise ValueError(f"t_thresh must lie in (0, 1], got {t_thresh!r}")
-    checks.check_count("tail_steps", tail_steps)
-    checks.check_seed(seed)
-    if first_frame is not None:
-        picture = checks.checked_image(first_frame, "first_frame")
-        if isinstance(picture, Image.Image):
-            checks.check_picture(picture, "first_frame")
-    checks.check_request_fits(handle, height=height, width=width, num_frames=usable, what="refining")
-    return usable
-
-
 @dataclass
 class RefineStart:
     """Everything the refiner's sampling starts from (CPU, DiT space); kept for tests and nodes."""
@@ -448,7 +381,7 @@ def prepare_refine(
     tiling: dict | bool | None = True,
 ) -> RefineStart:
     """Upscale, VAE-encode and re-noise the base frames to `t_thresh` (a fresh generator from `seed`)."""
-    usable = _check_refine_request(handle, frames, height=height, width=width, steps=steps, shift=shift,
+    usable = checks.check_refine_request(handle, frames, height=height, width=width, steps=steps, shift=shift,
                                    t_thresh=t_thresh, tail_steps=tail_steps, seed=seed, first_frame=first_frame)
     frames = frames[:usable]
     if tiling is True:
@@ -505,13 +438,10 @@ def refine(
     `release_base` drops the base DiT (hooks first) before the refiner loads; by default it does so
     whenever the offload mode is not `none`. A later stage that needs the base reloads it.
     """
-    if cond.with_image:
-        raise ValueError("the refiner conditions on text only: encode the prompt without the image")
-    _check_guidance(guidance_scale)
-    sampling.get_sampler(sampler).check(steps=steps, shift=shift, refine=True)
     # Everything that can refuse the request runs before the base DiT is released (it would be lost).
-    _check_refine_request(handle, frames, height=height, width=width, steps=steps, shift=shift,
-                          t_thresh=t_thresh, tail_steps=tail_steps, seed=seed, first_frame=first_frame)
+    checks.check_refine_request(handle, frames, height=height, width=width, steps=steps, shift=shift,
+                                t_thresh=t_thresh, tail_steps=tail_steps, seed=seed, first_frame=first_frame,
+                                cond=cond, guidance_scale=guidance_scale, sampler=sampler)
     if release_base is None:
         release_base = handle.folder is not None and effective_mode(handle) != "none"
     if release_base and "transformer" in handle.shared.loaded:
@@ -535,24 +465,6 @@ class GenerateResult:
     frames: torch.Tensor | None  # [F,H,W,3]
     latents: torch.Tensor  # DiT space
     refined: torch.Tensor | None = None
-
-
-def validate_request(mode: str, *, height: int, width: int, num_frames: int, steps: int, image: Any,
-                     refine_output: bool, guidance_scale: float = 3.0) -> None:
-    """Every check that can fail a `generate` call, run before any model work."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    validate_geometry(height, width, num_frames)
-    _check_steps(steps)
-    _check_guidance(guidance_scale)
-    if mode == "ti2v" and image is None:
-        raise ValueError("TI2V needs a first-frame image")
-    if mode != "ti2v" and image is not None:
-        raise ValueError(f"an image was given but mode is {mode!r}; use mode='ti2v'")
-    if mode == "t2i" and num_frames != 1:
-        raise ValueError(f"T2I makes one frame; got num_frames={num_frames}")
-    if mode == "t2i" and refine_output:
-        raise ValueError("the refiner works on videos; it cannot refine T2I output")
 
 
 def generate(

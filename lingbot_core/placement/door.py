@@ -84,7 +84,7 @@ def check_settings(handle: PipelineHandle, settings: OffloadSettings) -> None:
     """Every check on a view's offload settings, before anything is touched."""
     check_guards(settings, handle.device, handle.shared.loaded)
     if settings.mode == "auto" and any(settings.option(k) is not None for k in ("height", "width", "num_frames")):
-        from ..latents import validate_geometry
+        from ..stage_inputs import validate_geometry
 
         validate_geometry(int(settings.option("height", 480)), int(settings.option("width", 832)),
                           int(settings.option("num_frames", 121)))

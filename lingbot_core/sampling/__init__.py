@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Sampler, SamplerRun, SigmaList, as_sigma_array, warp_sigmas
+from .base import Sampler, SamplerRun
 from .dmd_student import DMDStudentSampler, ancestral_std, student_grid
 from .euler import EulerSampler, euler_sigmas
 from .flow_unipc import FlowUniPCSampler
+from .sigmas import SigmaList, as_sigma_array, warp_sigmas
 
 __all__ = [
     "SAMPLERS", "DEFAULT_SAMPLER", "Sampler", "SamplerRun", "SigmaList", "DMDStudentSampler", "EulerSampler",

@@ -11,59 +11,15 @@ grid, say) fails in a second, not after the text encoder has run.
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 
-SigmaList = Sequence[float] | np.ndarray | torch.Tensor
+from .sigmas import SigmaList, as_sigma_array, check_shift
 
-
-def warp_sigmas(sigmas: np.ndarray, shift: float) -> np.ndarray:
-    """Flow-matching time shift s -> shift*s / (1 + (shift-1)*s), in the array's own dtype."""
-    return shift * sigmas / (1 + (shift - 1) * sigmas)
-
-
-def check_shift(shift: float) -> None:
-    if isinstance(shift, bool) or not isinstance(shift, (int, float)) or not math.isfinite(shift) or shift <= 0:
-        raise ValueError(f"shift must be a positive number, got {shift!r}")
-
-
-def as_sigma_array(sigmas: SigmaList, *, allow_terminal_zero: bool = True) -> np.ndarray:
-    """A user's sigma list as a 1-D float array, checked: finite, in [0, 1], strictly falling.
-
-    A trailing 0 (the terminal sigma) is allowed and dropped: samplers append their own. Float32
-    tensors stay float32 (the refiner's list is float32 and its timesteps truncate on that).
-    """
-    if isinstance(sigmas, torch.Tensor):
-        arr = sigmas.detach().cpu().numpy()
-    elif isinstance(sigmas, np.ndarray):
-        arr = sigmas
-    else:
-        try:
-            arr = np.asarray([float(s) for s in sigmas], dtype=np.float64)
-        except (TypeError, ValueError):
-            raise ValueError(f"sigmas must be a list of numbers, got {sigmas!r}") from None
-    if arr.dtype.kind != "f":
-        arr = arr.astype(np.float64)
-    if arr.ndim != 1 or arr.size == 0:
-        raise ValueError(f"sigmas must be a non-empty 1-D list, got shape {tuple(arr.shape)}")
-    values = arr.astype(np.float64)
-    if not np.all(np.isfinite(values)):
-        raise ValueError(f"sigmas must be finite numbers, got {values.tolist()}")
-    if np.any(values < 0) or np.any(values > 1):
-        raise ValueError(f"sigmas must lie in [0, 1], got {values.tolist()}")
-    if values.size > 1 and not np.all(np.diff(values) < 0):
-        raise ValueError(f"sigmas must be strictly decreasing, got {values.tolist()}")
-    if allow_terminal_zero and values.size > 1 and values[-1] == 0.0:
-        arr = arr[:-1]
-    if float(arr[-1]) == 0.0:
-        raise ValueError("sigmas need at least one value above 0 (the terminal 0 is appended for you)")
-    return arr
+__all__ = ["Sampler", "SamplerRun"]
 
 
 @dataclass

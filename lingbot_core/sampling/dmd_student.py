@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import Sampler, SamplerRun, SigmaList, check_shift, warp_sigmas
+from .base import Sampler, SamplerRun
+from .sigmas import SigmaList, check_shift, warp_sigmas
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import Sampler, SamplerRun, SigmaList, as_sigma_array, warp_sigmas
+from .base import Sampler, SamplerRun
+from .sigmas import SigmaList, as_sigma_array, warp_sigmas
 
 TRAIN_TIMESTEPS = 1000
 

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from .base import Sampler, SamplerRun, SigmaList, as_sigma_array
+from .base import Sampler, SamplerRun
+from .sigmas import SigmaList, as_sigma_array
 
 
 class _UniPCRun(SamplerRun):

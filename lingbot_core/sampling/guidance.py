@@ -1,0 +1,80 @@
+"""The model side of one denoise step: the DiT's flow prediction at the current latents, guided.
+
+`Guidance` wraps the DiT, the prompt embeddings and the guidance scale for one Denoise call;
+`predict(latents, timestep)` returns the float32 guided velocity the sampler steps with.
+`sample()` is the loop every Denoise and Refine runs: predict, step, pin the first frame, report.
+
+Classifier-free guidance is v = v_uncond + scale * (v_cond - v_uncond), computed from two DiT
+forwards per step (the reference's default).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from .base import SamplerRun
+from .sigmas import transformer_timestep
+
+StepCallback = Callable[[int, int, torch.Tensor], None]
+
+__all__ = ["Guidance", "StepCallback", "pin_first_frames", "sample"]
+
+
+class Guidance:
+    """The guided flow prediction of one DiT for one Denoise call (no state carried between steps).
+
+    `positive` and `negative` are `PromptEmbeds` already on the execution device in the DiT's dtype;
+    `negative` None means no CFG (one forward per step).
+    """
+
+    def __init__(self, dit: torch.nn.Module, positive: Any, negative: Any | None, scale: float, *,
+                 dtype: torch.dtype, device: torch.device):
+        self.dit = dit
+        self.positive = positive
+        self.negative = negative
+        self.scale = scale
+        self.dtype = dtype
+        self.device = device
+        half = dtype in (torch.bfloat16, torch.float16)
+        self._autocast = (lambda: torch.autocast("cuda", dtype=dtype)) if device.type == "cuda" and half else nullcontext
+
+    def timestep(self, t: torch.Tensor) -> torch.Tensor:
+        """The (1,) float32 timestep the DiT sees for scheduler timestep `t`."""
+        return transformer_timestep(t, self.dtype).reshape(1).to(self.device)
+
+    def forward(self, latents: torch.Tensor, t_dit: torch.Tensor, prompt: Any) -> torch.Tensor:
+        """One DiT forward for one prompt, as float32."""
+        return self.dit(latents, t_dit, prompt.embeds, prompt.mask, return_dict=False)[0].float()
+
+    def predict(self, latents: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """The guided velocity at `latents` for scheduler timestep `t` (float32)."""
+        t_dit = self.timestep(t)
+        with torch.no_grad(), self._autocast():
+            v = self.forward(latents, t_dit, self.positive)
+            if self.negative is None:
+                return v
+            v_uncond = self.forward(latents, t_dit, self.negative)
+            return v_uncond + self.scale * (v - v_uncond)
+
+
+def pin_first_frames(latents: torch.Tensor, cond_latent: torch.Tensor | None) -> torch.Tensor:
+    """Write the clean first-frame condition into the leading latent frames (in place)."""
+    if cond_latent is not None:
+        latents[:, :, : cond_latent.shape[2]] = cond_latent
+    return latents
+
+
+def sample(run: SamplerRun, guidance: Guidance, latents: torch.Tensor, *, cond_latent: torch.Tensor | None = None,
+           callback: StepCallback | None = None) -> torch.Tensor:
+    """Walk `run`'s schedule from `latents`: predict, step, pin the first frame, report each step."""
+    total = len(run.timesteps)
+    for i, t in enumerate(run.timesteps):
+        v = guidance.predict(latents, t)
+        latents = pin_first_frames(run.step(v, i, latents), cond_latent)
+        if callback is not None:
+            callback(i + 1, total, latents)
+    return latents
