@@ -2,9 +2,12 @@
 
 `model_index.json` names the reference's own modules for the transformer and the scheduler; we map
 those names to our classes instead of importing anything from the checkpoint (never
-`trust_remote_code`). Weights are read from safetensors only. Before anything heavy is loaded,
-`inspect_checkpoint` checks the whole layout (folders, configs, class names, safetensors headers and
-sizes) so a broken download fails in a second with one message naming the file and the fix.
+`trust_remote_code`). Weights come from safetensors files, or (the DiTs) GGUF, never pickles. Before
+anything heavy is loaded, `inspect_checkpoint` checks the whole layout (folders, configs, class names,
+weight headers and shapes) so a broken download fails in a second with one message naming the file
+and the fix. Each component's weights are resolved once (`weights.resolve`: files, format, headers
+read once) and the loaders below take that resolved source; what each component is comes from the
+component table (`components.TABLE`).
 """
 
 from __future__ import annotations
@@ -19,44 +22,11 @@ from typing import Any
 import torch
 
 from . import checkpoint_checks as checks
+from .components import DITS, INDEXED, TABLE
 from .errors import CheckpointError
+from .weights.resolve import ComponentSource, check_weights_mode_for, folder_source
 
-COMPONENTS = ("transformer", "vae", "text_encoder", "processor", "scheduler")
-
-# (library, class) as written in model_index.json -> the name we load it as.
-KNOWN_CLASSES: dict[str, dict[tuple[str, str], str]] = {
-    "transformer": {
-        ("lingbot_video.transformer_lingbot_video", "LingBotVideoTransformer3DModel"): "LingBotVideoTransformer3DModel",
-    },
-    "scheduler": {
-        ("lingbot_video.scheduling_flow_unipc", "FlowUniPCMultistepScheduler"): "FlowUniPCMultistepScheduler",
-    },
-    "text_encoder": {("transformers", "Qwen3VLForConditionalGeneration"): "Qwen3VLForConditionalGeneration"},
-    "processor": {("transformers", "Qwen3VLProcessor"): "Qwen3VLProcessor"},
-    "vae": {("diffusers", "AutoencoderKLWan"): "AutoencoderKLWan"},
-}
-
-# config.json `_class_name` (diffusers) or `architectures`/`model_type` (transformers) we accept.
-CONFIG_CLASS: dict[str, str | tuple[str, ...]] = {
-    "transformer": "LingBotVideoTransformer3DModel",
-    "refiner": "LingBotVideoTransformer3DModel",
-    "vae": "AutoencoderKLWan",
-    "scheduler": ("FlowUniPCMultistepScheduler", "FlowUniPCScheduler"),  # the reference's name, and ours
-}
-WEIGHT_FILES = {
-    "transformer": "diffusion_pytorch_model",
-    "refiner": "diffusion_pytorch_model",
-    "vae": "diffusion_pytorch_model",
-    "text_encoder": "model",
-}
-QUANTIZABLE = ("transformer", "refiner")  # components that may be stored as fp8 or GGUF
-CONFIG_FILES = {
-    "transformer": "config.json",
-    "refiner": "config.json",
-    "vae": "config.json",
-    "text_encoder": "config.json",
-    "scheduler": "scheduler_config.json",
-}
+COMPONENTS = INDEXED  # what model_index.json lists (the refiner is found by its folder)
 
 
 @dataclass
@@ -67,20 +37,30 @@ class CheckpointInfo:
     variant: str  # "dense" or "moe"
     has_refiner: bool
     transformer_config: dict[str, Any]
-    weight_files: dict[str, list[Path]] = field(default_factory=dict)
+    sources: dict[str, ComponentSource] = field(default_factory=dict)  # resolved once, headers read
+
+    @property
+    def weight_files(self) -> dict[str, list[Path]]:
+        return {name: list(source.files) for name, source in self.sources.items()}
 
     def component_bytes(self, name: str) -> int:
         """Bytes of weights on disk for a component (an estimate of its RAM in the stored dtype)."""
-        return sum(p.stat().st_size for p in self.weight_files.get(name, []))
+        source = self.sources.get(name)
+        return source.stored_bytes if source is not None else 0
+
+    def check_weights_mode(self, weights: str) -> None:
+        """Refuse a weights mode a DiT's stored format cannot give (fp8 on load of a GGUF), at open."""
+        for name in DITS:
+            if name in self.sources:
+                check_weights_mode_for(self.sources[name], weights)
 
 
 def default_dtypes(device: torch.device | str) -> dict[str, torch.dtype]:
-    """bf16 DiT and text encoder with an fp32 VAE on CUDA; everything fp32 elsewhere (bf16 is slow on CPU)."""
-    if torch.device(device).type == "cuda":
-        return {"transformer": torch.bfloat16, "refiner": torch.bfloat16, "text_encoder": torch.bfloat16,
-                "vae": torch.float32}
-    return {"transformer": torch.float32, "refiner": torch.float32, "text_encoder": torch.float32,
-            "vae": torch.float32}
+    """bf16 DiT and text encoder with an fp32 VAE on CUDA (the table's `cuda_dtype`); everything fp32
+    elsewhere (bf16 is slow on CPU)."""
+    cuda = torch.device(device).type == "cuda"
+    return {name: getattr(torch, row.cuda_dtype) if cuda else torch.float32
+            for name, row in TABLE.items() if row.weight_stem is not None}
 
 
 # -- validation ---------------------------------------------------------------------------------
@@ -108,75 +88,33 @@ def _stored_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
     return {name: t.shape for name, t in checks.stored_tensors(files).items()}
 
 
-def check_state_dict(component: str, files: list[Path], expected: dict[str, tuple[int, ...]],
+def check_state_dict(component: str, source: ComponentSource | list[Path], expected: dict[str, tuple[int, ...]],
                      ignore_missing: Iterable[str] = ()) -> None:
     """Compare stored tensor names and shapes with what the model expects.
 
     The libraries only warn on missing keys and leave those weights uninitialised; a partial or
-    mismatched checkpoint must fail loudly instead.
+    mismatched checkpoint must fail loudly instead. `source`: a resolved component (its headers,
+    read once) or safetensors files (read here).
     """
-    stored = _stored_shapes(files)
+    if isinstance(source, ComponentSource):
+        stored = {name: t.shape for name, t in source.stored_tensors().items()}
+        where = source.config_dir or source.where
+    else:
+        stored = _stored_shapes(source)
+        where = source[0].parent
     problems = checks.tensor_set_problems(stored, expected, ignore_missing=ignore_missing)
     if problems:
-        where = files[0].parent
         raise CheckpointError(f"{component}: the weights in {where} do not match its config.json: "
                               f"{'; '.join(problems)}. The folder is incomplete or from another model; re-download it.")
 
 
-def _weight_files(folder: Path, component: str) -> list[Path]:
-    stem = WEIGHT_FILES[component]
-    single = folder / f"{stem}.safetensors"
-    index = folder / f"{stem}.safetensors.index.json"
-    if single.is_file():
-        files = [single]
-    elif index.is_file():
-        weight_map = _read_json(index, component).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{component}: {index} has no weight_map; re-download it.")
-        files = [folder / name for name in sorted(set(weight_map.values()))]
-        for f in files:
-            if not f.is_file():
-                raise CheckpointError(f"{component}: shard {f} listed in {index.name} is missing; re-download it.")
-    elif component in QUANTIZABLE and list(folder.glob("*.gguf")):
-        from .weights.loader import find_gguf
-        from .weights.sources import GGUFSource
-
-        files = [find_gguf(folder)]
-        GGUFSource(files[0])  # header and tensor types, checked now (the tensors stay on disk)
-        return files
-    else:
-        pickled = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt*")]
-        hint = (f" Found only {', '.join(sorted(pickled))}: pickled weights are never loaded; convert them to "
-                "safetensors.") if pickled else " Re-download the checkpoint."
-        raise CheckpointError(f"{component}: missing weights {single} (or a sharded {index.name}).{hint}")
-    for f in files:
-        check_safetensors(f)
-    if component not in QUANTIZABLE:
-        _refuse_quantized(component, folder, files)
-    return files
-
-
-def _refuse_quantized(component: str, folder: Path, files: list[Path]) -> None:
-    """fp8 / GGUF weights are for the DiTs only; the VAE and text encoder must be plain safetensors."""
-    from .weights.sources import read_safetensors_header
-
-    stray = sorted(p.name for p in folder.glob("*.gguf"))
-    fp8 = [k for f in files for k, v in read_safetensors_header(f).items()
-           if k != "__metadata__" and str(v.get("dtype", "")).startswith("F8")]
-    if stray or fp8:
-        what = f"GGUF file {stray[0]}" if stray else f"fp8 tensor {fp8[0]}"
-        raise CheckpointError(f"{component}: {folder} holds quantized weights ({what}); lingbot-nodes quantizes only "
-                              "the transformer and refiner. Use the checkpoint's original bf16/fp32 "
-                              f"{component} folder.")
-
-
 def _check_config_class(folder: Path, component: str) -> dict[str, Any]:
-    config = _read_json(folder / CONFIG_FILES[component], component)
-    expected = CONFIG_CLASS.get(component)
-    accepted = (expected,) if isinstance(expected, str) else expected
-    if expected is not None and config.get("_class_name") not in accepted:
+    row = TABLE[component]
+    config = _read_json(folder / row.config_file, component)
+    accepted = row.config_classes
+    if accepted and config.get("_class_name") not in accepted:
         raise CheckpointError(
-            f"{component}: {folder / CONFIG_FILES[component]} declares class {config.get('_class_name')!r}, "
+            f"{component}: {folder / row.config_file} declares class {config.get('_class_name')!r}, "
             f"but lingbot-nodes only knows {' or '.join(map(repr, accepted))} here. Is this a LingBot-Video checkpoint?"
         )
     if component == "text_encoder" and config.get("model_type") != "qwen3_vl":
@@ -201,18 +139,18 @@ def inspect_checkpoint(folder: str | os.PathLike) -> CheckpointInfo:
             raise CheckpointError(f"{root / 'model_index.json'} has no usable '{name}' entry (got {shown}); "
                                   "a LingBot-Video checkpoint lists transformer, vae, text_encoder, processor, scheduler "
                                   "as [library, class] pairs.")
-        if tuple(entry) not in KNOWN_CLASSES[name]:
-            known = ", ".join(f"{lib}.{cls}" for lib, cls in KNOWN_CLASSES[name])
+        if tuple(entry) not in TABLE[name].index_classes:
+            known = ", ".join(f"{lib}.{cls}" for lib, cls in TABLE[name].index_classes)
             raise CheckpointError(f"{root / 'model_index.json'}: '{name}' is {entry[0]}.{entry[1]}, which lingbot-nodes "
                                   f"does not know; expected {known}.")
         if not (root / name).is_dir():
             raise CheckpointError(f"{name}: missing folder {root / name}. Re-download the checkpoint.")
 
-    files: dict[str, list[Path]] = {}
+    sources: dict[str, ComponentSource] = {}
     configs: dict[str, dict[str, Any]] = {}
     for name in ("transformer", "vae", "text_encoder"):
         configs[name] = _check_config_class(root / name, name)
-        files[name] = _weight_files(root / name, name)
+        sources[name] = folder_source(root / name, name)
     transformer_config = configs["transformer"]
     configs["scheduler"] = _check_config_class(root / "scheduler", "scheduler")
     processor = root / "processor"
@@ -225,17 +163,19 @@ def inspect_checkpoint(folder: str | os.PathLike) -> CheckpointInfo:
     has_refiner = (root / "refiner").is_dir()
     if has_refiner:
         configs["refiner"] = _check_config_class(root / "refiner", "refiner")
-        files["refiner"] = _weight_files(root / "refiner", "refiner")
-    check_values_and_shapes(root, configs, files)
+        sources["refiner"] = folder_source(root / "refiner", "refiner")
+    check_values_and_shapes(root, configs, sources)
     variant = "moe" if int(transformer_config.get("num_experts") or 0) > 0 else "dense"
-    return CheckpointInfo(root, variant, has_refiner, transformer_config, files)
+    return CheckpointInfo(root, variant, has_refiner, transformer_config, sources)
 
 
-def check_values_and_shapes(root: Path, configs: dict[str, dict[str, Any]], files: dict[str, list[Path]]) -> None:
+def check_values_and_shapes(root: Path, configs: dict[str, dict[str, Any]],
+                            sources: dict[str, ComponentSource]) -> None:
     """Config values of every component, then every stored tensor's shape against its config.
 
-    Shapes come from the safetensors headers and a meta-device skeleton of each model, so a
-    mismatched refiner is refused when the checkpoint opens, not after the base video sampled.
+    Shapes come from the headers read when each component resolved (safetensors or GGUF) and a
+    meta-device skeleton of each model, so a mismatched refiner or GGUF is refused when the
+    checkpoint opens, not after the text encoder or the base video ran.
     """
     for name in ("transformer", "refiner"):
         if name in configs:
@@ -249,11 +189,14 @@ def check_values_and_shapes(root: Path, configs: dict[str, dict[str, Any]], file
         raise CheckpointError(f"{root}: the VAE's z_dim is {vae_dim} but the transformer takes {dit_in} channels; "
                               "the folders come from different models. Re-download the checkpoint.")
     for name in ("transformer", "refiner", "vae", "text_encoder"):
-        if name not in files or any(f.suffix != ".safetensors" for f in files[name]):
-            continue  # GGUF stores are checked by their own reader
+        if name not in sources:
+            continue
         where = root / name
-        stored = checks.stored_tensors(files[name])
-        if name in ("transformer", "refiner"):
+        if sources[name].format.name != "safetensors":  # a GGUF DiT: its source's logical entries
+            check_dit_entries(sources[name], checks.dit_shapes(configs[name], str(where / "config.json")))
+            continue
+        stored = sources[name].stored_tensors()
+        if name in DITS:
             expected = checks.dit_shapes(configs[name], str(where / "config.json"))
             quantized = any(t.dtype.startswith("F8") for t in stored.values())
             checks.compare_shapes(name, where, stored, expected, strict_names=not quantized)
@@ -264,62 +207,79 @@ def check_values_and_shapes(root: Path, configs: dict[str, dict[str, Any]], file
             checks.compare_shapes(name, where, stored, expected, strict_names=False)
 
 
+def check_dit_entries(resolved: ComponentSource, expected: dict[str, tuple[int, ...]]) -> None:
+    """A DiT source's names and logical shapes (GGUF blocks, per-expert stacks) against its config."""
+    entries = resolved.open().entries
+    problems = checks.tensor_set_problems({k: e.shape for k, e in entries.items()}, expected)
+    if problems:
+        raise CheckpointError(f"{resolved.component}: the weights in {resolved.where} do not match its config: "
+                              f"{'; '.join(problems)}. The file is incomplete or from another model; re-download "
+                              "or re-create it.")
+
+
 # -- loading ------------------------------------------------------------------------------------
 
-def load_transformer(folder: str | os.PathLike, subfolder: str = "transformer", *,
+def load_transformer(folder: str | os.PathLike | None, subfolder: str = "transformer", *,
                      dtype: torch.dtype | None = None, weights: str = "auto",
-                     streamed: bool = False) -> torch.nn.Module:
-    """A DiT, tensor by tensor from its mapped files (`weights.loader.load_dit`).
+                     streamed: bool = False, source: ComponentSource | None = None) -> torch.nn.Module:
+    """A DiT, tensor by tensor from its files (`weights.loader.load_dit`).
 
-    dtype None keeps the stored dtype (fp32-kept modules in fp32); `weights` "fp8_e4m3" quantizes
-    the linear and expert weights on load. A `*.gguf` file in the folder loads as GGUF. `streamed`:
-    for disk-backed offload, the tensors kept as stored stay in the file (on `meta`).
+    `source`: the component as resolved when the checkpoint opened (its headers are not read
+    again); without it `folder/subfolder` is resolved now. dtype None keeps the stored dtype
+    (fp32-kept modules in fp32); `weights` "fp8_e4m3" quantizes the linear and expert weights on
+    load. `streamed`: for disk-backed offload, the tensors kept as stored stay in the file (on `meta`).
     """
     from .weights.loader import load_dit
 
-    path = Path(folder) / subfolder
-    files = _weight_files(path, subfolder if subfolder in WEIGHT_FILES else "transformer")
-    if files[0].suffix == ".gguf":
-        return load_dit(folder, subfolder, dtype=dtype, weights=weights, gguf=files[0], streamed=streamed)
-    return load_dit(folder, subfolder, dtype=dtype, weights=weights, files=files, streamed=streamed)
+    if source is None:
+        if folder is None:
+            raise ValueError("load_transformer needs a folder or a resolved source")
+        source = folder_source(Path(folder) / subfolder, subfolder if subfolder in DITS else "transformer")
+    return load_dit(source, dtype=dtype, weights=weights, streamed=streamed)
 
 
-def load_refiner(folder: str | os.PathLike, *, dtype: torch.dtype | None = None,
-                 weights: str = "auto", streamed: bool = False) -> torch.nn.Module:
-    """The MoE refiner DiT, loaded only when asked for; a dense checkpoint gets a clear error."""
-    info = inspect_checkpoint(folder)
+def load_refiner(folder: str | os.PathLike | None, *, dtype: torch.dtype | None = None,
+                 weights: str = "auto", streamed: bool = False, info: CheckpointInfo | None = None) -> torch.nn.Module:
+    """The MoE refiner DiT, loaded only when asked for; a dense checkpoint gets a clear error.
+    `info`: the checkpoint as opened (its resolved refiner source is used; else `folder` is inspected)."""
+    info = info if info is not None else inspect_checkpoint(folder)
     if not info.has_refiner:
         raise CheckpointError(
             f"{info.folder} has no refiner/ folder: the refiner ships only with the MoE checkpoint "
             "(robbyant/lingbot-video-moe-30b-a3b). Load that checkpoint, or disable refinement."
         )
-    return _finite(load_transformer(info.folder, "refiner", dtype=dtype, weights=weights, streamed=streamed),
-                   "refiner", info.folder)
+    source = info.sources["refiner"]
+    return _finite(load_transformer(None, dtype=dtype, weights=weights, streamed=streamed, source=source),
+                   "refiner", source.config_dir or source.where)
 
 
-def _finite(module: Any, name: str, folder: Path) -> Any:
-    """Weights with NaN/inf are refused when the component loads (a sum per tensor: cheap)."""
+def _finite(module: Any, name: str, where: Path) -> Any:
+    """Weights with NaN/inf are refused when the component loads (a sum per tensor: cheap).
+    `where`: the component's folder or file, as messages name it."""
     if os.environ.get("LINGBOT_SKIP_WEIGHT_SCAN") != "1" and isinstance(module, torch.nn.Module):
-        checks.scan_non_finite(module, name, Path(folder) / name)
+        checks.scan_non_finite(module, name, Path(where))
     return module
 
 
 def load_component(folder: Path, name: str, *, dtype: torch.dtype | None = None,
-                   attn_implementation: str = "sdpa", weights: str = "auto", streamed: bool = False) -> Any:
+                   attn_implementation: str = "sdpa", weights: str = "auto", streamed: bool = False,
+                   source: ComponentSource | None = None) -> Any:
     """Load one component from a validated folder (CPU). dtype None: as stored (the DiT) or float32.
-    `streamed` (the DiT only): its stored tensors stay in the file, for disk-backed offload."""
+    `streamed` (the DiT only): its stored tensors stay in the file, for disk-backed offload.
+    `source`: the component as resolved when the checkpoint opened (else it is resolved now)."""
     if name == "transformer":
-        return _finite(load_transformer(folder, dtype=dtype, weights=weights, streamed=streamed), name, folder)
+        dit = load_transformer(folder, dtype=dtype, weights=weights, streamed=streamed, source=source)
+        return _finite(dit, name, (source.config_dir or source.where) if source is not None else Path(folder) / name)
     if name == "vae":
         from diffusers import AutoencoderKLWan
 
         with torch.device("meta"):
             skeleton = AutoencoderKLWan.from_config(AutoencoderKLWan.load_config(folder / "vae"))
-        check_state_dict("vae", _weight_files(folder / "vae", "vae"),
-                         {k: tuple(v.shape) for k, v in skeleton.state_dict().items()})
+        source = source or folder_source(Path(folder) / "vae", "vae")
+        check_state_dict("vae", source, {k: tuple(v.shape) for k, v in skeleton.state_dict().items()})
         vae = AutoencoderKLWan.from_pretrained(folder, subfolder="vae", torch_dtype=dtype or torch.float32,
                                                use_safetensors=True, local_files_only=True)
-        return _finite(vae.eval().requires_grad_(False), name, folder)
+        return _finite(vae.eval().requires_grad_(False), name, folder / name)
     if name == "text_encoder":
         from transformers import Qwen3VLForConditionalGeneration
         from transformers.utils import logging as hf_logging
@@ -342,7 +302,7 @@ def load_component(folder: Path, name: str, *, dtype: torch.dtype | None = None,
                 f"(missing: {missing[:3]}, mismatched: {list(report.get('mismatched_keys') or [])[:3]}). "
                 "Re-download it."
             )
-        return _finite(model.eval().requires_grad_(False), name, folder)
+        return _finite(model.eval().requires_grad_(False), name, folder / name)
     if name == "processor":
         from transformers import Qwen3VLProcessor
 
@@ -391,8 +351,8 @@ def load_checkpoint(
         if name not in COMPONENTS:
             raise ValueError(f"unknown component {name!r}; expected some of {COMPONENTS}")
     chosen = {**default_dtypes(device), **(dtypes or {})}
-    loaded = {name: load_component(info.folder, name, dtype=chosen.get(name),
-                                   attn_implementation=attn_implementation) for name in wanted}
+    loaded = {name: load_component(info.folder, name, dtype=chosen.get(name), attn_implementation=attn_implementation,
+                                   source=info.sources.get(name)) for name in wanted}
     return LoadedCheckpoint(info, loaded)
 
 
@@ -402,13 +362,13 @@ def load_checkpoint(
 _PROVENANCE_KEYS = ("_name_or_path", "_diffusers_version", "_commit_hash", "_use_default_values")
 
 
-def inspect_student(folder: str | os.PathLike, base: CheckpointInfo) -> tuple[Path, str, list[Path]]:
+def inspect_student(folder: str | os.PathLike, base: CheckpointInfo) -> tuple[Path, str, ComponentSource]:
     """Validate a student DiT (e.g. a DMD-distilled one) that replaces `base`'s `transformer/`.
 
     `folder` is either a checkpoint-like folder with a `transformer/` subfolder (the other
     components, if present, are ignored: the base's are used) or the transformer folder itself.
     Its config must describe the same architecture as the base transformer; anything else is not a
-    student of this checkpoint. Returns (root, subfolder, weight files) for `load_transformer`.
+    student of this checkpoint. Returns (root, subfolder, its resolved weights source).
     """
     path = Path(folder).expanduser()
     if not path.is_dir():
@@ -429,4 +389,6 @@ def inspect_student(folder: str | os.PathLike, base: CheckpointInfo) -> tuple[Pa
             f"the student transformer in {root / sub} is not the base checkpoint's architecture "
             f"({len(differs)} config fields differ, e.g. {k}: {config.get(k)!r} vs {base.transformer_config.get(k)!r} "
             f"in {base.folder / 'transformer'}); load it with its own base checkpoint")
-    return root, sub, _weight_files(root / sub, "transformer")
+    source = folder_source(root / sub, "transformer")
+    check_dit_entries(source, checks.dit_shapes(config, str(root / sub / "config.json")))
+    return root, sub, source

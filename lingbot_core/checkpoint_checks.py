@@ -11,157 +11,24 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .errors import CheckpointError
-
-MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit
-MAX_JSON_NESTING = 64
-
-# safetensors dtype -> bytes per element (the sub-byte F4/F6 kinds are not used by any LingBot weights)
-SAFETENSORS_ITEMSIZE = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8,
-}
-
+from .json_text import MAX_JSON_NESTING, parse_json_text  # noqa: F401 (re-exported)
+from .weights.safetensors_header import (  # noqa: F401 (re-exported: the header checks live there)
+    MAX_HEADER_BYTES,
+    SAFETENSORS_ITEMSIZE,
+    StoredTensor,
+    read_safetensors_entries,
+    read_safetensors_file,
+    stored_tensors,
+)
 
 CheckFailed = CheckpointError  # the name used inside this module
-
-
-@dataclass(frozen=True)
-class StoredTensor:
-    dtype: str
-    shape: tuple[int, ...]
-
-
-# -- JSON ------------------------------------------------------------------------------------------
-
-def parse_json_text(text: str, where: str) -> Any:
-    """``json.loads`` whose every failure (syntax, nesting, 5,000-digit numbers) is a CheckFailed."""
-    try:
-        data = json.loads(text)
-    except RecursionError:
-        raise CheckFailed(f"{where} nests too deeply to be a config; re-download it.") from None
-    except ValueError as err:  # JSONDecodeError, and integers past Python's digit limit
-        raise CheckFailed(f"cannot parse {where} ({str(err)[:200]}). The file is corrupt; re-download it.") from None
-    _check_nesting(data, where)
-    return data
-
-
-def _check_nesting(data: Any, where: str) -> None:
-    stack = [(data, 0)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, dict):
-            children = list(value.values())
-        elif isinstance(value, list):
-            children = value
-        else:
-            continue
-        if depth >= MAX_JSON_NESTING:
-            raise CheckFailed(f"{where} nests more than {MAX_JSON_NESTING} levels deep; not a config file.")
-        stack += [(c, depth + 1) for c in children if isinstance(c, (dict, list))]
-
-
-# -- safetensors headers ---------------------------------------------------------------------------
-
-def read_safetensors_entries(path: Path) -> dict[str, StoredTensor]:
-    """Validate a safetensors file's header against the file and return each tensor's dtype and shape.
-
-    Checks what the format promises: a bounded JSON header of tensor entries, known dtypes, shapes
-    of non-negative integers, byte ranges that match ``numel * itemsize``, lie inside the file and
-    do not overlap. Only the header is read.
-    """
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as fh:
-            raw = fh.read(8)
-            if len(raw) < 8:
-                raise CheckFailed(f"{path} is truncated ({size} bytes): re-download it.")
-            (header_len,) = struct.unpack("<Q", raw)
-            if header_len > MAX_HEADER_BYTES:
-                raise CheckFailed(f"{path} is not a valid safetensors file (header of {header_len} bytes); "
-                                  "re-download it.")
-            if header_len > size - 8:
-                raise CheckFailed(f"{path} is truncated: its header needs {header_len} bytes, the file has "
-                                  f"{size}. Re-download it.")
-            header_bytes = fh.read(header_len)
-    except OSError as err:
-        raise CheckFailed(f"{path} cannot be read ({err}); re-download it.") from err
-    try:
-        text = header_bytes.decode("utf-8")
-    except UnicodeDecodeError:
-        raise CheckFailed(f"{path} is not a valid safetensors file (its header is not UTF-8); re-download it.") from None
-    try:
-        header = parse_json_text(text, "its header")
-    except CheckFailed as err:
-        raise CheckFailed(f"{path} is not a valid safetensors file ({err}); re-download it.") from None
-    if not isinstance(header, dict):
-        raise CheckFailed(f"{path} is not a valid safetensors file (its header is not a JSON object); re-download it.")
-    data_size = size - 8 - header_len
-    entries: dict[str, StoredTensor] = {}
-    ranges: list[tuple[int, int, str]] = []
-    for name, entry in header.items():
-        if name == "__metadata__":
-            if not isinstance(entry, dict):
-                raise CheckFailed(f"{path}: __metadata__ must be an object; the file is corrupt, re-download it.")
-            continue
-        entries[name] = _tensor_entry(path, name, entry, data_size, ranges)
-    ranges.sort()
-    for (_b0, e0, n0), (b1, _e1, n1) in zip(ranges, ranges[1:]):
-        if b1 < e0:
-            raise CheckFailed(f"{path}: tensors {n0!r} and {n1!r} overlap in the file; it is corrupt, re-download it.")
-    return entries
-
-
-def _tensor_entry(path: Path, name: str, entry: Any, data_size: int,
-                  ranges: list[tuple[int, int, str]]) -> StoredTensor:
-    def bad(what: str) -> CheckFailed:
-        return CheckFailed(f"{path}: tensor {name[:200]!r} {what}; the file is corrupt, re-download it.")
-
-    if not isinstance(entry, dict):
-        raise bad("has no header entry object")
-    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in SAFETENSORS_ITEMSIZE:
-        raise bad(f"has an unknown dtype {str(dtype)[:40]!r}")
-    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
-        raise bad("has a malformed shape")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
-            and offsets[0] <= offsets[1]):
-        raise bad("has malformed data_offsets")
-    begin, end = offsets
-    expected = math.prod(shape) * SAFETENSORS_ITEMSIZE[dtype]
-    if end - begin != expected:
-        raise bad(f"claims {end - begin} bytes for shape {tuple(shape)} of {dtype} ({expected} needed)")
-    if end > data_size:
-        raise CheckFailed(f"{path} is truncated: tensor {name[:200]!r} ends at byte {end} of a {data_size}-byte "
-                          "data section. Re-download it.")
-    if end > begin:
-        ranges.append((begin, end, name))
-    return StoredTensor(dtype, tuple(shape))
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 62
-
-
-def stored_tensors(files: Iterable[Path]) -> dict[str, StoredTensor]:
-    """All tensors of a component (its shards together); a name in two shards is refused."""
-    out: dict[str, StoredTensor] = {}
-    for f in files:
-        for name, entry in read_safetensors_entries(f).items():
-            if name in out:
-                raise CheckFailed(f"{f}: tensor {name!r} is stored in two shards; re-download the checkpoint.")
-            out[name] = entry
-    return out
 
 
 # -- config values ---------------------------------------------------------------------------------

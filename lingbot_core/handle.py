@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from .checkpoint import (
-    COMPONENTS,
     CheckpointInfo,
     default_dtypes,
     inspect_checkpoint,
@@ -32,11 +31,12 @@ from .checkpoint import (
     load_refiner,
     load_transformer,
 )
+from .components import ALL, DITS
 from .placement.door import check_settings
 from .placement.settings import OffloadSettings
 from .placement.state import Placement
 
-ALL_COMPONENTS = (*COMPONENTS, "refiner")
+ALL_COMPONENTS = ALL  # the component table's names (components.TABLE)
 __all__ = ["ALL_COMPONENTS", "OffloadSettings", "PipelineHandle", "SharedComponents", "default_device"]
 
 
@@ -69,18 +69,20 @@ class SharedComponents:
                 if self.folder is None:
                     raise RuntimeError(f"component {name!r} was released and this handle has no checkpoint "
                                        "folder to reload it from")
+                # the sources resolved when the handle opened: no header is read again, on reload neither
+                source = self.info.sources.get(name) if self.info is not None else None
                 if name == "refiner":
                     module = load_refiner(self.folder, dtype=self.dtypes["refiner"], weights=self.weights,
-                                          streamed=streamed)
+                                          streamed=streamed, info=self.info)
                 elif name == "transformer" and self.transformer_source is not None:
                     root, sub = self.transformer_source
                     module = load_transformer(root, sub, dtype=self.dtypes.get(name), weights=self.weights,
-                                              streamed=streamed)
+                                              streamed=streamed, source=source)
                 else:
                     module = load_component(self.folder, name, dtype=self.dtypes.get(name),
                                             attn_implementation=self.text_attn, weights=self.weights,
-                                            streamed=streamed and name == "transformer")
-                if name in ("transformer", "refiner"):
+                                            streamed=streamed and name == "transformer", source=source)
+                if name in DITS:
                     module.set_attention_backend(self.attention_backend)
                 self.loaded[name] = module
                 self.load_count[name] = self.load_count.get(name, 0) + 1
@@ -129,9 +131,10 @@ class PipelineHandle:
         info = inspect_checkpoint(folder)
         student = None
         if transformer_folder is not None and str(transformer_folder).strip():
-            root, sub, files = inspect_student(transformer_folder, info)
+            root, sub, source = inspect_student(transformer_folder, info)
             student = (root, sub)
-            info = replace(info, weight_files={**info.weight_files, "transformer": files})
+            info = replace(info, sources={**info.sources, "transformer": source})
+        info.check_weights_mode(weights)  # fp8 on load of a GGUF DiT: refused now, before any stage
         chosen = {**default_dtypes(device), **(dtypes or {})}
         if attention_backend is not None:
             from diffusers.models.attention_dispatch import AttentionBackendName
@@ -216,7 +219,7 @@ class PipelineHandle:
     def dtype_of(self, name: str) -> torch.dtype:
         """The compute dtype of a DiT or encoder: its bulk weights' dtype (not the fp32-kept norms)."""
         module = self.shared.get(name)
-        if name in ("transformer", "refiner"):
+        if name in DITS:
             from .models.precision import matmul_dtype
 
             return matmul_dtype(module.patch_embedder)

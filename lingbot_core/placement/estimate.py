@@ -33,9 +33,7 @@ estimate against measured peak per mode.
 
 from __future__ import annotations
 
-import json
 import math
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -113,12 +111,12 @@ class ModelSizes:
             if isinstance(loaded.get(name), torch.nn.Module):
                 return stored_bytes(loaded[name], include_meta=True)
             if name in ("transformer", "refiner"):
-                return dit_load_bytes(info.weight_files.get(name, []), dtypes.get(name), weights)
+                return dit_load_bytes(info.sources.get(name), dtypes.get(name), weights)
             on_disk = info.component_bytes(name)
             dtype = dtypes.get(name, torch.float32)
             if dtype is None:
                 return on_disk
-            return on_disk * torch.finfo(dtype).bits // _stored_bits(info.weight_files.get(name, []))
+            return on_disk * torch.finfo(dtype).bits // _stored_bits(info.sources.get(name))
 
         moe = bool(cfg.get("num_experts"))
         dit, text = held("transformer"), held("text_encoder")
@@ -129,7 +127,7 @@ class ModelSizes:
             intermediate=(int(cfg.get("moe_intermediate_size", 768)) * int(cfg.get("num_experts_per_tok", 8))
                           if moe else int(cfg.get("intermediate_size", 6144))),
             experts_per_token=int(cfg.get("num_experts_per_tok", 0)) if moe else 0,
-            dit_bytes_per_value=dit_compute_bytes(info.weight_files.get("transformer", []), dtypes.get("transformer")),
+            dit_bytes_per_value=dit_compute_bytes(info.sources.get("transformer"), dtypes.get("transformer")),
             largest_block=math.ceil(dit / max(depth, 1)),
             text_largest_layer=math.ceil(text / TEXT_LAYERS_GUESS),
         )
@@ -156,22 +154,17 @@ class ModelSizes:
         )
 
 
-_SAFETENSORS_BITS = {"F64": 64, "F32": 32, "F16": 16, "BF16": 16, "F8_E4M3": 8, "F8_E5M2": 8, "I64": 64,
-                     "I32": 32, "I16": 16, "I8": 8, "U8": 8}
+def _stored_bits(source: Any) -> int:
+    """The dtype width holding most bytes of a component's safetensors files (from the headers read
+    when it resolved)."""
+    from ..weights.safetensors_header import SAFETENSORS_ITEMSIZE
 
-
-def _stored_bits(files: list) -> int:
-    """The dtype width holding most bytes of a component's safetensors files (headers only)."""
     by_width: dict[int, int] = {}
-    for path in files:
-        with open(path, "rb") as fh:
-            (length,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(length))
-        for key, entry in header.items():
-            if key != "__metadata__":
-                start, stop = entry["data_offsets"]
-                width = _SAFETENSORS_BITS.get(entry["dtype"], 32)
-                by_width[width] = by_width.get(width, 0) + stop - start
+    if source is None or source.format.name != "safetensors":
+        return 32
+    for entry in source.stored_tensors().values():
+        width = 8 * SAFETENSORS_ITEMSIZE.get(entry.dtype, 4)
+        by_width[width] = by_width.get(width, 0) + entry.nbytes
     return max(by_width, key=by_width.get) if by_width else 32
 
 

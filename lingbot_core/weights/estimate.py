@@ -8,6 +8,7 @@ their bytes in the dtype they load as.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,25 +30,36 @@ def _quantizable_on_load(key: str, shape: tuple[int, ...]) -> bool:
     return quantizable(key, shape)
 
 
-def dit_load_bytes(files: list[Path], dtype: torch.dtype | None, weights: str = "auto") -> int:
-    """Bytes of a DiT loaded from `files` with this dtype (None: as stored) and weights mode."""
-    if not files:
-        return 0
-    if files[0].suffix == ".gguf":
-        return sum(f.stat().st_size for f in files)  # blocks stay packed; the header is negligible
-    from .sources import read_safetensors_header
+def _headers(source: Any) -> list | None:
+    """Safetensors headers of a resolved source (read when it resolved) or of files (read now);
+    None for a GGUF source."""
+    if source is None:
+        return []
+    if isinstance(source, (list, tuple)):
+        if source and Path(source[0]).suffix == ".gguf":
+            return None
+        from .safetensors_header import read_safetensors_file
 
+        return [read_safetensors_file(Path(f)) for f in source]
+    return source.headers if source.format.name == "safetensors" else None
+
+
+def dit_load_bytes(source: Any, dtype: torch.dtype | None, weights: str = "auto") -> int:
+    """Bytes of a DiT loaded from `source` (a resolved `ComponentSource`, or its files) with this dtype
+    (None: as stored) and weights mode."""
+    headers = _headers(source)
+    if headers is None:  # GGUF: blocks stay packed; the header is negligible
+        files = source if isinstance(source, (list, tuple)) else source.files
+        return sum(Path(f).stat().st_size for f in files)
     total = 0
-    for f in files:
-        for key, info in read_safetensors_header(f).items():
-            if key == "__metadata__":
-                continue
-            shape = tuple(info["shape"])
+    for header in headers:
+        for key, info in header.tensors.items():
+            shape = info.shape
             numel = 1
             for n in shape:
                 numel *= n
-            stored_bits = _BITS.get(info["dtype"], 32)
-            if info["dtype"].startswith("F8") or key.endswith(".scale"):
+            stored_bits = _BITS.get(info.dtype, 32)
+            if info.dtype.startswith("F8") or key.endswith(".scale"):
                 total += numel * stored_bits // 8
             elif weights == FP8 and _quantizable_on_load(key, shape):
                 total += numel + 4 * (numel // shape[-1])
@@ -59,13 +71,12 @@ def dit_load_bytes(files: list[Path], dtype: torch.dtype | None, weights: str = 
     return total
 
 
-def dit_compute_bytes(files: list[Path], dtype: torch.dtype | None) -> int:
+def dit_compute_bytes(source: Any, dtype: torch.dtype | None) -> int:
     """Bytes per activation value the DiT computes in (dtype, else the stored dtype of its plain weights)."""
     if dtype is not None:
         return torch.finfo(dtype).bits // 8
-    if not files or files[0].suffix == ".gguf":
+    headers = _headers(source)
+    if not headers:
         return 2
-    from .sources import read_safetensors_header
-
-    info = read_safetensors_header(files[0]).get("patch_embedder.weight")
-    return _BITS.get(info["dtype"], 16) // 8 if info else 2
+    info = headers[0].tensors.get("patch_embedder.weight")
+    return _BITS.get(info.dtype, 16) // 8 if info else 2

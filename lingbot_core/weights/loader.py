@@ -14,7 +14,6 @@ a published checkpoint; bf16 when everything is quantized).
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -23,12 +22,14 @@ import torch
 import torch.nn as nn
 
 from ..checkpoint_checks import tensor_set_problems
+from ..components import DITS
 from . import gguf_codec
 from .converted import Planned
 from .disk import note_exact
 from .fp8 import require_fp8
 from .modules import FP8, Packing, QuantizedExperts, QuantizedLinear, pack_fp8
-from .sources import SCALE_SUFFIX, Entry, GGUFSource, SafetensorsSource, WeightsError
+from .resolve import ComponentSource, check_weights_mode_for, folder_source
+from .sources import SCALE_SUFFIX, Entry, GGUFSource, WeightsError
 
 WEIGHT_MODES = ("auto", FP8)
 # Small layers kept in the compute dtype when quantizing on load (64-wide input / output).
@@ -43,45 +44,6 @@ def quantizable(key: str, shape: tuple[int, ...], keeps_fp32=None) -> bool:
         from ..models.precision import stays_float32 as keeps_fp32
     return (len(shape) >= 2 and key.endswith((".weight", ".experts.w1", ".experts.w2", ".experts.w3"))
             and not keeps_fp32(key) and key.split(".")[0] not in NOT_QUANTIZED_ON_LOAD)
-
-
-def find_gguf(folder: Path) -> Path | None:
-    """The one `*.gguf` file in a component folder, or None; several are ambiguous."""
-    found = sorted(p for p in folder.glob("*.gguf") if p.is_file())
-    if len(found) > 1:
-        raise WeightsError(f"{folder} holds {len(found)} GGUF files ({', '.join(p.name for p in found)}); keep one, "
-                           "or pass the file to load explicitly.")
-    return found[0] if found else None
-
-
-def safetensors_files(folder: Path, stem: str = "diffusion_pytorch_model") -> list[Path]:
-    """The single weights file, or the shards an index lists; [] when there is neither."""
-    single = folder / f"{stem}.safetensors"
-    if single.is_file():
-        return [single]
-    index = folder / f"{stem}.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map") or {}
-        return [folder / name for name in sorted(set(weight_map.values()))]
-    return []
-
-
-def open_source(folder: Path, files: list[Path] | None = None, gguf: str | os.PathLike | None = None):
-    """A GGUF source when `gguf` is given or the folder has no safetensors but one .gguf; else safetensors."""
-    if gguf is not None:
-        path = Path(gguf)
-        if not path.is_absolute():
-            path = folder / path
-        if not path.is_file():
-            raise WeightsError(f"GGUF file {path} does not exist.")
-        return GGUFSource(path)
-    files = files or safetensors_files(folder)
-    if files:
-        return SafetensorsSource(files)
-    found = find_gguf(folder)
-    if found is None:
-        raise WeightsError(f"{folder} has no weights (diffusion_pytorch_model.safetensors or a .gguf file).")
-    return GGUFSource(found)
 
 
 def _auto_compute_dtype(entries: dict[str, Entry]) -> torch.dtype:
@@ -252,14 +214,15 @@ def check_weights_mode(weights: str) -> None:
         require_fp8()
 
 
-def load_dit(folder: str | os.PathLike, subfolder: str = "transformer", *, dtype: torch.dtype | None = None,
-             weights: str = "auto", files: list[Path] | None = None, gguf: str | os.PathLike | None = None,
-             keep_mapped: bool = False, streamed: bool = False) -> nn.Module:
-    """The DiT of `folder/subfolder`, loaded tensor by tensor (see the module docstring).
+def load_dit(where: ComponentSource | str | os.PathLike, subfolder: str = "transformer", *,
+             dtype: torch.dtype | None = None, weights: str = "auto", keep_mapped: bool = False,
+             streamed: bool = False) -> nn.Module:
+    """A DiT loaded tensor by tensor (see the module docstring) from a resolved source
+    (`weights.resolve`: its headers were read when it resolved, and are not read again), or from the
+    folder `where/subfolder` (resolved here).
 
     `weights`: "auto" loads what is stored (plain, pre-quantized fp8 or GGUF); "fp8_e4m3" also
-    quantizes plain linear weights and expert stacks on load. `files`: the safetensors files (else a
-    GGUF in the folder, or `gguf`). `keep_mapped`: GGUF blocks stay views of the mapped file instead
+    quantizes plain linear weights and expert stacks on load. `keep_mapped`: GGUF blocks stay views of the mapped file instead
     of being copied into memory (the page cache then holds them). `streamed` (disk-backed offload,
     `weights.disk`): the tensors kept exactly as stored are not read at all; they stay on `meta` with
     their disk home in `weight_spans`; converted tensors are made once into the converted-weights cache
@@ -270,17 +233,18 @@ def load_dit(folder: str | os.PathLike, subfolder: str = "transformer", *, dtype
     from ..models.transformer import LingBotVideoTransformer3DModel
 
     check_weights_mode(weights)
-    path = Path(folder) / subfolder
-    config = LingBotVideoTransformer3DModel.load_config(path)
+    if isinstance(where, ComponentSource):
+        resolved = where
+    else:
+        resolved = folder_source(Path(where) / subfolder, subfolder if subfolder in DITS else "transformer")
+    check_weights_mode_for(resolved, weights)
+    config = (resolved.config if resolved.config is not None
+              else LingBotVideoTransformer3DModel.load_config(resolved.config_dir))
     with torch.device("meta"):
         model = LingBotVideoTransformer3DModel.from_config(config)
-    source = open_source(path, files, gguf)
-    if weights == FP8 and source.kind == "gguf":
-        raise WeightsError(f"{source.files[0]} is already quantized (GGUF); load it with weights 'auto', or point "
-                           "the loader at a bf16 checkpoint to quantize to fp8.")
+    source = resolved.open()
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    check_entries(subfolder, source.files[0].parent if len(source.files) > 1 else source.files[0], source.entries,
-                  expected)
+    check_entries(resolved.component, resolved.where, source.entries, expected)
 
     loader = _Loader(model, source, dtype, weights, keep_mapped, keeps_fp32, streamed)
     # ComfyUI runs nodes under inference_mode; tensors made there carry no version counter, which disk
@@ -299,11 +263,10 @@ def load_dit(folder: str | os.PathLike, subfolder: str = "transformer", *, dtype
 
             recipe = {"dtype": str(dtype), "weights": weights, "compute": str(loader.compute)}
             loader.spans.update(cached(source.files, recipe, loader.conversions))
-    source.close()
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
             if t.device.type == "meta" and n not in loader.spans]
     if left:
-        raise RuntimeError(f"{subfolder}: no stored value for {', '.join(left[:3])} (a loader bug)")
+        raise RuntimeError(f"{resolved.component}: no stored value for {', '.join(left[:3])} (a loader bug)")
     model.weights_format = describe(model, source)
     model.weight_spans = loader.spans  # disk homes of the tensors kept exactly as stored (weights.disk)
     model.weight_reads = loader.read  # tensors read into memory by this load (0 span-backed ones when streamed)

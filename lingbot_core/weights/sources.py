@@ -1,16 +1,14 @@
 """Where a DiT's tensors come from: safetensors files (plain or fp8 + scales) or one GGUF file.
 
-Both are memory-mapped; a tensor is read when the loader asks for it, so loading never holds more
-than the model so far plus one tensor. A source answers, for every state-dict name, how the
+A tensor is read when the loader asks for it (plain reads into memory of its own), so loading never
+holds more than the model so far plus one tensor. A source answers, for every state-dict name, how the
 tensor is stored (`Entry`) before anything is read, so the loader can check names, shapes and
 types against the config first and fail before heavy work.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +20,7 @@ from . import gguf_codec
 from .disk import FileSpan
 from .gguf_file import read_header
 from .modules import FP8
+from .safetensors_header import SafetensorsHeader, read_safetensors_file
 
 SCALE_SUFFIX = ".scale"
 _CPU = torch.device("cpu")
@@ -62,37 +61,45 @@ class Entry:
         return FP8 if self.kind == "fp8" else gguf_codec.type_name(self.gguf_type)
 
 
-def _header_length(path: Path) -> int:
-    with open(path, "rb") as fh:
-        return struct.unpack("<Q", fh.read(8))[0]
-
-
 def read_safetensors_header(path: Path) -> dict:
-    with open(path, "rb") as fh:
-        (n,) = struct.unpack("<Q", fh.read(8))
-        return json.loads(fh.read(n))
+    """The raw header of a safetensors file (validated first: bounded, ranges inside the file)."""
+    header = read_safetensors_file(Path(path))
+    raw: dict = {k: {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": list(t.offsets)}
+                 for k, t in header.tensors.items()}
+    if header.metadata:
+        raw["__metadata__"] = dict(header.metadata)
+    return raw
 
 
 class SafetensorsSource:
-    """One or more safetensors files (a sharded checkpoint), memory-mapped."""
+    """One or more safetensors files (a sharded checkpoint): the tensors as their headers describe them.
+
+    Built from headers read once (`safetensors_header.read_safetensors_file`); pass `headers` when
+    they were read already (the resolver does), else the files' headers are read here.
+    """
 
     kind = "safetensors"
 
-    def __init__(self, files: list[Path]):
+    def __init__(self, files: list[Path], headers: list[SafetensorsHeader] | None = None,
+                 rename: dict[str, str] | None = None):
         self.files = list(files)
+        headers = headers if headers is not None else [read_safetensors_file(Path(f)) for f in self.files]
         self._where: dict[str, int] = {}
         raw: dict[str, tuple[str, tuple[int, ...]]] = {}
         self.metadata: dict[str, str] = {}
         self._spans: dict[str, tuple[Path, int, int]] = {}  # key -> (file, byte offset, byte count)
-        for i, f in enumerate(self.files):
-            header = read_safetensors_header(f)
-            base = 8 + _header_length(f)
-            self.metadata.update(header.pop("__metadata__", None) or {})
-            for key, info in header.items():
+        rename = rename or {}  # stored name -> the checkpoint's own name (a single file's conventions)
+        for i, header in enumerate(headers):
+            self.metadata.update(header.metadata)
+            for stored, info in header.tensors.items():
+                key = rename.get(stored, stored)
+                if key in self._where:
+                    raise WeightsError(f"{header.path}: tensor {key!r} is stored twice "
+                                       f"({stored!r}); the file is corrupt or mixes two conventions.")
                 self._where[key] = i
-                raw[key] = (info["dtype"], tuple(info["shape"]))
-                start, end = info["data_offsets"]
-                self._spans[key] = (f, base + start, end - start)
+                raw[key] = (info.dtype, info.shape)
+                start, end = info.offsets
+                self._spans[key] = (header.path, header.data_start + start, end - start)
         self.entries: dict[str, Entry] = {}
         for key, (dt, shape) in raw.items():
             if key.endswith(SCALE_SUFFIX) and key[: -len(SCALE_SUFFIX)] in raw:
