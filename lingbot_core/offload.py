@@ -23,10 +23,11 @@ from .placement import (
     stage,
     strip_hooks,
 )
+from .placement.fit import DoesNotFit, check_handle, require_refiner
 from .placement.hooks import component_device
 
 __all__ = [
-    "MODES", "MODULE_COMPONENTS", "OffloadSettings",
+    "MODES", "MODULE_COMPONENTS", "DoesNotFit", "OffloadSettings", "check_handle", "require_refiner",
     "allowed_resident", "component_device", "configure_offload", "effective_mode", "evict", "execution_device",
     "fall_back", "has_fallen_back", "hook_inventory", "installed_mode", "ledger", "module_bytes", "release", "resident_bytes", "resident_components",
     "stage", "strip_hooks",

@@ -144,13 +144,13 @@ class LingBotOffload(io.ComfyNode):
                 io.Int.Input("num_blocks_per_group", default=1, min=1, max=64, optional=True,
                              tooltip="group: DiT blocks moved together"),
                 io.Int.Input("plan_width", default=832, max=MAX_SIZE, **SIZE_GRID, optional=True,
-                             tooltip="auto: the video width to plan memory for"),
+                             tooltip="the video width to plan (auto) and check memory for"),
                 io.Int.Input("plan_height", default=480, max=MAX_SIZE, **SIZE_GRID, optional=True,
-                             tooltip="auto: the video height to plan memory for"),
+                             tooltip="the video height to plan (auto) and check memory for"),
                 io.Int.Input("plan_frames", default=121, max=MAX_FRAMES, **FRAMES_GRID, optional=True,
-                             tooltip="auto: the frame count to plan memory for"),
+                             tooltip="the frame count to plan (auto) and check memory for"),
                 io.Boolean.Input("plan_refine", default=True, optional=True,
-                                 tooltip="auto: include the 1088x1920 refiner pass (MoE)"),
+                                 tooltip="MoE: the run refines (1088x1920): plan for it, and refuse a checkpoint without refiner/ now"),
                 Choice("offload_to", options=["ram", "disk"], default="ram", optional=True,
                        tooltip="where the DiT's offloaded weights live: ram, or disk (streamed from the "
                                "checkpoint file, no host copy)"),
@@ -161,16 +161,21 @@ class LingBotOffload(io.ComfyNode):
     @classmethod
     def execute(cls, pipe, mode, use_stream=True, low_cpu_mem_usage=False, num_blocks_per_group=1,
                 plan_width=832, plan_height=480, plan_frames=121, plan_refine=True, offload_to="ram"):
-        from lingbot_core.offload import configure_offload
+        from lingbot_core.memory import Geometry
+        from lingbot_core.offload import check_handle, configure_offload, require_refiner
 
+        refine = (1088, 1920) if plan_refine and pipe.variant == "moe" else None
+        require_refiner(pipe, refine)  # before the text encoder and the base pass, not after
         options = {}
         if mode == "group":
             options = dict(use_stream=bool(use_stream) and pipe.device.type == "cuda",
                            low_cpu_mem_usage=bool(low_cpu_mem_usage), num_blocks_per_group=int(num_blocks_per_group))
         elif mode == "auto":
-            options = dict(width=int(plan_width), height=int(plan_height), num_frames=int(plan_frames),
-                           refine=(1088, 1920) if plan_refine and pipe.variant == "moe" else None)
-        return io.NodeOutput(configure_offload(pipe, mode, offload_to=offload_to, **options))
+            options = dict(width=int(plan_width), height=int(plan_height), num_frames=int(plan_frames), refine=refine)
+        view = configure_offload(pipe, mode, offload_to=offload_to, **options)
+        if mode != "auto":  # auto checked the same numbers while choosing; an explicit mode warns here
+            check_handle(view, Geometry(int(plan_height), int(plan_width), int(plan_frames), refine=refine))
+        return io.NodeOutput(view)
 
 
 class LingBotMemoryReport(io.ComfyNode):

@@ -57,7 +57,8 @@ def test_choose_mode_every_branch(budget_gib, expected):
     choice = choose_mode(MOE, geometry, int(budget_gib * GiB))
     assert choice.mode == expected, (choice.reason, {m: b / GiB for m, b in choice.estimates.items()})
     if budget_gib == 0.5:
-        assert "nothing is expected to fit" in choice.reason
+        assert "nothing is expected to fit" in choice.reason and not choice.fits
+        assert "needs ~" in choice.reason and "you have 0.5 free" in choice.reason
     else:
         assert choice.estimates[expected] + memory.RESERVE_BYTES <= budget_gib * GiB
         faster = memory.MODE_ORDER[: memory.MODE_ORDER.index(expected)]
@@ -210,14 +211,16 @@ def test_host_ram_under_disk_is_one_unit_not_the_model():
 
 def test_choose_mode_respects_the_host_budget():
     # a 24 GB card on a 64 GB PC: the MoE fits the card under group, and the host only with disk offload
+    # asked for `ram`, it does not pick a mode whose host RAM does not fit: the DiTs move to disk
     ram = choose_mode(MOE, TI2V_SMALL, 24 * GiB, host_budget=64 * GiB)
-    assert ram.mode == "sequential" and "host RAM" in ram.reason and "offload_to='disk'" in ram.reason
+    assert (ram.mode, ram.offload_to, ram.fits) == ("group", "disk", True)
+    assert "with offload_to 'disk'" in ram.reason and "host RAM" in ram.reason
     disk = choose_mode(MOE, TI2V_SMALL, 24 * GiB, host_budget=64 * GiB, offload_to="disk")
     assert disk.mode == "group" and "host RAM" in disk.reason
     assert disk.host["group"] < 12 * GiB < disk.host["model"]
     # a bigger card: `model` fits it, and the host too once the DiTs stay in their files
     assert choose_mode(MOE, TI2V_SMALL, 60 * GiB, host_budget=100 * GiB, offload_to="disk").mode == "model"
-    assert choose_mode(MOE, TI2V_SMALL, 60 * GiB, host_budget=100 * GiB).mode == "sequential"
+    assert (choose_mode(MOE, TI2V_SMALL, 60 * GiB, host_budget=100 * GiB).offload_to == "disk")
     assert choose_mode(MOE, TI2V_SMALL, 60 * GiB).mode == "model"  # no host budget: the card alone decides
     assert "host RAM: none ~0.0 GiB" in memory.describe(disk)
 
@@ -229,8 +232,10 @@ def test_auto_plans_disk_offload_within_the_host_budget(moe, caplog):
     assert estimate_peak("none", sizes, geometry) + memory.RESERVE_BYTES > budget
     host = memory.host_bytes("model", sizes, "disk") + 1  # and the host only the disk-backed `model`
     options = dict(budget_bytes=budget, host_budget_bytes=host, height=32, width=32, num_frames=5, refine=None)
-    assert offload.effective_mode(configure_offload(moe, "auto", **options)) == "sequential"
-    assert offload.effective_mode(configure_offload(moe, "auto", offload_to="disk", **options)) == "model"
+    for asked in ("ram", "disk"):  # `ram` does not fit the host: auto moves the DiTs to their files
+        view = configure_offload(moe, "auto", offload_to=asked, **options)
+        assert offload.effective_mode(view) == "model"
+        assert moe.shared.placement.mode.settings.offload_to == "disk"
 
 
 def test_memory_report_shows_disk_homed_weights(moe):

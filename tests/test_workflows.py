@@ -70,6 +70,10 @@ def test_every_offload_node_and_prompt_field_is_sane():
         prompt = json.loads(path.read_text())
         kinds = [n["class_type"] for n in prompt.values()]
         assert "LingBotOffload" in kinds, path.name
+        # plans (and requires) the refiner exactly when the workflow refines: a MoE folder without
+        # refiner/ is refused before the base pass only where that matters
+        plans = {n["inputs"]["plan_refine"] for n in prompt.values() if n["class_type"] == "LingBotOffload"}
+        assert plans == {"LingBotRefine" in kinds}, path.name
         for node in prompt.values():
             if node["class_type"] == "LingBotTextEncode":
                 json.loads(node["inputs"]["prompt"])  # structured captions ship as valid JSON
@@ -102,7 +106,7 @@ def test_t2v_dense_converts_as_written_out_by_hand():
         "2": {"class_type": "LingBotOffload", "_meta": {"title": "Offload"},
               "inputs": {"pipe": ["1", 0], "mode": "model", "use_stream": True, "low_cpu_mem_usage": False,
                          "num_blocks_per_group": 1, "plan_width": 832, "plan_height": 480, "plan_frames": 121,
-                         "plan_refine": True, "offload_to": "ram"}},
+                         "plan_refine": False, "offload_to": "ram"}},
         "3": {"class_type": "LingBotTextEncode", "_meta": {"title": "Prompt"},
               "inputs": {"pipe": ["2", 0], "prompt": _ui_prompt_text(), "negative_prompt": "", "task": "t2v",
                          "image_width": 832, "image_height": 480, "encode_negative": True}},

@@ -37,7 +37,7 @@ NOTE = ("Runs as shipped on the built-in tiny random-weight model (its output is
         "{size} and 40 steps. Offload: 'model' suits 24 GB cards, 'sequential' the smallest, 'group' streams "
         "blocks at near full speed, 'none' is fastest when everything fits.")
 
-PLAN = dict(plan_width=832, plan_height=480, plan_frames=121, plan_refine=True)
+PLAN = dict(plan_width=832, plan_height=480, plan_frames=121)
 
 
 def loader(checkpoint: str = "tiny (built-in dense)", variant: str = "auto") -> tuple:
@@ -45,9 +45,10 @@ def loader(checkpoint: str = "tiny (built-in dense)", variant: str = "auto") -> 
                                                attention="default", path="", device="auto"), {})
 
 
-def offload_node(mode: str = "model") -> tuple:
+def offload_node(mode: str = "model", refine: bool = False) -> tuple:
+    """plan_refine only where the workflow refines: with it, a MoE folder without refiner/ is refused."""
     return (2, "LingBotOffload", "Offload", dict(mode=mode, use_stream=True, low_cpu_mem_usage=False,
-                                                 num_blocks_per_group=1, **PLAN), {"pipe": (1, 0)})
+                                                 num_blocks_per_group=1, plan_refine=refine, **PLAN), {"pipe": (1, 0)})
 
 
 def decode_node(node_id: int, latent_from: int, tiled: bool = False) -> tuple:
@@ -118,7 +119,7 @@ WORKFLOWS = {
         "DiT before the refiner loads (the text encoder and VAE stay shared); Memory shows where everything lives.",
         nodes=[
             loader("tiny (built-in moe)", "moe"),
-            offload_node("auto"),
+            offload_node("auto", refine=True),
             (3, "LingBotTextEncode", "Prompt", dict(prompt=PROMPT, negative_prompt="", task="t2v"), {"pipe": (2, 0)}),
             (4, "LingBotDenoise", "Denoise (base)", dict(width=64, height=64, frames=9, steps=4, cfg=3.0, shift=3.0,
                                                          seed=42), {"pipe": (2, 0), "conditioning": (3, 0)}),

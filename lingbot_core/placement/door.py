@@ -143,9 +143,12 @@ def resolve(shared: SharedComponents, requested: OffloadSettings,
                 host_budget = estimate.available_host_bytes()
         choice = estimate.choose_mode(sizes, geometry, int(budget), host_budget=host_budget,
                                       offload_to=requested.offload_to)
-    log.info(estimate.describe(choice) if choice.estimates else f"auto offload: {choice.reason}")
+    if choice.fits:
+        log.info(estimate.describe(choice) if choice.estimates else f"auto offload: {choice.reason}")
+    else:  # loud: the run may end in an out-of-memory error; the reason says what to change
+        log.warning(estimate.describe(choice))
     options = _group_defaults(device) if choice.mode == "group" else ()
-    return OffloadSettings(choice.mode, options, requested.offload_to), choice
+    return OffloadSettings(choice.mode, options, choice.offload_to or requested.offload_to), choice
 
 
 Plan = tuple[OffloadSettings, "estimate.AutoChoice | None"] | None
@@ -383,7 +386,7 @@ def fall_back(handle: PipelineHandle) -> bool:
             return False
         following = estimate.MODE_ORDER[estimate.MODE_ORDER.index(current) + 1]
         concrete = OffloadSettings(following, _group_defaults(placement.device) if following == "group" else (),
-                                   placement.requested.offload_to)
+                                   placement.mode.settings.offload_to)
         log.warning("auto offload: out of memory under '%s'; falling back to '%s' and retrying once",
                     current, following)
         placement.install(shared.loaded, placement.requested, concrete, placement.device, auto=placement.auto,

@@ -227,36 +227,51 @@ class AutoChoice:
     reason: str
     host: dict[str, int] = field(default_factory=dict)  # host RAM the weights need per mode
     host_budget: int | None = None
+    offload_to: str | None = None  # where the DiTs' offloaded weights live (None: as requested)
+    fits: bool = True  # False: nothing is expected to fit the accelerator; the reason says what to change
 
 
 def choose_mode(sizes: ModelSizes, geometry: Geometry, budget_bytes: int, *, after: str | None = None,
                 host_budget: int | None = None, offload_to: str = "ram") -> AutoChoice:
-    """The fastest mode whose estimate fits `budget_bytes` (sequential if none does), and whose host RAM
-    need (`host_bytes` under `offload_to`) fits `host_budget` when one is given.
+    """The fastest mode whose estimate fits `budget_bytes` and whose host RAM need (`host_bytes`)
+    fits `host_budget` when one is given (`fit.choose`: with `offload_to='ram'` it moves to 'disk'
+    rather than pick a mode whose host RAM does not fit, and raises `fit.DoesNotFit` when no mode's
+    host RAM fits). When nothing fits the accelerator: the smallest mode, `fits=False`.
 
     `after` skips modes up to and including it (the one-step fallback after an out-of-memory error).
     """
-    order = list(MODE_ORDER)
-    if after is not None:
-        order = order[order.index(after) + 1:] or [MODE_ORDER[-1]]
-    estimates = {m: estimate_peak(m, sizes, geometry) for m in MODE_ORDER}
-    host = {m: host_bytes(m, sizes, offload_to) for m in MODE_ORDER}
-    for mode in order:
-        if estimates[mode] + RESERVE_BYTES <= budget_bytes and (host_budget is None or host[mode] <= host_budget):
+    from . import fit
+
+    if after is None:
+        chosen = fit.choose(sizes, geometry, budget_bytes, host_budget, offload_to)
+        mode, to = chosen.mode, chosen.offload_to
+        estimates = {m: estimate_peak(m, sizes, geometry) for m in MODE_ORDER}
+        host = {m: host_bytes(m, sizes, to) for m in MODE_ORDER}
+        if chosen.ok:
             reason = (f"'{mode}' is the fastest mode expected to fit: needs ~{estimates[mode] / GiB:.1f} GiB of "
                       f"{budget_bytes / GiB:.1f} GiB free")
             if host_budget is not None:
                 reason += f" and ~{host[mode] / GiB:.1f} GiB of {host_budget / GiB:.1f} GiB host RAM"
-            if after is not None:
-                reason = f"after running out of memory under '{after}', {reason}"
-            return AutoChoice(mode, estimates, budget_bytes, reason, host, host_budget)
+            if to != offload_to:
+                reason += (f" with offload_to '{to}' (under '{offload_to}' the weights need "
+                           f"~{host_bytes(mode, sizes, offload_to) / GiB:.1f} GiB of host RAM)")
+        else:
+            reason = f"nothing is expected to fit: {chosen.line()}; using '{mode}'" + \
+                     (f" with offload_to '{to}'" if to != offload_to else "")
+        return AutoChoice(mode, estimates, budget_bytes, reason, host, host_budget, to, chosen.ok)
+    order = list(MODE_ORDER)
+    order = order[order.index(after) + 1:] or [MODE_ORDER[-1]]
+    estimates = {m: estimate_peak(m, sizes, geometry) for m in MODE_ORDER}
+    host = {m: host_bytes(m, sizes, offload_to) for m in MODE_ORDER}
+    for mode in order:
+        if estimates[mode] + RESERVE_BYTES <= budget_bytes and (host_budget is None or host[mode] <= host_budget):
+            reason = (f"after running out of memory under '{after}', '{mode}' is the fastest mode expected "
+                      f"to fit: needs ~{estimates[mode] / GiB:.1f} GiB of {budget_bytes / GiB:.1f} GiB free")
+            return AutoChoice(mode, estimates, budget_bytes, reason, host, host_budget, offload_to)
     mode = order[-1]
-    reason = (f"nothing is expected to fit in {budget_bytes / GiB:.1f} GiB (sequential needs "
-              f"~{estimates['sequential'] / GiB:.1f} GiB)")
-    if host_budget is not None and host[mode] > host_budget:
-        reason += (f" and {host_budget / GiB:.1f} GiB of host RAM ('{mode}' needs ~{host[mode] / GiB:.1f} GiB"
-                   + ("; offload_to='disk' keeps the DiTs' weights in their files)" if offload_to != "disk" else ")"))
-    return AutoChoice(mode, estimates, budget_bytes, f"{reason}; using '{mode}', the smallest", host, host_budget)
+    reason = (f"after running out of memory under '{after}', nothing is expected to fit in "
+              f"{budget_bytes / GiB:.1f} GiB; using '{mode}', the smallest")
+    return AutoChoice(mode, estimates, budget_bytes, reason, host, host_budget, offload_to, False)
 
 
 def describe(choice: AutoChoice) -> str:

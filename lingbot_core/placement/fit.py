@@ -1,0 +1,218 @@
+"""Will a run fit this machine? One line that says what it needs and what to change.
+
+Checked before heavy work: when `auto` chooses (the Offload node, or the first stage), and when an
+explicit mode is set with a planned size (the Offload node's plan inputs, `python -m lingbot_core`).
+Everything comes from `estimate` (the same numbers `auto` decides with); nothing here measures.
+
+Policy, and why:
+- Host RAM that does not fit ends in the kernel's OOM killer (no error, no cleanup), so `auto`
+  never picks such a mode: it moves the DiTs to `offload_to="disk"` when that fits, else refuses
+  with the line (`DoesNotFit`, a `ValueError`: bad input, exit code 2).
+- VRAM that does not fit ends in a catchable CUDA out-of-memory error (and `auto` falls back one
+  mode), and the estimate is an estimate, so a VRAM shortfall is a loud warning, not a refusal.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+from . import estimate
+from .estimate import MODE_ORDER, RESERVE_BYTES, Geometry, GiB, ModelSizes
+
+log = logging.getLogger("lingbot_core.offload")
+
+REFINE_SIZES = ((1088, 1920), (736, 1280), (544, 960))
+"""Refiner output sizes (height, width) offered as advice, largest first (the reference's default first)."""
+BASE_SIZES = ((736, 1280), (480, 832), (368, 640))
+FRAME_COUNTS = (121, 81, 49)
+
+
+class DoesNotFit(ValueError):
+    """The run cannot fit this machine's host RAM under any mode; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class Fit:
+    """What a run under (`mode`, `offload_to`) needs, against what the machine has (None: unknown)."""
+
+    mode: str
+    offload_to: str
+    geometry: Geometry
+    vram_needed: int
+    vram_free: int | None
+    host_needed: int
+    host_free: int | None
+    advice: tuple[str, ...] = ()
+
+    @property
+    def vram_ok(self) -> bool:
+        return self.vram_free is None or self.vram_needed + RESERVE_BYTES <= self.vram_free
+
+    @property
+    def host_ok(self) -> bool:
+        return self.host_free is None or self.host_needed <= self.host_free
+
+    @property
+    def ok(self) -> bool:
+        return self.vram_ok and self.host_ok
+
+    def line(self) -> str:
+        """One line: what the run needs, what the machine has, and what to change."""
+        what = _describe(self.geometry)
+        parts = []
+        if not self.vram_ok:
+            parts.append(f"needs ~{_gib(self.vram_needed + RESERVE_BYTES)} GiB VRAM for {what} under "
+                         f"'{self.mode}'; you have {_gib(self.vram_free)} free")
+        if not self.host_ok:
+            parts.append(f"needs ~{_gib(self.host_needed)} GiB host RAM under '{self.mode}' with "
+                         f"offload_to '{self.offload_to}'; you have {_gib(self.host_free)} available")
+        if not parts:
+            parts.append(f"fits: ~{_gib(self.vram_needed + RESERVE_BYTES)} GiB VRAM and ~{_gib(self.host_needed)} "
+                         f"GiB host RAM for {what} under '{self.mode}' (offload_to '{self.offload_to}')")
+            return parts[0]
+        line = "; ".join(parts)
+        if self.advice:
+            line += ": " + ", or ".join(self.advice)
+        return line
+
+
+def _gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / GiB:.1f}"
+
+
+def _describe(g: Geometry) -> str:
+    base = f"{g.width}x{g.height}x{g.num_frames}"
+    return f"{base} refined at {g.refine[1]}x{g.refine[0]}" if g.refine else base
+
+
+def _fits(sizes: ModelSizes, g: Geometry, mode: str, offload_to: str, vram: int | None, host: int | None) -> bool:
+    vram_ok = vram is None or estimate.estimate_peak(mode, sizes, g) + RESERVE_BYTES <= vram
+    host_ok = host is None or estimate.host_bytes(mode, sizes, offload_to) <= host
+    return vram_ok and host_ok
+
+
+def _best_mode(sizes: ModelSizes, g: Geometry, offload_to: str, vram: int | None, host: int | None) -> str | None:
+    return next((m for m in MODE_ORDER if _fits(sizes, g, m, offload_to, vram, host)), None)
+
+
+def _advice(sizes: ModelSizes, g: Geometry, mode: str, offload_to: str, vram: int | None,
+            host: int | None, limit: int = 3) -> tuple[str, ...]:
+    """Changes that make the run fit, each computed with the estimate, cheapest to the user first:
+    another mode or `offload_to`, then single changes to the request, then the smallest combination."""
+    out: list[str] = []
+    homes = (offload_to, "disk") if offload_to == "ram" else (offload_to,)
+
+    def offer(text: str, changed: Geometry, only: str | None = None) -> bool:
+        found = next(((m, t) for t in ((only,) if only else homes)
+                      if (m := _best_mode(sizes, changed, t, vram, host)) is not None), None)
+        if found is None:
+            return False
+        best, where_to = found
+        if len(out) < limit:
+            need = _gib(estimate.estimate_peak(best, sizes, changed) + RESERVE_BYTES)
+            where = f"'{best}'" + (f" + offload_to '{where_to}'" if where_to != offload_to else "")
+            out.append(f"{text} under {where} (~{need} GiB VRAM)" if text else
+                       f"use {where} (~{need} GiB VRAM, ~{_gib(estimate.host_bytes(best, sizes, where_to))} GiB RAM)")
+        return True
+
+    if _best_mode(sizes, g, offload_to, vram, host) not in (None, mode):
+        offer("", g, offload_to)
+    elif offload_to == "ram":
+        offer("", g, "disk")
+    changes: list[tuple[str, Geometry]] = []  # each applied on top of the previous ones
+    if not g.vae_tiling:
+        changes.append(("Decode tiling", replace(g, vae_tiling=True)))
+    if g.refine:
+        smaller = next((s for s in REFINE_SIZES if s[0] * s[1] < g.refine[0] * g.refine[1]), None)
+        if smaller:
+            changes.append((f"refine at {smaller[1]}x{smaller[0]}", replace(g, refine=smaller)))
+        changes.append(("skip the refiner", replace(g, refine=None)))
+    base = next((s for s in BASE_SIZES if s[0] * s[1] < g.height * g.width), None)
+    if base:
+        changes.append((f"{base[1]}x{base[0]}", replace(g, height=base[0], width=base[1])))
+    frames = next((f for f in FRAME_COUNTS if f < g.num_frames), None)
+    if frames:
+        changes.append((f"{frames} frames", replace(g, num_frames=frames)))
+    alone = [offer(label, changed) for label, changed in changes]
+    combined, labels = g, []
+    if not any(alone) and len(out) < limit:
+        for label, changed in changes:
+            diff = {f: getattr(changed, f) for f in ("height", "width", "num_frames", "refine", "vae_tiling")
+                    if getattr(changed, f) != getattr(g, f)}
+            combined, labels = replace(combined, **diff), [*labels, label]
+            if offer(" + ".join(labels), combined):
+                break
+    if not out:
+        host_short = host is not None and estimate.host_bytes(MODE_ORDER[-1], sizes, "disk") > host
+        out.append("more RAM, or a smaller weight format (python -m lingbot_core.quantize SRC DST --to gguf-q4_0)"
+                   if host_short else "nothing at the sizes tried fits this GPU (the smallest: "
+                   f"{_describe(combined if changes else g)}): a smaller size, fewer frames, or a larger GPU")
+    return tuple(out)
+
+
+def check(sizes: ModelSizes, geometry: Geometry, mode: str, offload_to: str = "ram", *,
+          vram_free: int | None, host_free: int | None) -> Fit:
+    """The fit of one explicit mode (not `auto`) with its advice when it does not fit."""
+    fit = Fit(mode, offload_to, geometry, estimate.estimate_peak(mode, sizes, geometry), vram_free,
+              estimate.host_bytes(mode, sizes, offload_to), host_free)
+    if fit.ok:
+        return fit
+    return replace(fit, advice=_advice(sizes, geometry, mode, offload_to, vram_free, host_free))
+
+
+def choose(sizes: ModelSizes, geometry: Geometry, vram_free: int | None, host_free: int | None,
+           offload_to: str = "ram") -> Fit:
+    """`auto`: the fastest mode that fits; with `offload_to='ram'` and no mode's host RAM fitting, the
+    same under 'disk'. Raises `DoesNotFit` when the host RAM fits nowhere. When only VRAM falls
+    short, the smallest mode (its `Fit` says what to change: the caller warns)."""
+    tos = (offload_to, "disk") if offload_to == "ram" else (offload_to,)
+    for to in tos:
+        best = _best_mode(sizes, geometry, to, vram_free, host_free)
+        if best is not None:
+            return check(sizes, geometry, best, to, vram_free=vram_free, host_free=host_free)
+    # VRAM fits nowhere: the smallest VRAM need among the offloading modes whose host RAM fits
+    candidates = [(estimate.estimate_peak(m, sizes, geometry), i, -MODE_ORDER.index(m), m, to)
+                  for i, to in enumerate(tos) for m in MODE_ORDER
+                  if m != "none" and _fits(sizes, geometry, m, to, None, host_free)]
+    if candidates:  # ties: the requested home first, then the smaller mode
+        *_, mode, to = min(candidates)
+        return check(sizes, geometry, mode, to, vram_free=vram_free, host_free=host_free)
+    last = check(sizes, geometry, MODE_ORDER[-1], "disk", vram_free=vram_free, host_free=host_free)
+    raise DoesNotFit(f"this run cannot fit: {last.line()}")
+
+
+def require_refiner(handle: object, refine: object) -> None:
+    """A planned refine needs the MoE checkpoint's `refiner/`: refused now, not after the base pass."""
+    info = getattr(getattr(handle, "shared", None), "info", None)
+    if refine and info is not None and info.variant == "moe" and not info.has_refiner:
+        raise ValueError(f"{info.folder} has no refiner/ folder, and this run refines: download it "
+                         "(hf download <repo> --local-dir <the same folder> --include \"refiner/*\"), or remove "
+                         "the Refine node and turn plan_refine off")
+
+
+def check_handle(handle: object, geometry: Geometry, *, mode: str | None = None, offload_to: str | None = None,
+                 vram_free: int | None = None, host_free: int | None = None) -> Fit | None:
+    """The fit of a planned run under `handle`'s offload settings (or `mode`/`offload_to`), logged:
+    a WARNING with what to change when it does not fit. None where nothing is checked: `auto`
+    (it decides with the same numbers when it installs) and a CPU execution device."""
+    require_refiner(handle, geometry.refine)
+    settings = handle.offload  # type: ignore[attr-defined]
+    mode = mode or settings.mode
+    offload_to = offload_to or settings.offload_to
+    device = handle.device  # type: ignore[attr-defined]
+    if mode == "auto" or (device.type == "cpu" and vram_free is None):
+        return None
+    sizes = ModelSizes.from_handle(handle)
+    if vram_free is None:
+        from .door import _free_budget
+
+        vram_free = _free_budget(device, estimate.estimate_peak(mode, sizes, geometry) + RESERVE_BYTES)
+    if host_free is None:
+        host_free = estimate.available_host_bytes()
+    fit = check(sizes, geometry, mode, offload_to, vram_free=vram_free, host_free=host_free)
+    if fit.ok:
+        log.info("offload '%s': %s", mode, fit.line())
+    else:
+        log.warning("offload '%s' is not expected to fit: %s", mode, fit.line())
+    return fit
