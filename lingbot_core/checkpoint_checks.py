@@ -31,6 +31,49 @@ from .weights.safetensors_header import (  # noqa: F401 (re-exported: the header
 CheckFailed = CheckpointError  # the name used inside this module
 
 
+CONFIG_LIMITS: dict[str, dict[str, int]] = {
+    # The LingBot-Video DiTs (configs/dense-1.3b, configs/moe-30b-a3b): depth 24/48, hidden 2048, 16 heads,
+    # intermediate 6144, text_dim 2560, freq_dim 256, 16 channels, patch [1, 2, 2], axes_lens <= 8192,
+    # 128 experts (8 per token, 768 wide, 1 shared, 4 groups). Larger video DiTs (Wan 14B: hidden 5120,
+    # 40 heads, 40 layers, 13824 wide) stay far inside; the bounds leave 5-10x headroom (a 256-deep MoE
+    # skeleton still builds in seconds).
+    "transformer": {
+        "depth": 256, "hidden_size": 32768, "num_attention_heads": 1024, "intermediate_size": 262144,
+        "text_dim": 32768, "freq_dim": 16384, "in_channels": 1024, "out_channels": 1024, "patch_size": 64,
+        "axes_dims": 4096, "axes_lens": 65536, "num_experts": 4096, "num_experts_per_tok": 1024,
+        "moe_intermediate_size": 262144, "n_shared_experts": 256, "decoder_sparse_step": 256, "n_group": 4096,
+        "topk_group": 4096,
+    },
+    # The Wan 2.1 VAE (configs/wan2.1.vae): z_dim 16, base_dim 96, dim_mult [1, 2, 4, 4], 2 res blocks,
+    # 3 channels, scale factors 8 / 4; Wan 2.2's VAE: z_dim 48, base_dim 160, 12 channels (patchified).
+    "vae": {
+        "z_dim": 1024, "base_dim": 4096, "decoder_base_dim": 4096, "num_res_blocks": 16, "dim_mult": 64,
+        "dim_mult_len": 8, "in_channels": 64, "out_channels": 64, "attn_scales_len": 16, "patch_size": 16,
+        "scale_factor_spatial": 64, "scale_factor_temporal": 64,
+    },
+    # Qwen3-VL-4B (configs/qwen3-vl-4b.text_encoder): 36 layers, hidden 2560, intermediate 9728, 32 heads
+    # (8 kv, head_dim 128), vocab 151936, 262144 positions; the largest Qwen3-VL has 94 layers, hidden 4096.
+    "text_encoder": {
+        "num_hidden_layers": 256, "hidden_size": 32768, "intermediate_size": 262144, "num_attention_heads": 1024,
+        "num_key_value_heads": 1024, "head_dim": 1024, "vocab_size": 1 << 21, "max_position_embeddings": 1 << 24,
+    },
+    # its vision tower: depth 24, hidden 1024, intermediate 4096, 16 heads, 2304 positions, patch 16
+    "vision": {
+        "depth": 128, "hidden_size": 16384, "intermediate_size": 131072, "num_heads": 1024,
+        "num_position_embeddings": 1 << 18, "out_hidden_size": 32768, "patch_size": 64, "temporal_patch_size": 16,
+        "spatial_merge_size": 16, "in_channels": 64, "deepstack_visual_indexes": 255, "deepstack_visual_indexes_len": 64,
+    },
+    "scheduler": {"num_train_timesteps": 100000},  # published: 1000
+}
+"""Upper bounds of config values, per component: no published or plausible model exceeds them, and a
+config past one (a corrupt or hostile `"depth": 1000000`) is refused before any module is built
+(building its skeleton would take minutes and gigabytes). A `_len` entry bounds a list's length."""
+LATENT_MEAN_LIMIT = 1e3
+"""|latents_mean| bound (Wan 2.1: within 1.6); latents are shifted by it, so 1e308 makes NaN frames."""
+LATENT_STD_RANGE = (1e-3, 1e3)
+"""latents_std bounds (Wan 2.1: 1.1 to 3.3); latents are divided and multiplied by it."""
+
+
 # -- config values ---------------------------------------------------------------------------------
 
 def _need(config: Mapping[str, Any], key: str, where: str, check, what: str, *, default: Any = None,
@@ -57,6 +100,32 @@ def _pos_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 1 <= v < 1 << 31
 
 
+def _upto(limit: int, low: int = 1):
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and low <= v <= limit
+
+
+def _bounded(config: Mapping[str, Any], component: str, key: str, where: str, *, low: int = 1,
+             optional: bool = False, default: Any = None) -> Any:
+    """`config[key]`: an integer in [low, CONFIG_LIMITS[component][key]]."""
+    limit = CONFIG_LIMITS[component][key]
+    what = f"{'a positive integer' if low == 1 else f'an integer >= {low}'} no larger than {limit}"
+    return _need(config, key, where, _upto(limit, low), what, optional=optional, default=default)
+
+
+def _bounded_list(config: Mapping[str, Any], component: str, key: str, where: str, n: int | None, *,
+                  optional: bool = False, low: int = 1) -> Any:
+    """`config[key]`: a list (of `n` items, else up to the `_len` bound) of integers in [low, limit]."""
+    limits = CONFIG_LIMITS[component]
+    limit, most = limits[key], limits.get(f"{key}_len", n)
+    count = f"{n}" if n is not None else f"1 to {most}"
+
+    def ok(v: Any) -> bool:
+        return (isinstance(v, (list, tuple)) and (len(v) == n if n is not None else 1 <= len(v) <= most)
+                and all(_upto(limit, low)(x) for x in v))
+
+    return _need(config, key, where, ok, f"a list of {count} integers in [{low}, {limit}]", optional=optional)
+
+
 def _nonneg_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 31
 
@@ -69,36 +138,32 @@ def _bool(v: Any) -> bool:
     return isinstance(v, bool)
 
 
-def _int_list(n: int, item=_pos_int):
-    return lambda v: isinstance(v, (list, tuple)) and len(v) == n and all(item(x) for x in v)
-
-
 def check_transformer_config(config: Mapping[str, Any], where: str) -> None:
     """The DiT's config values: types, ranges and the relations the model relies on."""
     for key in ("in_channels", "out_channels", "hidden_size", "num_attention_heads", "depth",
                 "intermediate_size", "text_dim", "freq_dim"):
-        _need(config, key, where, _pos_int, "a positive integer")
-    _need(config, "patch_size", where, _int_list(3), "a list of 3 positive integers")
+        _bounded(config, "transformer", key, where)
+    _bounded_list(config, "transformer", "patch_size", where, 3)
     heads, hidden = config["num_attention_heads"], config["hidden_size"]
     if hidden % heads:
         raise CheckFailed(f"{where}: hidden_size {hidden} is not divisible by num_attention_heads {heads}; "
                           "the config is corrupt, re-download it.")
-    axes = _need(config, "axes_dims", where, _int_list(3), "a list of 3 positive integers")
+    axes = _bounded_list(config, "transformer", "axes_dims", where, 3)
     if sum(axes) != hidden // heads or any(a % 2 for a in axes):
         raise CheckFailed(f"{where}: axes_dims {axes} must be even and sum to the head size {hidden // heads}; "
                           "the config is corrupt, re-download it.")
-    _need(config, "axes_lens", where, _int_list(3), "a list of 3 positive integers")
+    _bounded_list(config, "transformer", "axes_lens", where, 3)
     for key in ("norm_eps", "rope_theta"):
         _need(config, key, where, _pos_float, "a positive finite number", optional=True)
     for key in ("qkv_bias", "out_bias", "patch_embed_bias", "timestep_mlp_bias"):
         _need(config, key, where, _bool, "true or false", optional=True)
-    experts = _need(config, "num_experts", where, _nonneg_int, "an integer >= 0", default=0, optional=True) or 0
+    experts = _bounded(config, "transformer", "num_experts", where, low=0, default=0, optional=True) or 0
     if experts:
         _need(config, "num_experts_per_tok", where, lambda v: _pos_int(v) and v <= experts,
               f"an integer in [1, num_experts={experts}]")
-        _need(config, "moe_intermediate_size", where, _pos_int, "a positive integer")
-        _need(config, "decoder_sparse_step", where, _pos_int, "a positive integer", optional=True)
-        _need(config, "n_shared_experts", where, _nonneg_int, "an integer >= 0 or null", optional=True)
+        _bounded(config, "transformer", "moe_intermediate_size", where)
+        _bounded(config, "transformer", "decoder_sparse_step", where, optional=True)
+        _bounded(config, "transformer", "n_shared_experts", where, low=0, optional=True)
         _need(config, "score_func", where, lambda v: v in ("sigmoid", "softmax"), "'sigmoid' or 'softmax'",
               optional=True)
         _need(config, "norm_topk_prob", where, _bool, "true or false", optional=True)
@@ -109,31 +174,42 @@ def check_transformer_config(config: Mapping[str, Any], where: str) -> None:
                   f"an integer in [1, n_group={groups}]")
         _need(config, "routed_scaling_factor", where, _pos_float, "a positive finite number", optional=True)
     layers = config.get("mlp_only_layers", [])
-    if layers is not None and not (isinstance(layers, list) and all(_nonneg_int(x) for x in layers)):
-        raise CheckFailed(f"{where}: 'mlp_only_layers' must be a list of layer indices; re-download the checkpoint.")
+    if layers is not None and not (isinstance(layers, list) and len(layers) <= config["depth"]
+                                   and all(_nonneg_int(x) and x < config["depth"] for x in layers)):
+        raise CheckFailed(f"{where}: 'mlp_only_layers' must be a list of layer indices below depth "
+                          f"{config['depth']}; re-download the checkpoint.")
 
 
 def check_vae_config(config: Mapping[str, Any], where: str) -> None:
     """The Wan VAE's config: channel counts and the latent statistics every stage divides by."""
-    z_dim = _need(config, "z_dim", where, _pos_int, "a positive integer")
-    for key in ("base_dim", "num_res_blocks", "in_channels", "out_channels"):
-        _need(config, key, where, _pos_int, "a positive integer", optional=True)
-    _need(config, "dim_mult", where, lambda v: isinstance(v, list) and v and all(_pos_int(x) for x in v),
-          "a non-empty list of positive integers", optional=True)
+    z_dim = _bounded(config, "vae", "z_dim", where)
+    for key in ("base_dim", "decoder_base_dim", "num_res_blocks", "in_channels", "out_channels", "patch_size",
+                "scale_factor_spatial", "scale_factor_temporal"):
+        _bounded(config, "vae", key, where, optional=True)
+    _bounded_list(config, "vae", "dim_mult", where, None, optional=True)
+    scales = config.get("attn_scales")
+    if scales is not None and not (isinstance(scales, list) and len(scales) <= CONFIG_LIMITS["vae"]["attn_scales_len"]):
+        raise CheckFailed(f"{where}: 'attn_scales' must be a short list; re-download the checkpoint.")
 
     def finite_list(v: Any) -> bool:
         return isinstance(v, list) and len(v) == z_dim and all(
             isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v)
 
-    _need(config, "latents_mean", where, finite_list, f"a list of {z_dim} finite numbers")
+    mean = _need(config, "latents_mean", where, finite_list, f"a list of {z_dim} finite numbers")
     std = _need(config, "latents_std", where, finite_list, f"a list of {z_dim} finite numbers")
-    if any(x <= 0 for x in std):
-        raise CheckFailed(f"{where}: latents_std holds {min(std)}; every entry must be > 0 (latents are divided "
-                          "by it). The config is corrupt; re-download it.")
+    low, high = LATENT_STD_RANGE
+    if any(not low <= x <= high for x in std):
+        bad = next(x for x in std if not low <= x <= high)
+        raise CheckFailed(f"{where}: latents_std holds {bad}; every entry must be in [{low:g}, {high:g}] (latents "
+                          "are divided by it). The config is corrupt; re-download it.")
+    if any(abs(x) > LATENT_MEAN_LIMIT for x in mean):
+        bad = next(x for x in mean if abs(x) > LATENT_MEAN_LIMIT)
+        raise CheckFailed(f"{where}: latents_mean holds {bad}; every entry must be within +-{LATENT_MEAN_LIMIT:g} "
+                          "(larger shifts overflow the frames to NaN). The config is corrupt; re-download it.")
 
 
 def check_scheduler_config(config: Mapping[str, Any], where: str) -> None:
-    _need(config, "num_train_timesteps", where, _pos_int, "a positive integer", default=1000)
+    _bounded(config, "scheduler", "num_train_timesteps", where, default=1000)
     _need(config, "shift", where, _pos_float, "a positive finite number", optional=True)
     _need(config, "solver_order", where, lambda v: _pos_int(v) and v <= 3, "1, 2 or 3", optional=True)
 
@@ -142,7 +218,20 @@ def check_text_encoder_config(config: Mapping[str, Any], where: str, text_dim: i
     text = config.get("text_config")
     if not isinstance(text, dict):
         raise CheckFailed(f"{where}: no 'text_config' object; a Qwen3-VL config has one. Re-download it.")
-    hidden = _need(text, "hidden_size", f"{where} (text_config)", _pos_int, "a positive integer")
+    hidden = _bounded(text, "text_encoder", "hidden_size", f"{where} (text_config)")
+    for key in CONFIG_LIMITS["text_encoder"]:
+        if key != "hidden_size":
+            _bounded(text, "text_encoder", key, f"{where} (text_config)", optional=True)
+    vision = config.get("vision_config")
+    if vision is not None:
+        if not isinstance(vision, dict):
+            raise CheckFailed(f"{where}: 'vision_config' must be an object; re-download the checkpoint.")
+        for key in CONFIG_LIMITS["vision"]:
+            if key == "deepstack_visual_indexes":
+                if vision.get(key):  # layer indices (may be 0)
+                    _bounded_list(vision, "vision", key, f"{where} (vision_config)", None, low=0)
+            elif not key.endswith("_len"):
+                _bounded(vision, "vision", key, f"{where} (vision_config)", optional=True)
     if text_dim is not None and hidden != text_dim:
         raise CheckFailed(f"{where}: the text encoder's hidden_size is {hidden}, but the transformer's text_dim is "
                           f"{text_dim}; the two folders come from different models. Re-download the checkpoint.")
