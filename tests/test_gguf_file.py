@@ -131,14 +131,15 @@ def test_a_tiny_file_claiming_2_to_the_62_array_entries_fails_at_once(tmp_path):
     _refused(_write(tmp_path, raw), r"metadata 'k' \(array\) claims 4611686018427387904 entries \(0 bytes left\)")
 
 
-def test_a_4_mb_metadata_array_reads_in_well_under_a_second(tmp_path):
+def test_a_4_mb_metadata_array_reads_in_seconds_not_minutes(tmp_path):
+    # gguf.GGUFReader: about 115 s and 1.45 GB for such an array (bench/gguf_header.py measures both)
     n = 1 << 20
     raw = _gguf([_kv("big", V.ARRAY, _u32(V.UINT32) + _u64(n) + np.arange(n, dtype="<u4").tobytes()),
                  _kv("names", V.ARRAY, _u32(V.STRING) + _u64(50_000) + _str("tok") * 50_000)])
     path = _write(tmp_path, raw)
     start = time.perf_counter()
     header = read_header(path)
-    assert time.perf_counter() - start < 1.0
+    assert time.perf_counter() - start < 5.0  # ~0.1 s on an idle core
     assert header.metadata["big"].shape == (n,) and int(header.metadata["big"][-1]) == n - 1
     assert len(header.metadata["names"]) == 50_000
 
@@ -286,3 +287,107 @@ def test_the_gguf_source_reports_a_malformed_file_as_a_weights_error(tmp_path):
     view = source.packed("a", mapped=True)
     view += 1  # copy-on-write: the file never changes
     assert source.packed("a").tolist() == np.frombuffer(_f32(2, 8, 0), np.uint8).reshape(2, 32).tolist()
+
+
+def test_a_recorded_shape_that_splits_blocks_is_refused(tmp_path):
+    # Q8_0 [2, 32] recorded as [4, 16]: rows of 16 values cannot be read from 32-value blocks
+    kvs = [_kv("comfy.gguf.orig_shape.w", V.ARRAY, _u32(V.INT32) + _u64(2) + struct.pack("<2i", 4, 16))]
+    raw = _gguf(kvs, [_info("w", (32, 2), T.Q8_0, 0)], bytes(68) + bytes(28))
+    with pytest.raises(WeightsError, match=r"'w' is recorded .* as \[4, 16\], whose rows of 16 values are not "
+                                           r"whole Q8_0 blocks"):
+        GGUFSource(_write(tmp_path, raw))
+
+
+# -- fuzz: mutated headers end in our error or load and decode --------------------------------------
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+INTERESTING = [0, 1, 2, 3, 4, 7, 8, 9, 12, 13, 31, 32, 33, 64, 255, 256, 2**16, 2**31 - 1, 2**31, 2**32 - 1,
+               2**32, 2**40, 2**62, 2**63, 2**64 - 1]
+
+
+def _seed_file() -> bytes:
+    """A small file with every value type, a quantized and a K-block tensor, a per-expert stack and an
+    orig_shape record: most fields a mutation can hit are ones the walk must bound."""
+    kvs = [_kv("general.architecture", V.STRING, _str("lingbot_video")),
+           _kv("k.f", V.FLOAT32, struct.pack("<f", 0.5)), _kv("k.b", V.BOOL, b"\x01"),
+           _kv("k.strs", V.ARRAY, _u32(V.STRING) + _u64(2) + _str("ab") + _str("")),
+           _kv("k.nested", V.ARRAY, _u32(V.ARRAY) + _u64(1) + _u32(V.UINT16) + _u64(2) + bytes(4)),
+           _kv("comfy.gguf.orig_shape.p", V.ARRAY, _u32(V.INT32) + _u64(3) + struct.pack("<3i", 2, 2, 8))]
+    q8 = gguf.GGML_QUANT_SIZES[T.Q8_0][1]
+    infos = [_info("p", (16, 2), T.F32, 0), _info("q", (32, 2), T.Q8_0, 128),
+             _info("blocks.0.ffn.experts.w1.0", (32, 1), T.F16, 224), _info("blocks.0.ffn.experts.w1.1", (32, 1),
+                                                                            T.F16, 288),
+             _info("k", (256, 1), T.Q4_K, 352)]
+    data = (_f32(2, 16, 2) + bytes(2 * q8) + bytes(-2 * q8 % 32) + bytes(64) + bytes(64)
+            + bytes(gguf.GGML_QUANT_SIZES[T.Q4_K][1]))
+    return _gguf(kvs, infos, data + bytes(-len(data) % 32))
+
+
+SEED = _seed_file()
+HEADER_END = len(SEED) - 512  # the tensor data is the last 512 bytes
+
+mutation = st.tuples(st.sampled_from(["u64", "u32", "byte", "cut", "insert", "delete"]),
+                     st.integers(0, HEADER_END + 40), st.sampled_from(INTERESTING), st.integers(0, 255))
+
+
+def _mutate(raw: bytes, steps) -> bytes:
+    out = bytearray(raw)
+    for kind, at, value, byte in steps:
+        at = min(at, len(out))
+        if kind == "u64":
+            out[at:at + 8] = struct.pack("<Q", value % 2**64)
+        elif kind == "u32":
+            out[at:at + 4] = struct.pack("<I", value % 2**32)
+        elif kind == "byte":
+            out[at:at + 1] = bytes([byte])
+        elif kind == "cut":
+            del out[at:]
+        elif kind == "insert":
+            out[at:at] = bytes([byte]) * (value % 24)
+        else:
+            del out[at:at + 1 + value % 24]
+    return bytes(out)
+
+
+def _load_everything(path: Path) -> None:
+    """Open the file as the loader does and decode every tensor: only WeightsError may stop it."""
+    try:
+        source = GGUFSource(path)
+    except WeightsError:
+        return
+    for key, entry in source.entries.items():
+        source.plain(key)
+        if not entry.parts:
+            source.packed(key, mapped=True)
+
+
+def test_the_fuzz_seed_loads(tmp_path):
+    source = GGUFSource(_write(tmp_path, SEED))
+    assert source.entries["blocks.0.ffn.experts.w1"].shape == (2, 1, 32)
+    assert source.entries["p"].shape == (2, 2, 8)
+    _load_everything(tmp_path / "x.gguf")
+
+
+@pytest.fixture(scope="module")
+def fuzz_file(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("gguf-fuzz") / "f.gguf"
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=st.lists(mutation, min_size=1, max_size=4))
+def test_mutated_headers_end_in_our_error_or_load(fuzz_file, steps):
+    fuzz_file.write_bytes(_mutate(SEED, steps))
+    start = time.perf_counter()
+    _load_everything(fuzz_file)
+    assert time.perf_counter() - start < 2.0
+
+
+def test_the_fuzz_bench_runs_and_counts_no_escapes(tmp_path):
+    from bench import fuzz_gguf
+
+    result = fuzz_gguf.main(["--cases", "40", "--seed", "3", "--json", str(tmp_path / "r.json")])
+    assert sum(result["outcomes"].values()) == 40 and result["outcomes"].get("read", 0) > 0
+    assert result["escapes"] == {}, result["escape_examples"]

@@ -36,3 +36,14 @@ def test_a_dit_stored_in_the_type_runs_as_its_decoded_weights(tmp_path, qtype):
     reference = LingBotVideoTransformer3DModel.from_config(WIDE_MOE).float()
     reference.load_state_dict(expected)
     assert torch.equal(_run(model), _run(reference))
+
+
+def test_the_readme_lists_exactly_the_types_that_load():
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    line = re.search(r"GGUF types that load \(.*?\): (.*?), so the", readme, flags=re.S)
+    assert line, "the README's list of GGUF types is gone"
+    listed = {name.strip() for name in line.group(1).replace("\n", " ").split(",")}
+    assert listed == {t.name for t in gguf_codec.SUPPORTED}

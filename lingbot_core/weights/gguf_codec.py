@@ -221,6 +221,11 @@ def block_bytes(qtype: int) -> int:
     return GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][1]
 
 
+def block_values(qtype: int) -> int:
+    """How many values one block of `qtype` holds (1 for F32/F16/BF16)."""
+    return GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][0]
+
+
 def half_fields(qtype: int) -> tuple[int, ...]:
     """Byte offsets of the float16 scale fields inside one block of `qtype`."""
     return _HALF_FIELDS[GGMLQuantizationType(qtype)]

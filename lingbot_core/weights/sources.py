@@ -163,6 +163,10 @@ class GGUFSource:
             except ValueError as err:
                 raise WeightsError(f"{path}: {err}") from None
             shape = self.header.orig_shape(name) or t.shape
+            if shape[-1] % gguf_codec.block_values(t.qtype):  # only a recorded shape can split a block
+                raise WeightsError(f"{path}: tensor {name!r} is recorded (comfy.gguf.orig_shape) as {list(shape)}, "
+                                   f"whose rows of {shape[-1]} values are not whole {t.type_name} blocks; "
+                                   "lingbot-nodes keeps GGUF rows packed and cannot read it. Re-convert the model.")
             self.entries[name] = Entry("gguf", shape, gguf_type=t.qtype)
         self._group_experts(path)
 
