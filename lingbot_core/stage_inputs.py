@@ -25,6 +25,7 @@ from PIL import Image
 
 from . import sampling
 from .latents import SIZE_MULTIPLE, VAE_TEMPORAL, latent_shape
+from .sampling.guidance import CFG_BATCH
 from .sampling.sigmas import check_shift
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,11 @@ def check_steps(steps: Any) -> None:
 def check_guidance(guidance_scale: float) -> None:
     if not math.isfinite(guidance_scale) or guidance_scale < 0:
         raise ValueError(f"guidance_scale must be a finite number >= 0, got {guidance_scale!r}")
+
+
+def check_cfg_batch(cfg_batch: Any) -> None:
+    if cfg_batch not in CFG_BATCH:
+        raise ValueError(f"cfg_batch must be one of {', '.join(CFG_BATCH)}, got {_short(cfg_batch)}")
 
 
 def check_mode(mode: Any) -> None:
@@ -289,6 +295,19 @@ def check_request_fits(handle: Any, *, height: int, width: int, num_frames: int,
         f"that is the limit{hint}. Choose a smaller size.")
 
 
+def cfg_batch_fits(handle: Any, mode: str, *, height: int, width: int, num_frames: int) -> bool:
+    """Whether one batch-2 CFG forward is expected to fit the execution device under offload `mode`
+    (the memory estimate against the device's whole memory); False when either is unknown."""
+    from .placement.estimate import Geometry
+    from .placement.estimate import cfg_batch_fits as fits
+
+    sizes = _model_sizes(handle)
+    capacity = device_capacity(torch.device(handle.device))
+    if sizes is None or capacity is None:
+        return False
+    return fits(mode, sizes, Geometry(height=height, width=width, num_frames=num_frames), capacity)
+
+
 def _largest_fitting(need, height: int, width: int, num_frames: int, capacity: int) -> tuple[int, int] | None:
     """The largest (height, width) at the same aspect (multiples of 16) whose need fits, if any."""
     aspect = width / height
@@ -315,11 +334,13 @@ def decode_output_shape(latents: torch.Tensor) -> tuple[int, int, int]:
 
 def check_denoise_request(handle: Any, cond: Any, *, height: int, width: int, num_frames: int, steps: int,
                           guidance_scale: float, shift: float, sigmas: Any, sampler: Any, transformer: str,
-                          image_cond: Any, cond_latent: Any, latents: Any) -> tuple[Any, tuple[int, ...]]:
+                          image_cond: Any, cond_latent: Any, latents: Any,
+                          cfg_batch: str = "off") -> tuple[Any, tuple[int, ...]]:
     """Every denoise argument, before any model work; returns the sampler and the latent shape."""
     validate_geometry(height, width, num_frames)
     check_steps(steps)
     check_guidance(guidance_scale)
+    check_cfg_batch(cfg_batch)
     method = sampling.get_sampler(sampler)
     method.check(steps=steps, shift=shift, sigmas=sigmas, refine=transformer == "refiner")
     if method.recommended and guidance_scale > 1.0 and method.recommended.get("guidance_scale") == 1.0:
@@ -344,7 +365,7 @@ def check_denoise_request(handle: Any, cond: Any, *, height: int, width: int, nu
 
 def check_refine_request(handle: Any, frames: Any, *, height: int, width: int, steps: int, shift: float,
                          t_thresh: float, tail_steps: int, seed: int, first_frame: Any, cond: Any = None,
-                         guidance_scale: float | None = None, sampler: Any = None) -> int:
+                         guidance_scale: float | None = None, sampler: Any = None, cfg_batch: str = "off") -> int:
     """Every refine argument, before anything is released or loaded; returns the usable frame count.
 
     `cond`, `guidance_scale` and `sampler` are checked when given (the `refine` stage gives them;
@@ -354,6 +375,7 @@ def check_refine_request(handle: Any, frames: Any, *, height: int, width: int, s
         raise ValueError("the refiner conditions on text only: encode the prompt without the image")
     if guidance_scale is not None:
         check_guidance(guidance_scale)
+        check_cfg_batch(cfg_batch)
         sampling.get_sampler(sampler).check(steps=steps, shift=shift, refine=True)
     if not handle.has_refiner:
         raise ValueError("refinement needs the MoE checkpoint's refiner/ folder; this checkpoint has none")
@@ -397,7 +419,7 @@ def validate_request(mode: str, *, height: int, width: int, num_frames: int, ste
 
 
 __all__ = [
-    "MODES", "check_count", "check_denoise_request", "check_first_frame_pixels", "check_guidance", "check_mode",
+    "MODES", "cfg_batch_fits", "check_cfg_batch", "check_count", "check_denoise_request", "check_first_frame_pixels", "check_guidance", "check_mode",
     "check_refine_request", "check_steps", "check_t_thresh", "validate_geometry", "validate_request", "check_finite_number", "check_negative_prompt", "check_picture", "check_request_fits",
     "check_seed", "checked_image", "checked_latents", "checked_pixels", "decode_output_shape",
     "device_capacity", "vae_channels",

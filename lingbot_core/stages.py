@@ -26,7 +26,7 @@ from . import prompt as prompt_ops
 from . import sampling
 from . import stage_inputs as checks
 from .latents import dit_to_vae, vae_to_dit
-from .placement.door import effective_mode, oom_fallback, release, stage
+from .placement.door import effective_mode, installed_mode, oom_fallback, release, stage
 from .prompt import PromptEmbeds
 from .sampling.guidance import Guidance, StepCallback, pin_first_frames, sample
 from .sampling.sigmas import compute_refiner_sigmas
@@ -231,6 +231,7 @@ def denoise(
     callback: StepCallback | None = None,
     sampler: str | sampling.Sampler | None = None,
     trace: dict | None = None,
+    cfg_batch: str = "off",
 ) -> torch.Tensor:
     """Sample with `sampler` (default flow-UniPC); returns the final DiT-space latents (float32, CPU).
 
@@ -240,12 +241,14 @@ def denoise(
     The first-frame condition (`image_cond` or `cond_latent`) is written into latent frame 0 before
     the loop and after every step. `callback(step, total, latents)` runs after every step; raising
     from it cancels the run cleanly. `trace` (a dict) receives the run (`trace["run"]`: its
-    timesteps, sigmas and, for stochastic samplers, what it drew).
+    timesteps, sigmas and, for stochastic samplers, what it drew). `cfg_batch` ("off", "on",
+    "auto"): run CFG's two branches as one batch-2 forward ("auto": when the memory estimate says it
+    fits the device under the installed offload mode); within float rounding of "off", not bit-equal.
     """
     method, shape = checks.check_denoise_request(
         handle, cond, height=height, width=width, num_frames=num_frames, steps=steps,
         guidance_scale=guidance_scale, shift=shift, sigmas=sigmas, sampler=sampler, transformer=transformer,
-        image_cond=image_cond, cond_latent=cond_latent, latents=latents)
+        image_cond=image_cond, cond_latent=cond_latent, latents=latents, cfg_batch=cfg_batch)
     g = _generator(seed, generator)
     latents, cond_latent = _starting_latents(shape, g, latents, cond_latent, image_cond)
     needs = (transformer, "scheduler") if method.uses_scheduler else (transformer,)
@@ -257,7 +260,8 @@ def denoise(
                            record=trace is not None)
         if trace is not None:
             trace["run"] = run
-        guidance = _guidance(handle, transformer, cond, guidance_scale, device)
+        batch = _batch_cfg(handle, cfg_batch, guidance_scale > 1.0, height=height, width=width, num_frames=num_frames)
+        guidance = _guidance(handle, transformer, cond, guidance_scale, device, batch)
         latents = sample(run, guidance, latents, cond_latent=cond_latent, callback=callback)
         return latents.cpu()
 
@@ -277,13 +281,26 @@ def _on(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | Non
     return None if tensor is None else tensor.to(device=device, dtype=torch.float32)
 
 
-def _guidance(handle, transformer: str, cond: Conditioning, guidance_scale: float, device: torch.device) -> Guidance:
+def _batch_cfg(handle, option: str, do_cfg: bool, **geometry: int) -> bool:
+    """Whether this call runs CFG as one batch-2 forward (inside the stage: the mode is installed)."""
+    if not do_cfg or option == "off":
+        return False
+    if option == "on":
+        return True
+    fits = checks.cfg_batch_fits(handle, installed_mode(handle) or "none", **geometry)
+    log.info("cfg_batch=auto: %s", "one batch-2 forward per step (fits the memory estimate)" if fits
+             else "two forwards per step (batch 2 is not expected to fit)")
+    return fits
+
+
+def _guidance(handle, transformer: str, cond: Conditioning, guidance_scale: float, device: torch.device,
+              batch_cfg: bool = False) -> Guidance:
     """The DiT's guided prediction for this call: prompts on the device in the DiT's dtype."""
     dit_dtype = handle.dtype_of(transformer)
     negative = cond.negative_for_cfg() if guidance_scale > 1.0 else None
     return Guidance(handle.component(transformer), cond.positive.to(device, dit_dtype),
                     negative.to(device, dit_dtype) if negative is not None else None, guidance_scale,
-                    dtype=dit_dtype, device=device)
+                    dtype=dit_dtype, device=device, batch_cfg=batch_cfg)
 
 
 # -- decode ----------------------------------------------------------------------------------------
@@ -430,6 +447,7 @@ def refine(
     release_base: bool | None = None,
     callback: StepCallback | None = None,
     sampler: str | sampling.Sampler | None = None,
+    cfg_batch: str = "off",
 ) -> torch.Tensor:
     """SDEdit refinement with the MoE refiner DiT: base frames [F,H0,W0,3] -> refined frames (or latents).
 
@@ -441,7 +459,7 @@ def refine(
     # Everything that can refuse the request runs before the base DiT is released (it would be lost).
     checks.check_refine_request(handle, frames, height=height, width=width, steps=steps, shift=shift,
                                 t_thresh=t_thresh, tail_steps=tail_steps, seed=seed, first_frame=first_frame,
-                                cond=cond, guidance_scale=guidance_scale, sampler=sampler)
+                                cond=cond, guidance_scale=guidance_scale, sampler=sampler, cfg_batch=cfg_batch)
     if release_base is None:
         release_base = handle.folder is not None and effective_mode(handle) != "none"
     if release_base and "transformer" in handle.shared.loaded:
@@ -452,7 +470,7 @@ def refine(
     latents = denoise(handle, refiner_cond, height=height, width=width, num_frames=start.num_frames,
                       steps=len(start.sigmas), guidance_scale=guidance_scale, shift=1.0, generator=start.generator,
                       latents=start.initial, sigmas=start.sigmas, cond_latent=start.cond_latent,
-                      transformer="refiner", callback=callback, sampler=sampler)
+                      transformer="refiner", callback=callback, sampler=sampler, cfg_batch=cfg_batch)
     if not decode_output:
         return latents
     return decode(handle, latents, tiling=REFINER_TILING if tiling is True else tiling)

@@ -20,6 +20,10 @@ from .v3 import io
 
 SEED_MAX = 0xFFFFFFFFFFFFFFFF
 SAMPLERS = ["flow_unipc", "euler", "dmd_student"]  # lingbot_core.sampling.SAMPLERS, listed without importing torch
+CFG_BATCH = ["off", "on", "auto"]  # lingbot_core.sampling.guidance.CFG_BATCH (a test compares them)
+CFG_BATCH_TIP = ("CFG's two passes as one batch-2 DiT pass: faster (quantized weights decode once, offloaded "
+                 "weights move once per step) for about twice the DiT activation memory; equal to 'off' up to "
+                 "float rounding. auto: batch when the memory estimate says it fits")
 
 
 class LingBotDenoise(io.ComfyNode):
@@ -62,13 +66,14 @@ class LingBotDenoise(io.ComfyNode):
                                 tooltip="A custom sigma list, e.g. 1.0, 0.9, 0.75, 0.5 (used as given: shift does not "
                                         "apply; it sets the step count). Empty: the sampler's own grid. "
                                         "dmd_student refuses one"),
+                Choice("cfg_batch", options=CFG_BATCH, default="off", optional=True, tooltip=CFG_BATCH_TIP),
             ],
             outputs=[io.Latent.Output(display_name="latent", tooltip="Raw Wan 2.1 VAE latents (1,16,T,H/8,W/8)")],
         )
 
     @classmethod
     def execute(cls, pipe, conditioning, width, height, frames, steps, cfg, shift, seed, image_cond=None,
-                latent=None, sampler="flow_unipc", sigmas=""):
+                latent=None, sampler="flow_unipc", sigmas="", cfg_batch="off"):
         from lingbot_core import stages
         from lingbot_core.latents import dit_to_vae, vae_to_dit
         from lingbot_core.sampling import parse_sigmas
@@ -81,7 +86,7 @@ class LingBotDenoise(io.ComfyNode):
             out = stages.denoise(pipe, conditioning, height=int(height), width=int(width), num_frames=int(frames),
                                  steps=int(steps), guidance_scale=float(cfg), shift=float(shift), seed=int(seed),
                                  image_cond=image_cond, latents=start, callback=on_step, sampler=sampler,
-                                 sigmas=custom)
+                                 sigmas=custom, cfg_batch=cfg_batch)
         return io.NodeOutput(latent_out(dit_to_vae(out, pipe.vae_config())))
 
 
@@ -118,13 +123,14 @@ class LingBotRefine(io.ComfyNode):
                 Choice("release_base", options=["auto", "on", "off"], default="auto", optional=True,
                        tooltip="Drop the base DiT before the refiner loads (auto: whenever offload is "
                                "not 'none')"),
+                Choice("cfg_batch", options=CFG_BATCH, default="off", optional=True, tooltip=CFG_BATCH_TIP),
             ],
             outputs=[io.Latent.Output(display_name="latent", tooltip="Refined raw Wan 2.1 VAE latents")],
         )
 
     @classmethod
     def execute(cls, pipe, conditioning, width, height, steps, t_thresh, cfg, shift, seed, latent=None, images=None,
-                first_frame=None, tiling=True, release_base="auto"):
+                first_frame=None, tiling=True, release_base="auto", cfg_batch="off"):
         from lingbot_core import stages
         from lingbot_core.latents import dit_to_vae
 
@@ -136,5 +142,5 @@ class LingBotRefine(io.ComfyNode):
                                 t_thresh=float(t_thresh), guidance_scale=float(cfg), shift=float(shift),
                                 seed=int(seed), first_frame=first_frame, tiling=bool(tiling), decode_output=False,
                                 release_base={"auto": None, "on": True, "off": False}[release_base],
-                                callback=on_step)
+                                callback=on_step, cfg_batch=cfg_batch)
         return io.NodeOutput(latent_out(dit_to_vae(out, pipe.vae_config())))

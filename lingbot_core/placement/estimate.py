@@ -18,7 +18,8 @@ Calibration: the published peaks of the reference (TI2V 192x320x49: none 14.3 GB
 sequential 1.78 GB; T2V 480x832x121: none 27.1 GiB with 2.4 GB of per-token modulation we do not
 spend) all give a VAE decode factor of 18.6-19.6 on top of the bf16 weights. The GPU check prints
 estimate against measured peak per mode.
-- DiT forward (batch 1; CFG runs two forwards one after the other): ~`DIT_ACT_FACTOR` copies of the
+- DiT forward (batch 1; CFG runs two forwards one after the other, or with `cfg_batch` one batch-2
+  forward whose hidden-state and routing terms are twice as large): ~`DIT_ACT_FACTOR` copies of the
   hidden state S x D in the compute dtype live at once (residual stream, modulated input, q/k/v,
   attention output, the FFN's two intermediate-width tensors at I/D times the width), plus the
   fp32 latents and the flow prediction, plus the MoE routing buffers (S x k x D fp32).
@@ -66,6 +67,7 @@ class Geometry:
     refine: tuple[int, int] | None = None  # (height, width) of the refiner pass, if any
     vae_tiling: bool = False
     release_base: bool = False  # the refine stage drops the base DiT before the refiner loads
+    cfg_batch: bool = False  # CFG's two branches as one batch-2 DiT forward
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -178,7 +180,8 @@ def activation_bytes(sizes: ModelSizes, geometry: Geometry) -> dict[str, int]:
         hidden = tokens * sizes.hidden * sizes.dit_bytes_per_value * width_factor
         routing = tokens * max(sizes.experts_per_token, 0) * sizes.hidden * 4
         latents = 3 * 16 * latent_frames * (height // 8) * (width // 8) * 4
-        return int(hidden + routing + latents)
+        batch = 2 if geometry.cfg and geometry.cfg_batch else 1
+        return int(batch * (hidden + routing) + latents)
 
     def vae(height: int, width: int, tiled: bool) -> int:
         h, w = (min(height, 384), min(width, 640)) if tiled else (height, width)
@@ -203,6 +206,13 @@ def estimate_peak(mode: str, sizes: ModelSizes, geometry: Geometry) -> int:
     if mode not in MODE_CLASSES:
         raise ValueError(f"no estimate for mode {mode!r}")
     return MODE_CLASSES[mode].estimate(sizes, geometry, activation_bytes(sizes, geometry))
+
+
+def cfg_batch_fits(mode: str, sizes: ModelSizes, geometry: Geometry, budget_bytes: int) -> bool:
+    """Whether CFG as one batch-2 forward is expected to fit `budget_bytes` under `mode` (with the
+    allocator reserve), i.e. whether `cfg_batch="auto"` batches."""
+    batched = Geometry(**{**geometry.__dict__, "cfg": True, "cfg_batch": True})
+    return estimate_peak(mode, sizes, batched) + RESERVE_BYTES <= budget_bytes
 
 
 def host_bytes(mode: str, sizes: ModelSizes, offload_to: str = "ram") -> int:

@@ -1,0 +1,120 @@
+"""Batched CFG: both branches as one batch-2 forward, within float rounding of two forwards.
+
+Tolerance (float32 on CPU): the batched denoise result is within 1e-5 relative L2 and 1e-4 max
+|diff| of the two-forward result; the difference is only the reduction order of the batched
+matmuls and the masked softmax over the padded prompt. Under every offload mode the batched run
+equals the batched run without offload exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lingbot_core import stage_inputs, stages
+from lingbot_core.handle import PipelineHandle
+from lingbot_core.offload import configure_offload
+from lingbot_core.placement import estimate
+from lingbot_core.placement.modes import MODE_CLASSES
+from lingbot_core.sampling.guidance import CFG_BATCH, pad_pair
+
+GEOM = dict(height=32, width=32, num_frames=5, steps=3, guidance_scale=3.0, seed=11)
+MODE_OPTIONS = {"group": {"use_stream": False}}
+
+
+def _handle(fixtures_root, variant, mode="none"):
+    handle = PipelineHandle.open(fixtures_root / "models" / f"tiny-{variant}", device="cpu")
+    return configure_offload(handle, mode, **MODE_OPTIONS.get(mode, {})) if mode != "none" else handle
+
+
+class ForwardCounter:
+    def __init__(self, module):
+        self.batches = []
+        self._hook = module.register_forward_pre_hook(lambda _m, args: self.batches.append(args[0].shape[0]))
+
+    def close(self):
+        self._hook.remove()
+
+
+def _denoise(handle, cond, **kw):
+    counter = ForwardCounter(handle.component("transformer"))
+    try:
+        return stages.denoise(handle, cond, **GEOM, **kw), counter.batches
+    finally:
+        counter.close()
+
+
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_batched_cfg_matches_two_forwards(fixtures_root, variant):
+    handle = _handle(fixtures_root, variant)
+    cond = stages.encode_prompt(handle, "a red boat on a lake", "")
+    assert cond.positive.length != cond.negative.length  # the padded path is what runs
+    two, calls_two = _denoise(handle, cond, cfg_batch="off")
+    one, calls_one = _denoise(handle, cond, cfg_batch="on")
+    assert calls_two == [1] * (2 * GEOM["steps"]) and calls_one == [2] * GEOM["steps"]
+    rel = float((one - two).norm() / two.norm())
+    assert rel < 1e-5 and float((one - two).abs().max()) < 1e-4, rel
+    assert not torch.equal(one, torch.zeros_like(one))
+
+
+@pytest.mark.parametrize("mode", [m for m in MODE_CLASSES if m != "none"])
+def test_batched_cfg_under_every_offload_mode(fixtures_root, mode):
+    reference = _handle(fixtures_root, "dense")
+    cond = stages.encode_prompt(reference, "a red boat on a lake", "")
+    expected, _ = _denoise(reference, cond, cfg_batch="on")
+    handle = _handle(fixtures_root, "dense", mode)
+    got, calls = _denoise(handle, cond, cfg_batch="on")
+    assert calls == [2] * GEOM["steps"]
+    assert torch.equal(got, expected)
+
+
+def test_auto_batches_only_when_the_estimate_fits(fixtures_root, monkeypatch):
+    handle = _handle(fixtures_root, "dense")
+    cond = stages.encode_prompt(handle, "a red boat", "")
+    _, calls = _denoise(handle, cond, cfg_batch="auto")
+    assert calls == [2] * GEOM["steps"]  # a tiny model fits any host
+    capacity = stage_inputs.device_capacity(torch.device("cpu"))
+    monkeypatch.setattr(estimate, "RESERVE_BYTES", capacity)  # nothing batched fits now
+    _, calls = _denoise(handle, cond, cfg_batch="auto")
+    assert calls == [1] * (2 * GEOM["steps"])
+
+
+def test_no_cfg_has_nothing_to_batch(fixtures_root):
+    handle = _handle(fixtures_root, "dense")
+    cond = stages.encode_prompt(handle, "a red boat", None)
+    counter = ForwardCounter(handle.component("transformer"))
+    try:
+        stages.denoise(handle, cond, **{**GEOM, "guidance_scale": 1.0}, cfg_batch="on")
+    finally:
+        counter.close()
+    assert counter.batches == [1] * GEOM["steps"]
+
+
+def test_bad_cfg_batch_is_refused_before_work(fixtures_root):
+    handle = _handle(fixtures_root, "dense")
+    cond = stages.encode_prompt(handle, "a red boat", "")
+    with pytest.raises(ValueError, match="cfg_batch must be one of " + ", ".join(CFG_BATCH)):
+        stages.denoise(handle, cond, **GEOM, cfg_batch="yes")
+
+
+def test_pad_pair_pads_right_and_masks():
+    class P:
+        def __init__(self, n):
+            self.embeds = torch.randn(1, n, 4)
+            self.mask = torch.ones(1, n, dtype=torch.int64)
+
+    a, b = P(3), P(5)
+    embeds, mask = pad_pair(a, b)
+    assert embeds.shape == (2, 5, 4) and mask.tolist() == [[1, 1, 1, 0, 0], [1] * 5]
+    assert torch.equal(embeds[0, :3], a.embeds[0]) and torch.equal(embeds[0, 3:], torch.zeros(2, 4))
+    assert torch.equal(embeds[1], b.embeds[0])
+
+
+def test_the_nodes_offer_the_core_choices():
+    from lingbot_nodes.sampling import CFG_BATCH as NODE_CHOICES
+    from lingbot_nodes.sampling import LingBotDenoise, LingBotRefine
+
+    assert NODE_CHOICES == list(CFG_BATCH)
+    for node in (LingBotDenoise, LingBotRefine):
+        (combo,) = [i for i in node.define_schema().inputs if i.id == "cfg_batch"]
+        assert list(combo.options) == list(CFG_BATCH) and combo.default == "off"
