@@ -11,6 +11,8 @@ goes through `GGUFSource` (the bounded header walk) and, when accepted, every te
 viewed mapped. Outcomes are counted: read, refused with our error (`GGUFError`, other
 `WeightsError`), or ESCAPED (any other exception: the count that must stay 0), plus cases over one
 second (a hang guard: SIGALRM after 10 s counts as an escape). `--keep` saves every escaping file.
+`--baseline` also opens each case the way `GGUFSource` did before (`gguf.GGUFReader`), counting its
+escapes by exception (`_Hang`: no answer within `--baseline-alarm` seconds).
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ class _Hang(Exception):
 
 
 def _alarm(signum, frame):
-    raise _Hang("no answer within 10 s")
+    raise _Hang("no answer within the alarm")
 
 
 def load_everything(path: Path) -> str:
@@ -141,13 +143,48 @@ def load_everything(path: Path) -> str:
     return "read"
 
 
+def old_open(path: Path) -> str:
+    """The baseline: what GGUFSource did before the bounded walk (gguf.GGUFReader, ValueError/OSError
+    turned into our error, then the tensor list and orig_shape records read)."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path, mode="c")
+    except (ValueError, OSError):
+        return "refused"
+    for t in reader.tensors:
+        int(t.tensor_type)
+        tuple(int(n) for n in reversed(t.shape.tolist()))
+        field = reader.fields.get(f"comfy.gguf.orig_shape.{t.name}")
+        if field is not None:
+            tuple(int(field.parts[i][0]) for i in field.data)
+    return "read"
+
+
+def _outcome(fn, path: Path, limit: int) -> tuple[str, str | None, str]:
+    """(outcome, escaping exception name or None, its message) of `fn(path)` under a `limit` s alarm."""
+    signal.alarm(limit)
+    try:
+        return fn(path), None, ""
+    except KeyboardInterrupt:
+        raise
+    except BaseException as err:  # anything but our own error is what this bench counts
+        return "ESCAPED", type(err).__name__, str(err)[:200]
+    finally:
+        signal.alarm(0)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", type=int, default=5000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--keep", type=Path, help="save every escaping file here")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--baseline", action="store_true", help="also open every case as GGUFSource did before "
+                    "(gguf.GGUFReader), counting what escapes (a hang: _Hang after --baseline-alarm s)")
+    ap.add_argument("--baseline-alarm", type=int, default=2)
     args = ap.parse_args(argv)
+    baseline: Counter[str] = Counter()
     rnd = random.Random(args.seed)
     outcomes: Counter[str] = Counter()
     escapes: Counter[str] = Counter()
@@ -164,30 +201,25 @@ def main(argv: list[str] | None = None) -> dict:
             raw = mutate(seeds[pick], ends[pick], rnd)
             path.write_bytes(raw)
             start = time.perf_counter()
-            signal.alarm(10)
-            try:
-                outcome = load_everything(path)
-            except BaseException as err:  # anything but our own error is what this bench counts
-                if isinstance(err, KeyboardInterrupt):
-                    raise
-                name = type(err).__name__
-                outcome = "ESCAPED"
-                escapes[name] += 1
-                examples.setdefault(name, f"case {i}: {str(err)[:200]}")
+            outcome, escaped, message = _outcome(load_everything, path, 10)
+            if escaped:
+                escapes[escaped] += 1
+                examples.setdefault(escaped, f"case {i}: {message}")
                 if args.keep:
                     args.keep.mkdir(parents=True, exist_ok=True)
-                    (args.keep / f"escape-{i}-{name}.gguf").write_bytes(raw)
-            finally:
-                signal.alarm(0)
+                    (args.keep / f"escape-{i}-{escaped}.gguf").write_bytes(raw)
             took = time.perf_counter() - start
             slow += took > 1.0
             slowest = max(slowest, took)
             outcomes[outcome] += 1
+            if args.baseline:
+                outcome, escaped, _ = _outcome(old_open, path, args.baseline_alarm)
+                baseline[escaped or outcome] += 1
     result = {"cases": args.cases, "seed": args.seed, "outcomes": dict(outcomes), "escapes": dict(escapes),
               "escape_examples": examples, "over_1s": slow, "slowest_s": round(slowest, 4),
               "total_s": round(time.perf_counter() - started, 1),
               "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-              "load_average": os.getloadavg()}
+              "load_average": os.getloadavg(), **({"baseline_gguf_reader": dict(baseline)} if args.baseline else {})}
     print(json.dumps(result, indent=1))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

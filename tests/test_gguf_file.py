@@ -181,6 +181,10 @@ def test_counts_beyond_the_file_are_refused(tmp_path, n_kv, n_tensors, match):
 def test_a_huge_string_length_is_refused(tmp_path):
     raw = _gguf([_kv("k", V.STRING, _u64(2**60) + b"abc")])
     _refused(_write(tmp_path, raw), r"truncated .*metadata 'k' needs 1152921504606846976 bytes")
+    in_array = _gguf([_kv("k", V.ARRAY, _u32(V.STRING) + _u64(2) + _str("a") + _u64(2**40) + b"abc")])
+    _refused(_write(tmp_path, in_array), r"truncated .*metadata 'k' entry 1 needs 1099511627776 bytes")
+    not_utf8 = _gguf([_kv("k", V.ARRAY, _u32(V.STRING) + _u64(1) + _str(b"\xc3"))])
+    _refused(_write(tmp_path, not_utf8), r"metadata 'k' entry 0 at byte \d+ is not UTF-8")
 
 
 def test_duplicate_keys_and_tensors_are_refused(tmp_path):

@@ -55,6 +55,7 @@ _SCALARS: dict[int, tuple[str, str]] = {
     GGUFValueType.BOOL: ("<B", "<u1"),
 }
 _STRING, _ARRAY = int(GGUFValueType.STRING), int(GGUFValueType.ARRAY)
+_U64 = struct.Struct("<Q")
 # the fewest bytes one value of a type occupies (a string: its length; an array: type and count)
 _MIN_BYTES = {**{t: struct.calcsize(f) for t, (f, _) in _SCALARS.items()}, _STRING: 8, _ARRAY: 12}
 _MIN_KV = 8 + 4 + 1  # empty key, type, one byte of value
@@ -203,7 +204,30 @@ class _Walk:
             self.at += n * dtype.itemsize
             arr = np.frombuffer(raw, dtype=dtype).astype(dtype.newbyteorder("="))
             return arr.astype(bool) if item == GGUFValueType.BOOL else arr
+        if item == _STRING:
+            return self._strings(n, what)
         return [self.value(item, what, depth + 1) for _ in range(n)]
+
+    def _strings(self, n: int, what: str) -> list[str]:
+        """`n` strings in a row (a tokenizer's vocabulary: 10^5 of them), each length checked first."""
+        data, size, at, out = self.data, self.size, self.at, []
+        length = _U64.unpack_from
+        for i in range(n):
+            if at + 8 > size:
+                self.at = at
+                self.need(8, f"{what} entry {i} length")
+            (k,) = length(data, at)
+            at += 8
+            if k > size - at:
+                self.at = at
+                self.need(k, f"{what} entry {i}")
+            try:
+                out.append(data[at:at + k].decode("utf-8"))
+            except UnicodeDecodeError:
+                raise self.fail(f"{what} entry {i} at byte {at} is not UTF-8") from None
+            at += k
+        self.at = at
+        return out
 
 
 def _regular_file(path: Path) -> int:
