@@ -10,6 +10,7 @@ ggml block definitions (`d` = f16 scale, `m`/`dmin` = f16 minimum, `qs` = packed
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -166,34 +167,33 @@ def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
     return ((_half(blocks, 0) * scales)[:, :, None] * _iq4_levels(codes)).reshape(n, QK_K)
 
 
-_DECODERS: dict[GGMLQuantizationType, _Decoder] = {
-    GGMLQuantizationType.Q8_0: _q8_0,
-    GGMLQuantizationType.Q4_0: _q4_0,
-    GGMLQuantizationType.Q4_1: _q4_1,
-    GGMLQuantizationType.Q5_0: _q5_0,
-    GGMLQuantizationType.Q5_1: _q5_1,
-    GGMLQuantizationType.Q4_K: _q4_k,
-    GGMLQuantizationType.Q5_K: _q5_k,
-    GGMLQuantizationType.Q6_K: _q6_k,
-    GGMLQuantizationType.Q3_K: _q3_k,
-    GGMLQuantizationType.Q2_K: _q2_k,
-    GGMLQuantizationType.IQ4_NL: _iq4_nl,
-    GGMLQuantizationType.IQ4_XS: _iq4_xs,
+@dataclass(frozen=True)
+class BlockType:
+    """One block format we read: its decoder and the byte offsets of its float16 fields (`d`, and
+    `m`/`dmin` where it has one): the only stored values that can make a block decode to NaN/inf (the
+    NaN scan reads just these). A new GGUF type is its decoder plus one row of `BLOCK_TYPES`."""
+
+    decode: _Decoder
+    half_fields: tuple[int, ...]
+
+
+_Q = GGMLQuantizationType
+BLOCK_TYPES: dict[GGMLQuantizationType, BlockType] = {
+    _Q.Q8_0: BlockType(_q8_0, (0,)),
+    _Q.Q4_0: BlockType(_q4_0, (0,)),
+    _Q.Q4_1: BlockType(_q4_1, (0, 2)),
+    _Q.Q5_0: BlockType(_q5_0, (0,)),
+    _Q.Q5_1: BlockType(_q5_1, (0, 2)),
+    _Q.Q4_K: BlockType(_q4_k, (0, 2)),
+    _Q.Q5_K: BlockType(_q5_k, (0, 2)),
+    _Q.Q6_K: BlockType(_q6_k, (208,)),
+    _Q.Q3_K: BlockType(_q3_k, (108,)),
+    _Q.Q2_K: BlockType(_q2_k, (80, 82)),
+    _Q.IQ4_NL: BlockType(_iq4_nl, (0,)),
+    _Q.IQ4_XS: BlockType(_iq4_xs, (0,)),
 }
-_PLAIN: dict[GGMLQuantizationType, torch.dtype] = {
-    GGMLQuantizationType.F32: torch.float32,
-    GGMLQuantizationType.F16: torch.float16,
-    GGMLQuantizationType.BF16: torch.bfloat16,
-}
-SUPPORTED = tuple(_PLAIN) + tuple(_DECODERS)
-# Byte offsets of each block type's float16 fields (`d`, and `m`/`dmin` where it has one): the only
-# stored values that can make a block decode to NaN/inf (the NaN scan reads just these).
-_HALF_FIELDS: dict[GGMLQuantizationType, tuple[int, ...]] = {
-    GGMLQuantizationType.Q8_0: (0,), GGMLQuantizationType.Q4_0: (0,), GGMLQuantizationType.Q4_1: (0, 2),
-    GGMLQuantizationType.Q5_0: (0,), GGMLQuantizationType.Q5_1: (0, 2), GGMLQuantizationType.Q4_K: (0, 2),
-    GGMLQuantizationType.Q5_K: (0, 2), GGMLQuantizationType.Q6_K: (208,), GGMLQuantizationType.Q3_K: (108,),
-    GGMLQuantizationType.Q2_K: (80, 82), GGMLQuantizationType.IQ4_NL: (0,), GGMLQuantizationType.IQ4_XS: (0,),
-}
+_PLAIN: dict[GGMLQuantizationType, torch.dtype] = {_Q.F32: torch.float32, _Q.F16: torch.float16, _Q.BF16: torch.bfloat16}
+SUPPORTED = tuple(_PLAIN) + tuple(BLOCK_TYPES)
 
 
 def type_name(qtype: int) -> str:
@@ -228,7 +228,7 @@ def block_values(qtype: int) -> int:
 
 def half_fields(qtype: int) -> tuple[int, ...]:
     """Byte offsets of the float16 scale fields inside one block of `qtype`."""
-    return _HALF_FIELDS[GGMLQuantizationType(qtype)]
+    return BLOCK_TYPES[GGMLQuantizationType(qtype)].half_fields
 
 
 def check_supported(qtype: int, tensor: str) -> GGMLQuantizationType:
@@ -253,8 +253,8 @@ def dequantize(packed: torch.Tensor, qtype: int, shape: tuple[int, ...] | torch.
     flat = packed.reshape(-1)
     if kind in _PLAIN:
         return flat.view(_PLAIN[kind]).reshape(shape).to(dtype)
-    decoder = _DECODERS.get(kind)
-    if decoder is None:
+    block = BLOCK_TYPES.get(kind)
+    if block is None:
         raise ValueError(f"cannot dequantize GGUF type {kind.name}; lingbot-nodes reads {supported_names()}")
     _, size = GGML_QUANT_SIZES[kind]
-    return decoder(flat.view(-1, size)).reshape(shape).to(dtype)
+    return block.decode(flat.view(-1, size)).reshape(shape).to(dtype)
