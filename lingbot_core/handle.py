@@ -14,6 +14,7 @@ Attribute access never loads anything: components come from `component(name)`.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from dataclasses import dataclass, field, replace
@@ -36,6 +37,7 @@ from .placement.door import check_settings
 from .placement.settings import OffloadSettings
 from .placement.state import Placement
 
+log = logging.getLogger("lingbot_core.weights")
 ALL_COMPONENTS = ALL  # the component table's names (components.TABLE)
 __all__ = ["ALL_COMPONENTS", "OffloadSettings", "PipelineHandle", "SharedComponents", "default_device"]
 
@@ -86,6 +88,12 @@ class SharedComponents:
                     module.set_attention_backend(self.attention_backend)
                 self.loaded[name] = module
                 self.load_count[name] = self.load_count.get(name, 0) + 1
+                if log.isEnabledFor(logging.INFO) and isinstance(module, torch.nn.Module):
+                    from .placement.report import weight_format
+
+                    stored, compute = weight_format(module)
+                    log.info("loaded %s: %s weights, computes in %s%s", name, stored, compute,
+                             " (streamed from its file)" if streamed and name in DITS else "")
             return self.loaded[name]
 
     def is_loaded(self, name: str) -> bool:
@@ -135,6 +143,9 @@ class PipelineHandle:
             student = (root, sub)
             info = replace(info, sources={**info.sources, "transformer": source})
         info.check_weights_mode(weights)  # fp8 on load of a GGUF DiT: refused now, before any stage
+        from .notices import cpu_notice
+
+        cpu_notice(info, device)  # a real checkpoint on the CPU: said once, with the likely reason
         chosen = {**default_dtypes(device), **(dtypes or {})}
         if attention_backend is not None:
             from diffusers.models.attention_dispatch import AttentionBackendName

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from . import runtime
+from .notices import on_node
 from .types import CATEGORY, MAX_SIZE, SIZE_GRID, Choice, Cond, ImageCond, Pipe
 from .v3 import io
 
@@ -13,17 +14,19 @@ log = logging.getLogger("lingbot_nodes")
 DEFAULT_PROMPT = ('{"comprehensive_description":{"scene_content_description":'
                   '"A small red paper boat drifts along a canal at dawn."}}')
 _warned_prose = False
+PROSE_NOTICE = ("The prompt is plain prose; LingBot-Video was trained on structured JSON captions and follows "
+                "them better. Build one with the LingBot Caption node.")
 
 
 def warn_if_prose(prompt: str) -> bool:
     """Log once per process that a plain-text prompt was given: LingBot was trained on structured
-    JSON captions and follows prose less well. Returns whether the prompt is prose."""
+    JSON captions and follows prose less well. Returns whether the prompt is prose (the node shows
+    the notice on itself every time)."""
     global _warned_prose
     prose = isinstance(prompt, str) and bool(prompt.strip()) and not prompt.lstrip().startswith(("{", "["))
     if prose and not _warned_prose:
         _warned_prose = True
-        log.warning("lingbot: the prompt is plain prose; LingBot-Video was trained on structured JSON captions "
-                    "and follows them better. Build one with the LingBot Caption node.")
+        log.warning("lingbot: %s", PROSE_NOTICE)
     return prose
 
 
@@ -81,7 +84,7 @@ class LingBotTextEncode(io.ComfyNode):
         from lingbot_core import stages
         from lingbot_core.image import load_image, prepare_image_pixels
 
-        warn_if_prose(prompt)
+        prose = warn_if_prose(prompt)
         if image_cond is None and image is not None:
             # The vision tower sees the frame as prepared for the video size, as the reference does.
             image_cond = prepare_image_pixels(load_image(image), int(image_height), int(image_width))
@@ -90,7 +93,7 @@ class LingBotTextEncode(io.ComfyNode):
         with runtime.node_work(label="text encode"):
             cond = stages.encode_prompt(pipe, prompt, negative_prompt if encode_negative else None, image=image_cond,
                                         mode=task if image_cond is None else "ti2v")
-        return io.NodeOutput(cond)
+        return io.NodeOutput(cond, ui=on_node(PROSE_NOTICE if prose else None))
 
 
 class LingBotImageEncode(io.ComfyNode):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import paths, runtime
+from .notices import on_node
 from .types import CATEGORY, FRAMES_GRID, MAX_FRAMES, MAX_SIZE, SIZE_GRID, Choice, Pipe, problems_or_true
 from .v3 import io, ui
 
@@ -111,12 +112,14 @@ class LingBotLoader(io.ComfyNode):
         if DTYPES[dtype] is not None:
             dt = getattr(torch, DTYPES[dtype])
             dtypes = {"transformer": dt, "refiner": dt, "text_encoder": dt}
+        from lingbot_core.notices import cpu_notice
+
         handle = PipelineHandle.open(folder, device=runtime.execution_device(device), dtypes=dtypes, weights=weights,
                                      attention_backend=None if attention == "default" else attention,
                                      transformer_folder=resolve_student(transformer_path))
         if variant != "auto" and handle.variant != variant:
             raise ValueError(f"{folder} is a {handle.variant} checkpoint, but the loader asks for {variant}")
-        return io.NodeOutput(handle)
+        return io.NodeOutput(handle, ui=on_node(cpu_notice(handle.shared.info, handle.device)))
 
 
 class LingBotOffload(io.ComfyNode):
@@ -173,9 +176,18 @@ class LingBotOffload(io.ComfyNode):
         elif mode == "auto":
             options = dict(width=int(plan_width), height=int(plan_height), num_frames=int(plan_frames), refine=refine)
         view = configure_offload(pipe, mode, offload_to=offload_to, **options)
+        said = None
         if mode != "auto":  # auto checked the same numbers while choosing; an explicit mode warns here
-            check_handle(view, Geometry(int(plan_height), int(plan_width), int(plan_frames), refine=refine))
-        return io.NodeOutput(view)
+            verdict = check_handle(view, Geometry(int(plan_height), int(plan_width), int(plan_frames), refine=refine))
+            said = verdict.line() if verdict is not None else None
+        else:
+            choice = view.shared.placement.auto
+            said = getattr(choice, "reason", None)
+            if said and getattr(choice, "offload_to", None) not in (None, offload_to):
+                said = f"auto: '{choice.mode}' with offload_to '{choice.offload_to}': {said}"
+            elif said:
+                said = f"auto: {said}"
+        return io.NodeOutput(view, ui=on_node(said))
 
 
 class LingBotMemoryReport(io.ComfyNode):

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from . import runtime
+from .notices import on_node
 from .types import CATEGORY, Choice, Pipe
 from .v3 import io
 
@@ -94,5 +95,11 @@ class LingBotLoRA(io.ComfyNode):
 
         file = resolve_lora(lora_name, path)
         if file is None:
-            return io.NodeOutput(pipe)
+            from lingbot_core.notices import is_real_size
+
+            info = getattr(getattr(pipe, "shared", None), "info", None)
+            notice = ("lora_name is 'none': the pipe passes on without a LoRA. A few-step workflow needs its LoRA "
+                      "here (LightLingBot 4-step: lightlingbot_video_moe30b_4steps_rank128_v1.safetensors from "
+                      "lightx2v/LightLingBot-Video in models/loras)") if is_real_size(info) else None
+            return io.NodeOutput(pipe, ui=on_node(notice))
         return io.NodeOutput(lora_ops.with_lora(pipe, file, float(strength), apply_to=apply_to))

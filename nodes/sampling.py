@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from . import runtime
+from .notices import on_node
 from .types import (
     CATEGORY,
     FRAMES_GRID,
@@ -81,13 +82,16 @@ class LingBotDenoise(io.ComfyNode):
         custom = parse_sigmas(sigmas)
         if custom is not None:
             steps = len(custom) - (custom[-1] == 0.0)
+        from lingbot_core.notices import few_step_notice
+
+        notice = few_step_notice(pipe, sampler, int(steps), float(cfg))  # before the DiT loads
         start = vae_to_dit(latent_in(latent), pipe.vae_config()) if latent is not None else None
         with runtime.node_work(steps, "denoise", preview=True) as on_step:
             out = stages.denoise(pipe, conditioning, height=int(height), width=int(width), num_frames=int(frames),
                                  steps=int(steps), guidance_scale=float(cfg), shift=float(shift), seed=int(seed),
                                  image_cond=image_cond, latents=start, callback=on_step, sampler=sampler,
                                  sigmas=custom, cfg_batch=cfg_batch)
-        return io.NodeOutput(latent_out(dit_to_vae(out, pipe.vae_config())))
+        return io.NodeOutput(latent_out(dit_to_vae(out, pipe.vae_config())), ui=on_node(notice))
 
 
 class LingBotRefine(io.ComfyNode):

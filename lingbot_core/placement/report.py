@@ -33,11 +33,54 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB // 100 else f"{nbytes / 2**20:.1f} MiB"
 
 
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def weight_format(module: Any) -> tuple[str, str]:
+    """(how the weights are held, the dtype the matmuls compute in) for a loaded component, e.g.
+    ("GGUF Q4_0 + bf16", "bf16") for a GGUF DiT (its plain layers in bf16), ("bf16", "bf16") plain."""
+    from ..weights.modules import stored_formats
+
+    plain: dict[torch.dtype, int] = {}
+    compute: dict[torch.dtype, int] = {}
+    packed = stored_formats(module)
+    for sub in module.modules():
+        dtype = getattr(sub, "compute_dtype", None)
+        if isinstance(dtype, torch.dtype):
+            compute[dtype] = compute.get(dtype, 0) + 1
+    packed_ids = {id(t) for sub in module.modules() if isinstance(getattr(sub, "compute_dtype", None), torch.dtype)
+                  for t in sub.parameters(recurse=False)}
+    for t in module.parameters():
+        if id(t) not in packed_ids and t.is_floating_point():
+            plain[t.dtype] = plain.get(t.dtype, 0) + t.numel()
+    for sub in module.modules():  # plain linear layers compute in their weight's dtype
+        if isinstance(sub, torch.nn.Linear) and sub.weight.is_floating_point():
+            compute[sub.weight.dtype] = compute.get(sub.weight.dtype, 0) + 1
+    main_plain = max(plain, key=plain.get) if plain else None
+    stored = [("GGUF " + label if label != "fp8" and not label.startswith("fp8") else label)
+              for label in sorted(packed, key=lambda k: -packed[k])]
+    if main_plain is not None:
+        stored.append(dtype_name(main_plain))
+    computes = max(compute, key=compute.get) if compute else main_plain
+    return " + ".join(stored) or "no weights", dtype_name(computes) if computes is not None else "-"
+
+
 @dataclass
 class ComponentMemory:
     name: str
     loaded: bool
     bytes_by_location: dict[str, int] = field(default_factory=dict)
+    stored: str = ""  # how the weights are held ("bf16", "GGUF Q4_0 + bf16", "fp8_e4m3 + bf16")
+    compute: str = ""  # the dtype its matmuls run in
+
+    @property
+    def format(self) -> str:
+        """"GGUF Q4_0 + bf16, computes bf16", or "" when not loaded."""
+        return f"{self.stored}, computes {self.compute}" if self.stored else ""
 
     @property
     def where(self) -> str:
@@ -56,7 +99,7 @@ class MemoryReport:
     mode: str
 
     def one_line(self) -> str:
-        return "; ".join(f"{c.name}: {c.where}" for c in self.components)
+        return "; ".join(f"{c.name}: {c.where}" + (f" ({c.format})" if c.format else "") for c in self.components)
 
     def totals(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -67,7 +110,7 @@ class MemoryReport:
 
     def __str__(self) -> str:
         rows = [f"LingBot memory ({self.mode} offload, execution device {self.device})"]
-        rows += [f"  {c.name:<13} {c.where}" for c in self.components]
+        rows += [f"  {c.name:<13} {c.where}" + (f"  [{c.format}]" if c.format else "") for c in self.components]
         summary = ", ".join(f"{place} {n / GiB:.2f} GiB" for place, n in sorted(self.totals().items()))
         rows.append(f"  {'total':<13} {summary or 'nothing loaded'}")
         return "\n".join(rows)
@@ -83,7 +126,7 @@ def component_memory(name: str, module: Any) -> ComponentMemory:
     for t, nbytes in unique_storages(t for _o, _k, _n, t in module_tensors(module)):
         place = "disk" if id(t) in on_disk else location(t)
         usage[place] = usage.get(place, 0) + nbytes
-    return ComponentMemory(name, True, usage)
+    return ComponentMemory(name, True, usage, *weight_format(module))
 
 
 def build_report(loaded: Mapping[str, Any], device: torch.device, mode: str) -> MemoryReport:

@@ -9,6 +9,7 @@ reload after release) reads those facts; no file's header is read twice per open
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ from ..components import component as component_row
 from ..errors import CheckpointError, WeightsError
 from ..json_text import parse_json_text
 from .formats import FORMATS, PICKLED_SUFFIXES, WeightFormat
+
+log = logging.getLogger("lingbot_core.weights")
 
 
 @dataclass(eq=False)
@@ -85,12 +88,14 @@ def folder_files(folder: Path, component: str) -> tuple[WeightFormat, list[Path]
     single = folder / f"{stem}.safetensors"
     index = folder / f"{stem}.safetensors.index.json"
     if single.is_file():
+        _warn_ignored(folder, component, [single], row.quantizable)
         return FORMATS["safetensors"], [single]
     if index.is_file():
         files = [folder / name for name in sorted(set(_read_index(index, component).values()))]
         for f in files:
             if not f.is_file() or f.parent != folder:
                 raise CheckpointError(f"{component}: shard {f} listed in {index.name} is missing; re-download it.")
+        _warn_ignored(folder, component, files, row.quantizable)
         return FORMATS["safetensors"], files
     if row.quantizable:
         found = find_gguf(folder)
@@ -100,6 +105,20 @@ def folder_files(folder: Path, component: str) -> tuple[WeightFormat, list[Path]
     hint = (f" Found only {', '.join(pickled)}: pickled weights are never loaded; convert them to "
             "safetensors.") if pickled else " Re-download the checkpoint."
     raise CheckpointError(f"{component}: missing weights {single} (or a sharded {index.name}).{hint}")
+
+
+def _warn_ignored(folder: Path, component: str, used: list[Path], quantizable: bool) -> None:
+    """Weight files beside the ones used (a GGUF or an fp8 copy dropped next to the bf16 weights) are
+    not loaded: say so, naming them, so nobody streams bf16 believing it is the smaller file."""
+    if not quantizable or not folder.is_dir():
+        return
+    others = sorted(p.name for p in folder.iterdir()
+                    if p.is_file() and p.suffix in (".gguf", ".safetensors") and p not in used)
+    if others:
+        log.warning("%s: %s loads %s; %s beside it %s NOT used. To use %s, move it into its own copy of the "
+                    "checkpoint folder without the plain weights (or convert with python -m lingbot_core.quantize).",
+                    component, folder, used[0].name if len(used) == 1 else f"{len(used)} shards",
+                    ", ".join(others), "is" if len(others) == 1 else "are", others[0])
 
 
 def folder_source(folder: Path, component: str) -> ComponentSource:

@@ -1,0 +1,127 @@
+"""Saying what runs: weight format and compute dtype per component (log and Memory Report), weight
+files that are not used, few-step recipes without their LoRA/student, a real model on the CPU, and
+the text nodes show on themselves in the editor."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lingbot_core import notices
+from lingbot_core.handle import PipelineHandle
+from lingbot_core.memory import memory_report
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_notices(monkeypatch):
+    monkeypatch.setattr(notices, "_said", set())
+
+
+def test_report_and_log_say_the_weight_format_and_compute_dtype(fixtures_root, caplog):
+    folder = fixtures_root / "models" / "tiny-dense"
+    plain = PipelineHandle.open(folder, device="cpu")
+    fp8 = PipelineHandle.open(folder, device="cpu", weights="fp8_e4m3")
+    with caplog.at_level(logging.INFO, logger="lingbot_core.weights"):
+        plain.shared.get("transformer")
+        fp8.shared.get("transformer")
+    loaded = [r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded transformer")]
+    assert loaded == ["loaded transformer: fp32 weights, computes in fp32",
+                      "loaded transformer: fp8_e4m3 + fp32 weights, computes in fp32"]
+    plain_row = next(c for c in memory_report(plain).components if c.name == "transformer")
+    fp8_row = next(c for c in memory_report(fp8).components if c.name == "transformer")
+    assert (plain_row.stored, plain_row.compute) == ("fp32", "fp32")
+    assert (fp8_row.stored, fp8_row.compute) == ("fp8_e4m3 + fp32", "fp32")
+    assert "[fp8_e4m3 + fp32, computes fp32]" in str(memory_report(fp8))
+    assert "transformer: " in memory_report(fp8).one_line() and "computes fp32" in memory_report(fp8).one_line()
+    vae = next(c for c in memory_report(plain).components if c.name == "vae")
+    assert vae.format == "" and vae.where == "not loaded"
+
+
+def test_a_weight_file_beside_the_plain_weights_is_named(fixtures_root, tmp_path, caplog):
+    source = fixtures_root / "models" / "tiny-dense"
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    for entry in source.iterdir():
+        if entry.name != "transformer":
+            os.symlink(entry, folder / entry.name)
+    (folder / "transformer").mkdir()
+    for entry in (source / "transformer").iterdir():
+        os.symlink(entry, folder / "transformer" / entry.name)
+    (folder / "transformer" / "lingbot-q4_0.gguf").write_bytes(b"GGUF")  # never read: only named
+    with caplog.at_level(logging.WARNING, logger="lingbot_core.weights"):
+        PipelineHandle.open(folder, device="cpu")
+    text = caplog.text
+    assert "lingbot-q4_0.gguf beside it is NOT used" in text and "diffusion_pytorch_model.safetensors" in text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lingbot_core.weights"):
+        PipelineHandle.open(source, device="cpu")
+    assert "NOT used" not in caplog.text
+
+
+def _real(folder="ckpt", student=False, loras=()):
+    info = SimpleNamespace(transformer_config={"hidden_size": 2048}, folder=folder)
+    shared = SimpleNamespace(info=info, transformer_source=("x", "transformer") if student else None)
+    from lingbot_core.lora import LoraStack
+
+    return SimpleNamespace(shared=shared, view_states=(LoraStack(tuple(loras)),) if loras else ())
+
+
+def test_few_step_recipes_without_their_lora_or_student_say_so(caplog):
+    with caplog.at_level(logging.WARNING, logger="lingbot_core.notices"):
+        dmd = notices.few_step_notice(_real(), "dmd_student", 8, 1.0)
+        again = notices.few_step_notice(_real(), "dmd_student", 8, 1.0)
+    assert dmd and "transformer_path" in dmd and again == dmd
+    assert len([r for r in caplog.records if "dmd_student" in r.getMessage()]) == 1  # logged once, shown each run
+    four = notices.few_step_notice(_real(), "flow_unipc", 4, 1.0)
+    assert four and "LightLingBot" in four and "40 steps" in four
+    assert notices.few_step_notice(_real(student=True), "dmd_student", 8, 1.0) is None
+    assert notices.few_step_notice(_real(loras=[object()]), "flow_unipc", 4, 1.0) is None
+    assert notices.few_step_notice(_real(), "flow_unipc", 40, 3.0) is None
+    tiny = _real()
+    tiny.shared.info.transformer_config = {"hidden_size": 32}
+    assert notices.few_step_notice(tiny, "dmd_student", 8, 1.0) is None  # the tiny workflows run as shipped
+
+
+def test_a_real_model_on_the_cpu_warns_once_with_the_likely_reason(monkeypatch, caplog):
+    info = SimpleNamespace(transformer_config={"hidden_size": 2048}, folder="models/lingbot_video/dense")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="lingbot_core.notices"):
+        first = notices.cpu_notice(info, torch.device("cpu"))
+        notices.cpu_notice(info, torch.device("cpu"))
+    assert "runs on the CPU" in first and "CUDA 13.0" in first and "driver" in first
+    assert len(caplog.records) == 1
+    assert notices.cpu_notice(info, torch.device("cuda")) is None
+    assert notices.cpu_notice(SimpleNamespace(transformer_config={"hidden_size": 64}, folder="t"), "cpu") is None
+
+
+def test_text_encode_shows_the_prose_notice_on_the_node(fixtures_root):
+    from lingbot_nodes.conditioning import PROSE_NOTICE, LingBotTextEncode
+
+    handle = PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu")
+    out = LingBotTextEncode.execute(handle, "a boat on a canal", encode_negative=False)
+    assert out.ui.as_dict() == {"text": (PROSE_NOTICE,)}
+    out = LingBotTextEncode.execute(handle, '{"comprehensive_description": {"scene_content_description": "x"}}',
+                                    encode_negative=False)
+    assert out.ui is None
+
+
+def test_the_editor_shows_node_text_for_every_pack_node():
+    """web/lingbot_text.js puts a node's `ui` text on the node; it is served (WEB_DIRECTORY) and its
+    filter matches every node the pack registers."""
+    from lingbot_nodes import NODE_CLASS_MAPPINGS
+
+    init = (ROOT / "__init__.py").read_text()
+    folder = re.search(r'WEB_DIRECTORY = "\./(\w+)"', init).group(1)
+    script = (ROOT / folder / "lingbot_text.js").read_text()
+    prefix = re.search(r'startsWith\("(\w+)"\)', script).group(1)
+    assert NODE_CLASS_MAPPINGS and all(name.startswith(prefix) for name in NODE_CLASS_MAPPINGS)
+    assert "onExecuted" in script and "message?.text" in script
