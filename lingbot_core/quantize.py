@@ -1,9 +1,13 @@
 """Write a quantized copy of a LingBot-Video checkpoint folder.
 
-    python -m lingbot_core.quantize SRC DST --to fp8|gguf-q8_0|gguf-q4_0 [--per-expert]
+    python -m lingbot_core.quantize SRC DST --to fp8|gguf-q8_0|gguf-q4_0 [--per-expert] [--quiet]
 
 Only `transformer/` and `refiner/` change; every other file is hard-linked (copied when linking is
-not possible). Tensors are read and written one at a time, so memory stays near one tensor.
+not possible; symlinked component folders are followed), and the command says so: a hard link shares
+one copy on disk with SRC. Tensors are read and written one at a time, so memory stays near one
+tensor; progress with an ETA goes to stderr (`--quiet`: none). Everything is written into a temporary
+folder beside DST, renamed to DST at the end: a failed or interrupted run (Ctrl-C: one line, exit 130)
+leaves nothing behind and can be run again. Bad arguments are refused before any work, in one line.
 - `fp8`: `diffusion_pytorch_model.safetensors` with each linear weight and expert stack in
   float8_e4m3fn and a float32 `NAME.scale` tensor (one scale per output row) next to it; other
   tensors as stored. The loader reads it directly (README, "Weight formats").
@@ -17,10 +21,13 @@ not possible). Tensors are read and written one at a time, so memory stays near 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -51,8 +58,9 @@ def _plain_source(folder: Path, files: list[Path]) -> SafetensorsSource:
 
 # -- fp8 safetensors ------------------------------------------------------------------------------
 
-def write_fp8(source: SafetensorsSource, path: Path) -> None:
-    """A safetensors file, written tensor by tensor, with the quantizable weights in fp8 + scales."""
+def write_fp8(source: SafetensorsSource, path: Path, progress: Callable[[str, int], None] | None = None) -> None:
+    """A safetensors file, written tensor by tensor, with the quantizable weights in fp8 + scales.
+    `progress(name, source_bytes)` is called after each tensor."""
     require_fp8()
     plan: list[tuple[str, str, tuple[int, ...], int]] = []  # (name, dtype, shape, bytes)
     for key, entry in source.entries.items():
@@ -81,6 +89,13 @@ def write_fp8(source: SafetensorsSource, path: Path) -> None:
             else:
                 _write_bytes(fh, tensor)
             del tensor
+            if progress is not None:
+                progress(key, _plain_bytes(entry))
+
+
+def _plain_bytes(entry) -> int:
+    """Bytes of a plain stored tensor (what progress counts)."""
+    return (int(np.prod(entry.shape)) if entry.shape else 1) * entry.dtype.itemsize
 
 
 def _write_bytes(fh, tensor: torch.Tensor) -> None:
@@ -99,9 +114,11 @@ def _pieces(key: str, shape: tuple[int, ...], per_expert: bool) -> list[tuple[st
     return [(key, shape)]
 
 
-def write_gguf(source: SafetensorsSource, path: Path, qtype_name: str, per_expert: bool = False) -> None:
+def write_gguf(source: SafetensorsSource, path: Path, qtype_name: str, per_expert: bool = False,
+               progress: Callable[[str, int], None] | None = None) -> None:
     """A GGUF file with the checkpoint's own tensor names, written tensor by tensor (expert stacks
-    stacked, or with `per_expert` one tensor per expert)."""
+    stacked, or with `per_expert` one tensor per expert). `progress(name, source_bytes)` is called
+    after each tensor."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
 
@@ -140,70 +157,228 @@ def write_gguf(source: SafetensorsSource, path: Path, qtype_name: str, per_exper
             writer.write_tensor_data(data)
             del data
         del tensor
+        if progress is not None:
+            progress(key, _plain_bytes(entry))
     writer.close()
+
+
+# -- progress ----------------------------------------------------------------------------------------
+
+class Progress:
+    """Per-tensor progress with an ETA on stderr: one line rewritten in place on a terminal, else a
+    line every `every_s` seconds (logs stay short). `quiet`: nothing."""
+
+    def __init__(self, total_bytes: int, *, quiet: bool = False, stream=None, every_s: float = 10.0) -> None:
+        self.total, self.done, self.quiet, self.every_s = max(total_bytes, 1), 0, quiet, every_s
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.start = self.last = time.monotonic()
+        self.tensors = 0
+
+    def __call__(self, folder: str, name: str, nbytes: int) -> None:
+        """One source tensor of `nbytes` was written (its quantized form)."""
+        self.done += nbytes
+        self.tensors += 1
+        now = time.monotonic()
+        if self.quiet or (not self.tty and now - self.last < self.every_s and self.done < self.total):
+            return
+        self.last = now
+        elapsed = now - self.start
+        eta = elapsed * (self.total - self.done) / self.done if self.done else 0.0
+        line = (f"quantize: {folder}: {self.tensors} tensors, {_size(self.done)} of {_size(self.total)} "
+                f"({100 * self.done / self.total:.0f}%), {_clock(elapsed)} elapsed, ETA {_clock(eta)}")
+        if self.tty:
+            self.stream.write("\r" + line[:160].ljust(100))
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def finish(self) -> None:
+        if self.tty and not self.quiet and self.tensors:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
 # -- the folder -------------------------------------------------------------------------------------
 
-def _link_or_copy(src: Path, dst: Path) -> None:
+def _files(root: Path) -> list[Path]:
+    """Every file under `root`, following symlinked folders (a shared VAE or text encoder is often a
+    link), each real folder once (a link loop ends there)."""
+    out, seen = [], set()
+    for here, dirs, names in os.walk(root, followlinks=True):
+        st = os.stat(here)
+        if (st.st_dev, st.st_ino) in seen:
+            dirs[:] = []
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        dirs.sort()
+        out += [Path(here) / n for n in sorted(names)]
+    return out
+
+
+def _link_or_copy(src: Path, dst: Path) -> bool:
+    """Hard-link `src` (a link's target) at `dst`, else copy it. True when linked."""
     dst.parent.mkdir(parents=True, exist_ok=True)
     try:
-        os.link(src, dst)
+        os.link(os.path.realpath(src), dst)
+        return True
     except OSError:
         shutil.copy2(src, dst)
+        return False
 
 
-def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str, *,
-                        per_expert: bool = False) -> Path:
-    """Write DST: SRC with its DiT folders quantized to `to` (one of TARGETS); `per_expert` (GGUF only)
-    stores MoE expert stacks one tensor per expert. Returns DST."""
+def _inside(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def check_arguments(src: str | os.PathLike, dst: str | os.PathLike, to: str, per_expert: bool = False
+                    ) -> tuple[Path, Path]:
+    """Every refusal that needs no weights read: the resolved SRC folder and DST path, or a ValueError
+    (a CheckpointError for SRC itself) in one line."""
     if to not in TARGETS:
         raise ValueError(f"unknown target {to!r}; choose one of {', '.join(TARGETS)}")
     if per_expert and not to.startswith("gguf-"):
         raise ValueError("--per-expert is for GGUF targets (gguf-q8_0, gguf-q4_0); fp8 files keep expert stacks")
+    source = Path(src).expanduser()
+    if source.is_file():
+        kind = "a GGUF file" if source.suffix.lower() == ".gguf" else "a file"
+        raise ValueError(f"SRC {source} is {kind}; quantize takes a whole checkpoint folder (the one holding "
+                         "model_index.json) with bf16/fp32 DiT weights, and writes a new folder.")
+    out = Path(dst).expanduser().absolute()
+    real_src, real_out = source.resolve(), out.resolve()
+    if _inside(real_out, real_src):
+        raise ValueError(f"DST {out} is inside SRC {source.resolve()}; choose a folder outside the checkpoint")
+    if _inside(real_src, real_out):
+        raise ValueError(f"SRC {source} is inside DST {out}; choose another DST")
+    if out.is_file() or out.is_symlink() and not out.exists():
+        raise ValueError(f"DST {out} is a file (or a broken link); choose a new folder")
+    if out.is_dir() and any(out.iterdir()):
+        raise ValueError(f"DST {out} exists and is not empty; choose a new folder")
+    parent = next((p for p in out.parents if p.exists()), None)
+    if parent is None or not parent.is_dir():
+        raise ValueError(f"DST {out} cannot be made: {parent} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"DST {out} cannot be made: no write permission in {parent}")
     if to == "fp8":
         require_fp8()
-    info = inspect_checkpoint(src)
-    out = Path(dst).expanduser().absolute()
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and is not empty; choose a new folder")
-    if out.resolve() == info.folder.resolve():
-        raise ValueError("DST must differ from SRC")
-    out.mkdir(parents=True, exist_ok=True)
-    for item in sorted(info.folder.rglob("*")):
-        rel = item.relative_to(info.folder)
-        if item.is_dir() or rel.parts[0] in DIT_FOLDERS and item.name.startswith(WEIGHTS_STEM):
+    return source, out
+
+
+def _stale_partials(out: Path) -> None:
+    """Remove temporary folders of earlier runs into `out` whose process is gone (killed, not interrupted)."""
+    for old in out.parent.glob(f".{out.name}.partial-*"):
+        try:
+            pid = int(old.name.rsplit("-", 1)[1])
+            os.kill(pid, 0)
+            continue  # that run is still going
+        except (ValueError, ProcessLookupError):
+            pass
+        except PermissionError:
             continue
-        _link_or_copy(item, out / rel)
-    for folder in DIT_FOLDERS:
-        if folder not in info.weight_files:
-            continue
-        source = _plain_source(info.folder / folder, info.weight_files[folder])
-        (out / folder).mkdir(parents=True, exist_ok=True)
-        if to == "fp8":
-            write_fp8(source, out / folder / f"{WEIGHTS_STEM}.safetensors")
-        else:
-            write_gguf(source, out / folder / f"{WEIGHTS_STEM}.gguf", to.split("-", 1)[1].upper(), per_expert)
-        source.close()
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str, *,
+                        per_expert: bool = False, quiet: bool = True, note_links: bool = False) -> Path:
+    """Write DST: SRC with its DiT folders quantized to `to` (one of TARGETS); `per_expert` (GGUF only)
+    stores MoE expert stacks one tensor per expert. Returns DST.
+
+    Everything is written into a temporary folder next to DST (`.NAME.partial-PID`) that is renamed
+    to DST at the end: a failed or interrupted run leaves no DST (and no temporary folder), so the
+    same command can simply be run again. Progress goes to stderr unless `quiet`; `note_links`: say
+    on stderr that the unchanged files are hard links (when they are)."""
+    source, out = check_arguments(src, dst, to, per_expert)
+    info = inspect_checkpoint(source)
+    dits = [f for f in DIT_FOLDERS if f in info.sources]
+    for folder in dits:
+        found = info.sources[folder]
+        if found.format.name != "safetensors":
+            raise CheckpointError(f"{found.where} is already quantized ({found.format.name}); quantize from the "
+                                  "original bf16/fp32 checkpoint.")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _stale_partials(out)
+    work = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(work, ignore_errors=True)
+    linked = linked_bytes = 0
+    progress = None
+    try:
+        work.mkdir()
+        for item in _files(info.folder):
+            rel = item.relative_to(info.folder)
+            if rel.parts[0] in dits and item.name.startswith(WEIGHTS_STEM):
+                continue
+            if _link_or_copy(item, work / rel):
+                linked += 1
+                linked_bytes += item.stat().st_size
+        sources = {folder: _plain_source(info.folder / folder, list(info.sources[folder].files)) for folder in dits}
+        total = sum(_plain_bytes(e) for s in sources.values() for e in s.entries.values())
+        progress = Progress(total, quiet=quiet)
+        for folder, plain in sources.items():
+            (work / folder).mkdir(parents=True, exist_ok=True)
+            report = functools.partial(progress, folder)
+            if to == "fp8":
+                write_fp8(plain, work / folder / f"{WEIGHTS_STEM}.safetensors", progress=report)
+            else:
+                write_gguf(plain, work / folder / f"{WEIGHTS_STEM}.gguf", to.split("-", 1)[1].upper(), per_expert,
+                           progress=report)
+            plain.close()
+        progress.finish()
+        if out.is_dir():
+            out.rmdir()  # an empty DST made beforehand (checked empty above)
+        os.rename(work, out)
+    except BaseException:
+        if progress is not None:
+            progress.finish()
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    if linked and note_links:
+        print(f"quantize: note: {linked} unchanged files ({_size(linked_bytes)}) in {out} are hard links to "
+              f"the files in {info.folder}: they share one copy on disk, so editing one in place edits both "
+              "(replace a file rather than editing it).", file=sys.stderr)
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lingbot_core.quantize", description=__doc__.split("\n\n")[0])
     parser.add_argument("src", help="a LingBot-Video checkpoint folder (bf16 or fp32)")
-    parser.add_argument("dst", help="the new folder to write")
+    parser.add_argument("dst", help="the new folder to write (made at the end; nothing is left if the run stops)")
     parser.add_argument("--to", required=True, choices=TARGETS)
     parser.add_argument("--per-expert", action="store_true",
                         help="GGUF: store each MoE expert as its own tensor (NAME.{e}) instead of one stack")
+    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
     args = parser.parse_args(argv)
     try:
-        out = quantize_checkpoint(args.src, args.dst, args.to, per_expert=args.per_expert)
-    except (ValueError, FileExistsError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        out = quantize_checkpoint(args.src, args.dst, args.to, per_expert=args.per_expert, quiet=args.quiet,
+                                  note_links=True)
+    except KeyboardInterrupt:
+        print(f"\nquantize: interrupted; {args.dst} was not written (run the same command again).", file=sys.stderr)
+        return 130
+    except ValueError as err:  # bad arguments and checkpoints (CheckpointError is one)
+        print(f"error: {_one_line(err)}", file=sys.stderr)
         return 2
+    except OSError as err:  # the disk: full, unwritable, vanished
+        print(f"error: could not write {args.dst}: {_one_line(err)}; nothing was left behind.", file=sys.stderr)
+        return 1
     print(out)
     return 0
 
 
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())[:2000]
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # between two checks above: still one line
+        print("\nquantize: interrupted.", file=sys.stderr)
+        sys.exit(130)
