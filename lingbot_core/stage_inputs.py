@@ -27,6 +27,7 @@ from . import sampling
 from .latents import SIZE_MULTIPLE, VAE_TEMPORAL, latent_shape
 from .sampling.guidance import CFG_BATCH
 from .sampling.sigmas import check_shift
+from .sampling.step_cache import MIN_STEPS, StepCacheSettings, check_step_cache
 
 log = logging.getLogger(__name__)
 
@@ -335,7 +336,7 @@ def decode_output_shape(latents: torch.Tensor) -> tuple[int, int, int]:
 def check_denoise_request(handle: Any, cond: Any, *, height: int, width: int, num_frames: int, steps: int,
                           guidance_scale: float, shift: float, sigmas: Any, sampler: Any, transformer: str,
                           image_cond: Any, cond_latent: Any, latents: Any,
-                          cfg_batch: str = "off") -> tuple[Any, tuple[int, ...]]:
+                          cfg_batch: str = "off", step_cache: Any = None) -> tuple[Any, tuple[int, ...]]:
     """Every denoise argument, before any model work; returns the sampler and the latent shape."""
     validate_geometry(height, width, num_frames)
     check_steps(steps)
@@ -343,6 +344,7 @@ def check_denoise_request(handle: Any, cond: Any, *, height: int, width: int, nu
     check_cfg_batch(cfg_batch)
     method = sampling.get_sampler(sampler)
     method.check(steps=steps, shift=shift, sigmas=sigmas, refine=transformer == "refiner")
+    check_step_cache(StepCacheSettings.of(step_cache), steps=steps, sampler_name=method.name)
     if method.recommended and guidance_scale > 1.0 and method.recommended.get("guidance_scale") == 1.0:
         log.warning("%s: guidance %.2f on a CFG-distilled model applies guidance twice; its recipe is "
                     "guidance 1.0", method.name, guidance_scale)
@@ -365,7 +367,8 @@ def check_denoise_request(handle: Any, cond: Any, *, height: int, width: int, nu
 
 def check_refine_request(handle: Any, frames: Any, *, height: int, width: int, steps: int, shift: float,
                          t_thresh: float, tail_steps: int, seed: int, first_frame: Any, cond: Any = None,
-                         guidance_scale: float | None = None, sampler: Any = None, cfg_batch: str = "off") -> int:
+                         guidance_scale: float | None = None, sampler: Any = None, cfg_batch: str = "off",
+                         step_cache: Any = None) -> int:
     """Every refine argument, before anything is released or loaded; returns the usable frame count.
 
     `cond`, `guidance_scale` and `sampler` are checked when given (the `refine` stage gives them;
@@ -376,7 +379,10 @@ def check_refine_request(handle: Any, frames: Any, *, height: int, width: int, s
     if guidance_scale is not None:
         check_guidance(guidance_scale)
         check_cfg_batch(cfg_batch)
-        sampling.get_sampler(sampler).check(steps=steps, shift=shift, refine=True)
+        method = sampling.get_sampler(sampler)
+        method.check(steps=steps, shift=shift, refine=True)
+        # the refiner's step count is known once its sigma list is (`check_refine_cache`)
+        check_step_cache(StepCacheSettings.of(step_cache), steps=MIN_STEPS + 1, sampler_name=method.name)
     if not handle.has_refiner:
         raise ValueError("refinement needs the MoE checkpoint's refiner/ folder; this checkpoint has none")
     if not isinstance(frames, torch.Tensor) or frames.ndim != 4 or frames.shape[-1] != 3 or frames.shape[0] < 1:

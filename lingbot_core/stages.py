@@ -30,6 +30,7 @@ from .placement.door import effective_mode, installed_mode, oom_fallback, releas
 from .prompt import PromptEmbeds
 from .sampling.guidance import Guidance, StepCallback, pin_first_frames, sample
 from .sampling.sigmas import compute_refiner_sigmas
+from .sampling.step_cache import StepCache, StepCacheSettings, check_step_cache
 from .stage_inputs import MODES, validate_geometry, validate_request  # noqa: F401  (MODES: part of the stage API)
 
 log = logging.getLogger(__name__)
@@ -232,6 +233,7 @@ def denoise(
     sampler: str | sampling.Sampler | None = None,
     trace: dict | None = None,
     cfg_batch: str = "off",
+    step_cache: str | StepCacheSettings | None = "off",
 ) -> torch.Tensor:
     """Sample with `sampler` (default flow-UniPC); returns the final DiT-space latents (float32, CPU).
 
@@ -244,11 +246,14 @@ def denoise(
     timesteps, sigmas and, for stochastic samplers, what it drew). `cfg_batch` ("off", "on",
     "auto"): run CFG's two branches as one batch-2 forward ("auto": when the memory estimate says it
     fits the device under the installed offload mode); within float rounding of "off", not bit-equal.
+    `step_cache`: a method name from `sampling.step_cache.STEP_CACHE` or `StepCacheSettings` (method
+    and knobs); refused for dmd_student and for 8 steps or fewer.
     """
     method, shape = checks.check_denoise_request(
         handle, cond, height=height, width=width, num_frames=num_frames, steps=steps,
         guidance_scale=guidance_scale, shift=shift, sigmas=sigmas, sampler=sampler, transformer=transformer,
-        image_cond=image_cond, cond_latent=cond_latent, latents=latents, cfg_batch=cfg_batch)
+        image_cond=image_cond, cond_latent=cond_latent, latents=latents, cfg_batch=cfg_batch,
+        step_cache=step_cache)
     g = _generator(seed, generator)
     latents, cond_latent = _starting_latents(shape, g, latents, cond_latent, image_cond)
     needs = (transformer, "scheduler") if method.uses_scheduler else (transformer,)
@@ -262,6 +267,8 @@ def denoise(
             trace["run"] = run
         batch = _batch_cfg(handle, cfg_batch, guidance_scale > 1.0, height=height, width=width, num_frames=num_frames)
         guidance = _guidance(handle, transformer, cond, guidance_scale, device, batch)
+        guidance.cache = _step_cache(handle, step_cache, transformer=transformer, method=method, steps=len(run),
+                                     shift=shift, sigmas=sigmas, guidance_scale=guidance_scale)
         latents = sample(run, guidance, latents, cond_latent=cond_latent, callback=callback)
         return latents.cpu()
 
@@ -291,6 +298,20 @@ def _batch_cfg(handle, option: str, do_cfg: bool, **geometry: int) -> bool:
     log.info("cfg_batch=auto: %s", "one batch-2 forward per step (fits the memory estimate)" if fits
              else "two forwards per step (batch 2 is not expected to fit)")
     return fits
+
+
+def _step_cache(handle, option: Any, *, transformer: str, method: sampling.Sampler, steps: int, shift: float,
+                sigmas: Any, guidance_scale: float) -> StepCache | None:
+    """A fresh step cache for this call (None when off), keyed for MagCache on what its ratios depend on."""
+    settings = StepCacheSettings.of(option)
+    if not settings.enabled:
+        return None
+    dit = handle.component(transformer)
+    identity = {"transformer": transformer, "folder": str(handle.folder or ""), "config": dict(dit.config),
+                "dtype": str(handle.dtype_of(transformer)), "sampler": repr(method), "steps": steps,
+                "shift": float(shift), "sigmas": None if sigmas is None else [float(v) for v in sigmas],
+                "guidance_scale": float(guidance_scale)}
+    return StepCache(settings, steps=steps, identity=identity)
 
 
 def _guidance(handle, transformer: str, cond: Conditioning, guidance_scale: float, device: torch.device,
@@ -368,6 +389,14 @@ def refiner_first_frame(image: Any, height: int, width: int, base_height: int, b
     return pixels[:, None].unsqueeze(0)  # (1,3,1,H,W)
 
 
+def _refiner_sigmas(handle, *, steps: int, shift: float, t_thresh: float, tail_steps: int) -> torch.Tensor:
+    with stage(handle, "scheduler"):
+        scheduler = handle.component("scheduler")
+        return compute_refiner_sigmas(sigma_max=float(scheduler.sigma_max), sigma_min=float(scheduler.sigma_min),
+                                      num_inference_steps=steps, shift=shift, t_thresh=t_thresh,
+                                      tail_steps=tail_steps)
+
+
 @dataclass
 class RefineStart:
     """Everything the refiner's sampling starts from (CPU, DiT space); kept for tests and nodes."""
@@ -403,11 +432,7 @@ def prepare_refine(
     frames = frames[:usable]
     if tiling is True:
         tiling = dict(REFINER_TILING)
-    with stage(handle, "scheduler"):
-        scheduler = handle.component("scheduler")
-        sigmas = compute_refiner_sigmas(sigma_max=float(scheduler.sigma_max), sigma_min=float(scheduler.sigma_min),
-                                        num_inference_steps=steps, shift=shift, t_thresh=t_thresh,
-                                        tail_steps=tail_steps)
+    sigmas = _refiner_sigmas(handle, steps=steps, shift=shift, t_thresh=t_thresh, tail_steps=tail_steps)
 
     g = torch.Generator("cpu").manual_seed(seed)
     video = upscale_frames(frames, height, width)
@@ -448,6 +473,7 @@ def refine(
     callback: StepCallback | None = None,
     sampler: str | sampling.Sampler | None = None,
     cfg_batch: str = "off",
+    step_cache: str | StepCacheSettings | None = "off",
 ) -> torch.Tensor:
     """SDEdit refinement with the MoE refiner DiT: base frames [F,H0,W0,3] -> refined frames (or latents).
 
@@ -455,11 +481,17 @@ def refine(
     image; it is kept clean in latent frame 0. Tiling (the reference's tiles) is on by default.
     `release_base` drops the base DiT (hooks first) before the refiner loads; by default it does so
     whenever the offload mode is not `none`. A later stage that needs the base reloads it.
+    `cfg_batch` and `step_cache` as for `denoise` (caching needs a refiner list of more than 8 steps).
     """
     # Everything that can refuse the request runs before the base DiT is released (it would be lost).
     checks.check_refine_request(handle, frames, height=height, width=width, steps=steps, shift=shift,
                                 t_thresh=t_thresh, tail_steps=tail_steps, seed=seed, first_frame=first_frame,
-                                cond=cond, guidance_scale=guidance_scale, sampler=sampler, cfg_batch=cfg_batch)
+                                cond=cond, guidance_scale=guidance_scale, sampler=sampler, cfg_batch=cfg_batch,
+                                step_cache=step_cache)
+    if StepCacheSettings.of(step_cache).enabled:  # its step count is the refiner list's length
+        run_steps = len(_refiner_sigmas(handle, steps=steps, shift=shift, t_thresh=t_thresh, tail_steps=tail_steps))
+        check_step_cache(StepCacheSettings.of(step_cache), steps=run_steps,
+                         sampler_name=sampling.get_sampler(sampler).name)
     if release_base is None:
         release_base = handle.folder is not None and effective_mode(handle) != "none"
     if release_base and "transformer" in handle.shared.loaded:
@@ -470,7 +502,8 @@ def refine(
     latents = denoise(handle, refiner_cond, height=height, width=width, num_frames=start.num_frames,
                       steps=len(start.sigmas), guidance_scale=guidance_scale, shift=1.0, generator=start.generator,
                       latents=start.initial, sigmas=start.sigmas, cond_latent=start.cond_latent,
-                      transformer="refiner", callback=callback, sampler=sampler, cfg_batch=cfg_batch)
+                      transformer="refiner", callback=callback, sampler=sampler, cfg_batch=cfg_batch,
+                      step_cache=step_cache)
     if not decode_output:
         return latents
     return decode(handle, latents, tiling=REFINER_TILING if tiling is True else tiling)

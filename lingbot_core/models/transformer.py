@@ -16,6 +16,7 @@ Where we part from the reference without changing an output:
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,7 +33,10 @@ from .layers import CaptionProjection, RMSNorm, SwiGLU
 from .moe import SparseMoE
 from .rotary import AxialRotary, joint_positions, rotate_pairs
 
-__all__ = ["DiTConfig", "JointBlock", "LingBotVideoTransformer3DModel"]
+__all__ = ["BlockRunner", "DiTConfig", "JointBlock", "LingBotVideoTransformer3DModel"]
+
+#: runs the block stack: (blocks, x, temb6, rotations, key_mask) -> x
+BlockRunner = Callable[[nn.ModuleList, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 class SelfAttention(nn.Module):
@@ -204,11 +208,14 @@ class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
         encoder_hidden_states: torch.Tensor,
         encoder_attention_mask: torch.Tensor | None = None,
         return_dict: bool = True,
+        block_runner: BlockRunner | None = None,
     ):
         """Flow prediction for latents (B, C, T, H, W) at timesteps (B,) on the sigma*1000 scale.
 
         `encoder_attention_mask` (B, L): 1 marks real text tokens, which come first in each row;
-        None means every token is real.
+        None means every token is real. `block_runner(blocks, x, temb6, rotations, key_mask)`, when
+        given, runs the block stack instead of the plain loop (a step cache that may skip blocks
+        without calling them); it must return the stack's output for `x`.
         """
         batch = hidden_states.shape[0]
         grid = self._latent_grid(hidden_states.shape)
@@ -225,8 +232,11 @@ class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
 
         t_emb = self._time_embedding(timestep, batch, device)
         temb6 = self.time_modulation(t_emb).float().unsqueeze(1)
-        for block in self.blocks:
-            x = block(x, temb6, rotations, key_mask)
+        if block_runner is not None:
+            x = block_runner(self.blocks, x, temb6, rotations, key_mask)
+        else:
+            for block in self.blocks:
+                x = block(x, temb6, rotations, key_mask)
 
         shift, scale = self.norm_out_modulation(t_emb).float().unsqueeze(1).chunk(2, dim=-1)
         x = self.norm_out(x[:, :n_video]) * (1.0 + scale) + shift

@@ -23,6 +23,7 @@ import torch
 
 from .base import SamplerRun
 from .sigmas import transformer_timestep
+from .step_cache import StepCache
 
 StepCallback = Callable[[int, int, torch.Tensor], None]
 
@@ -55,7 +56,7 @@ class Guidance:
     """
 
     def __init__(self, dit: torch.nn.Module, positive: Any, negative: Any | None, scale: float, *,
-                 dtype: torch.dtype, device: torch.device, batch_cfg: bool = False):
+                 dtype: torch.dtype, device: torch.device, batch_cfg: bool = False, cache: StepCache | None = None):
         self.dit = dit
         self.positive = positive
         self.negative = negative
@@ -64,6 +65,7 @@ class Guidance:
         self.device = device
         self.batch_cfg = bool(batch_cfg and negative is not None)
         self._pair = pad_pair(positive, negative) if self.batch_cfg else None
+        self.cache = cache
         half = dtype in (torch.bfloat16, torch.float16)
         self._autocast = (lambda: torch.autocast("cuda", dtype=dtype)) if device.type == "cuda" and half else nullcontext
 
@@ -71,9 +73,13 @@ class Guidance:
         """The (1,) float32 timestep the DiT sees for scheduler timestep `t`."""
         return transformer_timestep(t, self.dtype).reshape(1).to(self.device)
 
-    def forward(self, latents: torch.Tensor, t_dit: torch.Tensor, prompt: Any) -> torch.Tensor:
-        """One DiT forward for one prompt, as float32."""
-        return self.dit(latents, t_dit, prompt.embeds, prompt.mask, return_dict=False)[0].float()
+    def _branch(self, name: str):
+        return self.cache.branch(name) if self.cache is not None else nullcontext()
+
+    def forward(self, latents: torch.Tensor, t_dit: torch.Tensor, prompt: Any, branch: str = "cond") -> torch.Tensor:
+        """One DiT forward for one prompt, as float32 (`branch`: whose step-cache state it uses)."""
+        with self._branch(branch):
+            return self.dit(latents, t_dit, prompt.embeds, prompt.mask, return_dict=False)[0].float()
 
     def predict(self, latents: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """The guided velocity at `latents` for scheduler timestep `t` (float32)."""
@@ -85,13 +91,14 @@ class Guidance:
                 v = self.forward(latents, t_dit, self.positive)
                 if self.negative is None:
                     return v
-                v_uncond = self.forward(latents, t_dit, self.negative)
+                v_uncond = self.forward(latents, t_dit, self.negative, "uncond")
             return v_uncond + self.scale * (v - v_uncond)
 
     def forward_pair(self, latents: torch.Tensor, t_dit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Both branches in one batch-2 forward: (v_cond, v_uncond), float32, each batch 1."""
         embeds, mask = self._pair
-        both = self.dit(torch.cat((latents, latents)), t_dit, embeds, mask, return_dict=False)[0].float()
+        with self._branch("pair"):
+            both = self.dit(torch.cat((latents, latents)), t_dit, embeds, mask, return_dict=False)[0].float()
         return both[:1], both[1:]
 
 
@@ -104,11 +111,18 @@ def pin_first_frames(latents: torch.Tensor, cond_latent: torch.Tensor | None) ->
 
 def sample(run: SamplerRun, guidance: Guidance, latents: torch.Tensor, *, cond_latent: torch.Tensor | None = None,
            callback: StepCallback | None = None) -> torch.Tensor:
-    """Walk `run`'s schedule from `latents`: predict, step, pin the first frame, report each step."""
+    """Walk `run`'s schedule from `latents`: predict, step, pin the first frame, report each step.
+
+    A step cache (`guidance.cache`) is attached to the DiT for this loop only, and finished
+    (calibration written) only when the loop completes."""
     total = len(run.timesteps)
-    for i, t in enumerate(run.timesteps):
-        v = guidance.predict(latents, t)
-        latents = pin_first_frames(run.step(v, i, latents), cond_latent)
-        if callback is not None:
-            callback(i + 1, total, latents)
+    cache = guidance.cache
+    with cache.attached(guidance.dit) if cache is not None else nullcontext():
+        for i, t in enumerate(run.timesteps):
+            v = guidance.predict(latents, t)
+            latents = pin_first_frames(run.step(v, i, latents), cond_latent)
+            if callback is not None:
+                callback(i + 1, total, latents)
+    if cache is not None:
+        cache.finish()
     return latents
