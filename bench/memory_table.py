@@ -14,6 +14,7 @@ the `auto` mode decides with: an ESTIMATE, not a measurement (no GPU run has con
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -53,8 +54,9 @@ GB = 1e9
 GiB = 1024**3
 
 
+@functools.cache
 def build(variant: str) -> dict[str, Any]:
-    """Meta-device components in the load dtypes on a GPU: bf16 DiT(s) and text encoder, fp32 VAE."""
+    """(Cached: the README tests build each variant once.) Meta-device components in the load dtypes on a GPU: bf16 DiT(s) and text encoder, fp32 VAE."""
     from lingbot_core.checkpoint import load_component
     from lingbot_core.tiny import ensure_tiny_checkpoint
 

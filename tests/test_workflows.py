@@ -193,3 +193,25 @@ def test_ui_widget_values_line_up_with_the_declared_widgets(path):
             linked = any(i["name"] == spec.name and i.get("link") is not None for i in node.get("inputs", []))
             if not linked:
                 assert api[str(node["id"])]["inputs"][spec.name] == value, (node["title"], spec.name)
+
+
+def test_notes_quote_the_estimator_for_their_own_model():
+    """The Notes' VRAM figures are the estimator's (bench/memory_table.py) and each Note speaks of
+    its own model: no dense figure in a MoE workflow, no "suits 24 GB cards" for the MoE."""
+    import sys
+
+    sys.path.insert(0, str(ROOT.parent))
+    from bench.memory_table import collect
+    from workflows import build
+
+    estimates = collect()["estimate"]
+    for (row, mode), gib in build.NOTE_FIGURES.values():
+        assert f"{estimates[row][mode] / 1024**3:.1f}" == f"{gib}", (row, mode)
+    for name, spec in build.WORKFLOWS.items():
+        note = spec["note"]
+        moe = any(n[1] == "LingBotLoader" and n[3].get("variant") == "moe" for n in spec["nodes"])
+        assert "24 GB cards" not in note
+        if moe:
+            assert build.DENSE_OFFLOAD not in note and f"about {build._F['moe_base']} GiB" in note, name
+        else:
+            assert build.DENSE_OFFLOAD in note and "MoE" not in note, name

@@ -34,8 +34,26 @@ IMAGE_PROMPT = ('{"comprehensive_description":{"scene_content_description":"The 
 
 NOTE = ("Runs as shipped on the built-in tiny random-weight model (its output is noise) at a small size. "
         "For real output pick your checkpoint folder under models/lingbot_video/ in the Loader, then use "
-        "{size} and 40 steps. Offload: 'model' suits 24 GB cards, 'sequential' the smallest, 'group' streams "
-        "blocks at near full speed, 'none' is fastest when everything fits.")
+        "{size} and 40 steps. {offload}")
+# Estimated VRAM (GiB) the Notes quote, from the estimator (bench/memory_table.py; tests/test_workflows.py
+# checks them against it): (row of the memory table, offload mode) -> GiB.
+NOTE_FIGURES = {
+    "dense_model": (("dense 832x480x121", "model"), 12.4),
+    "dense_tiled": (("dense 832x480x121, tiled decode", "group"), 8.2),
+    "dense_none": (("dense 832x480x121", "none"), 23.3),
+    "moe_base": (("moe 832x480x121 (base only)", "group"), 12.4),
+    "moe_refine": (("moe 832x480x121 + refine 1920x1088", "sequential"), 36.2),
+}
+_F = {k: v[1] for k, v in NOTE_FIGURES.items()}
+DENSE_OFFLOAD = (f"Offload (estimates at 480x832x121): 'model' or 'group' need about {_F['dense_model']} GiB of VRAM "
+                 f"(about {_F['dense_tiled']} GiB with Decode tiling on), 'none' about {_F['dense_none']} GiB and is "
+                 "the fastest; 'sequential' is the smallest and slowest. The Offload node checks the planned size "
+                 "against your GPU and RAM and says what to change.")
+MOE_OFFLOAD = (f"Offload (estimates): the MoE base pass at 480x832x121 needs about {_F['moe_base']} GiB of VRAM under "
+               f"'group' or 'sequential', with offload_to 'disk' unless you have about 130 GB of RAM ('model' and "
+               f"'none' hold a 60 GB DiT on the GPU); refining to 1088x1920 needs about {_F['moe_refine']} GiB, so "
+               "on a 24 GB card refine at 736x1280. 'auto' picks the mode and offload_to from the free memory and "
+               "says what to change when nothing fits.")
 
 PLAN = dict(plan_width=832, plan_height=480, plan_frames=121)
 
@@ -74,7 +92,7 @@ def profile_note(profile: str, how: str) -> str:
 # (id, class, title, widgets, links {input: (source id, output slot)})
 WORKFLOWS = {
     "lingbot_t2v_dense": dict(
-        note=NOTE.format(size="480x832 (H x W) and 121 frames"),
+        note=NOTE.format(size="480x832 (H x W) and 121 frames", offload=DENSE_OFFLOAD),
         nodes=[
             loader(),
             offload_node(),
@@ -86,7 +104,7 @@ WORKFLOWS = {
         ],
     ),
     "lingbot_t2i_dense": dict(
-        note=NOTE.format(size="480x832 (H x W), 1 frame,"),
+        note=NOTE.format(size="480x832 (H x W), 1 frame,", offload=DENSE_OFFLOAD),
         nodes=[
             loader(),
             offload_node(),
@@ -99,7 +117,8 @@ WORKFLOWS = {
         ],
     ),
     "lingbot_ti2v_dense": dict(
-        note=NOTE.format(size="480x832 (H x W) and 121 frames") + " Load your own first frame in Load Image.",
+        note=NOTE.format(size="480x832 (H x W) and 121 frames", offload=DENSE_OFFLOAD) +
+        " Load your own first frame in Load Image.",
         nodes=[
             loader(),
             offload_node(),
@@ -114,9 +133,9 @@ WORKFLOWS = {
         ],
     ),
     "lingbot_t2v_moe_refine": dict(
-        note=NOTE.format(size="480x832 (H x W) and 121 frames, refined to 1088x1920,") +
-        " Offload 'auto' picks the mode from the free GPU memory for the planned size; Refine drops the base "
-        "DiT before the refiner loads (the text encoder and VAE stay shared); Memory shows where everything lives.",
+        note=NOTE.format(size="480x832 (H x W) and 121 frames, refined to 1088x1920,", offload=MOE_OFFLOAD) +
+        " Refine drops the base DiT before the refiner loads (the text encoder and VAE stay shared); Memory shows "
+        "where everything lives.",
         nodes=[
             loader("tiny (built-in moe)", "moe"),
             offload_node("auto", refine=True),
@@ -134,7 +153,7 @@ WORKFLOWS = {
     "lingbot_t2v_dense_dmd8": dict(
         note=profile_note("DMD 8-step", "For real output load the base checkpoint in the Loader and set its "
                           "transformer_path to the DMD student folder (it differs only in transformer/), then use "
-                          "480x832 and 121 frames."),
+                          "480x832 and 121 frames. " + DENSE_OFFLOAD),
         nodes=[
             loader(),
             offload_node(),
@@ -151,7 +170,10 @@ WORKFLOWS = {
         note=profile_note("LightLingBot 4-step", "For real output pick the MoE checkpoint in the Loader and "
                           "lightlingbot_video_moe30b_4steps_rank128_v2.safetensors (from models/loras) in LoRA at "
                           "strength 1.0, then use 480x832 and 121 frames; the LoRA needs plain (bf16) DiT weights "
-                          "to be merged (fp8/GGUF apply it at run time). sampler euler gives its training grid."),
+                          "to be merged (fp8/GGUF apply it at run time). sampler euler gives its training grid. "
+                          f"Offload (estimate): the MoE at 480x832x121 needs about {_F['moe_base']} GiB of VRAM "
+                          "under 'group' or 'sequential', with offload_to 'disk' unless you have about 130 GB of "
+                          "RAM."),
         nodes=[
             loader("tiny (built-in moe)", "moe"),
             offload_node(),

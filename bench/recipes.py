@@ -1,0 +1,206 @@
+"""The README's hardware recipes: for each GPU x RAM size, what to download and which settings fit.
+
+Every cell comes from the estimator `auto` and the fit check decide with (`lingbot_core.placement.
+estimate` / `fit`), on the real configurations built on `meta` (`bench/memory_table.py`): an
+ESTIMATE, not a measurement, until a GPU run confirms it. Nothing here runs a model.
+
+    python bench/recipes.py            # print the table
+    python bench/recipes.py --write    # and put it into README.md (between the recipes markers)
+
+The machine: a card of N GB has N GiB, of which `DESKTOP_GIB` is taken by the driver and display;
+of the host RAM, `SYSTEM_GIB` is left to the OS and other programs. How a cell is chosen, in order:
+1. the model: the MoE when its base pass at 832x480x121 fits, else the dense model;
+2. the weights and where the offloaded DiT lives: bf16, then GGUF Q8_0, then Q4_0 with
+   `offload_to: ram` (fastest); else `offload_to: disk` with the largest format whose DiT file(s) the
+   page cache can still hold (else Q4_0, read from the disk every step);
+3. the fastest offload mode that fits, with Decode tiling;
+4. the largest base size (1280x736, 832x480, 640x368; 121 frames) and, for the MoE, the largest
+   refine size (1920x1088, 1280x736, 960x544) that fit under that setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import re
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/x.py` from a plain checkout
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+START, END = "<!-- recipes:start (python bench/recipes.py --write) -->", "<!-- recipes:end -->"
+VRAM_GB = (8, 12, 16, 24, 48, 80)
+RAM_GB = (32, 64, 128)
+DESKTOP_GIB = 0.5
+SYSTEM_GIB = 4.0
+FORMATS = ("bf16", "GGUF Q8_0", "GGUF Q4_0")
+BASE_SIZES = ((736, 1280), (480, 832), (368, 640))
+FRAMES = 121
+GB, GiB = 1e9, 1024**3
+
+
+def _dit_bytes(variant: str) -> dict[str, int]:
+    """Bytes of one DiT per format, from the real configuration's tensors (quantizable ones packed
+    as `lingbot_core.quantize` writes them: Q8_0 34 bytes / 32 values, Q4_0 18 / 32)."""
+    from bench.memory_table import CONFIGS
+    from bench.offload_gpu import build_transformer
+    from lingbot_core.weights.loader import quantizable
+
+    dit = build_transformer(json.loads(CONFIGS[variant].read_text()), torch.device("meta"), torch.bfloat16, 0)
+    out = dict.fromkeys(FORMATS, 0)
+    for key, t in dit.state_dict().items():
+        n, shape = t.numel(), tuple(t.shape)
+        packs = quantizable(key, shape) and shape[-1] % 32 == 0
+        out["bf16"] += 2 * n
+        out["GGUF Q8_0"] += n * 34 // 32 if packs else 2 * n
+        out["GGUF Q4_0"] += n * 18 // 32 if packs else 2 * n
+    return out
+
+
+@functools.cache
+def model_facts() -> dict[str, dict]:
+    """Per variant: ModelSizes in bf16 (as `auto` sees the published folder), DiT bytes per format,
+    and the download size with and without refiner/."""
+    from bench.memory_table import build
+    from lingbot_core import memory
+
+    facts = {}
+    for variant in ("dense", "moe"):
+        components = build(variant)
+        sizes = memory.sizes_from_modules(components)
+        disk = sum(sum(p.numel() for p in m.parameters()) * (4 if n == "vae" else 2) for n, m in components.items())
+        facts[variant] = dict(sizes=sizes, dit=_dit_bytes(variant), download=disk,
+                              refiner=sizes.refiner if variant == "moe" else 0)
+    return facts
+
+
+def sizes_for(variant: str, fmt: str):
+    """The variant's ModelSizes with its DiT(s) held in `fmt` (the block shrinks in proportion)."""
+    facts = model_facts()[variant]
+    sizes, dit = facts["sizes"], facts["dit"]
+    ratio = dit[fmt] / dit["bf16"]
+    return replace(sizes, transformer=int(sizes.transformer * ratio), refiner=int(sizes.refiner * ratio),
+                   largest_block=int(sizes.largest_block * ratio))
+
+
+@dataclass(frozen=True)
+class Recipe:
+    vram_gb: int
+    ram_gb: int
+    model: str = "—"
+    files: str = "—"
+    weights: str = "—"
+    mode: str = "—"
+    offload_to: str = "—"
+    base: str = "nothing fits"
+    refine: str = "—"
+
+    def row(self) -> list[str]:
+        return [f"{self.vram_gb} GB", f"{self.ram_gb} GB", self.model, self.files, self.weights,
+                f"`{self.mode}`" if self.mode != "—" else "—",
+                f"`{self.offload_to}`" if self.offload_to != "—" else "—", self.base, self.refine]
+
+
+def _best(sizes, geometry, to: str, vram: int, host: int) -> str | None:
+    from lingbot_core.placement.fit import _best_mode
+
+    return _best_mode(sizes, geometry, to, vram, host)
+
+
+def _plan(variant: str, fmt: str, to: str, vram: int, host: int) -> dict | None:
+    """What fits with these weights and home: the largest base size, the largest refine size (MoE),
+    and the fastest mode for the headline run (the refined run when one fits, else the largest base)."""
+    from lingbot_core.memory import Geometry, host_bytes
+    from lingbot_core.placement.fit import REFINE_SIZES
+
+    sizes = sizes_for(variant, fmt)
+    if to == "disk":  # only worth it when the page cache can keep the DiT file(s) a step reads
+        mode = _best(sizes, Geometry(480, 832, FRAMES, vae_tiling=True), to, vram, host)
+        if mode is None or model_facts()[variant]["dit"][fmt] > host - host_bytes("sequential", sizes, to):
+            return None
+    bases = [(h, w) for h, w in BASE_SIZES if _best(sizes, Geometry(h, w, FRAMES, vae_tiling=True), to, vram, host)]
+    if not bases:
+        return None
+    refine, mode = None, None
+    if variant == "moe":
+        for size in REFINE_SIZES:
+            mode = _best(sizes, Geometry(480, 832, FRAMES, refine=size, vae_tiling=True, release_base=True),
+                         to, vram, host)
+            if mode:
+                refine = size
+                break
+    if mode is None:
+        mode = _best(sizes, Geometry(*bases[0], FRAMES, vae_tiling=True), to, vram, host)
+    return dict(base=bases[0], refine=refine, mode=mode)
+
+
+def recipe(vram_gb: int, ram_gb: int) -> Recipe:
+    vram = int((vram_gb - DESKTOP_GIB) * GiB)
+    host = int((ram_gb - SYSTEM_GIB) * GiB)
+    for variant in ("moe", "dense"):
+        facts = model_facts()[variant]
+        options = [(fmt, to, plan) for to in ("ram", "disk") for fmt in FORMATS
+                   if (plan := _plan(variant, fmt, to, vram, host)) is not None]
+        if not options:
+            continue
+        area = (lambda hw: hw[0] * hw[1] if hw else 0)  # noqa: E731
+        # the best output first (refine size, then base size), then bf16 over smaller formats, RAM over disk
+        fmt, to, plan = max(options, key=lambda o: (area(o[2]["refine"]), area(o[2]["base"]),
+                                                    -FORMATS.index(o[0]), o[1] == "ram"))
+        refine = plan["refine"]
+        download = facts["download"] - (facts["refiner"] if variant == "moe" and refine is None else 0)
+        files = f"{variant} folder, {download / GB:.1f} GB" + (" (no refiner/)" if variant == "moe" and
+                                                               refine is None else "")
+        weights = fmt if fmt == "bf16" else f"{fmt} (quantize: {facts['dit'][fmt] / GB:.1f} GB per DiT)"
+        base = plan["base"]
+        return Recipe(vram_gb, ram_gb, "MoE 30B-A3B" if variant == "moe" else "dense 1.3B", files, weights,
+                      plan["mode"], to, f"{base[1]}x{base[0]}x{FRAMES}",
+                      f"{refine[1]}x{refine[0]}" if refine else ("no" if variant == "moe" else "—"))
+    return Recipe(vram_gb, ram_gb)
+
+
+def table() -> str:
+    from bench.memory_table import table as markdown
+
+    rows = [recipe(v, r).row() for v in VRAM_GB for r in RAM_GB]
+    return markdown(["GPU", "RAM", "model", "download", "weights", "offload", "offload_to", "largest size",
+                     "refine up to"], rows)
+
+
+def _block(text: str) -> re.Match:
+    match = re.search(re.escape(START) + r"\n(.*?)" + re.escape(END), text, flags=re.S)
+    if match is None:
+        raise SystemExit(f"README.md has no {START} ... {END} block")
+    return match
+
+
+def readme_block(text: str) -> str:
+    """The table as the README holds it now."""
+    return _block(text).group(1).strip("\n")
+
+
+def write_readme(out: str) -> None:
+    text = README.read_text()
+    match = _block(text)
+    README.write_text(text[:match.start(1)] + out + "\n" + text[match.end(1):])
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--write", action="store_true", help="replace the table in README.md")
+    args = parser.parse_args(argv)
+    out = table()
+    print(out)
+    if args.write:
+        write_readme(out)
+    return out
+
+
+if __name__ == "__main__":
+    main()
