@@ -25,6 +25,17 @@ def _folder_paths():
     return runtime._comfy("folder_paths") if runtime.in_comfy() else None
 
 
+# -- caches ----------------------------------------------------------------------------------------
+
+def calibration_dir() -> str | None:
+    """Where MagCache calibrations are written: ComfyUI's user folder inside ComfyUI (a workflow never
+    chooses the path), else None (the core's user cache folder)."""
+    folder_paths = _folder_paths()
+    if folder_paths is None:
+        return None
+    return str(Path(folder_paths.get_user_directory()) / "lingbot" / "magcache")
+
+
 # -- saving ----------------------------------------------------------------------------------------
 
 def save_target(prefix: str, width: int = 0, height: int = 0) -> SaveTarget:

@@ -22,6 +22,40 @@ from .v3 import io
 SEED_MAX = 0xFFFFFFFFFFFFFFFF
 SAMPLERS = ["flow_unipc", "euler", "dmd_student"]  # lingbot_core.sampling.SAMPLERS, listed without importing torch
 CFG_BATCH = ["off", "on", "auto"]  # lingbot_core.sampling.guidance.CFG_BATCH (a test compares them)
+STEP_CACHE = ["off", "first_block", "magcache", "magcache_calibrate"]  # lingbot_core.sampling.step_cache.STEP_CACHE
+STEP_CACHE_TIP = ("Skip DiT blocks on steps the previous step predicts (40-step CFG runs; refused for dmd_student "
+                  "and 8 steps or fewer). first_block: skip blocks 1.. while block 0's residual barely changes. "
+                  "magcache: skip the whole DiT by calibrated magnitude ratios; run magcache_calibrate once with "
+                  "the same model, sampler, shift and steps first (output equals off; writes a small file "
+                  "in ComfyUI's user folder)")
+
+
+def cache_inputs() -> list:
+    """The step-cache widgets shared by Denoise and Refine."""
+    return [
+        Choice("step_cache", options=STEP_CACHE, default="off", optional=True, tooltip=STEP_CACHE_TIP),
+        io.Float.Input("cache_threshold", default=0.0, min=0.0, max=10.0, step=0.01, optional=True,
+                       tooltip="Skip while the measured change stays below this (0: the method's default, "
+                               "first_block 0.05, magcache 0.06); higher skips more and drifts more"),
+        io.Int.Input("cache_warmup_steps", default=-1, min=-1, max=200, optional=True,
+                     tooltip="Always compute the first steps (-1: the default, first_block 4, magcache 20%)"),
+        io.Int.Input("cache_max_skips", default=-1, min=-1, max=50, optional=True,
+                     tooltip="Most consecutive skipped steps (-1: the default, 3)"),
+    ]
+
+
+def cache_settings(step_cache: str, threshold: float, warmup: int, max_skips: int):
+    """The node widgets as core StepCacheSettings (calibrations inside ComfyUI's user folder)."""
+    from lingbot_core.sampling.step_cache import StepCacheSettings
+
+    from .paths import calibration_dir
+
+    return StepCacheSettings(step_cache, threshold=float(threshold) or None,
+                             warmup_steps=None if int(warmup) < 0 else int(warmup),
+                             max_skips=None if int(max_skips) < 0 else int(max_skips),
+                             calibration_dir=calibration_dir())
+
+
 CFG_BATCH_TIP = ("CFG's two passes as one batch-2 DiT pass: faster (quantized weights decode once, offloaded "
                  "weights move once per step) for about twice the DiT activation memory; equal to 'off' up to "
                  "float rounding. auto: batch when the memory estimate says it fits")
@@ -68,13 +102,15 @@ class LingBotDenoise(io.ComfyNode):
                                         "apply; it sets the step count). Empty: the sampler's own grid. "
                                         "dmd_student refuses one"),
                 Choice("cfg_batch", options=CFG_BATCH, default="off", optional=True, tooltip=CFG_BATCH_TIP),
+                *cache_inputs(),
             ],
             outputs=[io.Latent.Output(display_name="latent", tooltip="Raw Wan 2.1 VAE latents (1,16,T,H/8,W/8)")],
         )
 
     @classmethod
     def execute(cls, pipe, conditioning, width, height, frames, steps, cfg, shift, seed, image_cond=None,
-                latent=None, sampler="flow_unipc", sigmas="", cfg_batch="off"):
+                latent=None, sampler="flow_unipc", sigmas="", cfg_batch="off", step_cache="off", cache_threshold=0.0,
+                cache_warmup_steps=-1, cache_max_skips=-1):
         from lingbot_core import stages
         from lingbot_core.latents import dit_to_vae, vae_to_dit
         from lingbot_core.sampling import parse_sigmas
@@ -90,7 +126,9 @@ class LingBotDenoise(io.ComfyNode):
             out = stages.denoise(pipe, conditioning, height=int(height), width=int(width), num_frames=int(frames),
                                  steps=int(steps), guidance_scale=float(cfg), shift=float(shift), seed=int(seed),
                                  image_cond=image_cond, latents=start, callback=on_step, sampler=sampler,
-                                 sigmas=custom, cfg_batch=cfg_batch)
+                                 sigmas=custom, cfg_batch=cfg_batch,
+                                 step_cache=cache_settings(step_cache, cache_threshold, cache_warmup_steps,
+                                                           cache_max_skips))
         return io.NodeOutput(latent_out(dit_to_vae(out, pipe.vae_config())), ui=on_node(notice))
 
 
@@ -128,13 +166,15 @@ class LingBotRefine(io.ComfyNode):
                        tooltip="Drop the base DiT before the refiner loads (auto: whenever offload is "
                                "not 'none')"),
                 Choice("cfg_batch", options=CFG_BATCH, default="off", optional=True, tooltip=CFG_BATCH_TIP),
+                *cache_inputs(),
             ],
             outputs=[io.Latent.Output(display_name="latent", tooltip="Refined raw Wan 2.1 VAE latents")],
         )
 
     @classmethod
     def execute(cls, pipe, conditioning, width, height, steps, t_thresh, cfg, shift, seed, latent=None, images=None,
-                first_frame=None, tiling=True, release_base="auto", cfg_batch="off"):
+                first_frame=None, tiling=True, release_base="auto", cfg_batch="off", step_cache="off",
+                cache_threshold=0.0, cache_warmup_steps=-1, cache_max_skips=-1):
         from lingbot_core import stages
         from lingbot_core.latents import dit_to_vae
 
@@ -146,5 +186,7 @@ class LingBotRefine(io.ComfyNode):
                                 t_thresh=float(t_thresh), guidance_scale=float(cfg), shift=float(shift),
                                 seed=int(seed), first_frame=first_frame, tiling=bool(tiling), decode_output=False,
                                 release_base={"auto": None, "on": True, "off": False}[release_base],
-                                callback=on_step, cfg_batch=cfg_batch)
+                                callback=on_step, cfg_batch=cfg_batch,
+                                step_cache=cache_settings(step_cache, cache_threshold, cache_warmup_steps,
+                                                          cache_max_skips))
         return io.NodeOutput(latent_out(dit_to_vae(out, pipe.vae_config())))

@@ -70,6 +70,7 @@ def comfy(tmp_path, monkeypatch):
         name, ([], set()))[0].append(path)
     folder_paths.get_folder_paths = lambda name: folder_paths.folder_names_and_paths[name][0]
     folder_paths.get_output_directory = lambda: str(tmp_path / "comfy-output")
+    folder_paths.get_user_directory = lambda: str(tmp_path / "comfy-user")
     for name, module in {"comfy": package, "comfy.model_management": mm, "comfy.utils": utils,
                          "folder_paths": folder_paths}.items():
         monkeypatch.setitem(sys.modules, name, module)
@@ -300,3 +301,12 @@ def test_headless_preview_frames_per_step_and_one_info_line_per_run(tmp_path, mo
     assert [f.name for f in files] == [f"denoise_4_{i:04d}.png" for i in range(1, steps + 1)]
     with Image.open(files[-1]) as image:
         assert image.size[0] == width // 8 and image.mode == "RGB"
+
+
+def test_magcache_calibration_stays_in_the_user_folder(comfy, monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home-cache"))
+    monkeypatch.delenv("LINGBOT_CACHE_DIR", raising=False)
+    prompt = _prompt(["4.step_cache=magcache_calibrate", "4.steps=9"])
+    Engine(NODE_CLASS_MAPPINGS).run(prompt, outputs=["4"])
+    written = list((comfy.tmp / "comfy-user" / "lingbot" / "magcache").glob("*.json"))
+    assert len(written) == 1 and not (tmp_path / "home-cache").exists()

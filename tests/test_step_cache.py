@@ -170,3 +170,17 @@ def test_a_skipped_block_is_a_skipped_transfer(fixtures_root, monkeypatch, mode,
     _, blocks = _run(view, cond, StepCacheSettings("first_block", **ALWAYS))
     assert transfers_off > 0 and blocks < blocks_off
     assert count[0] * blocks_off == transfers_off * blocks  # transfers in proportion to blocks run
+
+
+def test_the_nodes_offer_the_core_choices():
+    from lingbot_core.sampling.step_cache import STEP_CACHE
+    from lingbot_nodes.sampling import STEP_CACHE as NODE_CHOICES
+    from lingbot_nodes.sampling import LingBotDenoise, LingBotRefine, cache_settings
+
+    assert NODE_CHOICES == list(STEP_CACHE)
+    for node in (LingBotDenoise, LingBotRefine):
+        (combo,) = [i for i in node.define_schema().inputs if i.id == "step_cache"]
+        assert list(combo.options) == list(STEP_CACHE) and combo.default == "off"
+    assert cache_settings("first_block", 0.0, -1, -1).resolved(40) == (0.05, 4, 3)
+    assert cache_settings("magcache", 0.1, 2, 5).resolved(40) == (0.1, 2, 5)
+    assert cache_settings("magcache", 0.0, -1, -1).resolved(40) == (0.06, 8, 3)
