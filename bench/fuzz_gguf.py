@@ -1,6 +1,7 @@
 """Fuzz GGUF headers: thousands of mutated files, opened and decoded as the DiT loader does.
 
-    python -m bench.fuzz_gguf [--cases 5000] [--seed 0] [--keep DIR] [--json OUT]
+    python -m bench.fuzz_gguf [--cases 5000] [--seed 0] [--engine random|hypothesis] [--baseline]
+                              [--keep DIR] [--json OUT]
 
 Seed files are written with the `gguf` package (every metadata value type, nested and string
 arrays, `general.alignment` 64, a `comfy.gguf.orig_shape` record, a per-expert stack, F32/F16/BF16,
@@ -174,6 +175,31 @@ def _outcome(fn, path: Path, limit: int) -> tuple[str, str | None, str]:
         signal.alarm(0)
 
 
+def _cases(engine: str, n: int, seed: int, seeds: list[bytes], ends: list[int]):
+    """`n` mutated files: drawn by a seeded `random.Random`, or by hypothesis (which biases its draws
+    toward boundaries and repeats; the cases are collected first, then all are run the same way)."""
+    if engine == "random":
+        rnd = random.Random(seed)
+        for _ in range(n):
+            pick = rnd.randrange(len(seeds))
+            yield mutate(seeds[pick], ends[pick], rnd)
+        return
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import seed as fixed_seed
+    from hypothesis import strategies as st
+
+    drawn: list[bytes] = []
+
+    @fixed_seed(seed)
+    @settings(max_examples=n, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(pick=st.integers(0, len(seeds) - 1), rnd=st.randoms(use_true_random=False))
+    def collect(pick: int, rnd: random.Random) -> None:
+        drawn.append(mutate(seeds[pick], ends[pick], rnd))
+
+    collect()
+    yield from drawn
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", type=int, default=5000)
@@ -183,9 +209,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--baseline", action="store_true", help="also open every case as GGUFSource did before "
                     "(gguf.GGUFReader), counting what escapes (a hang: _Hang after --baseline-alarm s)")
     ap.add_argument("--baseline-alarm", type=int, default=2)
+    ap.add_argument("--engine", choices=["random", "hypothesis"], default="random",
+                    help="who draws the mutations: a seeded random.Random, or hypothesis (seeded, no database)")
     args = ap.parse_args(argv)
     baseline: Counter[str] = Counter()
-    rnd = random.Random(args.seed)
     outcomes: Counter[str] = Counter()
     escapes: Counter[str] = Counter()
     examples: dict[str, str] = {}
@@ -196,9 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
         seeds = seed_files(Path(tmp))
         ends = [header_end(s) for s in seeds]
         path = Path(tmp) / "case.gguf"
-        for i in range(args.cases):
-            pick = rnd.randrange(len(seeds))
-            raw = mutate(seeds[pick], ends[pick], rnd)
+        for i, raw in enumerate(_cases(args.engine, args.cases, args.seed, seeds, ends)):
             path.write_bytes(raw)
             start = time.perf_counter()
             outcome, escaped, message = _outcome(load_everything, path, 10)
@@ -215,7 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
             if args.baseline:
                 outcome, escaped, _ = _outcome(old_open, path, args.baseline_alarm)
                 baseline[escaped or outcome] += 1
-    result = {"cases": args.cases, "seed": args.seed, "outcomes": dict(outcomes), "escapes": dict(escapes),
+    result = {"cases": args.cases, "engine": args.engine, "seed": args.seed, "outcomes": dict(outcomes), "escapes": dict(escapes),
               "escape_examples": examples, "over_1s": slow, "slowest_s": round(slowest, 4),
               "total_s": round(time.perf_counter() - started, 1),
               "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
