@@ -70,7 +70,7 @@ def _refused(path: Path, match: str) -> GGUFError:
     start = time.perf_counter()
     with pytest.raises(GGUFError, match=match) as err:
         read_header(path)
-    assert time.perf_counter() - start < 2.0
+    assert time.perf_counter() - start < 5.0  # microseconds of work; generous for a loaded machine
     assert str(path) in str(err.value)
     assert isinstance(err.value, WeightsError) and isinstance(err.value, CheckpointError)
     return err.value
@@ -386,7 +386,7 @@ def test_mutated_headers_end_in_our_error_or_load(fuzz_file, steps):
     fuzz_file.write_bytes(_mutate(SEED, steps))
     start = time.perf_counter()
     _load_everything(fuzz_file)
-    assert time.perf_counter() - start < 2.0
+    assert time.perf_counter() - start < 5.0  # milliseconds on an idle core; generous for a loaded one
 
 
 @pytest.mark.parametrize("engine", ["random", "hypothesis"])
