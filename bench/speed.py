@@ -11,8 +11,9 @@ picks sections by name, and every section runs by default. Adding rows for a new
 function in this file (or in a module imported at the bottom) and nothing else.
 
 Configs:
-- `mid` (default): the tiny checkpoint with a random DiT of real width (hidden 2048, 16 heads) but
-  few blocks (`--depth`, 2), 128x128 at 5 frames (128 video tokens), 40 steps at guidance 3.0;
+- `mid` (default): the tiny checkpoint with a bigger random DiT (hidden 512, 8 heads, 4 blocks;
+  `--hidden 2048 --heads 16 --depth 2` is real width, about 10x slower), 128x128 at 5 frames (128
+  video tokens), 40 steps at guidance 3.0;
 - `--quick`: the tiny checkpoint (hidden 32, depth 2), 32x32x5, 12 steps (the smoke test's size).
 
     python bench/speed.py                       # every section, mid config
@@ -38,7 +39,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from bench._common import environment, fmt, table, write_json
+from bench._common import environment, fmt, fmt_bytes, table, write_json
 from bench.generate import PROMPT, build_mid_checkpoint
 
 
@@ -185,6 +186,60 @@ def baseline(bench: Bench) -> Table:
         dict(run="off", steps=bench.args.steps, dit_blocks=run["blocks"], seconds=run["seconds"])])
 
 
+@section("cache")
+def step_cache(bench: Bench) -> Table:
+    """Each step-cache method and threshold against `off`: blocks computed, time, output drift."""
+    from lingbot_core.sampling.step_cache import StepCacheSettings
+
+    calibration = str(bench.work / "magcache")
+    calibrated = bench.denoise(step_cache=StepCacheSettings("magcache_calibrate", calibration_dir=calibration))
+    runs: dict[str, Callable[[], dict[str, Any]]] = {"off": lambda: bench.denoise()}
+    for t in bench.args.fb_thresholds:
+        runs[f"first_block {t:g}"] = lambda t=t: bench.denoise(step_cache=StepCacheSettings("first_block", threshold=t))
+    for t in bench.args.mag_thresholds:
+        runs[f"magcache {t:g}"] = lambda t=t: bench.denoise(
+            step_cache=StepCacheSettings("magcache", threshold=t, calibration_dir=calibration))
+    results = bench.alternate(runs)
+    base = results["off"]
+    rows = []
+    for name, r in results.items():
+        rows.append(dict(run=name, dit_blocks=r["blocks"], blocks_ratio=r["blocks"] / base["blocks"],
+                         seconds=r["seconds"], time_ratio=r["seconds"] / base["seconds"],
+                         rel_l2=rel_l2(r["latents"], base["latents"]), psnr_db=psnr(r["latents"], base["latents"])))
+    rows.append(dict(run="magcache_calibrate", dit_blocks=calibrated["blocks"],
+                     blocks_ratio=calibrated["blocks"] / base["blocks"], seconds=calibrated["seconds"],
+                     time_ratio=calibrated["seconds"] / base["seconds"],
+                     rel_l2=rel_l2(calibrated["latents"], base["latents"]),
+                     psnr_db=psnr(calibrated["latents"], base["latents"])))
+    return Table(f"step caching, {bench.args.steps} steps, CFG {bench.args.cfg} (warm-up and max skips at their "
+                 "defaults)", rows, [
+        "random weights: rel_l2 / psnr_db (final latents vs off) measure the mechanism, not image quality",
+        "first_block's change is mean|d residual| / mean|residual| of block 0; real weights change far less "
+        "between steps than random ones, so useful thresholds differ (published: 0.05-0.1 on Wan)",
+    ])
+
+
+@section("cfg")
+def cfg_batch(bench: Bench) -> Table:
+    """CFG as one batch-2 forward against two forwards: time, peak CPU bytes of one step, max diff."""
+    from bench._common import cpu_peak_bytes
+
+    results = bench.alternate({"two forwards": lambda: bench.denoise(cfg_batch="off"),
+                               "batched": lambda: bench.denoise(cfg_batch="on")})
+    peaks = {name: cpu_peak_bytes(lambda name=name: bench.denoise(
+        cfg_batch="on" if name == "batched" else "off", steps=1))[0] for name in results}
+    base = results["two forwards"]
+    rows = [dict(run=name, seconds=r["seconds"], time_ratio=r["seconds"] / base["seconds"],
+                 peak_bytes_one_step=fmt_bytes(peaks[name]), peak_ratio=peaks[name] / max(peaks["two forwards"], 1),
+                 max_abs_diff=float((r["latents"] - base["latents"]).abs().max()),
+                 rel_l2=rel_l2(r["latents"], base["latents"]))
+            for name, r in results.items()]
+    return Table(f"batched vs two-forward CFG, {bench.args.steps} steps", rows, [
+        "peak: torch CPU bytes allocated during a 1-step denoise (profiler), net of weights and inputs",
+        "batched differs from two forwards only by float rounding (matmul / softmax reduction order)",
+    ])
+
+
 # -- the script ------------------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -192,9 +247,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny checkpoint and shapes (smoke test)")
     p.add_argument("--only", nargs="+", choices=None, metavar="SECTION",
                    help="sections to run (default: all)")
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--depth", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--fb-thresholds", type=float, nargs="+", default=[0.05, 0.2, 0.5],
+                   help="first_block thresholds to sweep")
+    p.add_argument("--mag-thresholds", type=float, nargs="+", default=[0.06, 0.25, 1.0],
+                   help="magcache thresholds to sweep")
     p.add_argument("--steps", type=int, default=None, help="denoise steps (default 40; 12 with --quick)")
     p.add_argument("--cfg", type=float, default=3.0)
     p.add_argument("--seed", type=int, default=0)

@@ -41,3 +41,17 @@ def test_baseline_quick(tmp_path):
     steps = result["config"]["steps"]
     # Two forwards per step (CFG) over the tiny DiT's 2 blocks.
     assert rows[0]["dit_blocks"] == 2 * steps * 2
+
+
+def test_cache_and_cfg_sections_quick(tmp_path):
+    result = speed.main(["--quick", "--threads", "1", "--only", "cache", "cfg", "--fb-thresholds", "0", "1e9",
+                         "--mag-thresholds", "1e9"])
+    cache = {r["run"]: r for r in result["sections"]["cache"]["rows"]}
+    assert cache["off"]["blocks_ratio"] == 1.0 and cache["off"]["rel_l2"] == 0.0
+    assert cache["first_block 0"]["dit_blocks"] == cache["off"]["dit_blocks"]  # never close enough: all run
+    assert cache["first_block 0"]["rel_l2"] == 0.0
+    assert cache["first_block 1e+09"]["blocks_ratio"] < 1.0 and cache["magcache 1e+09"]["blocks_ratio"] < 1.0
+    assert cache["magcache_calibrate"]["rel_l2"] == 0.0
+    cfg = {r["run"]: r for r in result["sections"]["cfg"]["rows"]}
+    assert cfg["two forwards"]["max_abs_diff"] == 0.0
+    assert cfg["batched"]["rel_l2"] < 1e-5
