@@ -1,8 +1,10 @@
 """`python -m lingbot_core`: generate one video (or image) without a node graph.
 
 With no options it builds the tiny random-weight checkpoint (first use only) and writes a short
-T2V mp4, which makes it a smoke test of the whole core on any machine. Exit codes as `lingbot-run`:
-0 done, 1 a failure while running, 2 bad input (incl. a bad checkpoint), 130 interrupted.
+T2V mp4 (output/lingbot/core_00001_.mp4, numbered like `lingbot-run`), which makes it a smoke test
+of the whole core on any machine. Progress goes to stderr (--quiet: none), written files to stdout.
+Exit codes as `lingbot-run`: 0 done, 1 a failure while running, 2 bad input (incl. a bad
+checkpoint), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -56,17 +58,32 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--fps", type=_positive(float), default=24.0)
     parser.add_argument("--refine", action="store_true", help="run the MoE refiner too")
+    parser.add_argument("--refine-width", type=_positive(int), help="refiner output width (default 1920)")
+    parser.add_argument("--refine-height", type=_positive(int), help="refiner output height (default 1088)")
     parser.add_argument("--device", help="execution device (default: cuda if available)")
-    parser.add_argument("--output", default="output/lingbot", help="file name without suffix")
+    parser.add_argument("--offload", choices=("auto", "none", "model", "sequential", "group"), default="auto",
+                        help="where components live while stages run (default auto: the fastest mode expected "
+                             "to fit; on the CPU: none)")
+    parser.add_argument("--offload-to", choices=("ram", "disk"), default="ram",
+                        help="the offloaded DiT's home: ram, or disk (streamed from its file)")
+    parser.add_argument("--weights", choices=("auto", "fp8_e4m3"), default="auto",
+                        help="auto: the DiT as stored (bf16, fp8 or GGUF); fp8_e4m3: quantize it on load")
+    parser.add_argument("--tiling", action="store_true", help="tiled VAE decode (much less memory)")
+    parser.add_argument("--sampler", default=None,
+                        help="flow_unipc (default), euler or dmd_student")
+    parser.add_argument("--output", default="output", help="output folder (default ./output)")
+    parser.add_argument("--prefix", default="lingbot/core",
+                        help="file name prefix inside the output folder; files are numbered prefix_00001_.mp4")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
-    from .exit_codes import BAD_INPUT, INTERRUPTED, exit_code, one_line
+    try:  # everything heavy (torch included) is imported inside: Ctrl-C is clean from the first instant
+        from .exit_codes import BAD_INPUT, INTERRUPTED, exit_code, one_line
 
-    try:
         return _generate(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -78,38 +95,94 @@ def main(argv: list[str] | None = None) -> int:
         return code
 
 
-def _check_writable(stem: Path) -> None:
-    """The output's folder (or its nearest existing parent) must be a writable folder; checked first."""
-    probe = stem.parent
+def _check_writable(folder: Path) -> None:
+    """The output folder (or its nearest existing parent) must be a writable folder; checked first."""
+    probe = folder
     while not probe.exists() and probe.parent != probe:
         probe = probe.parent
     if not probe.is_dir():
-        raise NotADirectoryError(f"--output {stem}: {probe} exists and is not a folder")
+        raise NotADirectoryError(f"--output {folder}: {probe} exists and is not a folder")
     if not os.access(probe, os.W_OK | os.X_OK):
-        raise PermissionError(f"--output {stem}: {probe} is not writable")
+        raise PermissionError(f"--output {folder}: {probe} is not writable")
+
+
+def _say(quiet: bool, text: str) -> None:
+    if not quiet:
+        print(text, file=sys.stderr, flush=True)
 
 
 def _generate(args: argparse.Namespace) -> int:
+    import logging
+
+    from .sampling import get_sampler
+    from .save_path import check_prefix
+
+    output = Path(args.output)
+    _check_writable(output)
+    check_prefix(args.prefix, output)
+    get_sampler(args.sampler)  # an unknown sampler is bad input, before anything loads
+    core = logging.getLogger("lingbot_core")
+    level = core.level
+    handler = logging.StreamHandler(sys.stderr)  # the library's own lines: what auto picked, what loaded, the fit
+    handler.setFormatter(logging.Formatter("  %(message)s"))
+    if not args.quiet:
+        core.addHandler(handler)
+        core.setLevel(min(core.getEffectiveLevel(), logging.INFO))
+    try:
+        return _run(args, output)
+    finally:
+        core.removeHandler(handler)
+        core.setLevel(level)
+
+
+def _run(args: argparse.Namespace, output: Path) -> int:
+    import time
+
     from .handle import PipelineHandle
+    from .memory import Geometry
+    from .offload import check_handle, configure_offload, require_refiner
+    from .save_path import save_target
+    from .stage_inputs import validate_geometry
     from .stages import generate
     from .tiny import ensure_tiny_checkpoint
     from .video import save_frames
 
-    _check_writable(Path(args.output))
     tiny = args.model is None
     folder = ensure_tiny_checkpoint("moe" if args.refine else "dense") if tiny else args.model
     small = dict(height=64, width=64, frames=9, steps=4) if tiny else dict(height=480, width=832, frames=121, steps=40)
     height, width = args.height or small["height"], args.width or small["width"]
     frames = args.frames or (1 if args.mode == "t2i" else small["frames"])
-    handle = PipelineHandle.open(folder, device=args.device)
+    steps = args.steps or small["steps"]
+    validate_geometry(height, width, frames)
+    refine = None
+    if args.refine:
+        refine = (args.refine_height or (2 * height if tiny else 1088), args.refine_width or (2 * width if tiny else 1920))
+    handle = PipelineHandle.open(folder, device=args.device, weights=args.weights)
+    require_refiner(handle, refine)
+    handle = configure_offload(handle, args.offload, offload_to=args.offload_to,
+                               **(dict(height=height, width=width, num_frames=frames, refine=refine,
+                                       vae_tiling=args.tiling, cfg=args.cfg > 1.0) if args.offload == "auto" else {}))
+    check_handle(handle, Geometry(height, width, frames, cfg=args.cfg > 1.0, refine=refine, vae_tiling=args.tiling))
+    started = time.perf_counter()
+    _say(args.quiet, f"lingbot: {args.mode} {width}x{height}x{frames}, {steps} steps, cfg {args.cfg:g}, "
+                     f"offload {args.offload}" + (f", refine to {refine[1]}x{refine[0]}" if refine else ""))
+
+    def on_step(index: int, total: int, _latents) -> None:
+        _say(args.quiet, f"  step {index}/{total} ({time.perf_counter() - started:.1f}s)")
+
     result = generate(handle, args.prompt, mode=args.mode, image=args.image, negative_prompt=args.negative_prompt,
-                      height=height, width=width, num_frames=frames, steps=args.steps or small["steps"],
+                      height=height, width=width, num_frames=frames, steps=steps,
                       guidance_scale=args.cfg, shift=args.shift, seed=args.seed, refine_output=args.refine,
-                      refine_options=dict(height=2 * height, width=2 * width) if tiny else None)
-    print(save_frames(result.frames, Path(args.output), args.fps))
-    if result.refined is not None:
-        print(save_frames(result.refined, Path(args.output + "_refined"), args.fps))
+                      refine_options=dict(height=refine[0], width=refine[1]) if refine else None,
+                      tiling=True if args.tiling else None, callback=on_step, sampler=args.sampler)
+    _say(args.quiet, f"lingbot: done in {time.perf_counter() - started:.1f}s")
+    for frames_out, suffix in ((result.frames, ""), (result.refined, "_refined")):
+        if frames_out is None:
+            continue
+        target = save_target(args.prefix + suffix, output, width=int(frames_out.shape[2]), height=int(frames_out.shape[1]))
+        print(save_frames(frames_out, target.path("mp4").with_suffix(""), args.fps))
     return 0
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -60,10 +60,11 @@ def test_malformed_workflow_json(tmp_path, capsys, text, where):
 def test_python_dash_m_entry_points(tmp_path):
     env_run = subprocess.run([sys.executable, "-m", "lingbot_nodes", "--help"], capture_output=True, text=True)
     assert env_run.returncode == 0 and "NODE.INPUT=VALUE" in env_run.stdout
-    core = subprocess.run([sys.executable, "-m", "lingbot_core", "--output", str(tmp_path / "clip"), "--steps", "2"],
-                          capture_output=True, text=True)
+    core = subprocess.run([sys.executable, "-m", "lingbot_core", "--output", str(tmp_path / "clip"), "--steps", "2",
+                           "--prefix", "runs/boat"], capture_output=True, text=True)
     assert core.returncode == 0, core.stderr
-    assert core.stdout.strip().endswith("clip.mp4")
+    assert core.stdout.strip() == str(tmp_path / "clip" / "runs" / "boat_00001_.mp4")  # numbered as lingbot-run
+    assert "step 2/2" in core.stderr and "loaded transformer: fp32 weights" in core.stderr  # progress
     bad = subprocess.run([sys.executable, "-m", "lingbot_core", "--height", "40"], capture_output=True, text=True)
     assert bad.returncode == 2 and "multiples of 16" in bad.stderr
 
@@ -252,3 +253,37 @@ def test_terminal_bar_is_labelled_and_closed():
     text = out.getvalue()
     assert text.count("Prompt: done in") == 1 and "Denoise: done in" in text and "3/3 steps" in text
     assert "auto offload: something" in text and reporter._bar is None
+
+
+def test_core_command_options_quiet_and_numbering(tmp_path, capsys):
+    """offload, offload_to, weights, tiling, sampler reach the run; --quiet prints only the files; a
+    second run takes the next number."""
+    from lingbot_core.__main__ import main as core_main
+
+    argv = ["--output", str(tmp_path), "--steps", "2", "--frames", "5", "--offload", "model", "--offload-to", "disk",
+            "--weights", "fp8_e4m3", "--tiling", "--sampler", "euler", "--cfg", "1", "--quiet"]
+    assert core_main(argv) == 0
+    first = capsys.readouterr()
+    assert first.err == "" and first.out.strip().endswith("core_00001_.mp4")
+    assert core_main(argv) == 0
+    assert capsys.readouterr().out.strip().endswith("core_00002_.mp4")
+    assert core_main(["--sampler", "nope", "--output", str(tmp_path)]) == 2
+    assert "nope" in capsys.readouterr().err
+
+
+def test_ctrl_c_while_lingbot_run_imports_is_clean(monkeypatch, capsys):
+    """Ctrl-C before the run's own code is imported (torch takes seconds): one line, exit 130."""
+    import importlib.abc
+
+    import lingbot_launch
+
+    class Interrupting(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "lingbot_nodes.cli":
+                raise KeyboardInterrupt
+            return None
+
+    monkeypatch.delitem(sys.modules, "lingbot_nodes.cli", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [Interrupting(), *sys.meta_path])
+    assert lingbot_launch.main() == 130
+    assert capsys.readouterr().err.strip() == "interrupted"
