@@ -1,4 +1,4 @@
-"""Cancellation points inside model work.
+"""Cancellation points (and progress ticks) inside model work.
 
 A node graph must be cancellable mid-stage: a denoise step, a text-encoder forward or a VAE decode
 can each take many seconds. Callers install a checker (a function that raises to cancel) with
@@ -16,6 +16,19 @@ import torch
 
 Checker = Callable[[], None]
 _CHECKER: ContextVar[Checker | None] = ContextVar("lingbot_interrupt_checker", default=None)
+Ticker = Callable[[], None]
+_TICKER: ContextVar[Ticker | None] = ContextVar("lingbot_work_ticker", default=None)
+
+
+@contextmanager
+def work_ticker(tick: Ticker | None) -> Iterator[None]:
+    """Call `tick()` at every cancellation point (each transformer block, encoder layer and VAE
+    block that runs): progress for stages that have no steps (text encode, decode)."""
+    token = _TICKER.set(tick)
+    try:
+        yield
+    finally:
+        _TICKER.reset(token)
 
 
 @contextmanager
@@ -55,12 +68,20 @@ def _work_units(name: str, module: torch.nn.Module) -> list[torch.nn.Module]:
 @contextmanager
 def checkpoints(components: dict[str, object]) -> Iterator[None]:
     """Install cancellation points on the components' blocks for the duration of a stage."""
-    check = _CHECKER.get()
-    if check is None:
+    check, tick = _CHECKER.get(), _TICKER.get()
+    if check is None and tick is None:
         yield
         return
-    check()
-    handles = [unit.register_forward_pre_hook(lambda _m, _a: check())
+    if check is not None:
+        check()
+
+    def point(_module, _args) -> None:
+        if check is not None:
+            check()
+        if tick is not None:
+            tick()
+
+    handles = [unit.register_forward_pre_hook(point)
                for name, module in components.items() if isinstance(module, torch.nn.Module)
                for unit in _work_units(name, module)]
     try:
@@ -68,3 +89,34 @@ def checkpoints(components: dict[str, object]) -> Iterator[None]:
     finally:
         for h in handles:
             h.remove()
+
+
+def decode_units(handle: object, latent_frames: int) -> int:
+    """Cancellation points one untiled VAE decode passes: the Wan decoder runs once per latent frame,
+    its mid block and each up block once per run (tiling multiplies this by the tiles)."""
+    config = handle.vae_config()  # type: ignore[attr-defined]
+    up_blocks = len(config.get("dim_mult", (1, 2, 4, 4)) if hasattr(config, "get") else (1, 2, 4, 4))
+    return int(latent_frames) * (1 + up_blocks)
+
+
+def text_units(handle: object, forwards: int, image: bool) -> int:
+    """Cancellation points a text encode passes: each forward runs every language layer (and, with an
+    image, every vision block). Read from the loaded encoder, else its config, else Qwen3-VL-4B's."""
+    import json
+
+    shared = getattr(handle, "shared", None)
+    module = getattr(shared, "loaded", {}).get("text_encoder") if shared is not None else None
+    if isinstance(module, torch.nn.Module):
+        inner = getattr(module, "model", None)
+        layers = len(getattr(getattr(inner, "language_model", None), "layers", []))
+        vision = len(getattr(getattr(inner, "visual", None), "blocks", []))
+    else:
+        layers, vision = 36, 24
+        folder = getattr(shared, "folder", None)
+        try:
+            config = json.loads((folder / "text_encoder" / "config.json").read_text()) if folder else {}
+            layers = int(config.get("text_config", {}).get("num_hidden_layers", layers))
+            vision = int(config.get("vision_config", {}).get("depth", vision))
+        except (OSError, ValueError, TypeError, AttributeError):
+            pass
+    return int(forwards) * (layers + (vision if image else 0))

@@ -90,7 +90,10 @@ class LingBotTextEncode(io.ComfyNode):
             image_cond = prepare_image_pixels(load_image(image), int(image_height), int(image_width))
         if task == "ti2v" and image_cond is None:
             raise ValueError("task ti2v needs the first frame: connect image_cond (LingBot VAE Encode) or image")
-        with runtime.node_work(label="text encode"):
+        from lingbot_core.interrupt import text_units
+
+        forwards = 2 if encode_negative else 1  # the prompt, then the negative
+        with runtime.node_work(label="text encode", units=text_units(pipe, forwards, image_cond is not None)):
             cond = stages.encode_prompt(pipe, prompt, negative_prompt if encode_negative else None, image=image_cond,
                                         mode=task if image_cond is None else "ti2v")
         return io.NodeOutput(cond, ui=on_node(PROSE_NOTICE if prose else None))

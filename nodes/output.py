@@ -55,8 +55,11 @@ class LingBotDecode(io.ComfyNode):
         if tiling:
             options = dict(tile_sample_min_height=int(tile_height), tile_sample_min_width=int(tile_width),
                            tile_sample_stride_height=int(stride_height), tile_sample_stride_width=int(stride_width))
-        with runtime.node_work(label="decode"):
-            frames = stages.decode_vae_latents(pipe, latent_in(latent), tiling=options if tiling else False)
+        from lingbot_core.interrupt import decode_units
+
+        latents = latent_in(latent)
+        with runtime.node_work(label="decode", units=decode_units(pipe, latents.shape[2])):  # moves per block
+            frames = stages.decode_vae_latents(pipe, latents, tiling=options if tiling else False)
         runtime.log_run_summary(pipe, frames)
         return io.NodeOutput(frames, video_value(frames, fps))
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from lingbot_core.interrupt import interrupt_checker
+from lingbot_core.interrupt import interrupt_checker, work_ticker
 
 
 def in_comfy() -> bool:
@@ -63,6 +63,7 @@ class Progress:
             else:
                 self._bar.update_absolute(value, total)
         elif self._tqdm is not None:
+            self._tqdm.total = total
             self._tqdm.n = value
             self._tqdm.refresh()
         else:
@@ -77,10 +78,20 @@ class Progress:
 
 @contextmanager
 def node_work(total_steps: int = 0, label: str = "lingbot",
-              preview: bool = False) -> Iterator[Callable[[int, int, object], None]]:
-    """Run node work with cancellation points installed; yield a per-step callback for stages."""
+              preview: bool = False, units: int = 0) -> Iterator[Callable[[int, int, object], None]]:
+    """Run node work with cancellation points installed; yield a per-step callback for stages.
+    `units` (work without steps: text encode, decode): the expected number of blocks/layers that run;
+    the bar moves at each one (its total grows if the estimate was short)."""
     check = interrupt_check()
-    bar = Progress(total_steps, label) if total_steps else None
+    bar = Progress(total_steps or units, label) if total_steps or units else None
+    done = [0]
+
+    every = max(1, units // 50)  # at most ~50 updates: a headless log gets lines, not hundreds
+
+    def tick() -> None:
+        done[0] += 1
+        if done[0] == 1 or done[0] % every == 0 or done[0] >= units:
+            bar.update(done[0], max(units, done[0]))
     previewer = None
     if preview:
         from .preview import Previewer
@@ -99,7 +110,7 @@ def node_work(total_steps: int = 0, label: str = "lingbot",
 
     check()
     try:
-        with interrupt_checker(check):
+        with interrupt_checker(check), work_ticker(tick if units and not total_steps else None):
             yield on_step
     finally:
         if bar is not None:
