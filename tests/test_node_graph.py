@@ -222,3 +222,15 @@ def test_text_encode_takes_a_raw_image_too():
     assert torch.equal(via_cond.negative.embeds, via_image.negative.embeds) and via_image.with_image
     with pytest.raises(ValueError, match="needs the first frame"):
         nodes["LingBotTextEncode"].execute(pipe, "a boat", "", "ti2v")
+
+
+def test_validation_messages_are_written_for_users():
+    """No internal hook name in a message, and each names its input once."""
+    from lingbot_core.workflow import WorkflowValidationError
+
+    prompt = _load("lingbot_t2v_dense", ['Prompt.prompt="{\\"a\\": }"', "Denoise.width=100"])
+    with pytest.raises(WorkflowValidationError) as err:
+        Engine(NODE_CLASS_MAPPINGS).run(prompt)
+    text = str(err.value)
+    assert "VALIDATE_INPUTS" not in text and "not valid JSON" in text
+    assert text.count("prompt") == 1 and text.count("width") == 1, text

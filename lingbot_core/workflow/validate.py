@@ -189,17 +189,27 @@ def _run_validate_inputs(
                                              for kind in info.hidden_values.values()})
     except Exception as exc:
         return [ValidationIssue(node_id, info.class_type, None,
-                                f"VALIDATE_INPUTS raised {type(exc).__name__}: {clip(str(exc), 300)}")]
+                                f"its input check failed ({type(exc).__name__}: {clip(str(exc), 300)})")]
     if result is True:
         return []
     per_input = getattr(result, "per_input", None)  # one message per wrong input (see InputProblems)
     if isinstance(per_input, Mapping) and per_input:
-        return [ValidationIssue(node_id, info.class_type, str(name), clip(str(message), 500))
+        return [ValidationIssue(node_id, info.class_type, str(name), _unnamed(str(name), clip(str(message), 500)))
                 for name, message in per_input.items()]
-    detail = "returned False" if result is False else clip(str(result), 500)
+    detail = "the node refused these inputs" if result is False else clip(str(result), 500)
     names = sorted(k for k in kwargs if k != "input_types")
     input_name = names[0] if len(names) == 1 else None
-    return [ValidationIssue(node_id, info.class_type, input_name, f"VALIDATE_INPUTS: {detail}")]
+    return [ValidationIssue(node_id, info.class_type, input_name,
+                            _unnamed(input_name, detail) if input_name else detail)]
+
+
+def _unnamed(input_name: str, message: str) -> str:
+    """The message without the input's name in front: the issue already names the input once
+    ("input 'prompt': is not valid JSON ...", not "input 'prompt': prompt is not valid JSON ...")."""
+    for lead in (f"{input_name} ", f"'{input_name}' ", f"{input_name}: "):
+        if message.startswith(lead) and len(message) > len(lead):
+            return message[len(lead):]
+    return message
 
 
 def hidden_value(kind: str, node_id: str, prompt: Mapping[str, Any],
