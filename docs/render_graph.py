@@ -7,6 +7,7 @@ ComfyUI editor's look; it is not a screenshot of it.
 
     python docs/render_graph.py                                   # docs/graph-moe-refine.png
     python docs/render_graph.py workflows/lingbot_t2v_dense.json docs/graph-t2v.png
+    python docs/render_graph.py --thumbnails                      # workflows/<name>.jpg (templates)
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def widget_names(class_type: str) -> list[str]:
     return names
 
 
+THUMBNAIL_WIDTH = 640
 DIGEST_KEY = "lingbot-inputs"  # PNG text chunk: what the picture was drawn from (tests/test_readme.py)
 
 
@@ -168,14 +170,30 @@ def render(workflow: Path, out: Path) -> Path:
             tw = draw.textlength(text, font=f_small) / SCALE
             draw.text(p(x + w - 20 - tw, wy + 3), text, font=f_small, fill=TEXT)
     out.parent.mkdir(parents=True, exist_ok=True)
+    digest = inputs_digest(workflow)
+    if out.suffix.lower() == ".jpg":  # a template thumbnail: small, the digest in the JPEG comment
+        scale = THUMBNAIL_WIDTH / image.width
+        image = image.convert("RGB").resize((THUMBNAIL_WIDTH, max(1, round(image.height * scale))), Image.LANCZOS)
+        image.save(out, quality=85, optimize=True, comment=f"{DIGEST_KEY}={digest}".encode())
+        return out
     info = PngInfo()
-    info.add_text(DIGEST_KEY, inputs_digest(workflow))
+    info.add_text(DIGEST_KEY, digest)
     image.save(out, optimize=True, pnginfo=info)
     return out
 
 
+def thumbnails() -> list[Path]:
+    """One `<name>.jpg` next to each shipped UI workflow: ComfyUI lists `workflows/*.json` of a custom
+    node folder as templates and asks for the thumbnail at the same name (`.jpg`)."""
+    return [render(path, path.with_suffix(".jpg")) for path in sorted((ROOT / "workflows").glob("*.json"))]
+
+
 if __name__ == "__main__":
     args = sys.argv[1:]
+    if args == ["--thumbnails"]:
+        for written in thumbnails():
+            print(written)
+        raise SystemExit(0)
     source = Path(args[0]) if args else ROOT / "workflows" / "lingbot_t2v_moe_refine.json"
     target = Path(args[1]) if len(args) > 1 else ROOT / "docs" / "graph-moe-refine.png"
     print(render(source, target))

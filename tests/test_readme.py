@@ -255,3 +255,22 @@ def test_recipes_table_is_what_the_estimator_gives():
     verdict = fit.check(sizes, Geometry(480, 832, 121, refine=(h, w), vae_tiling=True, release_base=True),
                         cell.mode, cell.offload_to, vram_free=vram, host_free=host)
     assert verdict.ok, verdict.line()
+
+
+def test_template_thumbnails_are_drawn_from_their_workflows():
+    """Each shipped UI workflow has `<name>.jpg` beside it (ComfyUI's template browser asks for it),
+    drawn from the current workflow: `python docs/render_graph.py --thumbnails` after a change."""
+    import importlib.util
+
+    from PIL import Image
+
+    spec = importlib.util.spec_from_file_location("render_graph", ROOT / "docs" / "render_graph.py")
+    render_graph = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(render_graph)
+    shipped = sorted((ROOT / "workflows").glob("*.json"))
+    assert shipped
+    for workflow in shipped:
+        with Image.open(workflow.with_suffix(".jpg")) as image:
+            assert image.format == "JPEG" and image.width == render_graph.THUMBNAIL_WIDTH
+            comment = image.info.get("comment", b"").decode()
+        assert comment == f"{render_graph.DIGEST_KEY}={render_graph.inputs_digest(workflow)}", workflow.name
