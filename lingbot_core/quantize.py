@@ -30,13 +30,19 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
-import torch
+try:  # torch takes seconds to import: Ctrl-C then is one line too, as later (exit 130)
+    import numpy as np
+    import torch
 
-from .checkpoint import CheckpointError, inspect_checkpoint
-from .weights.fp8 import quantize_fp8, require_fp8
-from .weights.loader import quantizable
-from .weights.sources import FORMAT_KEY, SCALE_SUFFIX, SafetensorsSource, per_expert_key
+    from .checkpoint import CheckpointError, inspect_checkpoint
+    from .weights.fp8 import quantize_fp8, require_fp8
+    from .weights.loader import quantizable
+    from .weights.sources import FORMAT_KEY, SCALE_SUFFIX, SafetensorsSource, per_expert_key
+except KeyboardInterrupt:
+    if __name__ != "__main__":
+        raise
+    print("\nquantize: interrupted.", file=sys.stderr)
+    sys.exit(130)
 
 TARGETS = ("fp8", "gguf-q8_0", "gguf-q4_0")
 DIT_FOLDERS = ("transformer", "refiner")
