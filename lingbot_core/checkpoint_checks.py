@@ -212,6 +212,13 @@ def check_scheduler_config(config: Mapping[str, Any], where: str) -> None:
     _bounded(config, "scheduler", "num_train_timesteps", where, default=1000)
     _need(config, "shift", where, _pos_float, "a positive finite number", optional=True)
     _need(config, "solver_order", where, lambda v: _pos_int(v) and v <= 3, "1, 2 or 3", optional=True)
+    from .scheduler import UniPCSettings
+
+    try:  # what the sampler would refuse when it runs (a solver variant, a prediction type), refused now
+        UniPCSettings.from_mapping(config)
+    except (ValueError, TypeError, NotImplementedError) as err:
+        raise CheckFailed(f"{where}: {err}. The scheduler config is not one LingBot-Video's sampler runs; "
+                          "re-download it.") from None
 
 
 def check_text_encoder_config(config: Mapping[str, Any], where: str, text_dim: int | None) -> None:

@@ -34,6 +34,12 @@ log = logging.getLogger(__name__)
 GiB = 1 << 30
 MODES = ("t2v", "t2i", "ti2v")
 MAX_IMAGE_SIDE = 16384  # a picture side we accept at all (the conditioning image is resized anyway)
+MAX_SIZE = 4096  # a video's height or width (pixels)
+MAX_FRAMES = 1025  # frames of one video (4n+1)
+MAX_STEPS = 200  # sampling steps of one stage (base or refine, tail steps included)
+LIMITS = {"size": MAX_SIZE, "frames": MAX_FRAMES, "steps": MAX_STEPS}
+"""The one registry of request limits: the nodes' input ranges and the Python API's checks read it, so
+`steps=10**9` is refused by the API as the node's range refuses it (it used to allocate for minutes)."""
 
 
 # -- scalars ---------------------------------------------------------------------------------------
@@ -67,9 +73,9 @@ def check_count(name: str, value: Any, *, low: int = 0) -> int:
     return value
 
 
-def check_steps(steps: Any) -> None:
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+def check_steps(steps: Any, name: str = "steps") -> None:
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
+        raise ValueError(f"{name} must be an integer in [1, {MAX_STEPS}], got {_short(steps)}")
 
 
 def check_guidance(guidance_scale: float) -> None:
@@ -95,9 +101,12 @@ def check_t_thresh(t_thresh: Any) -> None:
 
 def validate_geometry(height: int, width: int, num_frames: int) -> None:
     """Raise a ValueError a user can act on for sizes the VAE and DiT cannot take."""
-    for name, value in (("height", height), ("width", width), ("num_frames", num_frames)):
+    for name, value, most in (("height", height, MAX_SIZE), ("width", width, MAX_SIZE),
+                              ("num_frames", num_frames, MAX_FRAMES)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            raise ValueError(f"{name} must be a positive integer, got {_short(value)}")
+        if value > most:
+            raise ValueError(f"{name} must be at most {most}, got {value}")
     if height % SIZE_MULTIPLE or width % SIZE_MULTIPLE:
         def near(v: int) -> int:
             return max(SIZE_MULTIPLE, (v + SIZE_MULTIPLE // 2) // SIZE_MULTIPLE * SIZE_MULTIPLE)
@@ -365,6 +374,15 @@ def check_denoise_request(handle: Any, cond: Any, *, height: int, width: int, nu
     return method, shape
 
 
+def refine_frames_notice(n: int) -> str | None:
+    """What the refiner says when it is given a frame count that is not 4n+1: it uses the first 4n+1."""
+    usable = (n - 1) // VAE_TEMPORAL * VAE_TEMPORAL + 1
+    if n <= 1 or usable == n:
+        return None
+    return (f"Refine: the base video has {n} frames; the refiner takes 4n+1 frames, so it refines the first "
+            f"{usable} and drops the last {n - usable} (give {usable} or {usable + VAE_TEMPORAL} frames to keep them all).")
+
+
 def check_refine_request(handle: Any, frames: Any, *, height: int, width: int, steps: int, shift: float,
                          t_thresh: float, tail_steps: int, seed: int, first_frame: Any, cond: Any = None,
                          guidance_scale: float | None = None, sampler: Any = None, cfg_batch: str = "off",
@@ -393,11 +411,15 @@ def check_refine_request(handle: Any, frames: Any, *, height: int, width: int, s
     if n == 1:
         raise ValueError("the refiner works on videos; a single frame (T2I) cannot be refined")
     usable = (n - 1) // 4 * 4 + 1
+    if usable != n:
+        log.warning("%s", refine_frames_notice(n))
     validate_geometry(height, width, usable)
     check_steps(steps)
     check_shift(shift)
     check_t_thresh(t_thresh)
     check_count("tail_steps", tail_steps)
+    if tail_steps > MAX_STEPS:
+        raise ValueError(f"tail_steps must be at most {MAX_STEPS}, got {tail_steps}")
     check_seed(seed)
     if first_frame is not None:
         picture = checked_image(first_frame, "first_frame")

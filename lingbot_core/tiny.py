@@ -245,6 +245,19 @@ def cache_root() -> Path:
     return Path(cache).expanduser() / "lingbot-nodes"
 
 
+def check_cache_folder(folder: Path) -> None:
+    """Refuse, with the fix, a cache folder that cannot be made because a file is in its way (the cache
+    root or one of its parents is a file: `LINGBOT_TINY_DIR=~/somefile`, say)."""
+    for where in (folder, *folder.parents):
+        if where.exists() or where.is_symlink():
+            if not where.is_dir():
+                root = cache_root()
+                raise NotADirectoryError(
+                    f"the lingbot-nodes cache folder {root} cannot be used: {where} is a file, not a folder. Set "
+                    "LINGBOT_TINY_DIR (or XDG_CACHE_HOME) to a folder, or move that file away.")
+            return
+
+
 def ensure_tiny_checkpoint(variant: str = "dense") -> Path:
     """The default tiny checkpoint of `variant` (seed 0) in the user cache, built on first use."""
     return build_tiny_checkpoint(default_tiny_dir(variant), variant)
@@ -298,6 +311,7 @@ def build_tiny_checkpoint(
     folder = Path(folder).expanduser().absolute()
     if not overwrite and is_tiny_checkpoint(folder, variant, seed):
         return folder
+    check_cache_folder(folder.parent)
     _check_replaceable(folder)
 
     folder.parent.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+from lingbot_core.save_path import is_inside
 
 from . import paths, runtime
 from .notices import on_node
@@ -16,12 +19,31 @@ ATTENTION = ["default", "native", "_native_math", "_native_flash", "_native_effi
              "xformers"]
 
 
+def _attention_choice(value: object) -> str | None:
+    """Why `value` is not one of the attention options (a null, a number, an unknown name), or None."""
+    if isinstance(value, str) and value in ATTENTION:
+        return None
+    shown = repr(value)[:40] if isinstance(value, (str, int, float, bool)) or value is None else type(value).__name__
+    return f"attention must be one of {', '.join(ATTENTION)}; got {shown}"
+
+
 def checkpoint_choices() -> list[str]:
     names = list(TINY)
     for root in runtime.model_roots():
         if root.is_dir():
-            names += sorted(p.name for p in root.iterdir() if (p / "model_index.json").is_file())
+            names += sorted(p.name for p in root.iterdir() if _offered(root, p))
     return list(dict.fromkeys(names))
+
+
+def _offered(root: Path, folder: Path) -> bool:
+    """A checkpoint folder the dropdown lists and resolve_checkpoint accepts: one holding model_index.json
+    that, inside ComfyUI, resolves into its model folder (the rule of the `path` input: a link out of it is
+    refused there, so it is not offered here either; LINGBOT_ALLOW_ANY_MODEL_PATH=1 lifts both)."""
+    if not (folder / "model_index.json").is_file():
+        return False
+    if paths._folder_paths() is None or os.environ.get(paths.ANY_MODEL_PATH_ENV) == "1":
+        return True
+    return is_inside(root, folder)
 
 
 def resolve_checkpoint(choice: str, path: str = "") -> Path:
@@ -34,7 +56,7 @@ def resolve_checkpoint(choice: str, path: str = "") -> Path:
     if not isinstance(choice, str) or Path(choice).name != choice or choice in ("", ".", ".."):
         raise ValueError(f"checkpoint {str(choice)[:80]!r} is not a checkpoint folder name")
     for root in runtime.model_roots():
-        if (root / choice / "model_index.json").is_file():
+        if _offered(root, root / choice):
             return root / choice
     raise ValueError(f"checkpoint {choice!r} not found under {', '.join(map(str, runtime.model_roots()))}")
 
@@ -92,7 +114,10 @@ class LingBotLoader(io.ComfyNode):
     def validate_inputs(cls, attention=None):
         """Is the attention kernel's package there? (One input per validator: ComfyUI attaches the
         message to every input a validator names.) The device is checked first thing in execute."""
-        problem = runtime.attention_problem(attention) if isinstance(attention, str) else None
+        # ComfyUI skips its own combo check for an input its validator takes, so the options are checked
+        # here; None is what a validator receives for a linked input (a constant null is refused in execute)
+        problem = _attention_choice(attention) if attention is not None else None
+        problem = problem or (runtime.attention_problem(attention) if isinstance(attention, str) else None)
         return problems_or_true({"attention": problem} if problem else {})
 
     @classmethod
@@ -102,7 +127,8 @@ class LingBotLoader(io.ComfyNode):
 
         from lingbot_core.handle import PipelineHandle
 
-        problem = runtime.device_problem(device) or runtime.attention_problem(attention, device)
+        problem = (_attention_choice(attention) or runtime.device_problem(device)
+                   or runtime.attention_problem(attention, device))
         if problem:
             raise ValueError(problem)
         runtime.install_memory_cooperation()

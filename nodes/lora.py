@@ -32,7 +32,9 @@ def lora_choices() -> list[str]:
     names: list[str] = []
     for root in lora_roots():
         if root.is_dir():
-            names += sorted(p.relative_to(root).as_posix() for p in root.rglob("*.safetensors") if p.is_file())
+            # only what resolve_lora accepts: a link to a file outside the folder is not offered
+            names += sorted(p.relative_to(root).as_posix() for p in root.rglob("*.safetensors")
+                            if p.is_file() and _inside(p, [root]))
     return [NONE, *dict.fromkeys(names)]
 
 

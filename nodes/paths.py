@@ -12,7 +12,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from lingbot_core.save_path import SaveTarget, UnsafePrefix, expand_prefix, is_inside, split_prefix
+from lingbot_core.save_path import (
+    SaveTarget,
+    UnsafePrefix,
+    check_prefix,
+    expand_prefix,
+    is_inside,
+    split_prefix,
+)
 from lingbot_core.save_path import save_target as headless_save_target
 
 from . import runtime
@@ -46,7 +53,10 @@ def save_target(prefix: str, width: int = 0, height: int = 0) -> SaveTarget:
     """
     output_dir = runtime.output_dir()
     expanded = expand_prefix(prefix, width=width, height=height)
-    split_prefix(expanded)  # empty stem, '..', absolute, backslash, drive, control characters
+    # empty stem, '..', absolute, backslash, drive, control characters, and a folder that resolves outside
+    # (an operator's symlink in the output folder): ComfyUI's get_save_image_path creates the folder before
+    # its own check, which compares paths without following links, so this must come first
+    check_prefix(prefix, output_dir, width=width, height=height)
     folder_paths = _folder_paths()
     comfy_save_path = getattr(folder_paths, "get_save_image_path", None)
     if comfy_save_path is None:  # headless (or a host without it): the same rules in our own code

@@ -9,6 +9,7 @@ PNG per step is written there instead, made with the same linear approximation.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -69,7 +70,12 @@ class Previewer:
         from PIL import Image
 
         self._folder.mkdir(parents=True, exist_ok=True)
-        name = f"{self.label}_{node_id}_{step:04d}.png" if node_id else f"{self.label}_{step:04d}.png"
-        path = self._folder / name.replace(" ", "_")
+        stem = f"{self.label}_{node_id}" if node_id else self.label
+        path = self._folder / f"{_file_stem(stem)}_{step:04d}.png"
         Image.fromarray(latent_rgb(latents).numpy()).save(path)
         return path
+
+
+def _file_stem(text: str) -> str:
+    """A plain file name stem: node ids are workflow text (subgraph ids hold ':', any may hold '/')."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", text).lstrip(".")[:160] or "preview"

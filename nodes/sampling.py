@@ -9,6 +9,7 @@ from .types import (
     FRAMES_GRID,
     MAX_FRAMES,
     MAX_SIZE,
+    MAX_STEPS,
     SIZE_GRID,
     Choice,
     Cond,
@@ -37,7 +38,7 @@ def cache_inputs() -> list:
         io.Float.Input("cache_threshold", default=0.0, min=0.0, max=10.0, step=0.01, optional=True,
                        tooltip="Skip while the measured change stays below this (0: the method's default, "
                                "first_block 0.05, magcache 0.06); higher skips more and drifts more"),
-        io.Int.Input("cache_warmup_steps", default=-1, min=-1, max=200, optional=True,
+        io.Int.Input("cache_warmup_steps", default=-1, min=-1, max=MAX_STEPS, optional=True,
                      tooltip="Always compute the first steps (-1: the default, first_block 4, magcache 20%)"),
         io.Int.Input("cache_max_skips", default=-1, min=-1, max=50, optional=True,
                      tooltip="Most consecutive skipped steps (-1: the default, 3)"),
@@ -83,7 +84,7 @@ class LingBotDenoise(io.ComfyNode):
                              tooltip="Video height in pixels, a multiple of 16"),
                 io.Int.Input("frames", default=121, max=MAX_FRAMES, **FRAMES_GRID,
                              tooltip="Frame count: 1 (an image) or 4n+1; 121 is 5 s at 24 fps"),
-                io.Int.Input("steps", default=40, min=1, max=200, tooltip="Sampling steps"),
+                io.Int.Input("steps", default=40, min=1, max=MAX_STEPS, tooltip="Sampling steps"),
                 io.Float.Input("cfg", default=3.0, min=0.0, max=30.0, step=0.1,
                                tooltip="Classifier-free guidance scale; 1 or less skips the negative pass"),
                 io.Float.Input("shift", default=3.0, min=0.01, max=100.0, step=0.1,
@@ -150,7 +151,7 @@ class LingBotRefine(io.ComfyNode):
                              tooltip="Output width, a multiple of 16"),
                 io.Int.Input("height", default=1088, max=MAX_SIZE, **SIZE_GRID,
                              tooltip="Output height, a multiple of 16"),
-                io.Int.Input("steps", default=8, min=1, max=200, tooltip="Refiner steps"),
+                io.Int.Input("steps", default=8, min=1, max=MAX_STEPS, tooltip="Refiner steps"),
                 io.Float.Input("t_thresh", default=0.85, min=0.01, max=1.0, step=0.01,
                                tooltip="How far the base video is re-noised (1: from pure noise)"),
                 io.Float.Input("cfg", default=3.0, min=0.0, max=30.0, step=0.1, tooltip="Guidance scale"),
@@ -189,4 +190,7 @@ class LingBotRefine(io.ComfyNode):
                                 callback=on_step, cfg_batch=cfg_batch,
                                 step_cache=cache_settings(step_cache, cache_threshold, cache_warmup_steps,
                                                           cache_max_skips))
-        return io.NodeOutput(latent_out(dit_to_vae(out, pipe.vae_config())))
+        from lingbot_core.stage_inputs import refine_frames_notice
+
+        notice = refine_frames_notice(int(frames.shape[0])) if hasattr(frames, "shape") else None
+        return io.NodeOutput(latent_out(dit_to_vae(out, pipe.vae_config())), ui=on_node(notice))

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from lingbot_core.stage_inputs import LIMITS
 from lingbot_core.workflow.grid import GridMin
 
 from .v3 import io
@@ -63,8 +64,7 @@ class AnyType(str):
 
 ANY = AnyType("*")
 
-MAX_SIZE = 4096
-MAX_FRAMES = 1025
+MAX_SIZE, MAX_FRAMES, MAX_STEPS = LIMITS["size"], LIMITS["frames"], LIMITS["steps"]  # the core's one registry
 
 
 def on_grid(low: int, step: int) -> dict[str, Any]:

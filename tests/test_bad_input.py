@@ -199,8 +199,10 @@ def _cond() -> stages.Conditioning:
     (dict(shift=0.0), "shift must be a positive number"),
     (dict(negative_prompt=5), "negative_prompt must be a string"),
     (dict(negative_prompt={"a": 1}), "negative_prompt must be a string"),
-    (dict(height=16384, width=16384, num_frames=1025), r"GiB.*limit"),
-    (dict(height=4096, width=4096, num_frames=4097), r"GiB.*limit"),
+    (dict(height=4096, width=4096, num_frames=1025), r"GiB.*limit"),  # the largest the limits allow
+    (dict(height=4096, width=4096, num_frames=513), r"GiB.*limit"),
+    (dict(height=16384, width=16384, num_frames=1025), r"height must be at most"),  # stage_inputs.LIMITS
+    (dict(height=4096, width=4096, num_frames=4097), r"num_frames must be at most"),
 ])
 def test_generate_refuses_before_any_model_work(dense_handle, overrides, pattern):
     with pytest.raises(ValueError, match=pattern):
@@ -210,7 +212,7 @@ def test_generate_refuses_before_any_model_work(dense_handle, overrides, pattern
 
 def test_the_size_limit_names_what_fits(dense_handle):
     with pytest.raises(ValueError) as info:
-        stages.generate(dense_handle, "a boat", height=16384, width=16384, num_frames=1025, steps=2)
+        stages.generate(dense_handle, "a boat", height=4096, width=4096, num_frames=1025, steps=2)
     assert "fits" in str(info.value) or "fewer frames" in str(info.value)
 
 
@@ -282,7 +284,7 @@ def test_denoise_checks_given_latents_and_sizes_before_the_dit_loads(dense_handl
     with pytest.raises(ValueError, match="cond_latent"):
         stages.denoise(dense_handle, _cond(), **SMALL, seed=1, cond_latent=torch.zeros(1, 16, 1, 3, 3))
     with pytest.raises(ValueError, match=r"GiB.*limit"):
-        stages.denoise(dense_handle, _cond(), height=16384, width=16384, num_frames=1025, steps=2, seed=1)
+        stages.denoise(dense_handle, _cond(), height=4096, width=4096, num_frames=1025, steps=2, seed=1)
     with pytest.raises(ValueError, match="seed"):
         stages.denoise(dense_handle, _cond(), **SMALL, seed=True)
     assert not dense_handle.shared.loaded

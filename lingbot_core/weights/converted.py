@@ -104,9 +104,11 @@ class CachedSpan(FileSpan):
 
 
 def cache_folder() -> Path:
-    from ..tiny import cache_root
+    from ..tiny import cache_root, check_cache_folder
 
-    return cache_root() / "converted"
+    folder = cache_root() / "converted"
+    check_cache_folder(folder)
+    return folder
 
 
 def _content(path: Path, size: int) -> str:

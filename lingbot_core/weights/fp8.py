@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import WeightsError
+
 E4M3_MAX = 448.0
 REL_STEP = 2.0**-4  # half an e4m3 ulp, relative
 SUBNORMAL_STEP = 2.0**-10  # half the smallest e4m3 subnormal, in units of the row scale
@@ -27,8 +29,13 @@ def require_fp8() -> None:
 
 
 def quantize_fp8(weight: torch.Tensor, rows_per_chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8_e4m3fn values, float32 scales) for a floating tensor; works in row chunks to bound memory."""
+    """(float8_e4m3fn values, float32 scales) for a floating tensor; works in row chunks to bound memory.
+
+    A 1-D tensor is one row (a scalar scale); a 0-D or non-float tensor is refused (WeightsError)."""
     require_fp8()
+    if weight.ndim == 0 or not weight.dtype.is_floating_point or weight.dtype.itemsize == 1:
+        raise WeightsError(f"fp8 quantizes float tensors of at least one dimension (one scale per row); got a "
+                           f"{weight.ndim}-D {str(weight.dtype).replace('torch.', '')} tensor. Keep it as stored.")
     rows = weight.reshape(-1, weight.shape[-1])
     q = torch.empty(rows.shape, dtype=torch.float8_e4m3fn, device=weight.device)
     scale = torch.empty(rows.shape[0], dtype=torch.float32, device=weight.device)

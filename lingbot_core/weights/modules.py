@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..errors import WeightsError
 from . import gguf_codec
 from .fp8 import dequantize_fp8, quantize_fp8
 
@@ -96,6 +97,8 @@ class QuantizedLinear(nn.Module):
     @classmethod
     def from_linear_fp8(cls, weight: torch.Tensor, bias: torch.Tensor | None,
                         compute_dtype: torch.dtype) -> QuantizedLinear:
+        if weight.ndim != 2:
+            raise WeightsError(f"an fp8 linear weight is [out, in]; got shape {list(weight.shape)}")
         data, scale = pack_fp8(weight)
         return cls(Packing(FP8, tuple(weight.shape)), data, scale, bias, compute_dtype)
 

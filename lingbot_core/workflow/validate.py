@@ -102,6 +102,8 @@ def _type_label(spec: InputSpec) -> str:
 def _convert(spec: InputSpec, value: Any) -> tuple[Any, str | None]:
     """Bring a constant to the declared widget type, or say why it cannot be."""
     t = spec.type
+    if value is None and spec.combo_options is not None:  # a null would reach a node validator as "linked"
+        return value, "expected one of the options, got null"
     if t == "INT":
         if isinstance(value, bool):
             return value, f"expected an integer, got {brief(value)}"
