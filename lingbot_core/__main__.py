@@ -79,11 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .exit_codes import BAD_INPUT, INTERRUPTED, exit_code, one_line  # light: nothing heavy is imported
+
     args = build_parser().parse_args(argv)
-
     try:  # everything heavy (torch included) is imported inside: Ctrl-C is clean from the first instant
-        from .exit_codes import BAD_INPUT, INTERRUPTED, exit_code, one_line
-
         return _generate(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -287,3 +287,14 @@ def test_ctrl_c_while_lingbot_run_imports_is_clean(monkeypatch, capsys):
     monkeypatch.setattr(sys, "meta_path", [Interrupting(), *sys.meta_path])
     assert lingbot_launch.main() == 130
     assert capsys.readouterr().err.strip() == "interrupted"
+
+
+def test_ctrl_c_while_the_core_command_imports_is_clean(monkeypatch, capsys):
+    import lingbot_core.__main__ as core
+
+    def interrupted(_args):
+        raise KeyboardInterrupt  # as if pressed while torch is being imported
+
+    monkeypatch.setattr(core, "_generate", interrupted)
+    assert core.main([]) == 130
+    assert capsys.readouterr().err.strip() == "interrupted"
