@@ -53,13 +53,14 @@ def _dit_bytes(variant: str) -> dict[str, int]:
     from lingbot_core.weights.loader import quantizable
 
     dit = build_transformer(json.loads(CONFIGS[variant].read_text()), torch.device("meta"), torch.bfloat16, 0)
-    out = dict.fromkeys(FORMATS, 0)
+    out = dict.fromkeys((*FORMATS, "fp8"), 0)
     for key, t in dit.state_dict().items():
         n, shape = t.numel(), tuple(t.shape)
         packs = quantizable(key, shape) and shape[-1] % 32 == 0
         out["bf16"] += 2 * n
         out["GGUF Q8_0"] += n * 34 // 32 if packs else 2 * n
         out["GGUF Q4_0"] += n * 18 // 32 if packs else 2 * n
+        out["fp8"] += n + 4 * (n // shape[-1]) if quantizable(key, shape) else 2 * n  # values + a row scale
     return out
 
 

@@ -274,3 +274,13 @@ def test_template_thumbnails_are_drawn_from_their_workflows():
             assert image.format == "JPEG" and image.width == render_graph.THUMBNAIL_WIDTH
             comment = image.info.get("comment", b"").decode()
         assert comment == f"{render_graph.DIGEST_KEY}={render_graph.inputs_digest(workflow)}", workflow.name
+
+
+def test_format_sizes_are_computed_from_the_real_configuration():
+    """The 'Smaller DiT files' sizes are the MoE DiT's bytes per format (bench/recipes.py)."""
+    from bench import recipes
+
+    dit = recipes.model_facts()["moe"]["dit"]
+    rows = {row[0].split(" (")[0]: row[1] for row in _table_rows("| format | MoE DiT on disk")}
+    for name in ("bf16", "GGUF Q8_0", "GGUF Q4_0", "fp8"):
+        assert rows[name] == f"{dit[name] / 1e9:.1f} GB", name
