@@ -20,25 +20,12 @@ import json
 import re
 from typing import Any
 
+from lingbot_core.caption_schema import CAMERA_DEFAULTS as DEFAULTS
+from lingbot_core.caption_schema import CAMERA_FIELDS, timestamp
+
 from .types import CATEGORY, Choice, InputProblems
 from .v3 import io
 
-# camera_info fields and the values the reference's caption schema lists for them (video captions).
-CAMERA_FIELDS: dict[str, list[str]] = {
-    "color": ["Warm", "Cool", "Mixed", "Saturated", "Desaturated", "Black and White", "Red", "Orange", "Yellow",
-              "Green", "Cyan", "Blue", "Magenta", "Pink"],
-    "frame_size": ["Extreme Wide", "Wide", "Medium Wide", "Medium", "Medium Close Up", "Close Up",
-                   "Extreme Close Up"],
-    "shot_type_angle": ["Eye level", "High angle", "Low angle", "Dutch angle", "Overhead", "Aerial"],
-    "lens_size": ["Medium", "Ultra Wide / Fisheye", "Wide", "Long Lens", "Telephoto"],
-    "composition": ["Center", "Balanced", "Symmetrical", "Left heavy", "Right heavy", "Short side"],
-    "lighting": ["Soft light", "Hard light", "High contrast", "Low contrast", "Side light", "Top light",
-                 "Underlight", "Backlight", "Edge light", "Silhouette"],
-    "lighting_type": ["Daylight", "Sunny", "Overcast", "Moonlight", "Artificial light", "Practical light",
-                      "Tungsten", "Fluorescent", "Firelight", "Mixed light"],
-}
-DEFAULTS = {"color": "Warm", "frame_size": "Medium", "shot_type_angle": "Eye level", "lens_size": "Medium",
-            "composition": "Center", "lighting": "Soft light", "lighting_type": "Daylight"}
 TEMPORAL = 4  # the VAE's temporal compression: frame counts are 4n+1
 
 _ACTION = re.compile(r"^\s*\[?\s*(\d+(?:\.\d+)?)\s*s?\s*-\s*(\d+(?:\.\d+)?)\s*s?\s*\]?\s*:\s*(.*)$")
@@ -55,10 +42,6 @@ def frames_for(duration: float, fps: int) -> int:
         return 1
     count = int(duration * fps)
     return ((count - 1) // TEMPORAL + 1) * TEMPORAL + 1
-
-
-def timestamp(start: float, end: float) -> str:
-    return f"[{start:.1f}s - {end:.1f}s]"
 
 
 def parse_elements(text: str, video: bool) -> list[dict[str, Any]]:

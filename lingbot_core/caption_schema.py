@@ -1,0 +1,139 @@
+"""The structured caption LingBot-Video was trained on: its fields, vocabulary and a validator.
+
+One home for the schema facts, read by the Caption node (its widgets), the prompt rewriter (its
+instructions and its check of what a model wrote) and the tests. A caption file is
+``{"caption": {...}, "duration": seconds}``; the caption holds
+
+* ``comprehensive_description``: ``scene_content_description`` and, for video,
+  ``camera_movement_description``;
+* ``camera_info``: the seven categorical fields of :data:`CAMERA_FIELDS`;
+* ``world_knowledge``: a list of strings;
+* ``prominent_elements``: objects with ``name``, ``description`` and, for video, ``actions``
+  (``timestamp`` written ``"[0.0s - 0.5s]"``, ``action``), every action within the duration.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+__all__ = ["CAMERA_FIELDS", "CAMERA_DEFAULTS", "TIMESTAMP_PATTERN", "caption_problems", "parse_timestamp",
+           "timestamp"]
+
+CAMERA_FIELDS: dict[str, list[str]] = {
+    "color": ["Warm", "Cool", "Mixed", "Saturated", "Desaturated", "Black and White", "Red", "Orange", "Yellow",
+              "Green", "Cyan", "Blue", "Magenta", "Pink"],
+    "frame_size": ["Extreme Wide", "Wide", "Medium Wide", "Medium", "Medium Close Up", "Close Up",
+                   "Extreme Close Up"],
+    "shot_type_angle": ["Eye level", "High angle", "Low angle", "Dutch angle", "Overhead", "Aerial"],
+    "lens_size": ["Medium", "Ultra Wide / Fisheye", "Wide", "Long Lens", "Telephoto"],
+    "composition": ["Center", "Balanced", "Symmetrical", "Left heavy", "Right heavy", "Short side"],
+    "lighting": ["Soft light", "Hard light", "High contrast", "Low contrast", "Side light", "Top light",
+                 "Underlight", "Backlight", "Edge light", "Silhouette"],
+    "lighting_type": ["Daylight", "Sunny", "Overcast", "Moonlight", "Artificial light", "Practical light",
+                      "Tungsten", "Fluorescent", "Firelight", "Mixed light"],
+}
+"""camera_info fields and the values the reference's caption schema lists for them (video captions)."""
+
+CAMERA_DEFAULTS: dict[str, str] = {
+    "color": "Warm", "frame_size": "Medium", "shot_type_angle": "Eye level", "lens_size": "Medium",
+    "composition": "Center", "lighting": "Soft light", "lighting_type": "Daylight"}
+
+TIMESTAMP_PATTERN = re.compile(r"^\[(\d+(?:\.\d+)?)s - (\d+(?:\.\d+)?)s\]$")
+"""An action's timestamp, e.g. ``[0.0s - 0.5s]`` (seconds, one space either side of the dash)."""
+
+END_TOLERANCE = 0.05
+"""Seconds the last action's end may differ from the duration (one decimal place of rounding)."""
+
+
+def timestamp(start: float, end: float) -> str:
+    return f"[{start:.1f}s - {end:.1f}s]"
+
+
+def parse_timestamp(text: Any) -> tuple[float, float] | None:
+    """(start, end) seconds of a well-formed timestamp, else None."""
+    match = TIMESTAMP_PATTERN.match(text.strip()) if isinstance(text, str) else None
+    return (float(match.group(1)), float(match.group(2))) if match else None
+
+
+def _text(value: Any) -> bool:
+    return isinstance(value, str) and bool(value.strip())
+
+
+def caption_problems(document: Any, duration: float | None) -> list[str]:
+    """Everything wrong with a caption file for a clip of ``duration`` seconds (0 or None: a still
+    image), one plain sentence each; an empty list means the caption is valid.
+
+    ``document`` is the parsed ``{"caption": {...}, "duration": ...}`` (a bare caption object is
+    accepted too). For video, the last action must end at the duration.
+    """
+    video = bool(duration) and float(duration) > 0
+    if not isinstance(document, dict):
+        return [f"the output must be a JSON object, got {type(document).__name__}"]
+    caption = document.get("caption", document)
+    if not isinstance(caption, dict):
+        return ["'caption' must be a JSON object"]
+    problems: list[str] = []
+    description = caption.get("comprehensive_description")
+    if not isinstance(description, dict):
+        problems.append("'comprehensive_description' is missing or not an object")
+    else:
+        if not _text(description.get("scene_content_description")):
+            problems.append("'comprehensive_description.scene_content_description' is missing or empty")
+        if video and not _text(description.get("camera_movement_description")):
+            problems.append("'comprehensive_description.camera_movement_description' is missing or empty")
+    camera = caption.get("camera_info")
+    if not isinstance(camera, dict):
+        problems.append("'camera_info' is missing or not an object")
+    else:
+        for field, allowed in CAMERA_FIELDS.items():
+            value = camera.get(field)
+            if value not in allowed:
+                problems.append(f"'camera_info.{field}' is {value!r}; use one of: {', '.join(allowed)}")
+    knowledge = caption.get("world_knowledge")
+    if not isinstance(knowledge, list) or not all(isinstance(k, str) for k in knowledge):
+        problems.append("'world_knowledge' must be a list of strings (it may be empty)")
+    elements = caption.get("prominent_elements")
+    last_end = 0.0
+    if not isinstance(elements, list) or not elements:
+        problems.append("'prominent_elements' must be a non-empty list of objects")
+        elements = []
+    for i, element in enumerate(elements):
+        where = f"'prominent_elements[{i}]'"
+        if not isinstance(element, dict):
+            problems.append(f"{where} must be an object")
+            continue
+        for key in ("name", "description"):
+            if not _text(element.get(key)):
+                problems.append(f"{where}.{key} is missing or empty")
+        actions = element.get("actions", [])
+        if not video:
+            if actions:
+                problems.append(f"{where} has actions, but a still image has no timed actions")
+            continue
+        if not isinstance(actions, list):
+            problems.append(f"{where}.actions must be a list")
+            continue
+        for j, action in enumerate(actions):
+            spot = f"{where}.actions[{j}]"
+            if not isinstance(action, dict) or not _text(action.get("action")):
+                problems.append(f"{spot} needs a non-empty 'action' text")
+                continue
+            span = parse_timestamp(action.get("timestamp"))
+            if span is None:
+                problems.append(f"{spot}.timestamp is {action.get('timestamp')!r}; write it like '[0.0s - 2.5s]'")
+                continue
+            start, end = span
+            if end <= start:
+                problems.append(f"{spot} ends ({end:g}s) before it starts ({start:g}s)")
+            if end > float(duration) + END_TOLERANCE:
+                problems.append(f"{spot} ends at {end:g}s, after the {float(duration):g}s duration")
+            last_end = max(last_end, end)
+    if video and elements and not problems and abs(last_end - float(duration)) > END_TOLERANCE:
+        problems.append(f"the last action ends at {last_end:g}s; the clip lasts {float(duration):g}s, so the last "
+                        "action must end exactly at the duration")
+    declared = document.get("duration") if "caption" in document else None
+    if "caption" in document and video and (not isinstance(declared, (int, float)) or
+                                            abs(float(declared) - float(duration)) > END_TOLERANCE):
+        problems.append(f"'duration' is {declared!r}; it must be {float(duration):g}")
+    return problems

@@ -1,0 +1,44 @@
+"""Prompt rewriter: prose (plus the first frame for TI2V) in, the structured caption LingBot-Video was
+trained on out, by a model in two stages (expand the request, map it onto the schema).
+
+Backends are a registry (:data:`BACKENDS`): ``local`` runs the checkpoint's own Qwen3-VL text
+encoder through the stage door; ``openai`` calls an OpenAI-compatible chat endpoint. Which
+endpoints a host may call is the host's decision (:func:`endpoint_allowed` against
+:func:`allowed_endpoints`); API keys come from the environment only.
+"""
+
+from __future__ import annotations
+
+from .core import (
+                   CACHE,
+                   JSON_STAGES,
+                   STAGES,
+                   Backend,
+                   ResultCache,
+                   RewriteError,
+                   RewriteRequest,
+                   RewriteResult,
+                   Sampling,
+                   duration_for,
+                   rewrite,
+)
+from .instructions import TASKS
+from .local_backend import LocalBackend, generate_text
+from .openai_backend import (
+                   API_KEY_ENV,
+                   ENDPOINTS_ENV,
+                   EndpointError,
+                   OpenAIBackend,
+                   allowed_endpoints,
+                   endpoint_allowed,
+                   normalize_endpoint,
+)
+from .scan import ObjectScanner, extract_object
+
+BACKENDS: dict[str, type] = {"local": LocalBackend, "openai": OpenAIBackend}
+"""Rewriter backends by name (what the node's and CLI's choices list)."""
+
+__all__ = ["API_KEY_ENV", "BACKENDS", "CACHE", "ENDPOINTS_ENV", "JSON_STAGES", "STAGES", "TASKS", "Backend",
+           "EndpointError", "LocalBackend", "ObjectScanner", "OpenAIBackend", "ResultCache", "RewriteError",
+           "RewriteRequest", "RewriteResult", "Sampling", "allowed_endpoints", "duration_for", "endpoint_allowed",
+           "extract_object", "generate_text", "normalize_endpoint", "rewrite"]

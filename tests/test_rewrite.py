@@ -1,0 +1,292 @@
+"""Prompt rewriter: the JSON scanner, the caption check, the OpenAI-compatible backend against a
+loopback server (parsing, repair, retries, errors, redirects, keys), the cache, and the local
+backend on the tiny checkpoint (plumbing only: its weights are random)."""
+
+from __future__ import annotations
+
+import gc
+import json
+import weakref
+
+import pytest
+import torch
+from rewrite_fakes import FakeChatServer, ScriptedHead, reply, valid_caption
+
+from lingbot_core import rewrite as rw
+from lingbot_core.caption_schema import CAMERA_FIELDS, caption_problems
+from lingbot_core.handle import PipelineHandle
+from lingbot_core.interrupt import interrupt_checker
+from lingbot_core.offload import configure_offload, release
+
+MODES = ["none", "model", "sequential", "group"]
+OPTS = {"group": {"use_stream": False}}
+
+
+# -- scanner and schema ------------------------------------------------------------------------------
+
+def test_scanner_closes_on_the_first_object_whatever_the_pieces():
+    text = 'Sure! {"a": "x}{\\"y", "b": {"c": [1, "}"]}} and then {"second": 1}'
+    for size in (1, 2, 5, len(text)):
+        scanner = rw.ObjectScanner()
+        closed_at = next(i for i in range(0, len(text), size) if scanner.feed(text[i:i + size]))
+        assert json.loads(scanner.object_text()) == {"a": 'x}{"y', "b": {"c": [1, "}"]}}
+        assert closed_at <= text.index("and then")
+    open_scanner = rw.ObjectScanner()
+    assert not open_scanner.feed('{"a": "}') and open_scanner.object_text() is None
+
+
+def test_extract_object_reads_fenced_json_and_says_why_not():
+    value, why = rw.extract_object('```json\n{"k": [1, 2]}\n```\nHope this helps.')
+    assert value == {"k": [1, 2]} and why is None
+    assert "no JSON object" in rw.extract_object("no braces here")[1]
+    assert "never closes" in rw.extract_object('{"k": [1, 2')[1]
+    assert "does not parse" in rw.extract_object("{'single': 'quotes'}")[1]
+
+
+def test_caption_check_accepts_a_valid_caption_and_names_each_problem():
+    assert caption_problems(valid_caption(5.0), 5.0) == []
+    assert caption_problems(valid_caption(0, video=False), None) == []
+    bad = valid_caption(5.0)
+    bad["caption"]["camera_info"]["lighting"] = "Disco"
+    del bad["caption"]["comprehensive_description"]["camera_movement_description"]
+    bad["caption"]["prominent_elements"][0]["actions"][0]["timestamp"] = "0-2.5"
+    problems = caption_problems(bad, 5.0)
+    assert len(problems) == 3
+    assert any("camera_info.lighting" in p and CAMERA_FIELDS["lighting"][0] in p for p in problems)
+    assert any("camera_movement_description" in p for p in problems)
+    assert any("'0-2.5'" in p for p in problems)
+    short = valid_caption(4.0)
+    assert any("must end exactly at the duration" in p for p in caption_problems(short, 5.0))
+    late = valid_caption(6.0)
+    assert any("after the 5s duration" in p for p in caption_problems(late, 5.0))
+
+
+def test_the_caption_node_builds_what_the_check_accepts():
+    from lingbot_nodes.caption import EXAMPLE_ELEMENTS, LingBotCaption
+
+    out = LingBotCaption.execute("A canal at dawn.", "Static.", *[v[0] for v in CAMERA_FIELDS.values()],
+                                 EXAMPLE_ELEMENTS, 5.0, 24)
+    assert caption_problems(json.loads(out.args[0]), 5.0) == []
+
+
+# -- the OpenAI-compatible backend -------------------------------------------------------------------
+
+def _backend(server, **kw):
+    kw.setdefault("retries", 2)
+    kw.setdefault("backoff", 0.01)
+    kw.setdefault("timeout", 5)
+    return rw.OpenAIBackend(server.url, "base-model", kw.pop("map_model", "json-lora"), **kw)
+
+
+REQUEST = rw.RewriteRequest("a red paper boat on a canal at dawn", "t2v", 5.0)
+
+
+def test_two_stages_per_stage_models_and_chatter_around_the_json(monkeypatch):
+    monkeypatch.setenv(rw.API_KEY_ENV, "sk-test")
+    document = valid_caption(5.0)
+    with FakeChatServer([reply("A red paper boat drifts..."),
+                         reply("Here it is:\n```json\n" + json.dumps(document) + "\n```\nDone.")]) as server:
+        result = rw.rewrite(REQUEST, _backend(server), cache=None)
+    assert json.loads(result.caption) == document and result.expanded == "A red paper boat drifts..."
+    assert not result.repaired
+    first, second = server.requests
+    assert first["path"] == second["path"] == "/v1/chat/completions"
+    assert (first["body"]["model"], second["body"]["model"]) == ("base-model", "json-lora")
+    assert first["headers"]["Authorization"] == "Bearer sk-test"
+    assert first["body"]["temperature"] == 0 and first["body"]["chat_template_kwargs"] == {"enable_thinking": False}
+    assert "A red paper boat drifts" in second["body"]["messages"][1]["content"]
+
+
+@pytest.mark.parametrize("broken", ['{"caption": {"comprehensive_description": ', "I cannot do JSON, sorry."])
+def test_broken_json_gets_one_repair_pass(broken):
+    with FakeChatServer([reply("detail"), reply(broken), reply(json.dumps(valid_caption(5.0)))]) as server:
+        result = rw.rewrite(REQUEST, _backend(server), cache=None)
+    assert result.repaired and json.loads(result.caption) == valid_caption(5.0)
+    repair = server.requests[2]["body"]["messages"][1]["content"]
+    assert broken.strip() in repair and ("never closes" in repair or "no JSON object" in repair)
+
+
+def test_missing_fields_twice_is_a_clear_error_showing_what_was_produced():
+    partial = valid_caption(5.0)
+    del partial["caption"]["camera_info"]
+    text = json.dumps(partial)
+    with FakeChatServer([reply("detail"), reply(text), reply(text)]) as server:
+        with pytest.raises(rw.RewriteError) as caught:
+            rw.rewrite(REQUEST, _backend(server), cache=None)
+    assert len(server.requests) == 3
+    assert "'camera_info' is missing" in str(caught.value) and "paper boat" in str(caught.value)
+    assert caught.value.produced == text and caught.value.problems
+    # The problems reached the repair request.
+    assert "'camera_info' is missing" in server.requests[2]["body"]["messages"][1]["content"]
+
+
+def test_http_500_is_retried_then_named_with_the_endpoint():
+    with FakeChatServer([("status", 500), reply("detail"), reply(json.dumps(valid_caption(5.0)))]) as server:
+        assert rw.rewrite(REQUEST, _backend(server), cache=None).caption
+    assert len(server.requests) == 3
+    with FakeChatServer([("status", 500)] * 3) as server:
+        with pytest.raises(rw.EndpointError) as caught:
+            rw.rewrite(REQUEST, _backend(server), cache=None)
+    assert len(server.requests) == 3
+    assert server.url + "/chat/completions" in str(caught.value) and "HTTP 500" in str(caught.value)
+
+
+def test_a_client_error_is_not_retried():
+    with FakeChatServer([("status", 404)]) as server:
+        with pytest.raises(rw.EndpointError, match="HTTP 404"):
+            rw.rewrite(REQUEST, _backend(server), cache=None)
+    assert len(server.requests) == 1
+
+
+def test_a_slow_endpoint_times_out_and_says_so():
+    with FakeChatServer([("sleep", 1.0, reply("late"))] * 2) as server:
+        with pytest.raises(rw.EndpointError, match=r"no reply within 0.3 s"):
+            rw.rewrite(REQUEST, _backend(server, timeout=0.3, retries=1), cache=None)
+    assert len(server.requests) == 2
+
+
+def test_a_redirect_is_refused():
+    with FakeChatServer([("redirect", "http://10.0.0.1/v1/chat/completions")]) as server:
+        with pytest.raises(rw.EndpointError, match="redirect"):
+            rw.rewrite(REQUEST, _backend(server), cache=None)
+    assert len(server.requests) == 1
+
+
+def test_a_reply_that_is_not_chat_json_is_named():
+    with FakeChatServer([("raw", b"<html>"), ]) as server:
+        with pytest.raises(rw.EndpointError, match="did not answer with JSON"):
+            rw.rewrite(REQUEST, _backend(server), cache=None)
+    with FakeChatServer([{"error": "no model"}]) as server:
+        with pytest.raises(rw.EndpointError, match=r"choices\[0\]"):
+            rw.rewrite(REQUEST, _backend(server), cache=None)
+
+
+def test_the_cache_answers_the_same_request_and_keys_on_what_changes_the_caption():
+    cache = rw.ResultCache(size=4)
+    script = [reply("detail"), reply(json.dumps(valid_caption(5.0)))]
+    with FakeChatServer(script * 3) as server:
+        first = rw.rewrite(REQUEST, _backend(server), cache=cache)
+        again = rw.rewrite(REQUEST, _backend(server), cache=cache)
+        assert again.cached and again.caption == first.caption and len(server.requests) == 2
+        rw.rewrite(REQUEST, _backend(server, map_model="other-lora"), cache=cache)  # another model: asked again
+        assert len(server.requests) == 4
+        image = torch.zeros(1, 32, 32, 3)
+        ti2v = rw.RewriteRequest(REQUEST.prompt, "ti2v", 5.0, image)
+        rw.rewrite(ti2v, _backend(server), cache=cache)
+        assert len(server.requests) == 6
+        assert server.requests[4]["body"]["messages"][1]["content"][0]["type"] == "image_url"
+        # Same pixels: cached; other pixels: a new key.
+        assert rw.rewrite(rw.RewriteRequest(REQUEST.prompt, "ti2v", 5.0, image.clone()), _backend(server),
+                          cache=cache).cached
+        other = rw.ResultCache.key(rw.RewriteRequest(REQUEST.prompt, "ti2v", 5.0, image + 0.5), _backend(server),
+                                   rw.Sampling())
+        assert other != rw.ResultCache.key(ti2v, _backend(server), rw.Sampling())
+
+
+def test_bad_requests_are_refused_before_any_call():
+    with pytest.raises(ValueError, match="needs a prompt"):
+        rw.RewriteRequest("  ").checked()
+    with pytest.raises(ValueError, match="ti2v needs the first frame"):
+        rw.RewriteRequest("x", "ti2v").checked()
+    with pytest.raises(ValueError, match="task must be one of"):
+        rw.RewriteRequest("x", "i2i").checked()
+    with pytest.raises(ValueError, match="user name or password"):
+        rw.OpenAIBackend("http://me:pw@127.0.0.1:1/v1", "m")
+    with pytest.raises(ValueError, match="http"):
+        rw.OpenAIBackend("file:///etc/passwd", "m")
+    assert rw.duration_for(121, 24) == 5.0
+
+
+def test_endpoint_allowlist_matching():
+    allowed = rw.allowed_endpoints({rw.ENDPOINTS_ENV: " http://127.0.0.1:8000/v1 , https://llm.example.org "})
+    assert allowed == ["http://127.0.0.1:8000/v1", "https://llm.example.org:443"]
+    assert rw.endpoint_allowed("http://127.0.0.1:8000/v1/", allowed)
+    assert rw.endpoint_allowed("http://127.0.0.1:8000/v1/chat/completions", allowed)
+    assert rw.endpoint_allowed("https://LLM.example.org/v1", allowed)
+    for refused in ("http://127.0.0.1:8001/v1", "http://127.0.0.1:8000/v10", "http://llm.example.org/v1",
+                    "https://llm.example.org.evil.com/v1", "http://169.254.169.254/latest"):
+        assert not rw.endpoint_allowed(refused, allowed), refused
+    assert rw.allowed_endpoints({}) == []
+
+
+# -- the local backend on the tiny checkpoint ----------------------------------------------------------
+
+@pytest.fixture
+def dense(fixtures_root):
+    return PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_local_generation_runs_under_every_offload_mode(dense, mode):
+    handle = configure_offload(dense, mode, **OPTS.get(mode, {}))
+    seen = []
+    result = rw.generate_text(handle, "system", "user", max_new_tokens=6,
+                              on_token=lambda stage, n, limit: seen.append((stage, n, limit)))
+    assert result.tokens == 6 and result.stopped == "limit"
+    assert seen[-1] == ("expand", 6, 6)
+    again = rw.generate_text(handle, "system", "user", max_new_tokens=6)
+    assert again.text == result.text  # greedy: the same tokens
+    assert not any(p.device.type == "meta" and mode != "sequential" for p in
+                   handle.shared.loaded["text_encoder"].parameters())
+
+
+def test_local_generation_stops_when_the_first_object_closes(dense):
+    encoder, tokenizer = dense.component("text_encoder"), dense.component("processor").tokenizer
+    head = ScriptedHead(encoder, tokenizer, ['{"a": "}{", "b": {"c": 1}} trailing words that never come'])
+    try:
+        result = rw.generate_text(dense, "s", "u", max_new_tokens=60, stop_at_object=True)
+        assert result.stopped == "object" and json.loads(result.text) == {"a": "}{", "b": {"c": 1}}
+        plain = rw.generate_text(dense, "s", "u", max_new_tokens=60, stop_at_object=False)
+        assert plain.stopped == "eos" and plain.text.endswith("never come") and plain.tokens > result.tokens
+    finally:
+        head.remove()
+
+
+def test_local_rewrite_end_to_end_with_cache_and_release(dense):
+    encoder, tokenizer = dense.component("text_encoder"), dense.component("processor").tokenizer
+    still = valid_caption(0, video=False)  # the shortest valid caption: fewer tokens to force
+    head = ScriptedHead(encoder, tokenizer, ["A red paper boat on a canal.", json.dumps(still)])
+    cache = rw.ResultCache()
+    request = rw.RewriteRequest(REQUEST.prompt, "t2i")
+    try:
+        backend = rw.LocalBackend(dense)
+        result = rw.rewrite(request, backend, cache=cache)
+        assert json.loads(result.caption) == still and result.expanded.startswith("A red paper boat")
+        assert head.prefills == 2
+        assert rw.rewrite(request, rw.LocalBackend(dense), cache=cache).cached and head.prefills == 2
+        # Another token limit is another key; at 40 tokens the caption is cut off: the limit holds.
+        limited = rw.LocalBackend(dense, max_new_tokens=40)
+        with pytest.raises(rw.RewriteError, match="never closes"):
+            rw.rewrite(request, limited, cache=cache)
+        assert limited.last.tokens == 40 and limited.last.stopped == "limit" and head.prefills == 5
+    finally:
+        head.remove()
+    ref = weakref.ref(dense.shared.loaded["text_encoder"])
+    del encoder, head, backend, limited
+    assert "text_encoder" in release(dense, ["text_encoder"])
+    gc.collect()
+    assert ref() is None
+    assert rw.generate_text(dense, "s", "u", max_new_tokens=2).tokens == 2  # reloads on demand
+
+
+def test_random_weights_fail_with_the_clear_error(dense):
+    # Random weights write no caption: whichever way it fails, it is the rewriter's clear error.
+    with pytest.raises(rw.RewriteError, match="empty expansion|did not produce a valid caption after one repair"):
+        rw.rewrite(REQUEST, rw.LocalBackend(dense, max_new_tokens=8), cache=None)
+
+
+def test_cancel_mid_generation_leaves_the_handle_usable(dense):
+    expected = rw.generate_text(dense, "s", "u", max_new_tokens=5).text
+    calls = []
+
+    def cancel_after_three_tokens():
+        calls.append(1)
+        if len(calls) > 12:
+            raise KeyboardInterrupt("cancelled")
+
+    with pytest.raises(KeyboardInterrupt):
+        with interrupt_checker(cancel_after_three_tokens):
+            rw.generate_text(dense, "s", "u", max_new_tokens=50)
+    assert len(calls) < 50
+    assert type(dense.component("text_encoder").lm_head).__name__ != "_FollowingHead"
+    assert rw.generate_text(dense, "s", "u", max_new_tokens=5).text == expected
