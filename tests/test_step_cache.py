@@ -184,3 +184,21 @@ def test_the_nodes_offer_the_core_choices():
     assert cache_settings("first_block", 0.0, -1, -1).resolved(40) == (0.05, 4, 3)
     assert cache_settings("magcache", 0.1, 2, 5).resolved(40) == (0.1, 2, 5)
     assert cache_settings("magcache", 0.0, -1, -1).resolved(40) == (0.06, 8, 3)
+
+
+def test_with_a_lora(fixtures_root):
+    from lingbot_core import lora as lora_ops
+
+    handle = _handle(fixtures_root, "moe")
+    lora = lora_ops.load_lora_file(fixtures_root.parent / "lingbot-lora" / "cases" / "lora-lightx2v-mixed-moe"
+                                   / "lora.safetensors")
+    view = lora_ops.with_lora(handle, lora, 1.0)
+    cond = stages.encode_prompt(handle, "a red boat", "")
+    depth = len(handle.component("transformer").blocks)
+    plain, _ = _run(handle, cond, StepCacheSettings("first_block", **ALWAYS))
+    cached, blocks = _run(view, cond, StepCacheSettings("first_block", **ALWAYS))
+    assert blocks == 2 * (COMPUTED_STEPS * depth + (STEPS - COMPUTED_STEPS))
+    assert not torch.equal(cached, plain)  # the LoRA is applied under caching
+    off, _ = _run(view, cond)
+    exact, _ = _run(view, cond, StepCacheSettings("first_block", threshold=0.0))
+    assert torch.equal(exact, off)
