@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from . import checkpoint_checks as checks
-from .components import DITS, INDEXED, TABLE
+from .components import DITS, INDEXED, TABLE, ComponentFiles
 from .errors import CheckpointError
 from .weights.resolve import ComponentSource, check_weights_mode_for, folder_source
 
@@ -33,11 +33,12 @@ COMPONENTS = INDEXED  # what model_index.json lists (the refiner is found by its
 class CheckpointInfo:
     """What `inspect_checkpoint` found: enough to plan loading without touching the weights."""
 
-    folder: Path
+    folder: Path | None  # None: every component was given as a single file
     variant: str  # "dense" or "moe"
     has_refiner: bool
     transformer_config: dict[str, Any]
     sources: dict[str, ComponentSource] = field(default_factory=dict)  # resolved once, headers read
+    file_sources: dict[str, Any] = field(default_factory=dict)  # components given as files of other routes
 
     @property
     def weight_files(self) -> dict[str, list[Path]]:
@@ -46,7 +47,10 @@ class CheckpointInfo:
     def component_bytes(self, name: str) -> int:
         """Bytes of weights on disk for a component (an estimate of its RAM in the stored dtype)."""
         source = self.sources.get(name)
-        return source.stored_bytes if source is not None else 0
+        if source is not None:
+            return source.stored_bytes
+        other = self.file_sources.get(name)
+        return int(getattr(other, "nbytes", 0)) if other is not None else 0
 
     def check_weights_mode(self, weights: str) -> None:
         """Refuse a weights mode a DiT's stored format cannot give (fp8 on load of a GGUF), at open."""
@@ -125,8 +129,43 @@ def _check_config_class(folder: Path, component: str) -> dict[str, Any]:
     return config
 
 
-def inspect_checkpoint(folder: str | os.PathLike) -> CheckpointInfo:
-    """Validate a checkpoint folder without loading any weights; raise CheckpointError on the first problem."""
+@dataclass(frozen=True)
+class FileRoute:
+    """How a component given as a single file is resolved (at open: headers read, names and config
+    inferred, problems refused) and loaded (from what `resolve` returned)."""
+
+    resolve: Callable[[Path, str], Any]  # (path, component name) -> the resolved file
+    load: Callable[..., Any]  # (resolved, dtype=..., attn_implementation=...) -> the component
+
+
+def _load_dit_file(resolved: ComponentSource, *, dtype: torch.dtype | None = None, weights: str = "auto",
+                   streamed: bool = False, **_: Any) -> torch.nn.Module:
+    return load_transformer(None, dtype=dtype, weights=weights, streamed=streamed, source=resolved)
+
+
+def _dit_file(path: Path, component: str) -> ComponentSource:
+    from .weights.dit_file import dit_file_source
+
+    return dit_file_source(path, component)
+
+
+# Single-file routes by component role: a new one is one row. The VAE and text-encoder rows are
+# registered by their modules (weights/vae_file.py, weights/text_encoder_file.py) when wired in.
+FILE_ROUTES: dict[str, FileRoute] = {"dit": FileRoute(_dit_file, _load_dit_file)}
+
+
+def _resolve_file(name: str, path: Path) -> Any:
+    route = FILE_ROUTES.get(TABLE[name].role)
+    if route is None:
+        raise CheckpointError(f"{name}: loading the {name} from a single file ({path.name}) is not supported yet; "
+                              f"pass a checkpoint folder for it.")
+    return route.resolve(path, name)
+
+
+def inspect_checkpoint(folder: str | os.PathLike, files: ComponentFiles | None = None) -> CheckpointInfo:
+    """Validate a checkpoint folder without loading any weights; raise CheckpointError on the first problem.
+    `files`: single files that replace the folder's components (their folders may then be absent)."""
+    given = files.given() if files is not None else {}
     root = Path(folder).expanduser()
     if not root.is_dir():
         raise CheckpointError(f"checkpoint folder {root} does not exist. Pass the folder that holds model_index.json.")
@@ -143,34 +182,77 @@ def inspect_checkpoint(folder: str | os.PathLike) -> CheckpointInfo:
             known = ", ".join(f"{lib}.{cls}" for lib, cls in TABLE[name].index_classes)
             raise CheckpointError(f"{root / 'model_index.json'}: '{name}' is {entry[0]}.{entry[1]}, which lingbot-nodes "
                                   f"does not know; expected {known}.")
-        if not (root / name).is_dir():
+        if name not in given and not (root / name).is_dir():
             raise CheckpointError(f"{name}: missing folder {root / name}. Re-download the checkpoint.")
 
-    sources: dict[str, ComponentSource] = {}
-    configs: dict[str, dict[str, Any]] = {}
-    for name in ("transformer", "vae", "text_encoder"):
-        configs[name] = _check_config_class(root / name, name)
-        sources[name] = folder_source(root / name, name)
-    transformer_config = configs["transformer"]
-    configs["scheduler"] = _check_config_class(root / "scheduler", "scheduler")
-    processor = root / "processor"
+    has_refiner = "refiner" in given or (root / "refiner").is_dir()
+    found = _Found()
+    for name in ("transformer", "vae", "text_encoder", *(("refiner",) if has_refiner else ())):
+        if name in given:
+            found.add_file(name, given[name])
+        else:
+            found.configs[name] = _check_config_class(root / name, name)
+            found.sources[name] = folder_source(root / name, name)
+    found.configs["scheduler"] = _check_config_class(root / "scheduler", "scheduler")
+    found.add_processor(given.get("processor", root / "processor"), "processor" in given)
+    check_values_and_shapes(root, found.configs, found.sources, skip=set(given))
+    return found.info(root, has_refiner)
+
+
+def inspect_files(files: ComponentFiles) -> CheckpointInfo:
+    """Validate components given only as single files (no checkpoint folder): every component a run
+    needs must be given; the scheduler takes its default config."""
+    given = files.given()
+    missing = [n for n in ("transformer", "vae", "text_encoder", "processor") if n not in given]
+    if missing:
+        raise CheckpointError(f"without a checkpoint folder every component must be given as a file; missing: "
+                              f"{', '.join(missing)}. Give them, or pass the checkpoint folder they come from.")
+    found = _Found()
+    for name in ("transformer", "refiner", "vae", "text_encoder"):
+        if name in given:
+            found.add_file(name, given[name])
+    found.add_processor(given["processor"], True)
+    check_values_and_shapes(Path("."), found.configs, found.sources, skip=set(given), scheduler=False)
+    return found.info(None, "refiner" in given)
+
+
+@dataclass
+class _Found:
+    """What the inspection found so far: resolved sources, other single-file routes, configs."""
+
+    sources: dict[str, ComponentSource] = field(default_factory=dict)
+    file_sources: dict[str, Any] = field(default_factory=dict)
+    configs: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def add_file(self, name: str, path: Path) -> None:
+        resolved = _resolve_file(name, path)
+        if isinstance(resolved, ComponentSource):
+            self.sources[name] = resolved
+        else:
+            self.file_sources[name] = resolved
+        self.configs[name] = dict(getattr(resolved, "config", None) or {})
+
+    def add_processor(self, folder: Path, given: bool) -> None:
+        _check_processor(folder)
+        if given:
+            self.file_sources["processor"] = folder
+
+    def info(self, root: Path | None, has_refiner: bool) -> CheckpointInfo:
+        config = self.configs["transformer"]
+        variant = "moe" if int(config.get("num_experts") or 0) > 0 else "dense"
+        return CheckpointInfo(root, variant, has_refiner, config, self.sources, self.file_sources)
+
+
+def _check_processor(processor: Path) -> None:
     if not (processor / "tokenizer.json").is_file() and not (processor / "tokenizer_config.json").is_file():
         raise CheckpointError(f"processor: no tokenizer in {processor} (tokenizer.json); re-download the checkpoint.")
     if not any((processor / f).is_file() for f in ("processor_config.json", "preprocessor_config.json")):
         raise CheckpointError(f"processor: no processor_config.json or preprocessor_config.json in {processor}; "
                               "re-download the checkpoint.")
 
-    has_refiner = (root / "refiner").is_dir()
-    if has_refiner:
-        configs["refiner"] = _check_config_class(root / "refiner", "refiner")
-        sources["refiner"] = folder_source(root / "refiner", "refiner")
-    check_values_and_shapes(root, configs, sources)
-    variant = "moe" if int(transformer_config.get("num_experts") or 0) > 0 else "dense"
-    return CheckpointInfo(root, variant, has_refiner, transformer_config, sources)
 
-
-def check_values_and_shapes(root: Path, configs: dict[str, dict[str, Any]],
-                            sources: dict[str, ComponentSource]) -> None:
+def check_values_and_shapes(root: Path, configs: dict[str, dict[str, Any]], sources: dict[str, ComponentSource],
+                            skip: set[str] = frozenset(), scheduler: bool = True) -> None:
     """Config values of every component, then every stored tensor's shape against its config.
 
     Shapes come from the headers read when each component resolved (safetensors or GGUF) and a
@@ -180,17 +262,22 @@ def check_values_and_shapes(root: Path, configs: dict[str, dict[str, Any]],
     for name in ("transformer", "refiner"):
         if name in configs:
             checks.check_transformer_config(configs[name], str(root / name / "config.json"))
-    checks.check_vae_config(configs["vae"], str(root / "vae" / "config.json"))
-    checks.check_scheduler_config(configs["scheduler"], str(root / "scheduler" / "scheduler_config.json"))
-    checks.check_text_encoder_config(configs["text_encoder"], str(root / "text_encoder" / "config.json"),
-                                     configs["transformer"].get("text_dim"))
-    vae_dim, dit_in = configs["vae"]["z_dim"], configs["transformer"]["in_channels"]
-    if vae_dim != dit_in:
-        raise CheckpointError(f"{root}: the VAE's z_dim is {vae_dim} but the transformer takes {dit_in} channels; "
-                              "the folders come from different models. Re-download the checkpoint.")
+    where_of = {name: sources[name].where if name in skip and name in sources else root / name / "config.json"
+                for name in configs}
+    if "vae" not in skip:
+        checks.check_vae_config(configs["vae"], str(root / "vae" / "config.json"))
+    if scheduler:
+        checks.check_scheduler_config(configs["scheduler"], str(root / "scheduler" / "scheduler_config.json"))
+    if "text_encoder" not in skip:
+        checks.check_text_encoder_config(configs["text_encoder"], str(root / "text_encoder" / "config.json"),
+                                         configs["transformer"].get("text_dim"))
+    vae_dim, dit_in = configs["vae"].get("z_dim"), configs["transformer"]["in_channels"]
+    if vae_dim is not None and vae_dim != dit_in:
+        raise CheckpointError(f"{where_of['vae']}: the VAE's z_dim is {vae_dim} but the transformer "
+                              f"({where_of['transformer']}) takes {dit_in} channels; they come from different models.")
     for name in ("transformer", "refiner", "vae", "text_encoder"):
-        if name not in sources:
-            continue
+        if name not in sources or name in skip:
+            continue  # a single file was matched against its config when it resolved
         where = root / name
         if sources[name].format.name != "safetensors":  # a GGUF DiT: its source's logical entries
             check_dit_entries(sources[name], checks.dit_shapes(configs[name], str(where / "config.json")))
@@ -266,7 +353,12 @@ def load_component(folder: Path, name: str, *, dtype: torch.dtype | None = None,
                    source: ComponentSource | None = None) -> Any:
     """Load one component from a validated folder (CPU). dtype None: as stored (the DiT) or float32.
     `streamed` (the DiT only): its stored tensors stay in the file, for disk-backed offload.
-    `source`: the component as resolved when the checkpoint opened (else it is resolved now)."""
+    `source`: the component as resolved when the checkpoint opened (else it is resolved now): a
+    `ComponentSource`, what a single-file route resolved (`FILE_ROUTES`), or a processor folder."""
+    if source is not None and not isinstance(source, (ComponentSource, Path)):
+        route = FILE_ROUTES[TABLE[name].role]
+        module = route.load(source, dtype=dtype, attn_implementation=attn_implementation)
+        return _finite(module, name, Path(getattr(source, "path", name)))
     if name == "transformer":
         dit = load_transformer(folder, dtype=dtype, weights=weights, streamed=streamed, source=source)
         return _finite(dit, name, (source.config_dir or source.where) if source is not None else Path(folder) / name)
@@ -307,8 +399,8 @@ def load_component(folder: Path, name: str, *, dtype: torch.dtype | None = None,
         from transformers import Qwen3VLProcessor
 
         try:
-            return Qwen3VLProcessor.from_pretrained(folder / "processor", local_files_only=True,
-                                                    trust_remote_code=False)
+            return Qwen3VLProcessor.from_pretrained(source if isinstance(source, Path) else folder / "processor",
+                                                    local_files_only=True, trust_remote_code=False)
         except Exception as err:  # transformers' and tokenizers' own errors (tokenizers raises bare Exception)
             raise CheckpointError(f"processor: {folder / 'processor'} cannot be loaded ({type(err).__name__}: "
                                   f"{str(err)[:300]}). The tokenizer/processor files are corrupt; re-download "
@@ -316,6 +408,8 @@ def load_component(folder: Path, name: str, *, dtype: torch.dtype | None = None,
     if name == "scheduler":
         from .scheduler import FlowUniPCScheduler
 
+        if folder is None:  # only single files were given: the scheduler's default config
+            return FlowUniPCScheduler()
         return FlowUniPCScheduler.from_pretrained(folder, subfolder="scheduler", local_files_only=True)
     raise ValueError(f"unknown component {name!r}; expected one of {COMPONENTS}")
 

@@ -13,7 +13,9 @@ registered under (`checkpoint.LOADERS`).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -72,3 +74,30 @@ def component(name: str) -> Component:
         return TABLE[name]
     except KeyError:
         raise ValueError(f"unknown component {name!r}; expected one of {', '.join(TABLE)}") from None
+
+
+@dataclass(frozen=True)
+class ComponentFiles:
+    """Single files standing in for components (`PipelineHandle.open(folder, files=...)`).
+
+    With a checkpoint folder, each file given overrides that folder's component; without one, every
+    component a run needs must be given. `transformer` / `refiner`: a DiT `.safetensors` or `.gguf`
+    (`weights.dit_file`). `vae`, `text_encoder`: single files, resolved by the route registered for
+    their role in `checkpoint.FILE_ROUTES` (one row each). `processor`: a folder holding the
+    tokenizer and processor configs.
+    """
+
+    transformer: str | os.PathLike | None = None
+    refiner: str | os.PathLike | None = None
+    vae: str | os.PathLike | None = None
+    text_encoder: str | os.PathLike | None = None
+    processor: str | os.PathLike | None = None
+
+    def given(self) -> dict[str, Path]:
+        """Component name -> path, for the slots that hold one (empty strings count as not given)."""
+        out = {}
+        for name in ("transformer", "refiner", "vae", "text_encoder", "processor"):
+            value = getattr(self, name)
+            if value is not None and str(value).strip():
+                out[name] = Path(value).expanduser()
+        return out

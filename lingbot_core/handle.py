@@ -27,12 +27,13 @@ from .checkpoint import (
     CheckpointInfo,
     default_dtypes,
     inspect_checkpoint,
+    inspect_files,
     inspect_student,
     load_component,
     load_refiner,
     load_transformer,
 )
-from .components import ALL, DITS
+from .components import ALL, DITS, ComponentFiles
 from .placement.door import check_settings
 from .placement.settings import OffloadSettings
 from .placement.state import Placement
@@ -68,11 +69,13 @@ class SharedComponents:
             raise ValueError(f"unknown component {name!r}; expected one of {ALL_COMPONENTS}")
         with self.lock:
             if name not in self.loaded:
-                if self.folder is None:
+                # the sources resolved when the handle opened: no header is read again, on reload neither
+                source = None
+                if self.info is not None:
+                    source = self.info.sources.get(name) or self.info.file_sources.get(name)
+                if self.folder is None and source is None and not (self.info is not None and name == "scheduler"):
                     raise RuntimeError(f"component {name!r} was released and this handle has no checkpoint "
                                        "folder to reload it from")
-                # the sources resolved when the handle opened: no header is read again, on reload neither
-                source = self.info.sources.get(name) if self.info is not None else None
                 if name == "refiner":
                     module = load_refiner(self.folder, dtype=self.dtypes["refiner"], weights=self.weights,
                                           streamed=streamed, info=self.info)
@@ -115,8 +118,9 @@ class PipelineHandle:
     @classmethod
     def open(
         cls,
-        folder: str | os.PathLike,
+        folder: str | os.PathLike | None,
         *,
+        files: ComponentFiles | None = None,
         device: str | torch.device | None = None,
         dtypes: dict[str, torch.dtype] | None = None,
         attention_backend: str | None = None,
@@ -129,6 +133,11 @@ class PipelineHandle:
         `transformer_folder` swaps in a student DiT (a DMD-distilled one, say): a folder that differs
         from `folder` only in `transformer/`, or that transformer folder itself. Everything else
         (text encoder, VAE, refiner) comes from `folder`.
+        `files` (`components.ComponentFiles`): single files per component. With a folder they override
+        that folder's components; without one (`folder` None) every component a run needs must be a
+        file. A DiT file (`.safetensors` / `.gguf`, any community naming) is read by
+        `weights.dit_file`; the VAE and text-encoder slots load through the routes registered in
+        `checkpoint.FILE_ROUTES` (one row each); `processor` is a folder with the tokenizer files.
         `dtypes` maps a component to a dtype; None for a DiT keeps its stored dtype. `weights`:
         "auto" (as stored: plain, fp8 or GGUF) or "fp8_e4m3" (quantize the DiTs on load).
         """
@@ -136,7 +145,12 @@ class PipelineHandle:
 
         check_weights_mode(weights)
         device = torch.device(device) if device is not None else default_device()
-        info = inspect_checkpoint(folder)
+        if folder is None or not str(folder).strip():
+            if files is None:
+                raise ValueError("PipelineHandle.open needs a checkpoint folder, files=ComponentFiles(...), or both")
+            info = inspect_files(files)
+        else:
+            info = inspect_checkpoint(folder, files)
         student = None
         if transformer_folder is not None and str(transformer_folder).strip():
             root, sub, source = inspect_student(transformer_folder, info)
@@ -221,6 +235,9 @@ class PipelineHandle:
         """The VAE's config (latent statistics) without loading its weights when it is not loaded."""
         if "vae" in self.shared.loaded:
             return self.shared.loaded["vae"].config
+        given = self.info.file_sources.get("vae") if self.info is not None else None
+        if given is not None:  # a single VAE file: the config it resolved with
+            return dict(given.config)
         if self.folder is None:
             raise RuntimeError("no VAE loaded and no checkpoint folder to read its config from")
         from diffusers import AutoencoderKLWan

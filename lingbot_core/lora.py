@@ -609,13 +609,18 @@ def dit_layout(handle: Any, component: str) -> dict[str, Any]:
     module = handle.shared.loaded.get(component)
     if isinstance(module, torch.nn.Module):
         return _layout(module)
-    if handle.folder is None:
-        raise LoraError(f"the {component} is not loaded and this handle has no checkpoint folder to read it from")
     from .models.transformer import LingBotVideoTransformer3DModel
 
-    source = getattr(handle.shared, "transformer_source", None) if component == "transformer" else None
-    folder = source[0] / source[1] if source else handle.folder / component
-    config = LingBotVideoTransformer3DModel.load_config(folder)
+    info = handle.info
+    resolved = info.sources.get(component) if info is not None else None
+    if resolved is not None and resolved.config is not None:  # a single DiT file: its inferred config
+        config = resolved.config
+    elif handle.folder is None:
+        raise LoraError(f"the {component} is not loaded and this handle has no checkpoint folder to read it from")
+    else:
+        source = getattr(handle.shared, "transformer_source", None) if component == "transformer" else None
+        folder = source[0] / source[1] if source else handle.folder / component
+        config = LingBotVideoTransformer3DModel.load_config(folder)
     with torch.device("meta"):
         skeleton = LingBotVideoTransformer3DModel.from_config(config)
     return _layout(skeleton)

@@ -257,7 +257,7 @@ def _model_sizes(handle: Any) -> Any:
     if cached is not None and cached[0] == key:
         return cached[1]
     try:
-        if handle.folder is not None and handle.info is not None:
+        if handle.info is not None:  # opened from a checkpoint (a folder and/or files)
             sizes = memory.ModelSizes.from_handle(handle)
         else:
             sizes = memory.sizes_from_modules(shared.loaded)

@@ -493,7 +493,7 @@ def refine(
         check_step_cache(StepCacheSettings.of(step_cache), steps=run_steps,
                          sampler_name=sampling.get_sampler(sampler).name)
     if release_base is None:
-        release_base = handle.folder is not None and effective_mode(handle) != "none"
+        release_base = handle.info is not None and effective_mode(handle) != "none"  # reloadable
     if release_base and "transformer" in handle.shared.loaded:
         release(handle, ["transformer"])
     start = prepare_refine(handle, frames, height=height, width=width, steps=steps, shift=shift, t_thresh=t_thresh,

@@ -224,6 +224,14 @@ _ENCODING = "utf-8"
 # --- public API --------------------------------------------------------------------------------------
 
 
+def tiny_dit_config(variant: str = "dense") -> dict[str, Any]:
+    """The tiny DiT's config of `variant` (what `transformer/config.json` of a tiny build holds, less
+    the diffusers bookkeeping): single-file loading knows this shape as well as the published ones."""
+    _check_variant(variant)
+    config = {**_DIT_CONFIG, **(_DIT_MOE_OVERRIDES if variant == "moe" else {})}
+    return json.loads(json.dumps(config))  # tuples as lists, as a config file holds them
+
+
 def default_tiny_dir(variant: str = "dense") -> Path:
     """Per-user cache folder of the tiny checkpoint, so it is built once and reused by every run.
 

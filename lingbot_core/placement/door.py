@@ -360,7 +360,7 @@ def release(handle: PipelineHandle, components: tuple[str, ...] | list[str] | No
     shared = handle.shared
     with shared.lock:
         names = [n for n in (components or list(shared.loaded)) if n in shared.loaded]
-        if shared.folder is None and names:
+        if shared.info is None and names:  # nothing to reload from
             raise RuntimeError("this handle was built from in-memory components and cannot reload them; "
                                "keep them or open the handle from a checkpoint folder")
         for name in names:

@@ -48,7 +48,7 @@ def _read_gguf(files: list[Path]) -> Any:
 
 def _gguf_source(files: list[Path], opened: Any, rename: dict[str, str] | None) -> Any:
     if rename:
-        opened.rename(rename)
+        opened.rename(rename)  # re-indexed under the checkpoint's own names; the header is not read again
     return opened
 
 

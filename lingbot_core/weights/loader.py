@@ -103,7 +103,7 @@ class _Loader:
         """Is `key` stored exactly as `dtype` (so its bytes in the file are the tensor)?"""
         entry = self.entries[key]
         if entry.kind == "plain":
-            return entry.dtype == dtype
+            return entry.dtype == dtype and not entry.parts  # a stack stored per expert is not one span
         return (entry.kind == "gguf" and not entry.parts and gguf_codec.is_plain(entry.gguf_type)
                 and GGUFSource._plain_dtype(entry) == dtype)
 

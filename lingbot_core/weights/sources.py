@@ -18,7 +18,7 @@ import torch
 from ..errors import WeightsError
 from . import gguf_codec
 from .disk import FileSpan
-from .gguf_file import read_header
+from .gguf_file import TensorInfo, read_header
 from .modules import FP8
 from .safetensors_header import SafetensorsHeader, read_safetensors_file
 
@@ -71,6 +71,43 @@ def read_safetensors_header(path: Path) -> dict:
     return raw
 
 
+def group_experts(entries: dict[str, Entry], path: Path) -> None:
+    """Replace the per-expert tensors of a stack (`NAME.0` ... `NAME.{E-1}`) by one logical entry
+    `NAME` of shape [E, ...], after checking they form one: every index once, one type, one shape."""
+    stacks: dict[str, dict[int, str]] = {}
+    for name in entries:
+        found = PER_EXPERT.match(name)
+        if found:
+            stacks.setdefault(found["stack"], {})[int(found["expert"])] = name
+    for stack, by_index in stacks.items():
+        if stack in entries:
+            raise WeightsError(f"{path}: {stack!r} is stored both stacked and per expert "
+                               f"({by_index[min(by_index)]!r}); keep one layout.")
+        missing = [i for i in range(len(by_index)) if i not in by_index]
+        if missing:
+            raise WeightsError(f"{path}: the experts of {stack!r} are stored per expert but "
+                               f"{per_expert_key(stack, missing[0])!r} is missing (found {len(by_index)} "
+                               f"tensors, indices up to {max(by_index)}); the file is incomplete.")
+        names = [by_index[i] for i in range(len(by_index))]
+        first = entries[names[0]]
+        for name in names:
+            entry = entries[name]
+            if len(entry.shape) != 2:
+                raise WeightsError(f"{path}: per-expert tensor {name!r} is {list(entry.shape)}; each expert of "
+                                   f"{stack!r} must be one 2-D [out, in] matrix.")
+            if entry.shape != first.shape:
+                raise WeightsError(f"{path}: per-expert tensor {name!r} is {list(entry.shape)}, but "
+                                   f"{names[0]!r} is {list(first.shape)}; every expert of a stack has one shape.")
+            if entry.label != first.label or entry.kind == "fp8":
+                what = ("fp8 experts are stored stacked by lingbot-nodes' quantize" if entry.kind == "fp8"
+                        else f"{first.label} for {names[0]!r}, {entry.label} for {name!r}")
+                raise WeightsError(f"{path}: the experts of {stack!r} are stored per expert in types lingbot-nodes "
+                                   f"cannot stack ({what}); it needs one plain or GGUF type per expert stack.")
+        for name in names:
+            del entries[name]
+        entries[stack] = Entry(first.kind, (len(names), *first.shape), first.dtype, first.gguf_type, tuple(names))
+
+
 class SafetensorsSource:
     """One or more safetensors files (a sharded checkpoint): the tensors as their headers describe them.
 
@@ -119,6 +156,7 @@ class SafetensorsSource:
             else:
                 raise WeightsError(f"{self._file(key)}: tensor {key!r} is stored as {dt}, which lingbot-nodes does "
                                    "not load (it reads F32/F16/BF16 and F8_E4M3 with scales).")
+        group_experts(self.entries, self.files[0])
 
     def _file(self, key: str) -> Path:
         return self.files[self._where[key]]
@@ -132,7 +170,10 @@ class SafetensorsSource:
     # out of the mapping would also leave every page mapped in this process (RSS twice the model).
     def plain(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         entry = self.entries[key]
-        t = self.span(key, entry.dtype, entry.shape).read(_CPU)
+        if entry.parts:  # a stack stored per expert: one read per expert, stacked
+            t = torch.stack([self.span(part, entry.dtype, entry.shape[1:]).read(_CPU) for part in entry.parts])
+        else:
+            t = self.span(key, entry.dtype, entry.shape).read(_CPU)
         return t if dtype is None or t.dtype == dtype else t.to(dtype)
 
     def fp8(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,60 +192,35 @@ class GGUFSource:
 
     kind = "gguf"
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, rename: dict[str, str] | None = None):
         self.files = [path]
         self.header = read_header(path)  # bounded walk: every malformed file ends in a GGUFError
-        self._tensors = dict(self.header.tensors)
         self._map: np.memmap | None = None
+        self.rename(rename or {})
+
+    def rename(self, mapping: dict[str, str]) -> None:
+        """Index the tensors under the checkpoint's own names (`mapping`: stored name -> own name, for a
+        single file's conventions; the header is not read again), per-expert stacks grouped."""
+        path = self.files[0]
+        self._tensors: dict[str, TensorInfo] = {}
         self.entries: dict[str, Entry] = {}
-        for name, t in self._tensors.items():
+        for stored, t in self.header.tensors.items():
             try:
-                gguf_codec.check_supported(t.qtype, name)
+                gguf_codec.check_supported(t.qtype, stored)
             except ValueError as err:
                 raise WeightsError(f"{path}: {err}") from None
-            shape = self.header.orig_shape(name) or t.shape
+            shape = self.header.orig_shape(stored) or t.shape
             if shape[-1] % gguf_codec.block_values(t.qtype):  # only a recorded shape can split a block
-                raise WeightsError(f"{path}: tensor {name!r} is recorded (comfy.gguf.orig_shape) as {list(shape)}, "
+                raise WeightsError(f"{path}: tensor {stored!r} is recorded (comfy.gguf.orig_shape) as {list(shape)}, "
                                    f"whose rows of {shape[-1]} values are not whole {t.type_name} blocks; "
                                    "lingbot-nodes keeps GGUF rows packed and cannot read it. Re-convert the model.")
+            name = mapping.get(stored, stored)
+            if name in self._tensors:
+                raise WeightsError(f"{path}: tensor {name!r} is stored twice ({stored!r}); the file is corrupt "
+                                   "or mixes two naming conventions.")
+            self._tensors[name] = t
             self.entries[name] = Entry("gguf", shape, gguf_type=t.qtype)
-        self._group_experts(path)
-
-    def _group_experts(self, path: Path) -> None:
-        """Replace the per-expert tensors of a stack (`NAME.0` ... `NAME.{E-1}`) by one logical entry
-        `NAME` of shape [E, ...], after checking they form one: every index once, one type, one shape."""
-        stacks: dict[str, dict[int, str]] = {}
-        for name in self.entries:
-            found = PER_EXPERT.match(name)
-            if found:
-                stacks.setdefault(found["stack"], {})[int(found["expert"])] = name
-        for stack, by_index in stacks.items():
-            if stack in self.entries:
-                raise WeightsError(f"{path}: {stack!r} is stored both stacked and per expert "
-                                   f"({by_index[min(by_index)]!r}); keep one layout.")
-            missing = [i for i in range(len(by_index)) if i not in by_index]
-            if missing:
-                raise WeightsError(f"{path}: the experts of {stack!r} are stored per expert but "
-                                   f"{per_expert_key(stack, missing[0])!r} is missing (found {len(by_index)} "
-                                   f"tensors, indices up to {max(by_index)}); the file is incomplete.")
-            names = [by_index[i] for i in range(len(by_index))]
-            first = self.entries[names[0]]
-            for name in names:
-                entry = self.entries[name]
-                if len(entry.shape) != 2:
-                    raise WeightsError(f"{path}: per-expert tensor {name!r} is {list(entry.shape)}; each expert of "
-                                       f"{stack!r} must be one 2-D [out, in] matrix.")
-                if entry.shape != first.shape:
-                    raise WeightsError(f"{path}: per-expert tensor {name!r} is {list(entry.shape)}, but "
-                                       f"{names[0]!r} is {list(first.shape)}; every expert of a stack has one shape.")
-                if entry.gguf_type != first.gguf_type:
-                    raise WeightsError(f"{path}: the experts of {stack!r} are stored in mixed types "
-                                       f"({first.label} for {names[0]!r}, {entry.label} for {name!r}); "
-                                       "lingbot-nodes needs one type per expert stack. Re-quantize it.")
-            for name in names:
-                del self.entries[name]
-            self.entries[stack] = Entry("gguf", (len(names), *first.shape), gguf_type=first.gguf_type,
-                                        parts=tuple(names))
+        group_experts(self.entries, path)
 
     def span(self, key: str, dtype: torch.dtype, shape: tuple[int, ...]) -> FileSpan:
         t = self._tensors[key]
