@@ -21,6 +21,11 @@ then one DiT forward with disk-backed `group` and `sequential` offload, printing
     python bench/weights.py                       # dense + MoE-4, 256 video + 64 text tokens
     python bench/weights.py --which dense --formats bf16,fp8
     python bench/weights.py --full-moe            # 48 MoE blocks as GGUF-Q4_0 (~17 GB of disk)
+    python bench/weights.py --quick --formats gguf-q4_0,gguf-q4_0-file   # + that GGUF as one community file
+
+A format name ending in `-file` (e.g. `gguf-q4_0-file`) is that format's GGUF rewritten as one
+ComfyUI-style file (`model.diffusion_model.` names, experts one tensor each as `NAME.E.weight`) and
+loaded through single-file loading (`weights.dit_file`), so its rows compare with the folder's.
 
 The machine is small: every child keeps at most one model (plus bf16 for the error) in memory.
 """
@@ -128,6 +133,52 @@ def build_quantized(src: Path, dst: Path, target: str) -> Path:
     return dst
 
 
+SINGLE_FILE = "-file"  # a format name ending so: that format's GGUF as one community-named file
+
+
+def build_single_file(src: Path, dst: Path, config: dict[str, Any]) -> Path:
+    """`src`'s transformer GGUF rewritten as a single ComfyUI-style file: `model.diffusion_model.` on every
+    name and expert stacks stored one tensor per expert as `NAME.E.weight` (the same bytes). The bench
+    config goes next to it (`bench-config.json`) so single-file loading knows the bench's shape."""
+    import gguf
+    import numpy as np
+
+    target = dst / "lingbot-dit.gguf"
+    if target.is_file():
+        return target
+    dst.mkdir(parents=True, exist_ok=True)
+    reader = gguf.GGUFReader(src / "transformer" / "diffusion_pytorch_model.gguf")
+    writer = gguf.GGUFWriter(target.with_suffix(".tmp"), arch="lingbot")
+    for t in reader.tensors:
+        data = np.array(t.data)
+        name = "model.diffusion_model." + t.name
+        if name.endswith((".experts.w1", ".experts.w2", ".experts.w3")) and data.ndim == 3:
+            for e in range(data.shape[0]):
+                writer.add_tensor(f"{name}.{e}.weight", np.ascontiguousarray(data[e]), raw_dtype=t.tensor_type)
+        else:
+            writer.add_tensor(name, data, raw_dtype=t.tensor_type)
+    del reader
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    target.with_suffix(".tmp").rename(target)
+    (dst / "bench-config.json").write_text(json.dumps(config))
+    return target
+
+
+def _dit_target(path: str) -> Any:
+    """What the loader takes for a bench checkpoint: a folder (`folder/transformer`), or a single file
+    resolved by `weights.dit_file` (its shape registered from the bench config beside it)."""
+    target = Path(path)
+    if not target.is_file():
+        return path
+    from lingbot_core.weights.dit_file import dit_file_source, register_config
+
+    register_config("bench", json.loads((target.parent / "bench-config.json").read_text()))
+    return dit_file_source(target)
+
+
 # -- the measurements (children) -------------------------------------------------------------------------
 
 def _rss() -> tuple[int, int]:
@@ -166,7 +217,7 @@ def child_load(folder: str) -> dict[str, Any]:
 
     base, _ = _rss()
     start = time.perf_counter()
-    model = load_dit(folder, dtype=torch.bfloat16)
+    model = load_dit(_dit_target(folder), dtype=torch.bfloat16)  # a single file: its header walk is counted
     seconds = time.perf_counter() - start
     _, peak = _rss()
     return {"baseline_rss": base, "peak_rss": peak, "held": _held_bytes(model), "seconds": seconds,
@@ -181,7 +232,7 @@ def child_forward(folders: dict[str, str], video_tokens: int, text_tokens: int, 
     reference = None
     torch.manual_seed(0)
     for name, folder in folders.items():
-        model = load_dit(folder, dtype=torch.bfloat16)
+        model = load_dit(_dit_target(folder), dtype=torch.bfloat16)
         config = dict(model.config)
         inputs = _inputs(config, video_tokens, text_tokens)
         with torch.no_grad():
@@ -205,6 +256,15 @@ def _bench_handle(folder: str):
     checkpoint, and every load and forward below goes through the real stage door."""
     from lingbot_core.handle import PipelineHandle, SharedComponents
 
+    target = _dit_target(folder)
+    if not isinstance(target, str):  # a single file: a handle without a folder, its transformer that file
+        from lingbot_core.checkpoint import CheckpointInfo
+
+        info = CheckpointInfo(None, "moe" if target.config.get("num_experts") else "dense", False, target.config,
+                              {"transformer": target})
+        shared = SharedComponents(None, info=info, dtypes={"transformer": torch.bfloat16}, text_attn="sdpa",
+                                  attention_backend=None)
+        return PipelineHandle(shared, torch.device("cpu"))
     shared = SharedComponents(folder, info=None, dtypes={"transformer": torch.bfloat16}, text_attn="sdpa",
                               attention_backend=None)
     shared.transformer_source = (Path(folder), "transformer")
@@ -356,7 +416,11 @@ def run(which: list[str], formats: list[str], data: Path, video_tokens: int, tex
         t0 = time.perf_counter()
         folders = {"bf16": build_bf16(root / "bf16", config)}
         for fmt_name in formats:
-            if fmt_name != "bf16":
+            if fmt_name.endswith(SINGLE_FILE):
+                base = fmt_name[: -len(SINGLE_FILE)]
+                folders[base] = folders.get(base) or build_quantized(folders["bf16"], root / base, base)
+                folders[fmt_name] = build_single_file(folders[base], root / fmt_name, config)
+            elif fmt_name != "bf16":
                 folders[fmt_name] = build_quantized(folders["bf16"], root / fmt_name, fmt_name)
         print(f"[{kind}] checkpoints ready in {time.perf_counter() - t0:.0f} s under {root}", flush=True)
         if not quick:

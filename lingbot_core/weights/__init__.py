@@ -1,6 +1,12 @@
 """How the DiTs' tensors are stored and loaded.
 
-- `loader.load_dit`: tensor by tensor from memory-mapped safetensors or GGUF into a meta-built model;
+- `resolve`: one `ComponentSource` per component (files, format, headers read once per open), from a
+  checkpoint folder; `dit_file`: the same from a single DiT file of any community naming;
+  `vae_file` / `text_encoder_file`: the VAE and text encoder from single files.
+- `formats`: the registry of weight formats (safetensors incl. pre-quantized fp8, GGUF): a new format
+  is its source module plus one row. `sources`: the DiT weights sources the loader reads from;
+  `safetensors_header` / `gguf_file`: the bounded header readers.
+- `loader.load_dit`: tensor by tensor from a resolved source into a meta-built model;
   no float32 detour, the reference's fp32-kept modules in float32.
 - `fp8`: float8_e4m3 weights with per-output-row float32 scales (quantized on load or pre-quantized).
 - `gguf_codec`: GGUF block formats decoded in torch on the execution device.

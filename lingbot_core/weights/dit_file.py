@@ -50,15 +50,24 @@ def canonical_name(stored: str) -> str:
     return f"{found['stack']}.{found['expert']}" if found else stored
 
 
+_REGISTERED: list[tuple[str, dict[str, Any]]] = []
+
+
+def register_config(label: str, config: dict[str, Any]) -> None:
+    """Make another DiT shape known to single-file loading (a fine-tune of another width, a benchmark's
+    model); the file still has to match it tensor for tensor."""
+    _REGISTERED.append((label, {k: v for k, v in config.items() if not k.startswith("_")}))
+
+
 def known_configs() -> list[tuple[str, dict[str, Any]]]:
-    """(label, config) of every DiT shape a single file may have: the published checkpoints', then the
-    tiny test models' (`lingbot_core.tiny`)."""
+    """(label, config) of every DiT shape a single file may have: the published checkpoints', the tiny
+    test models' (`lingbot_core.tiny`), then any registered with `register_config`."""
     from ..tiny import tiny_dit_config
 
     out = [(f"published {variant}", json.loads((CONFIGS / name).read_text(encoding="utf-8")))
            for variant, name in PUBLISHED.items()]
     out += [(f"tiny {variant}", tiny_dit_config(variant)) for variant in ("dense", "moe")]
-    return out
+    return out + list(_REGISTERED)
 
 
 def other_family(names: Iterable[str], architecture: str | None) -> str | None:
