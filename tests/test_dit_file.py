@@ -243,10 +243,14 @@ def test_fp8_on_load_of_a_safetensors_file_matches_the_folder(tiny, tmp_path):
     assert "fp8" in file.shared.loaded["transformer"].weights_format
 
 
-def test_estimate_report_auto_and_reload_on_a_dit_file(gguf_folder, gguf_files):
+def test_estimate_report_auto_and_reload_on_a_dit_file(gguf_folder, gguf_files, monkeypatch):
     from lingbot_core.memory import ModelSizes, memory_report
     from lingbot_core.offload import configure_offload, effective_mode, release
+    from lingbot_core.weights import sources
 
+    walks: list[str] = []
+    real = sources.read_header
+    monkeypatch.setattr(sources, "read_header", lambda path: walks.append(str(path)) or real(path))
     folder, file = _pair(gguf_folder, gguf_files["transformer"])
     sizes_folder, sizes_file = ModelSizes.from_handle(folder), ModelSizes.from_handle(file)
     # the community file holds the same blocks plus longer names: within its header's bytes
@@ -261,3 +265,4 @@ def test_estimate_report_auto_and_reload_on_a_dit_file(gguf_folder, gguf_files):
     release(view)
     assert "transformer" not in view.shared.loaded
     assert torch.equal(_dit_out(view), first)  # reloaded from the file
+    assert walks.count(str(gguf_files["transformer"])) == 1  # its header walked once: open, load, reload
