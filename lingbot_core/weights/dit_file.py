@@ -56,7 +56,13 @@ _REGISTERED: list[tuple[str, dict[str, Any]]] = []
 def register_config(label: str, config: dict[str, Any]) -> None:
     """Make another DiT shape known to single-file loading (a fine-tune of another width, a benchmark's
     model); the file still has to match it tensor for tensor."""
-    _REGISTERED.append((label, {k: v for k, v in config.items() if not k.startswith("_")}))
+    import inspect
+
+    from ..models.transformer import LingBotVideoTransformer3DModel
+
+    defaults = {k: p.default for k, p in inspect.signature(LingBotVideoTransformer3DModel.__init__).parameters.items()
+                if p.default is not inspect.Parameter.empty and k != "spec"}  # a partial config means the class's
+    _REGISTERED.append((label, {**defaults, **{k: v for k, v in config.items() if not k.startswith("_")}}))
 
 
 def known_configs() -> list[tuple[str, dict[str, Any]]]:
