@@ -1,0 +1,114 @@
+"""Which rank does what when one video runs on several processes.
+
+The world is a (cfg, ulysses) grid: `cfg` is 1 or 2 (with 2, the first row of ranks computes the
+conditional prediction and the second the unconditional one), `ulysses` is how many ranks share one
+DiT forward by splitting its joint sequence (it must divide the head count, because attention runs
+head-sharded between two all-to-alls). Rank r sits at row r // ulysses, column r % ulysses.
+
+The groups come from torch's own `DeviceMesh` over the already-initialised default process group
+(NCCL on GPUs, gloo on CPU); nothing here opens a socket of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["CFG_DEGREES", "ParallelLayout", "parse_degrees"]
+
+#: the cfg degrees a layout accepts: no CFG split, or cond / uncond on two rank rows
+CFG_DEGREES = (1, 2)
+
+
+def parse_degrees(text: str, world_size: int) -> tuple[int, int]:
+    """`"cfg=2,ulysses=4"` -> (2, 4). A missing degree is filled from the world size
+    (cfg defaults to 1, ulysses to world // cfg); the product must equal the world size."""
+    given: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = part.partition("=")
+        name = name.strip()
+        if not sep or name not in ("cfg", "ulysses") or not value.strip().isdigit():
+            raise ValueError(f"parallel degrees: {part!r} is not cfg=N or ulysses=N")
+        given[name] = int(value)
+    cfg = given.get("cfg", 1)
+    if cfg not in CFG_DEGREES:
+        raise ValueError(f"parallel degrees: cfg={cfg}; it must be one of {CFG_DEGREES}")
+    ulysses = given.get("ulysses", world_size // cfg if world_size % cfg == 0 else 0)
+    if ulysses < 1 or cfg * ulysses != world_size:
+        raise ValueError(f"parallel degrees: cfg={cfg} x ulysses={ulysses} must equal the world size {world_size}")
+    return cfg, ulysses
+
+
+@dataclass
+class ParallelLayout:
+    """The degrees, this rank's place in the grid and the two process groups.
+
+    Build it with `ParallelLayout.create(cfg, ulysses)` on every rank after
+    `torch.distributed.init_process_group`; `ParallelLayout.single()` is the one-process layout
+    (no groups, nothing distributed is touched).
+    """
+
+    cfg: int = 1
+    ulysses: int = 1
+    rank: int = 0
+    mesh: Any = field(default=None, repr=False)
+
+    @property
+    def world_size(self) -> int:
+        return self.cfg * self.ulysses
+
+    @property
+    def cfg_rank(self) -> int:
+        """0 on the ranks that compute the conditional prediction, 1 on the unconditional ones."""
+        return self.rank // self.ulysses
+
+    @property
+    def ulysses_rank(self) -> int:
+        """This rank's position in its sequence-sharing group (which sequence chunk it holds)."""
+        return self.rank % self.ulysses
+
+    @property
+    def ulysses_group(self) -> Any:
+        """The process group that shares one DiT forward (None when ulysses is 1)."""
+        return self.mesh.get_group("ulysses") if self.mesh is not None and self.ulysses > 1 else None
+
+    @property
+    def cfg_group(self) -> Any:
+        """The process group of the ranks holding the same sequence chunk of cond and uncond (None when cfg is 1)."""
+        return self.mesh.get_group("cfg") if self.mesh is not None and self.cfg > 1 else None
+
+    @classmethod
+    def single(cls) -> ParallelLayout:
+        return cls()
+
+    @classmethod
+    def create(cls, cfg: int, ulysses: int, *, device_type: str = "cpu") -> ParallelLayout:
+        """The layout of this rank in the initialised default group; every rank must call it."""
+        if cfg not in CFG_DEGREES or ulysses < 1:
+            raise ValueError(f"parallel layout: cfg must be one of {CFG_DEGREES} and ulysses >= 1 (got {cfg}, {ulysses})")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("parallel layout: torch.distributed is not initialised (init_process_group first)")
+        world = dist.get_world_size()
+        if cfg * ulysses != world:
+            raise ValueError(f"parallel layout: cfg={cfg} x ulysses={ulysses} must equal the world size {world}")
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device_type, (cfg, ulysses), mesh_dim_names=("cfg", "ulysses"))
+        return cls(cfg=cfg, ulysses=ulysses, rank=dist.get_rank(), mesh=mesh)
+
+    def check_heads(self, heads: int) -> None:
+        """Refuse a ulysses degree that does not divide the DiT's attention heads."""
+        if heads % self.ulysses:
+            raise ValueError(f"parallel layout: ulysses={self.ulysses} must divide the DiT's {heads} attention heads "
+                             f"(pick a divisor of {heads})")
+
+    def describe(self) -> str:
+        return f"cfg={self.cfg} x ulysses={self.ulysses} (rank {self.rank}: cfg row {self.cfg_rank}, chunk {self.ulysses_rank})"
+
+
+def default_device_type() -> str:
+    """'cuda' when this process has a GPU, else 'cpu' (the device type a mesh is built for)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"

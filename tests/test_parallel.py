@@ -1,0 +1,146 @@
+"""Sequence and CFG parallel (issue 24): two gloo processes on the loopback against one process.
+
+Two spawned runs only (each costs two interpreter starts): Ulysses 2 on a tiny dense and a tiny
+MoE DiT (an odd joint sequence, so the padding path runs, and a padded prompt batch, so the key
+mask is sharded too), and CFG 2 through `ParallelGuidance`. The workers write their largest
+differences to a file; the asserts are here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from lingbot_core.models.transformer import LingBotVideoTransformer3DModel
+from lingbot_core.parallel import (
+    ParallelLayout,
+    disable_sequence_parallel,
+    enable_sequence_parallel,
+    parse_degrees,
+)
+from lingbot_core.parallel.launch import free_loopback_port, init_loopback_group
+
+#: float32 tolerance against the one-process output, relative to the output's largest magnitude
+TOLERANCE = 1e-5
+
+DENSE = dict(hidden_size=64, num_attention_heads=4, depth=2, intermediate_size=96, text_dim=32, freq_dim=32,
+             axes_dims=(4, 6, 6), axes_lens=(64, 32, 32))
+MOE = dict(DENSE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1, n_group=2,
+           topk_group=1, routed_scaling_factor=2.5)
+
+
+def _model(cfg: dict) -> LingBotVideoTransformer3DModel:
+    torch.manual_seed(0)
+    model = LingBotVideoTransformer3DModel(**cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.05 if p.ndim > 1 else 0.1) + (1.0 if "norm" in name else 0.0))
+    return model
+
+
+def _cases():
+    g = torch.Generator().manual_seed(1)
+    # 3x2x3 = 18 video tokens + 7 text tokens = 25: odd, so ulysses=2 pads one token
+    one = (torch.randn(1, 16, 3, 4, 6, generator=g), torch.tensor([700.0]), torch.randn(1, 7, 32, generator=g), None)
+    mask = torch.tensor([[1] * 7, [1] * 5 + [0] * 2])
+    two = (torch.randn(2, 16, 3, 4, 6, generator=g), torch.tensor([300.0, 300.0]), torch.randn(2, 7, 32, generator=g),
+           mask)
+    return {"batch1": one, "batch2_masked": two}
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _run(rank: int, world: int, port: int, out: str, body) -> None:
+    torch.set_num_threads(1)
+    init_loopback_group(rank, world, port)
+    try:
+        result = body()
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _ulysses_worker(rank: int, world: int, port: int, out: str) -> None:
+    def body():
+        layout = ParallelLayout.create(1, 2)
+        found = {}
+        for name, cfg in (("dense", DENSE), ("moe", MOE)):
+            model = _model(cfg)
+            for case, (x, t, text, mask) in _cases().items():
+                with torch.no_grad():
+                    alone = model(x, t, text, mask, return_dict=False)[0]
+                    enable_sequence_parallel(model, layout)
+                    shared = model(x, t, text, mask, return_dict=False)[0]
+                    disable_sequence_parallel(model)
+                    again = model(x, t, text, mask, return_dict=False)[0]
+                found[f"{name}/{case}"] = {"diff": _relative(shared, alone), "restored": bool(torch.equal(again, alone))}
+        return found
+    _run(rank, world, port, out, body)
+
+
+def _cfg_worker(rank: int, world: int, port: int, out: str) -> None:
+    from lingbot_core.parallel import ParallelGuidance
+    from lingbot_core.sampling.guidance import Guidance
+
+    def body():
+        layout = ParallelLayout.create(2, 1)
+        model = _model(MOE)
+        g = torch.Generator().manual_seed(2)
+        latents = torch.randn(1, 16, 3, 4, 6, generator=g)
+        positive = SimpleNamespace(embeds=torch.randn(1, 7, 32, generator=g), mask=torch.ones(1, 7, dtype=torch.int64))
+        negative = SimpleNamespace(embeds=torch.randn(1, 4, 32, generator=g), mask=torch.ones(1, 4, dtype=torch.int64))
+        common = dict(dtype=torch.float32, device=torch.device("cpu"))
+        t = torch.tensor(650.0)
+        alone = Guidance(model, positive, negative, 4.0, **common).predict(latents, t)
+        shared = ParallelGuidance(model, positive, negative, 4.0, layout=layout, **common).predict(latents, t)
+        return {"diff": _relative(shared, alone), "cfg_rank": layout.cfg_rank}
+    _run(rank, world, port, out, body)
+
+
+def _spawn(worker, tmp_path: Path) -> list[dict]:
+    mp.spawn(worker, args=(2, free_loopback_port(), str(tmp_path)), nprocs=2, join=True)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_ulysses_two_processes_match_one_process_dense_and_moe(tmp_path):
+    results = _spawn(_ulysses_worker, tmp_path)
+    for rank, found in enumerate(results):
+        assert set(found) == {f"{m}/{c}" for m in ("dense", "moe") for c in ("batch1", "batch2_masked")}
+        for key, got in found.items():
+            assert got["diff"] <= TOLERANCE, (rank, key, got)
+            assert got["restored"], (rank, key)  # disabling gives the untouched one-process model back
+
+
+def test_cfg_parallel_two_processes_give_the_guided_prediction(tmp_path):
+    results = _spawn(_cfg_worker, tmp_path)
+    assert sorted(r["cfg_rank"] for r in results) == [0, 1]
+    for got in results:
+        assert got["diff"] <= TOLERANCE, got
+
+
+def test_degrees_parse_and_default_from_the_world():
+    assert parse_degrees("", 4) == (1, 4)
+    assert parse_degrees("cfg=2", 8) == (2, 4)
+    assert parse_degrees("cfg=2,ulysses=2", 4) == (2, 2)
+    for bad in ("cfg=3", "cfg=2,ulysses=3", "ring=2", "cfg=x"):
+        with pytest.raises(ValueError):
+            parse_degrees(bad, 4)
+
+
+def test_ulysses_degree_must_divide_the_heads():
+    with pytest.raises(ValueError, match="divide"):
+        ParallelLayout(cfg=1, ulysses=3).check_heads(16)
+    ParallelLayout(cfg=2, ulysses=4).check_heads(16)
+
+
+def test_one_process_layout_installs_nothing():
+    model = _model(DENSE)
+    enable_sequence_parallel(model, ParallelLayout.single())
+    assert not any("_diffusers_hook" in m.__dict__ for m in model.modules())
