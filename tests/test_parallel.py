@@ -1,8 +1,8 @@
 """Sequence and CFG parallel (issue 24): two gloo processes on the loopback against one process.
 
-Two spawned runs only (each costs two interpreter starts): Ulysses 2 on a tiny dense and a tiny
+One spawned run of two processes (interpreter starts are the cost): Ulysses 2 on a tiny dense and a tiny
 MoE DiT (an odd joint sequence, so the padding path runs, and a padded prompt batch, so the key
-mask is sharded too), and CFG 2 through `ParallelGuidance`. The workers write their largest
+mask is sharded too), and then CFG 2 through `ParallelGuidance` in the same processes. The workers write their largest
 differences to a file; the asserts are here.
 """
 
@@ -25,8 +25,8 @@ from lingbot_core.parallel import (
 )
 from lingbot_core.parallel.launch import free_loopback_port, init_loopback_group
 
-#: float32 tolerance against the one-process output, relative to the output's largest magnitude
-TOLERANCE = 1e-5
+#: float32 tolerance against the one-process output, relative to its largest magnitude
+TOLERANCE = 1e-6  # measured: 0 dense, 1.3e-7 MoE with a padded prompt batch
 
 DENSE = dict(hidden_size=64, num_attention_heads=4, depth=2, intermediate_size=96, text_dim=32, freq_dim=32,
              axes_dims=(4, 6, 6), axes_lens=(64, 32, 32))
@@ -57,72 +57,72 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-def _run(rank: int, world: int, port: int, out: str, body) -> None:
+def _ulysses_checks() -> dict:
+    layout = ParallelLayout.create(1, 2)
+    found = {}
+    for name, cfg in (("dense", DENSE), ("moe", MOE)):
+        model = _model(cfg)
+        for case, (x, t, text, mask) in _cases().items():
+            with torch.no_grad():
+                alone = model(x, t, text, mask, return_dict=False)[0]
+                enable_sequence_parallel(model, layout)
+                shared = model(x, t, text, mask, return_dict=False)[0]
+                disable_sequence_parallel(model)
+                again = model(x, t, text, mask, return_dict=False)[0]
+            found[f"{name}/{case}"] = {"diff": _relative(shared, alone), "restored": bool(torch.equal(again, alone))}
+    return found
+
+
+def _cfg_checks() -> dict:
+    from lingbot_core.parallel import ParallelGuidance
+    from lingbot_core.sampling.guidance import Guidance
+
+    layout = ParallelLayout.create(2, 1)
+    model = _model(MOE)
+    g = torch.Generator().manual_seed(2)
+    latents = torch.randn(1, 16, 3, 4, 6, generator=g)
+    positive = SimpleNamespace(embeds=torch.randn(1, 7, 32, generator=g), mask=torch.ones(1, 7, dtype=torch.int64))
+    negative = SimpleNamespace(embeds=torch.randn(1, 4, 32, generator=g), mask=torch.ones(1, 4, dtype=torch.int64))
+    common = dict(dtype=torch.float32, device=torch.device("cpu"))
+    t = torch.tensor(650.0)
+    alone = Guidance(model, positive, negative, 4.0, **common).predict(latents, t)
+    shared = ParallelGuidance(model, positive, negative, 4.0, layout=layout, **common).predict(latents, t)
+    return {"diff": _relative(shared, alone), "cfg_rank": layout.cfg_rank}
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    """One spawned run for both checks (each interpreter start costs seconds on a loaded machine)."""
     torch.set_num_threads(1)
     init_loopback_group(rank, world, port)
     try:
-        result = body()
+        result = {"ulysses": _ulysses_checks(), "cfg": _cfg_checks()}
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         torch.distributed.destroy_process_group()
 
 
-def _ulysses_worker(rank: int, world: int, port: int, out: str) -> None:
-    def body():
-        layout = ParallelLayout.create(1, 2)
-        found = {}
-        for name, cfg in (("dense", DENSE), ("moe", MOE)):
-            model = _model(cfg)
-            for case, (x, t, text, mask) in _cases().items():
-                with torch.no_grad():
-                    alone = model(x, t, text, mask, return_dict=False)[0]
-                    enable_sequence_parallel(model, layout)
-                    shared = model(x, t, text, mask, return_dict=False)[0]
-                    disable_sequence_parallel(model)
-                    again = model(x, t, text, mask, return_dict=False)[0]
-                found[f"{name}/{case}"] = {"diff": _relative(shared, alone), "restored": bool(torch.equal(again, alone))}
-        return found
-    _run(rank, world, port, out, body)
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("parallel")
+    mp.spawn(_worker, args=(2, free_loopback_port(), str(out)), nprocs=2, join=True)
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    print("parallel vs one process, max relative diff per rank:", json.dumps(results))  # shown with -s
+    return results
 
 
-def _cfg_worker(rank: int, world: int, port: int, out: str) -> None:
-    from lingbot_core.parallel import ParallelGuidance
-    from lingbot_core.sampling.guidance import Guidance
-
-    def body():
-        layout = ParallelLayout.create(2, 1)
-        model = _model(MOE)
-        g = torch.Generator().manual_seed(2)
-        latents = torch.randn(1, 16, 3, 4, 6, generator=g)
-        positive = SimpleNamespace(embeds=torch.randn(1, 7, 32, generator=g), mask=torch.ones(1, 7, dtype=torch.int64))
-        negative = SimpleNamespace(embeds=torch.randn(1, 4, 32, generator=g), mask=torch.ones(1, 4, dtype=torch.int64))
-        common = dict(dtype=torch.float32, device=torch.device("cpu"))
-        t = torch.tensor(650.0)
-        alone = Guidance(model, positive, negative, 4.0, **common).predict(latents, t)
-        shared = ParallelGuidance(model, positive, negative, 4.0, layout=layout, **common).predict(latents, t)
-        return {"diff": _relative(shared, alone), "cfg_rank": layout.cfg_rank}
-    _run(rank, world, port, out, body)
-
-
-def _spawn(worker, tmp_path: Path) -> list[dict]:
-    mp.spawn(worker, args=(2, free_loopback_port(), str(tmp_path)), nprocs=2, join=True)
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-
-
-def test_ulysses_two_processes_match_one_process_dense_and_moe(tmp_path):
-    results = _spawn(_ulysses_worker, tmp_path)
-    for rank, found in enumerate(results):
+def test_ulysses_two_processes_match_one_process_dense_and_moe(two_ranks):
+    for rank, result in enumerate(two_ranks):
+        found = result["ulysses"]
         assert set(found) == {f"{m}/{c}" for m in ("dense", "moe") for c in ("batch1", "batch2_masked")}
         for key, got in found.items():
             assert got["diff"] <= TOLERANCE, (rank, key, got)
             assert got["restored"], (rank, key)  # disabling gives the untouched one-process model back
 
 
-def test_cfg_parallel_two_processes_give_the_guided_prediction(tmp_path):
-    results = _spawn(_cfg_worker, tmp_path)
-    assert sorted(r["cfg_rank"] for r in results) == [0, 1]
-    for got in results:
-        assert got["diff"] <= TOLERANCE, got
+def test_cfg_parallel_two_processes_give_the_guided_prediction(two_ranks):
+    assert sorted(r["cfg"]["cfg_rank"] for r in two_ranks) == [0, 1]
+    for result in two_ranks:
+        assert result["cfg"]["diff"] <= TOLERANCE, result["cfg"]
 
 
 def test_degrees_parse_and_default_from_the_world():
@@ -144,3 +144,13 @@ def test_one_process_layout_installs_nothing():
     model = _model(DENSE)
     enable_sequence_parallel(model, ParallelLayout.single())
     assert not any("_diffusers_hook" in m.__dict__ for m in model.modules())
+
+
+def test_sequence_parallel_refuses_a_step_cache_runner():
+    from lingbot_core.parallel.ulysses import _ShardingHook
+
+    hook = _ShardingHook(ParallelLayout(cfg=1, ulysses=2))
+    with pytest.raises(RuntimeError, match="step cache"):
+        hook.pre_forward(None, block_runner=lambda *a: None)
+    _, kwargs = hook.pre_forward(None)
+    assert kwargs["block_runner"] == hook.run

@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 __all__ = ["CFG_DEGREES", "ParallelLayout", "parse_degrees"]
@@ -108,7 +107,3 @@ class ParallelLayout:
     def describe(self) -> str:
         return f"cfg={self.cfg} x ulysses={self.ulysses} (rank {self.rank}: cfg row {self.cfg_rank}, chunk {self.ulysses_rank})"
 
-
-def default_device_type() -> str:
-    """'cuda' when this process has a GPU, else 'cpu' (the device type a mesh is built for)."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
