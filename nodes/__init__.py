@@ -13,6 +13,7 @@ from .image_input import LingBotLoadImage
 from .loader import LingBotLoader, LingBotMemoryReport, LingBotOffload, LingBotRelease
 from .lora import LingBotLoRA
 from .output import LingBotDecode, LingBotSaveVideo
+from .rewrite import LingBotRewrite
 from .sampling import LingBotDenoise, LingBotRefine
 from .v3 import HAVE_COMFY_API, ComfyExtension
 
@@ -30,6 +31,7 @@ NODES = [
     LingBotLoadImage,
     LingBotMemoryReport,
     LingBotCaption,
+    LingBotRewrite,
 ]
 
 

@@ -310,3 +310,45 @@ def test_magcache_calibration_stays_in_the_user_folder(comfy, monkeypatch, tmp_p
     Engine(NODE_CLASS_MAPPINGS).run(prompt, outputs=["4"])
     written = list((comfy.tmp / "comfy-user" / "lingbot" / "magcache").glob("*.json"))
     assert len(written) == 1 and not (tmp_path / "home-cache").exists()
+
+
+def _rewrite_server():
+    import json
+
+    from rewrite_fakes import FakeChatServer, reply, valid_caption
+
+    return FakeChatServer([reply("A red paper boat drifts."), reply(json.dumps(valid_caption(5.0)))] * 2)
+
+
+def _run_rewrite(url):
+    return NODE_CLASS_MAPPINGS["LingBotRewrite"].execute("a red paper boat on a canal at dawn " + url, "t2v", 5.0,
+                                                         endpoint=url, expand_model="base", map_model="json")
+
+
+def test_rewrite_endpoints_inside_comfyui_only_from_the_operators_list(comfy, monkeypatch):
+    from lingbot_core.rewrite import ENDPOINTS_ENV
+
+    monkeypatch.delenv(ENDPOINTS_ENV, raising=False)
+    with _rewrite_server() as server:
+        with pytest.raises(ValueError, match=f"{ENDPOINTS_ENV}.*empty now"):
+            _run_rewrite(server.url)
+        monkeypatch.setenv(ENDPOINTS_ENV, "http://127.0.0.1:1/v1")
+        with pytest.raises(ValueError, match="not allowed on this server"):
+            _run_rewrite(server.url)
+        assert server.requests == []  # refused before any call
+        monkeypatch.setenv(ENDPOINTS_ENV, f"http://127.0.0.1:1/v1,{server.url}")
+        out = _run_rewrite(server.url)
+    caption, expanded = out.args
+    assert expanded == "A red paper boat drifts." and '"prominent_elements"' in caption
+    shown = out.ui.as_dict()["text"][0]
+    assert caption in shown and expanded in shown  # shown on the node
+    assert comfy.progress and [r["body"]["model"] for r in server.requests] == ["base", "json"]
+
+
+def test_rewrite_headless_takes_any_endpoint(monkeypatch):
+    from lingbot_core.rewrite import ENDPOINTS_ENV
+
+    monkeypatch.delenv(ENDPOINTS_ENV, raising=False)
+    with _rewrite_server() as server:
+        caption, _ = _run_rewrite(server.url).args
+    assert len(server.requests) == 2 and caption.startswith('{"caption"')

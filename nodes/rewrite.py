@@ -1,0 +1,113 @@
+"""LingBot Rewrite: prose in, the structured caption LingBot-Video was trained on out.
+
+The model is the checkpoint's own text encoder (connect a pipe) or an OpenAI-compatible endpoint.
+Inside ComfyUI a workflow may only name an endpoint the person running the server listed in
+``LINGBOT_REWRITE_ENDPOINTS`` (comma-separated; empty: none), and the API key comes from
+``LINGBOT_REWRITE_API_KEY`` only, so a shared server cannot be made to call other addresses or
+leak a key. Headless, the person running the command is the operator: any endpoint given works.
+"""
+
+from __future__ import annotations
+
+from . import runtime
+from .notices import on_node
+from .types import CATEGORY, Choice, Pipe
+from .v3 import io
+
+TASKS = ("t2v", "ti2v", "t2i")
+
+
+def check_endpoint(endpoint: str) -> str:
+    """The normalised endpoint, refused inside ComfyUI unless the operator listed it."""
+    from lingbot_core import rewrite as rw
+
+    normalized = rw.normalize_endpoint(endpoint)
+    if runtime.in_comfy():
+        allowed = rw.allowed_endpoints()
+        if not rw.endpoint_allowed(normalized, allowed):
+            raise ValueError(
+                f"the rewrite endpoint {normalized} is not allowed on this server. The person running ComfyUI "
+                f"lists allowed endpoints in the {rw.ENDPOINTS_ENV} environment variable (comma-separated base "
+                "addresses such as http://127.0.0.1:8000/v1); "
+                + ("it is empty now." if not allowed else f"it allows: {', '.join(allowed)}.")
+                + " Or leave endpoint empty and connect a pipe to rewrite with the checkpoint's own text encoder.")
+    return normalized
+
+
+def make_backend(pipe, endpoint: str, expand_model: str, map_model: str, max_new_tokens: int):
+    from lingbot_core import rewrite as rw
+
+    if endpoint.strip():
+        return rw.OpenAIBackend(check_endpoint(endpoint), expand_model.strip(), map_model.strip(),
+                                max_tokens=int(max_new_tokens))
+    if pipe is None:
+        raise ValueError("connect a pipe (the checkpoint's text encoder writes the caption) or give an endpoint")
+    return rw.LocalBackend(pipe, max_new_tokens={"map": int(max_new_tokens), "repair": int(max_new_tokens)})
+
+
+class LingBotRewrite(io.ComfyNode):
+    """Prose (and the first frame for TI2V) -> caption STRING for Text Encode, plus the expanded text."""
+
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="LingBotRewrite",
+            display_name="LingBot Rewrite",
+            category=CATEGORY,
+            description="Rewrites a plain prompt into the structured JSON caption LingBot-Video was trained on "
+                        "(prose follows less well): first a detailed timed description, then the caption. Uses the "
+                        "checkpoint's own text encoder (connect a pipe) or an OpenAI-compatible server (endpoint; "
+                        "inside ComfyUI only those listed in LINGBOT_REWRITE_ENDPOINTS). Greedy: the same input "
+                        "gives the same caption, and recent results are cached.",
+            inputs=[
+                io.String.Input("prompt", multiline=True, dynamic_prompts=False,
+                                default="a red paper boat on a canal at dawn",
+                                tooltip="What the clip or picture should show, in a sentence or two"),
+                Choice("task", options=list(TASKS), default="t2v",
+                       tooltip="t2v video, ti2v video from a first frame (connect image), t2i a still picture"),
+                io.Float.Input("duration", default=5.0, min=0.5, max=60.0, step=0.5,
+                               tooltip="Clip length in seconds (ignored for t2i); the caption's actions fill it"),
+                Pipe.Input("pipe", optional=True, tooltip="From LingBot Loader or Offload: rewrite with its text "
+                                                          "encoder (used when endpoint is empty)"),
+                io.Image.Input("image", optional=True, tooltip="TI2V: the first frame the rewriter looks at"),
+                io.String.Input("endpoint", default="", optional=True,
+                                tooltip="Empty: the pipe's text encoder. Else an OpenAI-compatible base address "
+                                        "(e.g. http://127.0.0.1:8000/v1); the API key comes from the server's "
+                                        "LINGBOT_REWRITE_API_KEY environment variable"),
+                io.String.Input("expand_model", default="", optional=True,
+                                tooltip="Endpoint only: the model name for the expand stage"),
+                io.String.Input("map_model", default="", optional=True,
+                                tooltip="Endpoint only: the model for the JSON stage (e.g. a LoRA adapter's name); "
+                                        "empty: expand_model"),
+                io.Int.Input("max_new_tokens", default=2048, min=64, max=8192, optional=True,
+                             tooltip="Token limit of the caption stage"),
+                io.Float.Input("temperature", default=0.0, min=0.0, max=2.0, step=0.05, optional=True,
+                               tooltip="0: greedy (the same input gives the same caption); above 0 samples"),
+                io.Int.Input("seed", default=0, min=0, max=2**31 - 1, optional=True,
+                             tooltip="Seed for sampling (temperature above 0)"),
+            ],
+            outputs=[io.String.Output(display_name="caption", tooltip="The caption JSON, for LingBot Text Encode"),
+                     io.String.Output(display_name="expanded", tooltip="The detailed description (stage 1)")],
+        )
+
+    @classmethod
+    def execute(cls, prompt, task="t2v", duration=5.0, pipe=None, image=None, endpoint="", expand_model="",
+                map_model="", max_new_tokens=2048, temperature=0.0, seed=0):
+        from lingbot_core import rewrite as rw
+
+        request = rw.RewriteRequest(prompt, task, float(duration), image).checked()
+        backend = make_backend(pipe, endpoint or "", expand_model or "", map_model or "", max_new_tokens)
+        sampling = rw.Sampling(temperature=float(temperature), seed=int(seed))
+        bar = runtime.Progress(int(max_new_tokens), "rewrite")
+
+        def on_token(stage: str, tokens: int, limit: int) -> None:
+            bar.update(min(tokens, limit), limit)
+
+        try:
+            with runtime.node_work(label="rewrite"):
+                result = rw.rewrite(request, backend, sampling=sampling, on_token=on_token)
+        finally:
+            bar.close()
+        shown = on_node("expanded: " + result.expanded, "caption: " + result.caption,
+                        "(cached)" if result.cached else None)
+        return io.NodeOutput(result.caption, result.expanded, ui=shown)
