@@ -194,7 +194,55 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shuffle", type=int, metavar="SEED",
                         help="pick among ready nodes in a seeded random order (the graph must not care)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress or log lines on stderr")
+    rewrite = parser.add_argument_group("rewriting prose into a caption (a LingBot Rewrite node before each "
+                                        "Text Encode; the caption it used is printed)")
+    rewrite.add_argument("--rewrite", metavar="TEXT", help="the prompt in plain words")
+    rewrite.add_argument("--rewrite-endpoint", default="", metavar="URL",
+                         help="an OpenAI-compatible base address (default: the checkpoint's own text encoder); "
+                              "the key comes from LINGBOT_REWRITE_API_KEY")
+    rewrite.add_argument("--rewrite-model", default="", metavar="NAME", help="the endpoint's model (expand stage)")
+    rewrite.add_argument("--rewrite-map-model", default="", metavar="NAME",
+                         help="the endpoint's model for the JSON stage (e.g. a LoRA adapter); default: --rewrite-model")
+    rewrite.add_argument("--rewrite-duration", type=float, metavar="SECONDS",
+                         help="clip length the caption's actions fill (default: Denoise's frames at 24 fps)")
     return parser
+
+
+def insert_rewrite(prompt, text: str, *, endpoint: str = "", model: str = "", map_model: str = "",
+                   duration: float | None = None):
+    """A LingBot Rewrite node feeding the prompt of every LingBot Text Encode in ``prompt`` (API format),
+    with the encoder's pipe, task and (TI2V) the image behind its first frame."""
+    from lingbot_core.rewrite import duration_for
+    from lingbot_core.workflow import WorkflowError
+
+    nodes = prompt.nodes
+    encoders = [nid for nid, node in nodes.items() if node["class_type"] == "LingBotTextEncode"]
+    if not encoders:
+        raise WorkflowError(f"--rewrite given, but {prompt.source} has no LingBot Text Encode node")
+    next_id = max((int(n) for n in nodes if n.isdigit()), default=0) + 1
+    for nid in encoders:
+        inputs = nodes[nid]["inputs"]
+        seconds = duration
+        if seconds is None:
+            frames = [n["inputs"].get("frames") for n in nodes.values() if n["class_type"] == "LingBotDenoise"
+                      and n["inputs"].get("conditioning") == [nid, 0]]
+            count = frames[0] if frames and isinstance(frames[0], int) else 121
+            seconds = min(60.0, max(0.5, duration_for(count, 24)))
+        rewrite = {"prompt": text, "task": inputs.get("task", "t2v"), "duration": float(seconds),
+                   "endpoint": endpoint, "expand_model": model, "map_model": map_model}
+        if isinstance(inputs.get("pipe"), list):
+            rewrite["pipe"] = inputs["pipe"]
+        image = inputs.get("image")
+        if not isinstance(image, list) and isinstance(inputs.get("image_cond"), list):
+            source = nodes.get(str(inputs["image_cond"][0]), {})
+            image = source.get("inputs", {}).get("image") if source.get("class_type") == "LingBotImageEncode" else None
+        if isinstance(image, list):
+            rewrite["image"] = image
+        new = str(next_id)
+        next_id += 1
+        nodes[new] = {"class_type": "LingBotRewrite", "inputs": rewrite, "_meta": {"title": "Rewrite"}}
+        inputs["prompt"] = [new, 0]
+    return prompt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,6 +287,9 @@ def _run(args: argparse.Namespace, reporter: Reporter) -> int:
             raise WorkflowError(f"--model given, but {path} has no LingBot Loader node")
         overrides += [f"{nid}.path={args.model}" for nid in loaders]
     prompt = apply_overrides(prompt, overrides, NODE_CLASS_MAPPINGS)
+    if args.rewrite is not None:
+        prompt = insert_rewrite(prompt, args.rewrite, endpoint=args.rewrite_endpoint, model=args.rewrite_model,
+                                map_model=args.rewrite_map_model, duration=args.rewrite_duration)
     output = Path(args.output)
     check_output_dir(output)
     engine = Engine(NODE_CLASS_MAPPINGS)

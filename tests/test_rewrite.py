@@ -290,3 +290,36 @@ def test_cancel_mid_generation_leaves_the_handle_usable(dense):
     assert len(calls) < 50
     assert type(dense.component("text_encoder").lm_head).__name__ != "_FollowingHead"
     assert rw.generate_text(dense, "s", "u", max_new_tokens=5).text == expected
+
+
+# -- headless: lingbot-run --rewrite ---------------------------------------------------------------------
+
+def test_lingbot_run_rewrite_inserts_the_node_and_prints_the_caption(tmp_path, capsys, monkeypatch):
+    from lingbot_nodes.cli import main
+
+    monkeypatch.delenv(rw.ENDPOINTS_ENV, raising=False)  # headless: the command line is the operator
+    document = valid_caption(0.5)
+    with FakeChatServer([reply("A red paper boat drifts."), reply(json.dumps(document))]) as server:
+        code = main(["t2v", "--output", str(tmp_path), "-q", "--rewrite", "a red paper boat on a canal at dawn",
+                     "--rewrite-endpoint", server.url, "--rewrite-model", "base", "--rewrite-map-model", "json"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert json.dumps(document, ensure_ascii=False, separators=(",", ":")) in err  # the caption it used
+    assert server.requests[0]["body"]["messages"][1]["content"].startswith("Request: a red paper boat")
+    assert list(tmp_path.rglob("*.mp4"))
+
+
+def test_rewrite_insertion_wires_pipe_task_duration_and_the_first_frame():
+    from lingbot_core.workflow import load_workflow
+    from lingbot_nodes import NODE_CLASS_MAPPINGS
+    from lingbot_nodes.cli import insert_rewrite, resolve_workflow
+
+    prompt = insert_rewrite(load_workflow(resolve_workflow("ti2v"), NODE_CLASS_MAPPINGS), "a teapot steams")
+    encode = next(n for n in prompt.nodes.values() if n["class_type"] == "LingBotTextEncode")
+    rewrite = prompt.nodes[encode["inputs"]["prompt"][0]]
+    assert rewrite["class_type"] == "LingBotRewrite" and rewrite["inputs"]["task"] == "ti2v"
+    assert rewrite["inputs"]["pipe"] == encode["inputs"]["pipe"]
+    image_encode = prompt.nodes[encode["inputs"]["image_cond"][0]]
+    assert rewrite["inputs"]["image"] == image_encode["inputs"]["image"]
+    frames = next(n for n in prompt.nodes.values() if n["class_type"] == "LingBotDenoise")["inputs"]["frames"]
+    assert rewrite["inputs"]["duration"] == max(0.5, rw.duration_for(frames, 24))
