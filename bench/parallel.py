@@ -1,0 +1,180 @@
+"""One guided denoise step (cond + uncond DiT forwards) on 1 and 2 processes: CPU time ratios.
+
+Why: issue 24's sequence parallel (Ulysses) and CFG parallel are meant to cut the time of one
+video on several GPUs. This script runs the same random-weight DiT and inputs as
+- one process (the baseline, in this process),
+- ulysses=2: two spawned gloo processes sharing each forward's sequence,
+- cfg=2: two spawned gloo processes, one computing cond and one uncond,
+checks each parallel result against the baseline and prints per-step time ratios.
+
+On a CPU both processes compete for the same cores and gloo copies through the loopback, so the
+ratios are informative only (they show the overhead, not a GPU speed-up). On a machine with GPUs,
+`--device cuda` runs the same on NCCL (one GPU per rank); that table is "not run" so far.
+
+    python bench/parallel.py                 # dense, hidden 256, 4 heads, 1600 video + 64 text tokens
+    python bench/parallel.py --moe           # MoE FFN (8 experts top-2)
+    python bench/parallel.py --quick         # tiny sizes (the smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/x.py` from a plain checkout
+
+import torch
+
+from bench._common import environment, fmt, max_abs_diff, table, write_json
+
+#: the layouts timed against the one-process baseline: (label, cfg, ulysses)
+LAYOUTS = (("ulysses=2", 1, 2), ("cfg=2", 2, 1))
+TOLERANCE = 1e-5  # float32, relative to the baseline's largest magnitude
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--latent", default="1,16,4,20,40", help="B,C,T,H,W of the DiT-space latent")
+    p.add_argument("--text-tokens", type=int, default=64)
+    p.add_argument("--moe", action="store_true", help="MoE FFN (8 experts, top-2, one shared expert)")
+    p.add_argument("--repeats", type=int, default=3, help="timed steps per layout (after one warm-up)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: NCCL, one GPU per rank")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (the smoke test)")
+    p.add_argument("--json", default=None, help="also write the results here")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.hidden, args.heads, args.depth, args.latent, args.text_tokens, args.repeats = 64, 4, 1, "1,16,1,4,6", 7, 1
+    return args
+
+
+def dit_config(args: argparse.Namespace) -> dict[str, Any]:
+    head_dim = args.hidden // args.heads
+    t_axis = head_dim - 2 * (3 * head_dim // 8)
+    cfg: dict[str, Any] = dict(hidden_size=args.hidden, num_attention_heads=args.heads, depth=args.depth,
+                               intermediate_size=3 * args.hidden, text_dim=32, freq_dim=32,
+                               axes_dims=(t_axis, 3 * head_dim // 8, 3 * head_dim // 8), axes_lens=(64, 64, 64))
+    if args.moe:
+        cfg.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=args.hidden // 2, n_shared_experts=1)
+    return cfg
+
+
+def _setup(args: argparse.Namespace, device: torch.device):
+    from types import SimpleNamespace
+
+    from lingbot_core.models.transformer import LingBotVideoTransformer3DModel
+
+    torch.manual_seed(0)
+    model = LingBotVideoTransformer3DModel(**dit_config(args)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.05 if p.ndim > 1 else 0.1) + (1.0 if "norm" in name else 0.0))
+    model.to(device)
+    g = torch.Generator().manual_seed(1)
+    latents = torch.randn(*map(int, args.latent.split(",")), generator=g).to(device)
+    prompts = [SimpleNamespace(embeds=torch.randn(1, n, 32, generator=g).to(device),
+                               mask=torch.ones(1, n, dtype=torch.int64, device=device))
+               for n in (args.text_tokens, max(1, args.text_tokens // 2))]
+    return model, latents, prompts
+
+
+def _time_steps(predict, latents: torch.Tensor, repeats: int, device: torch.device, barrier=None):
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if barrier is not None:
+            barrier()
+
+    out = predict(latents, torch.tensor(650.0))  # warm-up (and the result that is checked)
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        predict(latents, torch.tensor(650.0))
+        sync()
+        times.append(time.perf_counter() - start)
+    return out, statistics.median(times)
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, cfg: int, ulysses: int, out: str) -> None:
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from lingbot_core.parallel import ParallelGuidance, ParallelLayout, enable_sequence_parallel
+    from lingbot_core.parallel.launch import init_loopback_group
+    from lingbot_core.sampling.guidance import Guidance
+
+    torch.set_num_threads(args.threads)
+    device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    init_loopback_group(rank, world, port, backend="nccl" if device.type == "cuda" else "gloo")
+    try:
+        layout = ParallelLayout.create(cfg, ulysses, device_type=device.type)
+        model, latents, (pos, neg) = _setup(args, device)
+        enable_sequence_parallel(model, layout)
+        common = dict(dtype=torch.float32, device=device)
+        if cfg == 2:
+            guidance: Guidance = ParallelGuidance(model, pos, neg, 4.0, layout=layout, **common)
+        else:
+            guidance = Guidance(model, pos, neg, 4.0, **common)
+        result, seconds = _time_steps(guidance.predict, latents, args.repeats, device, barrier=dist.barrier)
+        if rank == 0:
+            save_file({"v": result.cpu().contiguous(), "seconds": torch.tensor([seconds], dtype=torch.float64)},
+                      str(Path(out, "rank0.safetensors")))
+    finally:
+        dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch.multiprocessing as mp
+    from safetensors.torch import load_file
+
+    from lingbot_core.parallel.launch import free_loopback_port
+    from lingbot_core.sampling.guidance import Guidance
+
+    torch.set_num_threads(args.threads)
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    model, latents, (pos, neg) = _setup(args, device)
+    guidance = Guidance(model, pos, neg, 4.0, dtype=torch.float32, device=device)
+    baseline, base_seconds = _time_steps(guidance.predict, latents, args.repeats, device)
+    del model, guidance
+    rows = [{"layout": "1 process", "processes": 1, "seconds_per_step": base_seconds, "ratio": 1.0, "rel_diff": 0.0}]
+    scale = float(baseline.abs().max())
+    for label, cfg, ulysses in LAYOUTS:
+        with tempfile.TemporaryDirectory() as out:
+            mp.spawn(_worker, args=(cfg * ulysses, free_loopback_port(), args, cfg, ulysses, out),
+                     nprocs=cfg * ulysses, join=True)
+            got = load_file(str(Path(out, "rank0.safetensors")))
+        seconds = float(got["seconds"][0])
+        rows.append({"layout": label, "processes": cfg * ulysses, "seconds_per_step": seconds,
+                     "ratio": seconds / base_seconds, "rel_diff": max_abs_diff(got["v"], baseline.cpu()) / scale})
+    return {"config": dit_config(args), "latent": args.latent, "text_tokens": args.text_tokens,
+            "device": args.device, "environment": environment(), "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    print(f"guided step (cond + uncond forwards), {args.device}, latent {args.latent}, "
+          f"{args.text_tokens} text tokens, {'MoE' if args.moe else 'dense'}, {args.threads} thread(s) per process")
+    print(table(["layout", "processes", "s/step", "time vs 1 process", "max rel diff"],
+                [[r["layout"], str(r["processes"]), fmt(r["seconds_per_step"]), fmt(r["ratio"]), fmt(r["rel_diff"])]
+                 for r in result["rows"]]))
+    bad = [r["layout"] for r in result["rows"] if not r["rel_diff"] <= TOLERANCE]
+    if bad:
+        print(f"MISMATCH against one process (> {TOLERANCE}): {', '.join(bad)}")
+    write_json(args.json, result)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
