@@ -240,6 +240,12 @@ def cfg_batch(bench: Bench) -> Table:
     ])
 
 
+# DiT-forward sections (quantized weights, fp8 matmul, chunked FFN/MoE, the estimate, regional compile)
+from bench.speed_dit import register_sections  # noqa: E402
+
+register_sections(section, Table)
+
+
 # -- the script ------------------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

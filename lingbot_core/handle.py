@@ -48,13 +48,14 @@ class SharedComponents:
 
     def __init__(self, folder: str | os.PathLike | None, *, info: CheckpointInfo | None,
                  dtypes: dict[str, torch.dtype], text_attn: str, attention_backend: str | None,
-                 preloaded: dict[str, Any] | None = None, weights: str = "auto"):
+                 preloaded: dict[str, Any] | None = None, weights: str = "auto", compile: str = "off"):
         self.folder = Path(folder) if folder is not None else None
         self.info = info
         self.dtypes = dtypes
         self.weights = weights  # how the DiTs' weights are held: "auto" (as stored) or "fp8_e4m3"
         self.text_attn = text_attn
         self.attention_backend = attention_backend
+        self.compile = compile  # "off" or "blocks": regional compile of the DiTs' blocks (models/compile.py)
         self.loaded: dict[str, Any] = dict(preloaded or {})
         self.lock = threading.RLock()
         self.placement = Placement()  # what is installed and resident (placement/door.py acts on it)
@@ -89,6 +90,10 @@ class SharedComponents:
                                             streamed=streamed and name == "transformer", source=source)
                 if name in DITS:
                     module.set_attention_backend(self.attention_backend)
+                    if self.compile == "blocks":
+                        from .models.compile import compile_blocks
+
+                        compile_blocks(module)
                 self.loaded[name] = module
                 self.load_count[name] = self.load_count.get(name, 0) + 1
                 if log.isEnabledFor(logging.INFO) and isinstance(module, torch.nn.Module):
@@ -127,6 +132,7 @@ class PipelineHandle:
         text_attn: str = "sdpa",
         transformer_folder: str | os.PathLike | None = None,
         weights: str = "auto",
+        compile: str = "off",
     ) -> PipelineHandle:
         """Validate the checkpoint now (cheap); load components when a stage first needs them.
 
@@ -140,11 +146,18 @@ class PipelineHandle:
         `checkpoint.FILE_ROUTES` (one row each); `processor` is a folder with the tokenizer files.
         `dtypes` maps a component to a dtype; None for a DiT keeps its stored dtype. `weights`:
         "auto" (as stored: plain, fp8 or GGUF) or "fp8_e4m3" (quantize the DiTs on load).
+        `compile`: "off" or "blocks" (regional torch.compile of the DiTs' repeated blocks, see
+        `models/compile.py`; refused here when the compiler cannot build for the device).
         """
+        from .models.compile import COMPILE_CHOICES, compile_problem
         from .weights.loader import check_weights_mode
 
         check_weights_mode(weights)
         device = torch.device(device) if device is not None else default_device()
+        if compile not in COMPILE_CHOICES:
+            raise ValueError(f"unknown compile setting {compile!r}; choose one of {', '.join(COMPILE_CHOICES)}")
+        if compile != "off" and (problem := compile_problem(device)):
+            raise ValueError(problem)
         if folder is None or not str(folder).strip():
             if files is None:
                 raise ValueError("PipelineHandle.open needs a checkpoint folder, files=ComponentFiles(...), or both")
@@ -170,7 +183,7 @@ class PipelineHandle:
                 names = ", ".join(b.value for b in AttentionBackendName)
                 raise ValueError(f"unknown attention backend {attention_backend!r}; choose one of {names}") from None
         shared = SharedComponents(info.folder, info=info, dtypes=chosen, text_attn=text_attn,
-                                  attention_backend=attention_backend, weights=weights)
+                                  attention_backend=attention_backend, weights=weights, compile=compile)
         shared.transformer_source = student
         return cls(shared, device)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from lingbot_core.models.compile import COMPILE_CHOICES
 from lingbot_core.save_path import is_inside
 
 from . import paths, runtime
@@ -106,6 +107,10 @@ class LingBotLoader(io.ComfyNode):
                                 tooltip="A student DiT (e.g. DMD-distilled): a folder that differs from the checkpoint "
                                         "only in transformer/, or that transformer folder. Inside ComfyUI it must "
                                         "lie under models/lingbot_video. Empty: the checkpoint's own"),
+                Choice("compile", options=list(COMPILE_CHOICES), default="off", optional=True,
+                       tooltip="blocks: torch.compile each DiT block (first run compiles for a minute or more, "
+                               "then each step runs faster; needs triton on CUDA or a C++ compiler on CPU). "
+                               "Under sequential offload the blocks run uncompiled"),
             ],
             outputs=[Pipe.Output(display_name="pipe", tooltip="The pipeline handle")],
         )
@@ -122,7 +127,7 @@ class LingBotLoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, checkpoint, variant, dtype, attention, path="", device="auto", weights="auto",
-                transformer_path=""):
+                transformer_path="", compile="off"):
         import torch
 
         from lingbot_core.handle import PipelineHandle
@@ -142,7 +147,7 @@ class LingBotLoader(io.ComfyNode):
 
         handle = PipelineHandle.open(folder, device=runtime.execution_device(device), dtypes=dtypes, weights=weights,
                                      attention_backend=None if attention == "default" else attention,
-                                     transformer_folder=resolve_student(transformer_path))
+                                     transformer_folder=resolve_student(transformer_path), compile=compile)
         if variant != "auto" and handle.variant != variant:
             raise ValueError(f"{folder} is a {handle.variant} checkpoint, but the loader asks for {variant}")
         return io.NodeOutput(handle, ui=on_node(cpu_notice(handle.shared.info, handle.device)))

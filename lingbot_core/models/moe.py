@@ -7,7 +7,12 @@ experts, the gates use the scores without it; with `n_group` > 1 a token first k
 renormalised to sum to 1 (when more than one is chosen) and multiplied by `routed_scaling_factor`.
 
 Expert compute: a float32 model runs the experts one by one in float32 (the path the parity
-fixtures pin). A bf16/fp16 model may run all experts in one `torch._grouped_mm` call.
+fixtures pin). A bf16/fp16 model runs all experts in three `torch._grouped_mm` calls, packed
+(fp8/GGUF) experts too, decoded for the call, unless a runtime LoRA delta is on them. The grouped
+path routes with fixed shapes (every (token, choice) slot, sorted by expert, per-expert counts as a
+tensor), so it has no data-dependent size and compiles without graph breaks (the float32 loop
+does not: it splits by per-expert counts read back to Python). A slot whose gate is exactly zero
+is computed and weighted by zero, which adds nothing.
 """
 
 from __future__ import annotations
@@ -72,9 +77,13 @@ class ExpertWeights(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
 
 
-def _grouped_mm_fits(tokens: torch.Tensor, experts: ExpertWeights) -> bool:
-    """torch._grouped_mm exists, the dtype is half precision and both matmul strides are 16-byte aligned."""
-    if not hasattr(torch, "_grouped_mm") or tokens.dtype not in (torch.bfloat16, torch.float16):
+def _grouped_mm_fits(tokens: torch.Tensor, experts: nn.Module) -> bool:
+    """torch._grouped_mm exists, the dtype is half precision (it has no float32 kernel on every
+    device, nor a float32 shape rule for the compiler), no runtime expert delta is attached, and both
+    matmul strides are 16-byte aligned."""
+    if not hasattr(torch, "_grouped_mm") or getattr(experts, "deltas", None):
+        return False
+    if tokens.dtype not in (torch.bfloat16, torch.float16):
         return False
     width = tokens.element_size()
     return all(size * width % 16 == 0 for size in experts.w1.shape[1:])
@@ -106,39 +115,54 @@ class SparseMoE(nn.Module):
         ]
         return torch.cat(outputs) if outputs else tokens.new_zeros(tokens.shape)
 
-    def _experts_grouped(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """All experts in three grouped matmuls over expert-sorted tokens."""
-        ends = torch.tensor(counts, device=tokens.device).cumsum(0).to(torch.int32)
+    def _experts_grouped(self, tokens: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """All experts in three grouped matmuls over expert-sorted tokens; `ends`: int32 cumulative counts.
+
+        Packed experts are decoded here, every expert of one weight at a time (`stack`)."""
         gate, down, up = (w.to(tokens.dtype).transpose(-2, -1) for w in (self.experts.w1, self.experts.w2, self.experts.w3))
         inner = F.silu(torch._grouped_mm(tokens, gate, offs=ends)) * torch._grouped_mm(tokens, up, offs=ends)
         return torch._grouped_mm(inner, down, offs=ends)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tokens = x.reshape(-1, self.hidden_size)
-        chosen, gates = self.router(tokens)
+    def _mix_grouped(self, tokens: torch.Tensor, chosen: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        """(N, D) -> (N, D) float32 weighted expert sum, with shapes fixed by N, top-k and E only."""
         n_tokens, per_token = chosen.shape
+        expert_of = chosen.flatten()
+        slots = torch.argsort(expert_of, stable=True)
+        counts = torch.zeros(self.router.routing.num_experts, dtype=torch.int32, device=tokens.device)
+        counts.index_add_(0, expert_of, torch.ones_like(expert_of, dtype=torch.int32))
+        answers = self._experts_grouped(tokens[slots // per_token], counts.cumsum(0, dtype=torch.int32))
+        by_slot = answers.new_zeros(n_tokens * per_token, self.hidden_size, dtype=torch.float32)
+        by_slot[slots] = answers.float()
+        weight = gates.float().view(n_tokens, per_token, 1)
+        return (by_slot.view(n_tokens, per_token, -1) * weight).sum(dim=1)
 
+    def _mix_loop(self, tokens: torch.Tensor, chosen: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        """(N, D) -> (N, D) float32 weighted expert sum, expert by expert over the live slots."""
+        n_tokens, per_token = chosen.shape
         # One row per (token, choice) with a non-zero gate, stably sorted by expert id.
         expert_of = chosen.flatten()
         gate_of = gates.flatten()
         live = torch.nonzero(gate_of != 0).squeeze(1)
         slots = live[torch.argsort(expert_of[live], stable=True)]
         counts = torch.bincount(expert_of[slots], minlength=self.router.routing.num_experts).tolist()
-        rows = tokens[slots // per_token]
-        # Packed (fp8/GGUF) experts go one by one: each routed expert is decoded, used and dropped.
-        packed = getattr(self.experts, "decodes_per_expert", False)
-        if self.use_grouped_mm and not packed and _grouped_mm_fits(rows, self.experts):
-            answers = self._experts_grouped(rows, counts)
-        else:
-            answers = self._experts_loop(rows, counts)
+        # Packed (fp8/GGUF) experts with runtime deltas go here: each routed expert is decoded, used, dropped.
+        answers = self._experts_loop(tokens[slots // per_token], counts)
 
         # Weighted sum over each token's choices in float32, in choice order (dropped slots stay 0).
         by_slot = answers.new_zeros(n_tokens * per_token, self.hidden_size, dtype=torch.float32)
         by_slot[slots] = answers.float()
-        weight = torch.zeros(n_tokens * per_token, dtype=torch.float32, device=x.device)
+        weight = torch.zeros(n_tokens * per_token, dtype=torch.float32, device=tokens.device)
         weight[slots] = gate_of[slots].float()
-        mixed = (by_slot.view(n_tokens, per_token, -1) * weight.view(n_tokens, per_token, 1)).sum(dim=1)
-        out = mixed.to(x.dtype).view(x.shape)
+        return (by_slot.view(n_tokens, per_token, -1) * weight.view(n_tokens, per_token, 1)).sum(dim=1)
+
+    def _routed(self, tokens: torch.Tensor) -> torch.Tensor:
+        chosen, gates = self.router(tokens)
+        if self.use_grouped_mm and _grouped_mm_fits(tokens, self.experts):
+            return self._mix_grouped(tokens, chosen, gates)
+        return self._mix_loop(tokens, chosen, gates)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._routed(x.reshape(-1, self.hidden_size)).to(x.dtype).view(x.shape)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

@@ -41,11 +41,21 @@ class _AxisTable:
         self._device_copy = None
         self.capacity = capacity
 
+    def reserve(self, positions: int) -> None:
+        """Build the table for positions 0 .. positions-1 now (before compiling: a compiled lookup
+        does not grow the table, whose growth check reads a value back from the device)."""
+        if self._host is None or positions > self.capacity:
+            self._build(max(self.capacity, positions))
+
     def lookup(self, index: torch.Tensor) -> torch.Tensor:
         """(S,) integer positions -> (S, channels/2) complex64 rotations on `index`'s device."""
-        needed = int(index.max()) + 1 if index.numel() else 0
-        if self._host is None or needed > self.capacity:
-            self._build(self.capacity if needed <= self.capacity else 2 * needed)
+        if torch.compiler.is_compiling():
+            if self._host is None:
+                self._build(self.capacity)
+        else:
+            needed = int(index.max()) + 1 if index.numel() else 0
+            if self._host is None or needed > self.capacity:
+                self._build(self.capacity if needed <= self.capacity else 2 * needed)
         table = self._host
         if index.device != table.device:
             if self._device_copy is None or self._device_copy.device != index.device:
@@ -64,6 +74,12 @@ class AxialRotary(nn.Module):
     def __init__(self, axes_dims: tuple[int, ...], initial_lengths: tuple[int, ...], theta: float):
         super().__init__()
         self.axes = [_AxisTable(int(d), int(n), float(theta)) for d, n in zip(axes_dims, initial_lengths)]
+
+    def reserve(self, grid: tuple[int, int, int], n_text: int) -> None:
+        """Size the tables for a planned [video; text] sequence of this latent grid (see `joint_positions`)."""
+        frames, rows, cols = grid
+        for axis, length in zip(self.axes, (n_text + 1 + frames, rows, cols)):
+            axis.reserve(length)
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         per_axis = [axis.lookup(positions[:, i]) for i, axis in enumerate(self.axes)]

@@ -62,6 +62,19 @@ class SelfAttention(nn.Module):
         return self.to_out(mixed.flatten(-2).type_as(x))
 
 
+def _hooked_inside(block: nn.Module) -> bool:
+    """Does a module inside `block` carry a hook (torch forward hooks, accelerate's `_hf_hook`,
+    diffusers' hook registry)? Such a block runs eagerly even when compiled: leaf-level offload
+    (`sequential`, disk streaming per leaf) moves weights in those hooks, which no graph can hold."""
+    for module in block.modules():
+        if module is block:
+            continue
+        if (module._forward_pre_hooks or module._forward_hooks or hasattr(module, "_hf_hook")
+                or hasattr(module, "_diffusers_hook")):
+            return True
+    return False
+
+
 class JointBlock(nn.Module):
     """Attention then FFN, each as a gated residual branch modulated by the timestep.
 
@@ -82,6 +95,8 @@ class JointBlock(nn.Module):
         else:
             self.ffn = SwiGLU(width, spec.intermediate_size)
         self.norm_post_ffn = RMSNorm(width, spec.norm_eps)
+        self.ffn_chunk: int | None = None  # tokens per FFN/MoE pass (`set_ffn_chunk`); None = all at once
+        self.compiled_compute = None  # set by models.compile.compile_blocks
 
     def compute_dtype(self) -> torch.dtype:
         """The dtype the branch inputs are cast to: that of the block's matmul weights."""
@@ -91,13 +106,36 @@ class JointBlock(nn.Module):
         h = (pre_norm(x) * (1.0 + scale) + shift).to(self.compute_dtype())
         return x + (gate.tanh() * post_norm(inner(h))).to(x.dtype)
 
+    def _ffn_branch(self, x: torch.Tensor, shift, scale, gate) -> torch.Tensor:
+        """The FFN branch, over `ffn_chunk` tokens at a time when set: every step of it (norms,
+        modulation, FFN or routed experts, gate) is per token, so chunks change no token's math;
+        they bound its intermediates (FFN width, MoE routing buffers) to one chunk."""
+        chunk = self.ffn_chunk
+        if chunk is None or chunk >= x.shape[1]:
+            return self._branch(x, self.norm2, self.ffn, self.norm_post_ffn, shift, scale, gate)
+        out = torch.empty_like(x)
+        for start in range(0, x.shape[1], chunk):
+            part = x[:, start:start + chunk]
+            out[:, start:start + chunk] = self._branch(part, self.norm2, self.ffn, self.norm_post_ffn, shift, scale, gate)
+        return out
+
     def forward(
         self, x: torch.Tensor, temb6: torch.Tensor, rotations: torch.Tensor, key_mask: torch.Tensor | None
     ) -> torch.Tensor:
-        """`temb6`: (B, 1, 6*D) float32 modulation, broadcast over the sequence."""
+        """`temb6`: (B, 1, 6*D) float32 modulation, broadcast over the sequence.
+
+        Runs `compute`, or its compiled form when regional compile is on (`models/compile.py`): hooks
+        attached to the block wrap this method and so stay outside the compiled region."""
+        if self.compiled_compute is not None and not _hooked_inside(self):
+            return self.compiled_compute(self, x, temb6, rotations, key_mask)
+        return self.compute(x, temb6, rotations, key_mask)
+
+    def compute(
+        self, x: torch.Tensor, temb6: torch.Tensor, rotations: torch.Tensor, key_mask: torch.Tensor | None
+    ) -> torch.Tensor:
         pieces = (temb6 + self.scale_shift_table).chunk(6, dim=-1)
         x = self._branch(x, self.norm1, lambda h: self.attn(h, rotations, key_mask), self.norm_post_attn, *pieces[:3])
-        return self._branch(x, self.norm2, self.ffn, self.norm_post_ffn, *pieces[3:])
+        return self._ffn_branch(x, *pieces[3:])
 
 
 class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
@@ -110,6 +148,7 @@ class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
 
     _supports_gradient_checkpointing = False
     _no_split_modules = ["JointBlock"]
+    _repeated_blocks = ["JointBlock"]  # regional compile (models/compile.py; diffusers reads it too)
     _keep_in_fp32_modules = list(precision.FLOAT32_NAMES)
     _skip_layerwise_casting_patterns = list(precision.FLOAT32_NAMES)
 
@@ -156,6 +195,16 @@ class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
         for module in self.modules():
             if isinstance(module, SelfAttention):
                 module.backend = backend
+
+    def set_ffn_chunk(self, tokens: int | None) -> None:
+        """Run every block's FFN / MoE over `tokens` tokens at a time (None or 0: the whole sequence).
+
+        Bounds the FFN intermediates and MoE routing buffers to one chunk; see `JointBlock._ffn_branch`.
+        `placement.estimate.ffn_chunk_tokens` picks a size for a memory budget."""
+        if tokens is not None and int(tokens) < 0:
+            raise ValueError(f"an FFN chunk is a number of tokens >= 0 (0 = no chunks), not {tokens}")
+        for block in self.blocks:
+            block.ffn_chunk = int(tokens) if tokens else None
 
     # -- token layout ----------------------------------------------------------------------------
 

@@ -23,6 +23,9 @@ estimate against measured peak per mode.
   hidden state S x D in the compute dtype live at once (residual stream, modulated input, q/k/v,
   attention output, the FFN's two intermediate-width tensors at I/D times the width), plus the
   fp32 latents and the flow prediction, plus the MoE routing buffers (S x k x D fp32).
+  With token-chunked FFN/MoE (`Geometry.ffn_chunk`, `JointBlock._ffn_branch`) the FFN's
+  intermediates and the routing buffers hold one chunk of C tokens, not S: min(S, C) replaces S in
+  those two terms; `ffn_chunk_tokens` picks the largest C (from `FFN_CHUNKS`) that fits a budget.
 - Attention through SDPA flash / memory-efficient kernels is linear in S; the math fallback would
   be quadratic and is not assumed.
 - VAE decode of the Wan VAE is causal and frame-chunked: its peak scales with one chunk of the
@@ -36,7 +39,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -68,6 +71,7 @@ class Geometry:
     vae_tiling: bool = False
     release_base: bool = False  # the refine stage drops the base DiT before the refiner loads
     cfg_batch: bool = False  # CFG's two branches as one batch-2 DiT forward
+    ffn_chunk: int | None = None  # tokens per FFN/MoE pass (None: the whole sequence at once)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,12 +180,14 @@ def activation_bytes(sizes: ModelSizes, geometry: Geometry) -> dict[str, int]:
 
     def dit(height: int, width: int) -> int:
         tokens = latent_frames * (height // 16) * (width // 16) + TEXT_TOKENS
-        width_factor = DIT_ACT_FACTOR + 2 * sizes.intermediate / max(sizes.hidden, 1)
-        hidden = tokens * sizes.hidden * sizes.dit_bytes_per_value * width_factor
-        routing = tokens * max(sizes.experts_per_token, 0) * sizes.hidden * 4
+        ffn_tokens = min(tokens, geometry.ffn_chunk) if geometry.ffn_chunk else tokens
+        per_value = sizes.hidden * sizes.dit_bytes_per_value
+        hidden = tokens * per_value * DIT_ACT_FACTOR
+        ffn = ffn_tokens * per_value * 2 * sizes.intermediate / max(sizes.hidden, 1)
+        routing = ffn_tokens * max(sizes.experts_per_token, 0) * sizes.hidden * 4
         latents = 3 * 16 * latent_frames * (height // 8) * (width // 8) * 4
         batch = 2 if geometry.cfg and geometry.cfg_batch else 1
-        return int(batch * (hidden + routing) + latents)
+        return int(batch * (hidden + ffn + routing) + latents)
 
     def vae(height: int, width: int, tiled: bool) -> int:
         h, w = (min(height, 384), min(width, 640)) if tiled else (height, width)
@@ -213,6 +219,21 @@ def cfg_batch_fits(mode: str, sizes: ModelSizes, geometry: Geometry, budget_byte
     allocator reserve), i.e. whether `cfg_batch="auto"` batches."""
     batched = Geometry(**{**geometry.__dict__, "cfg": True, "cfg_batch": True})
     return estimate_peak(mode, sizes, batched) + RESERVE_BYTES <= budget_bytes
+
+
+FFN_CHUNKS = (65536, 32768, 16384, 8192, 4096)  # tokens per FFN/MoE pass, tried largest first
+
+
+def ffn_chunk_tokens(mode: str, sizes: ModelSizes, geometry: Geometry, budget_bytes: int) -> int | None:
+    """Tokens per FFN/MoE pass for `mode` within `budget_bytes`: None when the whole sequence fits
+    (or nothing is gained), else the largest of `FFN_CHUNKS` that fits, else the smallest of them
+    (the budget is then out of reach by chunks alone; the caller's own check reports it)."""
+    if estimate_peak(mode, sizes, replace(geometry, ffn_chunk=None)) + RESERVE_BYTES <= budget_bytes:
+        return None
+    for chunk in FFN_CHUNKS:
+        if estimate_peak(mode, sizes, replace(geometry, ffn_chunk=chunk)) + RESERVE_BYTES <= budget_bytes:
+            return chunk
+    return FFN_CHUNKS[-1]
 
 
 def host_bytes(mode: str, sizes: ModelSizes, offload_to: str = "ram") -> int:

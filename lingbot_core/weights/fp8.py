@@ -48,6 +48,86 @@ def quantize_fp8(weight: torch.Tensor, rows_per_chunk: int = 4096) -> tuple[torc
     return q.reshape(weight.shape), scale.reshape(weight.shape[:-1])
 
 
+_VALUE_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def e4m3_values(device: torch.device | str = "cpu") -> torch.Tensor:
+    """The 256 float32 values of the e4m3 bytes 0..255 (byte b -> its value), one table per device."""
+    device = torch.device(device)
+    table = _VALUE_TABLES.get(device)
+    if table is None:
+        table = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().to(device)
+        _VALUE_TABLES[device] = table
+    return table
+
+
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """float8 values and their per-row float32 scales -> `dtype` (the product is formed in float32)."""
-    return (q.float() * scale.float()[..., None]).to(dtype)
+    """float8 values and their per-row float32 scales -> `dtype` (the product is formed in float32).
+
+    Eager: each byte's value is looked up in a 256-entry float32 table (`e4m3_values`) and scaled in
+    place, the same float32 numbers as torch's fp8 -> float32 cast (bit-identical, tested) in fewer
+    passes over memory (bench/speed.py). Compiled: the plain cast, which the compiler fuses."""
+    if torch.compiler.is_compiling():
+        return (q.float() * scale.float()[..., None]).to(dtype)
+    table = e4m3_values(q.device)
+    wide = torch.index_select(table, 0, q.reshape(-1).view(torch.uint8).int()).view(q.shape)
+    return wide.mul_(scale.float()[..., None]).to(dtype)
+
+
+# -- fp8 matmuls ---------------------------------------------------------------------------------------
+
+FP8_MATMULS = ("decode", "scaled_mm", "auto")
+"""How an fp8 linear computes. `decode`: weight decoded to the compute dtype, then a plain matmul
+(exact with respect to the stored weight; every device). `scaled_mm`: the activations are quantized
+to e4m3 per row and multiplied by the fp8 weight on fp8 tensor cores (`torch._scaled_mm`, row-wise
+scales), faster where supported and not bit-equal to `decode`. `auto`: `scaled_mm` where
+`scaled_mm_problem` finds none, else `decode`."""
+
+
+def scaled_mm_problem(device: torch.device, dtype: torch.dtype, out_features: int, in_features: int,
+                      capability: tuple[int, int] | None = None) -> str | None:
+    """Why `torch._scaled_mm` with row-wise scales cannot serve this linear, or None.
+
+    Needs a torch with `_scaled_mm`, a CUDA device of compute capability 9.0 or newer (row-wise fp8
+    scaling; 8.9 has only per-tensor scales), bf16 activations and both sizes multiples of 16.
+    `capability` overrides the device's (tests)."""
+    if not hasattr(torch, "_scaled_mm") or not fp8_available():
+        return "this torch has no torch._scaled_mm"
+    if torch.device(device).type != "cuda":
+        return f"fp8 matmuls need a CUDA device, not {torch.device(device).type}"
+    if capability is None:
+        capability = torch.cuda.get_device_capability(device)
+    if tuple(capability) < (9, 0):
+        return f"row-scaled fp8 matmuls need compute capability 9.0+, this device has {capability[0]}.{capability[1]}"
+    if dtype != torch.bfloat16:
+        return f"fp8 matmuls here take bf16 activations, not {dtype}"
+    if out_features % 16 or in_features % 16:
+        return f"fp8 matmuls need both sizes to be multiples of 16, not {out_features}x{in_features}"
+    return None
+
+
+def choose_fp8_matmul(wanted: str, device: torch.device, dtype: torch.dtype, out_features: int, in_features: int,
+                      capability: tuple[int, int] | None = None) -> str:
+    """The path an fp8 linear takes for `wanted` (one of `FP8_MATMULS`): `decode` or `scaled_mm`.
+    `scaled_mm` asked for where it cannot run raises with the reason; `auto` falls back silently."""
+    if wanted not in FP8_MATMULS:
+        raise ValueError(f"unknown fp8 matmul {wanted!r}; choose one of {', '.join(FP8_MATMULS)}")
+    if wanted == "decode":
+        return "decode"
+    problem = scaled_mm_problem(device, dtype, out_features, in_features, capability)
+    if problem is None:
+        return "scaled_mm"
+    if wanted == "scaled_mm":
+        raise ValueError(f"fp8_matmul=scaled_mm cannot run: {problem}; use auto or decode")
+    return "decode"
+
+
+def scaled_mm_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ (q * scale)^T + bias` on fp8 tensor cores: x quantized to e4m3 with one scale per row."""
+    rows = x.reshape(-1, x.shape[-1])
+    row_scale = (rows.abs().amax(dim=-1, keepdim=True).float() / E4M3_MAX).clamp_(min=1e-12)
+    xq = (rows.float() / row_scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    out = torch._scaled_mm(xq, q.t(), scale_a=row_scale, scale_b=scale.float().view(1, -1),
+                           bias=bias, out_dtype=x.dtype)
+    return out.reshape(*x.shape[:-1], q.shape[0])

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from ..errors import WeightsError
 from . import gguf_codec
-from .fp8 import dequantize_fp8, quantize_fp8
+from .fp8 import FP8_MATMULS, choose_fp8_matmul, dequantize_fp8, quantize_fp8, scaled_mm_linear
 
 FP8 = "fp8_e4m3"
 
@@ -69,6 +69,7 @@ class QuantizedLinear(nn.Module):
         self.qscale = _param(scale) if scale is not None else None
         self.bias = _param(bias) if bias is not None else None
         self.deltas: list[Callable[[torch.Tensor], torch.Tensor]] = []
+        self.fp8_matmul = "decode"  # fp8 only: one of weights.fp8.FP8_MATMULS (`set_fp8_matmul`)
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The weight as a plain [out, in] tensor of `dtype` (the compute dtype by default), on its device."""
@@ -83,9 +84,18 @@ class QuantizedLinear(nn.Module):
         """Add `fn(x)` to every output (a runtime LoRA delta); `deltas.clear()` removes them."""
         self.deltas.append(fn)
 
+    def matmul_path(self, x: torch.Tensor) -> str:
+        """`decode` or `scaled_mm`: how this layer multiplies `x` (see `weights.fp8.FP8_MATMULS`)."""
+        if self.packing.kind != FP8 or self.fp8_matmul == "decode":
+            return "decode"
+        return choose_fp8_matmul(self.fp8_matmul, x.device, x.dtype, self.out_features, self.in_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None
-        out = F.linear(x, self.dequantized_weight(x.dtype), bias)
+        if self.matmul_path(x) == "scaled_mm":
+            out = scaled_mm_linear(x, self.qdata.view(torch.float8_e4m3fn), self.qscale.view(torch.float32), bias)
+        else:
+            out = F.linear(x, self.dequantized_weight(x.dtype), bias)
         for fn in self.deltas:
             out = out + fn(x).to(out.dtype)
         return out
@@ -142,7 +152,7 @@ class QuantizedExperts(nn.Module):
     """
 
     NAMES = ("w1", "w2", "w3")
-    decodes_per_expert = True  # SparseMoE runs these expert by expert (models/moe.py)
+    decodes_per_expert = True  # the MoE loop decodes one expert at a time; the grouped path calls `stack`
 
     def __init__(self, packed: dict[str, tuple[Packing, torch.Tensor | list[torch.Tensor],
                                                torch.Tensor | list[torch.Tensor] | None]],
@@ -212,6 +222,19 @@ class QuantizedExperts(nn.Module):
     def extra_repr(self) -> str:
         layout = ", per expert" if self.per_expert("w1") else ""
         return f"experts={self.num_experts}, stored={self.packings['w1'].label}{layout}"
+
+
+def set_fp8_matmul(model: nn.Module, wanted: str) -> int:
+    """Set how every fp8 linear of `model` multiplies (one of `FP8_MATMULS`, chosen per call and
+    device by `weights.fp8.choose_fp8_matmul`); returns how many layers it set."""
+    if wanted not in FP8_MATMULS:
+        raise ValueError(f"unknown fp8 matmul {wanted!r}; choose one of {', '.join(FP8_MATMULS)}")
+    count = 0
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear) and m.packing.kind == FP8:
+            m.fp8_matmul = wanted
+            count += 1
+    return count
 
 
 def is_quantized(module: nn.Module) -> bool:

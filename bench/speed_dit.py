@@ -1,0 +1,395 @@
+"""DiT-level speed and memory levers, each against its baseline in one process, reported as ratios.
+
+The DiT-forward sections of `bench/speed.py` (registered there under the names below, run with
+its `--quick` flag when it has it); this file also runs alone with its own shapes. Every
+measurement is one function `measure_<what>(args) -> dict` listed in `MEASUREMENTS`. Models are
+random-weight DiTs built in memory at the width given (default: the real width, hidden 2048, 16
+heads, FFN 6144, MoE 128 experts top-8) and `--depth` blocks; quantized copies are packed in memory
+with the pack's own packers (fp8: `weights.modules.pack_fp8`; GGUF: the `gguf` package's
+quantizer, as the quantize command writes them), so no files are written. Random weights: output
+differences measure the mechanism, not quality.
+
+Rows:
+- `quantized`: forward time of fp8 / GGUF-Q8_0 / GGUF-Q4_0 DiTs relative to the same model in bf16,
+  with the decode paths before this work (fp8 by an fp32 cast, packed experts expert by expert)
+  and today's (fp8 by table, packed experts on the grouped matmul), in turn, best of `--repeats`;
+- `fp8_matmul`: which fp8 matmul path `weights.fp8.choose_fp8_matmul` picks on this machine; the
+  scaled fp8 matmul row is "not run" without a CUDA GPU of compute capability 9.0+;
+- `chunked`: peak CPU bytes allocated by one block forward, FFN/MoE over token chunks vs whole
+  (`bench/_common.cpu_peak_bytes`), and the largest output difference;
+- `estimate`: what `placement/estimate.py` says for the MoE base + refine plan, per FFN chunk size;
+- `compile`: regional torch.compile of the blocks (inductor on CPU) vs eager: first-call time,
+  steady forward ratio, max difference.
+
+    python bench/speed_dit.py --only quantized --tokens 1280          # real width, 1 block
+    python bench/speed_dit.py --quick                                  # tiny sizes (the smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/x.py` from a plain checkout
+
+import torch
+import torch.nn as nn
+
+from bench._common import environment, table, write_json
+from lingbot_core.models.transformer import LingBotVideoTransformer3DModel
+
+REAL = dict(hidden_size=2048, num_attention_heads=16, intermediate_size=6144, text_dim=2560, freq_dim=256,
+            axes_dims=[32, 48, 48])
+REAL_MOE = dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, n_shared_experts=1,
+                n_group=4, topk_group=2, routed_scaling_factor=2.5, score_func="sigmoid", norm_topk_prob=True)
+QUICK = dict(hidden_size=256, num_attention_heads=2, intermediate_size=512, text_dim=64, freq_dim=32,
+             axes_dims=[32, 48, 48])
+QUICK_MOE = dict(REAL_MOE, num_experts=8, moe_intermediate_size=64, n_group=2, topk_group=1, num_experts_per_tok=2)
+FORMATS = ("bf16", "fp8", "gguf-q8_0", "gguf-q4_0")
+
+
+# -- models ------------------------------------------------------------------------------------------
+
+def dit_config(kind: str, depth: int, quick: bool) -> dict[str, Any]:
+    cfg = dict(QUICK if quick else REAL, depth=depth)
+    if kind == "moe":
+        cfg.update(QUICK_MOE if quick else REAL_MOE)
+    return cfg
+
+
+def build_model(kind: str, depth: int, quick: bool, dtype: torch.dtype = torch.bfloat16,
+                seed: int = 0) -> LingBotVideoTransformer3DModel:
+    """A random-weight DiT (norm gains 1, everything else N(0, 0.02)) stored as `dtype` (fp32 set kept)."""
+    g = torch.Generator().manual_seed(seed)
+    model = LingBotVideoTransformer3DModel(**dit_config(kind, depth, quick))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name.split(".")[-2]:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    return model.to(dtype).eval()
+
+
+def _gguf_pack(weight: torch.Tensor, qtype_name: str):
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from lingbot_core.weights.modules import Packing
+
+    kind = GGMLQuantizationType[qtype_name]
+    rows = weight.reshape(-1, weight.shape[-1]).float().numpy()
+    data = np.concatenate([quantize(rows[i:i + 2048], kind) for i in range(0, rows.shape[0], 2048)])
+    packed = torch.from_numpy(data).reshape(*weight.shape[:-1], -1)
+    return Packing("gguf", tuple(weight.shape), int(kind)), packed, None
+
+
+def pack_in_memory(model: nn.Module, fmt_name: str) -> nn.Module:
+    """Swap every block linear and expert stack for the quantized module the loader would make."""
+    from lingbot_core.models.moe import ExpertWeights
+    from lingbot_core.models.precision import stays_float32
+    from lingbot_core.weights.modules import FP8, Packing, QuantizedExperts, QuantizedLinear, pack_fp8
+
+    if fmt_name == "bf16":
+        return model
+
+    def pack(weight: torch.Tensor):
+        if fmt_name == "fp8":
+            data, scale = pack_fp8(weight)
+            return Packing(FP8, tuple(weight.shape)), data, scale
+        return _gguf_pack(weight, fmt_name.split("-")[1].upper())
+
+    for name, module in list(model.blocks.named_modules()):
+        if not name or stays_float32(name):
+            continue
+        parent, _, leaf = name.rpartition(".")
+        owner = model.blocks.get_submodule(parent) if parent else model.blocks
+        if isinstance(module, nn.Linear):
+            packing, data, scale = pack(module.weight.data)
+            bias = module.bias.data if module.bias is not None else None
+            setattr(owner, leaf, QuantizedLinear(packing, data, scale, bias, torch.bfloat16))
+        elif isinstance(module, ExpertWeights):
+            packed = {w: pack(getattr(module, w).data) for w in QuantizedExperts.NAMES}
+            setattr(owner, leaf, QuantizedExperts(packed, torch.bfloat16))
+    return model
+
+
+def dit_inputs(cfg: dict[str, Any], video_tokens: int, text_tokens: int, batch: int = 1, seed: int = 1):
+    """Latents whose patch grid holds `video_tokens` tokens (1 frame, rows x cols), text features, timestep."""
+    rows = max(1, int(round(video_tokens ** 0.5)))
+    while video_tokens % rows:
+        rows -= 1
+    cols = video_tokens // rows
+    g = torch.Generator().manual_seed(seed)
+    latents = torch.randn(batch, 16, 1, 2 * rows, 2 * cols, generator=g)
+    text = torch.randn(batch, text_tokens, cfg["text_dim"], generator=g)
+    return latents, torch.full((batch,), 700.0), text
+
+
+def timed(fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
+    """Seconds `fn(*args)` took, and its result."""
+    start = time.perf_counter()
+    result = fn(*args)
+    return time.perf_counter() - start, result
+
+
+# -- measurements ------------------------------------------------------------------------------------
+
+class _Legacy:
+    """The decode paths as they were before the speed work, for the `before` column: fp8 decoded by
+    an fp32 cast, packed experts run expert by expert (the grouped path switched off)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __enter__(self):
+        from lingbot_core.models.moe import SparseMoE
+        from lingbot_core.weights import modules
+
+        self._saved = modules.dequantize_fp8
+        modules.dequantize_fp8 = lambda q, scale, dtype: (q.float() * scale.float()[..., None]).to(dtype)
+        self._moes = [m for m in self.model.modules() if isinstance(m, SparseMoE)]
+        for m in self._moes:
+            m.use_grouped_mm = False
+        return self
+
+    def __exit__(self, *exc):
+        from lingbot_core.weights import modules
+
+        modules.dequantize_fp8 = self._saved
+        for m in self._moes:
+            m.use_grouped_mm = True
+
+
+def measure_quantized(args: argparse.Namespace) -> dict[str, Any]:
+    """Forward time of each stored format over bf16, same weights, in this process: bf16, the format
+    with the old decode paths (`before`, see `_Legacy`) and with today's (`after`), in turn, best of
+    `--repeats`; the output's relative L2 error against bf16."""
+    rows = []
+    for kind in args.kinds:
+        base = build_model(kind, args.depth, args.quick)
+        cfg = dict(base.config)
+        inputs = dit_inputs(cfg, args.tokens, args.text_tokens)
+        with torch.no_grad():
+            reference = base(*inputs).sample.float()
+            for fmt_name in args.formats:
+                if fmt_name == "bf16":
+                    continue
+                packed = pack_in_memory(build_model(kind, args.depth, args.quick), fmt_name)
+                times: dict[str, list[float]] = {"bf16": [], "before": [], "after": []}
+                out = None
+                for _ in range(args.repeats):
+                    times["bf16"].append(timed(base, *inputs)[0])
+                    with _Legacy(packed):
+                        times["before"].append(timed(packed, *inputs)[0])
+                    seconds, out = timed(packed, *inputs)
+                    times["after"].append(seconds)
+                best = {k: min(v) for k, v in times.items()}
+                rel = float((out.sample.float() - reference).norm() / reference.norm())
+                rows.append({"kind": kind, "format": fmt_name, "tokens": args.tokens, "bf16_s": best["bf16"],
+                             "before_s": best["before"], "after_s": best["after"],
+                             "before_ratio": best["before"] / best["bf16"],
+                             "after_ratio": best["after"] / best["bf16"], "rel_l2": rel})
+                del packed
+        del base
+    text = table(["kind", "format", "video tokens", "bf16 s", "before x bf16", "after x bf16", "rel L2 vs bf16"],
+                 [[r["kind"], r["format"], str(r["tokens"]), r["bf16_s"], r["before_ratio"], r["after_ratio"],
+                   r["rel_l2"]] for r in rows])
+    return {"rows": rows, "text": text}
+
+
+def _block_args(model: LingBotVideoTransformer3DModel, index: int, inputs) -> tuple:
+    """The arguments block `index` receives in a forward of `inputs` (captured by a pre-hook)."""
+    captured: dict[str, Any] = {}
+    hook = model.blocks[index].register_forward_pre_hook(lambda mod, a: captured.setdefault("args", a))
+    with torch.no_grad():
+        model(*inputs)
+    hook.remove()
+    return captured["args"]
+
+
+def measure_chunked(args: argparse.Namespace) -> dict[str, Any]:
+    """Peak CPU bytes torch allocates during one block forward (the block's own inputs excluded),
+    FFN/MoE over `--chunk` tokens at a time vs the whole sequence, and the largest output difference."""
+    from bench._common import cpu_peak_bytes, max_abs_diff
+
+    rows = []
+    for kind in args.kinds:
+        model = build_model(kind, 1, args.quick)
+        inputs = dit_inputs(dict(model.config), args.chunk_tokens, args.text_tokens)
+        block_args = _block_args(model, 0, inputs)
+        block = model.blocks[0]
+        results = {}
+        with torch.no_grad():
+            for chunk in (None, args.chunk):
+                block.ffn_chunk = chunk
+                start = time.perf_counter()
+                peak, out = cpu_peak_bytes(lambda: block(*block_args))  # noqa: B023 (called at once)
+                results[chunk] = (peak, out, time.perf_counter() - start)
+        block.ffn_chunk = None
+        (whole_peak, whole, whole_s), (part_peak, part, part_s) = results[None], results[args.chunk]
+        rows.append({"kind": kind, "tokens": whole.shape[1], "chunk": args.chunk, "peak_whole": whole_peak,
+                     "peak_chunked": part_peak, "peak_ratio": part_peak / whole_peak, "time_ratio": part_s / whole_s,
+                     "max_abs_diff": max_abs_diff(part, whole), "bit_identical": torch.equal(part, whole)})
+    from bench._common import fmt_bytes
+
+    text = table(["kind", "tokens", "chunk", "peak whole", "peak chunked", "peak ratio", "time ratio",
+                  "max |diff|", "bit-identical"],
+                 [[r["kind"], str(r["tokens"]), str(r["chunk"]), fmt_bytes(r["peak_whole"]),
+                   fmt_bytes(r["peak_chunked"]), r["peak_ratio"], r["time_ratio"], r["max_abs_diff"],
+                   r["bit_identical"]] for r in rows])
+    return {"rows": rows, "text": text}
+
+
+def measure_estimate(args: argparse.Namespace) -> dict[str, Any]:
+    """What the accelerator-memory estimate says for the MoE base 832x480x121 + refine 1920x1088 plan
+    (tiled decode; the estimate is the same for offload_to ram or disk), per FFN chunk size."""
+    from bench.memory_table import REFINE, build
+    from lingbot_core import memory
+    from lingbot_core.placement.estimate import FFN_CHUNKS, GiB, ffn_chunk_tokens
+
+    sizes = memory.sizes_from_modules(build("moe"))
+    rows = []
+    for chunk in (None, *FFN_CHUNKS):
+        geometry = memory.Geometry(height=480, width=832, num_frames=121, refine=REFINE, vae_tiling=True,
+                                   ffn_chunk=chunk)
+        rows.append({"chunk": chunk, **{m: memory.estimate_peak(m, sizes, geometry) for m in ("group", "sequential")}})
+    plan = memory.Geometry(height=480, width=832, num_frames=121, refine=REFINE, vae_tiling=True)
+    picked = {m: ffn_chunk_tokens(m, sizes, plan, 22 * GiB) for m in ("group", "sequential")}
+    text = table(["FFN chunk (tokens)", "group GiB", "sequential GiB"],
+                 [[str(r["chunk"] or "whole"), r["group"] / GiB, r["sequential"] / GiB] for r in rows])
+    text += f"\nchunk picked for a 22 GiB budget (reserve included): {picked}"
+    return {"rows": rows, "picked_for_22GiB": picked, "text": text}
+
+
+def measure_fp8_matmul(args: argparse.Namespace) -> dict[str, Any]:
+    """The fp8 matmul path `auto` picks here; the scaled fp8 matmul itself needs a CUDA GPU (sm90+)."""
+    from lingbot_core.weights.fp8 import choose_fp8_matmul, scaled_mm_problem
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    width = dit_config("dense", 1, args.quick)["hidden_size"]
+    problem = scaled_mm_problem(device, torch.bfloat16, width, width)
+    rows = [{"device": str(device), "auto_picks": choose_fp8_matmul("auto", device, torch.bfloat16, width, width),
+             "scaled_mm": "not run" if problem else "available", "why": problem or ""}]
+    if problem is None:
+        from lingbot_core.weights.modules import QuantizedLinear
+
+        layer = QuantizedLinear.from_linear_fp8(torch.randn(4 * width, width) * 0.02, None, torch.bfloat16).to(device)
+        x = torch.randn(args.tokens, width, device=device, dtype=torch.bfloat16)
+        times = {}
+        for path in ("decode", "scaled_mm"):
+            layer.fp8_matmul = path
+            layer(x)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(20):
+                layer(x)
+            torch.cuda.synchronize()
+            times[path] = time.perf_counter() - start
+        rows[0]["scaled_mm"] = f"{times['scaled_mm'] / times['decode']:.3f}x decode"
+    text = table(["device", "auto picks", "scaled_mm", "why not"],
+                 [[r["device"], r["auto_picks"], r["scaled_mm"], r["why"]] for r in rows])
+    return {"rows": rows, "text": text}
+
+
+def measure_compile(args: argparse.Namespace) -> dict[str, Any]:
+    """Regional compile (inductor, dynamic) vs eager, same model in this process: first compiled
+    call (compile time included), steady forward ratio (best of `--repeats`), max difference."""
+    from bench._common import max_abs_diff
+    from lingbot_core.models.compile import compile_blocks, compile_problem, uncompile_blocks
+
+    problem = compile_problem("cpu")
+    if problem:
+        return {"rows": [], "text": f"not run: {problem}"}
+    rows = []
+    for kind in args.kinds:
+        model = build_model(kind, args.depth, args.quick)
+        inputs = dit_inputs(dict(model.config), args.tokens, args.text_tokens)
+        torch._dynamo.reset()
+        with torch.no_grad():
+            eager_s, eager = timed(model, *inputs)
+            compile_blocks(model)
+            first_s, compiled = timed(model, *inputs)
+            best_eager, best_compiled = eager_s, None
+            for _ in range(args.repeats):
+                uncompile_blocks(model)
+                best_eager = min(best_eager, timed(model, *inputs)[0])
+                compile_blocks(model)
+                seconds = timed(model, *inputs)[0]
+                best_compiled = seconds if best_compiled is None else min(best_compiled, seconds)
+        uncompile_blocks(model)
+        rows.append({"kind": kind, "tokens": args.tokens, "eager_s": best_eager, "first_call_s": first_s,
+                     "compiled_s": best_compiled, "ratio": best_compiled / best_eager,
+                     "max_abs_diff": max_abs_diff(compiled.sample, eager.sample)})
+    text = table(["kind", "video tokens", "eager s", "first compiled call s", "compiled x eager", "max |diff|"],
+                 [[r["kind"], str(r["tokens"]), r["eager_s"], r["first_call_s"], r["ratio"], r["max_abs_diff"]]
+                  for r in rows])
+    return {"rows": rows, "text": text}
+
+
+MEASUREMENTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+    "quantized": measure_quantized,
+    "chunked": measure_chunked,
+    "estimate": measure_estimate,
+    "fp8_matmul": measure_fp8_matmul,
+    "compile": measure_compile,
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", default=",".join(MEASUREMENTS), help="comma-separated measurements")
+    p.add_argument("--kinds", default="dense,moe")
+    p.add_argument("--formats", default=",".join(FORMATS))
+    p.add_argument("--depth", type=int, default=1)
+    p.add_argument("--tokens", type=int, default=1280, help="video tokens")
+    p.add_argument("--text-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--chunk-tokens", type=int, default=2048, help="video tokens of the chunked-block row")
+    p.add_argument("--chunk", type=int, default=512, help="tokens per FFN/MoE pass in the chunked row")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="tiny sizes (the smoke test)")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    args.kinds = args.kinds.split(",")
+    args.formats = args.formats.split(",")
+    if args.quick:
+        args.tokens, args.text_tokens, args.repeats = min(args.tokens, 64), min(args.text_tokens, 8), 1
+        args.chunk_tokens, args.chunk = min(args.chunk_tokens, 128), min(args.chunk, 48)
+    return args
+
+
+def register_sections(section: Callable, table_cls: type) -> None:
+    """Register each measurement as a `bench/speed.py` section (its rows, this file's shapes)."""
+    for name, measure in MEASUREMENTS.items():
+        def run(bench: Any, name: str = name, measure: Callable = measure) -> Any:
+            args = parse_args(["--quick"] if getattr(bench.args, "quick", False) else [])
+            result = measure(args)
+            return table_cls(f"{name} (bench/speed_dit.py)", result["rows"], [result["text"].splitlines()[-1]]
+                             if name == "estimate" else [])
+        section(name)(run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    report: dict[str, Any] = {"environment": environment(), "args": {k: v for k, v in vars(args).items()
+                                                                     if k != "json"}}
+    for name in args.only.split(","):
+        result = MEASUREMENTS[name](args)
+        report[name] = result
+        print(f"\n## {name}\n{result['text']}", flush=True)
+    write_json(args.json, report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
