@@ -154,3 +154,17 @@ def test_sequence_parallel_refuses_a_step_cache_runner():
         hook.pre_forward(None, block_runner=lambda *a: None)
     _, kwargs = hook.pre_forward(None)
     assert kwargs["block_runner"] == hook.run
+
+
+def test_bench_script_parses_and_builds_valid_configs(capsys):
+    """bench/parallel.py spawns processes, so only its cheap parts run here (the bench run is by hand)."""
+    from bench import parallel as bench_parallel
+
+    with pytest.raises(SystemExit) as exit_info:
+        bench_parallel.main(["--help"])
+    assert exit_info.value.code == 0 and "usage:" in capsys.readouterr().out
+    for argv in ([], ["--quick"], ["--moe", "--hidden", "512", "--heads", "8"]):
+        args = bench_parallel.parse_args(argv)
+        with torch.device("meta"):  # the config checks run; no weights are allocated
+            model = LingBotVideoTransformer3DModel(**bench_parallel.dit_config(args))
+        assert model.spec.num_attention_heads % 2 == 0  # both timed layouts split it
