@@ -38,8 +38,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download: the checkpoints 
 import torch
 
 from bench._common import environment, fmt, max_abs_diff, table, write_json
+from lingbot_core.placement.modes import MODE_ORDER
 
-MODES = ("none", "model", "sequential", "group")
+MODES = tuple(MODE_ORDER)  # every registered offload mode, fastest first
 MODE_OPTIONS: dict[str, dict[str, Any]] = {"group": {"use_stream": False}}  # no streams on CPU
 PROMPT = ('{"caption": {"comprehensive_description": {"scene_content_description": "A small red boat drifts on a '
           'calm lake at dawn, mist over the water, pine forest on the far shore.", "camera_movement_description": '
@@ -155,7 +156,7 @@ def bench_config(name: str, folder: Path, modes: list[str], repeats: int, geomet
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--configs", default="tiny,mid", help="comma list of tiny, mid")
-    p.add_argument("--modes", default=",".join(MODES), help="comma list of none, model, sequential, group")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per mode (median reported)")
     p.add_argument("--mid-hidden", type=int, default=256)
     p.add_argument("--mid-depth", type=int, default=4)

@@ -115,7 +115,7 @@ def child_file(lora_path: str, config: dict[str, Any]) -> dict[str, Any]:
     seconds = time.perf_counter() - t0
     after, peak = _rss()
     held = _tensor_bytes(t for g in lora.groups.values() for t in g.tensors.values())
-    layout = lora_ops._layout(_skeleton(config))
+    layout = lora_ops.matching._layout(_skeleton(config))
     # safetensors maps the file lazily: the first match (it checks every factor) reads it in; the
     # second is what every stage entry repeats.
     gc.collect()
@@ -142,7 +142,9 @@ def _rounds(model, lora, inputs, repeats: int) -> dict[str, Any]:
     from lingbot_core import lora as lora_ops
 
     stack = lora_ops.LoraStack((lora_ops.LoraItem(lora, 1.0),))
-    parts = {"transformer": model}
+    from lingbot_core.weights.state import Models
+
+    parts = Models({"transformer": model})  # the module and the owner of its state
     with torch.no_grad():
         model(*inputs)  # warm up
     out: dict[str, Any] = {"plain_s": [], "lora_s": [], "apply_s": [], "remove_s": [], "plain_cpu_s": [],
@@ -166,8 +168,8 @@ def _rounds(model, lora, inputs, repeats: int) -> dict[str, Any]:
         if r == 0:
             out["first_apply_rss_growth"] = after - before
             out["first_apply_peak_growth"] = peak - before if reset else None
-            out["pristine_bytes"] = _tensor_bytes(lora_ops.pristine_copies(model).values())
-            out["runtime_deltas"] = len(lora_ops._RUNTIME.get(model, []))
+            out["pristine_bytes"] = _tensor_bytes(lora_ops.pristine_copies(parts.state("transformer")).values())
+            out["runtime_deltas"] = len(parts.state("transformer").runtime)
         with torch.no_grad():
             t0, c0 = time.perf_counter(), time.process_time()
             adapted = model(*inputs).sample.float()

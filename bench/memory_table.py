@@ -34,6 +34,7 @@ from bench.offload_gpu import (
     build_vae,
     qwen_config,
 )
+from lingbot_core.placement.modes import MODE_ORDER
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"dense": ROOT / "lingbot_core" / "configs" / "dense-1.3b.transformer.json",
@@ -48,7 +49,7 @@ ROWS = {
     "moe": ((480, 832, 121, False, False), (480, 832, 121, True, False), (736, 1280, 121, True, False)),
 }
 REFINE = (1088, 1920)  # the MoE refiner's output size (reference default)
-MODES = ("none", "model", "group", "sequential")
+MODES = tuple(MODE_ORDER)  # every registered offload mode, fastest first
 META = torch.device("meta")
 GB = 1e9
 GiB = 1024**3

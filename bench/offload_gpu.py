@@ -57,10 +57,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch
 
 from bench._common import environment, fmt, max_abs_diff, table, write_json
+from lingbot_core.placement.modes import MODE_ORDER
 
 ROOT = Path(__file__).resolve().parents[1]
 DENSE_CONFIG = ROOT / "lingbot_core" / "configs" / "dense-1.3b.transformer.json"
-MODES = ("none", "model", "sequential", "group")
+MODES = tuple(MODE_ORDER)  # every registered offload mode, fastest first
 DIT_WEIGHTS = ("bf16", "fp8", "gguf-q8_0", "gguf-q4_0")
 DISK_MODES = ("sequential", "group")  # the modes whose CPU home can be the checkpoint file
 
@@ -515,7 +516,7 @@ def verdicts(rows: dict[str, dict[str, Any]], on_gpu: bool) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="CPU, tiny checkpoint sizes, small geometry (< 30 s)")
-    p.add_argument("--modes", default=",".join(MODES), help="comma list of none, model, sequential, group")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default 40; 2 with --tiny)")
     p.add_argument("--warmup-steps", type=int, default=2, help="untimed warm-up run (mode none) before timing; 0 = off")
     p.add_argument("--height", type=int, default=None)

@@ -37,6 +37,7 @@ from .components import ALL, DITS, ComponentFiles
 from .placement.door import check_settings
 from .placement.settings import OffloadSettings
 from .placement.state import Placement
+from .weights.state import ModelState
 
 log = logging.getLogger("lingbot_core.weights")
 ALL_COMPONENTS = ALL  # the component table's names (components.TABLE)
@@ -57,6 +58,7 @@ class SharedComponents:
         self.attention_backend = attention_backend
         self.compile = compile  # "off" or "blocks": regional compile of the DiTs' blocks (models/compile.py)
         self.loaded: dict[str, Any] = dict(preloaded or {})
+        self.states: dict[str, ModelState] = {}  # each loaded model's mutable state (weights/state.py)
         self.lock = threading.RLock()
         self.placement = Placement()  # what is installed and resident (placement/door.py acts on it)
         self.load_count: dict[str, int] = {}
@@ -103,9 +105,6 @@ class SharedComponents:
                     log.info("loaded %s: %s weights, computes in %s%s", name, stored, compute,
                              " (streamed from its file)" if streamed and name in DITS else "")
             return self.loaded[name]
-
-    def is_loaded(self, name: str) -> bool:
-        return name in self.loaded
 
 
 @dataclass

@@ -3,7 +3,8 @@
 A node graph must be cancellable mid-stage: a denoise step, a text-encoder forward or a VAE decode
 can each take many seconds. Callers install a checker (a function that raises to cancel) with
 `interrupt_checker(fn)`; every stage then calls it on entry and before each transformer block,
-encoder layer and VAE block, through forward pre-hooks that live only for the stage.
+encoder layer and VAE block, through `lingbot.interrupt` hooks (`lingbot_core.hooks`) that live only for
+the stage.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 
 import torch
+
+from . import hooks
 
 Checker = Callable[[], None]
 _CHECKER: ContextVar[Checker | None] = ContextVar("lingbot_interrupt_checker", default=None)
@@ -65,6 +68,21 @@ def _work_units(name: str, module: torch.nn.Module) -> list[torch.nn.Module]:
     return []
 
 
+@hooks.named("lingbot.interrupt", "a cancellation (and progress) point before a block, encoder layer or VAE "
+             "block, for one stage")
+class Checkpoint(hooks.Hook):
+    def __init__(self, check: Checker | None, tick: Ticker | None = None):
+        super().__init__()
+        self.check, self.tick = check, tick
+
+    def pre_forward(self, module, *args, **kwargs):
+        if self.check is not None:
+            self.check()
+        if self.tick is not None:
+            self.tick()
+        return args, kwargs
+
+
 @contextmanager
 def checkpoints(components: dict[str, object]) -> Iterator[None]:
     """Install cancellation points on the components' blocks for the duration of a stage."""
@@ -74,21 +92,15 @@ def checkpoints(components: dict[str, object]) -> Iterator[None]:
         return
     if check is not None:
         check()
-
-    def point(_module, _args) -> None:
-        if check is not None:
-            check()
-        if tick is not None:
-            tick()
-
-    handles = [unit.register_forward_pre_hook(point)
-               for name, module in components.items() if isinstance(module, torch.nn.Module)
-               for unit in _work_units(name, module)]
+    units = [unit for name, module in components.items() if isinstance(module, torch.nn.Module)
+             for unit in _work_units(name, module) if hooks.find(unit, Checkpoint.name) is None]
     try:
+        for unit in units:
+            hooks.attach(unit, Checkpoint(check, tick))
         yield
     finally:
-        for h in handles:
-            h.remove()
+        for unit in units:
+            hooks.detach(unit, Checkpoint.name)
 
 
 def decode_units(handle: object, latent_frames: int) -> int:

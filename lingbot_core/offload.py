@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .hooks import inventory as hook_inventory
+from .hooks import strip as strip_hooks
 from .placement import (
     MODES,
     MODULE_COMPONENTS,
@@ -13,7 +15,6 @@ from .placement import (
     execution_device,
     fall_back,
     has_fallen_back,
-    hook_inventory,
     installed_mode,
     ledger,
     module_bytes,
@@ -21,10 +22,9 @@ from .placement import (
     resident_bytes,
     resident_components,
     stage,
-    strip_hooks,
 )
+from .placement.door import component_device
 from .placement.fit import DoesNotFit, check_handle, require_refiner
-from .placement.hooks import component_device
 
 __all__ = [
     "MODES", "MODULE_COMPONENTS", "DoesNotFit", "OffloadSettings", "check_handle", "require_refiner",

@@ -158,6 +158,8 @@ class LingBotOffload(io.ComfyNode):
 
     @classmethod
     def define_schema(cls):
+        from lingbot_core.placement.modes import MODE_CLASSES, MODE_ORDER
+
         return io.Schema(
             node_id="LingBotOffload",
             display_name="LingBot Offload",
@@ -167,10 +169,9 @@ class LingBotOffload(io.ComfyNode):
                         "different settings can share one Loader.",
             inputs=[
                 Pipe.Input("pipe", tooltip="From LingBot Loader"),
-                Choice("mode", options=["auto", "none", "model", "sequential", "group"], default="auto",
+                Choice("mode", options=["auto", *MODE_ORDER], default="auto",
                        tooltip="auto: the fastest mode expected to fit the free GPU memory for the size "
-                               "below. none: all on the GPU. model: one component at a time. "
-                               "sequential: layer by layer (smallest, slowest). group: DiT blocks streamed"),
+                               "below. " + " ".join(f"{m}: {MODE_CLASSES[m].summary}." for m in MODE_ORDER)),
                 io.Boolean.Input("use_stream", default=True, optional=True,
                                  tooltip="group: prefetch the next blocks on a CUDA stream"),
                 io.Boolean.Input("low_cpu_mem_usage", default=False, optional=True,
@@ -197,18 +198,19 @@ class LingBotOffload(io.ComfyNode):
                 plan_width=832, plan_height=480, plan_frames=121, plan_refine=True, offload_to="ram"):
         from lingbot_core.memory import Geometry
         from lingbot_core.offload import check_handle, configure_offload, require_refiner
+        from lingbot_core.placement.modes import AUTO, OPTIONS
 
+        if mode not in OPTIONS:
+            raise ValueError(f"unknown offload mode {mode!r}; choose one of {', '.join(OPTIONS)}")
         refine = (1088, 1920) if plan_refine and pipe.variant == "moe" else None
         require_refiner(pipe, refine)  # before the text encoder and the base pass, not after
-        options = {}
-        if mode == "group":
-            options = dict(use_stream=bool(use_stream) and pipe.device.type == "cuda",
-                           low_cpu_mem_usage=bool(low_cpu_mem_usage), num_blocks_per_group=int(num_blocks_per_group))
-        elif mode == "auto":
-            options = dict(width=int(plan_width), height=int(plan_height), num_frames=int(plan_frames), refine=refine)
+        given = dict(use_stream=bool(use_stream) and pipe.device.type == "cuda",
+                     low_cpu_mem_usage=bool(low_cpu_mem_usage), num_blocks_per_group=int(num_blocks_per_group),
+                     width=int(plan_width), height=int(plan_height), num_frames=int(plan_frames), refine=refine)
+        options = {k: v for k, v in given.items() if k in OPTIONS[mode]}  # what this mode takes
         view = configure_offload(pipe, mode, offload_to=offload_to, **options)
         said = None
-        if mode != "auto":  # auto checked the same numbers while choosing; an explicit mode warns here
+        if mode != AUTO:  # auto checked the same numbers while choosing; an explicit mode warns here
             verdict = check_handle(view, Geometry(int(plan_height), int(plan_width), int(plan_frames), refine=refine))
             said = verdict.line() if verdict is not None else None
         else:

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from bench import dit_forward, generate, offload_gpu
+from lingbot_core.placement.modes import MODE_ORDER
 
-MODES = ["none", "model", "sequential", "group"]
+MODES = list(MODE_ORDER)  # every registered offload mode: the benches run them all
 # One thread: these runs are tiny, and on a busy 2-core machine two OpenMP threads stall for
 # tenths of a second at a time. The scripts set torch's global thread count, so put it back after.
 THREADS = ["--threads", "1"]

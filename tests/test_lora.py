@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 from lingbot_core import lora as lora_ops
 from lingbot_core.checkpoint import load_transformer
 from lingbot_core.lora import LoraError, LoraItem, LoraStack
+from lingbot_core.weights.state import Models
 
 RANK = 3
 
@@ -79,7 +80,8 @@ def test_every_key_format_merges_w_plus_scaled_product(tmp_path, moe_dit, fmt):
 
     before = {n: p.detach().clone() for n, p in moe_dit.named_parameters()}
     stack = LoraStack((LoraItem(lora, strength),))
-    stack.apply({"transformer": moe_dit}, ["transformer"])
+    parts = Models({"transformer": moe_dit})  # the modules and the owner of their state
+    stack.apply(parts, ["transformer"])
     try:
         for name, p in moe_dit.named_parameters():
             if name in want:
@@ -88,7 +90,7 @@ def test_every_key_format_merges_w_plus_scaled_product(tmp_path, moe_dit, fmt):
             else:
                 assert torch.equal(p, before[name]), f"{fmt}: {name} changed"
     finally:
-        stack.remove({"transformer": moe_dit}, ["transformer"])
+        stack.remove(parts, ["transformer"])
     assert all(torch.equal(p, before[n]) for n, p in moe_dit.named_parameters())
 
 
@@ -119,13 +121,14 @@ def test_full_deltas_and_3d_expert_and_router_loras(tmp_path, moe_dit):
         + s * (up_r.double() @ down_r.double()),
     }
     stack = LoraStack((LoraItem(lora, s),))
-    stack.apply({"transformer": moe_dit}, ["transformer"])
+    parts = Models({"transformer": moe_dit})  # the modules and the owner of their state
+    stack.apply(parts, ["transformer"])
     try:
         now = dict(moe_dit.named_parameters())
         for name, value in want.items():
             torch.testing.assert_close(now[name].double(), value, atol=1e-6, rtol=0)
     finally:
-        stack.remove({"transformer": moe_dit}, ["transformer"])
+        stack.remove(parts, ["transformer"])
 
 
 def test_bf16_weights_merge_in_fp32_and_restore_exactly(fixtures_root, tmp_path):
@@ -136,16 +139,17 @@ def test_bf16_weights_merge_in_fp32_and_restore_exactly(fixtures_root, tmp_path)
     lora = lora_ops.LoraFile.from_state_dict({"blocks.0.attn.to_q.lora_A.weight": down.bfloat16(),
                                               "blocks.0.attn.to_q.lora_B.weight": up.bfloat16()})
     stack = LoraStack((LoraItem(lora, 1.0),))
-    stack.apply({"transformer": dit}, ["transformer"])
+    parts = Models({"transformer": dit})  # the modules and the owner of their state
+    stack.apply(parts, ["transformer"])
     expected = (original.float() + up.bfloat16().float() @ down.bfloat16().float()).to(torch.bfloat16)
     assert w.dtype == torch.bfloat16 and torch.equal(w, expected)
     # A strength change re-merges from the pristine copy, not from the merged weight.
-    LoraStack((LoraItem(lora, 0.25),)).apply({"transformer": dit}, ["transformer"])
+    LoraStack((LoraItem(lora, 0.25),)).apply(parts, ["transformer"])
     expected = (original.float() + 0.25 * (up.bfloat16().float() @ down.bfloat16().float())).to(torch.bfloat16)
     assert torch.equal(w, expected)
-    stack.remove({"transformer": dit}, ["transformer"])
+    stack.remove(parts, ["transformer"])
     assert torch.equal(w, original)
-    assert lora_ops.pristine_copies(dit) == {}
+    assert lora_ops.pristine_copies(parts.state("transformer")) == {}
 
 
 def test_two_loras_on_one_weight_add_up(moe_dit):
@@ -157,12 +161,13 @@ def test_two_loras_on_one_weight_add_up(moe_dit):
                                                 "blocks.0.attn.to_q.lora_B.weight": b[1]}, name="b")
     original = w.detach().clone()
     stack = LoraStack((LoraItem(first, 1.0), LoraItem(second, -0.5)))
-    stack.apply({"transformer": moe_dit}, ["transformer"])
+    parts = Models({"transformer": moe_dit})  # the modules and the owner of their state
+    stack.apply(parts, ["transformer"])
     try:
         want = original.double() + a[1].double() @ a[0].double() - 0.5 * (b[1].double() @ b[0].double())
         torch.testing.assert_close(w.double(), want, atol=1e-6, rtol=0)
     finally:
-        stack.remove({"transformer": moe_dit}, ["transformer"])
+        stack.remove(parts, ["transformer"])
     assert torch.equal(w, original)
 
 
@@ -325,15 +330,16 @@ def test_fp8_layers_take_a_lora_as_a_runtime_delta(fixtures_root):
                                               "blocks.0.attn.to_q.alpha": torch.tensor(1.5)})
     assert [p.param for p in lora_ops.match(lora, dit, "transformer").patches] == ["blocks.0.attn.to_q.weight"]
     x = torch.randn(5, 32, generator=torch.Generator().manual_seed(2))
+    parts = Models({"transformer": dit})  # the modules and the owner of their state
     with torch.no_grad():
         plain = layer(x)
         stack = LoraStack((LoraItem(lora, 0.8),))
-        stack.apply({"transformer": dit}, ["transformer"])
+        stack.apply(parts, ["transformer"])
         adapted = layer(x)
         want = plain.double() + 0.8 * 0.5 * (x.double() @ (up.double() @ down.double()).T)
         torch.testing.assert_close(adapted.double(), want, atol=1e-5, rtol=0)
         assert torch.equal(layer.qdata, packed)  # the packed weight is never touched
-        stack.remove({"transformer": dit}, ["transformer"])
+        stack.remove(parts, ["transformer"])
         assert torch.equal(layer(x), plain) and layer.deltas == []
 
 
@@ -389,11 +395,12 @@ def test_a_3d_lora_on_packed_experts_is_a_runtime_delta_on_routed_experts(packed
     merged = dict(dequantized)
     merged["w1"] = (dequantized["w1"].double() + strength * 0.5 * (up1.double() @ down1.double())).float()
     merged["w2"] = (dequantized["w2"].double() + strength * (up2.double() @ down2.double())).float()
+    parts = Models({"transformer": dit})  # the modules and the owner of their state
     with torch.no_grad():
         plain = ffn(x)
         torch.testing.assert_close(plain, _plain_moe_with(ffn, dequantized)(x), atol=1e-6, rtol=0)
         stack = LoraStack((LoraItem(lora, strength),))
-        stack.apply({"transformer": dit}, ["transformer"])
+        stack.apply(parts, ["transformer"])
         try:
             assert sorted(name for name, _ in experts.deltas) == ["w1", "w2"]
             # count which experts' deltas run: exactly the experts the router sends the tokens to
@@ -419,12 +426,12 @@ def test_a_3d_lora_on_packed_experts_is_a_runtime_delta_on_routed_experts(packed
             assert not torch.allclose(adapted, plain, atol=1e-3)
             assert all(torch.equal(p, stored[n]) for n, p in experts.named_parameters())  # packed bytes untouched
         finally:
-            stack.remove({"transformer": dit}, ["transformer"])
+            stack.remove(parts, ["transformer"])
         assert experts.deltas == [] and torch.equal(ffn(x), plain)
         zero = LoraStack((LoraItem(lora, 0.0),))
-        zero.apply({"transformer": dit}, ["transformer"])
+        zero.apply(parts, ["transformer"])
         assert experts.deltas == [] and torch.equal(ffn(x), plain)
-        zero.remove({"transformer": dit}, ["transformer"])
+        zero.remove(parts, ["transformer"])
 
 
 def test_a_3d_lora_of_the_wrong_expert_count_on_packed_experts_is_refused(packed_moe):
@@ -438,8 +445,10 @@ def test_a_3d_lora_of_the_wrong_expert_count_on_packed_experts_is_refused(packed
 def test_each_factor_is_scanned_once_however_often_the_stack_resolves(moe_dit, monkeypatch):
     """Stage entries resolve the stack again every time; the finite scan of a tensor runs once."""
     scanned = []
-    real = lora_ops._float_and_finite
-    monkeypatch.setattr(lora_ops, "_float_and_finite", lambda t: scanned.append(id(t)) or real(t))
+    from lingbot_core.lora import files
+
+    real = files._float_and_finite
+    monkeypatch.setattr(files, "_float_and_finite", lambda t: scanned.append(id(t)) or real(t))
     good = lora_ops.LoraFile.from_state_dict({"blocks.0.attn.to_q.lora_A.weight": torch.ones(3, 32),
                                               "blocks.0.attn.to_q.lora_B.weight": torch.ones(32, 3),
                                               "blocks.0.attn.to_out.diff": torch.ones(32, 32)})
@@ -451,3 +460,29 @@ def test_each_factor_is_scanned_once_however_often_the_stack_resolves(moe_dit, m
     for _ in range(2):  # a failed scan is not remembered as passed
         with pytest.raises(LoraError, match="non-finite"):
             lora_ops.match(bad, moe_dit, "transformer")
+
+
+def test_fp8_factors_merge_as_their_exact_bf16_values(moe_dit, tmp_path):
+    """fp8 (e4m3 / e5m2) factors are widened to bf16 on read (exact) and merge like a bf16 file;
+    a scaled-fp8 file is refused when it is read."""
+    down, up = _factors((32, 32), seed=11)
+    w = dict(moe_dit.named_parameters())["blocks.0.attn.to_q.weight"]
+    original = w.detach().clone()
+    results = []
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        fp8 = {"blocks.0.attn.to_q.lora_A.weight": down.to(dtype), "blocks.0.attn.to_q.lora_B.weight": up.to(dtype)}
+        wide = {k: v.to(torch.bfloat16) for k, v in fp8.items()}
+        for tensors in (fp8, wide):
+            lora = lora_ops.load_lora_file(_write(tmp_path, tensors))
+            parts = Models({"transformer": moe_dit})
+            stack = LoraStack((LoraItem(lora, 1.0),))
+            stack.apply(parts, ["transformer"])
+            results.append(w.detach().clone())
+            stack.remove(parts, ["transformer"])
+            assert torch.equal(w, original)
+        assert torch.equal(results[-2], results[-1]) and not torch.equal(results[-1], original)
+    scaled = {"blocks.0.attn.to_q.lora_A.weight": down.to(torch.float8_e4m3fn),
+              "blocks.0.attn.to_q.lora_B.weight": up.to(torch.float8_e4m3fn),
+              "blocks.0.attn.to_q.scale_weight": torch.tensor(0.5)}
+    with pytest.raises(LoraError, match="scaled fp8 factors"):
+        lora_ops.load_lora_file(_write(tmp_path, scaled))

@@ -15,6 +15,7 @@ from parity_cases import discover
 
 from lingbot_core import lora as lora_ops
 from lingbot_core.checkpoint import load_transformer
+from lingbot_core.weights.state import Models
 
 CASES = discover({"transformer-lora"}, sets=("lingbot-lora",))
 
@@ -46,20 +47,21 @@ def test_lora_case(case):
     assert {p.param for p in report.patches} == {t["param"] for t in spec["targets"]}
 
     stack = lora_ops.LoraStack((lora_ops.LoraItem(lora, spec["strength"]),))
-    stack.apply({"transformer": model}, ["transformer"])
+    parts = Models({"transformer": model})  # the modules and the owner of their state
+    stack.apply(parts, ["transformer"])
     params = dict(model.named_parameters())
     for target in spec["targets"]:
         case.check(f"merged.{target['param']}", params[target["param"]], e)
     case.check("output", _forward(model, e), e)
 
-    stack.remove({"transformer": model}, ["transformer"])
+    stack.remove(parts, ["transformer"])
     for name, p in model.named_parameters():
         assert torch.equal(p, plain[name]), name
     case.check("output_without_lora", _forward(model, e), e)
 
     # Strength 0 is the plain model, bit for bit; applying again after that is the same merge.
-    lora_ops.LoraStack((lora_ops.LoraItem(lora, 0.0),)).apply({"transformer": model}, ["transformer"])
+    lora_ops.LoraStack((lora_ops.LoraItem(lora, 0.0),)).apply(parts, ["transformer"])
     assert all(torch.equal(p, plain[n]) for n, p in model.named_parameters())
-    stack.apply({"transformer": model}, ["transformer"])
+    stack.apply(parts, ["transformer"])
     for target in spec["targets"]:
         case.check(f"merged.{target['param']}", params[target["param"]], e)

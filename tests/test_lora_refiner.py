@@ -18,8 +18,9 @@ from lingbot_core import lora as lora_ops
 from lingbot_core import stages
 from lingbot_core.handle import PipelineHandle
 from lingbot_core.offload import configure_offload
+from lingbot_core.placement.modes import MODE_ORDER
 
-MODES = ["none", "model", "sequential", "group"]
+MODES = list(MODE_ORDER)  # every registered offload mode
 OPTS = {"group": {"use_stream": False}}
 REFINE = dict(height=32, width=32, steps=2, seed=1, decode_output=False)
 BASE = dict(height=32, width=32, num_frames=5, steps=1, guidance_scale=1.0, seed=0)
@@ -143,13 +144,13 @@ def test_refiner_lora_matches_a_direct_computation_and_spares_the_transformer(fi
     # The base DiT carries nothing: same weights, no saved copies, and its stage gives the plain result.
     transformer = handle.component("transformer")
     assert all(torch.equal(p, base[n]) for n, p in transformer.named_parameters())
-    assert lora_ops.pristine_copies(transformer) == {}
+    assert lora_ops.pristine_copies(handle.shared.states.get("transformer")) == {}
     assert torch.equal(stages.denoise(view, cond, **BASE), expected["base_plain"])
 
     # Taking the LoRA off (a plain view's stage) restores the refiner bit for bit.
     assert torch.equal(stages.refine(handle, _frames(), cond, release_base=False, **REFINE), expected["plain"])
     assert all(torch.equal(p, refiner_plain[n]) for n, p in handle.component("refiner").named_parameters())
-    assert lora_ops.pristine_copies(handle.component("refiner")) == {}
+    assert lora_ops.pristine_copies(handle.shared.states.get("refiner")) == {}
     strength_zero = lora_ops.with_lora(handle, files["prefixed"], 0.0)
     assert torch.equal(stages.refine(strength_zero, _frames(), cond, release_base=False, **REFINE), expected["plain"])
 

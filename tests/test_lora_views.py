@@ -11,8 +11,9 @@ from lingbot_core import lora as lora_ops
 from lingbot_core import stages
 from lingbot_core.handle import PipelineHandle
 from lingbot_core.offload import configure_offload, release
+from lingbot_core.placement.modes import MODE_ORDER
 
-MODES = ["none", "model", "sequential", "group"]
+MODES = list(MODE_ORDER)  # every registered offload mode
 OPTS = {"group": {"use_stream": False}}
 RUN = dict(height=32, width=32, num_frames=5, steps=2, guidance_scale=1.0, seed=5)
 

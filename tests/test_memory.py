@@ -13,6 +13,7 @@ from lingbot_core import memory, offload, stages
 from lingbot_core.handle import PipelineHandle
 from lingbot_core.memory import Geometry, GiB, ModelSizes, choose_mode, estimate_peak, memory_report
 from lingbot_core.offload import configure_offload
+from lingbot_core.placement.modes import MODE_ORDER
 
 # Dense 1.3B in bf16 with the Qwen3-VL-4B encoder (bf16) and the fp32 Wan VAE.
 DENSE = ModelSizes(text_encoder=int(8.9e9), transformer=int(2.71e9), vae=int(0.51e9), hidden=2048, depth=24,
@@ -37,7 +38,7 @@ def test_estimates_track_the_published_baseline():
         # sequential moves our VAE as a whole (+0.5 GB), the reference streamed it per leaf
         slack = 0.6e9 if mode == "sequential" else 0.0
         assert abs(estimate - peak) <= 0.15 * peak + slack, (mode, estimate / 1e9)
-    order = [estimate_peak(m, DENSE, TI2V_SMALL) for m in ("none", "model", "group", "sequential")]
+    order = [estimate_peak(m, DENSE, TI2V_SMALL) for m in MODE_ORDER]  # fastest first: largest first
     assert order == sorted(order, reverse=True)
 
 
@@ -147,7 +148,7 @@ def test_pinned_memory_is_reported():
     assert _location(torch.zeros(4).pin_memory()) == "pinned CPU"
 
 
-@pytest.mark.parametrize("mode", ["model", "sequential", "group", "auto"])
+@pytest.mark.parametrize("mode", [*MODE_ORDER[1:], "auto"])  # every mode that offloads
 def test_refine_releases_the_base_first_and_matches_none(moe, fixtures_root, mode):
     frames = torch.rand(5, 32, 32, 3, generator=torch.Generator().manual_seed(0))
     plain = PipelineHandle.open(fixtures_root / "models" / "tiny-moe", device="cpu")

@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from lingbot_core import offload
+from lingbot_core.placement.modes import MODE_ORDER
 from lingbot_core.workflow import Engine, RunInterrupted, apply_overrides, load_workflow
 from lingbot_nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
 
 API = Path(__file__).resolve().parents[1] / "workflows" / "api"
 WORKFLOWS = sorted(p.stem for p in API.glob("*.json"))
-MODES = ["none", "model", "sequential", "group"]
+MODES = list(MODE_ORDER)  # every registered offload mode
 
 
 @pytest.fixture(autouse=True)

@@ -13,11 +13,12 @@ import weakref
 import pytest
 import torch
 
-from lingbot_core import offload, stages
+from lingbot_core import hooks, offload, stages
 from lingbot_core.handle import PipelineHandle
 from lingbot_core.offload import configure_offload, hook_inventory, release
+from lingbot_core.placement.modes import MODE_ORDER
 
-MODES = ["none", "model", "sequential", "group"]
+MODES = list(MODE_ORDER)  # every registered offload mode
 OPTS = {"group": {"use_stream": False}}
 GEOM = dict(height=32, width=32, num_frames=5, steps=2, guidance_scale=3.0, seed=7)
 REFINE = dict(height=48, width=48, steps=2, seed=7)
@@ -376,13 +377,18 @@ def test_interrupt_checker_cancels_inside_model_work(moe, reference_outputs, sta
     inp, expected = reference_outputs
     calls = {"n": 0}
 
+    seen = []
+
     def check():
         calls["n"] += 1
+        seen.extend(name for _path, name in hooks.listing(moe.component(component)))
         if calls["n"] == 3:  # not at stage entry: inside the component's blocks
             raise Cancelled
 
     with interrupt_checker(check), pytest.raises(Cancelled):
         run_stage(moe, stage_name, inp)
     assert calls["n"] == 3
+    assert "lingbot.interrupt" in seen and set(seen) <= set(hooks.KNOWN)  # every hook is a registered name
+    assert "lingbot.interrupt" not in {name for _path, name in hooks.listing(moe.component(component))}
     assert not any(m._forward_pre_hooks for m in moe.component(component).modules())
     assert torch.equal(run_stage(moe, stage_name, inp), expected[stage_name])

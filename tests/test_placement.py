@@ -22,9 +22,10 @@ from lingbot_core.interrupt import interrupt_checker
 from lingbot_core.offload import configure_offload, hook_inventory
 from lingbot_core.placement import door
 from lingbot_core.placement.estimate import Geometry, ModelSizes, estimate_peak
+from lingbot_core.placement.modes import MODE_ORDER
 
 OPTS = {"group": {"use_stream": False}}
-MODES = ["none", "model", "sequential", "group"]
+MODES = list(MODE_ORDER)  # every registered offload mode
 DN = dict(height=32, width=32, num_frames=5, steps=1, guidance_scale=1.0, seed=3)
 
 

@@ -23,13 +23,16 @@ from lingbot_core.checkpoint import CheckpointError, inspect_checkpoint, load_tr
 from lingbot_core.handle import PipelineHandle
 from lingbot_core.models.precision import stays_float32 as keeps_fp32
 from lingbot_core.offload import configure_offload, stage
+from lingbot_core.placement.modes import MODE_CLASSES, MODE_ORDER
 from lingbot_core.quantize import quantize_checkpoint
 from lingbot_core.weights import fp8 as fp8_mod
 from lingbot_core.weights import gguf_codec
 from lingbot_core.weights.modules import QuantizedExperts, QuantizedLinear
 
 T = gguf.GGMLQuantizationType
-MODES = ["none", "model", "sequential", "group"]
+MODES = list(MODE_ORDER)  # every registered offload mode
+OFFLOADING = [m for m in MODES if not MODE_CLASSES[m].keeps_resident]
+STREAMING = [m for m in OFFLOADING if MODE_CLASSES[m].disk_unit != "model"]  # units smaller than the DiT
 # Byte offsets of the float16 fields in each block layout (kept finite in random blocks).
 HALF_FIELDS = {T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q4_K: [0, 2],
                T.Q5_K: [0, 2], T.Q6_K: [208], T.Q3_K: [108], T.Q2_K: [80, 82], T.IQ4_NL: [0], T.IQ4_XS: [0]}
@@ -368,7 +371,7 @@ def test_fp8_request_for_a_gguf_checkpoint_is_refused(quantized):
 
 # -- disk-backed offload ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("mode", ["model", "sequential", "group"])
+@pytest.mark.parametrize("mode", OFFLOADING)
 @pytest.mark.parametrize("weights", ["plain", "fp8", "gguf-q4_0"])
 def test_disk_offload_streams_from_the_file_and_matches_ram(quantized, fixtures_root, mode, weights):
     folder = fixtures_root / "models" / "tiny-moe" if weights == "plain" else quantized["moe", weights]
@@ -836,7 +839,7 @@ def _to_q_lora_outputs(folder: Path, path: Path, seed: int) -> tuple[torch.Tenso
     return without, expected
 
 
-@pytest.mark.parametrize("mode", ["model", "sequential", "group"])
+@pytest.mark.parametrize("mode", OFFLOADING)
 def test_a_merged_lora_survives_disk_offload(fixtures_root, tmp_path, mode):
     # a merge changes weights in memory: those no longer match their file, so they stay in memory
     from lingbot_core.lora import with_lora
@@ -856,7 +859,7 @@ def test_a_merged_lora_survives_disk_offload(fixtures_root, tmp_path, mode):
         assert torch.equal(_run(dit), without)
 
 
-@pytest.mark.parametrize("mode", ["sequential", "group"])
+@pytest.mark.parametrize("mode", STREAMING)
 def test_disk_offload_and_a_merged_lora_under_inference_mode(fixtures_root, tmp_path, mode):
     """ComfyUI runs every node under torch.inference_mode(): loading, streaming, a switch to RAM and back,
     and a merged LoRA's bookkeeping must all work there and stay exact."""

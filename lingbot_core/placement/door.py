@@ -15,6 +15,9 @@ tuple of objects, `handle.view_states`, each with:
     apply(components, names) -> None           # put this state on components[n] for n in names
     remove(components, names) -> None          # take it off again
 
+`components` is a `weights.state.Models`: the modules by name, and `components.state(n)`, the
+owner of component n's mutable state (where a LoRA keeps its pristine copies).
+
 and value equality (a frozen dataclass is ideal: equal states are not re-applied). At stage
 entry the door compares the view's states with what the shared components carry; when a kind
 differs, or a component was (re)loaded since, it suspends the offload installation (hooks off,
@@ -50,17 +53,19 @@ from typing import Any
 
 import torch
 
+from .. import hooks
 from ..interrupt import checkpoints
+from ..weights.state import Models
 from . import estimate
-from .hooks import component_device
+from .modes import MODE_ORDER, check_guards
 from .report import MemoryReport, build_report
-from .settings import MODULE_COMPONENTS, OffloadSettings, check_guards, same_device
+from .settings import MODULE_COMPONENTS, OffloadSettings, same_device
 from .tensors import stored_bytes
 
 PipelineHandle = Any
 """A `lingbot_core.handle.PipelineHandle` view (not imported: the handle depends on placement)."""
 SharedComponents = Any
-"""Its `SharedComponents`: `.loaded`, `.lock`, `.placement`, `.info`, `.dtypes`, `.folder`."""
+"""Its `SharedComponents`: `.loaded`, `.states`, `.lock`, `.placement`, `.info`, `.dtypes`, `.folder`."""
 log = logging.getLogger("lingbot_core.offload")
 
 MEMORY_LISTENERS: list = []
@@ -210,7 +215,8 @@ def has_fallen_back(handle: PipelineHandle) -> bool:
 def _apply_view_states(handle: PipelineHandle) -> None:
     shared = handle.shared
     placement = shared.placement
-    modules = {n: shared.loaded[n] for n in MODULE_COMPONENTS if isinstance(shared.loaded.get(n), torch.nn.Module)}
+    modules = Models({n: shared.loaded[n] for n in MODULE_COMPONENTS if isinstance(shared.loaded.get(n), torch.nn.Module)},
+                     shared.states)
     wanted = {state.kind: state for state in getattr(handle, "view_states", ())}
     plans, touched = [], set()
     for kind in sorted(set(wanted) | set(placement.view_states)):
@@ -238,6 +244,22 @@ def _apply_view_states(handle: PipelineHandle) -> None:
 
 
 # -- the stage door -------------------------------------------------------------------------------------
+
+def component_device(module: Any) -> torch.device | None:
+    """Where a component computes: the device its first moving hook onloads to (an offload mode's, disk
+    streaming's; see `lingbot_core.hooks`), else where its weights are."""
+    if not isinstance(module, torch.nn.Module):
+        return None
+    for sub in module.modules():
+        for _name, hook in hooks.attached(sub):
+            device = hooks.onload_device(hook)
+            if device is not None:
+                return device
+    for p in module.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return None
+
 
 def execution_device(handle: PipelineHandle, name: str | None = None) -> torch.device:
     """The device a stage builds its inputs on: the handle's. With `name`, check the component agrees."""
@@ -365,6 +387,7 @@ def release(handle: PipelineHandle, components: tuple[str, ...] | list[str] | No
                                "keep them or open the handle from a checkpoint folder")
         for name in names:
             module = shared.loaded.pop(name)
+            shared.states.pop(name, None)  # its LoRA copies and notes go with it
             shared.placement.drop(name, module)
             shared.placement.ledger.append(("drop", name, "release"))
             del module
@@ -382,9 +405,9 @@ def fall_back(handle: PipelineHandle) -> bool:
         if placement.mode is None or placement.requested is None or placement.requested.mode != "auto":
             return False
         current = placement.mode.name
-        if placement.fell_back or current == estimate.MODE_ORDER[-1]:
+        if placement.fell_back or current == MODE_ORDER[-1]:
             return False
-        following = estimate.MODE_ORDER[estimate.MODE_ORDER.index(current) + 1]
+        following = MODE_ORDER[MODE_ORDER.index(current) + 1]
         concrete = OffloadSettings(following, _group_defaults(placement.device) if following == "group" else (),
                                    placement.mode.settings.offload_to)
         log.warning("auto offload: out of memory under '%s'; falling back to '%s' and retrying once",

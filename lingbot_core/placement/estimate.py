@@ -44,11 +44,10 @@ from typing import Any
 
 import torch
 
-from .modes import MODE_CLASSES
+from .modes import MODE_CLASSES, MODE_ORDER
 from .tensors import stored_bytes
 
 GiB = 1024**3
-MODE_ORDER = ("none", "model", "group", "sequential")  # fastest first
 DIT_ACT_FACTOR = 14
 VAE_DECODE_CHANNELS = 384
 VAE_DECODE_FACTOR = 19

@@ -148,10 +148,10 @@ class Placement:
         if self.mode is not None and name in self.mode.homes:
             getattr(self.mode, "forget", self.mode.uninstall)(name, module)  # disk: no read-back
         elif isinstance(module, torch.nn.Module):
+            from .. import hooks
             from ..weights.disk import on_disk
-            from .hooks import strip_hooks
 
-            strip_hooks(module)
+            hooks.strip(module)
             if not on_disk(module):  # a DiT loaded for disk offload has nothing to move
                 module.to(CPU)
         self.resident.discard(name)

@@ -79,7 +79,7 @@ class Homes:
     did (accelerate replaces parameters with new `meta` ones and, when its hooks are removed,
     with per-module copies that untie shared weights). With `keep_data` the home storage of each
     tensor is remembered too, so moving to the device and back is a rebinding of `.data`: no copy
-    back, no new host allocation, and a home that is memory-mapped stays memory-mapped.
+    back, no new host allocation, and the home storage is never copied.
     """
 
     def __init__(self, module: torch.nn.Module, *, keep_data: bool):

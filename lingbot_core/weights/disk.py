@@ -34,8 +34,12 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from .. import hooks
+
 _TRANSIENT_MIN = 1 << 16  # smaller tensors come from the heap (a mapping per norm weight is waste)
 TRIM_EVERY = 64 << 20  # streamed bytes between two hand-backs of the free heap
+UNITS = ("model", "block", "layer")
+"""What a streaming unit is: the whole DiT, one block (or top-level child), one layer (`_units`)."""
 
 
 def _malloc_trim():
@@ -116,10 +120,12 @@ def _has_forward(module: nn.Module) -> bool:
 def _units(model: nn.Module, unit: str) -> list[tuple[nn.Module, list[tuple[nn.Module, str, str]]]]:
     """Streaming units and the tensors each brings in: (owner module, local name, full name).
 
-    `model`: the whole DiT. `group`: every top-level child, each block of `blocks` on its own.
-    `sequential`: every module with tensors of its own; a container without a forward (the expert
+    `model`: the whole DiT. `block`: every top-level child, each block of `blocks` on its own.
+    `layer`: every module with tensors of its own; a container without a forward (the expert
     stacks) joins its parent.
     """
+    if unit not in UNITS:
+        raise ValueError(f"unknown streaming unit {unit!r}; expected one of {', '.join(UNITS)}")
     by_unit: dict[int, tuple[nn.Module, list]] = {}
     names = dict(model.named_modules())
     for prefix, module in model.named_modules():
@@ -128,7 +134,7 @@ def _units(model: nn.Module, unit: str) -> list[tuple[nn.Module, list[tuple[nn.M
             continue
         if unit == "model":
             owner = model
-        elif unit == "group":
+        elif unit == "block":
             parts = prefix.split(".")
             head = ".".join(parts[:2]) if parts[0] == "blocks" and len(parts) > 1 else parts[0]
             owner = names[head] if head else model
@@ -144,18 +150,15 @@ def _units(model: nn.Module, unit: str) -> list[tuple[nn.Module, list[tuple[nn.M
     return list(by_unit.values())
 
 
-UNIT_OF_MODE = {"model": "model", "group": "group", "sequential": "sequential"}
-
-
 class DiskStreaming:
     """Streams a DiT's weights from its files, unit by unit; `remove()` brings them back into memory."""
 
-    def __init__(self, model: nn.Module, device: torch.device, unit: str = "group"):
+    def __init__(self, model: nn.Module, device: torch.device, unit: str = "block"):
         known = getattr(model, "weight_spans", None) or {}
         self.model, self.device = model, torch.device(device)
         self.spans: dict[str, FileSpan] = {}  # the tensors streamed: those whose values are their file's
         self.homes: dict[str, torch.Tensor] = {}  # the others (converted, or changed in memory): host copies
-        self.hooks: list = []
+        self.owners: list[nn.Module] = []  # the modules carrying a `UnitStream` hook
         self.streamed = 0  # bytes read since the free heap was last handed back
         self.units = _units(model, unit)
         slots = [(module, local, full) for _owner, tensors in self.units for module, local, full in tensors]
@@ -171,9 +174,8 @@ class DiskStreaming:
                 tensor = _slot(module, local)
                 self._bind(module, local, torch.empty(tensor.shape, dtype=tensor.dtype, device="meta"))
         for owner, tensors in self.units:
-            self.hooks.append(owner.register_forward_pre_hook(self._loader(tensors)))
-            self.hooks.append(owner.register_forward_hook(self._dropper(tensors)))
-        model._lingbot_disk = self
+            hooks.attach(owner, UnitStream(self, tensors))
+            self.owners.append(owner)
 
     @staticmethod
     def _bind(module: nn.Module, local: str, value: torch.Tensor) -> None:
@@ -187,22 +189,16 @@ class DiskStreaming:
             return self.spans[full].read(self.device, transient=True)
         return self.homes[full].to(self.device)
 
-    def _loader(self, tensors):
-        def load(_module, _args):
-            for module, local, full in tensors:
-                self._bind(module, local, self._fetch(full))
-        return load
+    def load(self, tensors) -> None:
+        for module, local, full in tensors:
+            self._bind(module, local, self._fetch(full))
 
-    def _dropper(self, tensors):
-        nbytes = sum(self.spans[full].nbytes for _m, _l, full in tensors if full in self.spans)
-
-        def drop(_module, _args, _output):
-            self._drop(tensors)
-            self.streamed += nbytes
-            if self.streamed >= TRIM_EVERY:
-                self.streamed = 0
-                release_free_heap()
-        return drop
+    def unload(self, tensors, nbytes: int) -> None:
+        self._drop(tensors)
+        self.streamed += nbytes
+        if self.streamed >= TRIM_EVERY:
+            self.streamed = 0
+            release_free_heap()
 
     def _drop(self, tensors) -> None:
         for module, local, full in tensors:
@@ -223,13 +219,35 @@ class DiskStreaming:
     def remove(self, restore: bool = True) -> None:
         """Hooks off; with `restore` every tensor back in host memory, read once from the file (else the
         streamed ones stay on `meta`, read when a RAM-homed mode takes the model: `materialize`)."""
-        for hook in self.hooks:
-            hook.remove()
-        self.hooks.clear()
-        self.model.__dict__.pop("_lingbot_disk", None)
+        for owner in self.owners:
+            hooks.detach(owner, UnitStream.name)
+        self.owners.clear()
         self.settle()  # converted tensors bound to their homes, span-backed ones on meta
         if restore:
             materialize(self.model)
+
+
+@hooks.named("lingbot.disk_stream", "disk offload: reads a unit's weights from the file before it computes, "
+             "drops them after")
+class UnitStream(hooks.Hook):
+    """One streaming unit of a `DiskStreaming`: its tensors come in before the unit computes and go after."""
+
+    def __init__(self, stream: DiskStreaming, tensors: list):
+        super().__init__()
+        self.stream, self.tensors = stream, tensors
+        self.nbytes = sum(stream.spans[full].nbytes for _m, _l, full in tensors if full in stream.spans)
+
+    @property
+    def execution_device(self) -> torch.device:
+        return self.stream.device
+
+    def pre_forward(self, module, *args, **kwargs):
+        self.stream.load(self.tensors)
+        return args, kwargs
+
+    def post_forward(self, module, output):
+        self.stream.unload(self.tensors, self.nbytes)
+        return output
 
 
 def _slot(module: nn.Module, local: str) -> torch.Tensor:
@@ -299,4 +317,7 @@ def materialize(model: nn.Module, names: set[str] | None = None) -> int:
 
 
 def streaming_of(module: nn.Module) -> DiskStreaming | None:
-    return module.__dict__.get("_lingbot_disk") if isinstance(module, nn.Module) else None
+    """The disk streaming installed on `module` (found through its units' hooks), or None."""
+    if not isinstance(module, nn.Module):
+        return None
+    return next((hook.stream for _sub, hook in hooks.hooks_named(module, UnitStream.name)), None)

@@ -237,10 +237,6 @@ def set_fp8_matmul(model: nn.Module, wanted: str) -> int:
     return count
 
 
-def is_quantized(module: nn.Module) -> bool:
-    return isinstance(module, (QuantizedLinear, QuantizedExperts))
-
-
 def packed_tensors(module: nn.Module) -> list[tuple[str, Packing, torch.Tensor, torch.Tensor | None]]:
     """(stored tensor name relative to `module`, packing, data, scale) for each packed weight it holds
     directly: `weight` of a QuantizedLinear, `w1`/`w2`/`w3` of QuantizedExperts; [] for other modules."""

@@ -91,11 +91,6 @@ class Engine:
         """Check everything that can be checked without running; return the target node ids."""
         return self._plan(prompt, outputs).targets
 
-    def clear_cache(self) -> None:
-        """Forget every cached result and node object (ComfyUI's "free memory" reset)."""
-        self._store.clear()
-        self._objects.clear()
-
     def run(
         self,
         prompt: ApiPrompt | Mapping[str, Any],

@@ -12,6 +12,11 @@ A mode is one small class. The door calls, per component:
   tensor back in its slot (ties included) and on the CPU.
 - `estimate(sizes, activations)` the peak accelerator bytes the mode needs for one request
   (pure arithmetic over `estimate.ModelSizes` and the per-phase activation bytes).
+- `check(settings, device, loaded)` (a classmethod) refuses settings the mode cannot run with,
+  before anything is touched.
+
+The class attributes (`name`, `speed`, `options`, `disk_unit`, `summary`) are what the registry
+(`modes/__init__.py`) derives the mode lists, `auto`'s order and the Offload node's choices from.
 
 Modes move tensors generically (`tensors.Homes`): stored dtypes and tensor subclasses travel as
 they are, so quantized weights move at their stored size.
@@ -19,17 +24,44 @@ they are, so quantized weights move at their stored size.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
 
-from ..hooks import strip_hooks
+from ... import hooks
 from ..settings import CPU, OffloadSettings
 from ..tensors import Homes
 
 
+def is_sharded(module: torch.nn.Module) -> bool:
+    if any(type(m).__name__.startswith("FSDP") or type(m).__name__ == "FullyShardedDataParallel"
+           for m in module.modules()):
+        return True
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - old torch
+        return False
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
 class Mode:
     name: ClassVar[str] = ""
+    """The registry key (`modes.MODE_CLASSES`); a subclass without one is not a mode (`Mode` itself)."""
+    speed: ClassVar[int] = 0
+    """Rank in `MODE_ORDER`, fastest first: `auto` tries the modes in this order."""
+    options: ClassVar[frozenset[str]] = frozenset()
+    """The options a view may pass with this mode (`OffloadSettings.option`)."""
+    disk_unit: ClassVar[str | None] = None
+    """With `offload_to="disk"`, what the DiTs stream at once (`weights.disk`): "model" (the whole DiT),
+    "block" or "layer"; None: the mode keeps no host home to replace (it does not stream)."""
+    summary: ClassVar[str] = ""
+    """One phrase for the Offload node's tooltip."""
     keeps_resident: ClassVar[bool] = False
     """True if components may stay on the device between stages (`none`)."""
     whole: ClassVar[frozenset[str] | None] = frozenset()
@@ -40,6 +72,20 @@ class Mode:
         self.settings = settings
         self.device = device
         self.homes: dict[str, Homes] = {}
+
+    @classmethod
+    def check(cls, settings: OffloadSettings, device: torch.device, loaded: Mapping[str, Any]) -> None:
+        """Refuse settings this mode cannot run with (before anything is touched); `loaded` components."""
+        if cls.keeps_resident:
+            return
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError(f"offload mode {cls.name!r} cannot run under a multi-process group (FSDP, CFG- or "
+                             "context-parallel): each rank holds a shard; use offload 'none' there")
+        for name, module in loaded.items():
+            if isinstance(module, torch.nn.Module) and is_sharded(module):
+                raise ValueError(f"offload mode {cls.name!r} cannot manage the sharded component {name!r}; "
+                                 "use offload 'none' with sharded models")
 
     # -- the interface the door uses ---------------------------------------------------------------
     def install(self, name: str, module: Any) -> None:
@@ -74,7 +120,7 @@ class Mode:
         if not isinstance(module, torch.nn.Module):
             return
         self._before_strip(name, module)
-        strip_hooks(module)
+        hooks.strip(module)
         if homes is not None:
             homes.restore()
             lost = homes.lost()

@@ -23,15 +23,13 @@ from ..settings import CPU
 DITS = ("transformer", "refiner")
 
 
-def streams_from_disk(settings: Any, name: str, keeps_resident: bool | None = None) -> bool:
+def streams_from_disk(settings: Any, name: str) -> bool:
     """Do `settings` (concrete: `auto` resolved) make `name`'s CPU home its checkpoint file?"""
     if name not in DITS or getattr(settings, "offload_to", "ram") != "disk":
         return False
-    if keeps_resident is None:
-        from . import MODE_CLASSES
+    from . import disk_unit
 
-        keeps_resident = MODE_CLASSES[settings.mode].keeps_resident
-    return not keeps_resident
+    return disk_unit(settings.mode) is not None
 
 
 class DiskBacked:
@@ -48,11 +46,11 @@ class DiskBacked:
 
     def install(self, name: str, module: Any) -> None:
         if name in DITS and isinstance(module, torch.nn.Module):
-            from ...weights.disk import UNIT_OF_MODE, DiskStreaming
+            from ...weights.disk import DiskStreaming
 
             if any(t.device.type not in ("cpu", "meta") for t in module.parameters()):
                 module.to(CPU)  # built or loaded on the device: its home is the CPU (and the file)
-            self.streams[name] = DiskStreaming(module, self.inner.device, UNIT_OF_MODE[self.inner.name])
+            self.streams[name] = DiskStreaming(module, self.inner.device, self.inner.disk_unit)
             return
         self.inner.install(name, module)
 
@@ -92,9 +90,14 @@ class DiskBacked:
 
 def unit_bytes(mode: str, sizes: Any) -> int:
     """Host bytes a streamed DiT holds at once under `mode` (`estimate.ModelSizes`): the unit it reads.
-    `model` reads the whole DiT per forward; `group` one block, `sequential` one layer (a block bounds it,
-    a MoE FFN streams as one piece)."""
-    if mode == "model":
+    A "model" unit is the whole DiT per forward; a "block" one block, a "layer" one layer (a block bounds
+    it, a MoE FFN streams as one piece); a mode that does not stream holds the whole DiTs."""
+    from . import disk_unit
+
+    unit = disk_unit(mode)
+    if unit is None:
+        return sizes.transformer + sizes.refiner
+    if unit == "model":
         return max(sizes.transformer, sizes.refiner)
     return sizes.largest_block
 
@@ -102,6 +105,6 @@ def unit_bytes(mode: str, sizes: Any) -> int:
 def make_mode(classes: dict[str, type], settings: Any, device: torch.device) -> Any:
     """The mode object for `settings`, disk-backed for the DiTs when `offload_to` is `disk`."""
     mode = classes[settings.mode](settings, device)
-    if streams_from_disk(settings, DITS[0], mode.keeps_resident):
+    if streams_from_disk(settings, DITS[0]):
         return DiskBacked(mode)
     return mode

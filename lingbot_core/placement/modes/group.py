@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from ..hooks import group_hooks
+from ... import hooks
 from ..settings import CPU
-from .base import Mode, peak_over_phases
+from .base import Mode, peak_over_phases, positive_int
 
 WHOLE = ("vae",)
 
@@ -51,27 +51,56 @@ def onload_and_wait(group: Any) -> None:
         group.stream.synchronize()
 
 
-def _embedding_prehook(text_encoder: torch.nn.Module):
-    from diffusers.hooks import HookRegistry
+@hooks.named("lingbot.group_embedding_onload", "group offload: onloads the Qwen language model's top-level "
+             "group (its token embeddings) when the inner model is entered")
+class EmbeddingOnload(hooks.Hook):
+    def __init__(self, group: Any):
+        super().__init__()
+        self.group = group
 
-    language_model = text_encoder.model.language_model
-    hook = HookRegistry.check_if_exists_or_initialize(language_model).get_hook("group_offloading")
-    group = getattr(hook, "group", None)
+    def pre_forward(self, module, *args, **kwargs):
+        if self.group is not None:
+            onload_and_wait(self.group)
+        return args, kwargs
 
-    def onload(_module, _args):
-        if group is not None:
-            onload_and_wait(group)
 
-    return text_encoder.model.register_forward_pre_hook(onload)
+def _embedding_onload(text_encoder: torch.nn.Module) -> None:
+    hook = hooks.find(text_encoder.model.language_model, "group_offloading")
+    hooks.attach(text_encoder.model, EmbeddingOnload(getattr(hook, "group", None)))
 
 
 class GroupMode(Mode):
     name = "group"
+    speed = 2
+    options = frozenset({"use_stream", "low_cpu_mem_usage", "num_blocks_per_group", "record_stream"})
+    disk_unit = "block"
+    summary = "DiT blocks streamed"
     whole = frozenset(WHOLE)
 
-    def __init__(self, settings, device):
-        super().__init__(settings, device)
-        self.prehooks: dict[str, Any] = {}
+    @classmethod
+    def check(cls, settings, device, loaded) -> None:
+        super().check(settings, device, loaded)
+        use_stream = settings.option("use_stream", device.type == "cuda")
+        if use_stream and device.type == "cpu":
+            raise ValueError("group offload with use_stream needs an accelerator with streams; on CPU pass "
+                             "use_stream=False")
+        if settings.option("record_stream", False) and not use_stream:
+            raise ValueError("record_stream only applies with use_stream=True")
+        blocks = settings.option("num_blocks_per_group", 1)
+        positive_int("num_blocks_per_group", blocks)
+        if use_stream and blocks != 1:
+            # diffusers' stream prefetch works one block at a time and silently resets the group size.
+            raise ValueError(f"num_blocks_per_group={blocks} cannot be combined with use_stream: stream "
+                             "prefetching moves one block at a time; drop num_blocks_per_group or pass "
+                             "use_stream=False")
+        try:
+            import diffusers
+            from diffusers.hooks import apply_group_offloading  # noqa: F401
+        except ImportError as err:  # pragma: no cover - diffusers without hooks
+            raise ValueError(f"group offload needs diffusers' group offloading ({err})") from err
+        version = tuple(int(x) for x in diffusers.__version__.split(".")[:2] if x.isdigit())
+        if device.type == "cpu" and version < (0, 42):
+            raise ValueError(f"group offload on CPU needs diffusers >= 0.42 (found {diffusers.__version__})")
 
     def _keeps_homes(self, name: str) -> bool:
         # The VAE moves by rebinding. Grouped components keep only their slots: with a stream,
@@ -95,17 +124,14 @@ class GroupMode(Mode):
                 low_cpu_mem_usage=bool(s.option("low_cpu_mem_usage", False)),
             )
         if name == "text_encoder":
-            self.prehooks[name] = _embedding_prehook(module)
+            _embedding_onload(module)
 
     def _settle_streamed(self, name: str, module: torch.nn.Module) -> None:
-        for hook in group_hooks(module):
+        for _sub, hook in hooks.hooks_named(module, "group_offloading"):
             if group_is_onloaded(hook.group):
                 hook.group.offload_()
 
     def _before_strip(self, name: str, module: torch.nn.Module) -> None:
-        handle = self.prehooks.pop(name, None)
-        if handle is not None:
-            handle.remove()
         self.settle(name, module)
 
     @staticmethod

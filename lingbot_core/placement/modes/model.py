@@ -2,7 +2,7 @@
 
 No hooks: the door acquires what a stage names and settles it afterwards. Moving is rebinding
 each tensor between its CPU home and a device copy (`tensors.Homes`), so offloading copies
-nothing back and a memory-mapped home stays mapped.
+nothing back and the home storage is never copied.
 """
 
 from __future__ import annotations
@@ -14,6 +14,9 @@ from .base import Mode, peak_over_phases
 
 class ModelMode(Mode):
     name = "model"
+    speed = 1
+    disk_unit = "model"
+    summary = "one component at a time"
 
     def _keeps_homes(self, name: str) -> bool:
         return True

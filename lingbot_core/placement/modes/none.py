@@ -9,6 +9,8 @@ from .base import Mode
 
 class NoneMode(Mode):
     name = "none"
+    speed = 0
+    summary = "all on the GPU"
     keeps_resident = True
 
     def moves_whole(self, name: str) -> bool:

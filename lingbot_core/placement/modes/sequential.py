@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..hooks import accelerate_hooks
+from ... import hooks
 from .base import Mode, peak_over_phases
 
 WHOLE = ("vae",)
@@ -35,7 +35,7 @@ def reoffload(module: torch.nn.Module) -> int:
     from accelerate.utils import named_module_tensors
 
     count = 0
-    for sub, hook in accelerate_hooks(module):
+    for sub, hook in hooks.hooks_named(module, hooks.ACCELERATE):
         if not getattr(hook, "offload", False):
             continue
         names = [n for n, t in named_module_tensors(sub, include_buffers=hook.offload_buffers,
@@ -49,6 +49,9 @@ def reoffload(module: torch.nn.Module) -> int:
 
 class SequentialMode(Mode):
     name = "sequential"
+    speed = 3
+    disk_unit = "layer"
+    summary = "layer by layer (smallest, slowest)"
     whole = frozenset(WHOLE)
 
     def _keeps_homes(self, name: str) -> bool:
