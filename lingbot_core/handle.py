@@ -34,7 +34,7 @@ from .checkpoint import (
     load_transformer,
 )
 from .components import ALL, DITS, ComponentFiles
-from .placement.door import check_settings
+from .placement.modes import AUTO, check_guards
 from .placement.settings import OffloadSettings
 from .placement.state import Placement
 from .weights.state import ModelState
@@ -201,7 +201,12 @@ class PipelineHandle:
         """A view over the same components with other offload settings (validated here, installed at
         the next stage or by `configure_offload`)."""
         settings = OffloadSettings.make(mode, offload_to, **options)
-        check_settings(self, settings)
+        check_guards(settings, self.device, self.shared.loaded)
+        if mode == AUTO and any(settings.option(k) is not None for k in ("height", "width", "num_frames")):
+            from .stage_inputs import validate_geometry  # the size `auto` plans for is a request like any
+
+            validate_geometry(int(settings.option("height", 480)), int(settings.option("width", 832)),
+                              int(settings.option("num_frames", 121)))
         return replace(self, offload=settings)
 
     def with_view_state(self, state: Any) -> PipelineHandle:

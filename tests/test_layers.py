@@ -13,18 +13,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "lingbot_core"
 
 LAYERS: list[tuple[str, set[str]]] = [
-    # knows nothing of the models: errors, the hook registry, cancellation, paths, the generic graph engine
-    ("base", {"errors", "exit_codes", "hooks", "interrupt", "save_path", "workflow"}),
-    # pure computation over tensors: the DiT, the scheduler and samplers, prompt/image/video/latent prep
-    ("models", {"models", "scheduler", "sampling", "prompt", "image", "video", "latents"}),
-    # files -> modules: checkpoints, weight formats, the tiny checkpoint, quantizing, LoRA files and merges
-    ("weights", {"weights", "checkpoint", "checkpoint_checks", "tiny", "quantize", "lora"}),
+    # knows nothing of the models: errors, tables, the hook registry, cancellation, paths, the graph engine
+    ("base", {"errors", "components", "json_text", "exit_codes", "hooks", "interrupt", "save_path", "workflow"}),
+    # pure computation over tensors: the DiT, the scheduler and samplers, image/video/latent prep
+    ("models", {"models", "scheduler", "sampling", "image", "video", "latents"}),
+    # files -> modules: checkpoints, weight formats, single files, the tiny checkpoint, quantizing, LoRA,
+    # the text encoder's prompt encoding (it loads through `weights`)
+    ("weights", {"weights", "checkpoint", "checkpoint_checks", "single_files", "processor_files", "tiny", "quantize",
+                 "lora", "prompt"}),
     # where weights live while stages run
     ("placement", {"placement", "offload", "memory"}),
+    # what a stage accepts (checked against the memory estimate)
+    ("requests", {"stage_inputs"}),
     # the lazy handle over one checkpoint
     ("handle", {"handle"}),
     # stages: plain functions over a handle
-    ("stages", {"stage_inputs", "stages"}),
+    ("stages", {"stages"}),
     # entry points
     ("entry", {"__main__", "__init__"}),
 ]

@@ -57,7 +57,7 @@ from .. import hooks
 from ..interrupt import checkpoints
 from ..weights.state import Models
 from . import estimate
-from .modes import MODE_ORDER, check_guards
+from .modes import MODE_ORDER
 from .report import MemoryReport, build_report
 from .settings import MODULE_COMPONENTS, OffloadSettings, same_device
 from .tensors import stored_bytes
@@ -84,16 +84,6 @@ def module_bytes(module: Any) -> int:
 
 
 # -- settings ----------------------------------------------------------------------------------------
-
-def check_settings(handle: PipelineHandle, settings: OffloadSettings) -> None:
-    """Every check on a view's offload settings, before anything is touched."""
-    check_guards(settings, handle.device, handle.shared.loaded)
-    if settings.mode == "auto" and any(settings.option(k) is not None for k in ("height", "width", "num_frames")):
-        from ..stage_inputs import validate_geometry
-
-        validate_geometry(int(settings.option("height", 480)), int(settings.option("width", 832)),
-                          int(settings.option("num_frames", 121)))
-
 
 def configure_offload(handle: PipelineHandle, mode: str, device: str | torch.device | None = None,
                       offload_to: str = "ram", **options: Any) -> PipelineHandle:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 
 from . import estimate
 from .estimate import MODE_ORDER, RESERVE_BYTES, Geometry, GiB, ModelSizes
+from .modes import MODE_CLASSES
 
 log = logging.getLogger("lingbot_core.offload")
 
@@ -174,7 +175,7 @@ def choose(sizes: ModelSizes, geometry: Geometry, vram_free: int | None, host_fr
     # VRAM fits nowhere: the smallest VRAM need among the offloading modes whose host RAM fits
     candidates = [(estimate.estimate_peak(m, sizes, geometry), i, -MODE_ORDER.index(m), m, to)
                   for i, to in enumerate(tos) for m in MODE_ORDER
-                  if m != "none" and _fits(sizes, geometry, m, to, None, host_free)]
+                  if not MODE_CLASSES[m].keeps_resident and _fits(sizes, geometry, m, to, None, host_free)]
     if candidates:  # ties: the requested home first, then the smaller mode
         *_, mode, to = min(candidates)
         return check(sizes, geometry, mode, to, vram_free=vram_free, host_free=host_free)
