@@ -26,8 +26,8 @@ Why our own and not diffusers' `FirstBlockCacheHook`/`MagCacheHook` or cache-dit
 blocks' forwards (diffusers through a block registry keyed on a `hidden_states` parameter and a
 `CacheMixin` context; cache-dit by swapping the model's `blocks` list for a wrapper), so a skipped
 block is still *called*: its torch pre-hooks run, and under disk offload those stream the block's
-weights in for nothing. Here the cache is a diffusers `ModelHook` on the DiT that hands the DiT a
-`block_runner`; the runner calls only the blocks it computes, so a skipped block costs no
+weights in for nothing. Here the cache is a named hook (`lingbot_core.hooks`) on the DiT that hands
+the DiT a `block_runner`; the runner calls only the blocks it computes, so a skipped block costs no
 transfer under any offload mode (group, sequential, disk), and the module tree is never changed.
 """
 
@@ -46,13 +46,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers.hooks import HookRegistry, ModelHook
+
+from .. import hooks
 
 log = logging.getLogger(__name__)
 
 STEP_CACHE = ("off", "first_block", "magcache", "magcache_calibrate")
 MIN_STEPS = 8  # runs of this many steps or fewer are refused
-HOOK_NAME = "lingbot_step_cache"
 CALIBRATION_FORMAT = "lingbot-magcache/1"
 MAX_CALIBRATION_BYTES = 1 << 20
 DEFAULTS = {
@@ -280,15 +280,11 @@ class StepCache:
     @contextmanager
     def attached(self, dit: torch.nn.Module) -> Iterator[StepCache]:
         """Hook the cache onto `dit` for one sampling loop; removed on exit, whatever happens."""
-        had_registry = "_diffusers_hook" in dit.__dict__
-        registry = HookRegistry.check_if_exists_or_initialize(dit)
-        registry.register_hook(_RunnerHook(self), HOOK_NAME)
+        hooks.attach(dit, _RunnerHook(self))
         try:
             yield self
         finally:
-            registry.remove_hook(HOOK_NAME, recurse=False)
-            if not had_registry and not registry._hook_order:
-                del dit.__dict__["_diffusers_hook"]
+            hooks.detach(dit, _RunnerHook.name)
 
     def finish(self) -> None:
         """After a complete run: write the calibration (magcache_calibrate), log what was skipped."""
@@ -302,7 +298,8 @@ class StepCache:
             log.info("step cache %s: %d of %d DiT blocks skipped", self.method, self.skipped, total)
 
 
-class _RunnerHook(ModelHook):
+@hooks.named("lingbot.step_cache", "hands the DiT the step cache's block runner for one sampling loop")
+class _RunnerHook(hooks.Hook):
     """Hands the DiT the cache's block runner on every forward."""
 
     def __init__(self, cache: StepCache):
