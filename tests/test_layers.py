@@ -23,8 +23,8 @@ LAYERS: list[tuple[str, set[str]]] = [
                  "lora", "prompt"}),
     # where weights live while stages run
     ("placement", {"placement", "offload", "memory"}),
-    # what a stage accepts (checked against the memory estimate)
-    ("requests", {"stage_inputs"}),
+    # what a stage accepts (checked against the memory estimate), what a run says before it starts
+    ("requests", {"stage_inputs", "notices"}),
     # the lazy handle over one checkpoint
     ("handle", {"handle"}),
     # stages: plain functions over a handle
