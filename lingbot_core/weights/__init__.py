@@ -16,8 +16,7 @@
 - `estimate`: the bytes a DiT will take once loaded, from file headers.
 - `disk`: disk-backed offload, a DiT's weights streamed from its files unit by unit.
 - `converted`: the converted-weights cache disk offload streams converted tensors from.
-- `state`: `ModelState`, the one owner of a loaded model's mutable state (disk homes, exactness notes,
-  LoRA copies and deltas).
+- `state`: `ModelState`, the owner of a loaded model's LoRA copies and runtime deltas.
 
 Submodules are imported where used, so importing this package costs nothing.
 """
