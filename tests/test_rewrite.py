@@ -323,3 +323,21 @@ def test_rewrite_insertion_wires_pipe_task_duration_and_the_first_frame():
     assert rewrite["inputs"]["image"] == image_encode["inputs"]["image"]
     frames = next(n for n in prompt.nodes.values() if n["class_type"] == "LingBotDenoise")["inputs"]["frames"]
     assert rewrite["inputs"]["duration"] == max(0.5, rw.duration_for(frames, 24))
+
+
+# -- auto negative ------------------------------------------------------------------------------------------
+
+def test_auto_negative_only_deletes_listed_items():
+    from lingbot_core.prompt import DEFAULT_NEGATIVE_PROMPT
+
+    answer = reply(json.dumps({"remove": ["cartoon", "illustration", "a new item", 3]}))
+    with FakeChatServer([answer, reply("no json here"), reply('{"remove": []}')]) as server:
+        pruned, removed = rw.prune_negative("a cartoon of a paper boat", _backend(server))
+        assert removed == ["illustration", "cartoon"] and server.requests[0]["body"]["model"] == "base-model"
+        before, after = json.loads(DEFAULT_NEGATIVE_PROMPT), json.loads(pruned)
+        for key, values in before["universal_negative"].items():
+            assert after["universal_negative"][key] == [v for v in values if v not in removed]
+        assert "a new item" not in pruned
+        # Unreadable or empty: the default, byte for byte.
+        assert rw.prune_negative("x", _backend(server)) == (DEFAULT_NEGATIVE_PROMPT, [])
+        assert rw.prune_negative("x", _backend(server)) == (DEFAULT_NEGATIVE_PROMPT, [])

@@ -24,6 +24,7 @@ from .core import (
 )
 from .instructions import TASKS
 from .local_backend import LocalBackend, generate_text
+from .negative import prune_negative
 from .openai_backend import (
                    API_KEY_ENV,
                    ENDPOINTS_ENV,
@@ -41,4 +42,4 @@ BACKENDS: dict[str, type] = {"local": LocalBackend, "openai": OpenAIBackend}
 __all__ = ["API_KEY_ENV", "BACKENDS", "CACHE", "ENDPOINTS_ENV", "JSON_STAGES", "STAGES", "TASKS", "Backend",
            "EndpointError", "LocalBackend", "ObjectScanner", "OpenAIBackend", "ResultCache", "RewriteError",
            "RewriteRequest", "RewriteResult", "Sampling", "allowed_endpoints", "duration_for", "endpoint_allowed",
-           "extract_object", "generate_text", "normalize_endpoint", "rewrite"]
+           "extract_object", "generate_text", "normalize_endpoint", "prune_negative", "rewrite"]

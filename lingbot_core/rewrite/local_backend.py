@@ -24,7 +24,7 @@ from ..prompt import IMAGE_PROMPT_PREFIX
 from .core import GREEDY, Sampling, TokenCallback
 from .scan import ObjectScanner
 
-DEFAULT_MAX_NEW_TOKENS = {"expand": 1024, "map": 2048, "repair": 2048}
+DEFAULT_MAX_NEW_TOKENS = {"expand": 1024, "map": 2048, "repair": 2048, "negative": 512}
 IMAGE_MAX_SIDE = 640
 """The first frame is shown to the rewriter at most this many pixels on its longer side."""
 

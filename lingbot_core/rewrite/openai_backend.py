@@ -95,7 +95,7 @@ def _image_url(image: Any) -> str:
 
 @dataclass
 class OpenAIBackend:
-    """``expand_model`` answers stage 1, ``map_model`` stages 2 and repair (e.g. a LoRA adapter's name
+    """``expand_model`` answers stage 1 (and the auto negative), ``map_model`` stages 2 and repair (e.g. a LoRA adapter's name
     on a vLLM server that serves the official rewriter; empty: the same as ``expand_model``)."""
 
     endpoint: str
@@ -117,7 +117,7 @@ class OpenAIBackend:
         return (self.endpoint, self.expand_model, self.map_model, self.max_tokens)
 
     def model_for(self, stage: str) -> str:
-        return self.expand_model if stage == "expand" else self.map_model
+        return self.expand_model if stage in ("expand", "negative") else self.map_model
 
     def _body(self, stage: str, system: str, user: str, image: Any | None, sampling: Sampling) -> bytes:
         content: Any = user
