@@ -14,21 +14,22 @@ ROOT = Path(__file__).resolve().parents[1] / "lingbot_core"
 
 LAYERS: list[tuple[str, set[str]]] = [
     # knows nothing of the models: errors, tables, the hook registry, cancellation, paths, the graph engine
-    ("base", {"errors", "components", "json_text", "exit_codes", "hooks", "interrupt", "save_path", "workflow"}),
+    ("base", {"errors", "components", "json_text", "caption_schema", "exit_codes", "hooks", "interrupt", "save_path",
+              "workflow"}),
     # pure computation over tensors: the DiT, the scheduler and samplers, image/video/latent prep
     ("models", {"models", "scheduler", "sampling", "image", "video", "latents"}),
     # files -> modules: checkpoints, weight formats, single files, the tiny checkpoint, quantizing, LoRA,
     # the text encoder's prompt encoding (it loads through `weights`)
-    ("weights", {"weights", "checkpoint", "checkpoint_checks", "single_files", "processor_files", "tiny", "quantize",
-                 "lora", "prompt"}),
-    # where weights live while stages run
-    ("placement", {"placement", "offload", "memory"}),
+    ("weights", {"weights", "checkpoint", "checkpoint_checks", "checkpoint_inspect", "single_files", "processor_files",
+                 "tiny", "quantize", "lora", "prompt"}),
+    # where weights live while stages run, on one device or several
+    ("placement", {"placement", "offload", "memory", "parallel"}),
     # what a stage accepts (checked against the memory estimate), what a run says before it starts
     ("requests", {"stage_inputs", "notices"}),
     # the lazy handle over one checkpoint
     ("handle", {"handle"}),
-    # stages: plain functions over a handle
-    ("stages", {"stages"}),
+    # stages: plain functions over a handle; the prompt rewriter (runs a text model through the door)
+    ("stages", {"stages", "rewrite"}),
     # entry points
     ("entry", {"__main__", "__init__"}),
 ]
