@@ -17,8 +17,9 @@ from lingbot_core.caption_schema import CAMERA_FIELDS, caption_problems
 from lingbot_core.handle import PipelineHandle
 from lingbot_core.interrupt import interrupt_checker
 from lingbot_core.offload import configure_offload, release
+from lingbot_core.placement.modes import MODE_ORDER
 
-MODES = ["none", "model", "sequential", "group"]
+MODES = list(MODE_ORDER)  # every registered offload mode
 OPTS = {"group": {"use_stream": False}}
 
 
