@@ -85,14 +85,20 @@ class LingBotRewrite(io.ComfyNode):
                                tooltip="0: greedy (the same input gives the same caption); above 0 samples"),
                 io.Int.Input("seed", default=0, min=0, max=2**31 - 1, optional=True,
                              tooltip="Seed for sampling (temperature above 0)"),
+                io.Boolean.Input("auto_negative", default=False, optional=True,
+                                 tooltip="Also prune the default negative prompt of what the request itself asks "
+                                         "for (e.g. 'cartoon' for a cartoon); only deletes listed items"),
             ],
             outputs=[io.String.Output(display_name="caption", tooltip="The caption JSON, for LingBot Text Encode"),
-                     io.String.Output(display_name="expanded", tooltip="The detailed description (stage 1)")],
+                     io.String.Output(display_name="expanded", tooltip="The detailed description (stage 1)"),
+                     io.String.Output(display_name="negative",
+                                      tooltip="auto_negative on: the pruned default negative for Text Encode's "
+                                              "negative_prompt; off: empty (Text Encode's default)")],
         )
 
     @classmethod
     def execute(cls, prompt, task="t2v", duration=5.0, pipe=None, image=None, endpoint="", expand_model="",
-                map_model="", max_new_tokens=2048, temperature=0.0, seed=0):
+                map_model="", max_new_tokens=2048, temperature=0.0, seed=0, auto_negative=False):
         from lingbot_core import rewrite as rw
 
         request = rw.RewriteRequest(prompt, task, float(duration), image).checked()
@@ -106,8 +112,15 @@ class LingBotRewrite(io.ComfyNode):
         try:
             with runtime.node_work(label="rewrite"):
                 result = rw.rewrite(request, backend, sampling=sampling, on_token=on_token)
+                negative, removed = "", []
+                if auto_negative:
+                    from lingbot_core.prompt import DEFAULT_NEGATIVE_PROMPT, DEFAULT_NEGATIVE_PROMPT_IMAGE
+
+                    default = DEFAULT_NEGATIVE_PROMPT_IMAGE if task == "t2i" else DEFAULT_NEGATIVE_PROMPT
+                    negative, removed = rw.prune_negative(prompt, backend, negative=default, sampling=sampling)
         finally:
             bar.close()
         shown = on_node("expanded: " + result.expanded, "caption: " + result.caption,
-                        "(cached)" if result.cached else None)
-        return io.NodeOutput(result.caption, result.expanded, ui=shown)
+                        "(cached)" if result.cached else None,
+                        ("negative: removed " + ", ".join(removed)) if removed else None)
+        return io.NodeOutput(result.caption, result.expanded, negative, ui=shown)

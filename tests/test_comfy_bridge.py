@@ -338,8 +338,8 @@ def test_rewrite_endpoints_inside_comfyui_only_from_the_operators_list(comfy, mo
         assert server.requests == []  # refused before any call
         monkeypatch.setenv(ENDPOINTS_ENV, f"http://127.0.0.1:1/v1,{server.url}")
         out = _run_rewrite(server.url)
-    caption, expanded = out.args
-    assert expanded == "A red paper boat drifts." and '"prominent_elements"' in caption
+    caption, expanded, negative = out.args
+    assert negative == "" and expanded == "A red paper boat drifts." and '"prominent_elements"' in caption
     shown = out.ui.as_dict()["text"][0]
     assert caption in shown and expanded in shown  # shown on the node
     assert comfy.progress and [r["body"]["model"] for r in server.requests] == ["base", "json"]
@@ -350,5 +350,22 @@ def test_rewrite_headless_takes_any_endpoint(monkeypatch):
 
     monkeypatch.delenv(ENDPOINTS_ENV, raising=False)
     with _rewrite_server() as server:
-        caption, _ = _run_rewrite(server.url).args
+        caption, _, _ = _run_rewrite(server.url).args
     assert len(server.requests) == 2 and caption.startswith('{"caption"')
+
+
+def test_rewrite_node_auto_negative(monkeypatch):
+    import json
+
+    from rewrite_fakes import FakeChatServer, reply, valid_caption
+
+    from lingbot_core.prompt import DEFAULT_NEGATIVE_PROMPT_IMAGE
+
+    script = [reply("A cartoon boat."), reply(json.dumps(valid_caption(0, video=False))),
+              reply('{"remove": ["cartoon"]}')]
+    with FakeChatServer(script) as server:
+        out = NODE_CLASS_MAPPINGS["LingBotRewrite"].execute("a cartoon paper boat", "t2i", 5.0, endpoint=server.url,
+                                                            expand_model="base", auto_negative=True)
+    negative = out.args[2]
+    assert "cartoon" not in negative and negative == DEFAULT_NEGATIVE_PROMPT_IMAGE.replace('"cartoon", ', "")
+    assert "removed cartoon" in out.ui.as_dict()["text"][0]
