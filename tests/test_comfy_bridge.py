@@ -106,7 +106,8 @@ def test_progress_output_folder_and_unload_models(comfy):
     engine = Engine(NODE_CLASS_MAPPINGS)
     first = engine.run(prompt)
     steps = prompt.nodes["4"]["inputs"]["steps"]
-    assert [(i, steps) for i in range(1, steps + 1)] == [p for p in comfy.progress if p[1] == steps]
+    denoise = [(i, steps) for i in range(1, steps + 1)]  # one run of updates (text encode and decode tick too)
+    assert any(comfy.progress[k:k + steps] == denoise for k in range(len(comfy.progress)))
     saved = first.ui["6"]["images"][0]
     assert (comfy.tmp / "comfy-output" / saved["subfolder"] / saved["filename"]).is_file()
 
