@@ -5,6 +5,7 @@ video on several GPUs. This script runs the same random-weight DiT and inputs as
 - one process (the baseline, in this process),
 - ulysses=2: two spawned gloo processes sharing each forward's sequence,
 - cfg=2: two spawned gloo processes, one computing cond and one uncond,
+- with `--processes 4`: ulysses=4 and cfg=2 x ulysses=2 on four processes,
 checks each parallel result against the baseline and prints per-step time ratios.
 
 On a CPU both processes compete for the same cores and gloo copies through the loopback, so the
@@ -32,8 +33,8 @@ import torch
 
 from bench._common import environment, fmt, max_abs_diff, table, write_json
 
-#: the layouts timed against the one-process baseline: (label, cfg, ulysses)
-LAYOUTS = (("ulysses=2", 1, 2), ("cfg=2", 2, 1))
+#: the layouts timed against the one-process baseline: (label, cfg, ulysses); `--processes` caps the world
+LAYOUTS = (("ulysses=2", 1, 2), ("cfg=2", 2, 1), ("ulysses=4", 1, 4), ("cfg=2 x ulysses=2", 2, 2))
 TOLERANCE = 1e-5  # float32, relative to the baseline's largest magnitude
 
 
@@ -47,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--moe", action="store_true", help="MoE FFN (8 experts, top-2, one shared expert)")
     p.add_argument("--repeats", type=int, default=3, help="timed steps per layout (after one warm-up)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--processes", type=int, default=2, choices=(2, 4), help="largest world timed (4 adds ulysses=4 "
+                   "and cfg=2 x ulysses=2)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: NCCL, one GPU per rank")
     p.add_argument("--quick", action="store_true", help="tiny sizes (the smoke test)")
     p.add_argument("--json", default=None, help="also write the results here")
@@ -150,6 +153,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = [{"layout": "1 process", "processes": 1, "seconds_per_step": base_seconds, "ratio": 1.0, "rel_diff": 0.0}]
     scale = float(baseline.abs().max())
     for label, cfg, ulysses in LAYOUTS:
+        if cfg * ulysses > args.processes:
+            continue
         with tempfile.TemporaryDirectory() as out:
             mp.spawn(_worker, args=(cfg * ulysses, free_loopback_port(), args, cfg, ulysses, out),
                      nprocs=cfg * ulysses, join=True)
