@@ -127,9 +127,13 @@ def load_component(folder: Path, name: str, *, dtype: torch.dtype | None = None,
     if name == "processor":
         from transformers import Qwen3VLProcessor
 
+        if isinstance(source, Path):  # given apart from a checkpoint: any of the places processor_files reads
+            from .processor_files import load_processor
+
+            return load_processor(source)
         try:
-            return Qwen3VLProcessor.from_pretrained(source if isinstance(source, Path) else folder / "processor",
-                                                    local_files_only=True, trust_remote_code=False)
+            return Qwen3VLProcessor.from_pretrained(folder / "processor", local_files_only=True,
+                                                    trust_remote_code=False)
         except Exception as err:  # transformers' and tokenizers' own errors (tokenizers raises bare Exception)
             raise CheckpointError(f"processor: {folder / 'processor'} cannot be loaded ({type(err).__name__}: "
                                   f"{str(err)[:300]}). The tokenizer/processor files are corrupt; re-download "

@@ -135,7 +135,7 @@ class FileRoute:
     """How a component given as a single file is resolved (at open: headers read, names and config
     inferred, problems refused) and loaded (from what `resolve` returned)."""
 
-    resolve: Callable[[Path, str], Any]  # (path, component name) -> the resolved file
+    resolve: Callable[..., Any]  # (path, component name, folder=checkpoint folder or None) -> the resolved file
     load: Callable[..., Any]  # (resolved, dtype=..., attn_implementation=...) -> the component
 
 
@@ -146,23 +146,53 @@ def _load_dit_file(resolved: ComponentSource, *, dtype: torch.dtype | None = Non
     return load_dit(resolved, dtype=dtype, weights=weights, streamed=streamed)
 
 
-def _dit_file(path: Path, component: str) -> ComponentSource:
+def _dit_file(path: Path, component: str, folder: Path | None = None) -> ComponentSource:
     from .weights.dit_file import dit_file_source
 
     return dit_file_source(path, component)
 
 
-# Single-file routes by component role: a new one is one row. The VAE and text-encoder rows are
-# registered by their modules (weights/vae_file.py, weights/text_encoder_file.py) when wired in.
-FILE_ROUTES: dict[str, FileRoute] = {"dit": FileRoute(_dit_file, _load_dit_file)}
+def _vae_file(path: Path, component: str, folder: Path | None = None) -> Any:
+    from .weights.vae_file import inspect_vae_file
+
+    return inspect_vae_file(path)
 
 
-def _resolve_file(name: str, path: Path) -> Any:
+def _load_vae_file(resolved: Any, *, dtype: torch.dtype | None = None, **_: Any) -> torch.nn.Module:
+    from .weights.vae_file import load_vae_file
+
+    return load_vae_file(resolved, dtype=dtype)
+
+
+def _text_encoder_file(path: Path, component: str, folder: Path | None = None) -> Any:
+    """A checkpoint folder given with the file lends its text_encoder/config.json (when it has one)."""
+    from .single_files import _folder_config
+    from .weights.text_encoder_file import inspect_text_encoder_file
+
+    return inspect_text_encoder_file(path, config=_folder_config(folder, "text_encoder"))
+
+
+def _load_text_encoder_file(resolved: Any, *, dtype: torch.dtype | None = None, attn_implementation: str = "sdpa",
+                            **_: Any) -> torch.nn.Module:
+    from .weights.text_encoder_file import load_text_encoder_file
+
+    return load_text_encoder_file(resolved, dtype=dtype, attn_implementation=attn_implementation)
+
+
+# Single-file routes by component role: a new one is one row.
+FILE_ROUTES: dict[str, FileRoute] = {
+    "dit": FileRoute(_dit_file, _load_dit_file),
+    "vae": FileRoute(_vae_file, _load_vae_file),
+    "text_encoder": FileRoute(_text_encoder_file, _load_text_encoder_file),
+}
+
+
+def _resolve_file(name: str, path: Path, folder: Path | None = None) -> Any:
     route = FILE_ROUTES.get(TABLE[name].role)
     if route is None:
         raise CheckpointError(f"{name}: loading the {name} from a single file ({path.name}) is not supported yet; "
                               f"pass a checkpoint folder for it.")
-    return route.resolve(path, name)
+    return route.resolve(path, name, folder=folder)
 
 
 def inspect_checkpoint(folder: str | os.PathLike, files: ComponentFiles | None = None) -> CheckpointInfo:
@@ -192,7 +222,7 @@ def inspect_checkpoint(folder: str | os.PathLike, files: ComponentFiles | None =
     found = _Found()
     for name in ("transformer", "vae", "text_encoder", *(("refiner",) if has_refiner else ())):
         if name in given:
-            found.add_file(name, given[name])
+            found.add_file(name, given[name], root)
         else:
             found.configs[name] = _check_config_class(root / name, name)
             found.sources[name] = folder_source(root / name, name)
@@ -227,8 +257,8 @@ class _Found:
     file_sources: dict[str, Any] = field(default_factory=dict)
     configs: dict[str, dict[str, Any]] = field(default_factory=dict)
 
-    def add_file(self, name: str, path: Path) -> None:
-        resolved = _resolve_file(name, path)
+    def add_file(self, name: str, path: Path, folder: Path | None = None) -> None:
+        resolved = _resolve_file(name, path, folder)
         if isinstance(resolved, ComponentSource):
             self.sources[name] = resolved
         else:
@@ -236,9 +266,12 @@ class _Found:
         self.configs[name] = dict(getattr(resolved, "config", None) or {})
 
     def add_processor(self, folder: Path, given: bool) -> None:
-        _check_processor(folder)
-        if given:
-            self.file_sources["processor"] = folder
+        if given:  # a processor folder, a checkpoint folder, or a Qwen tokenizer folder (processor_files)
+            from .processor_files import resolve_processor_folder
+
+            self.file_sources["processor"] = resolve_processor_folder(folder)[0]
+        else:
+            _check_processor(folder)
 
     def info(self, root: Path | None, has_refiner: bool) -> CheckpointInfo:
         config = self.configs["transformer"]

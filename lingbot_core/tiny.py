@@ -232,6 +232,18 @@ def tiny_dit_config(variant: str = "dense") -> dict[str, Any]:
     return json.loads(json.dumps(config))  # tuples as lists, as a config file holds them
 
 
+def tiny_text_encoder_config() -> dict[str, Any]:
+    """The tiny text encoder's config (as `text_encoder/config.json` of a tiny build holds it, vocabulary
+    size left to the file): single-file loading knows this shape as well as Qwen3-VL-4B's. The special
+    tokens take the first ids, in `_SPECIAL_TOKENS` order, as `_build_tokenizer` trains them."""
+    class _Ids:
+        @staticmethod
+        def convert_tokens_to_ids(token: str) -> int:
+            return _SPECIAL_TOKENS.index(token)
+
+    return _text_encoder_config(len(_SPECIAL_TOKENS), _Ids()).to_dict()
+
+
 def default_tiny_dir(variant: str = "dense") -> Path:
     """Per-user cache folder of the tiny checkpoint, so it is built once and reused by every run.
 

@@ -98,7 +98,10 @@ def test_config_inferred_from_the_tensors_without_a_folder(tmp_path, state, fold
             if key in folder_config[part]:
                 assert info.config[part][key] == folder_config[part][key], (part, key)
     with pytest.raises(CheckpointError, match="a vision tower 16 wide is not one whose head count is known"):
-        tef.inspect_text_encoder_file(TE_FILE)  # the 4B config's 64-wide heads do not divide it
+        tef.inspect_text_encoder_file(TE_FILE, config=shipped)  # the 4B config's 64-wide heads do not divide it
+    alone = tef.inspect_text_encoder_file(TE_FILE)  # no folder: the known shape that fits (the tiny one)
+    assert alone.config["vision_config"]["num_heads"] == folder_config["vision_config"]["num_heads"]
+    assert alone.config["image_token_id"] == folder_config["image_token_id"]
     wide = {**base, "vision_config": {**base["vision_config"], "deepstack_visual_indexes": [0, 1, 2]}}
     with pytest.raises(CheckpointError, match="2 DeepStack mergers, 3 in the Qwen3-VL config"):
         tef.inspect_text_encoder_file(TE_FILE, config=wide)

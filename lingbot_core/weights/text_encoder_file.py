@@ -91,6 +91,29 @@ def shipped_config() -> dict[str, Any]:
     return json.loads(CONFIG_FILE.read_text(encoding="utf-8"))
 
 
+def known_configs() -> list[tuple[str, dict[str, Any]]]:
+    """(label, config) of the text encoder shapes a file may have without its folder: Qwen3-VL-4B's,
+    then the tiny test model's (`lingbot_core.tiny`)."""
+    from ..tiny import tiny_text_encoder_config
+
+    return [("Qwen3-VL-4B", shipped_config()), ("tiny", tiny_text_encoder_config())]
+
+
+def _pick_base(shapes: Mapping[str, tuple[int, ...]], text_only: bool) -> dict[str, Any]:
+    """The known config whose vision tower (head width, DeepStack count) and text width fit the tensors."""
+    hidden = shapes.get("model.language_model.embed_tokens.weight", (0, 0))[1]
+    width = shapes.get("model.visual.patch_embed.proj.weight", (0,))[0]
+    stacks = len({n.split(".")[3] for n in shapes if n.startswith("model.visual.deepstack_merger_list.")})
+    for _label, config in known_configs():
+        vision = config["vision_config"]
+        if config["text_config"]["hidden_size"] != hidden:
+            continue
+        if text_only or (width % (vision["hidden_size"] // vision["num_heads"]) == 0
+                         and stacks == len(vision["deepstack_visual_indexes"])):
+            return config
+    return shipped_config()
+
+
 def _is_gguf(path: Path) -> bool:
     try:
         with open(path, "rb") as fh:
@@ -215,7 +238,7 @@ def inspect_text_encoder_file(path: str | Path, *, config: dict[str, Any] | None
     text_only = not any(n.startswith("model.visual.") for n in canonical)
     quantization, scales = _quantization(path, entries, canonical)
     shapes = {k: entries[v].shape for k, v in canonical.items()}
-    base = config if config is not None else shipped_config()
+    base = config if config is not None else _pick_base(shapes, text_only)
     full = _infer_config(shapes, base, text_only, path)
     expected = _expected_shapes(full)
     ignore = ["lm_head.weight"] + ([k for k in expected if k.startswith("model.visual.")] if text_only else [])
