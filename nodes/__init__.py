@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .caption import LingBotCaption
 from .conditioning import LingBotImageEncode, LingBotTextEncode
+from .files import LingBotLoaderFiles
 from .image_input import LingBotLoadImage
 from .loader import LingBotLoader, LingBotMemoryReport, LingBotOffload, LingBotRelease
 from .lora import LingBotLoRA
@@ -19,6 +20,7 @@ from .v3 import HAVE_COMFY_API, ComfyExtension
 
 NODES = [
     LingBotLoader,
+    LingBotLoaderFiles,
     LingBotOffload,
     LingBotLoRA,
     LingBotTextEncode,

@@ -24,7 +24,12 @@ HERE = Path(__file__).resolve().parent
 # checkout (editable install, ComfyUI's custom_nodes) has them beside nodes/.
 WORKFLOW_DIRS = (HERE / "workflows", HERE.parent / "workflows")
 SHORT_NAMES = {"t2v": "lingbot_t2v_dense", "t2i": "lingbot_t2i_dense", "ti2v": "lingbot_ti2v_dense",
-               "moe": "lingbot_t2v_moe_refine", "refine": "lingbot_t2v_moe_refine"}
+               "moe": "lingbot_t2v_moe_refine", "refine": "lingbot_t2v_moe_refine",
+               "t2v-files": "lingbot_t2v_dense_files", "moe-gguf": "lingbot_t2v_moe_gguf_lightlingbot4"}
+# --flag -> the LingBot Loader (files) input it sets on every such node
+FILE_FLAGS = {"dit": "dit_path", "refiner": "refiner_path", "vae": "vae_path", "text_encoder": "text_encoder_path",
+              "processor": "processor_path"}
+LOADERS = {"LingBotLoader": "path", "LingBotLoaderFiles": "checkpoint_path"}  # class -> where --model goes
 
 
 def resolve_workflow(name: str) -> Path:
@@ -187,6 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("workflow", nargs="?", default="t2v",
                         help="workflow file, or t2v / t2i / ti2v / moe (the shipped ones); default t2v")
     parser.add_argument("--model", help="checkpoint folder for every LingBot Loader (default: as saved)")
+    files = parser.add_argument_group("single files (LingBot Loader (files) nodes; with --model they replace that "
+                                      "folder's components)")
+    files.add_argument("--dit", metavar="FILE", help="the DiT: .safetensors or .gguf, dense or MoE")
+    files.add_argument("--refiner", metavar="FILE", help="the MoE refiner DiT")
+    files.add_argument("--vae", metavar="FILE", help="the Wan 2.1 VAE (.safetensors)")
+    files.add_argument("--text-encoder", metavar="FILE", help="Qwen3-VL-4B (.safetensors: bf16 or ComfyUI fp8)")
+    files.add_argument("--processor", metavar="DIR", help="a processor folder (a checkpoint's processor/)")
     parser.add_argument("--output", default="output", help="output folder (default ./output)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="NODE.INPUT=VALUE",
                         help=f"override an input, e.g. {OVERRIDE_EXAMPLE}; NODE is an id, a unique class type "
@@ -282,10 +294,20 @@ def _run(args: argparse.Namespace, reporter: Reporter) -> int:
     prompt = load_workflow(path, NODE_CLASS_MAPPINGS, display_names=NODE_DISPLAY_NAME_MAPPINGS)
     overrides = list(args.overrides)
     if args.model:
-        loaders = [nid for nid, node in prompt.nodes.items() if node["class_type"] == "LingBotLoader"]
+        loaders = [nid for nid, node in prompt.nodes.items() if node["class_type"] in LOADERS]
         if not loaders:
             raise WorkflowError(f"--model given, but {path} has no LingBot Loader node")
-        overrides += [f"{nid}.path={args.model}" for nid in loaders]
+        overrides += [f"{nid}.{LOADERS[prompt.nodes[nid]['class_type']]}={args.model}" for nid in loaders]
+    given = {flag: getattr(args, flag) for flag in FILE_FLAGS if getattr(args, flag)}
+    if given:
+        loaders = [nid for nid, node in prompt.nodes.items() if node["class_type"] == "LingBotLoaderFiles"]
+        if not loaders:
+            flags = ", ".join("--" + f.replace("_", "-") for f in given)
+            raise WorkflowError(f"{flags} given, but {path} has no LingBot Loader (files) node; run a files workflow "
+                                "(lingbot-run t2v-files, moe-gguf) or add that node")
+        overrides += [f"{nid}.{FILE_FLAGS[flag]}={value}" for nid in loaders for flag, value in given.items()]
+        if not args.model and {"dit", "vae", "text_encoder"} <= set(given):
+            overrides += [f"{nid}.checkpoint=none" for nid in loaders]  # nothing from the workflow's own folder
     prompt = apply_overrides(prompt, overrides, NODE_CLASS_MAPPINGS)
     if args.rewrite is not None:
         prompt = insert_rewrite(prompt, args.rewrite, endpoint=args.rewrite_endpoint, model=args.rewrite_model,

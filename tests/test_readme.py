@@ -142,9 +142,27 @@ def _hf_download(argv: list[str]) -> None:
         assert repo in REPOS.values()
         for pattern in (args[i + 1] for i, a in enumerate(args) if a in ("--exclude", "--include")):
             assert (ensure_tiny_checkpoint("moe") / pattern.split("/")[0]).is_dir(), pattern
+    elif dest in _file_roots() or dest.parent in _file_roots():
+        # single files for LingBot Loader (files): the checkpoint's own files, or Comfy-Org's repacks
+        from bench.memory_table import REPOS
+
+        assert repo in {*REPOS.values(), *COMFY_REPACKS}, repo
+        if not args[1].startswith("-"):
+            assert args[1].endswith(".safetensors"), argv
+        for pattern in (args[i + 1] for i, a in enumerate(args) if a == "--include"):
+            assert (ensure_tiny_checkpoint("dense") / pattern.split("/")[0]).is_dir(), pattern
     else:
         assert dest in lora_roots(), dest
         assert args[1].endswith(".safetensors")
+
+
+COMFY_REPACKS = ("Comfy-Org/Wan_2.1_ComfyUI_repackaged", "Comfy-Org/Qwen3-VL")
+
+
+def _file_roots() -> list[Path]:
+    from lingbot_nodes.files import FILE_KINDS, file_roots
+
+    return [root for kind in FILE_KINDS for root in file_roots(kind)]
 
 
 def _quantize(argv: list[str]) -> None:

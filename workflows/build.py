@@ -63,6 +63,18 @@ def loader(checkpoint: str = "tiny (built-in dense)", variant: str = "auto") -> 
                                                attention="default", path="", device="auto"), {})
 
 
+def files_loader(checkpoint: str = "tiny (built-in dense)") -> tuple:
+    """LingBot Loader (files); as shipped every component comes from the tiny checkpoint."""
+    return (1, "LingBotLoaderFiles", "Loader (files)", dict(checkpoint=checkpoint), {})
+
+
+FILES_NOTE = ("Single files from ComfyUI's model folders: pick the DiT in dit ({dit}), the Wan 2.1 VAE in vae "
+              "(wan_2.1_vae.safetensors, models/vae) and Qwen3-VL-4B in text_encoder (qwen3vl_4b_bf16 or "
+              "qwen3vl_4b_fp8_scaled, models/text_encoders); set checkpoint to none, or keep a checkpoint folder for "
+              "the parts you have as a folder and for its processor/. As shipped it runs on the built-in tiny "
+              "random-weight model (its output is noise). {how}")
+
+
 def offload_node(mode: str = "model", refine: bool = False) -> tuple:
     """plan_refine only where the workflow refines: with it, a MoE folder without refiner/ is refused."""
     return (2, "LingBotOffload", "Offload", dict(mode=mode, use_stream=True, low_cpu_mem_usage=False,
@@ -187,6 +199,42 @@ WORKFLOWS = {
             (6, "LingBotDecode", "Decode", dict(tiling=False, tile_height=256, tile_width=256, stride_height=192,
                                                 stride_width=192), {"pipe": (3, 0), "latent": (5, 0)}),
             (7, "LingBotSaveVideo", "Save", dict(fps=24.0, filename_prefix="lingbot/t2v_lightlingbot4"),
+             {"images": (6, 0)}),
+        ],
+    ),
+    "lingbot_t2v_dense_files": dict(
+        note=FILES_NOTE.format(dit="the dense 1.3B DiT, models/diffusion_models",
+                               how="Then use 480x832 (H x W), 121 frames, 40 steps; Offload model with Decode "
+                                   "tiling fits 12 GB cards."),
+        nodes=[
+            files_loader(),
+            offload_node(),
+            (3, "LingBotTextEncode", "Prompt", dict(prompt=PROMPT, negative_prompt="", task="t2v"), {"pipe": (2, 0)}),
+            (4, "LingBotDenoise", "Denoise", dict(width=64, height=64, frames=9, steps=4, cfg=3.0, shift=3.0, seed=42),
+             {"pipe": (2, 0), "conditioning": (3, 0)}),
+            decode_node(5, 4, tiled=True),
+            (6, "LingBotSaveVideo", "Save", dict(fps=24.0, filename_prefix="lingbot/t2v_files"), {"images": (5, 0)}),
+        ],
+    ),
+    "lingbot_t2v_moe_gguf_lightlingbot4": dict(
+        note=FILES_NOTE.format(dit="a MoE GGUF such as a Q4_K_M or Q3_K_M file, models/diffusion_models",
+                               how=profile_note("LightLingBot 4-step", "Pick "
+                                                "lightlingbot_video_moe30b_4steps_rank128_v2.safetensors (models/loras) "
+                                                "in LoRA at strength 1.0 (on GGUF weights it runs as a run-time delta), "
+                                                "then use 480x832 and 121 frames; Offload group, with offload_to disk "
+                                                "when host RAM is short.")),
+        nodes=[
+            files_loader("tiny (built-in moe)"),
+            offload_node("group"),
+            (3, "LingBotLoRA", "LoRA (LightLingBot)", dict(lora_name="none", strength=1.0, apply_to="auto", path=""),
+             {"pipe": (2, 0)}),
+            (4, "LingBotTextEncode", "Prompt", dict(prompt=PROMPT, negative_prompt="", task="t2v",
+                                                    encode_negative=False), {"pipe": (3, 0)}),
+            (5, "LingBotDenoise", "Denoise (LightLingBot 4-step)", dict(width=64, height=64, frames=9, seed=42,
+                                                                        **PROFILES["LightLingBot 4-step"]),
+             {"pipe": (3, 0), "conditioning": (4, 0)}),
+            decode_node(6, 5, tiled=True),
+            (7, "LingBotSaveVideo", "Save", dict(fps=24.0, filename_prefix="lingbot/t2v_moe_gguf4"),
              {"images": (6, 0)}),
         ],
     ),

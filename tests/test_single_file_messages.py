@@ -1,0 +1,102 @@
+"""The README's "wrong file" table says what the code says: each message is produced here from a file
+of that kind and must match the README's text (X = the file's name, N/M = numbers, ... = a path)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from lingbot_core.checkpoint import CheckpointError, load_component
+from lingbot_core.processor_files import check_token_ids
+from lingbot_core.weights import text_encoder_file as tef
+from lingbot_core.weights import vae_file
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "tests" / "fixtures" / "lingbot" / "models" / "tiny-dense"
+
+
+def readme_messages() -> dict[str, list[str]]:
+    text = (ROOT / "README.md").read_text()
+    start = text.index("What you see when a file is the wrong one")
+    rows: dict[str, list[str]] = {}
+    lines = text[start:].splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    for line in lines[first + 2:]:  # past the header and its rule
+        if not line.startswith("| "):
+            break
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+        rows[cells[0]] = [m.replace("\\|", "|") for m in re.findall(r"`((?:[^`])+)`", cells[1])]
+    return rows
+
+
+def pattern(message: str, name: str) -> str:
+    out = re.sub(r"(?<![A-Za-z])X(?![A-Za-z])", lambda _m: re.escape(name), re.escape(message))
+    return out.replace(r"\.\.\.", ".+?").replace(" N,", r" \d+,").replace(" M;", r" \d+;")
+
+
+def _fake(path: Path, tensors: dict[str, tuple[int, ...]]) -> Path:
+    save_file({k: torch.zeros(s) for k, s in tensors.items()}, str(path))
+    return path
+
+
+def _error(fn, *args) -> str:
+    with pytest.raises(CheckpointError) as err:
+        fn(*args)
+    return str(err.value)
+
+
+def produced(row: str, tmp: Path) -> tuple[list[str], str]:
+    """(the code's messages for this row, the file name in them)"""
+    name = "x.safetensors"
+    if row == "the Wan 2.2 VAE":
+        path = _fake(tmp / name, {"decoder.upsamples.0.upsamples.0.residual.2.weight": (2, 2, 1, 1, 1)})
+        return [_error(vae_file.inspect_vae_file, path)], name
+    if row == "an SD / SDXL / Flux VAE":
+        out = []
+        for z in (4, 16):
+            path = _fake(tmp / name, {"encoder.down.0.block.0.conv1.weight": (2, 2, 3, 3),
+                                      "decoder.conv_in.weight": (8, z, 3, 3)})
+            out.append(_error(vae_file.inspect_vae_file, path))
+        return out, name
+    if row == "a text encoder or DiT as the VAE":
+        path = _fake(tmp / name, {"model.language_model.embed_tokens.weight": (4, 2)})
+        return [_error(vae_file.inspect_vae_file, path)], name
+    if row == "a llama.cpp GGUF text encoder":
+        name = "qwen3-vl-4b-q4_k_m.gguf"
+        (tmp / name).write_bytes(b"GGUF" + b"\0" * 20)
+        return [_error(tef.inspect_text_encoder_file, tmp / name)], name
+    if row == "Wan's UMT5 text encoder":
+        path = _fake(tmp / name, {"encoder.block.0.layer.0.SelfAttention.q.weight": (2, 2), "shared.weight": (4, 2)})
+        return [_error(tef.inspect_text_encoder_file, path)], name
+    if row == "a VAE as the text encoder":
+        path = _fake(tmp / name, {"decoder.middle.0.residual.0.gamma": (4, 1, 1, 1)})
+        return [_error(tef.inspect_text_encoder_file, path)], name
+    if row == "a text-only Qwen3-VL file, with TI2V":
+        model = torch.nn.Module()
+        setattr(model, tef.TEXT_ONLY_ATTR, name)
+        return [_error(tef.require_vision, model)], name
+    if row == "a tokenizer of another model":
+        processor = load_component(TINY, "processor")
+        config = json.loads((TINY / "text_encoder" / "config.json").read_text())
+        config["image_token_id"] = 151655
+        return [_error(check_token_ids, processor, config, str(TINY / "processor"))], name
+    raise AssertionError(f"README row {row!r} has no producer here: add one")
+
+
+def test_readme_table_lists_the_rows_we_produce():
+    assert len(readme_messages()) == 8
+
+
+@pytest.mark.parametrize("row", list(readme_messages()))
+def test_readme_message_is_the_codes(tmp_path, row):
+    messages, name = produced(row, tmp_path)
+    shown = readme_messages()[row]
+    assert shown
+    for text, message in zip(shown, messages):
+        assert re.search(pattern(text, name), message), (text, message)
+        assert "\n" not in message
