@@ -211,7 +211,8 @@ def test_notes_quote_the_estimator_for_their_own_model():
         assert f"{estimates[row][mode] / 1024**3:.1f}" == f"{gib}", (row, mode)
     for name, spec in build.WORKFLOWS.items():
         note = spec["note"]
-        moe = any(n[1] == "LingBotLoader" and n[3].get("variant") == "moe" for n in spec["nodes"])
+        moe = any((n[1] == "LingBotLoader" and n[3].get("variant") == "moe") or
+                  (n[1] == "LingBotLoaderFiles" and "moe" in n[3].get("checkpoint", "")) for n in spec["nodes"])
         assert "24 GB cards" not in note
         if moe:
             assert build.DENSE_OFFLOAD not in note and f"about {build._F['moe_base']} GiB" in note, name

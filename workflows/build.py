@@ -204,8 +204,7 @@ WORKFLOWS = {
     ),
     "lingbot_t2v_dense_files": dict(
         note=FILES_NOTE.format(dit="the dense 1.3B DiT, models/diffusion_models",
-                               how="Then use 480x832 (H x W), 121 frames, 40 steps; Offload model with Decode "
-                                   "tiling fits 12 GB cards."),
+                               how="Then use 480x832 (H x W), 121 frames, 40 steps. " + DENSE_OFFLOAD),
         nodes=[
             files_loader(),
             offload_node(),
@@ -221,8 +220,8 @@ WORKFLOWS = {
                                how=profile_note("LightLingBot 4-step", "Pick "
                                                 "lightlingbot_video_moe30b_4steps_rank128_v2.safetensors (models/loras) "
                                                 "in LoRA at strength 1.0 (on GGUF weights it runs as a run-time delta), "
-                                                "then use 480x832 and 121 frames; Offload group, with offload_to disk "
-                                                "when host RAM is short.")),
+                                                "then use 480x832 and 121 frames; offload_to disk when host RAM is "
+                                                "short.") + " " + MOE_OFFLOAD),
         nodes=[
             files_loader("tiny (built-in moe)"),
             offload_node("group"),
