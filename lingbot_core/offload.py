@@ -23,8 +23,8 @@ from .placement import (
     resident_components,
     stage,
 )
-from .placement.door import component_device
-from .placement.fit import DoesNotFit, check_handle, require_refiner
+from .placement.door import check_handle, component_device, require_refiner
+from .placement.fit import DoesNotFit
 
 __all__ = [
     "MODES", "MODULE_COMPONENTS", "DoesNotFit", "OffloadSettings", "check_handle", "require_refiner",

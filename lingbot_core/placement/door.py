@@ -56,7 +56,7 @@ import torch
 from .. import hooks
 from ..interrupt import checkpoints
 from ..weights.state import Models
-from . import estimate
+from . import estimate, fit
 from .modes import MODE_ORDER
 from .report import MemoryReport, build_report
 from .settings import MODULE_COMPONENTS, OffloadSettings, same_device
@@ -119,13 +119,13 @@ def _group_defaults(device: torch.device) -> tuple[tuple[str, Any], ...]:
 
 
 def resolve(shared: SharedComponents, requested: OffloadSettings,
-            device: torch.device) -> tuple[OffloadSettings, estimate.AutoChoice | None]:
+            device: torch.device) -> tuple[OffloadSettings, fit.AutoChoice | None]:
     """Concrete settings for a request; `auto` picks a mode from the memory estimate."""
     if requested.mode != "auto":
         return requested, None
     budget = requested.option("budget_bytes")
     if budget is None and device.type == "cpu":
-        choice = estimate.AutoChoice("none", {}, 0, "the execution device is the CPU, so offloading saves nothing")
+        choice = fit.AutoChoice("none", {}, 0, "the execution device is the CPU, so offloading saves nothing")
     else:
         sizes = estimate.ModelSizes.from_checkpoint(shared.info, shared.dtypes, shared.loaded,
                                                     getattr(shared, "weights", "auto"))
@@ -136,17 +136,17 @@ def resolve(shared: SharedComponents, requested: OffloadSettings,
             budget = _free_budget(device, wanted)
             if host_budget is None:
                 host_budget = estimate.available_host_bytes()
-        choice = estimate.choose_mode(sizes, geometry, int(budget), host_budget=host_budget,
+        choice = fit.choose_mode(sizes, geometry, int(budget), host_budget=host_budget,
                                       offload_to=requested.offload_to)
     if choice.fits:
-        log.info(estimate.describe(choice) if choice.estimates else f"auto offload: {choice.reason}")
+        log.info(fit.describe(choice) if choice.estimates else f"auto offload: {choice.reason}")
     else:  # loud: the run may end in an out-of-memory error; the reason says what to change
-        log.warning(estimate.describe(choice))
+        log.warning(fit.describe(choice))
     options = _group_defaults(device) if choice.mode == "group" else ()
     return OffloadSettings(choice.mode, options, choice.offload_to or requested.offload_to), choice
 
 
-Plan = tuple[OffloadSettings, "estimate.AutoChoice | None"] | None
+Plan = tuple[OffloadSettings, "fit.AutoChoice | None"] | None
 """What `_plan` decided: the concrete settings to install (and `auto`'s choice), or None when the
 view's settings are installed already."""
 
@@ -425,3 +425,37 @@ def oom_fallback(fn):
         return fn(handle, *args, **kwargs)
 
     return wrapper
+
+
+def require_refiner(handle: object, refine: object) -> None:
+    """A planned refine needs the MoE checkpoint's `refiner/`: refused now, not after the base pass."""
+    info = getattr(getattr(handle, "shared", None), "info", None)
+    if refine and info is not None and info.variant == "moe" and not info.has_refiner:
+        raise ValueError(f"{info.folder} has no refiner/ folder, and this run refines: download it "
+                         "(hf download <repo> --local-dir <the same folder> --include \"refiner/*\"), or remove "
+                         "the Refine node and turn plan_refine off")
+
+
+def check_handle(handle: object, geometry: estimate.Geometry, *, mode: str | None = None, offload_to: str | None = None,
+                 vram_free: int | None = None, host_free: int | None = None) -> fit.Fit | None:
+    """The fit of a planned run under `handle`'s offload settings (or `mode`/`offload_to`), logged:
+    a WARNING with what to change when it does not fit. None where nothing is checked: `auto`
+    (it decides with the same numbers when it installs) and a CPU execution device."""
+    require_refiner(handle, geometry.refine)
+    settings = handle.offload  # type: ignore[attr-defined]
+    mode = mode or settings.mode
+    offload_to = offload_to or settings.offload_to
+    device = handle.device  # type: ignore[attr-defined]
+    if mode == "auto" or (device.type == "cpu" and vram_free is None):
+        return None
+    sizes = estimate.ModelSizes.from_handle(handle)
+    if vram_free is None:
+        vram_free = _free_budget(device, estimate.estimate_peak(mode, sizes, geometry) + estimate.RESERVE_BYTES)
+    if host_free is None:
+        host_free = estimate.available_host_bytes()
+    verdict = fit.check(sizes, geometry, mode, offload_to, vram_free=vram_free, host_free=host_free)
+    if verdict.ok:
+        log.info("offload '%s': %s", mode, verdict.line())
+    else:
+        log.warning("offload '%s' is not expected to fit: %s", mode, verdict.line())
+    return verdict

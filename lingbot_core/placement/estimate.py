@@ -1,16 +1,15 @@
-"""How much accelerator memory a request needs under each mode, and the `auto` choice.
+"""How much accelerator memory (and host RAM) a request needs under each mode.
 
 Pure arithmetic: checkpoint facts and a request in, bytes out (the free-memory budget is read by
 the door, after the host has been asked to free its own models). Weights count the bytes a
 component really holds: the tensors themselves once loaded (stored dtype, quantized or not),
 else the checkpoint files scaled to the load dtype. Each mode's peak formula lives with the mode
-(`modes/*.estimate`); `choose_mode` picks the fastest mode expected to fit: none > model > group >
-sequential.
+(`modes/*.estimate`); `fit.choose_mode` picks the fastest mode expected to fit from these numbers.
 
 Host RAM (`host_bytes`): under an offloading mode with `offload_to="ram"` every component's home
 copy is in host memory; with `offload_to="disk"` the DiTs' home is their file (the page cache, which
 the kernel gives back under pressure, is not counted), so their share is the unit being read
-(`modes.disk.unit_bytes`). `choose_mode` skips a mode whose host need exceeds a host budget when
+(`modes.disk.unit_bytes`). `fit.choose_mode` skips a mode whose host need exceeds a host budget when
 it is given one (the door reads the host's available memory when it plans for an accelerator).
 
 The activation model (documented constants; the estimate is of `torch.cuda.max_memory_allocated`).
@@ -39,12 +38,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from .modes import MODE_CLASSES, MODE_ORDER
+from .modes import MODE_CLASSES
 from .tensors import stored_bytes
 
 GiB = 1024**3
@@ -247,68 +246,6 @@ def host_bytes(mode: str, sizes: ModelSizes, offload_to: str = "ram") -> int:
 
         return others + unit_bytes(mode, sizes)
     return others + sizes.transformer + sizes.refiner
-
-
-@dataclass
-class AutoChoice:
-    mode: str
-    estimates: dict[str, int]
-    budget: int
-    reason: str
-    host: dict[str, int] = field(default_factory=dict)  # host RAM the weights need per mode
-    host_budget: int | None = None
-    offload_to: str | None = None  # where the DiTs' offloaded weights live (None: as requested)
-    fits: bool = True  # False: nothing is expected to fit the accelerator; the reason says what to change
-
-
-def choose_mode(sizes: ModelSizes, geometry: Geometry, budget_bytes: int, *, after: str | None = None,
-                host_budget: int | None = None, offload_to: str = "ram") -> AutoChoice:
-    """The fastest mode whose estimate fits `budget_bytes` and whose host RAM need (`host_bytes`)
-    fits `host_budget` when one is given (`fit.choose`: with `offload_to='ram'` it moves to 'disk'
-    rather than pick a mode whose host RAM does not fit, and raises `fit.DoesNotFit` when no mode's
-    host RAM fits). When nothing fits the accelerator: the smallest mode, `fits=False`.
-
-    `after` skips modes up to and including it (the one-step fallback after an out-of-memory error).
-    """
-    from . import fit
-
-    if after is None:
-        chosen = fit.choose(sizes, geometry, budget_bytes, host_budget, offload_to)
-        mode, to = chosen.mode, chosen.offload_to
-        estimates = {m: estimate_peak(m, sizes, geometry) for m in MODE_ORDER}
-        host = {m: host_bytes(m, sizes, to) for m in MODE_ORDER}
-        if chosen.ok:
-            reason = (f"'{mode}' is the fastest mode expected to fit: needs ~{estimates[mode] / GiB:.1f} GiB of "
-                      f"{budget_bytes / GiB:.1f} GiB free")
-            if host_budget is not None:
-                reason += f" and ~{host[mode] / GiB:.1f} GiB of {host_budget / GiB:.1f} GiB host RAM"
-            if to != offload_to:
-                reason += (f" with offload_to '{to}' (under '{offload_to}' the weights need "
-                           f"~{host_bytes(mode, sizes, offload_to) / GiB:.1f} GiB of host RAM)")
-        else:
-            reason = f"nothing is expected to fit: {chosen.line()}; using '{mode}'" + \
-                     (f" with offload_to '{to}'" if to != offload_to else "")
-        return AutoChoice(mode, estimates, budget_bytes, reason, host, host_budget, to, chosen.ok)
-    order = list(MODE_ORDER)
-    order = order[order.index(after) + 1:] or [MODE_ORDER[-1]]
-    estimates = {m: estimate_peak(m, sizes, geometry) for m in MODE_ORDER}
-    host = {m: host_bytes(m, sizes, offload_to) for m in MODE_ORDER}
-    for mode in order:
-        if estimates[mode] + RESERVE_BYTES <= budget_bytes and (host_budget is None or host[mode] <= host_budget):
-            reason = (f"after running out of memory under '{after}', '{mode}' is the fastest mode expected "
-                      f"to fit: needs ~{estimates[mode] / GiB:.1f} GiB of {budget_bytes / GiB:.1f} GiB free")
-            return AutoChoice(mode, estimates, budget_bytes, reason, host, host_budget, offload_to)
-    mode = order[-1]
-    reason = (f"after running out of memory under '{after}', nothing is expected to fit in "
-              f"{budget_bytes / GiB:.1f} GiB; using '{mode}', the smallest")
-    return AutoChoice(mode, estimates, budget_bytes, reason, host, host_budget, offload_to, False)
-
-
-def describe(choice: AutoChoice) -> str:
-    table = ", ".join(f"{m} ~{b / GiB:.1f} GiB" for m, b in choice.estimates.items())
-    if choice.host:
-        table += "; host RAM: " + ", ".join(f"{m} ~{b / GiB:.1f} GiB" for m, b in choice.host.items())
-    return f"auto offload: {choice.reason} (estimates: {table})"
 
 
 def available_host_bytes() -> int | None:

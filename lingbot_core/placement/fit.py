@@ -1,4 +1,4 @@
-"""Will a run fit this machine? One line that says what it needs and what to change.
+"""Will a run fit this machine? `auto`'s choice, and one line that says what a run needs and what to change.
 
 Checked before heavy work: when `auto` chooses (the Offload node, or the first stage), and when an
 explicit mode is set with a planned size (the Offload node's plan inputs, `python -m lingbot_core`).
@@ -15,11 +15,11 @@ Policy, and why:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from . import estimate
-from .estimate import MODE_ORDER, RESERVE_BYTES, Geometry, GiB, ModelSizes
-from .modes import MODE_CLASSES
+from .estimate import RESERVE_BYTES, Geometry, GiB, ModelSizes, estimate_peak, host_bytes
+from .modes import MODE_CLASSES, MODE_ORDER
 
 log = logging.getLogger("lingbot_core.offload")
 
@@ -183,37 +183,61 @@ def choose(sizes: ModelSizes, geometry: Geometry, vram_free: int | None, host_fr
     raise DoesNotFit(f"this run cannot fit: {last.line()}")
 
 
-def require_refiner(handle: object, refine: object) -> None:
-    """A planned refine needs the MoE checkpoint's `refiner/`: refused now, not after the base pass."""
-    info = getattr(getattr(handle, "shared", None), "info", None)
-    if refine and info is not None and info.variant == "moe" and not info.has_refiner:
-        raise ValueError(f"{info.folder} has no refiner/ folder, and this run refines: download it "
-                         "(hf download <repo> --local-dir <the same folder> --include \"refiner/*\"), or remove "
-                         "the Refine node and turn plan_refine off")
+@dataclass
+class AutoChoice:
+    mode: str
+    estimates: dict[str, int]
+    budget: int
+    reason: str
+    host: dict[str, int] = field(default_factory=dict)  # host RAM the weights need per mode
+    host_budget: int | None = None
+    offload_to: str | None = None  # where the DiTs' offloaded weights live (None: as requested)
+    fits: bool = True  # False: nothing is expected to fit the accelerator; the reason says what to change
 
 
-def check_handle(handle: object, geometry: Geometry, *, mode: str | None = None, offload_to: str | None = None,
-                 vram_free: int | None = None, host_free: int | None = None) -> Fit | None:
-    """The fit of a planned run under `handle`'s offload settings (or `mode`/`offload_to`), logged:
-    a WARNING with what to change when it does not fit. None where nothing is checked: `auto`
-    (it decides with the same numbers when it installs) and a CPU execution device."""
-    require_refiner(handle, geometry.refine)
-    settings = handle.offload  # type: ignore[attr-defined]
-    mode = mode or settings.mode
-    offload_to = offload_to or settings.offload_to
-    device = handle.device  # type: ignore[attr-defined]
-    if mode == "auto" or (device.type == "cpu" and vram_free is None):
-        return None
-    sizes = ModelSizes.from_handle(handle)
-    if vram_free is None:
-        from .door import _free_budget
+def choose_mode(sizes: ModelSizes, geometry: Geometry, budget_bytes: int, *, after: str | None = None,
+                host_budget: int | None = None, offload_to: str = "ram") -> AutoChoice:
+    """The fastest mode whose estimate fits `budget_bytes` and whose host RAM need (`host_bytes`)
+    fits `host_budget` when one is given (`choose`: with `offload_to='ram'` it moves to 'disk'
+    rather than pick a mode whose host RAM does not fit, and raises `DoesNotFit` when no mode's
+    host RAM fits). When nothing fits the accelerator: the smallest mode, `fits=False`.
 
-        vram_free = _free_budget(device, estimate.estimate_peak(mode, sizes, geometry) + RESERVE_BYTES)
-    if host_free is None:
-        host_free = estimate.available_host_bytes()
-    fit = check(sizes, geometry, mode, offload_to, vram_free=vram_free, host_free=host_free)
-    if fit.ok:
-        log.info("offload '%s': %s", mode, fit.line())
-    else:
-        log.warning("offload '%s' is not expected to fit: %s", mode, fit.line())
-    return fit
+    `after` skips modes up to and including it (the one-step fallback after an out-of-memory error).
+    """
+    if after is None:
+        chosen = choose(sizes, geometry, budget_bytes, host_budget, offload_to)
+        mode, to = chosen.mode, chosen.offload_to
+        estimates = {m: estimate_peak(m, sizes, geometry) for m in MODE_ORDER}
+        host = {m: host_bytes(m, sizes, to) for m in MODE_ORDER}
+        if chosen.ok:
+            reason = (f"'{mode}' is the fastest mode expected to fit: needs ~{estimates[mode] / GiB:.1f} GiB of "
+                      f"{budget_bytes / GiB:.1f} GiB free")
+            if host_budget is not None:
+                reason += f" and ~{host[mode] / GiB:.1f} GiB of {host_budget / GiB:.1f} GiB host RAM"
+            if to != offload_to:
+                reason += (f" with offload_to '{to}' (under '{offload_to}' the weights need "
+                           f"~{host_bytes(mode, sizes, offload_to) / GiB:.1f} GiB of host RAM)")
+        else:
+            reason = f"nothing is expected to fit: {chosen.line()}; using '{mode}'" + \
+                     (f" with offload_to '{to}'" if to != offload_to else "")
+        return AutoChoice(mode, estimates, budget_bytes, reason, host, host_budget, to, chosen.ok)
+    order = list(MODE_ORDER)
+    order = order[order.index(after) + 1:] or [MODE_ORDER[-1]]
+    estimates = {m: estimate_peak(m, sizes, geometry) for m in MODE_ORDER}
+    host = {m: host_bytes(m, sizes, offload_to) for m in MODE_ORDER}
+    for mode in order:
+        if estimates[mode] + RESERVE_BYTES <= budget_bytes and (host_budget is None or host[mode] <= host_budget):
+            reason = (f"after running out of memory under '{after}', '{mode}' is the fastest mode expected "
+                      f"to fit: needs ~{estimates[mode] / GiB:.1f} GiB of {budget_bytes / GiB:.1f} GiB free")
+            return AutoChoice(mode, estimates, budget_bytes, reason, host, host_budget, offload_to)
+    mode = order[-1]
+    reason = (f"after running out of memory under '{after}', nothing is expected to fit in "
+              f"{budget_bytes / GiB:.1f} GiB; using '{mode}', the smallest")
+    return AutoChoice(mode, estimates, budget_bytes, reason, host, host_budget, offload_to, False)
+
+
+def describe(choice: AutoChoice) -> str:
+    table = ", ".join(f"{m} ~{b / GiB:.1f} GiB" for m, b in choice.estimates.items())
+    if choice.host:
+        table += "; host RAM: " + ", ".join(f"{m} ~{b / GiB:.1f} GiB" for m, b in choice.host.items())
+    return f"auto offload: {choice.reason} (estimates: {table})"

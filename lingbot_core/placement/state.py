@@ -30,7 +30,7 @@ class Placement:
     def __init__(self) -> None:
         self.mode: Mode | None = None  # the concrete mode installed
         self.requested: OffloadSettings | None = None  # what the view asked for (possibly `auto`)
-        self.auto: Any = None  # estimate.AutoChoice when `requested` is auto
+        self.auto: Any = None  # fit.AutoChoice when `requested` is auto
         self.fell_back = False
         self.resident: set[str] = set()  # components the mode holds on the accelerator now
         self.in_stage: set[str] = set()  # components the running stage uses
