@@ -307,6 +307,11 @@ def check_values_and_shapes(root: Path, configs: dict[str, dict[str, Any]], sour
     if "text_encoder" not in skip:
         checks.check_text_encoder_config(configs["text_encoder"], str(root / "text_encoder" / "config.json"),
                                          configs["transformer"].get("text_dim"))
+    if "text_encoder" in skip:  # a single file's width against the DiT's text width (a folder's: just above)
+        from .single_files import check_fit
+
+        check_fit(configs["transformer"], None, configs["text_encoder"],
+                  {"text_encoder": where_of["text_encoder"], "transformer": where_of["transformer"]})
     vae_dim, dit_in = configs["vae"].get("z_dim"), configs["transformer"]["in_channels"]
     if vae_dim is not None and vae_dim != dit_in:
         raise CheckpointError(f"{where_of['vae']}: the VAE's z_dim is {vae_dim} but the transformer "

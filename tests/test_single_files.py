@@ -41,3 +41,14 @@ def test_parts_that_do_not_belong_together_are_refused():
 def test_unknown_component():
     with pytest.raises(ValueError, match="cannot be given as a single file"):
         sf.inspect_file("scheduler", TINY)
+
+
+def test_a_text_encoder_file_of_another_width_is_refused_when_the_checkpoint_opens():
+    """The open-time check holds a single-file text encoder to the DiT's text width, as it does a folder's."""
+    from lingbot_core.checkpoint_inspect import check_values_and_shapes
+
+    configs = {name: _config(name) for name in ("transformer", "vae", "text_encoder")}
+    check_values_and_shapes(TINY, configs, {}, skip={"text_encoder"}, scheduler=False)  # the tiny parts fit
+    configs["text_encoder"]["text_config"] = dict(configs["text_encoder"]["text_config"], hidden_size=2560)
+    with pytest.raises(CheckpointError, match="its hidden size is 2560, the DiT .* reads text 32 wide"):
+        check_values_and_shapes(TINY, configs, {}, skip={"text_encoder"}, scheduler=False)
