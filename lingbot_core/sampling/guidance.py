@@ -57,15 +57,11 @@ class Guidance:
 
     def __init__(self, dit: torch.nn.Module, positive: Any, negative: Any | None, scale: float, *,
                  dtype: torch.dtype, device: torch.device, batch_cfg: bool = False, cache: StepCache | None = None):
-        self.dit = dit
-        self.positive = positive
-        self.negative = negative
-        self.scale = scale
-        self.dtype = dtype
-        self.device = device
+        self.dit, self.scale, self.cache = dit, scale, cache
+        self.positive, self.negative = positive, negative
+        self.dtype, self.device = dtype, device
         self.batch_cfg = bool(batch_cfg and negative is not None)
         self._pair = pad_pair(positive, negative) if self.batch_cfg else None
-        self.cache = cache
         half = dtype in (torch.bfloat16, torch.float16)
         self._autocast = (lambda: torch.autocast("cuda", dtype=dtype)) if device.type == "cuda" and half else nullcontext
 
