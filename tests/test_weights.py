@@ -793,7 +793,7 @@ def _rewrite(folder: Path, change) -> Path:
     (lambda t: t.update({"blocks.0.ffn.experts.w1": (np.zeros((4, 16, 32), np.float32), T.F32)}),
      r"'blocks.0.ffn.experts.w1' is stored both stacked and per expert"),
     (lambda t: t.update({"blocks.0.ffn.experts.w1.2": (np.zeros((16, 32), np.float32), T.F32)}),
-     r"stored in mixed types \(Q8_0 for 'blocks.0.ffn.experts.w1.0', F32 for 'blocks.0.ffn.experts.w1.2'\)"),
+     r"stored per expert in types lingbot-nodes cannot stack \(Q8_0 for 'blocks.0.ffn.experts.w1.0', F32 for 'blocks.0.ffn.experts.w1.2'\)"),
 ], ids=["gap", "too-few", "shape", "both-layouts", "mixed-types"])
 def test_bad_per_expert_files_are_refused_naming_the_tensor(per_expert, tmp_path, change, message):
     import shutil
