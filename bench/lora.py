@@ -26,7 +26,7 @@ Three child processes, one after the other (each stays under ~7 GB RSS):
 Per-block figures are the 4-block ones / 4; the "x12" column extrapolates them to 48 blocks (not
 measured). The weights are random: this measures cost, not quality.
 
-    python bench/lora.py --data /work/bench-data/lora        # real shapes, 256 video + 64 text tokens
+    python bench/lora.py --data DATA_DIR/lora       # real shapes, 256 video + 64 text tokens
     python bench/lora.py --quick --data /tmp/lora-quick       # tiny shapes (the smoke test)
 """
 

@@ -11,7 +11,7 @@ quantizer, decoded back to bf16 exactly as the quantized layers decode at forwar
 - `noiseN`: plain Gaussian noise of N % of each layer's RMS on the same layers: the amplification of
   a format-free weight error of known size.
 
-    python bench/quant_error.py --data /work/bench-data/weights/dense/bf16 --formats noise1,fp8,q8_0,q4_0
+    python bench/quant_error.py --data DATA_DIR/weights/dense/bf16 --formats noise1,fp8,q8_0,q4_0
 
 Memory: one bf16 model (2.8 GB for the dense DiT) plus one layer kind's originals with `--kinds`.
 """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,8 @@ from lingbot_core.workflow import Engine, WorkflowValidationError
 from lingbot_nodes import NODE_CLASS_MAPPINGS
 from lingbot_nodes.caption import CAMERA_FIELDS, LingBotCaption, frames_for
 
-REF_CASES = Path("/work/ref/assets/cases")
+# A checkout of the reference repository (LINGBOT_REF_DIR), for its example captions; skipped without one.
+REF_CASES = Path(os.environ.get("LINGBOT_REF_DIR") or "/nonexistent") / "assets" / "cases"
 
 
 def _caption(**overrides):
