@@ -16,6 +16,18 @@ from lingbot_core.weights import gguf_codec
 from lingbot_core.weights.loader import quantizable
 
 T = gguf.GGMLQuantizationType
+
+
+def write_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, T]], arch: str = "lingbot_video") -> Path:
+    """A GGUF file holding `tensors` (name -> (stored array, GGML type)) in order, written by the gguf package."""
+    writer = gguf.GGUFWriter(path, arch=arch)
+    for name, (data, qtype) in tensors.items():
+        writer.add_tensor(name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
 HIDDEN = 256
 # the tiny MoE's structure at hidden 256: every linear and expert row is whole blocks of any type
 WIDE_MOE = {

@@ -280,14 +280,9 @@ def test_bf16_checkpoint_loads_as_bf16_without_an_fp32_copy(tmp_path, fixtures_r
 # -- bad input --------------------------------------------------------------------------------------
 
 def _gguf_file(path: Path, tensors: dict[str, tuple[np.ndarray, T]]) -> Path:
-    writer = gguf.GGUFWriter(path, arch="lingbot_video")
-    for name, (data, qtype) in tensors.items():
-        writer.add_tensor(name, data, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    from gguf_fakes import write_gguf
+
+    return write_gguf(path, tensors)
 
 
 def _swap_transformer_weights(quantized, tmp_path, variant="dense", target="gguf-q8_0") -> Path:
