@@ -229,6 +229,7 @@ def inspect_checkpoint(folder: str | os.PathLike, files: ComponentFiles | None =
     found.configs["scheduler"] = _check_config_class(root / "scheduler", "scheduler")
     found.add_processor(given.get("processor", root / "processor"), "processor" in given)
     check_values_and_shapes(root, found.configs, found.sources, skip=set(given))
+    found.check_processor()
     return found.info(root, has_refiner)
 
 
@@ -246,6 +247,7 @@ def inspect_files(files: ComponentFiles) -> CheckpointInfo:
             found.add_file(name, given[name])
     found.add_processor(given["processor"], True)
     check_values_and_shapes(Path("."), found.configs, found.sources, skip=set(given), scheduler=False)
+    found.check_processor()
     return found.info(None, "refiner" in given)
 
 
@@ -272,6 +274,15 @@ class _Found:
             self.file_sources["processor"] = resolve_processor_folder(folder)[0]
         else:
             _check_processor(folder)
+
+    def check_processor(self) -> None:
+        """A processor given apart from its checkpoint: its tokenizer's vision token ids against the
+        text encoder's config (folder or file), last of the open checks (it builds the tokenizer)."""
+        given = self.file_sources.get("processor")
+        if given is not None and self.configs.get("text_encoder"):
+            from .processor_files import check_folder
+
+            check_folder(given, self.configs["text_encoder"])
 
     def info(self, root: Path | None, has_refiner: bool) -> CheckpointInfo:
         config = self.configs["transformer"]

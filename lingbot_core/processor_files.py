@@ -11,8 +11,9 @@ Three places, tried in this order by `load_processor`:
    This route has not been compared with the real Qwen3-VL processor (none is reachable where it
    was written): it logs that once per process, with the way to use the checkpoint's processor.
 
-`check_token_ids` holds a processor to the text encoder's config (image/video/vision token ids),
-so a tokenizer from another model family is refused before anything is encoded.
+`check_token_ids` holds a processor to the text encoder's config (image/video/vision token ids);
+`check_folder` does so for a processor given apart from its checkpoint when the handle opens (the
+tokenizer alone is built), so a tokenizer from another model family is refused before any weights load.
 Nothing here runs code from a folder: `trust_remote_code` is off and only JSON/text files are read.
 """
 
@@ -99,16 +100,24 @@ def _ensure_added_tokens(tokenizer: Any, settings: dict[str, Any], folder: Path)
                              special_tokens=token["special"])
 
 
-def _from_tokenizer_folder(folder: Path) -> Any:
-    from transformers import Qwen2Tokenizer, Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+def _qwen_tokenizer(folder: Path, settings: dict[str, Any]) -> Any:
+    """The tokenizer of a Qwen tokenizer folder, with the Qwen3-VL added tokens present."""
+    from transformers import Qwen2Tokenizer
 
-    settings = shipped_settings()
     try:
         tokenizer = Qwen2Tokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
     except Exception as err:  # as above
         raise CheckpointError(f"processor: the tokenizer in {folder} cannot be loaded ({type(err).__name__}: "
                               f"{str(err)[:300]}).") from err
     _ensure_added_tokens(tokenizer, settings, folder)
+    return tokenizer
+
+
+def _from_tokenizer_folder(folder: Path) -> Any:
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+    settings = shipped_settings()
+    tokenizer = _qwen_tokenizer(folder, settings)
     image = {k: v for k, v in settings["image_processor"].items() if k != "image_processor_type"}
     video = {k: v for k, v in settings["video_processor"].items() if k != "video_processor_type"}
     processor = Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(**image), tokenizer=tokenizer,
@@ -128,14 +137,43 @@ def load_processor(path: str | Path) -> Any:
     return _from_processor_folder(folder) if kind == "processor" else _from_tokenizer_folder(folder)
 
 
+def load_tokenizer(path: str | Path) -> Any:
+    """The tokenizer `load_processor` would build from `path` (added Qwen3-VL tokens included), without
+    the image and video processors: what the open-time id check reads (tens of milliseconds on the tiny
+    model, under a second on Qwen's 151k vocabulary)."""
+    folder, kind = resolve_processor_folder(path)
+    if kind == "tokenizer":
+        return _qwen_tokenizer(folder, shipped_settings())
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+    except Exception as err:  # as in _from_processor_folder
+        raise CheckpointError(f"processor: the tokenizer in {folder} cannot be loaded ({type(err).__name__}: "
+                              f"{str(err)[:300]}). The tokenizer/processor files are corrupt; re-download "
+                              "them.") from err
+
+
+def check_folder(path: str | Path, text_encoder_config: dict[str, Any]) -> None:
+    """A processor given apart from its checkpoint, held to the text encoder when the handle opens
+    (before any weights load): its tokenizer must carry the Qwen3-VL tokens with the text encoder's ids."""
+    folder, _kind = resolve_processor_folder(path)
+    check_token_ids(load_tokenizer(folder), text_encoder_config, str(folder))
+
+
 def check_token_ids(processor: Any, text_encoder_config: dict[str, Any], where: str) -> None:
-    """The processor's vision/video token ids must be the ones the text encoder was trained with."""
-    tokenizer = processor.tokenizer
+    """The processor's (or tokenizer's) vision/video token ids must be the ones the text encoder was
+    trained with."""
+    tokenizer = getattr(processor, "tokenizer", processor)
     for key, token in TOKEN_KEYS.items():
         want = text_encoder_config.get(key)
         if want is None:
             continue
         got = tokenizer.convert_tokens_to_ids(token)
+        if got is None or got == getattr(tokenizer, "unk_token_id", None):
+            raise CheckpointError(f"processor: {where} has no {token} token, which the text encoder expects as id "
+                                  f"{want}; the tokenizer belongs to another model. Use the checkpoint's processor/ "
+                                  "folder.")
         if got != want:
             raise CheckpointError(f"processor: {where} gives {token} the id {got}, but the text encoder expects "
                                   f"{want}; the tokenizer belongs to another model. Use the checkpoint's processor/ "

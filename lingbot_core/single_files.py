@@ -107,15 +107,6 @@ def check_fit(dit_config: dict[str, Any] | None, vae_config: dict[str, Any] | No
                                   "Qwen3-VL-4B (qwen3vl_4b_bf16.safetensors or qwen3vl_4b_fp8_scaled.safetensors).")
 
 
-def check_processor(processor: Any, text_encoder_config: dict[str, Any] | None, where: Path) -> None:
-    """A processor's vision token ids against the text encoder's config (when known)."""
-    if text_encoder_config is None:
-        return
-    from .processor_files import check_token_ids
-
-    check_token_ids(processor, text_encoder_config, str(where))
-
-
 def read_config(path: Path) -> dict[str, Any]:
     """A component's config.json (for `check_fit` on a folder component)."""
     return json.loads(Path(path).read_text(encoding="utf-8"))

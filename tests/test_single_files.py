@@ -4,12 +4,14 @@ and held to each other and to the DiT's config."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
 from lingbot_core import single_files as sf
 from lingbot_core.checkpoint import CheckpointError
+from lingbot_core.processor_files import check_token_ids
 
 TINY = Path(__file__).resolve().parent / "fixtures" / "lingbot" / "models" / "tiny-dense"
 
@@ -26,7 +28,7 @@ def test_inspect_then_load_each_kind():
     assert proc.path == TINY / "processor" and proc.info == "processor"
     loaded = {c.name: sf.load_file(c) for c in (vae, te, proc)}
     assert type(loaded["vae"]).__name__ == "AutoencoderKLWan"
-    sf.check_processor(loaded["processor"], te.config, proc.path)
+    check_token_ids(loaded["processor"], te.config, str(proc.path))
     sf.check_fit(_config("transformer"), vae.config, te.config, {})
 
 
@@ -52,3 +54,48 @@ def test_a_text_encoder_file_of_another_width_is_refused_when_the_checkpoint_ope
     configs["text_encoder"]["text_config"] = dict(configs["text_encoder"]["text_config"], hidden_size=2560)
     with pytest.raises(CheckpointError, match="its hidden size is 2560, the DiT .* reads text 32 wide"):
         check_values_and_shapes(TINY, configs, {}, skip={"text_encoder"}, scheduler=False)
+
+
+def _swapped_tokenizer(target: Path) -> Path:
+    """The tiny processor with <|image_pad|> and <|video_pad|> trading ids: a tokenizer that looks right
+    but does not belong to the text encoder."""
+    folder = shutil.copytree(TINY / "processor", target)
+    data = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    swap = {"<|image_pad|>": "<|video_pad|>", "<|video_pad|>": "<|image_pad|>"}
+    vocab = data["model"]["vocab"]
+    vocab.update({swap[k]: v for k, v in list(vocab.items()) if k in swap})
+    for token in data["added_tokens"]:
+        token["content"] = swap.get(token["content"], token["content"])
+    (folder / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    return folder
+
+
+@pytest.mark.parametrize("route", ["files_only", "over_checkpoint"])
+def test_a_processor_of_another_model_is_refused_when_the_handle_opens(tmp_path, monkeypatch, route):
+    """A processor given apart from its checkpoint (an explicit folder, or ComfyUI's Qwen tokenizer files)
+    is held to the text encoder's token ids at open: before any weights load."""
+    from lingbot_core import checkpoint
+    from lingbot_core.components import ComponentFiles
+    from lingbot_core.handle import PipelineHandle
+    from tests.test_processor_files import comfy_tokenizer_folder
+
+    def no_loading(*_a, **_k):
+        raise AssertionError("weights loaded before the processor was checked")
+
+    monkeypatch.setattr(checkpoint, "load_component", no_loading)
+    te = tmp_path / "qwen3vl_tiny.safetensors"
+    shutil.copy(TINY / "text_encoder" / "model.safetensors", te)
+    parts = {"text_encoder": te}
+    if route == "files_only":
+        parts.update(transformer=TINY / "transformer" / "diffusion_pytorch_model.safetensors",
+                     vae=TINY / "vae" / "diffusion_pytorch_model.safetensors")
+    folder = None if route == "files_only" else TINY
+
+    def open_with(processor: Path) -> PipelineHandle:
+        return PipelineHandle.open(folder, files=ComponentFiles(**parts, processor=processor), device="cpu")
+
+    assert open_with(comfy_tokenizer_folder(tmp_path / "qwen25_tokenizer")).info is not None  # the right one opens
+    with pytest.raises(CheckpointError, match=r"gives <\|image_pad\|> the id 6, but the text encoder expects 5"):
+        open_with(_swapped_tokenizer(tmp_path / "swapped"))
+    with pytest.raises(CheckpointError, match=r"lacks <\|video_pad\|>"):
+        open_with(comfy_tokenizer_folder(tmp_path / "other", drop="<|video_pad|>"))
