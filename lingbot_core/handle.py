@@ -49,7 +49,8 @@ class SharedComponents:
 
     def __init__(self, folder: str | os.PathLike | None, *, info: CheckpointInfo | None,
                  dtypes: dict[str, torch.dtype], text_attn: str, attention_backend: str | None,
-                 preloaded: dict[str, Any] | None = None, weights: str = "auto", compile: str = "off"):
+                 preloaded: dict[str, Any] | None = None, weights: str = "auto", compile: str = "off",
+                 ffn_chunk: int | str | None = "auto"):
         self.folder = Path(folder) if folder is not None else None
         self.info = info
         self.dtypes = dtypes
@@ -57,6 +58,7 @@ class SharedComponents:
         self.text_attn = text_attn
         self.attention_backend = attention_backend
         self.compile = compile  # "off" or "blocks": regional compile of the DiTs' blocks (models/compile.py)
+        self.ffn_chunk = check_ffn_chunk(ffn_chunk)  # "auto", or tokens per FFN/MoE pass (None: never chunk)
         self.loaded: dict[str, Any] = dict(preloaded or {})
         self.states: dict[str, ModelState] = {}  # each loaded model's mutable state (weights/state.py)
         self.lock = threading.RLock()
@@ -132,6 +134,7 @@ class PipelineHandle:
         transformer_folder: str | os.PathLike | None = None,
         weights: str = "auto",
         compile: str = "off",
+        ffn_chunk: int | str | None = "auto",
     ) -> PipelineHandle:
         """Validate the checkpoint now (cheap); load components when a stage first needs them.
 
@@ -147,11 +150,15 @@ class PipelineHandle:
         "auto" (as stored: plain, fp8 or GGUF) or "fp8_e4m3" (quantize the DiTs on load).
         `compile`: "off" or "blocks" (regional torch.compile of the DiTs' repeated blocks, see
         `models/compile.py`; refused here when the compiler cannot build for the device).
+        `ffn_chunk`: tokens per FFN/MoE pass in the DiTs. "auto" (default): whole sequences when the
+        memory estimate fits the device, else the largest chunk that does (`placement.estimate.
+        ffn_chunk_tokens`); a number: always that many (0 or None: never chunk).
         """
         from .models.compile import COMPILE_CHOICES, compile_problem
         from .weights.loader import check_weights_mode
 
         check_weights_mode(weights)
+        check_ffn_chunk(ffn_chunk)
         device = torch.device(device) if device is not None else default_device()
         if compile not in COMPILE_CHOICES:
             raise ValueError(f"unknown compile setting {compile!r}; choose one of {', '.join(COMPILE_CHOICES)}")
@@ -182,7 +189,8 @@ class PipelineHandle:
                 names = ", ".join(b.value for b in AttentionBackendName)
                 raise ValueError(f"unknown attention backend {attention_backend!r}; choose one of {names}") from None
         shared = SharedComponents(info.folder, info=info, dtypes=chosen, text_attn=text_attn,
-                                  attention_backend=attention_backend, weights=weights, compile=compile)
+                                  attention_backend=attention_backend, weights=weights, compile=compile,
+                                  ffn_chunk=ffn_chunk)
         shared.transformer_source = student
         return cls(shared, device)
 
@@ -269,6 +277,17 @@ class PipelineHandle:
 
             return matmul_dtype(module.patch_embedder)
         return next(module.parameters()).dtype
+
+
+def check_ffn_chunk(value: Any) -> int | str | None:
+    """The FFN chunk setting, checked: "auto", None/0 (never chunk) or a token count."""
+    if value == "auto":
+        return "auto"
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value or None
+    raise ValueError(f"ffn_chunk must be 'auto', 0 (never chunk) or a number of tokens, got {value!r}")
 
 
 def default_device() -> torch.device:

@@ -287,11 +287,15 @@ def check_request_fits(handle: Any, *, height: int, width: int, num_frames: int,
     if sizes is None or capacity is None:
         return
 
+    from .placement.estimate import resolve_chunk
+
+    chunking = getattr(handle.shared, "ffn_chunk", "auto")
+
     def need(h: int, w: int, frames: int) -> int:
-        geometry = memory.Geometry(height=h, width=w, num_frames=frames, cfg=cfg, refine=refine)
+        geometry = memory.Geometry(height=h, width=w, num_frames=frames, cfg=cfg, refine=refine, ffn_chunk=chunking)
         if phase == "decode":  # a VAE pass alone: the VAE's weights and its activations
             return sizes.vae + memory.activation_bytes(sizes, geometry)["decode"]
-        return memory.estimate_peak("sequential", sizes, geometry)
+        return memory.estimate_peak("sequential", sizes, resolve_chunk("sequential", sizes, geometry, capacity))
 
     needed = need(height, width, num_frames)
     if needed <= capacity:
@@ -316,6 +320,28 @@ def cfg_batch_fits(handle: Any, mode: str, *, height: int, width: int, num_frame
     if sizes is None or capacity is None:
         return False
     return fits(mode, sizes, Geometry(height=height, width=width, num_frames=num_frames), capacity)
+
+
+def ffn_chunk_for(handle: Any, mode: str, *, height: int, width: int, num_frames: int, cfg: bool,
+                  cfg_batch: bool) -> tuple[int | None, str]:
+    """(tokens per FFN/MoE pass, why) for one denoise call under offload `mode`: the handle's explicit
+    setting, else ("auto") the largest of `FFN_CHUNKS` that brings the memory estimate within the
+    budget `auto` planned with (or the device's whole memory), None when the whole sequence fits or
+    the budget is unknown."""
+    from .placement.estimate import AUTO_CHUNK, Geometry, ffn_chunk_tokens
+
+    setting = getattr(handle.shared, "ffn_chunk", AUTO_CHUNK)
+    if setting != AUTO_CHUNK:
+        return setting, "set on the Loader" if setting else "chunking off"
+    sizes = _model_sizes(handle)
+    auto = handle.shared.placement.auto
+    budget = auto.budget if auto is not None and auto.estimates else device_capacity(torch.device(handle.device))
+    if sizes is None or budget is None:
+        return None, "auto: no memory estimate"
+    geometry = Geometry(height=height, width=width, num_frames=num_frames, cfg=cfg, cfg_batch=cfg_batch)
+    chunk = ffn_chunk_tokens(mode, sizes, geometry, int(budget), phases=("denoise",))
+    return chunk, (f"auto: the unchunked run is not expected to fit {budget / GiB:.1f} GiB under '{mode}'"
+                   if chunk else "auto: the whole sequence fits")
 
 
 def _largest_fitting(need, height: int, width: int, num_frames: int, capacity: int) -> tuple[int, int] | None:
@@ -447,7 +473,7 @@ def validate_request(mode: str, *, height: int, width: int, num_frames: int, ste
 
 
 __all__ = [
-    "MODES", "cfg_batch_fits", "check_cfg_batch", "check_count", "check_denoise_request", "check_first_frame_pixels", "check_guidance", "check_mode",
+    "MODES", "cfg_batch_fits", "ffn_chunk_for", "check_cfg_batch", "check_count", "check_denoise_request", "check_first_frame_pixels", "check_guidance", "check_mode",
     "check_refine_request", "check_steps", "check_t_thresh", "validate_geometry", "validate_request", "check_finite_number", "check_negative_prompt", "check_picture", "check_request_fits",
     "check_seed", "checked_image", "checked_latents", "checked_pixels", "decode_output_shape",
     "device_capacity", "vae_channels",

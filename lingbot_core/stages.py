@@ -269,8 +269,36 @@ def denoise(
         guidance = _guidance(handle, transformer, cond, guidance_scale, device, batch)
         guidance.cache = _step_cache(handle, step_cache, transformer=transformer, method=method, steps=len(run),
                                      shift=shift, sigmas=sigmas, guidance_scale=guidance_scale)
-        latents = sample(run, guidance, latents, cond_latent=cond_latent, callback=callback)
+        with _ffn_chunk(handle, transformer, cfg=guidance_scale > 1.0, cfg_batch=batch, height=height, width=width,
+                        num_frames=num_frames):
+            latents = sample(run, guidance, latents, cond_latent=cond_latent, callback=callback)
         return latents.cpu()
+
+
+@contextmanager
+def _ffn_chunk(handle, transformer: str, *, cfg: bool, cfg_batch: bool, **geometry: int):
+    """Run the DiT's FFN/MoE over the chunk this call needs (`checks.ffn_chunk_for`); a chunk set on
+    the model itself (`set_ffn_chunk`) wins over `auto`. The model's own setting is back afterwards;
+    what was used is kept for the memory report."""
+    dit = handle.component(transformer)
+    blocks = getattr(dit, "blocks", None)
+    before = getattr(blocks[0], "ffn_chunk", None) if blocks else None
+    if before is not None and handle.shared.ffn_chunk == "auto":
+        chunk, why = before, "set on the model"
+    else:
+        chunk, why = checks.ffn_chunk_for(handle, installed_mode(handle) or "none", cfg=cfg, cfg_batch=cfg_batch,
+                                          **geometry)
+    handle.shared.placement.ffn_chunks[transformer] = (chunk, why)
+    if chunk:
+        log.info("%s: FFN/MoE over %d-token chunks (%s)", transformer, chunk, why)
+    if not hasattr(dit, "set_ffn_chunk") or chunk == before:
+        yield chunk
+        return
+    dit.set_ffn_chunk(chunk)
+    try:
+        yield chunk
+    finally:
+        dit.set_ffn_chunk(before)
 
 
 def _starting_latents(shape: tuple[int, ...], g: torch.Generator, latents: torch.Tensor | None,

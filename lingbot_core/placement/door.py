@@ -129,7 +129,8 @@ def resolve(shared: SharedComponents, requested: OffloadSettings,
     else:
         sizes = estimate.ModelSizes.from_checkpoint(shared.info, shared.dtypes, shared.loaded,
                                                     getattr(shared, "weights", "auto"))
-        geometry = estimate.geometry_from(dict(requested.options), shared.info.variant if shared.info else "dense")
+        geometry = estimate.geometry_from(dict(requested.options), shared.info.variant if shared.info else "dense",
+                                          getattr(shared, "ffn_chunk", estimate.AUTO_CHUNK))
         host_budget = requested.option("host_budget_bytes")
         if budget is None:
             wanted = estimate.estimate_peak("none", sizes, geometry) + estimate.RESERVE_BYTES
@@ -333,7 +334,7 @@ def ledger(handle: PipelineHandle) -> list[tuple[str, str, str]]:
 def memory_report(handle: PipelineHandle) -> MemoryReport:
     """Where each component's tensors live now, and their bytes per location."""
     mode = installed_mode(handle) or handle.offload.mode
-    return build_report(handle.shared.loaded, handle.device, mode)
+    return build_report(handle.shared.loaded, handle.device, mode, handle.shared.placement.ffn_chunks)
 
 
 # -- from outside a stage ----------------------------------------------------------------------------
@@ -442,6 +443,10 @@ def check_handle(handle: object, geometry: estimate.Geometry, *, mode: str | Non
     a WARNING with what to change when it does not fit. None where nothing is checked: `auto`
     (it decides with the same numbers when it installs) and a CPU execution device."""
     require_refiner(handle, geometry.refine)
+    if geometry.ffn_chunk is None:  # the run chunks as the handle says ("auto": when the budget needs it)
+        from dataclasses import replace
+
+        geometry = replace(geometry, ffn_chunk=getattr(handle.shared, "ffn_chunk", estimate.AUTO_CHUNK))  # type: ignore[attr-defined]
     settings = handle.offload  # type: ignore[attr-defined]
     mode = mode or settings.mode
     offload_to = offload_to or settings.offload_to

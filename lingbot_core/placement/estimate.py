@@ -69,7 +69,9 @@ class Geometry:
     vae_tiling: bool = False
     release_base: bool = False  # the refine stage drops the base DiT before the refiner loads
     cfg_batch: bool = False  # CFG's two branches as one batch-2 DiT forward
-    ffn_chunk: int | None = None  # tokens per FFN/MoE pass (None: the whole sequence at once)
+    # tokens per FFN/MoE pass: None, the whole sequence at once; "auto", what the run will use, the
+    # largest of `FFN_CHUNKS` a memory budget needs (`resolve_chunk`; without a budget: unchunked)
+    ffn_chunk: int | str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -178,7 +180,8 @@ def activation_bytes(sizes: ModelSizes, geometry: Geometry) -> dict[str, int]:
 
     def dit(height: int, width: int) -> int:
         tokens = latent_frames * (height // 16) * (width // 16) + TEXT_TOKENS
-        ffn_tokens = min(tokens, geometry.ffn_chunk) if geometry.ffn_chunk else tokens
+        chunk = geometry.ffn_chunk if isinstance(geometry.ffn_chunk, int) else None
+        ffn_tokens = min(tokens, chunk) if chunk else tokens
         per_value = sizes.hidden * sizes.dit_bytes_per_value
         hidden = tokens * per_value * DIT_ACT_FACTOR
         ffn = ffn_tokens * per_value * 2 * sizes.intermediate / max(sizes.hidden, 1)
@@ -205,11 +208,15 @@ def activation_bytes(sizes: ModelSizes, geometry: Geometry) -> dict[str, int]:
     return phases
 
 
-def estimate_peak(mode: str, sizes: ModelSizes, geometry: Geometry) -> int:
-    """Expected peak accelerator bytes of one request under `mode` (the mode's own formula)."""
+def estimate_peak(mode: str, sizes: ModelSizes, geometry: Geometry, phases: tuple[str, ...] | None = None) -> int:
+    """Expected peak accelerator bytes of one request under `mode` (the mode's own formula);
+    `phases` (names of `activation_bytes`): the peak over those phases only (one stage's call)."""
     if mode not in MODE_CLASSES:
         raise ValueError(f"no estimate for mode {mode!r}")
-    return MODE_CLASSES[mode].estimate(sizes, geometry, activation_bytes(sizes, geometry))
+    activations = activation_bytes(sizes, geometry)
+    if phases is not None:
+        activations = {k: v for k, v in activations.items() if k in phases}
+    return MODE_CLASSES[mode].estimate(sizes, geometry, activations)
 
 
 def cfg_batch_fits(mode: str, sizes: ModelSizes, geometry: Geometry, budget_bytes: int) -> bool:
@@ -220,18 +227,33 @@ def cfg_batch_fits(mode: str, sizes: ModelSizes, geometry: Geometry, budget_byte
 
 
 FFN_CHUNKS = (65536, 32768, 16384, 8192, 4096)  # tokens per FFN/MoE pass, tried largest first
+AUTO_CHUNK = "auto"
 
 
-def ffn_chunk_tokens(mode: str, sizes: ModelSizes, geometry: Geometry, budget_bytes: int) -> int | None:
-    """Tokens per FFN/MoE pass for `mode` within `budget_bytes`: None when the whole sequence fits
-    (or nothing is gained), else the largest of `FFN_CHUNKS` that fits, else the smallest of them
-    (the budget is then out of reach by chunks alone; the caller's own check reports it)."""
-    if estimate_peak(mode, sizes, replace(geometry, ffn_chunk=None)) + RESERVE_BYTES <= budget_bytes:
+def ffn_chunk_tokens(mode: str, sizes: ModelSizes, geometry: Geometry, budget_bytes: int,
+                     phases: tuple[str, ...] | None = None) -> int | None:
+    """Tokens per FFN/MoE pass for `mode` within `budget_bytes` (over `phases`, see `estimate_peak`):
+    None when the whole sequence fits or chunks gain nothing, else the largest of `FFN_CHUNKS` that
+    fits, else the smallest of them (the budget is then out of reach by chunks alone; the caller's
+    own check reports it)."""
+    whole = estimate_peak(mode, sizes, replace(geometry, ffn_chunk=None), phases)
+    if whole + RESERVE_BYTES <= budget_bytes:
         return None
     for chunk in FFN_CHUNKS:
-        if estimate_peak(mode, sizes, replace(geometry, ffn_chunk=chunk)) + RESERVE_BYTES <= budget_bytes:
+        if estimate_peak(mode, sizes, replace(geometry, ffn_chunk=chunk), phases) + RESERVE_BYTES <= budget_bytes:
             return chunk
-    return FFN_CHUNKS[-1]
+    smallest = FFN_CHUNKS[-1]
+    return smallest if estimate_peak(mode, sizes, replace(geometry, ffn_chunk=smallest), phases) < whole else None
+
+
+def resolve_chunk(mode: str, sizes: ModelSizes, geometry: Geometry, budget_bytes: int | None) -> Geometry:
+    """`geometry` with an `"auto"` FFN chunk replaced by the one a run under `mode` uses within
+    `budget_bytes` (`ffn_chunk_tokens`; None: unchunked when the budget is unknown); an explicit
+    chunk (or None) is kept."""
+    if geometry.ffn_chunk != AUTO_CHUNK:
+        return geometry
+    chunk = None if budget_bytes is None else ffn_chunk_tokens(mode, sizes, geometry, budget_bytes)
+    return replace(geometry, ffn_chunk=chunk)
 
 
 def host_bytes(mode: str, sizes: ModelSizes, offload_to: str = "ram") -> int:
@@ -260,10 +282,11 @@ def available_host_bytes() -> int | None:
     return None
 
 
-def geometry_from(options: Mapping[str, Any], variant: str) -> Geometry:
-    """The request `auto` plans for, from its options (MoE plans for the refiner unless told not to)."""
+def geometry_from(options: Mapping[str, Any], variant: str, ffn_chunk: int | str | None = AUTO_CHUNK) -> Geometry:
+    """The request `auto` plans for, from its options (MoE plans for the refiner unless told not to);
+    `ffn_chunk`: the handle's FFN chunk setting (`"auto"`: chunked when the budget needs it)."""
     refine = options.get("refine", MOE_REFINE_SIZE if variant == "moe" else None)
     return Geometry(height=int(options.get("height", 480)), width=int(options.get("width", 832)),
                     num_frames=int(options.get("num_frames", 121)), cfg=bool(options.get("cfg", True)),
                     refine=tuple(refine) if refine else None, vae_tiling=bool(options.get("vae_tiling", False)),
-                    release_base=bool(options.get("release_base", False)))
+                    release_base=bool(options.get("release_base", False)), ffn_chunk=ffn_chunk)

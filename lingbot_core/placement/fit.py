@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass, field, replace
 
 from . import estimate
-from .estimate import RESERVE_BYTES, Geometry, GiB, ModelSizes, estimate_peak, host_bytes
+from .estimate import RESERVE_BYTES, Geometry, GiB, ModelSizes, host_bytes
 from .modes import MODE_CLASSES, MODE_ORDER
 
 log = logging.getLogger("lingbot_core.offload")
@@ -45,6 +45,7 @@ class Fit:
     host_needed: int
     host_free: int | None
     advice: tuple[str, ...] = ()
+    ffn_chunk: int | None = None  # the FFN/MoE chunk the estimate counted (an "auto" chunk resolved)
 
     @property
     def vram_ok(self) -> bool:
@@ -70,7 +71,8 @@ class Fit:
                          f"offload_to '{self.offload_to}'; you have {_gib(self.host_free)} available")
         if not parts:
             parts.append(f"fits: ~{_gib(self.vram_needed + RESERVE_BYTES)} GiB VRAM and ~{_gib(self.host_needed)} "
-                         f"GiB host RAM for {what} under '{self.mode}' (offload_to '{self.offload_to}')")
+                         f"GiB host RAM for {what} under '{self.mode}' (offload_to '{self.offload_to}')"
+                         + (f" with the FFN/MoE over {self.ffn_chunk}-token chunks" if self.ffn_chunk else ""))
             return parts[0]
         line = "; ".join(parts)
         if self.advice:
@@ -87,8 +89,13 @@ def _describe(g: Geometry) -> str:
     return f"{base} refined at {g.refine[1]}x{g.refine[0]}" if g.refine else base
 
 
+def _peak(mode: str, sizes: ModelSizes, g: Geometry, vram: int | None) -> int:
+    """The estimate under `mode`, with an `"auto"` FFN chunk resolved against `vram` (what the run uses)."""
+    return estimate.estimate_peak(mode, sizes, estimate.resolve_chunk(mode, sizes, g, vram))
+
+
 def _fits(sizes: ModelSizes, g: Geometry, mode: str, offload_to: str, vram: int | None, host: int | None) -> bool:
-    vram_ok = vram is None or estimate.estimate_peak(mode, sizes, g) + RESERVE_BYTES <= vram
+    vram_ok = vram is None or _peak(mode, sizes, g, vram) + RESERVE_BYTES <= vram
     host_ok = host is None or estimate.host_bytes(mode, sizes, offload_to) <= host
     return vram_ok and host_ok
 
@@ -111,7 +118,7 @@ def _advice(sizes: ModelSizes, g: Geometry, mode: str, offload_to: str, vram: in
             return False
         best, where_to = found
         if len(out) < limit:
-            need = _gib(estimate.estimate_peak(best, sizes, changed) + RESERVE_BYTES)
+            need = _gib(_peak(best, sizes, changed, vram) + RESERVE_BYTES)
             where = f"'{best}'" + (f" + offload_to '{where_to}'" if where_to != offload_to else "")
             out.append(f"{text} under {where} (~{need} GiB VRAM)" if text else
                        f"use {where} (~{need} GiB VRAM, ~{_gib(estimate.host_bytes(best, sizes, where_to))} GiB RAM)")
@@ -154,9 +161,12 @@ def _advice(sizes: ModelSizes, g: Geometry, mode: str, offload_to: str, vram: in
 
 def check(sizes: ModelSizes, geometry: Geometry, mode: str, offload_to: str = "ram", *,
           vram_free: int | None, host_free: int | None) -> Fit:
-    """The fit of one explicit mode (not `auto`) with its advice when it does not fit."""
-    fit = Fit(mode, offload_to, geometry, estimate.estimate_peak(mode, sizes, geometry), vram_free,
-              estimate.host_bytes(mode, sizes, offload_to), host_free)
+    """The fit of one explicit mode (not `auto`) with its advice when it does not fit. An `"auto"` FFN
+    chunk is resolved against `vram_free` (`Fit.ffn_chunk`: the chunk the estimate counted)."""
+    resolved = estimate.resolve_chunk(mode, sizes, geometry, vram_free)
+    fit = Fit(mode, offload_to, geometry, estimate.estimate_peak(mode, sizes, resolved), vram_free,
+              estimate.host_bytes(mode, sizes, offload_to), host_free,
+              ffn_chunk=resolved.ffn_chunk if isinstance(resolved.ffn_chunk, int) else None)
     if fit.ok:
         return fit
     return replace(fit, advice=_advice(sizes, geometry, mode, offload_to, vram_free, host_free))
@@ -173,7 +183,7 @@ def choose(sizes: ModelSizes, geometry: Geometry, vram_free: int | None, host_fr
         if best is not None:
             return check(sizes, geometry, best, to, vram_free=vram_free, host_free=host_free)
     # VRAM fits nowhere: the smallest VRAM need among the offloading modes whose host RAM fits
-    candidates = [(estimate.estimate_peak(m, sizes, geometry), i, -MODE_ORDER.index(m), m, to)
+    candidates = [(_peak(m, sizes, geometry, vram_free), i, -MODE_ORDER.index(m), m, to)
                   for i, to in enumerate(tos) for m in MODE_ORDER
                   if not MODE_CLASSES[m].keeps_resident and _fits(sizes, geometry, m, to, None, host_free)]
     if candidates:  # ties: the requested home first, then the smaller mode
@@ -193,6 +203,7 @@ class AutoChoice:
     host_budget: int | None = None
     offload_to: str | None = None  # where the DiTs' offloaded weights live (None: as requested)
     fits: bool = True  # False: nothing is expected to fit the accelerator; the reason says what to change
+    ffn_chunk: int | None = None  # tokens per FFN/MoE pass the estimate counted (None: unchunked)
 
 
 def choose_mode(sizes: ModelSizes, geometry: Geometry, budget_bytes: int, *, after: str | None = None,
@@ -207,7 +218,7 @@ def choose_mode(sizes: ModelSizes, geometry: Geometry, budget_bytes: int, *, aft
     if after is None:
         chosen = choose(sizes, geometry, budget_bytes, host_budget, offload_to)
         mode, to = chosen.mode, chosen.offload_to
-        estimates = {m: estimate_peak(m, sizes, geometry) for m in MODE_ORDER}
+        estimates = {m: _peak(m, sizes, geometry, budget_bytes) for m in MODE_ORDER}
         host = {m: host_bytes(m, sizes, to) for m in MODE_ORDER}
         if chosen.ok:
             reason = (f"'{mode}' is the fastest mode expected to fit: needs ~{estimates[mode] / GiB:.1f} GiB of "
@@ -220,16 +231,20 @@ def choose_mode(sizes: ModelSizes, geometry: Geometry, budget_bytes: int, *, aft
         else:
             reason = f"nothing is expected to fit: {chosen.line()}; using '{mode}'" + \
                      (f" with offload_to '{to}'" if to != offload_to else "")
-        return AutoChoice(mode, estimates, budget_bytes, reason, host, host_budget, to, chosen.ok)
+        if chosen.ffn_chunk:
+            reason += f", with the FFN/MoE over {chosen.ffn_chunk}-token chunks"
+        return AutoChoice(mode, estimates, budget_bytes, reason, host, host_budget, to, chosen.ok, chosen.ffn_chunk)
     order = list(MODE_ORDER)
     order = order[order.index(after) + 1:] or [MODE_ORDER[-1]]
-    estimates = {m: estimate_peak(m, sizes, geometry) for m in MODE_ORDER}
+    estimates = {m: _peak(m, sizes, geometry, budget_bytes) for m in MODE_ORDER}
     host = {m: host_bytes(m, sizes, offload_to) for m in MODE_ORDER}
     for mode in order:
         if estimates[mode] + RESERVE_BYTES <= budget_bytes and (host_budget is None or host[mode] <= host_budget):
             reason = (f"after running out of memory under '{after}', '{mode}' is the fastest mode expected "
                       f"to fit: needs ~{estimates[mode] / GiB:.1f} GiB of {budget_bytes / GiB:.1f} GiB free")
-            return AutoChoice(mode, estimates, budget_bytes, reason, host, host_budget, offload_to)
+            chunk = estimate.resolve_chunk(mode, sizes, geometry, budget_bytes).ffn_chunk
+            return AutoChoice(mode, estimates, budget_bytes, reason, host, host_budget, offload_to,
+                              ffn_chunk=chunk if isinstance(chunk, int) else None)
     mode = order[-1]
     reason = (f"after running out of memory under '{after}', nothing is expected to fit in "
               f"{budget_bytes / GiB:.1f} GiB; using '{mode}', the smallest")

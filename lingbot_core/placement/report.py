@@ -97,9 +97,16 @@ class MemoryReport:
     components: list[ComponentMemory]
     device: str
     mode: str
+    ffn_chunks: dict[str, tuple[int | None, str]] = field(default_factory=dict)  # DiT -> (chunk, why), last run
+
+    def chunk_lines(self) -> list[str]:
+        """Which FFN/MoE chunk each DiT's last run used, and why."""
+        return [f"{name} FFN/MoE: " + (f"{chunk}-token chunks" if chunk else "whole sequence") + f" ({why})"
+                for name, (chunk, why) in sorted(self.ffn_chunks.items())]
 
     def one_line(self) -> str:
-        return "; ".join(f"{c.name}: {c.where}" + (f" ({c.format})" if c.format else "") for c in self.components)
+        parts = [f"{c.name}: {c.where}" + (f" ({c.format})" if c.format else "") for c in self.components]
+        return "; ".join(parts + self.chunk_lines())
 
     def totals(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -113,6 +120,7 @@ class MemoryReport:
         rows += [f"  {c.name:<13} {c.where}" + (f"  [{c.format}]" if c.format else "") for c in self.components]
         summary = ", ".join(f"{place} {n / GiB:.2f} GiB" for place, n in sorted(self.totals().items()))
         rows.append(f"  {'total':<13} {summary or 'nothing loaded'}")
+        rows += [f"  {line}" for line in self.chunk_lines()]
         return "\n".join(rows)
 
 
@@ -129,5 +137,7 @@ def component_memory(name: str, module: Any) -> ComponentMemory:
     return ComponentMemory(name, True, usage, *weight_format(module))
 
 
-def build_report(loaded: Mapping[str, Any], device: torch.device, mode: str) -> MemoryReport:
-    return MemoryReport([component_memory(n, loaded.get(n)) for n in REPORTED], str(device), mode)
+def build_report(loaded: Mapping[str, Any], device: torch.device, mode: str,
+                 ffn_chunks: Mapping[str, tuple[int | None, str]] | None = None) -> MemoryReport:
+    return MemoryReport([component_memory(n, loaded.get(n)) for n in REPORTED], str(device), mode,
+                        dict(ffn_chunks or {}))

@@ -36,6 +36,7 @@ class Placement:
         self.in_stage: set[str] = set()  # components the running stage uses
         self.ledger: deque[tuple[str, str, str]] = deque(maxlen=LEDGER_SIZE)  # (event, component, stage)
         self.view_states: dict[str, tuple[Any, dict[str, Any]]] = {}  # kind -> (state, {component: weakref})
+        self.ffn_chunks: dict[str, tuple[int | None, str]] = {}  # DiT -> (FFN/MoE chunk of its last run, why)
 
     # -- what is installed -------------------------------------------------------------------------
     @property

@@ -1,0 +1,91 @@
+"""Speed options chosen from the memory estimate: the FFN/MoE chunk a budget needs (`ffn_chunk`
+"auto"), batched CFG when it fits (`cfg_batch` "auto"), and the headless API passing both through."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lingbot_core import stage_inputs, stages
+from lingbot_core.handle import PipelineHandle
+from lingbot_core.memory import memory_report
+from lingbot_core.placement import estimate
+from lingbot_core.placement.estimate import RESERVE_BYTES, Geometry, estimate_peak
+
+# the published MoE 30B-A3B in bf16: two 60 GB DiTs of 48 blocks
+MOE_SIZES = estimate.ModelSizes(text_encoder=int(8.9e9), transformer=int(60.2e9), vae=int(0.51e9),
+                                refiner=int(60.2e9), hidden=2048, depth=48, intermediate=768 * 8,
+                                experts_per_token=8, largest_block=int(60.2e9 / 48),
+                                text_largest_layer=int(8.9e9 / 40))
+GEOM = dict(height=32, width=32, num_frames=5, steps=3, guidance_scale=3.0, seed=5)
+CHUNKS = (512, 64, 16)  # the tiny sequence is ~100 tokens: chunks the estimate can pick and the run feels
+
+
+def _budget_for(handle, chunk: int, *, cfg_batch: bool = False) -> int:
+    """A fake device whose memory fits the denoise call with `chunk`-token FFN passes, not unchunked."""
+    sizes = stage_inputs._model_sizes(handle)
+    g = Geometry(GEOM["height"], GEOM["width"], GEOM["num_frames"], cfg_batch=cfg_batch, ffn_chunk=chunk)
+    return estimate_peak("none", sizes, g, phases=("denoise",)) + RESERVE_BYTES
+
+
+def _ffn_tokens(dit) -> tuple[list[int], list]:
+    seen: list[int] = []
+    hooks = [b.ffn.register_forward_pre_hook(lambda _m, args: seen.append(int(args[0].shape[1])))
+             for b in dit.blocks]
+    return seen, hooks
+
+
+def test_auto_chunk_follows_a_small_budget_and_keeps_the_frames(fixtures_root, monkeypatch):
+    handle = PipelineHandle.open(fixtures_root / "models" / "tiny-moe", device="cpu")
+    cond = stages.encode_prompt(handle, "a red boat", "")
+    dit = handle.component("transformer")
+    whole = stages.denoise(handle, cond, **GEOM)
+    assert handle.shared.placement.ffn_chunks["transformer"][0] is None  # the machine's RAM: no chunks
+
+    monkeypatch.setattr(estimate, "FFN_CHUNKS", CHUNKS)
+    monkeypatch.setattr(stage_inputs, "device_capacity", lambda _d: _budget_for(handle, 64))
+    seen, hooks = _ffn_tokens(dit)
+    try:
+        chunked = stages.denoise(handle, cond, **GEOM)
+    finally:
+        for h in hooks:
+            h.remove()
+    chunk, why = handle.shared.placement.ffn_chunks["transformer"]
+    assert chunk == 64 and why.startswith("auto")  # 512 does not fit the fake budget, 64 does
+    forwards = 2 * GEOM["steps"] * len(dit.blocks)  # CFG: two forwards per step
+    assert max(seen) <= 64 and len(seen) > forwards  # every FFN pass held one chunk, and chunks were cut
+    assert all(b.ffn_chunk is None for b in dit.blocks)  # the model's own setting is back
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)
+    report = memory_report(handle)
+    assert "transformer FFN/MoE: 64-token chunks (auto" in str(report)
+
+    # an explicit chunk wins over auto, on the model or on the handle
+    dit.set_ffn_chunk(16)
+    try:
+        stages.denoise(handle, cond, **GEOM)
+        assert handle.shared.placement.ffn_chunks["transformer"] == (16, "set on the model")
+    finally:
+        dit.set_ffn_chunk(None)
+    handle.shared.ffn_chunk = None
+    stages.denoise(handle, cond, **GEOM)
+    assert handle.shared.placement.ffn_chunks["transformer"] == (None, "chunking off")
+
+
+def test_auto_offload_counts_the_chunk_it_will_use():
+    """With `ffn_chunk` auto, the fit check (and so `auto`'s choice) counts the chunk a budget needs."""
+    from lingbot_core.placement import fit
+
+    plan = Geometry(480, 832, 121, refine=(1088, 1920), vae_tiling=True, release_base=True)
+    budget = 24 * estimate.GiB
+    unchunked = fit.check(MOE_SIZES, plan, "group", "disk", vram_free=budget, host_free=None)
+    chunked = fit.check(MOE_SIZES, Geometry(**{**plan.__dict__, "ffn_chunk": "auto"}), "group", "disk",
+                        vram_free=budget, host_free=None)
+    assert not unchunked.vram_ok and unchunked.ffn_chunk is None
+    assert chunked.vram_ok and chunked.ffn_chunk in estimate.FFN_CHUNKS
+    assert chunked.vram_needed < unchunked.vram_needed and "token chunks" in chunked.line()
+
+
+def test_ffn_chunk_setting_is_checked_when_the_handle_opens(fixtures_root):
+    with pytest.raises(ValueError, match="ffn_chunk must be"):
+        PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu", ffn_chunk=-4)
+    assert PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu", ffn_chunk=0).shared.ffn_chunk is None
