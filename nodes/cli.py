@@ -206,6 +206,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shuffle", type=int, metavar="SEED",
                         help="pick among ready nodes in a seeded random order (the graph must not care)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress or log lines on stderr")
+    from lingbot_core.parallel.jobs import JOB_FIELDS
+
+    jobs = parser.add_argument_group(
+        "many videos (a jobs file; under torchrun each process takes its share)",
+        "Each line of the jobs file is a JSON object of overrides: "
+        + ", ".join(f"{k} ({f.help})" for k, f in JOB_FIELDS.items())
+        + ', "set": ["NODE.INPUT=VALUE", ...] for any other input, "id" to name the job (default line<N>). '
+          "Every finished job gets a manifest line; a rerun skips the jobs recorded as done. Exit code 1 when "
+          "a job failed (the others still ran).")
+    jobs.add_argument("--jobs", metavar="FILE", help="run the workflow once per line of FILE (JSON Lines)")
+    jobs.add_argument("--manifest", metavar="FILE",
+                      help="where finished jobs are recorded (default: OUTPUT/<jobs file name>.manifest.jsonl)")
     rewrite = parser.add_argument_group("rewriting prose into a caption (a LingBot Rewrite node before each "
                                         "Text Encode; the caption it used is printed)")
     rewrite.add_argument("--rewrite", metavar="TEXT", help="the prompt in plain words")
@@ -319,6 +331,10 @@ def _run(args: argparse.Namespace, reporter: Reporter) -> int:
     reporter.labels = node_labels(prompt, NODE_DISPLAY_NAME_MAPPINGS)
 
     os.environ["LINGBOT_OUTPUT_DIR"] = str(output)
+    if args.jobs is not None:
+        if args.rewrite is not None:
+            raise WorkflowError("--rewrite and --jobs do not combine yet; put each job's prompt in the jobs file")
+        return _run_jobs(args, prompt, engine, reporter, output)
     reporter.write(f"lingbot-run: {path}")
     with _library_log(reporter), watch_nodes(reporter.node_started):
         try:
@@ -332,6 +348,84 @@ def _run(args: argparse.Namespace, reporter: Reporter) -> int:
         for entry in (ui or {}).get("images", []):
             print(output / entry.get("subfolder", "") / entry["filename"])
     return 0
+
+
+def _run_jobs(args: argparse.Namespace, prompt, engine, reporter: Reporter, output: Path) -> int:
+    """--jobs: every line of the jobs file checked first, then this process's share run on one engine."""
+    from lingbot_core.parallel.jobs import (
+        DONE,
+        Manifest,
+        failure_text,
+        job_overrides,
+        read_jobs,
+        run_jobs,
+        world_place,
+    )
+    from lingbot_core.workflow import WorkflowError, apply_overrides
+    from lingbot_core.workflow.context import watch_nodes
+
+    from . import NODE_CLASS_MAPPINGS
+
+    jobs = read_jobs(args.jobs)  # a bad line stops here, before any model work
+    place = world_place()
+    _pick_local_device()
+    manifest = Manifest(args.manifest or output / f"{Path(args.jobs).stem}.manifest.jsonl")
+    prompts, refused = {}, {}
+    for job in place.share(jobs):  # each job's overrides and graph checked before the first one runs
+        try:
+            job_prompt = apply_overrides(prompt, job_overrides(prompt.nodes, job), NODE_CLASS_MAPPINGS)
+            engine.validate(job_prompt)
+            prompts[job.id] = job_prompt
+        except (ValueError, WorkflowError) as err:
+            refused[job.id] = err
+            reporter.write(f"job {job.id} (line {job.line}) will be recorded as failed: {failure_text(err)}")
+
+    def run_one(job) -> list[Path]:
+        if job.id in refused:
+            raise refused[job.id]
+        reporter.write(f"job {job.id} (line {job.line})")
+        with _library_log(reporter), watch_nodes(reporter.node_started):
+            try:
+                result = engine.run(prompts[job.id], seed_order=args.shuffle, progress=reporter.progress)
+            except Exception:
+                reporter.close_bar()
+                reporter.current = None  # the failing node gets no "done" line
+                raise
+        reporter.close_bar()
+        reporter.finish()
+        for line in report_texts(result, reporter.labels):
+            print(line, file=sys.stderr)
+        return [output / entry.get("subfolder", "") / entry["filename"]
+                for ui in result.ui.values() for entry in (ui or {}).get("images", [])]
+
+    def shown(entry: dict) -> None:
+        if entry["status"] == DONE:
+            if place.leader:
+                for path in entry["outputs"]:
+                    print(path, flush=True)
+        else:
+            print(f"error: job {entry['id']} (line {entry['line']}): {entry['error']}", file=sys.stderr, flush=True)
+
+    where = f" (rank {place.rank} of {place.world_size}, group {place.group} of {place.groups})" \
+        if place.world_size > 1 else ""
+    reporter.write(f"lingbot-run: {len(jobs)} jobs from {args.jobs}{where}; manifest {manifest.path}")
+    results = run_jobs(jobs, run_one, manifest, place=place, on_result=shown)
+    failed = sum(e["status"] != DONE for e in results)
+    mine = len(place.share(jobs))
+    print(f"jobs: {len(results) - failed} done, {failed} failed, {mine - len(results)} already done"
+          f"{where}; manifest {manifest.path}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _pick_local_device() -> None:
+    """Under torchrun on GPUs, each process takes the GPU of its LOCAL_RANK ("cuda" then means that one)."""
+    local = os.environ.get("LOCAL_RANK")
+    if local is None or not local.isdigit():
+        return
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() > int(local):
+        torch.cuda.set_device(int(local))
 
 
 if __name__ == "__main__":

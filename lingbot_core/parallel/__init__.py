@@ -1,13 +1,26 @@
-"""One video on several processes, on torch.distributed: CFG parallel x Ulysses sequence parallel.
+"""One video on several processes, on torch.distributed: CFG parallel x Ulysses sequence parallel;
+many videos over data-parallel groups (`jobs`).
 
 `ParallelLayout` says which rank does what and holds the process groups; `enable_sequence_parallel`
 makes a DiT share its sequence over the layout's ulysses group; `ParallelGuidance` runs the two CFG
 branches on the two cfg rows. `launch` has the loopback helpers tests and benches spawn with.
+
+The names are imported on first use, so `lingbot_core.parallel.jobs` and `.launch` stay light for
+spawned processes and the CLI (the sequence-parallel hooks import diffusers).
 """
 
-from .cfg import ParallelGuidance
-from .layout import CFG_DEGREES, ParallelLayout, parse_degrees
-from .ulysses import disable_sequence_parallel, enable_sequence_parallel
+from __future__ import annotations
 
-__all__ = ["CFG_DEGREES", "ParallelGuidance", "ParallelLayout", "disable_sequence_parallel",
-           "enable_sequence_parallel", "parse_degrees"]
+import importlib
+from typing import Any
+
+_WHERE = {"ParallelGuidance": "cfg", "CFG_DEGREES": "layout", "ParallelLayout": "layout", "parse_degrees": "layout",
+          "disable_sequence_parallel": "ulysses", "enable_sequence_parallel": "ulysses"}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)

@@ -1,0 +1,318 @@
+"""Many videos from one workflow: a jobs file, its share per data-parallel group, and a manifest.
+
+A jobs file is JSON Lines: one object per line (blank lines and lines starting with ``#`` are
+skipped), each a set of overrides on the workflow, e.g.::
+
+    {"id": "boat", "prompt": "...", "seed": 7, "size": "832x480", "frames": 121, "steps": 40}
+    {"seed": 8, "set": ["Denoise.cfg=4.5"]}
+
+The short keys are the rows of `JOB_FIELDS` (each fills the named input of every node of its
+classes); ``set`` takes ``NODE.INPUT=VALUE`` overrides as ``lingbot-run --set`` does; ``id`` names
+the job (default ``line<N>``) in the manifest and in its file names. The whole file is read and
+checked before anything runs: a line that is not such an object is an error naming the line.
+
+A job then runs on one data-parallel group of the world: job i (in file order) belongs to group
+i % groups, and only the group's leader writes (files and the manifest). Every finished job appends
+one line to the manifest (id, line, status, outputs, seconds); a job that fails -- an override the
+workflow refuses, or an error while running -- is recorded as failed and the next job starts on the
+same engine (loaded models stay loaded). A second run with the same manifest skips the jobs recorded
+as done (failed ones run again), so an interrupted batch resumes where it stopped. Jobs are given
+to groups by their place in the whole file, not among the unfinished ones, so the groups need no
+communication to agree: each reads the manifest for its own jobs only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from ..exit_codes import INTERRUPTED, exit_code, root_cause
+from ..workflow.errors import WorkflowError, clip
+
+__all__ = ["DONE", "FAILED", "JOB_FIELDS", "Job", "JobField", "JobsFileError", "Manifest", "WorldPlace",
+           "failure_text", "job_overrides", "read_jobs", "run_jobs", "world_place"]
+
+DONE = "done"
+FAILED = "failed"
+MAX_JOBS_BYTES = 64 * 1024 * 1024  # a jobs file is read whole, after this bound is checked
+MAX_LINE_CHARS = 1024 * 1024
+ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # ends up in file names: no separators
+
+
+class JobsFileError(WorkflowError):
+    """The jobs file cannot be used as given (nothing has run); the message names the line."""
+
+
+@dataclass(frozen=True)
+class JobField:
+    """One short key of a jobs line: which node inputs its value fills.
+
+    ``inputs`` are filled on every node of the ``classes`` the workflow has; a key with two inputs
+    (``size``) takes ``"WxH"`` or ``[W, H]``.
+    """
+
+    key: str
+    classes: tuple[str, ...]
+    inputs: tuple[str, ...]
+    kind: type | tuple[type, ...]
+    help: str
+
+    def values(self, value: Any) -> tuple[Any, ...]:
+        """The value for each of `inputs`; ValueError says what was expected."""
+        if len(self.inputs) == 2:
+            parts = value.lower().split("x") if isinstance(value, str) else value
+            if not isinstance(parts, (list, tuple)) or len(parts) != 2:
+                raise ValueError(f"'{self.key}' must be \"WxH\" or [W, H], got {value!r}")
+            try:
+                return tuple(int(p) for p in parts)
+            except (TypeError, ValueError):
+                raise ValueError(f"'{self.key}' must be \"WxH\" or [W, H] with whole numbers, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, self.kind):
+            want = " or ".join(k.__name__ for k in (self.kind if isinstance(self.kind, tuple) else (self.kind,)))
+            raise ValueError(f"'{self.key}' must be {want}, got {value!r}")
+        return (value,)
+
+
+#: the short keys a jobs line may use (besides ``id`` and ``set``); the CLI's help lists them
+JOB_FIELDS: dict[str, JobField] = {f.key: f for f in (
+    JobField("prompt", ("LingBotTextEncode",), ("prompt",), str, "the prompt of every Text Encode"),
+    JobField("negative", ("LingBotTextEncode",), ("negative_prompt",), str, "the negative prompt of every Text Encode"),
+    JobField("seed", ("LingBotDenoise", "LingBotRefine"), ("seed",), int, "the seed of Denoise and Refine"),
+    JobField("size", ("LingBotDenoise",), ("width", "height"), (str, list), "Denoise's \"WxH\""),
+    JobField("frames", ("LingBotDenoise",), ("frames",), int, "Denoise's frame count"),
+    JobField("steps", ("LingBotDenoise",), ("steps",), int, "Denoise's step count"),
+    JobField("cfg", ("LingBotDenoise",), ("cfg",), (int, float), "Denoise's guidance scale"),
+)}
+_OTHER_KEYS = ("id", "set")
+
+
+@dataclass(frozen=True)
+class Job:
+    """One line of a jobs file, checked: its id, 1-based line number and its values by key."""
+
+    id: str
+    line: int
+    values: dict[str, Any] = field(default_factory=dict)
+    sets: tuple[str, ...] = ()
+
+
+def read_jobs(path: str | os.PathLike[str]) -> list[Job]:
+    """Every job of a jobs file, or JobsFileError naming the first bad line (nothing runs then)."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+    except OSError as err:
+        raise JobsFileError(f"jobs file {path}: {err.strerror or err}") from None
+    if size > MAX_JOBS_BYTES:
+        raise JobsFileError(f"jobs file {path}: {size} bytes; the limit is {MAX_JOBS_BYTES}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise JobsFileError(f"jobs file {path}: cannot read it as UTF-8 text ({err})") from None
+    jobs: list[Job] = []
+    seen: dict[str, int] = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        stripped = raw.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        job = _parse_line(stripped, number, path)
+        if job.id in seen:
+            raise JobsFileError(f"{path}:{number}: id {job.id!r} is already used on line {seen[job.id]}")
+        seen[job.id] = number
+        jobs.append(job)
+    if not jobs:
+        raise JobsFileError(f"jobs file {path} has no jobs (one JSON object per line)")
+    return jobs
+
+
+def _parse_line(text: str, number: int, path: Path) -> Job:
+    where = f"{path}:{number}"
+    if len(text) > MAX_LINE_CHARS:
+        raise JobsFileError(f"{where}: the line is {len(text)} characters; the limit is {MAX_LINE_CHARS}")
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError) as err:
+        raise JobsFileError(f"{where}: not JSON ({err})") from None
+    if not isinstance(obj, dict):
+        raise JobsFileError(f"{where}: a job is a JSON object such as {{\"prompt\": \"...\", \"seed\": 1}}, "
+                            f"got {type(obj).__name__}")
+    unknown = [k for k in obj if k not in JOB_FIELDS and k not in _OTHER_KEYS]
+    if unknown:
+        known = ", ".join([*_OTHER_KEYS, *JOB_FIELDS])
+        raise JobsFileError(f"{where}: unknown key {unknown[0]!r} (keys: {known}; other inputs go in "
+                            "\"set\": [\"NODE.INPUT=VALUE\"])")
+    job_id = obj.get("id", f"line{number}")
+    if not isinstance(job_id, str) or not ID_PATTERN.fullmatch(job_id):
+        raise JobsFileError(f"{where}: id {job_id!r} must be 1-64 letters, digits, '.', '_' or '-' "
+                            "(it becomes part of file names)")
+    sets = obj.get("set", [])
+    if isinstance(sets, str):
+        sets = [sets]
+    if not isinstance(sets, list) or not all(isinstance(s, str) for s in sets):
+        raise JobsFileError(f"{where}: \"set\" must be a list of \"NODE.INPUT=VALUE\" strings")
+    values = {}
+    for key, spec in JOB_FIELDS.items():
+        if key in obj:
+            try:
+                spec.values(obj[key])
+            except ValueError as err:
+                raise JobsFileError(f"{where}: {err}") from None
+            values[key] = obj[key]
+    return Job(job_id, number, values, tuple(sets))
+
+
+def job_overrides(nodes: dict[str, dict[str, Any]], job: Job) -> list[str]:
+    """``NODE.INPUT=VALUE`` overrides for `job` on a workflow's API nodes (id -> node).
+
+    Every output node with a text ``filename_prefix`` gets ``<prefix>_<id>``, so the files of the
+    jobs differ and no two writers race for a file number; the job's own ``set`` comes last.
+    ValueError when the workflow has no node a short key fills.
+    """
+    out = []
+    for nid, node in nodes.items():
+        prefix = node.get("inputs", {}).get("filename_prefix")
+        if isinstance(prefix, str):
+            out.append(f"{nid}.filename_prefix={json.dumps(f'{prefix}_{job.id}')}")
+    for key, value in job.values.items():
+        spec = JOB_FIELDS[key]
+        targets = [nid for nid, node in nodes.items() if node.get("class_type") in spec.classes]
+        if not targets:
+            raise ValueError(f"'{key}' sets {' / '.join(spec.classes)}, but the workflow has no such node")
+        for nid in targets:
+            out += [f"{nid}.{name}={json.dumps(v)}" for name, v in zip(spec.inputs, spec.values(value), strict=True)]
+    return out + list(job.sets)
+
+
+class Manifest:
+    """The jsonl record of finished jobs: one line appended per job, read back to resume.
+
+    Each line is written with one ``write`` on a file opened for appending, so the leaders of
+    several groups on one machine can share the file; a line cut short (a crash mid-write) is
+    ignored when reading.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    def entries(self) -> Iterator[dict[str, Any]]:
+        if not self.path.is_file():
+            return
+        with self.path.open(encoding="utf-8", errors="replace") as f:
+            for raw in f:
+                try:
+                    entry = json.loads(raw)
+                except ValueError:
+                    continue
+                if isinstance(entry, dict) and isinstance(entry.get("id"), str):
+                    yield entry
+
+    def done(self) -> set[str]:
+        """Ids of the jobs recorded as done (a later failure of the same id does not undo it)."""
+        return {e["id"] for e in self.entries() if e.get("status") == DONE}
+
+    def record(self, entry: dict[str, Any]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        line = json.dumps(entry, ensure_ascii=False) + "\n"
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode("utf-8"))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@dataclass(frozen=True)
+class WorldPlace:
+    """Where this process stands among data-parallel groups of `group_size` ranks each."""
+
+    rank: int = 0
+    world_size: int = 1
+    group_size: int = 1
+
+    @property
+    def groups(self) -> int:
+        return self.world_size // self.group_size
+
+    @property
+    def group(self) -> int:
+        return self.rank // self.group_size
+
+    @property
+    def leader(self) -> bool:
+        """Rank 0 of its group: the one that writes files and manifest lines."""
+        return self.rank % self.group_size == 0
+
+    def share(self, jobs: Sequence[Job]) -> list[Job]:
+        """This group's jobs: every `groups`-th from its index, by place in the whole file."""
+        return list(jobs[self.group::self.groups])
+
+
+def world_place(group_size: int = 1) -> WorldPlace:
+    """This process's place: from torch.distributed when initialised, else torchrun's RANK /
+    WORLD_SIZE variables, else one process. `group_size` (ranks that make one video together)
+    must divide the world size."""
+    dist = sys.modules.get("torch.distributed")  # not imported: no group can be initialised
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            rank, world = dist.get_rank(), dist.get_world_size()
+        else:
+            rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise ValueError("RANK and WORLD_SIZE must be whole numbers (as torchrun sets them)") from None
+    if group_size < 1 or world % group_size:
+        raise ValueError(f"{group_size} ranks per video do not divide the world of {world} processes")
+    return WorldPlace(rank, world, group_size)
+
+
+JobRunner = Callable[[Job], list[str]]  # runs one job, returns the files it wrote
+
+
+def run_jobs(jobs: Sequence[Job], run_one: JobRunner, manifest: Manifest, *, place: WorldPlace = WorldPlace(),
+             on_result: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """Run this group's unfinished jobs with `run_one`, one manifest line each (leader only).
+
+    A job's exception is recorded as failed and the next job runs; an interrupt (Ctrl-C, an
+    interrupt exception) stops the batch and propagates, the jobs already recorded staying done.
+    Returns the entries of the jobs run here (``on_result`` sees each as it is recorded).
+    """
+    done = manifest.done()
+    results = []
+    for job in place.share(jobs):
+        if job.id in done:
+            continue
+        started = time.perf_counter()
+        entry: dict[str, Any] = {"id": job.id, "line": job.line}
+        try:
+            outputs = run_one(job)
+        except Exception as err:
+            if exit_code(err) == INTERRUPTED:
+                raise
+            entry.update(status=FAILED, outputs=[], error=failure_text(err))
+        else:
+            entry.update(status=DONE, outputs=[str(p) for p in outputs])
+        entry.update(seconds=round(time.perf_counter() - started, 3), rank=place.rank,
+                     finished=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+        if place.leader:
+            manifest.record(entry)
+        results.append(entry)
+        if on_result is not None:
+            on_result(entry)
+    return results
+
+
+def failure_text(err: BaseException) -> str:
+    """One line for the manifest: the node that failed (when one did) and what it raised."""
+    cause = root_cause(err)
+    where = ""
+    if cause is not err and getattr(err, "node_id", None) is not None:
+        where = f"node {err.node_id} ({err.class_type}): "
+    kind = "" if isinstance(cause, WorkflowError) else f"{type(cause).__name__}: "
+    return clip(" ".join(f"{where}{kind}{cause}".split()), 2000)

@@ -1,0 +1,29 @@
+"""The spawned side of tests/test_jobs.py, in a module of its own so each spawned process imports
+only this, lingbot_core.parallel.jobs and torch.distributed (not the node pack)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch.distributed as dist
+
+from lingbot_core.parallel.jobs import Job, Manifest, read_jobs, run_jobs, world_place
+from lingbot_core.parallel.launch import init_loopback_group
+
+
+def run_share(rank: int, world: int, port: int, folder: str) -> None:
+    """One gloo rank: its share of `folder`/jobs.jsonl (seed 13 fails) into the shared m.jsonl."""
+    init_loopback_group(rank, world, port)
+    try:
+        place = world_place()
+
+        def run_one(job: Job) -> list[str]:
+            if job.values.get("seed") == 13:
+                raise RuntimeError("unlucky seed")
+            path = Path(folder, f"{job.id}.txt")
+            path.write_text(str(place.rank))
+            return [str(path)]
+
+        run_jobs(read_jobs(Path(folder, "jobs.jsonl")), run_one, Manifest(Path(folder, "m.jsonl")), place=place)
+    finally:
+        dist.destroy_process_group()
