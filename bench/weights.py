@@ -22,10 +22,14 @@ then one DiT forward with disk-backed `group` and `sequential` offload, printing
     python bench/weights.py --which dense --formats bf16,fp8
     python bench/weights.py --full-moe            # 48 MoE blocks as GGUF-Q4_0 (~17 GB of disk)
     python bench/weights.py --quick --formats gguf-q4_0,gguf-q4_0-file   # + that GGUF as one community file
+    python bench/weights.py --which moe --depth 1 --load-only --formats bf16,bf16-file,gguf-q4_0,gguf-q4_0-file
 
-A format name ending in `-file` (e.g. `gguf-q4_0-file`) is that format's GGUF rewritten as one
-ComfyUI-style file (`model.diffusion_model.` names, experts one tensor each as `NAME.E.weight`) and
-loaded through single-file loading (`weights.dit_file`), so its rows compare with the folder's.
+A format name ending in `-file` (`bf16-file`, `gguf-q4_0-file`, ...) is that format's weights rewritten
+as one ComfyUI-style file (`model.diffusion_model.` names, experts one tensor each as `NAME.E.weight`)
+and loaded through single-file loading (`weights.dit_file`), so its rows compare with the folder's.
+`--depth N`: real-width blocks, N of them (one MoE block is 1.42 GB bf16 / 512 MB Q4_0: a load row of
+realistic size; `--quick` models are a few MB, where the load ratio is the ~2 MB of imports and
+header parsing, not the weights). `--load-only`: only the load column.
 
 The machine is small: every child keeps at most one model (plus bf16 for the error) in memory.
 """
@@ -61,12 +65,14 @@ QUICK = dict(hidden_size=256, num_attention_heads=2, intermediate_size=512, text
              moe_intermediate_size=64, num_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2)
 
 
-def _config(which: str, full_moe: bool, quick: bool = False) -> dict[str, Any]:
+def _config(which: str, full_moe: bool, quick: bool = False, depth: int | None = None) -> dict[str, Any]:
     cfg = dict(DENSE if which == "dense" else MOE)
     if which == "moe" and full_moe:
         cfg["depth"] = 48
     if quick:  # the smoke test's sizes
         cfg.update({k: v for k, v in QUICK.items() if k in cfg or which == "moe"}, depth=2)
+    if depth is not None:  # real-width blocks, fewer of them (a load-peak row of a few hundred MB)
+        cfg["depth"] = depth
     return {"_class_name": "LingBotVideoTransformer3DModel", **cfg}
 
 
@@ -133,20 +139,64 @@ def build_quantized(src: Path, dst: Path, target: str) -> Path:
     return dst
 
 
-SINGLE_FILE = "-file"  # a format name ending so: that format's GGUF as one community-named file
+SINGLE_FILE = "-file"  # a format name ending so: that format's weights as one community-named file
+_STACKS = (".experts.w1", ".experts.w2", ".experts.w3")
+
+
+def _single_safetensors(src: Path, target: Path) -> None:
+    """A safetensors DiT rewritten with ComfyUI names, the same bytes copied span by span (never the
+    whole model in memory): `model.diffusion_model.` on every name, expert stacks one tensor per
+    expert as `NAME.E.weight`."""
+    from lingbot_core.weights.safetensors_header import read_safetensors_file
+
+    header = read_safetensors_file(src)
+    plan: list[tuple[str, str, list[int], int, int]] = []  # name, dtype, shape, source offset, bytes
+    for key, t in header.tensors.items():
+        start = header.data_start + t.offsets[0]
+        name = "model.diffusion_model." + key
+        if key.endswith(_STACKS) and len(t.shape) == 3:
+            each = t.nbytes // t.shape[0]
+            plan += [(f"{name}.{e}.weight", t.dtype, list(t.shape[1:]), start + e * each, each)
+                     for e in range(t.shape[0])]
+        else:
+            plan.append((name, t.dtype, list(t.shape), start, t.nbytes))
+    meta: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, dtype, shape, _start, n in plan:
+        meta[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(meta, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    tmp = target.with_suffix(".tmp")
+    with open(src, "rb") as fin, open(tmp, "wb") as fout:
+        fout.write(len(raw).to_bytes(8, "little"))
+        fout.write(raw)
+        for _name, _dtype, _shape, start, n in plan:
+            fin.seek(start)
+            while n:
+                chunk = fin.read(min(n, 1 << 24))
+                fout.write(chunk)
+                n -= len(chunk)
+    tmp.rename(target)
 
 
 def build_single_file(src: Path, dst: Path, config: dict[str, Any]) -> Path:
-    """`src`'s transformer GGUF rewritten as a single ComfyUI-style file: `model.diffusion_model.` on every
-    name and expert stacks stored one tensor per expert as `NAME.E.weight` (the same bytes). The bench
-    config goes next to it (`bench-config.json`) so single-file loading knows the bench's shape."""
+    """`src`'s transformer weights (GGUF or safetensors) rewritten as a single ComfyUI-style file:
+    `model.diffusion_model.` on every name and expert stacks stored one tensor per expert as
+    `NAME.E.weight` (the same bytes). The bench config goes next to it (`bench-config.json`) so
+    single-file loading knows the bench's shape."""
     import gguf
     import numpy as np
 
-    target = dst / "lingbot-dit.gguf"
+    stored = src / "transformer" / "diffusion_pytorch_model.safetensors"
+    target = dst / ("lingbot-dit.safetensors" if stored.is_file() else "lingbot-dit.gguf")
     if target.is_file():
         return target
     dst.mkdir(parents=True, exist_ok=True)
+    (dst / "bench-config.json").write_text(json.dumps(config))
+    if stored.is_file():
+        _single_safetensors(stored, target)
+        return target
     reader = gguf.GGUFReader(src / "transformer" / "diffusion_pytorch_model.gguf")
     writer = gguf.GGUFWriter(target.with_suffix(".tmp"), arch="lingbot")
     for t in reader.tensors:
@@ -163,7 +213,6 @@ def build_single_file(src: Path, dst: Path, config: dict[str, Any]) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     target.with_suffix(".tmp").rename(target)
-    (dst / "bench-config.json").write_text(json.dumps(config))
     return target
 
 
@@ -407,23 +456,26 @@ def _child(args: list[str]) -> dict[str, Any]:
 # -- the report -------------------------------------------------------------------------------------------
 
 def run(which: list[str], formats: list[str], data: Path, video_tokens: int, text_tokens: int, repeats: int,
-        quick: bool = False, disk_only: bool = False) -> dict[str, Any]:
+        quick: bool = False, disk_only: bool = False, depth: int | None = None,
+        load_only: bool = False) -> dict[str, Any]:
     report: dict[str, Any] = {"environment": environment(), "video_tokens": video_tokens,
                               "text_tokens": text_tokens, "models": {}}
     for kind in which:
-        config = _config(kind, False, quick)
-        root = data / (("quick-" if quick else "") + kind)
+        config = _config(kind, False, quick, depth)
+        root = data / (("quick-" if quick else "") + kind + (f"-depth{depth}" if depth is not None else ""))
         t0 = time.perf_counter()
         folders = {"bf16": build_bf16(root / "bf16", config)}
         for fmt_name in formats:
             if fmt_name.endswith(SINGLE_FILE):
                 base = fmt_name[: -len(SINGLE_FILE)]
+                if base == "fp8":
+                    raise SystemExit("fp8-file: fp8 expert stacks are not read per expert; use bf16-file")
                 folders[base] = folders.get(base) or build_quantized(folders["bf16"], root / base, base)
                 folders[fmt_name] = build_single_file(folders[base], root / fmt_name, config)
             elif fmt_name != "bf16":
                 folders[fmt_name] = build_quantized(folders["bf16"], root / fmt_name, fmt_name)
         print(f"[{kind}] checkpoints ready in {time.perf_counter() - t0:.0f} s under {root}", flush=True)
-        if not quick:
+        if not quick and depth is None:
             from lingbot_core.models.transformer import LingBotVideoTransformer3DModel
             from lingbot_core.weights.sources import SafetensorsSource
 
@@ -437,6 +489,10 @@ def run(which: list[str], formats: list[str], data: Path, video_tokens: int, tex
             for fmt_name in formats:
                 rows[fmt_name]["load"] = _child(["load", str(folders[fmt_name])])
                 print(f"[{kind}] {fmt_name} load: {rows[fmt_name]['load']}", flush=True)
+        if load_only:
+            report["models"][kind] = {"config": config, "rows": rows}
+            continue
+        if not disk_only:
             timed = _child(["forward", json.dumps({k: str(folders[k]) for k in formats}), str(video_tokens),
                             str(text_tokens), str(repeats)])
             for fmt_name in formats:
@@ -475,9 +531,10 @@ def render(report: dict[str, Any]) -> str:
                 fmt((load["peak_rss"] - load["baseline_rss"]) / load["held"]) if load else "-",
                 fmt(r["forward"]["rel_l2"]) if "forward" in r else "-",
                 fmt(r["forward"]["seconds"] / base_t) if base_t else "-",
-                *_disk_cells(r),
+                *(_disk_cells(r) if "disk_group" in r else ["-", "-", "-"]),
             ])
-        baseline = next(iter(rows.values()))["disk_group"]["baseline_rss"]
+        first = next(iter(rows.values()))
+        baseline = (first["disk_group"] if "disk_group" in first else first["load"])["baseline_rss"]
         out.append(f"{kind}: {report['video_tokens']} video + {report['text_tokens']} text tokens, CPU bf16 compute; "
                    f"torch baseline RSS {fmt_bytes(baseline)}")
         out.append(table(["format", "stored", "load peak/stored", "rel-L2 vs bf16", "forward vs bf16",
@@ -499,6 +556,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="only the full-depth MoE (48 blocks) as GGUF-Q4_0, ~17 GB on disk, disk-backed forward; opt-in")
     p.add_argument("--modes", default="group,sequential", help="disk-backed modes for --full-moe")
     p.add_argument("--disk-only", action="store_true", help="only the disk-offload columns")
+    p.add_argument("--load-only", action="store_true", help="only the load column (one child process per load)")
+    p.add_argument("--depth", type=int, help="real-width models with this many blocks (a smaller load row)")
     p.add_argument("--json", type=Path)
     p.add_argument("--quick", action="store_true", help="small shapes (the smoke test)")
     args = p.parse_args(argv)
@@ -523,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
     if "bf16" not in formats:
         formats.insert(0, "bf16")
     report = run(args.which.split(","), formats, args.data, args.video_tokens, args.text_tokens, args.repeats,
-                 args.quick, args.disk_only)
+                 args.quick, args.disk_only, args.depth, args.load_only)
     print(render(report))
     write_json(args.json, report)
     return 0

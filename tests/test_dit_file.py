@@ -63,6 +63,35 @@ CONVENTIONS = [("", None), *((p, None) for p in PREFIXES), ("", "index"), ("", "
                ("model.diffusion_model.", "weight")]
 
 
+def test_a_per_expert_stack_is_read_once_straight_into_its_place(tiny, reference, tmp_path, monkeypatch):
+    """The load peak of a per-expert file (bench/weights.py `bf16-file`): every expert is read straight into
+    its slice of the stack (`FileSpan.read_into`), never into a buffer of its own that a `torch.stack`
+    then copies (the stack held twice); every stored byte is read once. Converting on load goes through
+    one expert at a time and gives the folder's model."""
+    from lingbot_core.weights.disk import FileSpan
+
+    sd = load_file(str(tiny["moe"] / "transformer" / "diffusion_pytorch_model.safetensors"))
+    path = tmp_path / "lingbot_moe.safetensors"
+    save_file(_renamed(sd, "model.diffusion_model.", "weight"), str(path))
+    source = dit_file_source(path)
+    buffered: list[int] = []
+    placed: list[int] = []
+    read, read_into = FileSpan.read, FileSpan.read_into
+    monkeypatch.setattr(FileSpan, "read", lambda self, *a, **k: buffered.append(self.nbytes) or read(self, *a, **k))
+    monkeypatch.setattr(FileSpan, "read_into", lambda self, out: placed.append(self.nbytes) or read_into(self, out))
+    model = load_dit(source)
+    experts = [v for k, v in sd.items() if STACK.search(k)]
+    one_expert = max(v[0].numel() * v.element_size() for v in experts)
+    assert sum(placed) == sum(v.numel() * v.element_size() for v in experts)
+    assert sum(buffered) + sum(placed) == sum(v.numel() * v.element_size() for v in sd.values())
+    assert torch.equal(_out(model), reference["moe", "transformer"])
+    buffered.clear(), placed.clear()
+    converted = load_dit(dit_file_source(path), dtype=torch.bfloat16)
+    assert not placed and max(buffered) <= max(one_expert, *(v.numel() * v.element_size() for k, v in sd.items()
+                                                               if not STACK.search(k)))
+    assert torch.equal(_out(converted), _out(load_dit(tiny["moe"], dtype=torch.bfloat16)))
+
+
 @pytest.mark.parametrize("prefix,per_expert", CONVENTIONS)
 def test_every_safetensors_naming_loads_the_same_moe_dit(tiny, reference, tmp_path, prefix, per_expert):
     sd = load_file(str(tiny["moe"] / "transformer" / "diffusion_pytorch_model.safetensors"))

@@ -81,6 +81,19 @@ class FileSpan:
                                    dtype=torch.uint8)
         else:
             out = torch.empty(self.nbytes, dtype=torch.uint8)
+        self._fill(out)
+        tensor = out.view(self.dtype).reshape(self.shape)
+        return tensor if device.type == "cpu" else tensor.to(device)
+
+    def read_into(self, out: torch.Tensor) -> torch.Tensor:
+        """Read the bytes straight into `out` (a contiguous CPU tensor of exactly `nbytes`, e.g. one
+        expert's slice of a stack being assembled): no buffer of the span's own."""
+        if out.device.type != "cpu" or not out.is_contiguous() or out.numel() * out.element_size() != self.nbytes:
+            raise ValueError(f"read_into needs a contiguous CPU tensor of {self.nbytes} bytes")
+        self._fill(out.view(-1).view(torch.uint8))
+        return out
+
+    def _fill(self, out: torch.Tensor) -> None:
         with open(self.path, "rb", buffering=0) as fh:
             fh.seek(self.offset)
             view = memoryview(out.numpy())
@@ -90,8 +103,6 @@ class FileSpan:
                 if not n:
                     raise OSError(f"{self.path} ended early: expected {self.nbytes} bytes at offset {self.offset}")
                 got += n
-        tensor = out.view(self.dtype).reshape(self.shape)
-        return tensor if device.type == "cpu" else tensor.to(device)
 
 
 def check_mappable(spans: dict[str, FileSpan]) -> None:

@@ -170,11 +170,24 @@ class SafetensorsSource:
     # out of the mapping would also leave every page mapped in this process (RSS twice the model).
     def plain(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         entry = self.entries[key]
-        if entry.parts:  # a stack stored per expert: one read per expert, stacked
-            t = torch.stack([self.span(part, entry.dtype, entry.shape[1:]).read(_CPU) for part in entry.parts])
-        else:
-            t = self.span(key, entry.dtype, entry.shape).read(_CPU)
+        if entry.parts:
+            return self._stack(entry, dtype or entry.dtype)
+        t = self.span(key, entry.dtype, entry.shape).read(_CPU)
         return t if dtype is None or t.dtype == dtype else t.to(dtype)
+
+    def _stack(self, entry: Entry, dtype: torch.dtype) -> torch.Tensor:
+        """A stack stored per expert, assembled in place: each expert is read straight into its slice of
+        the stack (converted through a one-expert buffer when `dtype` differs), so the load holds the
+        stack once, not the experts and then their `torch.stack` copy (a 400 MB transient per stack
+        at the MoE's width)."""
+        out = torch.empty(entry.shape, dtype=dtype)
+        for e, part in enumerate(entry.parts):
+            span = self.span(part, entry.dtype, entry.shape[1:])
+            if dtype == entry.dtype:
+                span.read_into(out[e])
+            else:
+                out[e].copy_(span.read(_CPU))
+        return out
 
     def fp8(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(uint8 fp8 bytes, int32 scale bits) as the quantized modules hold them."""
@@ -252,9 +265,12 @@ class GGUFSource:
         """A tensor decoded to `dtype` (float32 by default), in memory of its own."""
         entry = self.entries[key]
         dtype = dtype or torch.float32
-        if entry.parts:
-            return torch.stack([gguf_codec.dequantize(p, entry.gguf_type, entry.shape[1:], dtype)
-                                for p in self.packed_experts(key)])
+        if entry.parts:  # decoded expert by expert into the stack (as SafetensorsSource._stack)
+            out = torch.empty(entry.shape, dtype=dtype)
+            for e, part in enumerate(entry.parts):
+                out[e].copy_(gguf_codec.dequantize(self._packed(part, entry.shape[1:], entry.gguf_type, False),
+                                                   entry.gguf_type, entry.shape[1:], dtype))
+            return out
         return gguf_codec.dequantize(self.packed(key), entry.gguf_type, entry.shape, dtype)
 
     @staticmethod
