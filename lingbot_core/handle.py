@@ -120,6 +120,7 @@ class PipelineHandle:
     device: torch.device
     offload: OffloadSettings = field(default_factory=OffloadSettings)
     view_states: tuple[Any, ...] = ()
+    parallel: Any = None  # a `parallel.ParallelLayout` when this view runs on several processes (`with_parallel`)
 
     @classmethod
     def open(
@@ -226,6 +227,14 @@ class PipelineHandle:
     def without_view_state(self, kind: str) -> PipelineHandle:
         """A view without a state of this kind (its stages take it off the shared components)."""
         return replace(self, view_states=tuple(s for s in self.view_states if s.kind != kind))
+
+    def with_parallel(self, layout: Any) -> PipelineHandle:
+        """A view whose stages run on the processes of `layout` (a `parallel.ParallelLayout`; None or a
+        one-process layout: this process alone). Every rank must then call the same stages with the same
+        inputs; see `lingbot_core.parallel.stage` for what each stage does on which rank."""
+        from .parallel.stage import check_view
+
+        return replace(self, parallel=check_view(self, layout))
 
     def with_device(self, device: str | torch.device) -> PipelineHandle:
         return replace(self, device=torch.device(device))

@@ -26,6 +26,8 @@ from . import prompt as prompt_ops
 from . import sampling
 from . import stage_inputs as checks
 from .latents import dit_to_vae, vae_to_dit
+from .parallel import stage as parallel_stage
+from .parallel.cfg import ParallelGuidance
 from .placement.door import effective_mode, installed_mode, oom_fallback, release, stage
 from .prompt import PromptEmbeds
 from .sampling.guidance import Guidance, StepCallback, pin_first_frames, sample
@@ -254,6 +256,7 @@ def denoise(
         guidance_scale=guidance_scale, shift=shift, sigmas=sigmas, sampler=sampler, transformer=transformer,
         image_cond=image_cond, cond_latent=cond_latent, latents=latents, cfg_batch=cfg_batch,
         step_cache=step_cache)
+    parallel_stage.check_request(handle, cfg_batch=cfg_batch, step_cache_on=StepCacheSettings.of(step_cache).enabled)
     g = _generator(seed, generator)
     latents, cond_latent = _starting_latents(shape, g, latents, cond_latent, image_cond)
     needs = (transformer, "scheduler") if method.uses_scheduler else (transformer,)
@@ -270,7 +273,8 @@ def denoise(
         guidance.cache = _step_cache(handle, step_cache, transformer=transformer, method=method, steps=len(run),
                                      shift=shift, sigmas=sigmas, guidance_scale=guidance_scale)
         with _ffn_chunk(handle, transformer, cfg=guidance_scale > 1.0, cfg_batch=batch, height=height, width=width,
-                        num_frames=num_frames):
+                        num_frames=num_frames), \
+                parallel_stage.sequence_parallel(guidance.dit, parallel_stage.active_layout(handle)):
             latents = sample(run, guidance, latents, cond_latent=cond_latent, callback=callback)
         return latents.cpu()
 
@@ -320,6 +324,9 @@ def _batch_cfg(handle, option: str, do_cfg: bool, **geometry: int) -> bool:
     """Whether this call runs CFG as one batch-2 forward (inside the stage: the mode is installed)."""
     if not do_cfg or option == "off":
         return False
+    layout = parallel_stage.active_layout(handle)
+    if layout is not None and layout.cfg == 2:  # the two branches run on two rank rows already
+        return False
     if option == "on":
         return True
     fits = checks.cfg_batch_fits(handle, installed_mode(handle) or "none", **geometry)
@@ -347,9 +354,12 @@ def _guidance(handle, transformer: str, cond: Conditioning, guidance_scale: floa
     """The DiT's guided prediction for this call: prompts on the device in the DiT's dtype."""
     dit_dtype = handle.dtype_of(transformer)
     negative = cond.negative_for_cfg() if guidance_scale > 1.0 else None
-    return Guidance(handle.component(transformer), cond.positive.to(device, dit_dtype),
-                    negative.to(device, dit_dtype) if negative is not None else None, guidance_scale,
-                    dtype=dit_dtype, device=device, batch_cfg=batch_cfg)
+    args = (handle.component(transformer), cond.positive.to(device, dit_dtype),
+            negative.to(device, dit_dtype) if negative is not None else None, guidance_scale)
+    layout = parallel_stage.active_layout(handle)
+    if layout is not None and layout.cfg == 2:  # cond on cfg row 0, uncond on row 1
+        return ParallelGuidance(*args, layout=layout, dtype=dit_dtype, device=device)
+    return Guidance(*args, dtype=dit_dtype, device=device, batch_cfg=batch_cfg)
 
 
 # -- decode ----------------------------------------------------------------------------------------

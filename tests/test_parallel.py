@@ -1,9 +1,11 @@
-"""Sequence and CFG parallel (issue 24): two gloo processes on the loopback against one process.
+"""Sequence and CFG parallel (issue 24): four gloo processes on the loopback against one process.
 
-One spawned run of two processes (interpreter starts are the cost): Ulysses 2 on a tiny dense and a tiny
-MoE DiT (an odd joint sequence, so the padding path runs, and a padded prompt batch, so the key
-mask is sharded too), and then CFG 2 through `ParallelGuidance` in the same processes. The workers write their largest
-differences to a file; the asserts are here.
+One spawned run of four processes, cfg=2 x ulysses=2 (interpreter starts are the cost), covers:
+the DiT forward shared over a ulysses group on a tiny dense and a tiny MoE DiT (an odd joint sequence,
+so the padding path runs, and a padded prompt batch, so the key mask is sharded too); the guided
+prediction through `ParallelGuidance`; and a whole tiny T2V (text encode, `parallel_denoise`,
+decode) against the same stages in one process. The workers write their largest differences to a
+file; the asserts are here. Larger layouts and timings are in bench/parallel.py.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from lingbot_core.parallel.launch import free_loopback_port, init_loopback_group
 
 #: float32 tolerance against the one-process output, relative to its largest magnitude
 TOLERANCE = 1e-6  # measured: 0 dense, 1.3e-7 MoE with a padded prompt batch
+#: the same for a whole tiny T2V (3 guided steps, then the VAE), latents and frames
+T2V_TOLERANCE = 1e-5
 
 DENSE = dict(hidden_size=64, num_attention_heads=4, depth=2, intermediate_size=96, text_dim=32, freq_dim=32,
              axes_dims=(4, 6, 6), axes_lens=(64, 32, 32))
@@ -57,8 +61,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-def _ulysses_checks() -> dict:
-    layout = ParallelLayout.create(1, 2)
+def _ulysses_checks(layout: ParallelLayout) -> dict:
     found = {}
     for name, cfg in (("dense", DENSE), ("moe", MOE)):
         model = _model(cfg)
@@ -73,11 +76,10 @@ def _ulysses_checks() -> dict:
     return found
 
 
-def _cfg_checks() -> dict:
+def _cfg_checks(layout: ParallelLayout) -> dict:
     from lingbot_core.parallel import ParallelGuidance
     from lingbot_core.sampling.guidance import Guidance
 
-    layout = ParallelLayout.create(2, 1)
     model = _model(MOE)
     g = torch.Generator().manual_seed(2)
     latents = torch.randn(1, 16, 3, 4, 6, generator=g)
@@ -86,32 +88,67 @@ def _cfg_checks() -> dict:
     common = dict(dtype=torch.float32, device=torch.device("cpu"))
     t = torch.tensor(650.0)
     alone = Guidance(model, positive, negative, 4.0, **common).predict(latents, t)
+    enable_sequence_parallel(model, layout)  # each cfg row's forward is itself shared by its ulysses pair
     shared = ParallelGuidance(model, positive, negative, 4.0, layout=layout, **common).predict(latents, t)
+    disable_sequence_parallel(model)
     return {"diff": _relative(shared, alone), "cfg_rank": layout.cfg_rank}
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
-    """One spawned run for both checks (each interpreter start costs seconds on a loaded machine)."""
+def _t2v_checks(layout: ParallelLayout, tiny: str) -> dict:
+    """A whole tiny T2V: the stages in one process, then the same with the denoise on all four ranks."""
+    from lingbot_core import stages
+    from lingbot_core.handle import PipelineHandle
+    from lingbot_core.latents import latent_shape
+    from lingbot_core.parallel.run import parallel_denoise
+
+    handle = PipelineHandle.open(tiny, device="cpu")
+    size = dict(height=32, width=32, num_frames=5)
+    cond = stages.encode_prompt(handle, "a red paper boat on a canal", "")
+    noise = stages.prepare_latents(latent_shape(**size), torch.Generator().manual_seed(7))
+    shared = parallel_denoise(handle, layout, noise, cond, seed=7, steps=3, guidance_scale=3.0)
+    every = [torch.empty_like(shared) for _ in range(layout.world_size)]
+    torch.distributed.all_gather(every, shared)
+    hooks_left = any("_diffusers_hook" in m.__dict__ and m._diffusers_hook.hooks
+                     for m in handle.shared.loaded["transformer"].modules())
+    found = {"same_on_every_rank": all(torch.equal(e, shared) for e in every), "hooks_left": hooks_left}
+    if layout.rank == 0:  # the one-process run, once
+        alone = stages.denoise(handle, cond, **size, steps=3, guidance_scale=3.0, seed=7)
+        frames_alone, frames_shared = stages.decode(handle, alone), stages.decode(handle, shared)
+        found.update(latents=_relative(shared, alone), frames=_relative(frames_shared, frames_alone),
+                     shape=list(frames_shared.shape))
+    return found
+
+
+def _worker(rank: int, world: int, port: int, out: str, tiny: str) -> None:
+    """One spawned run for every check (each interpreter start costs seconds on a loaded machine)."""
     torch.set_num_threads(1)
     init_loopback_group(rank, world, port)
     try:
-        result = {"ulysses": _ulysses_checks(), "cfg": _cfg_checks()}
+        layout = ParallelLayout.create(2, 2)
+        result = {"ulysses": _ulysses_checks(layout), "cfg": _cfg_checks(layout), "t2v": _t2v_checks(layout, tiny)}
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         torch.distributed.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory) -> list[dict]:
+def four_ranks(tmp_path_factory) -> list[dict]:
+    from lingbot_core.tiny import ensure_tiny_checkpoint
+
+    tiny = str(ensure_tiny_checkpoint("dense"))  # built here, not raced by four processes
     out = tmp_path_factory.mktemp("parallel")
-    mp.spawn(_worker, args=(2, free_loopback_port(), str(out)), nprocs=2, join=True)
-    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    # fork: the workers start without importing torch again (as DataLoader workers do; one thread each);
+    # spawn where CUDA is initialised in this process (it does not survive a fork)
+    method = "spawn" if torch.cuda.is_initialized() else "fork"
+    mp.start_processes(_worker, args=(4, free_loopback_port(), str(out), tiny), nprocs=4, join=True,
+                       start_method=method)
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
     print("parallel vs one process, max relative diff per rank:", json.dumps(results))  # shown with -s
     return results
 
 
-def test_ulysses_two_processes_match_one_process_dense_and_moe(two_ranks):
-    for rank, result in enumerate(two_ranks):
+def test_ulysses_matches_one_process_dense_and_moe(four_ranks):
+    for rank, result in enumerate(four_ranks):
         found = result["ulysses"]
         assert set(found) == {f"{m}/{c}" for m in ("dense", "moe") for c in ("batch1", "batch2_masked")}
         for key, got in found.items():
@@ -119,10 +156,19 @@ def test_ulysses_two_processes_match_one_process_dense_and_moe(two_ranks):
             assert got["restored"], (rank, key)  # disabling gives the untouched one-process model back
 
 
-def test_cfg_parallel_two_processes_give_the_guided_prediction(two_ranks):
-    assert sorted(r["cfg"]["cfg_rank"] for r in two_ranks) == [0, 1]
-    for result in two_ranks:
+def test_cfg_parallel_gives_the_guided_prediction(four_ranks):
+    assert sorted(r["cfg"]["cfg_rank"] for r in four_ranks) == [0, 0, 1, 1]
+    for result in four_ranks:
         assert result["cfg"]["diff"] <= TOLERANCE, result["cfg"]
+
+
+def test_tiny_t2v_on_four_processes_matches_one_process(four_ranks):
+    got = four_ranks[0]["t2v"]
+    assert got["shape"] == [5, 32, 32, 3], got
+    assert got["latents"] <= T2V_TOLERANCE and got["frames"] <= T2V_TOLERANCE, got
+    for rank, result in enumerate(four_ranks):
+        assert result["t2v"]["same_on_every_rank"], rank  # every rank steps the same latents
+        assert not result["t2v"]["hooks_left"], rank  # the stage took its hooks off the shared DiT
 
 
 def test_degrees_parse_and_default_from_the_world():

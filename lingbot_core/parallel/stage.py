@@ -1,0 +1,195 @@
+"""What the stages do on a handle view that runs on several processes (`PipelineHandle.with_parallel`).
+
+Every rank runs the same stages with the same arguments (the same graph, headless; the same call,
+in a worker). Per stage:
+
+- denoise / refine sampling: every rank samples; the DiT's forward is shared over the layout's
+  ulysses group (`ulysses.py`) and, with cfg=2, the two guidance branches run on the two cfg rows
+  (`cfg.py`). Every rank ends with the same latents (the collectives hand each rank the whole result).
+- text encode, image encode, the refiner's VAE encode: rank 0 computes, the others receive its
+  tensors (`broadcast_tensors`), so only rank 0 loads the text encoder and the VAE.
+- decode: rank 0 decodes; the other ranks get a zero placeholder of the frames' shape (no memory
+  behind it) and write nothing (`writes_outputs`).
+
+The hooks are installed for one sampling loop and removed after it (success, error or interrupt),
+so the shared DiT is the one-process model between stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from .layout import ParallelLayout
+from .ulysses import disable_sequence_parallel, enable_sequence_parallel
+
+__all__ = ["active_layout", "broadcast_tensors", "check_request", "check_view", "from_rank0", "is_leader",
+           "placeholder_frames", "sequence_parallel", "text_tensor", "tensor_text", "writes_outputs"]
+
+T = TypeVar("T")
+
+
+def active_layout(handle: Any) -> ParallelLayout | None:
+    """The handle view's layout when it spans more than one process, else None."""
+    layout = getattr(handle, "parallel", None)
+    return layout if layout is not None and layout.world_size > 1 else None
+
+
+def is_leader(handle: Any) -> bool:
+    """True on the rank that encodes, decodes and saves (rank 0), and in every one-process run."""
+    layout = active_layout(handle)
+    return layout is None or layout.rank == 0
+
+
+def writes_outputs() -> bool:
+    """Whether this process writes files: False on every rank but 0 of an initialised multi-process group."""
+    return not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0)
+
+
+def check_view(handle: Any, layout: ParallelLayout | None) -> ParallelLayout | None:
+    """Refuse a layout this handle cannot run with, before any model work; returns it."""
+    if layout is None or layout.world_size == 1:
+        return layout
+    if not isinstance(layout, ParallelLayout):
+        raise TypeError(f"with_parallel takes a ParallelLayout, got {type(layout).__name__}")
+    if layout.mesh is None:
+        raise ValueError(f"parallel layout {layout.describe()} has no process groups: build it with "
+                         "ParallelLayout.create(cfg, ulysses) after init_process_group")
+    mode = getattr(handle.offload, "mode", "none")
+    if mode != "none":
+        raise ValueError(f"offload mode {mode!r} cannot run on several processes (each rank holds its own "
+                         f"copy or shard of the DiT): use offload 'none' with parallel {layout.describe()}")
+    info = getattr(handle, "info", None)
+    heads = [(info.transformer_config or {}).get("num_attention_heads")] if info is not None else []
+    heads += [m.spec.num_attention_heads for name, m in handle.shared.loaded.items()
+              if name in ("transformer", "refiner") and hasattr(m, "spec")]
+    for count in filter(None, heads):
+        layout.check_heads(int(count))
+    return layout
+
+
+def check_request(handle: Any, *, cfg_batch: str, step_cache_on: bool) -> None:
+    """Refuse denoise options that do not combine with the view's layout (before any model work)."""
+    layout = active_layout(handle)
+    if layout is None:
+        return
+    if step_cache_on:
+        raise ValueError(f"step caching does not combine with parallel {layout.describe()} (it keeps "
+                         "per-branch state the ranks would not share); turn step_cache off")
+    if layout.cfg == 2 and cfg_batch == "on":
+        raise ValueError("cfg_batch 'on' and CFG parallel (cfg=2) are two ways of running both guidance "
+                         "branches at once; turn cfg_batch off for a cfg=2 layout")
+
+
+@contextmanager
+def sequence_parallel(dit: torch.nn.Module, layout: ParallelLayout | None) -> Iterator[None]:
+    """The DiT shares its forward over `layout`'s ulysses group inside the block, and is the
+    one-process model again after it (whatever happens inside)."""
+    if layout is None or layout.ulysses == 1:
+        yield
+        return
+    enable_sequence_parallel(dit, layout)
+    try:
+        yield
+    finally:
+        disable_sequence_parallel(dit)
+
+
+# -- rank 0 computes, the others receive -------------------------------------------------------------
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8,
+           torch.bool, torch.int8, torch.int16)
+
+
+def broadcast_tensors(tensors: dict[str, torch.Tensor | None] | None, names: tuple[str, ...], *, src: int = 0,
+                      group: Any = None, device: torch.device | str = "cpu") -> dict[str, torch.Tensor | None]:
+    """Rank `src`'s named tensors on every rank (`tensors` is read on `src` only; None entries stay None).
+
+    Only tensors cross: a header (dtype index and shape per name) and then each tensor, with
+    `dist.broadcast`; nothing is pickled. `device` is where the collective runs (cuda for NCCL).
+    Returned tensors are on the CPU.
+    """
+    device = torch.device(device)
+    leader = dist.get_rank() == src
+    width = 1 + 1 + 8  # present flag, dtype index, up to 8 dims (a missing dim is -1)
+    header = torch.full((len(names), width), -1, dtype=torch.int64)
+    if leader:
+        for i, name in enumerate(names):
+            t = tensors.get(name) if tensors is not None else None
+            if t is None:
+                header[i, 0] = 0
+                continue
+            if t.dtype not in _DTYPES or t.ndim > 8:
+                raise TypeError(f"broadcast_tensors: {name} has dtype {t.dtype} and {t.ndim} dims")
+            header[i, 0], header[i, 1] = 1, _DTYPES.index(t.dtype)
+            header[i, 2:2 + t.ndim] = torch.tensor(t.shape, dtype=torch.int64)
+    header = header.to(device)
+    dist.broadcast(header, src, group=group)
+    header = header.cpu()
+    out: dict[str, torch.Tensor | None] = {}
+    for i, name in enumerate(names):
+        if header[i, 0] == 0:
+            out[name] = None
+            continue
+        dtype = _DTYPES[int(header[i, 1])]
+        shape = [int(d) for d in header[i, 2:] if d >= 0]
+        if leader:
+            buf = tensors[name].detach().to(device).contiguous()
+        else:
+            buf = torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(buf, src, group=group)
+        out[name] = buf.cpu() if not leader else tensors[name]
+    return out
+
+
+def text_tensor(value: str) -> torch.Tensor:
+    return torch.tensor(list(value.encode("utf-8")), dtype=torch.uint8)
+
+
+def tensor_text(t: torch.Tensor | None) -> str:
+    return "" if t is None else bytes(t.tolist()).decode("utf-8")
+
+
+def from_rank0(handle: Any, compute: Callable[[], T], pack: Callable[[T], dict[str, torch.Tensor | None]],
+               unpack: Callable[[dict[str, torch.Tensor | None]], T], names: tuple[str, ...]) -> T:
+    """`compute()` on rank 0 of the view's layout, its result on every rank (through `pack` -> tensors
+    -> `unpack`); in a one-process view just `compute()`. If rank 0 fails, every rank raises."""
+    layout = active_layout(handle)
+    if layout is None:
+        return compute()
+    device = collective_device(handle)
+    failed = torch.zeros(1, dtype=torch.int64, device=device)
+    result: T | None = None
+    error: BaseException | None = None
+    if layout.rank == 0:
+        try:
+            result = compute()
+        except BaseException as err:  # the others must not wait for tensors that never come
+            error = err
+            failed += 1
+    dist.broadcast(failed, 0)
+    if int(failed.item()):
+        if error is not None:
+            raise error
+        raise RuntimeError("rank 0 failed in a stage it computes for every rank (see its error)")
+    packed = pack(result) if layout.rank == 0 else None
+    got = broadcast_tensors(packed, names, device=device)
+    return result if layout.rank == 0 else unpack(got)
+
+
+def collective_device(handle: Any) -> torch.device:
+    """Where this view's collectives run: its CUDA device under NCCL, else the CPU."""
+    backend = dist.get_backend() if dist.is_initialized() else "gloo"
+    if backend == "nccl":
+        device = torch.device(handle.device)
+        return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def placeholder_frames(frames: int, height: int, width: int) -> torch.Tensor:
+    """What decode returns on the ranks that do not decode: zeros of the frames' shape, one stored value."""
+    return torch.zeros(1, 1, 1, 1, dtype=torch.float32).expand(frames, height, width, 3)
