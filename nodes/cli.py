@@ -25,7 +25,8 @@ HERE = Path(__file__).resolve().parent
 WORKFLOW_DIRS = (HERE / "workflows", HERE.parent / "workflows")
 SHORT_NAMES = {"t2v": "lingbot_t2v_dense", "t2i": "lingbot_t2i_dense", "ti2v": "lingbot_ti2v_dense",
                "moe": "lingbot_t2v_moe_refine", "refine": "lingbot_t2v_moe_refine",
-               "t2v-files": "lingbot_t2v_dense_files", "moe-gguf": "lingbot_t2v_moe_gguf_lightlingbot4"}
+               "t2v-files": "lingbot_t2v_dense_files", "moe-gguf": "lingbot_t2v_moe_gguf_lightlingbot4",
+               "t2v-rewrite": "lingbot_t2v_dense_rewrite", "ti2v-rewrite": "lingbot_ti2v_dense_rewrite"}
 # --flag -> the LingBot Loader (files) input it sets on every such node
 FILE_FLAGS = {"dit": "dit_path", "refiner": "refiner_path", "vae": "vae_path", "text_encoder": "text_encoder_path",
               "processor": "processor_path"}
@@ -190,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lingbot-run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("workflow", nargs="?", default="t2v",
-                        help="workflow file, or t2v / t2i / ti2v / moe (the shipped ones); default t2v")
+                        help="workflow file, or a shipped one: " + ", ".join(SHORT_NAMES) + "; default t2v")
     parser.add_argument("--model", help="checkpoint folder for every LingBot Loader (default: as saved)")
     files = parser.add_argument_group("single files (LingBot Loader (files) nodes; with --model they replace that "
                                       "folder's components)")
@@ -235,7 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
 def insert_rewrite(prompt, text: str, *, endpoint: str = "", model: str = "", map_model: str = "",
                    duration: float | None = None):
     """A LingBot Rewrite node feeding the prompt of every LingBot Text Encode in ``prompt`` (API format),
-    with the encoder's pipe, task and (TI2V) the image behind its first frame."""
+    with the encoder's pipe, task and (TI2V) the image behind its first frame. Where a Rewrite node
+    already feeds it (the shipped rewrite workflows), that node gets ``text`` (and the endpoint
+    settings given) instead."""
     from lingbot_core.rewrite import duration_for
     from lingbot_core.workflow import WorkflowError
 
@@ -246,6 +249,13 @@ def insert_rewrite(prompt, text: str, *, endpoint: str = "", model: str = "", ma
     next_id = max((int(n) for n in nodes if n.isdigit()), default=0) + 1
     for nid in encoders:
         inputs = nodes[nid]["inputs"]
+        source = inputs.get("prompt")
+        if isinstance(source, list) and nodes.get(str(source[0]), {}).get("class_type") == "LingBotRewrite":
+            given = nodes[str(source[0])]["inputs"]
+            given["prompt"] = text
+            given.update({k: v for k, v in (("endpoint", endpoint), ("expand_model", model),
+                                            ("map_model", map_model), ("duration", duration)) if v})
+            continue
         seconds = duration
         if seconds is None:
             frames = [n["inputs"].get("frames") for n in nodes.values() if n["class_type"] == "LingBotDenoise"

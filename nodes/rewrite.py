@@ -83,7 +83,7 @@ class LingBotRewrite(io.ComfyNode):
                              tooltip="Token limit of the caption stage"),
                 io.Float.Input("temperature", default=0.0, min=0.0, max=2.0, step=0.05, optional=True,
                                tooltip="0: greedy (the same input gives the same caption); above 0 samples"),
-                io.Int.Input("seed", default=0, min=0, max=2**31 - 1, optional=True,
+                io.Int.Input("seed", default=0, min=0, max=2**31 - 1, optional=True, control_after_generate=True,
                              tooltip="Seed for sampling (temperature above 0)"),
                 io.Boolean.Input("auto_negative", default=False, optional=True,
                                  tooltip="Also prune the default negative prompt of what the request itself asks "

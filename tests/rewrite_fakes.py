@@ -119,3 +119,42 @@ class ScriptedHead:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+def short_caption(duration: float = 5.0) -> dict[str, Any]:
+    """A valid video caption with the fewest words (fewer tokens for a scripted tiny model to write)."""
+    caption = {"comprehensive_description": {"scene_content_description": "A boat.",
+                                             "camera_movement_description": "Static."},
+               "camera_info": dict(CAMERA_DEFAULTS), "world_knowledge": [],
+               "prominent_elements": [{"name": "boat", "description": "Red.",
+                                       "actions": [{"timestamp": timestamp(0, duration), "action": "Drifts."}]}]}
+    return {"caption": caption, "duration": duration}
+
+
+class ScriptedRewriter:
+    """Makes every `local` rewrite write ``texts[stage]`` (expand, map, repair, negative) on the tiny
+    random-weight text encoder: generation still runs through the stage door, token by token; only
+    the head's choice is forced (:class:`ScriptedHead`). ``stages`` records each call."""
+
+    def __init__(self, texts: dict[str, str]):
+        self.texts = texts
+        self.stages: list[str] = []
+
+    def install(self, monkeypatch: Any) -> ScriptedRewriter:
+        from lingbot_core.rewrite.local_backend import LocalBackend
+
+        original = LocalBackend.complete
+        rewriter = self
+
+        def complete(backend, stage, system, user, **kw):
+            handle = backend.handle
+            head = ScriptedHead(handle.component("text_encoder"), handle.component("processor").tokenizer,
+                                [rewriter.texts[stage]])
+            try:
+                return original(backend, stage, system, user, **kw)
+            finally:
+                head.remove()
+                rewriter.stages.append(stage)
+
+        monkeypatch.setattr(LocalBackend, "complete", complete)
+        return self

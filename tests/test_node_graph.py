@@ -15,6 +15,10 @@ from lingbot_nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
 
 API = Path(__file__).resolve().parents[1] / "workflows" / "api"
 WORKFLOWS = sorted(p.stem for p in API.glob("*.json"))
+# Workflows that rewrite prose with the tiny (random-weight) text encoder: they run in
+# test_rewrite_workflows_run_on_the_tiny_text_encoder with a scripted head; the rewriter under
+# every offload mode is tests/test_rewrite.py's.
+REWRITING = sorted(n for n in WORKFLOWS if '"LingBotRewrite"' in (API / f"{n}.json").read_text())
 MODES = list(MODE_ORDER)  # every registered offload mode
 
 
@@ -44,7 +48,7 @@ def _assert_handle_clean(view):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", WORKFLOWS)
+@pytest.mark.parametrize("name", [n for n in WORKFLOWS if n not in REWRITING])
 def test_shuffled_runs_in_every_mode_give_identical_outputs(name, mode):
     """Many runs, the order among ready nodes shuffled, the handle cached across runs like ComfyUI's."""
     base = _load(name, [f"Offload.mode={mode}"] + (["Offload.use_stream=false"] if mode == "group" else []))
@@ -69,6 +73,42 @@ def test_shuffled_runs_in_every_mode_give_identical_outputs(name, mode):
             loader = next(nid for nid, node in prompt.nodes.items()
                           if node["class_type"] in ("LingBotLoader", "LingBotLoaderFiles"))
             assert loader in result.cached
+
+
+@pytest.mark.parametrize("name", REWRITING)
+def test_rewrite_workflows_run_on_the_tiny_text_encoder(name, monkeypatch):
+    """Prose -> Rewrite (the pipe's own text encoder, `local`) -> Text Encode -> Denoise -> Decode -> Save,
+    shuffled: the caption the Rewrite writes is what Text Encode encodes, it shows on the node, and a
+    re-run with another Denoise seed keeps the Rewrite cached. The tiny model's weights are random,
+    so its head is scripted (generation itself runs, token by token, through the door)."""
+    from rewrite_fakes import ScriptedRewriter, short_caption
+
+    from lingbot_core import rewrite as rw
+
+    rw.CACHE.clear()
+    overrides = ["Offload.mode=group", "Offload.use_stream=false"] if name.startswith("lingbot_ti2v") else []
+    base = _load(name, overrides)
+    rewrite, encode, denoise = (_node(base, c) for c in ("LingBotRewrite", "LingBotTextEncode", "LingBotDenoise"))
+    document = short_caption(base.nodes[rewrite]["inputs"]["duration"])
+    scripted = ScriptedRewriter({"expand": "A red boat drifts.", "map": json.dumps(document)}).install(monkeypatch)
+    engine = Engine(NODE_CLASS_MAPPINGS)
+    first = engine.run(base, seed_order=21)
+    caption, expanded = first.output(rewrite, 0), first.output(rewrite, 1)
+    assert json.loads(caption) == document and expanded == "A red boat drifts." and scripted.stages == ["expand", "map"]
+    shown = first.ui[rewrite]["text"][0]
+    assert caption in shown and expanded in shown  # the node text the editor shows (web/lingbot_text.js)
+    assert first.output(rewrite, 2) == ""  # auto_negative off: Text Encode's default negative
+    # What Text Encode encoded is that caption: the same as encoding it directly.
+    inputs = base.nodes[encode]["inputs"]
+    view = first.output(_node(base, "LingBotOffload"))
+    extra = {"image_cond": first.output(inputs["image_cond"][0])} if "image_cond" in inputs else {}
+    direct = NODE_CLASS_MAPPINGS["LingBotTextEncode"].execute(view, caption, "", inputs["task"], **extra).args[0]
+    assert torch.equal(first.output(encode).positive.embeds, direct.positive.embeds)
+    _assert_handle_clean(view)
+
+    again = engine.run(apply_overrides(base, [f"{denoise}.seed=7"], NODE_CLASS_MAPPINGS), seed_order=22)
+    assert rewrite in again.cached and denoise in again.executed and scripted.stages == ["expand", "map"]
+    assert not torch.equal(_frames(again, base), _frames(first, base))
 
 
 def test_changing_one_widget_reruns_that_node_and_its_descendants_only():

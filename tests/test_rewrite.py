@@ -326,6 +326,22 @@ def test_rewrite_insertion_wires_pipe_task_duration_and_the_first_frame():
     assert rewrite["inputs"]["duration"] == max(0.5, rw.duration_for(frames, 24))
 
 
+def test_rewrite_given_to_a_shipped_rewrite_workflow_fills_its_rewrite_node():
+    from lingbot_core.workflow import load_workflow
+    from lingbot_nodes import NODE_CLASS_MAPPINGS
+    from lingbot_nodes.cli import insert_rewrite, resolve_workflow
+
+    prompt = load_workflow(resolve_workflow("t2v-rewrite"), NODE_CLASS_MAPPINGS)
+    before = set(prompt.nodes)
+    prompt = insert_rewrite(prompt, "a teapot steams", endpoint="http://127.0.0.1:9/v1", duration=3.0)
+    assert set(prompt.nodes) == before  # no second Rewrite node
+    encode = next(n for n in prompt.nodes.values() if n["class_type"] == "LingBotTextEncode")
+    rewrite = prompt.nodes[encode["inputs"]["prompt"][0]]
+    assert rewrite["class_type"] == "LingBotRewrite" and rewrite["inputs"]["prompt"] == "a teapot steams"
+    assert rewrite["inputs"]["endpoint"] == "http://127.0.0.1:9/v1" and rewrite["inputs"]["duration"] == 3.0
+    assert rewrite["inputs"]["expand_model"] == ""  # not given: as saved
+
+
 # -- auto negative ------------------------------------------------------------------------------------------
 
 def test_auto_negative_only_deletes_listed_items():

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1] / "workflows"
 UI_FILES = sorted(ROOT.glob("lingbot_*.json"))
 EXPECTED = {"lingbot_t2v_dense", "lingbot_t2i_dense", "lingbot_ti2v_dense", "lingbot_t2v_moe_refine",
             "lingbot_t2v_dense_dmd8", "lingbot_t2v_moe_lightlingbot4", "lingbot_t2v_dense_files",
-            "lingbot_t2v_moe_gguf_lightlingbot4"}
+            "lingbot_t2v_moe_gguf_lightlingbot4", "lingbot_t2v_dense_rewrite", "lingbot_ti2v_dense_rewrite"}
 
 
 def test_every_shipped_workflow_has_both_formats():
@@ -77,7 +77,11 @@ def test_every_offload_node_and_prompt_field_is_sane():
         assert plans == {"LingBotRefine" in kinds}, path.name
         for node in prompt.values():
             if node["class_type"] == "LingBotTextEncode":
-                json.loads(node["inputs"]["prompt"])  # structured captions ship as valid JSON
+                given = node["inputs"]["prompt"]
+                if isinstance(given, list):  # prose rewritten into the caption by a Rewrite node
+                    assert prompt[given[0]]["class_type"] == "LingBotRewrite", path.name
+                else:
+                    json.loads(given)  # structured captions ship as valid JSON
 
 
 # -- independent truth ---------------------------------------------------------------------------------

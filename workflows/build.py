@@ -101,6 +101,26 @@ def profile_note(profile: str, how: str) -> str:
     return FEW_STEP_NOTE.format(profile=profile, how=how, **PROFILES[profile])
 
 
+REWRITE_NOTE = ("Write what you want in plain words in Rewrite's prompt: it writes the structured caption Text Encode "
+                "reads (first a detailed timed description, then the caption; both show on the node), with the "
+                "checkpoint's own text encoder, or with an OpenAI-compatible server (endpoint; on a shared server "
+                "only those listed in LINGBOT_REWRITE_ENDPOINTS). The built-in tiny model has random weights and "
+                "writes no caption (the Rewrite fails after its token limits), so pick your checkpoint folder under "
+                "models/lingbot_video/ in the Loader first, then use {size} and 40 steps, and set Rewrite's "
+                "duration to the clip's length (121 frames at 24 fps: 5.0 s). Rewriting on the text encoder adds "
+                "its generation memory (KV cache for max_new_tokens) to the text stage; the Offload check counts it. "
+                "{offload}")
+BOAT_PROSE = "a red paper boat drifting along a narrow canal at dawn, mist on the water, the camera tracking right"
+TEAPOT_PROSE = "the teapot on the table, a gentle curl of steam rising from its spout, static camera"
+
+
+def rewrite_node(node_id: int, prose: str, task: str, links: dict) -> tuple:
+    """LingBot Rewrite on the pipe's own text encoder (endpoint empty: the `local` backend)."""
+    return (node_id, "LingBotRewrite", "Rewrite", dict(prompt=prose, task=task, duration=5.0, endpoint="",
+                                                       expand_model="", map_model="", max_new_tokens=2048,
+                                                       temperature=0.0, seed=0, auto_negative=False), links)
+
+
 # (id, class, title, widgets, links {input: (source id, output slot)})
 WORKFLOWS = {
     "lingbot_t2v_dense": dict(
@@ -235,6 +255,37 @@ WORKFLOWS = {
             decode_node(6, 5, tiled=True),
             (7, "LingBotSaveVideo", "Save", dict(fps=24.0, filename_prefix="lingbot/t2v_moe_gguf4"),
              {"images": (6, 0)}),
+        ],
+    ),
+    "lingbot_t2v_dense_rewrite": dict(
+        note=REWRITE_NOTE.format(size="480x832 (H x W) and 121 frames", offload=DENSE_OFFLOAD),
+        nodes=[
+            loader(),
+            offload_node(),
+            rewrite_node(3, BOAT_PROSE, "t2v", {"pipe": (2, 0)}),
+            (4, "LingBotTextEncode", "Prompt", dict(prompt="", negative_prompt="", task="t2v"),
+             {"pipe": (2, 0), "prompt": (3, 0), "negative_prompt": (3, 2)}),
+            (5, "LingBotDenoise", "Denoise", dict(width=64, height=64, frames=9, steps=4, cfg=3.0, shift=3.0, seed=42),
+             {"pipe": (2, 0), "conditioning": (4, 0)}),
+            decode_node(6, 5),
+            (7, "LingBotSaveVideo", "Save", dict(fps=24.0, filename_prefix="lingbot/t2v_rewrite"), {"images": (6, 0)}),
+        ],
+    ),
+    "lingbot_ti2v_dense_rewrite": dict(
+        note=REWRITE_NOTE.format(size="480x832 (H x W) and 121 frames", offload=DENSE_OFFLOAD) +
+        " Load your own first frame in Load Image: the Rewrite looks at it too.",
+        nodes=[
+            loader(),
+            offload_node(),
+            (3, "LingBotLoadImage", "Load Image", dict(path=""), {}),
+            (4, "LingBotImageEncode", "First frame", dict(width=64, height=64), {"pipe": (2, 0), "image": (3, 0)}),
+            rewrite_node(5, TEAPOT_PROSE, "ti2v", {"pipe": (2, 0), "image": (3, 0)}),
+            (6, "LingBotTextEncode", "Prompt", dict(prompt="", negative_prompt="", task="ti2v"),
+             {"pipe": (2, 0), "prompt": (5, 0), "negative_prompt": (5, 2), "image_cond": (4, 0)}),
+            (7, "LingBotDenoise", "Denoise", dict(width=64, height=64, frames=9, steps=4, cfg=3.0, shift=3.0, seed=42),
+             {"pipe": (2, 0), "conditioning": (6, 0), "image_cond": (4, 0)}),
+            decode_node(8, 7),
+            (9, "LingBotSaveVideo", "Save", dict(fps=24.0, filename_prefix="lingbot/ti2v_rewrite"), {"images": (8, 0)}),
         ],
     ),
 }
