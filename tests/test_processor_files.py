@@ -129,3 +129,38 @@ def test_token_ids_are_held_to_the_text_encoder(reference):
 def test_folder_without_processor_files(tmp_path):
     with pytest.raises(CheckpointError, match="holds no processor"):
         pf.load_processor(tmp_path)
+
+
+# The published Qwen3-VL-Instruct processor (Qwen/Qwen3-VL-2B-/4B-Instruct share it), as
+# `AutoProcessor.from_pretrained` prints it: the image processor (preprocessor_config.json), the video
+# processor (video_preprocessor_config.json) and the tokenizer's added tokens from id 151643.
+PUBLISHED_IMAGE = {"do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
+                   "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "merge_size": 2, "patch_size": 16,
+                   "resample": 3, "rescale_factor": 1 / 255, "size": {"longest_edge": 16777216, "shortest_edge": 65536},
+                   "temporal_patch_size": 2, "image_processor_type": "Qwen2VLImageProcessor"}
+PUBLISHED_VIDEO = {"do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
+                   "do_sample_frames": True, "fps": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+                   "max_frames": 768, "merge_size": 2, "min_frames": 4, "patch_size": 16, "resample": 3,
+                   "rescale_factor": 1 / 255, "return_metadata": False,
+                   "size": {"longest_edge": 25165824, "shortest_edge": 4096}, "temporal_patch_size": 2,
+                   "video_processor_type": "Qwen3VLVideoProcessor"}
+PUBLISHED_ADDED = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+                   "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+                   "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>",
+                   "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>",
+                   "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+PUBLISHED_SPECIAL = set(PUBLISHED_ADDED[:14])  # the rest are added tokens that are not special
+
+
+def test_shipped_processor_settings_are_the_published_qwen3_vl_ones(tmp_path):
+    """The package data the ComfyUI-tokenizer route builds from, field by field, and the processor it builds."""
+    shipped = pf.shipped_settings()
+    assert shipped["image_processor"] == PUBLISHED_IMAGE
+    assert shipped["video_processor"] == PUBLISHED_VIDEO
+    assert shipped["first_added_id"] == 151643
+    assert [t["content"] for t in shipped["added_tokens"]] == PUBLISHED_ADDED
+    assert {t["content"] for t in shipped["added_tokens"] if t["special"]} == PUBLISHED_SPECIAL
+    built = pf.load_processor(comfy_tokenizer_folder(tmp_path / "qwen25_tokenizer"))
+    assert built.video_processor.size == PUBLISHED_VIDEO["size"]
+    assert built.image_processor.size == PUBLISHED_IMAGE["size"]
+    assert built.image_processor.patch_size == PUBLISHED_IMAGE["patch_size"]

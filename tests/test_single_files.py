@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from lingbot_core import single_files as sf
 from lingbot_core.checkpoint import CheckpointError
@@ -99,3 +100,21 @@ def test_a_processor_of_another_model_is_refused_when_the_handle_opens(tmp_path,
         open_with(_swapped_tokenizer(tmp_path / "swapped"))
     with pytest.raises(CheckpointError, match=r"lacks <\|video_pad\|>"):
         open_with(comfy_tokenizer_folder(tmp_path / "other", drop="<|video_pad|>"))
+
+
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_the_scheduler_without_a_folder_is_the_checkpoints(variant):
+    """Single files only: the scheduler takes its defaults, which must be the scheduler_config.json the
+    reference writes for the dense and the MoE checkpoint (the fixtures' copies; flow UniPC, shift 1.0 in
+    the file, 3.0 passed at call time), key by key and in the sigmas it gives."""
+    from lingbot_core.checkpoint import load_component
+
+    folder = TINY.parent / f"tiny-{variant}"
+    published = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
+    default, loaded = load_component(None, "scheduler"), load_component(folder, "scheduler")
+    ours = dict(default.config)
+    assert {k: ours.get(k) for k in published if not k.startswith("_")} == \
+        {k: v for k, v in published.items() if not k.startswith("_")}
+    for scheduler in (default, loaded):
+        scheduler.set_timesteps(40, shift=3.0)
+    assert torch.equal(default.timesteps, loaded.timesteps) and torch.equal(default.sigmas, loaded.sigmas)
