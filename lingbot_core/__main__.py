@@ -40,6 +40,19 @@ def _non_negative(text: str) -> float:
     return value
 
 
+def _chunk(text: str) -> str | int:
+    """`auto`, or a number of tokens >= 0 (0: never chunk)."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a number of tokens, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (never chunk) or more, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command's options (the README's commands are parsed with this in the tests)."""
     parser = argparse.ArgumentParser(prog="python -m lingbot_core", description=__doc__)
@@ -71,6 +84,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tiling", action="store_true", help="tiled VAE decode (much less memory)")
     parser.add_argument("--sampler", default=None,
                         help="flow_unipc (default), euler or dmd_student")
+    parser.add_argument("--cfg-batch", default="off",
+                        help="CFG's two passes as one batch-2 pass: off (default), on, or auto (when the memory "
+                             "estimate fits)")
+    parser.add_argument("--step-cache", default="off",
+                        help="skip DiT blocks on near-duplicate steps: off (default), first_block, magcache "
+                             "(after one run with magcache_calibrate); more than 8 steps only")
+    parser.add_argument("--cache-threshold", type=_non_negative, default=None,
+                        help="the step cache's threshold (default: the method's)")
+    parser.add_argument("--ffn-chunk", type=_chunk, default="auto",
+                        help="tokens per FFN/MoE pass: auto (default: chunks only when the memory estimate needs "
+                             "them), 0 (never), or a number")
     parser.add_argument("--output", default="output", help="output folder (default ./output)")
     parser.add_argument("--prefix", default="lingbot/core",
                         help="file name prefix inside the output folder; files are numbered prefix_00001_.mp4")
@@ -120,6 +144,11 @@ def _generate(args: argparse.Namespace) -> int:
     _check_writable(output)
     check_prefix(args.prefix, output)
     get_sampler(args.sampler)  # an unknown sampler is bad input, before anything loads
+    from .sampling.step_cache import StepCacheSettings
+    from .stage_inputs import check_cfg_batch
+
+    check_cfg_batch(args.cfg_batch)
+    args.step_cache = StepCacheSettings(args.step_cache, threshold=args.cache_threshold)
     core = logging.getLogger("lingbot_core")
     level = core.level
     handler = logging.StreamHandler(sys.stderr)  # the library's own lines: what auto picked, what loaded, the fit
@@ -156,7 +185,7 @@ def _run(args: argparse.Namespace, output: Path) -> int:
     refine = None
     if args.refine:
         refine = (args.refine_height or (2 * height if tiny else 1088), args.refine_width or (2 * width if tiny else 1920))
-    handle = PipelineHandle.open(folder, device=args.device, weights=args.weights)
+    handle = PipelineHandle.open(folder, device=args.device, weights=args.weights, ffn_chunk=args.ffn_chunk)
     require_refiner(handle, refine)
     handle = configure_offload(handle, args.offload, offload_to=args.offload_to,
                                **(dict(height=height, width=width, num_frames=frames, refine=refine,
@@ -173,7 +202,8 @@ def _run(args: argparse.Namespace, output: Path) -> int:
                       height=height, width=width, num_frames=frames, steps=steps,
                       guidance_scale=args.cfg, shift=args.shift, seed=args.seed, refine_output=args.refine,
                       refine_options=dict(height=refine[0], width=refine[1]) if refine else None,
-                      tiling=True if args.tiling else None, callback=on_step, sampler=args.sampler)
+                      tiling=True if args.tiling else None, callback=on_step, sampler=args.sampler,
+                      cfg_batch=args.cfg_batch, step_cache=args.step_cache)
     _say(args.quiet, f"lingbot: done in {time.perf_counter() - started:.1f}s")
     for frames_out, suffix in ((result.frames, ""), (result.refined, "_refined")):
         if frames_out is None:

@@ -344,6 +344,49 @@ def ffn_chunk_for(handle: Any, mode: str, *, height: int, width: int, num_frames
                    if chunk else "auto: the whole sequence fits")
 
 
+def dit_identity(handle: Any, transformer: str) -> tuple[dict[str, Any], int]:
+    """(the DiT's config as parsed, bytes per activation value), read without loading it when the
+    handle was opened from files (the config and the headers read at open)."""
+    from .models.config import DiTConfig
+
+    source = handle.info.sources.get(transformer) if handle.info is not None else None
+    if source is not None:
+        from .models.transformer import LingBotVideoTransformer3DModel
+        from .weights.estimate import dit_compute_bytes
+
+        raw = source.config if source.config is not None else LingBotVideoTransformer3DModel.load_config(source.config_dir)
+        width = dit_compute_bytes(source, handle.shared.dtypes.get(transformer))
+    else:
+        raw = dict(handle.component(transformer).config)
+        width = torch.finfo(handle.dtype_of(transformer)).bits // 8
+    return DiTConfig.from_mapping(raw).to_mapping(), width
+
+
+def step_cache_identity(handle: Any, *, transformer: str, sampler: Any, steps: int, shift: float, sigmas: Any,
+                        guidance_scale: float) -> dict[str, Any]:
+    """What MagCache's ratios depend on (its calibration file is named by this): the model, its
+    compute width, the sampler and its schedule. Computable before anything loads."""
+    config, width = dit_identity(handle, transformer)
+    return {"transformer": transformer, "folder": str(handle.folder or ""), "config": config,
+            "bytes_per_value": width, "sampler": repr(sampling.get_sampler(sampler)), "steps": int(steps),
+            "shift": float(shift), "sigmas": None if sigmas is None else [float(v) for v in sigmas],
+            "guidance_scale": float(guidance_scale)}
+
+
+def check_step_cache_ready(handle: Any, step_cache: Any, *, transformer: str, sampler: Any, steps: int,
+                           shift: float, sigmas: Any, guidance_scale: float) -> None:
+    """`magcache` needs a calibration of exactly these settings: refused here (before any model work)
+    with how to make one, not after the text encoder ran."""
+    from .sampling.step_cache import calibration_file, read_calibration
+
+    settings = StepCacheSettings.of(step_cache)
+    if settings.method != "magcache":
+        return
+    identity = step_cache_identity(handle, transformer=transformer, sampler=sampler, steps=steps, shift=shift,
+                                   sigmas=sigmas, guidance_scale=guidance_scale)
+    read_calibration(calibration_file(settings, identity), identity)
+
+
 def _largest_fitting(need, height: int, width: int, num_frames: int, capacity: int) -> tuple[int, int] | None:
     """The largest (height, width) at the same aspect (multiples of 16) whose need fits, if any."""
     aspect = width / height
@@ -380,6 +423,8 @@ def check_denoise_request(handle: Any, cond: Any, *, height: int, width: int, nu
     method = sampling.get_sampler(sampler)
     method.check(steps=steps, shift=shift, sigmas=sigmas, refine=transformer == "refiner")
     check_step_cache(StepCacheSettings.of(step_cache), steps=steps, sampler_name=method.name)
+    check_step_cache_ready(handle, step_cache, transformer=transformer, sampler=method, steps=steps, shift=shift,
+                           sigmas=sigmas, guidance_scale=guidance_scale)
     if method.recommended and guidance_scale > 1.0 and method.recommended.get("guidance_scale") == 1.0:
         log.warning("%s: guidance %.2f on a CFG-distilled model applies guidance twice; its recipe is "
                     "guidance 1.0", method.name, guidance_scale)
@@ -473,7 +518,7 @@ def validate_request(mode: str, *, height: int, width: int, num_frames: int, ste
 
 
 __all__ = [
-    "MODES", "cfg_batch_fits", "ffn_chunk_for", "check_cfg_batch", "check_count", "check_denoise_request", "check_first_frame_pixels", "check_guidance", "check_mode",
+    "MODES", "cfg_batch_fits", "check_step_cache_ready", "dit_identity", "ffn_chunk_for", "step_cache_identity", "check_cfg_batch", "check_count", "check_denoise_request", "check_first_frame_pixels", "check_guidance", "check_mode",
     "check_refine_request", "check_steps", "check_t_thresh", "validate_geometry", "validate_request", "check_finite_number", "check_negative_prompt", "check_picture", "check_request_fits",
     "check_seed", "checked_image", "checked_latents", "checked_pixels", "decode_output_shape",
     "device_capacity", "vae_channels",

@@ -270,8 +270,8 @@ def denoise(
             trace["run"] = run
         batch = _batch_cfg(handle, cfg_batch, guidance_scale > 1.0, height=height, width=width, num_frames=num_frames)
         guidance = _guidance(handle, transformer, cond, guidance_scale, device, batch)
-        guidance.cache = _step_cache(handle, step_cache, transformer=transformer, method=method, steps=len(run),
-                                     shift=shift, sigmas=sigmas, guidance_scale=guidance_scale)
+        guidance.cache = _step_cache(handle, step_cache, transformer=transformer, method=method, steps=steps,
+                                     run_steps=len(run), shift=shift, sigmas=sigmas, guidance_scale=guidance_scale)
         with _ffn_chunk(handle, transformer, cfg=guidance_scale > 1.0, cfg_batch=batch, height=height, width=width,
                         num_frames=num_frames), \
                 parallel_stage.sequence_parallel(guidance.dit, parallel_stage.active_layout(handle)):
@@ -335,18 +335,16 @@ def _batch_cfg(handle, option: str, do_cfg: bool, **geometry: int) -> bool:
     return fits
 
 
-def _step_cache(handle, option: Any, *, transformer: str, method: sampling.Sampler, steps: int, shift: float,
-                sigmas: Any, guidance_scale: float) -> StepCache | None:
-    """A fresh step cache for this call (None when off), keyed for MagCache on what its ratios depend on."""
+def _step_cache(handle, option: Any, *, transformer: str, method: sampling.Sampler, steps: int, run_steps: int,
+                shift: float, sigmas: Any, guidance_scale: float) -> StepCache | None:
+    """A fresh step cache for this call (None when off), keyed for MagCache on what its ratios depend
+    on (`checks.step_cache_identity`, the same key the request check looked for)."""
     settings = StepCacheSettings.of(option)
     if not settings.enabled:
         return None
-    dit = handle.component(transformer)
-    identity = {"transformer": transformer, "folder": str(handle.folder or ""), "config": dict(dit.config),
-                "dtype": str(handle.dtype_of(transformer)), "sampler": repr(method), "steps": steps,
-                "shift": float(shift), "sigmas": None if sigmas is None else [float(v) for v in sigmas],
-                "guidance_scale": float(guidance_scale)}
-    return StepCache(settings, steps=steps, identity=identity)
+    identity = checks.step_cache_identity(handle, transformer=transformer, sampler=method, steps=steps, shift=shift,
+                                          sigmas=sigmas, guidance_scale=guidance_scale)
+    return StepCache(settings, steps=run_steps, identity=identity)
 
 
 def _guidance(handle, transformer: str, cond: Conditioning, guidance_scale: float, device: torch.device,
@@ -527,9 +525,8 @@ def refine(
                                 cond=cond, guidance_scale=guidance_scale, sampler=sampler, cfg_batch=cfg_batch,
                                 step_cache=step_cache)
     if StepCacheSettings.of(step_cache).enabled:  # its step count is the refiner list's length
-        run_steps = len(_refiner_sigmas(handle, steps=steps, shift=shift, t_thresh=t_thresh, tail_steps=tail_steps))
-        check_step_cache(StepCacheSettings.of(step_cache), steps=run_steps,
-                         sampler_name=sampling.get_sampler(sampler).name)
+        _check_refine_cache(handle, step_cache, steps=steps, shift=shift, t_thresh=t_thresh, tail_steps=tail_steps,
+                            sampler=sampler, guidance_scale=guidance_scale)
     if release_base is None:
         release_base = handle.info is not None and effective_mode(handle) != "none"  # reloadable
     if release_base and "transformer" in handle.shared.loaded:
@@ -545,6 +542,16 @@ def refine(
     if not decode_output:
         return latents
     return decode(handle, latents, tiling=REFINER_TILING if tiling is True else tiling)
+
+
+def _check_refine_cache(handle, step_cache: Any, *, steps: int, shift: float, t_thresh: float, tail_steps: int,
+                        sampler: Any, guidance_scale: float) -> None:
+    """The refiner's step cache against its sigma list (what its denoise call will run): refused for
+    few steps, and `magcache` without a calibration, before anything is released or loaded."""
+    sigmas = _refiner_sigmas(handle, steps=steps, shift=shift, t_thresh=t_thresh, tail_steps=tail_steps)
+    check_step_cache(StepCacheSettings.of(step_cache), steps=len(sigmas), sampler_name=sampling.get_sampler(sampler).name)
+    checks.check_step_cache_ready(handle, step_cache, transformer="refiner", sampler=sampler, steps=len(sigmas),
+                                  shift=1.0, sigmas=sigmas, guidance_scale=guidance_scale)
 
 
 # -- the whole pipeline ----------------------------------------------------------------------------
@@ -576,8 +583,15 @@ def generate(
     output: str = "frames",
     callback: StepCallback | None = None,
     sampler: str | sampling.Sampler | None = None,
+    cfg_batch: str = "off",
+    step_cache: str | StepCacheSettings | None = "off",
 ) -> GenerateResult:
-    """T2V, T2I or TI2V (plus the MoE refiner when asked), chaining the stages like the reference."""
+    """T2V, T2I or TI2V (plus the MoE refiner when asked), chaining the stages like the reference.
+
+    `cfg_batch` as for `denoise`, for the base pass and the refiner (`refine_options` may set its
+    own); `step_cache` for the base pass (the refiner's comes from `refine_options`). Both are
+    checked with everything else before any model work (`magcache` without its calibration too).
+    """
     if num_frames is None:
         num_frames = 1 if mode == "t2i" else 121
     if output not in ("frames", "latent"):
@@ -585,6 +599,8 @@ def generate(
     validate_request(mode, height=height, width=width, num_frames=num_frames, steps=steps, image=image,
                      refine_output=refine_output, guidance_scale=guidance_scale)
     sampling.get_sampler(sampler).check(steps=steps, shift=shift)
+    checks.check_cfg_batch(cfg_batch)
+    check_step_cache(StepCacheSettings.of(step_cache), steps=steps, sampler_name=sampling.get_sampler(sampler).name)
     checks.check_seed(seed)
     checks.check_negative_prompt(negative_prompt)
     prompt_ops.caption_to_text(prompt)  # broken JSON or a null caption fails here, before any model work
@@ -596,6 +612,13 @@ def generate(
         refine_size = (options.get("height", REFINER_DEFAULTS["height"]), options.get("width", REFINER_DEFAULTS["width"]))
     checks.check_request_fits(handle, height=height, width=width, num_frames=num_frames, cfg=guidance_scale > 1.0,
                               refine=refine_size, what="this generate request")
+    checks.check_step_cache_ready(handle, step_cache, transformer="transformer", sampler=sampler, steps=steps,
+                                  shift=shift, sigmas=None, guidance_scale=guidance_scale)
+    refine_kw = {"cfg_batch": cfg_batch, **(refine_options or {})}
+    if refine_output and StepCacheSettings.of(refine_kw.get("step_cache")).enabled:
+        r = {**REFINER_DEFAULTS, **refine_kw}
+        _check_refine_cache(handle, r["step_cache"], steps=r["steps"], shift=r["shift"], t_thresh=r["t_thresh"],
+                            tail_steps=r["tail_steps"], sampler=r.get("sampler", sampler), guidance_scale=r["guidance_scale"])
     picture = image_ops.load_image(checks.checked_image(image)) if image is not None else None
     if picture is not None:
         checks.check_picture(picture)
@@ -605,13 +628,12 @@ def generate(
     cond = encode_prompt(handle, prompt, negative, image=image_cond, mode=mode)
     latents = denoise(handle, cond, height=height, width=width, num_frames=num_frames, steps=steps,
                       guidance_scale=guidance_scale, shift=shift, seed=seed, image_cond=image_cond,
-                      callback=callback, sampler=sampler)
+                      callback=callback, sampler=sampler, cfg_batch=cfg_batch, step_cache=step_cache)
     if output == "latent" and not refine_output:
         return GenerateResult(None, latents)
     frames = decode(handle, latents, tiling=tiling)
     refined = None
     if refine_output:
         text_cond = encode_prompt(handle, prompt, None, mode=mode) if cond.with_image else cond
-        refined = refine(handle, frames, text_cond, seed=seed, first_frame=picture, callback=callback,
-                         **(refine_options or {}))
+        refined = refine(handle, frames, text_cond, seed=seed, first_frame=picture, callback=callback, **refine_kw)
     return GenerateResult(frames, latents, refined)

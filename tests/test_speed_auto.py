@@ -89,3 +89,72 @@ def test_ffn_chunk_setting_is_checked_when_the_handle_opens(fixtures_root):
     with pytest.raises(ValueError, match="ffn_chunk must be"):
         PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu", ffn_chunk=-4)
     assert PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu", ffn_chunk=0).shared.ffn_chunk is None
+
+
+# -- generate() and the command pass cfg_batch and step_cache; MagCache without calibration refused first --
+
+PROMPT = "a red boat"
+RUN = dict(height=32, width=32, num_frames=5, steps=10, guidance_scale=3.0, output="latent")
+
+
+def _count_forwards(dit):
+    calls = {"dit": 0, "blocks": 0}
+    hooks = [dit.register_forward_pre_hook(lambda *_: calls.__setitem__("dit", calls["dit"] + 1))]
+    hooks += [b.register_forward_pre_hook(lambda *_: calls.__setitem__("blocks", calls["blocks"] + 1))
+              for b in dit.blocks]
+    return calls, hooks
+
+
+def test_generate_passes_cfg_batch_and_step_cache_through(fixtures_root, tmp_path):
+    from lingbot_core.sampling.step_cache import StepCacheSettings
+
+    handle = PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu")
+    dit = handle.component("transformer")
+    calls, hooks = _count_forwards(dit)
+    try:
+        cache = StepCacheSettings("magcache_calibrate", calibration_dir=str(tmp_path))
+        stages.generate(handle, PROMPT, cfg_batch="on", step_cache=cache, **RUN)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert calls["dit"] == RUN["steps"]  # batched CFG: one forward per step, not two
+    assert calls["blocks"] == RUN["steps"] * len(dit.blocks)
+    assert len(list(tmp_path.glob("*.json"))) == 1  # the calibration was written...
+    # ...under the key the request check looks for, so magcache now passes the early check
+    stage_inputs.check_step_cache_ready(handle, StepCacheSettings("magcache", calibration_dir=str(tmp_path)),
+                                        transformer="transformer", sampler=None, steps=RUN["steps"], shift=3.0,
+                                        sigmas=None, guidance_scale=RUN["guidance_scale"])
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(step_cache="magcache"), "magcache_calibrate"),
+    (dict(step_cache="first_block", steps=8), "more than 8 steps"),
+    (dict(step_cache="first_block", sampler="dmd_student", guidance_scale=1.0, steps=10), "dmd_student"),
+    (dict(cfg_batch="sometimes"), "cfg_batch must be"),
+])
+def test_generate_refuses_a_cache_it_cannot_run_before_any_model_loads(fixtures_root, tmp_path, monkeypatch, kw, match):
+    monkeypatch.setenv("LINGBOT_CACHE_DIR", str(tmp_path))  # an empty calibration folder
+    handle = PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu")
+    with pytest.raises(ValueError, match=match):
+        stages.generate(handle, PROMPT, **{**RUN, **kw})
+    assert not handle.shared.loaded  # not even the text encoder (nor the DiT, for the calibration's key)
+
+
+def test_the_core_command_takes_the_speed_options(fixtures_root, tmp_path, monkeypatch, capsys):
+    from lingbot_core.__main__ import main
+
+    monkeypatch.setenv("LINGBOT_CACHE_DIR", str(tmp_path / "cache"))
+    seen = {}
+
+    def fake_generate(handle, prompt, **kw):
+        seen.update(kw, ffn_chunk=handle.shared.ffn_chunk)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(stages, "generate", fake_generate)
+    base = ["--model", str(fixtures_root / "models" / "tiny-dense"), "--output", str(tmp_path), "-q", "--steps", "10"]
+    assert main(base + ["--cfg-batch", "auto", "--step-cache", "first_block", "--cache-threshold", "0.1",
+                        "--ffn-chunk", "256"]) == 130
+    assert seen["cfg_batch"] == "auto" and seen["ffn_chunk"] == 256
+    assert seen["step_cache"].method == "first_block" and seen["step_cache"].threshold == 0.1
+    assert main(base + ["--step-cache", "sometimes"]) == 2
+    assert "step_cache must be one of" in capsys.readouterr().err

@@ -63,7 +63,7 @@ DEFAULTS = {
 MAGCACHE_WARMUP_FRACTION = 0.2
 
 __all__ = ["CalibrationMissing", "MIN_STEPS", "STEP_CACHE", "StepCache", "StepCacheSettings",
-           "default_calibration_dir"]
+           "calibration_file", "default_calibration_dir", "read_calibration"]
 
 
 class CalibrationMissing(ValueError):
@@ -137,13 +137,22 @@ def calibration_key(identity: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:24]
 
 
-def _read_calibration(path: Path, identity: dict[str, Any]) -> dict[str, list[float]]:
+def calibration_file(settings: StepCacheSettings, identity: dict[str, Any]) -> Path:
+    """Where the calibration for `identity` lives: a hash-named file in the calibration folder."""
+    folder = Path(settings.calibration_dir) if settings.calibration_dir else default_calibration_dir()
+    return folder / f"{calibration_key(identity)}.json"
+
+
+def read_calibration(path: Path, identity: dict[str, Any]) -> dict[str, list[float]]:
+    """The ratios recorded for `identity`; `CalibrationMissing` (says how to calibrate) when there are none."""
     try:
         size = path.stat().st_size
     except FileNotFoundError:
         raise CalibrationMissing(
-            "magcache has no calibration for this model, sampler, shift and step count yet: run once with "
-            "step_cache=magcache_calibrate (same settings), then use magcache") from None
+            "step_cache=magcache has no calibration for this model, sampler, shift, guidance and step count yet: "
+            "run the same settings once with step_cache=magcache_calibrate (it computes every block and writes "
+            f"the ratios to {path.parent.name}/{path.name}), then use magcache; or choose first_block, which "
+            "needs no calibration") from None
     if size > MAX_CALIBRATION_BYTES:
         raise ValueError(f"MagCache calibration file {path.name} is {size} bytes; over the "
                          f"{MAX_CALIBRATION_BYTES}-byte limit, so it is not read (delete it and calibrate again)")
@@ -203,11 +212,10 @@ class StepCache:
         self.current = "cond"
         self.computed = 0  # blocks run
         self.skipped = 0  # blocks skipped
-        folder = Path(settings.calibration_dir) if settings.calibration_dir else default_calibration_dir()
-        self.calibration_path = folder / f"{calibration_key(self.identity)}.json"
+        self.calibration_path = calibration_file(settings, self.identity)
         self.ratios: dict[str, list[float]] = {}
         if self.method == "magcache":
-            self.ratios = _read_calibration(self.calibration_path, self.identity)
+            self.ratios = read_calibration(self.calibration_path, self.identity)
 
     # -- per forward ----------------------------------------------------------------------------
 
