@@ -136,6 +136,10 @@ def encode_prompt(
         picture = image.vision_image if isinstance(image, ImageCondition) else None
         if picture is None:  # raw pixels: checked here, before the encoder loads
             checks.check_first_frame_pixels(pixels)
+        if handle.info is not None:  # a text-only encoder file: refused from its header, before it loads
+            from .weights.text_encoder_file import require_vision_file
+
+            require_vision_file(handle.info.file_sources.get("text_encoder"))
     with stage(handle, "text_encoder", "processor") as device:
         encoder, processor = handle.component("text_encoder"), handle.component("processor")
         if image is not None and picture is None:

@@ -7,14 +7,17 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from lingbot_core.checkpoint import CheckpointError, load_component
-from lingbot_core.processor_files import check_token_ids
+from lingbot_core.processor_files import check_folder, check_token_ids
 from lingbot_core.weights import text_encoder_file as tef
 from lingbot_core.weights import vae_file
+from lingbot_core.weights.dit_file import dit_file_source
+from tests.gguf_fakes import T, write_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tests" / "fixtures" / "lingbot" / "models" / "tiny-dense"
@@ -85,11 +88,36 @@ def produced(row: str, tmp: Path) -> tuple[list[str], str]:
         config = json.loads((TINY / "text_encoder" / "config.json").read_text())
         config["image_token_id"] = 151655
         return [_error(check_token_ids, processor, config, str(TINY / "processor"))], name
+    if row == "a tokenizer without the Qwen3-VL tokens":
+        from tests.test_processor_files import comfy_tokenizer_folder
+
+        folder = comfy_tokenizer_folder(tmp / "tokenizer", drop="<|video_pad|>")
+        return [_error(check_folder, folder, json.loads((TINY / "text_encoder" / "config.json").read_text()))], name
+    if row == "a Wan 2.1 / 2.2 DiT":
+        path = _fake(tmp / name, {"model.diffusion_model.blocks.0.self_attn.q.weight": (4, 4),
+                                  "model.diffusion_model.patch_embedding.weight": (4, 4)})
+        return [_error(dit_file_source, path)], name
+    if row == "a Flux GGUF (or another image model) as the DiT":
+        name = "flux1-dev-Q4_K_S.gguf"
+        f32 = (np.zeros((4, 4), np.float32), T.F32)
+        write_gguf(tmp / name, {"img_in.weight": f32, "double_blocks.0.img_attn.qkv.weight": f32}, arch="flux")
+        return [_error(dit_file_source, tmp / name)], name
+    if row == "a LingBot-Video DiT of a size neither published checkpoint has":
+        sd = load_file(str(TINY / "transformer" / "diffusion_pytorch_model.safetensors"))
+        sd["blocks.1.attn.to_k.weight"] = torch.zeros(16, 32)
+        save_file(sd, str(tmp / name))
+        return [_error(dit_file_source, tmp / name)], name
     raise AssertionError(f"README row {row!r} has no producer here: add one")
 
 
-def test_readme_table_lists_the_rows_we_produce():
-    assert len(readme_messages()) == 8
+# The wrong files the issue names (each must be a README row): a Wan 2.1/2.2 DiT, a Flux GGUF, the Wan 2.2
+# VAE (48 channels), a text-only text encoder for TI2V, and a DiT whose shapes match neither config.
+ISSUE_CASES = ("a Wan 2.1 / 2.2 DiT", "a Flux GGUF (or another image model) as the DiT", "the Wan 2.2 VAE",
+               "a text-only Qwen3-VL file, with TI2V", "a LingBot-Video DiT of a size neither published checkpoint has")
+
+
+def test_readme_table_lists_the_issues_wrong_files():
+    assert set(ISSUE_CASES) <= set(readme_messages())
 
 
 @pytest.mark.parametrize("row", list(readme_messages()))

@@ -158,6 +158,21 @@ def test_text_only_file_encodes_text_and_refuses_ti2v(tmp_path, processor, state
     assert str(err.value) == tef.TEXT_ONLY_MESSAGE.format(name=path.name)
 
 
+def test_a_text_only_file_is_refused_for_ti2v_before_it_loads(tmp_path, state):
+    """The TI2V encode reads the file's header facts (resolved at open) and refuses before loading it."""
+    from lingbot_core import stages
+    from lingbot_core.components import ComponentFiles
+    from lingbot_core.handle import PipelineHandle
+
+    path = tmp_path / "qwen3vl_text.safetensors"
+    save_file({k: v for k, v in state.items() if not k.startswith("model.visual.")}, str(path))
+    handle = PipelineHandle.open(TINY, files=ComponentFiles(text_encoder=path), device="cpu")
+    with pytest.raises(CheckpointError) as err:
+        stages.encode_prompt(handle, "a boat", image=torch.full((1, 3, 1, 32, 32), 0.5), mode="ti2v")
+    assert str(err.value) == tef.TEXT_ONLY_MESSAGE.format(name=path.name)
+    assert "text_encoder" not in handle.shared.loaded
+
+
 def test_unknown_comfy_quant_format_is_refused(tmp_path, state, folder_config):
     data, _ = _fp8_layout(state, "comfy_quant")
     key = next(k for k in data if k.endswith(".comfy_quant"))

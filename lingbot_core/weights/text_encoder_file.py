@@ -331,6 +331,13 @@ def load_text_encoder_file(source: str | Path | TextEncoderFile, *, dtype: torch
     return model.eval().requires_grad_(False)
 
 
+def require_vision_file(source: Any) -> None:
+    """The same refusal from the header facts (a `TextEncoderFile` resolved at open), so a TI2V encode
+    refuses a text-only file before the encoder loads; anything else passes."""
+    if isinstance(source, TextEncoderFile) and source.text_only:
+        raise CheckpointError(TEXT_ONLY_MESSAGE.format(name=source.path.name))
+
+
 def require_vision(model: Any) -> None:
     """Refuse a text-only text encoder where the vision tower is needed (a TI2V first frame)."""
     name = getattr(model, TEXT_ONLY_ATTR, "")
