@@ -202,3 +202,48 @@ def test_with_a_lora(fixtures_root):
     off, _ = _run(view, cond)
     exact, _ = _run(view, cond, StepCacheSettings("first_block", threshold=0.0))
     assert torch.equal(exact, off)
+
+
+# -- quantized weights, batched CFG and offload together ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def quantized_moe(tmp_path_factory, fixtures_root):
+    """The tiny MoE checkpoint as fp8 and as GGUF Q4_0 (packed experts), quantized once."""
+    from lingbot_core.quantize import quantize_checkpoint
+
+    root = tmp_path_factory.mktemp("cache-quantized")
+    return {t: quantize_checkpoint(fixtures_root / "models" / "tiny-moe", root / t, t) for t in ("fp8", "gguf-q4_0")}
+
+
+@pytest.mark.parametrize("target", ["fp8", "gguf-q4_0"])
+def test_cache_and_batched_cfg_with_quantized_weights(quantized_moe, target):
+    handle = PipelineHandle.open(quantized_moe[target], device="cpu")
+    cond = stages.encode_prompt(handle, "a red boat", "")
+    dit = handle.component("transformer")
+    assert type(dit.blocks[0].ffn.experts).__name__ == "QuantizedExperts"  # packed, decoded per call
+    two, blocks_two = _run(handle, cond)
+    batched, blocks_batched = _run(handle, cond, cfg_batch="on")
+    assert blocks_batched * 2 == blocks_two
+    torch.testing.assert_close(batched, two, rtol=1e-4, atol=1e-4)
+    depth = len(dit.blocks)
+    cached, blocks = _run(handle, cond, StepCacheSettings("first_block", **ALWAYS), cfg_batch="on")
+    assert blocks == COMPUTED_STEPS * depth + (STEPS - COMPUTED_STEPS) * 1
+    assert bool(torch.isfinite(cached).all()) and not torch.equal(cached, batched)
+
+
+@pytest.mark.parametrize("mode,offload_to", [("group", "ram"), ("sequential", "ram"), ("group", "disk")])
+def test_batched_cfg_halves_transfers_and_a_cache_skips_them_with_fp8(quantized_moe, monkeypatch, mode, offload_to):
+    """Under offload, batched CFG moves each block once per step (not once per branch), and a skipped
+    block is a skipped transfer on top, with packed fp8 weights."""
+    handle = PipelineHandle.open(quantized_moe["fp8"], device="cpu")
+    cond = stages.encode_prompt(handle, "a red boat", "")
+    view = configure_offload(handle, mode, offload_to=offload_to, **({"use_stream": False} if mode == "group" else {}))
+    count = _transfer_counter(monkeypatch, view, "disk" if offload_to == "disk" else mode)
+    two, _ = _run(view, cond)
+    transfers_two, count[0] = count[0], 0
+    batched, blocks_batched = _run(view, cond, cfg_batch="on")
+    transfers_batched, count[0] = count[0], 0
+    _, blocks = _run(view, cond, StepCacheSettings("first_block", **ALWAYS), cfg_batch="on")
+    assert transfers_two > 0 and transfers_batched * 2 == transfers_two
+    assert blocks < blocks_batched and count[0] * blocks_batched == transfers_batched * blocks
+    torch.testing.assert_close(batched, two, rtol=1e-4, atol=1e-4)
