@@ -191,6 +191,7 @@ class LingBotOffload(io.ComfyNode):
                                "checkpoint file, no host copy)"),
             ],
             outputs=[Pipe.Output(display_name="pipe", tooltip="A view of the pipe with these offload settings")],
+            hidden=[io.Hidden.prompt, io.Hidden.unique_id],  # a LingBot Rewrite on this pipe adds its generation
         )
 
     @classmethod
@@ -202,16 +203,21 @@ class LingBotOffload(io.ComfyNode):
 
         if mode not in OPTIONS:
             raise ValueError(f"unknown offload mode {mode!r}; choose one of {', '.join(OPTIONS)}")
+        from .rewrite import planned_rewrite_tokens
+
         refine = (1088, 1920) if plan_refine and pipe.variant == "moe" else None
         require_refiner(pipe, refine)  # before the text encoder and the base pass, not after
+        rewrite_tokens = planned_rewrite_tokens(cls.hidden.prompt, cls.hidden.unique_id)
         given = dict(use_stream=bool(use_stream) and pipe.device.type == "cuda",
                      low_cpu_mem_usage=bool(low_cpu_mem_usage), num_blocks_per_group=int(num_blocks_per_group),
-                     width=int(plan_width), height=int(plan_height), num_frames=int(plan_frames), refine=refine)
+                     width=int(plan_width), height=int(plan_height), num_frames=int(plan_frames), refine=refine,
+                     rewrite_tokens=rewrite_tokens)
         options = {k: v for k, v in given.items() if k in OPTIONS[mode]}  # what this mode takes
         view = configure_offload(pipe, mode, offload_to=offload_to, **options)
         said = None
         if mode != AUTO:  # auto checked the same numbers while choosing; an explicit mode warns here
-            verdict = check_handle(view, Geometry(int(plan_height), int(plan_width), int(plan_frames), refine=refine))
+            verdict = check_handle(view, Geometry(int(plan_height), int(plan_width), int(plan_frames), refine=refine,
+                                                  rewrite_tokens=rewrite_tokens))
             said = verdict.line() if verdict is not None else None
         else:
             choice = view.shared.placement.auto

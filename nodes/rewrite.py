@@ -9,6 +9,8 @@ leak a key. Headless, the person running the command is the operator: any endpoi
 
 from __future__ import annotations
 
+from typing import Any
+
 from . import runtime
 from .notices import on_node
 from .types import CATEGORY, Choice, Pipe
@@ -34,6 +36,42 @@ def check_endpoint(endpoint: str) -> str:
     return normalized
 
 
+MAX_NEW_TOKENS = 2048  # the node's default token limit of the caption stages
+
+
+def local_limits(max_new_tokens: int) -> dict[str, int]:
+    """The node's token limits for the local backend (the expand stage keeps its default)."""
+    return {"map": int(max_new_tokens), "repair": int(max_new_tokens)}
+
+
+def planned_rewrite_tokens(prompt: Any, pipe_source: Any) -> int:
+    """The longest context a local rewrite of ``prompt`` (ComfyUI's API-format graph) holds on the
+    pipe that node ``pipe_source`` outputs (through LoRA or other pipe nodes), for the memory
+    estimate; 0 when no Rewrite on that pipe uses the text encoder (an endpoint given)."""
+    from lingbot_core.rewrite.local_backend import context_tokens
+
+    if not isinstance(prompt, dict) or pipe_source is None:
+        return 0
+    source, longest = str(pipe_source), 0
+    for node in prompt.values():
+        if not isinstance(node, dict) or node.get("class_type") != "LingBotRewrite":
+            continue
+        inputs = node.get("inputs") or {}
+        endpoint = inputs.get("endpoint", "")
+        if isinstance(endpoint, str) and endpoint.strip():
+            continue  # an OpenAI-compatible server writes it
+        link, seen = inputs.get("pipe"), 0
+        while isinstance(link, list) and link and str(link[0]) != source and seen <= len(prompt):
+            upstream = prompt.get(str(link[0]))
+            link = (upstream.get("inputs") or {}).get("pipe") if isinstance(upstream, dict) else None
+            seen += 1
+        if isinstance(link, list) and link and str(link[0]) == source:
+            limit = inputs.get("max_new_tokens", MAX_NEW_TOKENS)
+            limit = limit if isinstance(limit, int) and not isinstance(limit, bool) else MAX_NEW_TOKENS
+            longest = max(longest, context_tokens(local_limits(limit)))
+    return longest
+
+
 def make_backend(pipe, endpoint: str, expand_model: str, map_model: str, max_new_tokens: int):
     from lingbot_core import rewrite as rw
 
@@ -42,7 +80,7 @@ def make_backend(pipe, endpoint: str, expand_model: str, map_model: str, max_new
                                 max_tokens=int(max_new_tokens))
     if pipe is None:
         raise ValueError("connect a pipe (the checkpoint's text encoder writes the caption) or give an endpoint")
-    return rw.LocalBackend(pipe, max_new_tokens={"map": int(max_new_tokens), "repair": int(max_new_tokens)})
+    return rw.LocalBackend(pipe, max_new_tokens=local_limits(max_new_tokens))
 
 
 class LingBotRewrite(io.ComfyNode):
@@ -79,7 +117,7 @@ class LingBotRewrite(io.ComfyNode):
                 io.String.Input("map_model", default="", optional=True,
                                 tooltip="Endpoint only: the model for the JSON stage (e.g. a LoRA adapter's name); "
                                         "empty: expand_model"),
-                io.Int.Input("max_new_tokens", default=2048, min=64, max=8192, optional=True,
+                io.Int.Input("max_new_tokens", default=MAX_NEW_TOKENS, min=64, max=8192, optional=True,
                              tooltip="Token limit of the caption stage"),
                 io.Float.Input("temperature", default=0.0, min=0.0, max=2.0, step=0.05, optional=True,
                                tooltip="0: greedy (the same input gives the same caption); above 0 samples"),
@@ -98,7 +136,7 @@ class LingBotRewrite(io.ComfyNode):
 
     @classmethod
     def execute(cls, prompt, task="t2v", duration=5.0, pipe=None, image=None, endpoint="", expand_model="",
-                map_model="", max_new_tokens=2048, temperature=0.0, seed=0, auto_negative=False):
+                map_model="", max_new_tokens=MAX_NEW_TOKENS, temperature=0.0, seed=0, auto_negative=False):
         from lingbot_core import rewrite as rw
 
         request = rw.RewriteRequest(prompt, task, float(duration), image).checked()

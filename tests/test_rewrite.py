@@ -358,3 +358,81 @@ def test_auto_negative_only_deletes_listed_items():
         # Unreadable or empty: the default, byte for byte.
         assert rw.prune_negative("x", _backend(server)) == (DEFAULT_NEGATIVE_PROMPT, [])
         assert rw.prune_negative("x", _backend(server)) == (DEFAULT_NEGATIVE_PROMPT, [])
+
+
+# -- memory: the estimate, the fit check and the report count the generation ------------------------------
+
+def test_the_estimate_counts_the_generation_at_the_text_encoders_shape(dense):
+    """The KV cache per token the estimate uses is what a generation really holds, and every mode's
+    peak grows with the Rewrite's max_new_tokens (tiny sizes: the rewrite is the peak phase)."""
+    from lingbot_core.placement import estimate, fit
+    from lingbot_core.rewrite.local_backend import context_tokens
+    from lingbot_nodes.rewrite import local_limits
+
+    sizes = estimate.ModelSizes.from_handle(dense)
+    encoder, processor = dense.component("text_encoder"), dense.component("processor")
+    with torch.no_grad():
+        out = encoder.generate(**processor(text=["a red paper boat"], return_tensors="pt"), max_new_tokens=4,
+                               min_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    cache = getattr(out, "cache", None) or out.past_key_values
+    held = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
+    assert held == cache.get_seq_length() * sizes.text_kv_bytes_per_token > 0
+    assert sizes.text_vocab == encoder.config.text_config.vocab_size
+
+    tiny = estimate.Geometry(64, 64, 9)
+    plain = {m: estimate.estimate_peak(m, sizes, tiny) for m in MODES}
+    tokens = [context_tokens(local_limits(n)) for n in (64, 512, 2048)]
+    peaks = [{m: estimate.estimate_peak(m, sizes, estimate.Geometry(64, 64, 9, rewrite_tokens=t)) for m in MODES}
+             for t in tokens]
+    for mode in MODES:
+        figures = [plain[mode]] + [p[mode] for p in peaks]
+        assert figures == sorted(set(figures)), (mode, figures)  # strictly growing
+    grown = estimate.activation_bytes(sizes, estimate.Geometry(64, 64, 9, rewrite_tokens=tokens[2]))["rewrite"] - \
+        estimate.activation_bytes(sizes, estimate.Geometry(64, 64, 9, rewrite_tokens=tokens[1]))["rewrite"]
+    assert grown == (tokens[2] - tokens[1]) * (sizes.text_kv_bytes_per_token + estimate.TEXT_ACT_BYTES_PER_TOKEN)
+    # the fit check sees it: a budget that fits the run without the rewrite does not fit it with one
+    budget = plain["model"] + estimate.RESERVE_BYTES
+    assert fit.check(sizes, tiny, "model", vram_free=budget, host_free=None).ok
+    assert not fit.check(sizes, estimate.Geometry(64, 64, 9, rewrite_tokens=tokens[2]), "model", vram_free=budget,
+                         host_free=None).ok
+
+
+def test_offload_plans_for_a_local_rewrite_on_its_pipe():
+    """The Offload node finds a Rewrite without an endpoint on its pipe in the graph it runs in, and
+    plans its generation (auto's options carry it; the explicit modes' fit check gets it)."""
+    from lingbot_core.rewrite.local_backend import context_tokens
+    from lingbot_core.workflow import Engine, apply_overrides, load_workflow
+    from lingbot_nodes import NODE_CLASS_MAPPINGS
+    from lingbot_nodes.cli import resolve_workflow
+    from lingbot_nodes.rewrite import local_limits, planned_rewrite_tokens
+
+    prompt = load_workflow(resolve_workflow("t2v-rewrite"), NODE_CLASS_MAPPINGS)
+    nodes = prompt.to_dict()
+    offload = next(n for n, node in nodes.items() if node["class_type"] == "LingBotOffload")
+    rewrite = next(n for n, node in nodes.items() if node["class_type"] == "LingBotRewrite")
+    assert planned_rewrite_tokens(nodes, offload) == context_tokens(local_limits(2048))
+    nodes[rewrite]["inputs"]["max_new_tokens"] = 256
+    assert planned_rewrite_tokens(nodes, offload) == context_tokens(local_limits(256))
+    nodes[rewrite]["inputs"]["endpoint"] = "http://127.0.0.1:8000/v1"
+    assert planned_rewrite_tokens(nodes, offload) == 0  # a server writes it
+    plain = load_workflow(resolve_workflow("t2v"), NODE_CLASS_MAPPINGS).to_dict()
+    assert planned_rewrite_tokens(plain, next(n for n, v in plain.items() if v["class_type"] == "LingBotOffload")) == 0
+
+    auto = apply_overrides(prompt, [f"{offload}.mode=auto"], NODE_CLASS_MAPPINGS)
+    view = Engine(NODE_CLASS_MAPPINGS).run(auto, outputs=[offload]).output(offload)
+    assert view.offload.option("rewrite_tokens") == context_tokens(local_limits(2048))
+
+
+def test_the_memory_report_counts_the_last_generation(dense):
+    from lingbot_core.memory import memory_report
+    from lingbot_core.placement import estimate
+
+    assert "generation" not in str(memory_report(dense))
+    made = rw.generate_text(dense, "system", "user", max_new_tokens=3)
+    prompt_tokens, new = dense.shared.placement.generation
+    assert new == made.tokens == 3
+    report = memory_report(dense)
+    tokens, parts = report.generation
+    assert tokens == prompt_tokens + new
+    assert parts["kv_cache"] == tokens * estimate.ModelSizes.from_handle(dense).text_kv_bytes_per_token
+    assert f"text_encoder generation (last rewrite): {tokens} tokens" in str(report)

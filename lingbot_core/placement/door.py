@@ -334,7 +334,16 @@ def ledger(handle: PipelineHandle) -> list[tuple[str, str, str]]:
 def memory_report(handle: PipelineHandle) -> MemoryReport:
     """Where each component's tensors live now, and their bytes per location."""
     mode = installed_mode(handle) or handle.offload.mode
-    return build_report(handle.shared.loaded, handle.device, mode, handle.shared.placement.ffn_chunks)
+    generation = None
+    last = handle.shared.placement.generation
+    if last is not None:  # a rewrite ran on the text encoder: what its generation held
+        encoder = handle.shared.loaded.get("text_encoder")
+        shape = (estimate.module_generation_shape(encoder) if isinstance(encoder, torch.nn.Module) else
+                 estimate.text_generation_shape(estimate.text_config_of(handle.shared.info),
+                                                handle.shared.dtypes.get("text_encoder") or torch.float32))
+        tokens = sum(last)
+        generation = (tokens, estimate.generation_bytes(shape["text_kv_bytes_per_token"], shape["text_vocab"], tokens))
+    return build_report(handle.shared.loaded, handle.device, mode, handle.shared.placement.ffn_chunks, generation)
 
 
 # -- from outside a stage ----------------------------------------------------------------------------

@@ -32,6 +32,11 @@ estimate against measured peak per mode.
   `VAE_DECODE_FACTOR`; tiling caps H x W at the tile size. The whole output video (F x H x W x 3
   fp32) lives alongside.
 - The text encoder needs ~`TEXT_ACT_BYTES_PER_TOKEN` per token per layer-width at its dtype.
+- A prompt rewrite on the text encoder (`Geometry.rewrite_tokens`, the longest context one of its
+  calls holds: prompt plus new tokens) is its own phase, "rewrite": the KV cache for those tokens
+  at the text encoder's shape (2 x layers x KV heads x head width per token, in its dtype), the
+  prefill's activations as above, and the logits (vocabulary x fp32, a few copies). Its weights are
+  the text phase's; the streaming modes also bring the (tied) LM head, as large as the embedding.
 """
 
 from __future__ import annotations
@@ -55,6 +60,10 @@ TEXT_ACT_BYTES_PER_TOKEN = 64 * 1024
 RESERVE_BYTES = int(0.8 * GiB)  # allocator slack and fragmentation, added when deciding what fits
 MOE_REFINE_SIZE = (1088, 1920)
 TEXT_LAYERS_GUESS = 40  # Qwen3-VL-4B: 36 language layers + the vision tower's share
+QWEN3_VL_4B_TEXT = {"num_hidden_layers": 36, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+                    "hidden_size": 2560}
+"""The text encoder's language-model shape when its config cannot be read (the published model's)."""
+LOGIT_COPIES = 3  # generation: the last position's logits in fp32, the processed scores, the pick
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,9 @@ class Geometry:
     # tokens per FFN/MoE pass: None, the whole sequence at once; "auto", what the run will use, the
     # largest of `FFN_CHUNKS` a memory budget needs (`resolve_chunk`; without a budget: unchunked)
     ffn_chunk: int | str | None = None
+    # a prompt rewrite on the text encoder in this run: the longest context (prompt + new tokens)
+    # one of its calls holds (0: none; `rewrite.local_backend.context_tokens` computes it)
+    rewrite_tokens: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,6 +103,11 @@ class ModelSizes:
     # the largest unit group / sequential offload holds at once
     largest_block: int
     text_largest_layer: int
+    # the text encoder's language model, for generation (a rewrite): KV cache bytes per token,
+    # vocabulary, and the LM head's bytes (tied to the embedding)
+    text_kv_bytes_per_token: int = 0
+    text_vocab: int = 0
+    text_head: int = 0
 
     @classmethod
     def from_handle(cls, handle: Any) -> ModelSizes:
@@ -136,6 +153,7 @@ class ModelSizes:
             dit_bytes_per_value=dit_compute_bytes(info.sources.get("transformer"), dtypes.get("transformer")),
             largest_block=math.ceil(dit / max(depth, 1)),
             text_largest_layer=math.ceil(text / TEXT_LAYERS_GUESS),
+            **text_generation_shape(text_config_of(info), dtypes.get("text_encoder") or torch.float32),
         )
 
     @classmethod
@@ -157,7 +175,65 @@ class ModelSizes:
             dit_bytes_per_value=torch.finfo(matmul_dtype(dit.patch_embedder)).bits // 8,
             largest_block=max(stored_bytes(b, include_meta=True) for b in dit.blocks),
             text_largest_layer=math.ceil(text / TEXT_LAYERS_GUESS),
+            **module_generation_shape(components.get("text_encoder")),
         )
+
+
+def text_config_of(info: Any) -> dict[str, Any] | None:
+    """The text encoder's config.json (a folder's, or the one a single file resolved with); None
+    when it cannot be read (the estimate then assumes `QWEN3_VL_4B_TEXT`)."""
+    import json
+
+    source = (getattr(info, "sources", None) or {}).get("text_encoder") or \
+        (getattr(info, "file_sources", None) or {}).get("text_encoder")
+    given = getattr(source, "config", None)
+    if isinstance(given, Mapping):
+        return dict(given)
+    folder = getattr(source, "config_dir", None)
+    if folder is None and getattr(info, "folder", None) is not None:
+        folder = info.folder / "text_encoder"
+    try:
+        path = folder / "config.json"
+        if path.stat().st_size > 1 << 20:  # a config is a few KB; never read a large file here
+            return None
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, TypeError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def text_generation_shape(config: Mapping[str, Any] | None, dtype: torch.dtype) -> dict[str, int]:
+    """`ModelSizes`' generation fields from a Qwen3-VL config (its `text_config`) at `dtype`."""
+    text = dict(QWEN3_VL_4B_TEXT)
+    given = (config or {}).get("text_config", config) or {}
+    if isinstance(given, Mapping):
+        text.update({k: v for k, v in given.items() if k in text and isinstance(v, int) and v > 0})
+        heads = given.get("num_attention_heads")
+        if "head_dim" not in given and isinstance(heads, int) and heads > 0 and "hidden_size" in given:
+            text["head_dim"] = int(given["hidden_size"]) // heads
+        if "num_key_value_heads" not in given and isinstance(heads, int) and heads > 0:
+            text["num_key_value_heads"] = heads
+    width = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
+    return {"text_kv_bytes_per_token": 2 * text["num_hidden_layers"] * text["num_key_value_heads"] * text["head_dim"]
+            * width, "text_vocab": text["vocab_size"], "text_head": text["vocab_size"] * text["hidden_size"] * width}
+
+
+def module_generation_shape(encoder: Any) -> dict[str, int]:
+    """`text_generation_shape` of a loaded text encoder (its config, its parameters' dtype)."""
+    if not isinstance(encoder, torch.nn.Module):
+        return text_generation_shape(None, torch.bfloat16)
+    config = getattr(encoder, "config", None)
+    as_dict = config.to_dict() if hasattr(config, "to_dict") else None
+    dtype = next((p.dtype for p in encoder.parameters() if p.is_floating_point()), torch.float32)
+    return text_generation_shape(as_dict, dtype)
+
+
+def generation_bytes(kv_bytes_per_token: int, vocab: int, tokens: int) -> dict[str, int]:
+    """Accelerator bytes a text-encoder generation holding `tokens` tokens of context adds, by part:
+    the KV cache, the prefill's activations (bounded by the context) and the logits."""
+    tokens = max(int(tokens), 0)
+    return {"kv_cache": tokens * kv_bytes_per_token, "prefill": tokens * TEXT_ACT_BYTES_PER_TOKEN,
+            "logits": LOGIT_COPIES * vocab * 4 if tokens else 0}
 
 
 def _stored_bits(source: Any) -> int:
@@ -205,6 +281,9 @@ def activation_bytes(sizes: ModelSizes, geometry: Geometry) -> dict[str, int]:
         rh, rw = geometry.refine
         phases["refine"] = dit(rh, rw)
         phases["refine_decode"] = vae(rh, rw, True)
+    if geometry.rewrite_tokens > 0:
+        phases["rewrite"] = sum(generation_bytes(sizes.text_kv_bytes_per_token, sizes.text_vocab,
+                                                 geometry.rewrite_tokens).values())
     return phases
 
 
@@ -289,4 +368,5 @@ def geometry_from(options: Mapping[str, Any], variant: str, ffn_chunk: int | str
     return Geometry(height=int(options.get("height", 480)), width=int(options.get("width", 832)),
                     num_frames=int(options.get("num_frames", 121)), cfg=bool(options.get("cfg", True)),
                     refine=tuple(refine) if refine else None, vae_tiling=bool(options.get("vae_tiling", False)),
-                    release_base=bool(options.get("release_base", False)), ffn_chunk=ffn_chunk)
+                    release_base=bool(options.get("release_base", False)), ffn_chunk=ffn_chunk,
+                    rewrite_tokens=int(options.get("rewrite_tokens", 0)))

@@ -98,6 +98,17 @@ class MemoryReport:
     device: str
     mode: str
     ffn_chunks: dict[str, tuple[int | None, str]] = field(default_factory=dict)  # DiT -> (chunk, why), last run
+    # the text encoder's last generation (a rewrite): context tokens and bytes by part
+    # (`estimate.generation_bytes`: kv_cache, prefill, logits), held on the execution device while it ran
+    generation: tuple[int, dict[str, int]] | None = None
+
+    def generation_line(self) -> list[str]:
+        if self.generation is None:
+            return []
+        tokens, parts = self.generation
+        return [f"text_encoder generation (last rewrite): {tokens} tokens of context, about "
+                f"{_size(sum(parts.values()))} on top of the weights (KV cache {_size(parts.get('kv_cache', 0))}, "
+                f"prefill {_size(parts.get('prefill', 0))}, logits {_size(parts.get('logits', 0))})"]
 
     def chunk_lines(self) -> list[str]:
         """Which FFN/MoE chunk each DiT's last run used, and why."""
@@ -106,7 +117,7 @@ class MemoryReport:
 
     def one_line(self) -> str:
         parts = [f"{c.name}: {c.where}" + (f" ({c.format})" if c.format else "") for c in self.components]
-        return "; ".join(parts + self.chunk_lines())
+        return "; ".join(parts + self.chunk_lines() + self.generation_line())
 
     def totals(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -120,7 +131,7 @@ class MemoryReport:
         rows += [f"  {c.name:<13} {c.where}" + (f"  [{c.format}]" if c.format else "") for c in self.components]
         summary = ", ".join(f"{place} {n / GiB:.2f} GiB" for place, n in sorted(self.totals().items()))
         rows.append(f"  {'total':<13} {summary or 'nothing loaded'}")
-        rows += [f"  {line}" for line in self.chunk_lines()]
+        rows += [f"  {line}" for line in self.chunk_lines() + self.generation_line()]
         return "\n".join(rows)
 
 
@@ -138,6 +149,7 @@ def component_memory(name: str, module: Any) -> ComponentMemory:
 
 
 def build_report(loaded: Mapping[str, Any], device: torch.device, mode: str,
-                 ffn_chunks: Mapping[str, tuple[int | None, str]] | None = None) -> MemoryReport:
+                 ffn_chunks: Mapping[str, tuple[int | None, str]] | None = None,
+                 generation: tuple[int, dict[str, int]] | None = None) -> MemoryReport:
     return MemoryReport([component_memory(n, loaded.get(n)) for n in REPORTED], str(device), mode,
-                        dict(ffn_chunks or {}))
+                        dict(ffn_chunks or {}), generation)

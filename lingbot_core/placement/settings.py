@@ -18,7 +18,7 @@ MODULE_COMPONENTS = ("text_encoder", "transformer", "refiner", "vae")
 """Components that are nn.Modules placement manages (the processor and scheduler are not placed)."""
 
 AUTO_OPTIONS = frozenset({"height", "width", "num_frames", "cfg", "refine", "release_base", "vae_tiling",
-                          "budget_bytes", "host_budget_bytes"})
+                          "rewrite_tokens", "budget_bytes", "host_budget_bytes"})
 """What `auto` plans for, and (tests, simulations) the accelerator and host memory to plan within."""
 CPU = torch.device("cpu")
 

@@ -37,6 +37,8 @@ class Placement:
         self.ledger: deque[tuple[str, str, str]] = deque(maxlen=LEDGER_SIZE)  # (event, component, stage)
         self.view_states: dict[str, tuple[Any, dict[str, Any]]] = {}  # kind -> (state, {component: weakref})
         self.ffn_chunks: dict[str, tuple[int | None, str]] = {}  # DiT -> (FFN/MoE chunk of its last run, why)
+        # the text encoder's last generation (a rewrite): (prompt tokens, new tokens); the report counts it
+        self.generation: tuple[int, int] | None = None
 
     # -- what is installed -------------------------------------------------------------------------
     @property

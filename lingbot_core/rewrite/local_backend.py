@@ -11,7 +11,7 @@ weight is parked with the language model's first group once that group's forward
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +25,9 @@ from .core import GREEDY, Sampling, TokenCallback
 from .scan import ObjectScanner
 
 DEFAULT_MAX_NEW_TOKENS = {"expand": 1024, "map": 2048, "repair": 2048, "negative": 512}
+PROMPT_ALLOWANCE = 2048
+"""Tokens the instructions, the request and (TI2V) the first frame take in a call's prompt, at most
+(Qwen's tokenizer; the memory estimate plans for it)."""
 IMAGE_MAX_SIDE = 640
 """The first frame is shown to the rewriter at most this many pixels on its longer side."""
 
@@ -147,6 +150,7 @@ def generate_text(handle: Any, system: str, user: str, *, image: Any | None = No
             torch.manual_seed(sampling.seed)
             output = encoder.generate(**inputs, stopping_criteria=StoppingCriteriaList([watch]), **options)
         new = output[0, prompt_length:].to("cpu")
+        handle.shared.placement.generation = (prompt_length, int(new.shape[0]))  # the memory report counts it
     check_interrupt()
     tokens = int(new.shape[0])
     if watch.scanner is not None and watch.scanner.closed:
@@ -158,6 +162,22 @@ def generate_text(handle: Any, system: str, user: str, *, image: Any | None = No
     return Generation(tokenizer.decode(new, skip_special_tokens=True), tokens, stopped)
 
 
+def stage_limits(max_new_tokens: Mapping[str, int] | int | None = None) -> dict[str, int]:
+    """Per-stage new-token limits: :data:`DEFAULT_MAX_NEW_TOKENS` with ``max_new_tokens`` over it."""
+    if isinstance(max_new_tokens, int):
+        max_new_tokens = dict.fromkeys(DEFAULT_MAX_NEW_TOKENS, max_new_tokens)
+    return {**DEFAULT_MAX_NEW_TOKENS, **(max_new_tokens or {})}
+
+
+def context_tokens(max_new_tokens: Mapping[str, int] | int | None = None) -> int:
+    """The longest context one rewrite call holds in the KV cache, for the memory estimate
+    (`Geometry.rewrite_tokens`): the repair call, whose prompt carries the expansion and the first
+    caption, plus its own new tokens."""
+    limits = stage_limits(max_new_tokens)
+    json_stage = max(limits["map"], limits["repair"])
+    return PROMPT_ALLOWANCE + max(limits["expand"] + json_stage + limits["repair"], limits["negative"])
+
+
 class LocalBackend:
     """The handle's own text encoder; ``max_new_tokens`` per stage (see :data:`DEFAULT_MAX_NEW_TOKENS`)."""
 
@@ -165,9 +185,7 @@ class LocalBackend:
 
     def __init__(self, handle: Any, max_new_tokens: dict[str, int] | int | None = None):
         self.handle = handle
-        if isinstance(max_new_tokens, int):
-            max_new_tokens = dict.fromkeys(DEFAULT_MAX_NEW_TOKENS, max_new_tokens)
-        self.max_new_tokens = {**DEFAULT_MAX_NEW_TOKENS, **(max_new_tokens or {})}
+        self.max_new_tokens = stage_limits(max_new_tokens)
         self.last: Generation | None = None
 
     def identity(self) -> tuple:

@@ -165,5 +165,11 @@ class Mode:
 
 
 def peak_over_phases(sizes: Any, activations: dict[str, int], weights: dict[str, int]) -> int:
-    """The largest weights-plus-activations over the phases; phases not named hold the VAE whole."""
-    return max(weights.get(phase, sizes.vae) + act for phase, act in activations.items())
+    """The largest weights-plus-activations over the phases; phases not named hold the VAE whole,
+    except a rewrite, which runs the text encoder: the text phase's weights unless named."""
+    def held(phase: str) -> int:
+        if phase == "rewrite" and phase not in weights:
+            return weights.get("text", sizes.text_encoder)
+        return weights.get(phase, sizes.vae)
+
+    return max(held(phase) + act for phase, act in activations.items())

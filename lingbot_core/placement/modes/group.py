@@ -137,6 +137,7 @@ class GroupMode(Mode):
     @staticmethod
     def estimate(sizes: Any, geometry: Any, activations: dict[str, int]) -> int:
         # two blocks in flight (prefetch) plus the top-level group; the VAE whole
+        # a rewrite also holds a device copy of the tied LM head (rewrite.local_backend._FollowingHead)
         weights = {"text": 2 * sizes.text_largest_layer, "denoise": 3 * sizes.largest_block,
-                   "refine": 3 * sizes.largest_block}
+                   "refine": 3 * sizes.largest_block, "rewrite": 2 * sizes.text_largest_layer + sizes.text_head}
         return peak_over_phases(sizes, activations, weights)

@@ -72,5 +72,7 @@ class SequentialMode(Mode):
     @staticmethod
     def estimate(sizes: Any, geometry: Any, activations: dict[str, int]) -> int:
         # one leaf (or one preloaded MoE FFN / DiT block) at a time; the VAE whole
-        weights = {"text": sizes.text_largest_layer, "denoise": sizes.largest_block, "refine": sizes.largest_block}
+        # a rewrite's LM head (the tied embedding) is one leaf, brought whole
+        weights = {"text": sizes.text_largest_layer, "denoise": sizes.largest_block, "refine": sizes.largest_block,
+                   "rewrite": max(sizes.text_largest_layer, sizes.text_head)}
         return peak_over_phases(sizes, activations, weights)
