@@ -251,6 +251,23 @@ def test_offload_modes_on_a_gguf_file(gguf_folder, gguf_files, mode, home):
         assert {Path(s.path) for s in dit.weight_spans.values()} == {gguf_files["transformer"]}
 
 
+def test_disk_offload_on_a_safetensors_file(tiny, tmp_path):
+    """offload_to disk on a plain safetensors DiT file in a community layout: the file is the home of every
+    tensor kept as stored; the per-expert stacks (stacked on load) stream from the converted-weights cache."""
+    from lingbot_core.offload import configure_offload
+
+    sd = load_file(str(tiny["moe"] / "transformer" / "diffusion_pytorch_model.safetensors"))
+    path = _save(_renamed(sd, "model.diffusion_model.", "weight"), tmp_path / "lingbot_moe.safetensors")
+    folder, file = _pair(tiny["moe"], path)
+    view = configure_offload(file, "group", offload_to="disk", use_stream=False)
+    assert torch.equal(_dit_out(view), _dit_out(folder))
+    dit = view.shared.loaded["transformer"]
+    assert all(t.device.type == "meta" for t in [*dit.parameters(), *dit.buffers()])
+    homes = {name: Path(span.path) for name, span in dit.weight_spans.items()}
+    assert {home for name, home in homes.items() if not STACK.search(name)} == {path}
+    assert all(home != path for name, home in homes.items() if STACK.search(name))
+
+
 def test_lora_on_a_dit_file_matches_the_folder(gguf_folder, gguf_files):
     from lingbot_core.lora import LoraFile, with_lora
 

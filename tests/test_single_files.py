@@ -118,3 +118,28 @@ def test_the_scheduler_without_a_folder_is_the_checkpoints(variant):
     for scheduler in (default, loaded):
         scheduler.set_timesteps(40, shift=3.0)
     assert torch.equal(default.timesteps, loaded.timesteps) and torch.equal(default.sigmas, loaded.sigmas)
+
+
+def test_the_memory_estimate_of_single_files_is_what_they_hold(tmp_path):
+    """The estimate behind the memory report, `auto` and the fit check counts a VAE / text encoder file's
+    values at the dtype they load in, whatever the file stores (here bf16 files, loaded as float32 and as
+    bfloat16): a file's bytes are not its held bytes (an fp8 file holds 2-4x them)."""
+    from safetensors.torch import load_file, save_file
+
+    from lingbot_core.components import ComponentFiles
+    from lingbot_core.handle import PipelineHandle
+    from lingbot_core.placement.estimate import ModelSizes
+    from lingbot_core.placement.tensors import stored_bytes
+    from tests.test_vae_file import write_original
+
+    vae = write_original(load_file(str(TINY / "vae" / "diffusion_pytorch_model.safetensors")),
+                         tmp_path / "wan_2.1_vae.safetensors", 1, torch.bfloat16)
+    te = tmp_path / "qwen3vl_tiny_bf16.safetensors"
+    save_file({k.replace("model.language_model.", "model.", 1): v.to(torch.bfloat16)
+               for k, v in load_file(str(TINY / "text_encoder" / "model.safetensors")).items()}, str(te))
+    for dtypes in ({}, {"vae": torch.bfloat16, "text_encoder": torch.bfloat16}):
+        handle = PipelineHandle.open(TINY, files=ComponentFiles(vae=vae, text_encoder=te), device="cpu", dtypes=dtypes)
+        sizes = ModelSizes.from_handle(handle)
+        for name in ("vae", "text_encoder"):
+            held = stored_bytes(handle.shared.get(name), include_meta=True)
+            assert abs(getattr(sizes, name) - held) <= 1024, (name, dtypes)  # rotary tables are not weights

@@ -137,6 +137,9 @@ class ModelSizes:
                 return dit_load_bytes(info.sources.get(name), dtypes.get(name), weights)
             on_disk = info.component_bytes(name)
             dtype = dtypes.get(name, torch.float32)
+            values = getattr(info.file_sources.get(name), "values", 0)
+            if values:  # a single file (any storage, fp8 included) loads its values in `dtype` (None: float32)
+                return values * torch.finfo(dtype or torch.float32).bits // 8
             if dtype is None:
                 return on_disk
             return on_disk * torch.finfo(dtype).bits // _stored_bits(info.sources.get(name))

@@ -26,6 +26,7 @@ an empty vision tower marked `text_only`; a TI2V encode refuses it (`require_vis
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -80,6 +81,7 @@ class TextEncoderFile:
     text_only: bool
     names: dict[str, str]  # transformers name -> the file's tensor name
     scales: dict[str, str] = field(default_factory=dict)  # transformers weight name -> the file's scale tensor
+    values: int = 0  # values the loaded model holds (an empty vision tower too; lm_head is tied, not counted)
 
     @property
     def nbytes(self) -> int:
@@ -251,7 +253,8 @@ def inspect_text_encoder_file(path: str | Path, *, config: dict[str, Any] | None
     if bad:
         raise CheckpointError(f"{path}: tensors stored as {bad[0]} without a scale; expected F32/F16/BF16, or fp8 "
                               f"with ComfyUI's scaled_fp8 or comfy_quant scales. {FIX}")
-    return TextEncoderFile(path, naming, quantization, full, text_only, canonical, scales)
+    values = sum(math.prod(shape) for name, shape in expected.items() if name != "lm_head.weight")
+    return TextEncoderFile(path, naming, quantization, full, text_only, canonical, scales, values)
 
 
 def _quantization(path: Path, entries: Mapping[str, StoredTensor],

@@ -23,6 +23,7 @@ refused with one line that says what it is.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -59,6 +60,7 @@ class VAEFile:
     config: dict[str, Any]
     stored_dtypes: tuple[str, ...]
     names: dict[str, str]  # diffusers name -> the file's tensor name
+    values: int = 0  # weight values the loaded model holds (the memory estimate scales them to its dtype)
 
     @property
     def nbytes(self) -> int:
@@ -211,7 +213,14 @@ def inspect_vae_file(path: str | Path) -> VAEFile:
     problems = tensor_set_problems(shapes, expected)
     if problems:
         raise CheckpointError(f"{path}: not a complete Wan 2.1 VAE ({'; '.join(problems)}). {FIX}")
-    return VAEFile(path, naming, config, tuple(dtypes), names)
+    return VAEFile(path, naming, config, tuple(dtypes), names, _count(expected.values()))
+
+
+def _count(shapes: Any) -> int:
+    total = 0
+    for shape in shapes:
+        total += math.prod(shape)
+    return total
 
 
 def load_vae_file(source: str | Path | VAEFile, *, dtype: torch.dtype | None = None) -> Any:
