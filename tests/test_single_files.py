@@ -143,3 +143,31 @@ def test_the_memory_estimate_of_single_files_is_what_they_hold(tmp_path):
         for name in ("vae", "text_encoder"):
             held = stored_bytes(handle.shared.get(name), include_meta=True)
             assert abs(getattr(sizes, name) - held) <= 1024, (name, dtypes)  # rotary tables are not weights
+
+
+def test_a_files_only_handle_plans_reports_and_releases_like_the_folder():
+    """No checkpoint folder at all: `auto` picks the folder's mode, the memory report shows the same
+    held bytes, and after `release` the text encoder reloads from its file to the same conditioning."""
+    from lingbot_core import stages
+    from lingbot_core.components import ComponentFiles
+    from lingbot_core.handle import PipelineHandle
+    from lingbot_core.memory import memory_report
+    from lingbot_core.offload import configure_offload, effective_mode, release
+
+    files = ComponentFiles(transformer=TINY / "transformer" / "diffusion_pytorch_model.safetensors",
+                           vae=TINY / "vae" / "diffusion_pytorch_model.safetensors",
+                           text_encoder=TINY / "text_encoder" / "model.safetensors", processor=TINY / "processor")
+    geometry = dict(budget_bytes=10**12, height=32, width=32, num_frames=5)
+    alone = configure_offload(PipelineHandle.open(None, files=files, device="cpu"), "auto", **geometry)
+    folder = configure_offload(PipelineHandle.open(TINY, device="cpu"), "auto", **geometry)
+    assert effective_mode(alone) == effective_mode(folder)
+    first = stages.encode_prompt(alone, "a boat").positive.embeds
+    assert torch.equal(first, stages.encode_prompt(folder, "a boat").positive.embeds)
+
+    def held(view) -> dict[str, int]:
+        return {c.name: sum(c.bytes_by_location.values()) for c in memory_report(view).components}
+
+    assert held(alone) == held(folder) and held(alone)["text_encoder"] > 0
+    release(alone)
+    assert not alone.shared.loaded
+    assert torch.equal(stages.encode_prompt(alone, "a boat").positive.embeds, first)
