@@ -1,0 +1,362 @@
+"""End-to-end check of the pack inside a real ComfyUI, over its HTTP API (not run by CI: it needs ComfyUI).
+
+    python bench/comfy_e2e.py COMFYUI_DIR [--python PY] [--port 8199]
+    python bench/comfy_e2e.py COMFYUI_DIR --url http://127.0.0.1:8188   # a server you started yourself
+
+Run it with a Python that has this pack's requirements and aiohttp (ComfyUI's own Python does). The pack must
+already be in `COMFYUI_DIR/custom_nodes/` (a copy or a link of this folder). Without `--url` the script starts
+`main.py --cpu` itself with `--python` (default: this interpreter) and stops it at the end.
+
+What it checks, each printed as PASS/FAIL with the reason (exit status 1 if any failed):
+- the pack imported: every node of the registry is in `/object_info`, and the console shows no import failure;
+- every shipped API-format workflow (`workflows/api/*.json`) is accepted by `POST /prompt` and runs to the end
+  on the built-in tiny model;
+- Loader (files) lists files placed in `diffusion_models` / `unet`, `vae`, `text_encoders` / `clip` (the tiny
+  checkpoint copied there as single files, under `lingbot_e2e_*` names removed at the end) and runs from them;
+- `POST /interrupt` in the middle of Denoise stops the run, and the next run's latents equal, bit for bit, those
+  of a run that was never interrupted (core `SaveLatent`, read back through `/view`);
+- `POST /free` (unload models, and free the node cache) answers, and the next run is again bit-identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKFLOWS = ROOT / "workflows" / "api"
+PREFIX = "lingbot_e2e"
+RESULTS: list[tuple[bool, str, str]] = []
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))  # lingbot_core, as the pack itself does inside ComfyUI
+
+
+def record(ok: bool, name: str, detail: str = "") -> bool:
+    RESULTS.append((ok, name, detail))
+    print(f"{'PASS' if ok else 'FAIL'} {name}{': ' + detail if detail else ''}", flush=True)
+    return ok
+
+
+def node_registry() -> list[str]:
+    """The pack's node ids, from its own registry (`nodes/` is installed as `lingbot_nodes`)."""
+    if "lingbot_nodes" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            "lingbot_nodes", ROOT / "nodes" / "__init__.py", submodule_search_locations=[str(ROOT / "nodes")])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["lingbot_nodes"] = module
+        spec.loader.exec_module(module)
+    return list(sys.modules["lingbot_nodes"].NODE_CLASS_MAPPINGS)
+
+
+class Server:
+    def __init__(self, url: str):
+        self.url = url.rstrip("/")
+        self.client_id = uuid.uuid4().hex
+
+    def get(self, path: str) -> Any:
+        with urllib.request.urlopen(self.url + path, timeout=60) as r:
+            return json.loads(r.read() or b"null")
+
+    def raw(self, path: str) -> bytes:
+        with urllib.request.urlopen(self.url + path, timeout=60) as r:
+            return r.read()
+
+    def post(self, path: str, body: dict) -> tuple[int, Any]:
+        req = urllib.request.Request(self.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                data = r.read()
+                return r.status, json.loads(data) if data else None
+        except urllib.error.HTTPError as e:
+            data = e.read()
+            try:
+                return e.code, json.loads(data)
+            except ValueError:
+                return e.code, data.decode(errors="replace")
+
+    def queue(self, prompt: dict) -> tuple[str | None, Any]:
+        code, body = self.post("/prompt", {"prompt": prompt, "client_id": self.client_id})
+        if code != 200:
+            return None, body
+        return body["prompt_id"], body
+
+    def wait(self, prompt_id: str, timeout: float = 900) -> dict:
+        end = time.time() + timeout
+        while time.time() < end:
+            history = self.get(f"/history/{prompt_id}")
+            if prompt_id in history and history[prompt_id].get("status", {}).get("completed") is not None:
+                return history[prompt_id]
+            time.sleep(0.5)
+        raise TimeoutError(f"prompt {prompt_id} did not finish in {timeout:.0f} s")
+
+    def run(self, prompt: dict, timeout: float = 900) -> tuple[dict | None, Any]:
+        prompt_id, body = self.queue(prompt)
+        if prompt_id is None:
+            return None, body
+        return self.wait(prompt_id, timeout), None
+
+    def latent(self, entry: dict, node: str) -> Any:
+        """The LATENT that core SaveLatent `node` wrote in this run, read back through /view."""
+        from safetensors.torch import load
+
+        saved = entry["outputs"][node]["latents"][0]
+        query = urllib.parse.urlencode(saved)
+        return load(self.raw(f"/view?{query}"))["latent_tensor"]
+
+
+def errors_of(entry: dict) -> str:
+    out = []
+    for kind, data in entry.get("status", {}).get("messages", []):
+        if kind in ("execution_error", "execution_interrupted"):
+            out.append(f"{kind} in {data.get('node_type')}: {data.get('exception_message', '')}".strip())
+    return "; ".join(out)
+
+
+def find_node(prompt: dict, class_type: str) -> str:
+    return next(k for k, v in prompt.items() if v["class_type"] == class_type)
+
+
+# ------------------------------------------------------------------------------------------------- checks
+
+def check_import(server: Server, log_text: str | None) -> None:
+    info = server.get("/object_info")
+    missing = [n for n in node_registry() if n not in info]
+    record(not missing, "pack imported: every registry node is in /object_info",
+           f"missing {missing}" if missing else f"{len(node_registry())} nodes")
+    if log_text is not None:
+        bad = [line for line in log_text.splitlines() if "IMPORT FAILED" in line or
+               ("Cannot import" in line and ROOT.name in line) or "lingbot" in line.lower() and "Traceback" in line]
+        record(not bad, "no import failure of the pack on the console", "; ".join(bad[:3]))
+    extensions = server.get("/extensions")
+    record(any(e.endswith("/lingbot_text.js") for e in extensions), "the editor extension is served",
+           str([e for e in extensions if "lingbot" in e]))
+
+
+def check_workflows(server: Server) -> None:
+    for path in sorted(WORKFLOWS.glob("*.json")):
+        prompt = json.loads(path.read_text())
+        start = time.time()
+        entry, refused = server.run(prompt)
+        if entry is None:
+            record(False, f"workflow {path.name} queues", json.dumps(refused)[:600])
+            continue
+        ok = entry["status"]["status_str"] == "success"
+        texts = [t for out in entry["outputs"].values() for t in out.get("text", [])]
+        shown = f"; on nodes: {' | '.join(t.splitlines()[0] for t in texts)}" if texts else ""
+        record(ok, f"workflow {path.name} runs to the end",
+               (f"{time.time() - start:.1f} s{shown}" if ok else errors_of(entry)))
+
+
+def place_single_files(comfy: Path) -> dict[str, str]:
+    """The tiny dense checkpoint copied into ComfyUI's model folders as the single files users keep."""
+    from lingbot_core.tiny import ensure_tiny_checkpoint
+
+    tiny = ensure_tiny_checkpoint("dense")
+    models = comfy / "models"
+    placed = {
+        "dit": (tiny / "transformer" / "diffusion_pytorch_model.safetensors", models / "diffusion_models"),
+        "dit_unet": (tiny / "transformer" / "diffusion_pytorch_model.safetensors", models / "unet"),
+        "vae": (tiny / "vae" / "diffusion_pytorch_model.safetensors", models / "vae"),
+        "text_encoder": (tiny / "text_encoder" / "model.safetensors", models / "text_encoders"),
+        "text_encoder_clip": (tiny / "text_encoder" / "model.safetensors", models / "clip"),
+    }
+    names = {}
+    for key, (src, folder) in placed.items():
+        folder.mkdir(parents=True, exist_ok=True)
+        name = f"{PREFIX}_{key}.safetensors"
+        shutil.copyfile(src, folder / name)
+        names[key] = name
+    shutil.copytree(tiny / "processor", models / "text_encoders" / f"{PREFIX}_processor", dirs_exist_ok=True)
+    names["processor"] = str(models / "text_encoders" / f"{PREFIX}_processor")
+    return names
+
+
+def remove_single_files(comfy: Path) -> None:
+    for folder in ("diffusion_models", "unet", "vae", "text_encoders", "clip"):
+        for path in (comfy / "models" / folder).glob(f"{PREFIX}_*"):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def check_loader_files(server: Server, comfy: Path) -> None:
+    names = place_single_files(comfy)
+    try:
+        required = server.get("/object_info/LingBotLoaderFiles")["LingBotLoaderFiles"]["input"]["required"]
+        for socket, keys in (("dit", ("dit", "dit_unet")), ("vae", ("vae",)),
+                             ("text_encoder", ("text_encoder", "text_encoder_clip"))):
+            listed = required[socket][0]
+            missing = [names[k] for k in keys if names[k] not in listed]
+            record(not missing, f"Loader (files) lists {socket} files from its folders",
+                   f"missing {missing} in {listed}" if missing else ", ".join(names[k] for k in keys))
+        prompt = json.loads((WORKFLOWS / "lingbot_t2v_dense_files.json").read_text())
+        loader = prompt[find_node(prompt, "LingBotLoaderFiles")]["inputs"]
+        loader.update(dit=names["dit_unet"], vae=names["vae"], text_encoder=names["text_encoder_clip"],
+                      checkpoint="none", processor_path=names["processor"])
+        entry, refused = server.run(prompt)
+        ok = entry is not None and entry["status"]["status_str"] == "success"
+        record(ok, "Loader (files) runs from single files (unet, vae, clip) with checkpoint none",
+               "" if ok else (errors_of(entry) if entry else json.dumps(refused)[:600]))
+    finally:
+        remove_single_files(comfy)
+
+
+def latent_prompt(seed: int, tag: str, steps: int = 24) -> tuple[dict, str, str]:
+    """The shipped T2V workflow with a longer Denoise and its LATENT saved by core SaveLatent."""
+    prompt = json.loads((WORKFLOWS / "lingbot_t2v_dense.json").read_text())
+    denoise = find_node(prompt, "LingBotDenoise")
+    prompt[denoise]["inputs"].update(seed=seed, steps=steps, width=128, height=128, frames=17)
+    prompt[find_node(prompt, "LingBotSaveVideo")]["inputs"]["filename_prefix"] = f"{PREFIX}/{tag}"
+    prompt["900"] = {"class_type": "SaveLatent",
+                     "inputs": {"samples": [denoise, 0], "filename_prefix": f"{PREFIX}/{tag}"}}
+    return prompt, denoise, "900"
+
+
+async def _interrupt_mid_denoise(server: Server, prompt: dict, denoise: str, at_step: int) -> tuple[str | None, int]:
+    """Queue `prompt`, POST /interrupt once Denoise reports `at_step`; the prompt id and the step seen."""
+    import aiohttp
+
+    ws_url = server.url.replace("http", "ws", 1) + f"/ws?clientId={server.client_id}"
+    async with aiohttp.ClientSession() as session, session.ws_connect(ws_url) as ws:
+        prompt_id, _ = server.queue(prompt)
+        if prompt_id is None:
+            return None, -1
+        async for msg in ws:
+            if msg.type != aiohttp.WSMsgType.TEXT:
+                continue
+            data = json.loads(msg.data)
+            body = data.get("data", {})
+            if body.get("prompt_id") not in (None, prompt_id):
+                continue
+            if data["type"] == "progress" and str(body.get("node")) == denoise and body["value"] >= at_step:
+                server.post("/interrupt", {})
+                return prompt_id, int(body["value"])
+            if data["type"] in ("execution_success", "execution_error"):
+                return prompt_id, -1
+    return prompt_id, -1
+
+
+def ran(entry: dict | None, node: str) -> bool:
+    """The run succeeded and `node` was computed in it (not served from ComfyUI's cache)."""
+    if entry is None or entry["status"]["status_str"] != "success":
+        return False
+    cached = [data.get("nodes", []) for kind, data in entry["status"]["messages"] if kind == "execution_cached"]
+    return all(node not in nodes for nodes in cached)
+
+
+def check_interrupt_and_free(server: Server) -> None:
+    import torch
+
+    ref_prompt, denoise, saver = latent_prompt(seed=7, tag="ref")
+    server.run(latent_prompt(seed=7, tag="evict", steps=2)[0])  # a rerun of this script finds it cached otherwise
+    entry, refused = server.run(ref_prompt)
+    if not record(ran(entry, denoise), "reference run (24 steps)",
+                  (errors_of(entry) if entry else str(refused))):
+        return
+    reference = server.latent(entry, saver)
+
+    stop_prompt, _, _ = latent_prompt(seed=8, tag="stopped")
+    prompt_id, step = asyncio.run(_interrupt_mid_denoise(server, stop_prompt, denoise, at_step=3))
+    stopped = server.wait(prompt_id) if prompt_id else None
+    interrupted = stopped is not None and any(kind == "execution_interrupted"
+                                              for kind, _ in stopped["status"]["messages"])
+    record(interrupted and step > 0, "POST /interrupt stops Denoise mid-way",
+           f"interrupted at step {step} of 24" if interrupted else f"status {stopped and stopped['status']}")
+
+    again_prompt, _, _ = latent_prompt(seed=7, tag="after_interrupt")
+    entry, _ = server.run(again_prompt)  # the interrupted prompt replaced Denoise's cache entry: it runs again
+    same = ran(entry, denoise) and torch.equal(server.latent(entry, saver), reference)
+    record(same, "the run after the interrupt equals the uninterrupted run bit for bit",
+           "" if same else (errors_of(entry) if entry else "refused"))
+
+    for body, what in (({"unload_models": True}, "unload models"),
+                       ({"unload_models": True, "free_memory": True}, "unload models and free the node cache")):
+        server.run(latent_prompt(seed=7, tag="evict", steps=2)[0])  # so that Denoise is not served from the cache
+        code, _ = server.post("/free", body)
+        time.sleep(2)  # the prompt worker acts on /free between prompts
+        prompt, _, _ = latent_prompt(seed=7, tag="after_free")
+        entry, _ = server.run(prompt)
+        same = code == 200 and ran(entry, denoise) and torch.equal(server.latent(entry, saver), reference)
+        record(same, f"POST /free ({what}), then the next run is bit-identical",
+               f"HTTP {code}" + ("" if entry is None else " " + errors_of(entry)))
+
+
+# --------------------------------------------------------------------------------------------------- main
+
+def start_server(comfy: Path, python: str, port: int, log_path: Path) -> subprocess.Popen:
+    log = open(log_path, "w")  # noqa: SIM115 - closed with the process
+    proc = subprocess.Popen([python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port)],
+                            cwd=comfy, stdout=log, stderr=subprocess.STDOUT)
+    server = Server(f"http://127.0.0.1:{port}")
+    end = time.time() + 300
+    while time.time() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ComfyUI exited with {proc.returncode}; see {log_path}")
+        try:
+            server.get("/system_stats")
+            return proc
+        except (urllib.error.URLError, ConnectionError, OSError):
+            time.sleep(1)
+    proc.terminate()
+    raise RuntimeError(f"ComfyUI did not answer within 300 s; see {log_path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("comfy", type=Path, help="the ComfyUI folder (holding main.py and custom_nodes/)")
+    parser.add_argument("--url", help="use this running server instead of starting one")
+    parser.add_argument("--python", default=sys.executable, help="the Python that runs ComfyUI")
+    parser.add_argument("--port", type=int, default=8199)
+    parser.add_argument("--skip", nargs="*", default=[], choices=["workflows", "files", "interrupt"])
+    args = parser.parse_args(argv)
+    comfy = args.comfy.resolve()
+    linked = [p for p in (comfy / "custom_nodes").iterdir() if p.resolve() == ROOT]
+    if not linked:
+        print(f"the pack is not in {comfy / 'custom_nodes'}: link or copy this folder there first", file=sys.stderr)
+        return 2
+
+    proc = None
+    log_path = Path(tempfile.gettempdir()) / "lingbot_comfy_e2e.log"
+    if args.url:
+        server = Server(args.url)
+    else:
+        proc = start_server(comfy, args.python, args.port, log_path)
+        server = Server(f"http://127.0.0.1:{args.port}")
+    try:
+        stats = server.get("/system_stats")["system"]
+        print(f"ComfyUI {stats.get('comfyui_version')}, Python {stats.get('python_version', '').split()[0]}, "
+              f"torch {stats.get('pytorch_version')}", flush=True)
+        check_import(server, log_path.read_text(errors="replace") if proc else None)
+        if "workflows" not in args.skip:
+            check_workflows(server)
+        if "files" not in args.skip:
+            check_loader_files(server, comfy)
+        if "interrupt" not in args.skip:
+            check_interrupt_and_free(server)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    failed = [name for ok, name, _ in RESULTS if not ok]
+    print(f"{len(RESULTS) - len(failed)} passed, {len(failed)} failed")
+    if proc is not None:
+        print(f"server log: {log_path}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
