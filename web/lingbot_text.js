@@ -5,6 +5,15 @@ import { app } from "../../scripts/app.js";
 import { ComfyWidgets } from "../../scripts/widgets.js";
 
 const BOX = "lingbot_notes";
+const WIDTH = 320; // a narrower node is widened to this (wider would overlap the shipped layouts)
+const LINE_PX = 12; // the text box's line height (rows are counted at ~6.6 px per character, a little wide)
+const MAX_ROWS = 24; // past this the box scrolls
+
+// Rows the text takes in a box `width` pixels wide, wrapped lines counted.
+function rows(text, width) {
+  const perLine = Math.max(20, Math.floor((width - 30) / 6.6));
+  return text.split("\n").reduce((n, line) => n + Math.max(1, Math.ceil(line.length / perLine)), 0);
+}
 
 function showText(node, lines) {
   let box = node.widgets?.find((w) => w.name === BOX);
@@ -15,10 +24,16 @@ function showText(node, lines) {
       box.inputEl.style.opacity = 0.85;
     }
     box.serialize = false; // shown, never saved into the workflow's widget values ...
-    box.options = { ...(box.options || {}), serialize: false }; // ... nor sent as an input
+    box.options = {
+      ...(box.options || {}),
+      serialize: false, // ... nor sent as an input
+      // tall enough to show the whole text (the frontend's default is two or three lines, which cut
+      // a Memory Report or a warning off mid-sentence)
+      getMinHeight: () => Math.min(MAX_ROWS, rows(String(box.value ?? ""), node.size[0])) * LINE_PX + 16,
+    };
   }
   box.value = lines.join("\n");
-  node.setSize?.([Math.max(node.size[0], 320), node.computeSize()[1]]);
+  node.setSize?.([Math.max(node.size[0], WIDTH), node.computeSize()[1]]);
   node.setDirtyCanvas?.(true, true);
 }
 

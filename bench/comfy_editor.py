@@ -1,0 +1,319 @@
+"""The pack in ComfyUI's editor, driven in a real browser (not run by CI: it needs ComfyUI and Chromium).
+
+    python bench/comfy_editor.py --url http://127.0.0.1:8188 --chromium /usr/bin/chromium --shots SHOTS_DIR
+
+Needs `pip install playwright` (the browser is the system's Chromium; Playwright's own download is not used)
+and a running ComfyUI with this pack in `custom_nodes/` (`bench/comfy_e2e.py` starts and checks one over the
+API). What it checks, printed as PASS/FAIL, with screenshots in SHOTS_DIR to look at:
+- the pack's templates appear in the template browser with their thumbnails loaded;
+- every shipped UI workflow (`workflows/*.json`) loads with no unknown node type, keeps every widget value
+  (a value that no longer fits its widget shifts or resets), and converts to the same prompt as its API twin
+  in `workflows/api/` (what the editor would queue is what the API tests run);
+- the T2V workflow, with a prose prompt and a Memory Report added, queued from the Run button: progress
+  events arrive, it finishes, and the Memory Report and Text Encode's prose warning show as text on the nodes
+  (`web/lingbot_text.js`);
+- with `--rewrite-port`, a Rewrite node asking a canned loopback OpenAI-compatible server shows its result on
+  itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKFLOWS = ROOT / "workflows"
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+RESULTS: list[tuple[bool, str, str]] = []
+NOTES = "lingbot_notes"  # the text box web/lingbot_text.js adds
+
+
+def record(ok: bool, name: str, detail: str = "") -> bool:
+    RESULTS.append((ok, name, detail))
+    print(f"{'PASS' if ok else 'FAIL'} {name}{': ' + detail if detail else ''}", flush=True)
+    return ok
+
+
+LOAD_AND_COMPARE = """async (wf) => {
+  await window.app.loadGraphData(wf);
+  const graph = window.app.graph;
+  const known = window.LiteGraph.registered_node_types;
+  const unknown = graph._nodes.filter((n) => !known[n.type]).map((n) => n.type);
+  const saved = window.app.graph.serialize();
+  const shifted = [];
+  for (const node of wf.nodes) {
+    const now = saved.nodes.find((n) => n.id === node.id);
+    if (JSON.stringify(now?.widgets_values) !== JSON.stringify(node.widgets_values))
+      shifted.push({id: node.id, type: node.type, file: node.widgets_values, editor: now?.widgets_values});
+  }
+  const prompt = (await window.app.graphToPrompt()).output;
+  return {unknown, shifted, prompt};
+}"""
+
+
+def same_prompt(editor: dict, api: dict) -> list[str]:
+    """Differences between the editor's prompt and the shipped API twin (class and inputs per node id)."""
+    diffs = []
+    for key in sorted(set(editor) | set(api)):
+        a, b = editor.get(key), api.get(key)
+        if a is None or b is None:
+            diffs.append(f"node {key} only in {'the API file' if a is None else 'the editor'}")
+        elif a["class_type"] != b["class_type"] or a["inputs"] != b["inputs"]:
+            keys = {k for k in set(a["inputs"]) | set(b["inputs"]) if a["inputs"].get(k) != b["inputs"].get(k)}
+            diffs.append(f"node {key} ({b['class_type']}) differs in {sorted(keys)}")
+    return diffs
+
+
+def dismiss_dialogs(page) -> None:
+    for _ in range(3):
+        if page.locator(".p-dialog-mask").count() == 0:
+            return
+        page.keyboard.press("Escape")
+        page.wait_for_timeout(300)
+
+
+def check_templates(page, shots: Path) -> None:
+    seen: dict[str, int] = {}
+
+    def on_response(response) -> None:
+        if "/workflow_templates/lingbot-nodes/" in response.url and response.url.endswith(".jpg"):
+            seen[response.url.rsplit("/", 1)[-1][:-4]] = response.status
+
+    page.on("response", on_response)
+    page.get_by_role("button", name="Templates").first.click()
+    page.wait_for_timeout(1500)
+    entry = page.get_by_text("lingbot-nodes", exact=True).first
+    if not record(entry.count() > 0, "the template browser lists lingbot-nodes"):
+        page.screenshot(path=str(shots / "templates.png"))
+        return
+    entry.scroll_into_view_if_needed()
+    entry.click()
+    page.wait_for_timeout(3000)
+    page.screenshot(path=str(shots / "templates.png"))
+    page.mouse.move(800, 600)
+    for _ in range(6):  # the cards load their thumbnails as they scroll into view
+        page.mouse.wheel(0, 600)
+        page.wait_for_timeout(700)
+    shown = page.evaluate("""() => [...document.querySelectorAll('img')]
+        .filter((i) => i.src.startsWith('blob:') && i.complete && i.naturalWidth > 0).length""")
+    names = sorted(p.stem for p in WORKFLOWS.glob("*.json"))
+    fetched = sorted(name for name, status in seen.items() if status == 200)
+    record(fetched == names and shown > 0,
+           "every shipped workflow's thumbnail is fetched and shown in the template browser",
+           f"{len(fetched)} of {len(names)} fetched, {shown} images shown" +
+           ("" if fetched == names else f"; missing {sorted(set(names) - set(fetched))}"))
+    page.remove_listener("response", on_response)
+    dismiss_dialogs(page)
+
+
+def check_workflows(page, shots: Path) -> None:
+    for path in sorted(WORKFLOWS.glob("*.json")):
+        wf = json.loads(path.read_text())
+        out = page.evaluate(LOAD_AND_COMPARE, wf)
+        page.wait_for_timeout(500)
+        dismiss_dialogs(page)
+        page.screenshot(path=str(shots / f"{path.stem}.png"))
+        record(not out["unknown"], f"{path.name}: every node type is known", str(out["unknown"]))
+        record(not out["shifted"], f"{path.name}: every widget keeps its value", json.dumps(out["shifted"])[:800])
+        api = json.loads((WORKFLOWS / "api" / path.name).read_text())
+        diffs = same_prompt(out["prompt"], api)
+        record(not diffs, f"{path.name}: the editor queues the same prompt as workflows/api/{path.name}",
+               "; ".join(diffs)[:800])
+
+
+ADD_NODES = """(nonce) => {
+  const g = window.app.graph;
+  const byType = (t) => g._nodes.find((n) => n.type === t);
+  const offload = byType('LingBotOffload'), decode = byType('LingBotDecode'), text = byType('LingBotTextEncode');
+  // prose (the warning), new each time so that ComfyUI's cache does not skip the run
+  text.widgets.find((w) => w.name === 'prompt').value = 'a red paper boat drifts down a canal at dawn, take ' + nonce;
+  const report = window.LiteGraph.createNode('LingBotMemoryReport');
+  report.pos = [decode.pos[0], decode.pos[1] + 320];
+  g.add(report);
+  offload.connect(0, report, 0);
+  decode.connect(0, report, 1);
+  g.setDirtyCanvas(true, true);
+  return {report: report.id, text: text.id};
+}"""
+
+LISTEN = """() => {
+  window.__lingbot = {progress: [], done: null};
+  const api = window.app.api;
+  api.addEventListener('progress', (e) => window.__lingbot.progress.push([e.detail.node, e.detail.value, e.detail.max]));
+  api.addEventListener('execution_success', () => { window.__lingbot.done = 'success'; });
+  api.addEventListener('execution_error', (e) => { window.__lingbot.done = 'error: ' + e.detail.exception_message; });
+  api.addEventListener('execution_interrupted', () => { window.__lingbot.done = 'interrupted'; });
+}"""
+
+FOCUS = """(id) => {
+  const canvas = window.app.canvas, node = window.app.graph.getNodeById(id);
+  canvas.ds.scale = 1.0;
+  canvas.centerOnNode(node);
+  canvas.setDirty(true, true);
+}"""
+
+NODE_TEXT = """(id) => {
+  const node = window.app.graph.getNodeById(id);
+  const box = node?.widgets?.find((w) => w.name === '""" + NOTES + """');
+  if (!box) return {text: null, clipped: null};
+  const el = box.inputEl || box.element;
+  return {text: String(box.value), clipped: el ? el.scrollHeight > el.clientHeight + 2 : null};
+}"""
+
+
+def queue_and_wait(page, shots: Path, tag: str, timeout: float) -> dict:
+    """Click Run, screenshot while progress arrives, wait for the end; what the listeners saw."""
+    page.evaluate(LISTEN)
+    page.get_by_role("button", name="Run").first.click()
+    end = time.time() + timeout
+    shot = 0
+    while time.time() < end:
+        done = page.evaluate("window.__lingbot.done")
+        if done:
+            break
+        if shot < 3 and page.evaluate("window.__lingbot.progress.length") > 0:
+            page.screenshot(path=str(shots / f"{tag}_running_{shot}.png"))
+            shot += 1
+        page.wait_for_timeout(1000)
+    page.wait_for_timeout(1500)
+    page.screenshot(path=str(shots / f"{tag}_done.png"))
+    return page.evaluate("window.__lingbot")
+
+
+def check_run(page, shots: Path, timeout: float) -> None:
+    page.evaluate(LOAD_AND_COMPARE, json.loads((WORKFLOWS / "lingbot_t2v_dense.json").read_text()))
+    dismiss_dialogs(page)
+    ids = page.evaluate(ADD_NODES, int(time.time()))
+    state = queue_and_wait(page, shots, "t2v", timeout)
+    record(state["done"] == "success", "T2V queued from the Run button finishes", str(state["done"]))
+    nodes = {str(n) for n, _, _ in state["progress"]}
+    record(len(state["progress"]) > 1, "progress events arrive while it runs",
+           f"{len(state['progress'])} events from nodes {sorted(nodes)}")
+    texts = {}
+    for name in ("report", "text"):
+        page.evaluate(FOCUS, ids[name])
+        page.wait_for_timeout(800)
+        page.screenshot(path=str(shots / f"t2v_{name}_node.png"))
+        texts[name] = page.evaluate(NODE_TEXT, ids[name])
+    for name, what, must in (("report", "Memory Report shows its text on the node", "LingBot memory"),
+                             ("text", "Text Encode shows the prose warning on the node", "prose")):
+        text = texts[name]["text"] or ""
+        record(must in text, what, text.splitlines()[0] if text else "no text box")
+        record(texts[name]["clipped"] is False, f"{what.split(' shows')[0]}: the whole text fits its box",
+               f"clipped: {texts[name]['clipped']}")
+
+REWRITE_GRAPH = """(endpoint) => {
+  const g = window.app.graph;
+  g.clear();
+  const rewrite = window.LiteGraph.createNode('LingBotRewrite');
+  rewrite.pos = [100, 100];
+  g.add(rewrite);
+  rewrite.widgets.find((w) => w.name === 'prompt').value = 'a paper boat on a canal';
+  rewrite.widgets.find((w) => w.name === 'endpoint').value = endpoint;
+  rewrite.widgets.find((w) => w.name === 'expand_model').value = 'canned';
+  const preview = window.LiteGraph.createNode('PreviewAny');
+  preview.pos = [700, 100];
+  g.add(preview);
+  rewrite.connect(0, preview, 0);
+  g.setDirtyCanvas(true, true);
+  return rewrite.id;
+}"""
+
+
+def fake_chat_server(port: int):
+    """A loopback OpenAI-compatible server: stage 1 gets prose, stage 2 a valid caption (canned)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    sys.path.insert(0, str(ROOT))
+    from lingbot_core.caption_schema import CAMERA_DEFAULTS, timestamp
+
+    caption = {"caption": {
+        "comprehensive_description": {"scene_content_description": "A canal at dawn, mist over the water.",
+                                      "camera_movement_description": "The camera tracks right."},
+        "camera_info": dict(CAMERA_DEFAULTS), "world_knowledge": [],
+        "prominent_elements": [{"name": "paper boat", "description": "A small red paper boat.",
+                                "actions": [{"timestamp": timestamp(0, 5.0), "action": "drifts forward"}]}]},
+        "duration": 5.0}
+    calls = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            calls.append(self.path)
+            text = "A small red paper boat drifts along a misty canal at dawn." if len(calls) % 2 else \
+                json.dumps(caption)
+            data = json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}],
+                               "usage": {"completion_tokens": 9}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd
+
+
+def check_rewrite(page, shots: Path, port: int, timeout: float) -> None:
+    httpd = fake_chat_server(port)
+    try:
+        node = page.evaluate(REWRITE_GRAPH, f"http://127.0.0.1:{port}/v1")
+        state = queue_and_wait(page, shots, "rewrite", timeout)
+        page.evaluate(FOCUS, node)
+        page.wait_for_timeout(800)
+        page.screenshot(path=str(shots / "rewrite_node.png"))
+        text = page.evaluate(NODE_TEXT, node)["text"]
+        record(state["done"] == "success" and bool(text) and "caption" in text,
+               "Rewrite (endpoint) shows its result on the node", (text or str(state["done"]))[:160])
+    finally:
+        httpd.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from playwright.sync_api import sync_playwright
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", default="http://127.0.0.1:8188")
+    parser.add_argument("--chromium", default="/usr/bin/chromium")
+    parser.add_argument("--shots", type=Path, required=True, help="a folder for the screenshots")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds the queued run may take")
+    parser.add_argument("--rewrite-port", type=int, default=0,
+                        help="run the Rewrite check against a canned endpoint on this loopback port (start ComfyUI "
+                             "with LINGBOT_REWRITE_ENDPOINTS=http://127.0.0.1:PORT/v1)")
+    args = parser.parse_args(argv)
+    args.shots.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=args.chromium, args=CHROMIUM_FLAGS)
+        page = browser.new_page(viewport={"width": 1600, "height": 1000})
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(args.url, timeout=120_000)
+        page.wait_for_function("window.app && window.app.graph && window.app.api", timeout=120_000)
+        page.wait_for_timeout(2000)
+        version = page.evaluate("window.__COMFYUI_FRONTEND_VERSION__ || null")
+        print(f"frontend {version}", flush=True)
+        dismiss_dialogs(page)
+        check_templates(page, args.shots)
+        check_workflows(page, args.shots)
+        check_run(page, args.shots, args.timeout)
+        if args.rewrite_port:
+            check_rewrite(page, args.shots, args.rewrite_port, args.timeout)
+        ours = [e for e in errors if "lingbot" in e.lower()]
+        record(not ours, "no page error from the pack's script", "; ".join(ours)[:400])
+        browser.close()
+    failed = [name for ok, name, _ in RESULTS if not ok]
+    print(f"{len(RESULTS) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
