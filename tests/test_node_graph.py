@@ -92,8 +92,12 @@ def test_rewrite_workflows_run_on_the_tiny_text_encoder(name, monkeypatch):
     document = short_caption(base.nodes[rewrite]["inputs"]["duration"])
     scripted = ScriptedRewriter({"expand": "A red boat drifts.", "map": json.dumps(document)}).install(monkeypatch)
     engine = Engine(NODE_CLASS_MAPPINGS)
-    first = engine.run(base, seed_order=21)
+    ticks = []
+    first = engine.run(base, seed_order=21, progress=lambda nid, value, total: ticks.append((nid, value, total)))
     caption, expanded = first.output(rewrite, 0), first.output(rewrite, 1)
+    # progress while generating: token counts per stage, up to each stage's limit
+    counts = [value for nid, value, _total in ticks if nid == rewrite]
+    assert len(counts) > 20 and max(counts) > 20 and all(v <= t for nid, v, t in ticks if nid == rewrite)
     assert json.loads(caption) == document and expanded == "A red boat drifts." and scripted.stages == ["expand", "map"]
     shown = first.ui[rewrite]["text"][0]
     assert caption in shown and expanded in shown  # the node text the editor shows (web/lingbot_text.js)

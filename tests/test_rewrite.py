@@ -12,6 +12,7 @@ import pytest
 import torch
 from rewrite_fakes import FakeChatServer, ScriptedHead, reply, valid_caption
 
+from lingbot_core import offload
 from lingbot_core import rewrite as rw
 from lingbot_core.caption_schema import CAMERA_FIELDS, caption_problems
 from lingbot_core.handle import PipelineHandle
@@ -21,6 +22,7 @@ from lingbot_core.placement.modes import MODE_ORDER
 
 MODES = list(MODE_ORDER)  # every registered offload mode
 OPTS = {"group": {"use_stream": False}}
+GREEDY = rw.Sampling()
 
 
 # -- scanner and schema ------------------------------------------------------------------------------
@@ -184,6 +186,28 @@ def test_the_cache_answers_the_same_request_and_keys_on_what_changes_the_caption
         assert other != rw.ResultCache.key(ti2v, _backend(server), rw.Sampling())
 
 
+def test_the_cache_key_changes_with_prompt_duration_task_backend_and_model():
+    from types import SimpleNamespace
+
+    def key(request=REQUEST, backend=None, sampling=GREEDY):
+        return rw.ResultCache.key(request, backend or rw.OpenAIBackend("http://127.0.0.1:9/v1", "base", "json"),
+                                  sampling)
+
+    same = key(rw.RewriteRequest(REQUEST.prompt, "t2v", 5.0))
+    assert same == key()
+    local = SimpleNamespace(folder="/models/a", view_states=())
+    others = [key(rw.RewriteRequest(REQUEST.prompt + ".", "t2v", 5.0)),  # prompt
+              key(rw.RewriteRequest(REQUEST.prompt, "t2v", 4.5)),  # duration
+              key(rw.RewriteRequest(REQUEST.prompt, "t2i", 5.0)),  # task
+              key(backend=rw.OpenAIBackend("http://127.0.0.1:9/v1", "other", "json")),  # expand model
+              key(backend=rw.OpenAIBackend("http://127.0.0.1:8/v1", "base", "json")),  # endpoint
+              key(backend=rw.LocalBackend(local)),  # backend
+              key(backend=rw.LocalBackend(SimpleNamespace(folder="/models/b", view_states=()))),  # checkpoint
+              key(backend=rw.LocalBackend(local, max_new_tokens=64)),  # token limit
+              key(sampling=rw.Sampling(temperature=0.7, seed=1)), key(sampling=rw.Sampling(temperature=0.7, seed=2))]
+    assert len({same, *others}) == len(others) + 1
+
+
 def test_bad_requests_are_refused_before_any_call():
     with pytest.raises(ValueError, match="needs a prompt"):
         rw.RewriteRequest("  ").checked()
@@ -276,7 +300,21 @@ def test_random_weights_fail_with_the_clear_error(dense):
         rw.rewrite(REQUEST, rw.LocalBackend(dense, max_new_tokens=8), cache=None)
 
 
-def test_cancel_mid_generation_leaves_the_handle_usable(dense):
+def test_sampling_is_seeded_and_leaves_the_global_generator_alone(dense):
+    def sample(seed: int, temperature: float = 1.0) -> str:
+        return rw.generate_text(dense, "s", "u", max_new_tokens=6,
+                                sampling=rw.Sampling(temperature=temperature, seed=seed)).text
+
+    state = torch.random.get_rng_state()
+    first = sample(1)
+    assert torch.equal(torch.random.get_rng_state(), state)  # the run's own generator, forked
+    assert sample(1) == first and sample(2) != first
+    assert sample(1, 0.0) == sample(2, 0.0)  # greedy: the seed does not matter
+
+
+@pytest.mark.parametrize("mode", ["none", "group"])
+def test_cancel_mid_generation_leaves_the_handle_usable(dense, mode):
+    dense = configure_offload(dense, mode, **OPTS.get(mode, {}))
     expected = rw.generate_text(dense, "s", "u", max_new_tokens=5).text
     calls = []
 
@@ -290,6 +328,7 @@ def test_cancel_mid_generation_leaves_the_handle_usable(dense):
             rw.generate_text(dense, "s", "u", max_new_tokens=50)
     assert len(calls) < 50
     assert type(dense.component("text_encoder").lm_head).__name__ != "_FollowingHead"
+    assert offload.resident_components(dense) <= offload.allowed_resident(dense)  # back to the mode's clean state
     assert rw.generate_text(dense, "s", "u", max_new_tokens=5).text == expected
 
 
