@@ -140,16 +140,44 @@ def encode_prompt(
             from .weights.text_encoder_file import require_vision_file
 
             require_vision_file(handle.info.file_sources.get("text_encoder"))
-    with stage(handle, "text_encoder", "processor") as device:
-        encoder, processor = handle.component("text_encoder"), handle.component("processor")
-        if image is not None and picture is None:
-            picture = image_ops.vision_image(pixels, image_ops.vision_patch_size(encoder, processor))
-        positive = prompt_ops.encode_text(encoder, processor, text, image=picture, device=device).to("cpu")
-        negative = None
-        if negative_prompt is not None:
-            negative = prompt_ops.encode_text(encoder, processor, negative_prompt, image=picture,
-                                              device=device).to("cpu")
-    return Conditioning(positive, negative, prompt=text, with_image=picture is not None)
+
+    def encode() -> Conditioning:
+        nonlocal picture
+        with stage(handle, "text_encoder", "processor") as device:
+            encoder, processor = handle.component("text_encoder"), handle.component("processor")
+            if image is not None and picture is None:
+                picture = image_ops.vision_image(pixels, image_ops.vision_patch_size(encoder, processor))
+            positive = prompt_ops.encode_text(encoder, processor, text, image=picture, device=device).to("cpu")
+            negative = None
+            if negative_prompt is not None:
+                negative = prompt_ops.encode_text(encoder, processor, negative_prompt, image=picture,
+                                                  device=device).to("cpu")
+        return Conditioning(positive, negative, prompt=text, with_image=picture is not None)
+
+    # on a parallel view rank 0 encodes and the other ranks receive the embeddings
+    return parallel_stage.from_rank0(handle, encode, _pack_conditioning, _unpack_conditioning, _CONDITIONING_PARTS)
+
+
+_CONDITIONING_PARTS = ("pos_embeds", "pos_mask", "pos_ids", "neg_embeds", "neg_mask", "neg_ids", "flags", "prompt")
+
+
+def _pack_conditioning(cond: Conditioning) -> dict[str, torch.Tensor | None]:
+    pos, neg = cond.positive, cond.negative
+    return {"pos_embeds": pos.embeds, "pos_mask": pos.mask, "pos_ids": pos.input_ids,
+            "neg_embeds": None if neg is None else neg.embeds, "neg_mask": None if neg is None else neg.mask,
+            "neg_ids": None if neg is None else neg.input_ids,
+            "flags": torch.tensor([int(cond.zero_negative), int(cond.with_image)]),
+            "prompt": parallel_stage.text_tensor(cond.prompt)}
+
+
+def _unpack_conditioning(got: dict[str, torch.Tensor | None]) -> Conditioning:
+    negative = None
+    if got["neg_embeds"] is not None:
+        negative = PromptEmbeds(got["neg_embeds"], got["neg_mask"], got["neg_ids"])
+    zero_negative, with_image = (bool(v) for v in got["flags"].tolist())
+    return Conditioning(PromptEmbeds(got["pos_embeds"], got["pos_mask"], got["pos_ids"]), negative,
+                        zero_negative=zero_negative, prompt=parallel_stage.tensor_text(got["prompt"]),
+                        with_image=with_image)
 
 
 # -- image / VAE encode ----------------------------------------------------------------------------
@@ -200,11 +228,18 @@ def encode_image(handle, image: Any, height: int, width: int, *, tiling: dict | 
     picture = image_ops.load_image(checks.checked_image(image))
     checks.check_picture(picture)
     pixels = image_ops.prepare_image_pixels(picture, height, width)
-    with stage(handle, "vae") as device:
-        vae = handle.component("vae")
-        with _vae_tiling(vae, tiling):
-            mean, std = _encode_posterior(vae, pixels, device)
-        vae_config = vae.config
+
+    def posterior() -> tuple[torch.Tensor, torch.Tensor, Any]:
+        with stage(handle, "vae") as device:
+            vae = handle.component("vae")
+            with _vae_tiling(vae, tiling):
+                mean, std = _encode_posterior(vae, pixels, device)
+            return mean, std, vae.config
+
+    # on a parallel view rank 0 runs the VAE; the others receive the posterior and read the VAE's config
+    mean, std, vae_config = parallel_stage.from_rank0(
+        handle, posterior, lambda got: {"mean": got[0].cpu(), "std": got[1].cpu()},
+        lambda got: (got["mean"], got["std"], handle.vae_config()), ("mean", "std"))
     with stage(handle, "processor"):
         patch = image_ops.vision_patch_size(handle.shared.loaded.get("text_encoder"), handle.component("processor"))
     return ImageCondition(pixels, image_ops.vision_image(pixels, patch), mean.cpu(), std.cpu(), vae_config)
@@ -264,6 +299,7 @@ def denoise(
     g = _generator(seed, generator)
     latents, cond_latent = _starting_latents(shape, g, latents, cond_latent, image_cond)
     needs = (transformer, "scheduler") if method.uses_scheduler else (transformer,)
+    parallel_stage.shard_for_stage(handle, transformer)  # FSDP layouts only
     with stage(handle, *needs) as device:
         cond_latent = _on(cond_latent, device)
         latents = pin_first_frames(latents.to(device=device, dtype=torch.float32), cond_latent)
@@ -370,6 +406,8 @@ def _guidance(handle, transformer: str, cond: Conditioning, guidance_scale: floa
 def decode(handle, latents: torch.Tensor, *, tiling: dict | bool | None = None) -> torch.Tensor:
     """DiT-space latents (1,16,T,h,w) -> frames [F,H,W,3] float32 in [0,1] on the CPU."""
     _check_decode_input(handle, latents)
+    if not parallel_stage.is_leader(handle):  # rank 0 decodes and saves; the others hold a placeholder
+        return parallel_stage.placeholder_frames(*checks.decode_output_shape(latents))
     with stage(handle, "vae") as device:
         vae = handle.component("vae")
         z = dit_to_vae(latents.to(device), vae.config).to(dtype=torch.float32)
@@ -394,6 +432,8 @@ def _check_decode_input(handle, latents: Any) -> None:
 def decode_vae_latents(handle, vae_latents: torch.Tensor, **kwargs: Any) -> torch.Tensor:
     """Decode raw Wan-VAE latents (ComfyUI's LATENT convention)."""
     _check_decode_input(handle, vae_latents)  # before the VAE config is read, let alone the VAE loaded
+    if not parallel_stage.is_leader(handle):
+        return parallel_stage.placeholder_frames(*checks.decode_output_shape(vae_latents))
     with stage(handle, "vae"):
         config = handle.component("vae").config
     return decode(handle, vae_to_dit(vae_latents, config), **kwargs)
@@ -475,19 +515,36 @@ def prepare_refine(
     sigmas = _refiner_sigmas(handle, steps=steps, shift=shift, t_thresh=t_thresh, tail_steps=tail_steps)
 
     g = torch.Generator("cpu").manual_seed(seed)
-    video = upscale_frames(frames, height, width)
-    cond_latent = None
-    with stage(handle, "vae") as device:
-        vae = handle.component("vae")
-        with _vae_tiling(vae, tiling):
-            mean, std = _encode_posterior(vae, video, device)
-            x_up = vae_to_dit(mean.cpu() + std.cpu() * torch.randn(mean.shape, generator=g), vae.config)
-            if first_frame is not None:
-                pixels = refiner_first_frame(first_frame, height, width, int(frames.shape[1]), int(frames.shape[2]))
-                mean1, std1 = _encode_posterior(vae, pixels, device)
-                clean = vae_to_dit(mean1.cpu() + std1.cpu() * torch.randn(mean1.shape, generator=g), vae.config)
-                cond_latent = clean[:, :, :1].contiguous()
-                x_up[:, :, :1] = cond_latent
+    video = None
+
+    def encoded() -> tuple[torch.Tensor, torch.Tensor | None]:
+        nonlocal video
+        video = upscale_frames(frames, height, width)
+        cond_latent = None
+        with stage(handle, "vae") as device:
+            vae = handle.component("vae")
+            with _vae_tiling(vae, tiling):
+                mean, std = _encode_posterior(vae, video, device)
+                x_up = vae_to_dit(mean.cpu() + std.cpu() * torch.randn(mean.shape, generator=g), vae.config)
+                if first_frame is not None:
+                    pixels = refiner_first_frame(first_frame, height, width, int(frames.shape[1]),
+                                                 int(frames.shape[2]))
+                    mean1, std1 = _encode_posterior(vae, pixels, device)
+                    clean = vae_to_dit(mean1.cpu() + std1.cpu() * torch.randn(mean1.shape, generator=g), vae.config)
+                    cond_latent = clean[:, :, :1].contiguous()
+                    x_up[:, :, :1] = cond_latent
+        return x_up, cond_latent
+
+    def received(got: dict[str, torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        g.set_state(got["generator"])  # where rank 0's draws left it: the noise below is the same everywhere
+        return got["x_up"], got["cond_latent"]
+
+    # on a parallel view rank 0 runs the VAE; the others receive its latents and its generator state
+    x_up, cond_latent = parallel_stage.from_rank0(
+        handle, encoded, lambda got: {"x_up": got[0], "cond_latent": got[1], "generator": g.get_state()},
+        received, ("x_up", "cond_latent", "generator"))
+    if video is None:  # a rank that did not encode: the upscaled video's shape, no memory behind it
+        video = torch.zeros(1, 1, 1, 1, 1).expand(1, 3, int(frames.shape[0]), height, width)
     noise = torch.randn(x_up.shape, generator=g, dtype=torch.float32)
     initial = (1.0 - t_thresh) * x_up + t_thresh * noise
     return RefineStart(video, x_up, noise, initial, sigmas, cond_latent, g, usable)

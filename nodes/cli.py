@@ -207,6 +207,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shuffle", type=int, metavar="SEED",
                         help="pick among ready nodes in a seeded random order (the graph must not care)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress or log lines on stderr")
+    parser.add_argument("--parallel", nargs="?", const="", metavar="cfg=C,ulysses=U",
+                        help="one video on every process of a torchrun world (torchrun --nproc-per-node N -m "
+                             "lingbot_nodes ...): cfg 1 or 2, ulysses dividing the DiT's heads, C x U = N; missing "
+                             "degrees follow from the world (cfg=1, ulysses=N; the default under torchrun without "
+                             "--jobs). Rank 0 encodes, decodes and saves; Offload nodes run as 'none'")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="with --parallel: shard the DiT's blocks over the processes (FSDP2) so each holds a "
+                             "part of their weights; float32 norms, modulation and router stay whole")
     from lingbot_core.parallel.jobs import JOB_FIELDS
 
     jobs = parser.add_argument_group(
@@ -330,6 +338,7 @@ def _run(args: argparse.Namespace, reporter: Reporter) -> int:
         overrides += [f"{nid}.{FILE_FLAGS[flag]}={value}" for nid in loaders for flag, value in given.items()]
         if not args.model and {"dit", "vae", "text_encoder"} <= set(given):
             overrides += [f"{nid}.checkpoint=none" for nid in loaders]  # nothing from the workflow's own folder
+    layout = _start_parallel(args, prompt, overrides, reporter)
     prompt = apply_overrides(prompt, overrides, NODE_CLASS_MAPPINGS)
     if args.rewrite is not None:
         prompt = insert_rewrite(prompt, args.rewrite, endpoint=args.rewrite_endpoint, model=args.rewrite_model,
@@ -345,12 +354,14 @@ def _run(args: argparse.Namespace, reporter: Reporter) -> int:
         if args.rewrite is not None:
             raise WorkflowError("--rewrite and --jobs do not combine yet; put each job's prompt in the jobs file")
         return _run_jobs(args, prompt, engine, reporter, output)
-    reporter.write(f"lingbot-run: {path}")
+    reporter.write(f"lingbot-run: {path}" + (f" on {layout.world_size} processes, {layout.describe()}"
+                                             if layout is not None else ""))
     with _library_log(reporter), watch_nodes(reporter.node_started):
         try:
             result = engine.run(prompt, seed_order=args.shuffle, progress=reporter.progress)
         finally:
             reporter.close_bar()
+            _stop_parallel(layout)
     reporter.finish()
     for line in report_texts(result, reporter.labels):  # asked for by the graph: shown even with --quiet
         print(line, file=sys.stderr)
@@ -425,6 +436,52 @@ def _run_jobs(args: argparse.Namespace, prompt, engine, reporter: Reporter, outp
     print(f"jobs: {len(results) - failed} done, {failed} failed, {mine - len(results)} already done"
           f"{where}; manifest {manifest.path}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _start_parallel(args: argparse.Namespace, prompt, overrides: list[str], reporter: Reporter):
+    """Join the torchrun world when asked (`--parallel`, or a world of several processes without
+    `--jobs`), make its layout every handle's (`parallel.stage.use_process_layout`), set the Offload
+    nodes to 'none' (no other mode runs on several processes) and quiet the ranks above 0.
+    Returns the layout, or None for a one-process run."""
+    from lingbot_core.workflow import WorkflowError
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.jobs is not None and (args.parallel is not None or args.fsdp):
+        raise WorkflowError("--parallel/--fsdp and --jobs do not combine yet: --jobs spreads whole videos over the "
+                            "processes, --parallel shares one video among them")
+    if args.parallel is None and (world == 1 or args.jobs is not None):
+        if args.fsdp:
+            raise WorkflowError("--fsdp shards the DiT over the processes of a parallel run: start it with "
+                                "torchrun and --parallel")
+        return None
+    from lingbot_core.parallel.launch import init_from_env
+    from lingbot_core.parallel.stage import use_process_layout
+
+    layout = init_from_env(args.parallel or "", fsdp=args.fsdp)
+    if layout.world_size == 1:
+        return None
+    use_process_layout(layout)
+    offloads = [nid for nid, node in prompt.nodes.items()
+                if node["class_type"] == "LingBotOffload" and node["inputs"].get("mode") != "none"]
+    if offloads:
+        reporter.write(f"--parallel: Offload node(s) {', '.join(offloads)} run as 'none' (each rank holds its DiT)")
+        overrides += [f"{nid}.mode=none" for nid in offloads]
+    if layout.rank != 0:
+        reporter.enabled = reporter.tty = False
+    return layout
+
+
+def _stop_parallel(layout) -> None:
+    """Leave the world `_start_parallel` joined (nothing for a one-process run)."""
+    if layout is None:
+        return
+    import torch.distributed as dist
+
+    from lingbot_core.parallel.stage import use_process_layout
+
+    use_process_layout(None)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _pick_local_device() -> None:

@@ -97,7 +97,11 @@ class LingBotSaveVideo(io.ComfyNode):
     def execute(cls, images, fps, filename_prefix):
         import json
 
+        from lingbot_core.parallel.stage import writes_outputs
         from lingbot_core.video import save_frames
+
+        if not writes_outputs():  # a parallel run: rank 0 saves, the other ranks hold placeholder frames
+            return io.NodeOutput(ui={"images": []})
 
         prompt, extra_pnginfo = cls.hidden.prompt, cls.hidden.extra_pnginfo
         # The graph travels with the file, so dropping it back into ComfyUI restores the workflow.

@@ -119,30 +119,102 @@ def _t2v_checks(layout: ParallelLayout, tiny: str) -> dict:
     return found
 
 
-def _worker(rank: int, world: int, port: int, out: str, tiny: str) -> None:
+def _refine_checks(layout: ParallelLayout, tiny_moe: str) -> dict:
+    """The MoE refiner on a parallel view of the handle: rank 0 encodes the prompt and the frames (the
+    others are handed placeholder frames, which they must not need), every rank samples, rank 0 decodes."""
+    from lingbot_core import stages
+    from lingbot_core.handle import PipelineHandle
+    from lingbot_core.parallel.stage import placeholder_frames
+
+    handle = PipelineHandle.open(tiny_moe, device="cpu")
+    view = handle.with_parallel(layout)
+    frames = torch.rand(5, 32, 32, 3, generator=torch.Generator().manual_seed(3))
+    given = frames if layout.rank == 0 else placeholder_frames(5, 32, 32)
+    options = dict(height=32, width=32, steps=4, seed=5, tiling=False)
+    cond = stages.encode_prompt(view, "a red paper boat on a canal", None)
+    shared = stages.refine(view, given, cond, **options)
+    found = {"text_encoder_loaded": "text_encoder" in handle.shared.loaded, "vae_loaded": "vae" in handle.shared.loaded}
+    if layout.rank == 0:
+        alone = stages.refine(handle, frames, stages.encode_prompt(handle, "a red paper boat on a canal", None),
+                              **options)
+        found["frames"] = _relative(shared, alone)
+    return found
+
+
+def _fsdp_checks(layout: ParallelLayout) -> dict:
+    """FSDP2 on top of cfg=2 x ulysses=2: a tiny MoE DiT's blocks sharded over the four ranks, through
+    `parallel_denoise` on a bare DiT, against the same DiT in one process."""
+    import dataclasses
+
+    from lingbot_core.parallel.fsdp import is_fsdp_sharded, shard_plan
+    from lingbot_core.parallel.run import parallel_denoise
+    from lingbot_core.prompt import PromptEmbeds
+    from lingbot_core.stages import Conditioning
+
+    g = torch.Generator().manual_seed(4)
+    ids = torch.zeros(1, 1, dtype=torch.int64)
+    cond = Conditioning(PromptEmbeds(torch.randn(1, 7, 32, generator=g), torch.ones(1, 7, dtype=torch.int64), ids),
+                        PromptEmbeds(torch.randn(1, 3, 32, generator=g), torch.ones(1, 3, dtype=torch.int64), ids))
+    latents = torch.randn(1, 16, 2, 4, 6, generator=g)
+    model = _model(MOE)
+    full = sum(p.numel() for p in model.parameters())
+    plan = shard_plan(model)
+    alone = parallel_denoise(model, ParallelLayout.single(), latents, cond, steps=2, guidance_scale=3.0)
+    fsdp = dataclasses.replace(layout, fsdp=True, _world=None)
+    shared = parallel_denoise(model, fsdp, latents, cond, steps=2, guidance_scale=3.0)
+    from torch.distributed.tensor import DTensor
+
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+    sharded_numel = sum(dict(model.named_parameters())[f"{b}.{n}"].numel() for b, names, _ in plan.blocks
+                        for n in names)
+    return {"diff": _relative(shared, alone), "sharded": is_fsdp_sharded(model), "local": local, "full": full,
+            "expected_local": full - sharded_numel + sharded_numel // layout.world_size}
+
+
+def _headless(rank: int, world: int, out: str) -> dict:
+    """`lingbot-run t2i --parallel cfg=2,ulysses=2` on this rank, as torchrun would start it (its
+    environment variables; the CLI finds the group already initialised and leaves it at the end)."""
+    import contextlib
+    import io
+    import os
+
+    from lingbot_nodes.cli import main
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main(["t2i", "--parallel", "cfg=2,ulysses=2", "--output", str(Path(out, "cli")), "-q"])
+    return {"code": code, "printed": printed.getvalue().split()}
+
+
+def _worker(rank: int, world: int, port: int, out: str, tiny: str, tiny_moe: str) -> None:
     """One spawned run for every check (each interpreter start costs seconds on a loaded machine)."""
     torch.set_num_threads(1)
     init_loopback_group(rank, world, port)
     try:
         layout = ParallelLayout.create(2, 2)
-        result = {"ulysses": _ulysses_checks(layout), "cfg": _cfg_checks(layout), "t2v": _t2v_checks(layout, tiny)}
+        result = {"ulysses": _ulysses_checks(layout), "cfg": _cfg_checks(layout), "t2v": _t2v_checks(layout, tiny),
+                  "refine": _refine_checks(layout, tiny_moe), "fsdp": _fsdp_checks(layout),
+                  "cli": _headless(rank, world, out)}
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
-        torch.distributed.destroy_process_group()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory) -> list[dict]:
     from lingbot_core.tiny import ensure_tiny_checkpoint
 
-    tiny = str(ensure_tiny_checkpoint("dense"))  # built here, not raced by four processes
+    tiny, tiny_moe = (str(ensure_tiny_checkpoint(v)) for v in ("dense", "moe"))  # built here, not raced by four
     out = tmp_path_factory.mktemp("parallel")
     # fork: the workers start without importing torch again (as DataLoader workers do; one thread each);
     # spawn where CUDA is initialised in this process (it does not survive a fork)
     method = "spawn" if torch.cuda.is_initialized() else "fork"
-    mp.start_processes(_worker, args=(4, free_loopback_port(), str(out), tiny), nprocs=4, join=True,
+    mp.start_processes(_worker, args=(4, free_loopback_port(), str(out), tiny, tiny_moe), nprocs=4, join=True,
                        start_method=method)
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    results[0]["cli_files"] = sorted(str(p.relative_to(out / "cli")) for p in (out / "cli").rglob("*") if p.is_file())
     print("parallel vs one process, max relative diff per rank:", json.dumps(results))  # shown with -s
     return results
 
@@ -169,6 +241,44 @@ def test_tiny_t2v_on_four_processes_matches_one_process(four_ranks):
     for rank, result in enumerate(four_ranks):
         assert result["t2v"]["same_on_every_rank"], rank  # every rank steps the same latents
         assert not result["t2v"]["hooks_left"], rank  # the stage took its hooks off the shared DiT
+
+
+def test_moe_refiner_on_four_processes_matches_one_process(four_ranks):
+    assert four_ranks[0]["refine"]["frames"] <= T2V_TOLERANCE, four_ranks[0]["refine"]
+    assert four_ranks[0]["refine"]["text_encoder_loaded"] and four_ranks[0]["refine"]["vae_loaded"]
+    for rank, result in enumerate(four_ranks[1:], 1):  # only rank 0 ever loads the text encoder and the VAE
+        assert not result["refine"]["text_encoder_loaded"] and not result["refine"]["vae_loaded"], rank
+
+
+def test_fsdp_shards_the_blocks_and_keeps_the_result(four_ranks):
+    for rank, result in enumerate(four_ranks):
+        got = result["fsdp"]
+        assert got["sharded"] and got["diff"] <= TOLERANCE, (rank, got)
+        # each rank holds a quarter of the blocks' bulk weights (the float32 set and the rest whole)
+        assert got["local"] == got["expected_local"] < got["full"], (rank, got)
+
+
+def test_headless_parallel_run_saves_once_what_one_process_saves(four_ranks, tmp_path, capsys):
+    """Rank 0 encodes, decodes and saves; the other ranks print and write nothing; the picture equals
+    the one-process run's (PNG: lossless) within one 8-bit level."""
+    import numpy as np
+    from PIL import Image
+
+    from lingbot_nodes.cli import main
+
+    for rank, result in enumerate(four_ranks):
+        assert result["cli"]["code"] == 0, rank
+        if rank:
+            assert result["cli"]["printed"] == [], rank
+    written = four_ranks[0]["cli"]["printed"]
+    assert len(written) == 1 and written[0].endswith(".png"), written
+    assert four_ranks[0]["cli_files"] == ["lingbot/t2i_00001_.png"]  # one file in the shared folder
+    assert main(["t2i", "--output", str(tmp_path), "-q"]) == 0
+    alone = capsys.readouterr().out.split()
+    parallel_png = np.asarray(Image.open(written[0]), dtype=np.int16)
+    alone_png = np.asarray(Image.open(alone[0]), dtype=np.int16)
+    assert parallel_png.shape == alone_png.shape
+    assert np.abs(parallel_png - alone_png).max() <= 1
 
 
 def test_degrees_parse_and_default_from_the_world():
@@ -214,3 +324,72 @@ def test_bench_script_parses_and_builds_valid_configs(capsys):
         with torch.device("meta"):  # the config checks run; no weights are allocated
             model = LingBotVideoTransformer3DModel(**bench_parallel.dit_config(args))
         assert model.spec.num_attention_heads % 2 == 0  # both timed layouts split it
+
+
+def _fake_layout(cfg: int, ulysses: int, rank: int = 0, fsdp: bool = False) -> ParallelLayout:
+    """A layout with the shape of a real one and no process groups behind it (checks only)."""
+    return ParallelLayout(cfg=cfg, ulysses=ulysses, rank=rank, mesh=object(), fsdp=fsdp)
+
+
+def test_parallel_view_refuses_what_cannot_run_on_several_processes():
+    from lingbot_core.handle import PipelineHandle
+    from lingbot_core.parallel import stage as parallel_stage
+
+    handle = PipelineHandle.from_components({"transformer": _model(DENSE)})  # 4 heads
+    with pytest.raises(ValueError, match="offload mode 'model' cannot run on several processes"):
+        handle.with_offload("model").with_parallel(_fake_layout(2, 2))
+    with pytest.raises(ValueError, match="divide the DiT's 4 attention heads"):
+        handle.with_parallel(_fake_layout(1, 3))
+    with pytest.raises(ValueError, match="no process groups"):
+        handle.with_parallel(ParallelLayout(cfg=2, ulysses=1))
+    view = handle.with_parallel(_fake_layout(2, 2))
+    assert parallel_stage.active_layout(view) is view.parallel and parallel_stage.active_layout(handle) is None
+    with pytest.raises(ValueError, match="step caching"):
+        parallel_stage.check_request(view, cfg_batch="off", step_cache_on=True)
+    with pytest.raises(ValueError, match="cfg_batch 'on'"):
+        parallel_stage.check_request(view, cfg_batch="on", step_cache_on=False)
+    parallel_stage.check_request(view, cfg_batch="auto", step_cache_on=False)
+    parallel_stage.check_request(handle, cfg_batch="on", step_cache_on=True)  # one process: not this check's
+
+
+def test_process_layout_decides_who_writes():
+    from lingbot_core.parallel import stage as parallel_stage
+
+    assert parallel_stage.writes_outputs()
+    try:
+        parallel_stage.use_process_layout(_fake_layout(1, 2, rank=1))
+        assert not parallel_stage.writes_outputs()
+        assert not parallel_stage.is_leader(SimpleNamespace(parallel=None))
+        parallel_stage.use_process_layout(_fake_layout(1, 2, rank=0))
+        assert parallel_stage.writes_outputs() and parallel_stage.is_leader(SimpleNamespace(parallel=None))
+    finally:
+        parallel_stage.use_process_layout(None)
+    frames = parallel_stage.placeholder_frames(5, 32, 48)
+    assert frames.shape == (5, 32, 48, 3) and frames.untyped_storage().nbytes() == 4  # no memory behind it
+
+
+def test_cli_refuses_parallel_with_jobs(tmp_path, capsys):
+    from lingbot_nodes.cli import main
+
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text('{"seed": 1}\n')
+    assert main(["t2i", "--parallel", "cfg=2", "--jobs", str(jobs), "--output", str(tmp_path), "-q"]) == 2
+    assert "--parallel/--fsdp and --jobs do not combine" in capsys.readouterr().err
+
+
+def test_fsdp_plan_shards_bulk_weights_and_keeps_the_float32_set_whole():
+    from lingbot_core.handle import PipelineHandle
+    from lingbot_core.models.precision import stays_float32
+    from lingbot_core.parallel.fsdp import shard_plan
+
+    model = _model(MOE)
+    plan = shard_plan(model)
+    assert len(plan.blocks) == MOE["depth"]
+    for _, sharded, whole in plan.blocks:
+        assert sharded and whole and not any(stays_float32(n) for n in sharded) and all(stays_float32(n) for n in whole)
+        assert any("experts" in n for n in sharded) and any("router" in n for n in whole)
+    sharded_bytes, whole_bytes = plan.bytes(model)
+    assert sharded_bytes + whole_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
+    handle = PipelineHandle.from_components({"transformer": model})
+    with pytest.raises(ValueError, match="offload mode 'sequential' and FSDP do not combine"):
+        handle.with_offload("sequential").with_parallel(_fake_layout(2, 2, fsdp=True))

@@ -195,6 +195,10 @@ def test_every_readme_command_is_checked():
             core_parser().parse_args(argv[3:])
         elif argv[0] == "lingbot-run":
             run_parser().parse_args(argv[1:])
+        elif argv[0] == "torchrun":  # torchrun [its options] -m lingbot_nodes [lingbot-run's options]
+            module = argv.index("-m")
+            assert argv[module + 1] == "lingbot_nodes" and argv[1:module] == ["--nproc-per-node", argv[2]], argv
+            run_parser().parse_args(argv[module + 2:])
         else:
             assert any(tuple(argv[:len(s)]) == s for s in SHELL), f"no check for README command {argv}"
         kinds.add(argv[0])

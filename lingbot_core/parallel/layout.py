@@ -54,6 +54,8 @@ class ParallelLayout:
     ulysses: int = 1
     rank: int = 0
     mesh: Any = field(default=None, repr=False)
+    fsdp: bool = False  # shard the DiTs' blocks over every rank (parallel/fsdp.py)
+    _world: Any = field(default=None, repr=False, compare=False)
 
     @property
     def world_size(self) -> int:
@@ -84,8 +86,9 @@ class ParallelLayout:
         return cls()
 
     @classmethod
-    def create(cls, cfg: int, ulysses: int, *, device_type: str = "cpu") -> ParallelLayout:
-        """The layout of this rank in the initialised default group; every rank must call it."""
+    def create(cls, cfg: int, ulysses: int, *, device_type: str = "cpu", fsdp: bool = False) -> ParallelLayout:
+        """The layout of this rank in the initialised default group; every rank must call it.
+        `fsdp`: the DiTs' blocks are sharded over every rank when a denoise first runs them."""
         if cfg not in CFG_DEGREES or ulysses < 1:
             raise ValueError(f"parallel layout: cfg must be one of {CFG_DEGREES} and ulysses >= 1 (got {cfg}, {ulysses})")
         if not dist.is_available() or not dist.is_initialized():
@@ -96,7 +99,16 @@ class ParallelLayout:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device_type, (cfg, ulysses), mesh_dim_names=("cfg", "ulysses"))
-        return cls(cfg=cfg, ulysses=ulysses, rank=dist.get_rank(), mesh=mesh)
+        return cls(cfg=cfg, ulysses=ulysses, rank=dist.get_rank(), mesh=mesh, fsdp=bool(fsdp))
+
+    def world_mesh(self) -> Any:
+        """A one-dimensional mesh of every rank (what FSDP shards over), made on first use; every rank
+        must call it the first time."""
+        if self._world is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._world = init_device_mesh(self.mesh.device_type, (self.world_size,), mesh_dim_names=("world",))
+        return self._world
 
     def check_heads(self, heads: int) -> None:
         """Refuse a ulysses degree that does not divide the DiT's attention heads."""
@@ -105,5 +117,7 @@ class ParallelLayout:
                              f"(pick a divisor of {heads})")
 
     def describe(self) -> str:
-        return f"cfg={self.cfg} x ulysses={self.ulysses} (rank {self.rank}: cfg row {self.cfg_rank}, chunk {self.ulysses_rank})"
+        sharded = ", FSDP" if self.fsdp else ""
+        return (f"cfg={self.cfg} x ulysses={self.ulysses}{sharded} (rank {self.rank}: cfg row {self.cfg_rank}, "
+                f"chunk {self.ulysses_rank})")
 

@@ -17,6 +17,7 @@ so the shared DiT is the one-process model between stages.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -27,15 +28,31 @@ import torch.distributed as dist
 from .layout import ParallelLayout
 from .ulysses import disable_sequence_parallel, enable_sequence_parallel
 
-__all__ = ["active_layout", "broadcast_tensors", "check_request", "check_view", "from_rank0", "is_leader",
+__all__ = ["active_layout", "check_heads", "process_layout", "use_process_layout", "broadcast_tensors", "offload_refusal", "shard_for_stage", "check_request", "check_view", "from_rank0", "is_leader",
            "placeholder_frames", "sequence_parallel", "text_tensor", "tensor_text", "writes_outputs"]
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+_PROCESS: list[ParallelLayout | None] = [None]
+
+
+def use_process_layout(layout: ParallelLayout | None) -> None:
+    """Make `layout` the layout of every handle view in this process that sets none of its own
+    (headless `--parallel`: the graph's Loader builds plain handles); None: no process layout."""
+    _PROCESS[0] = layout if layout is not None and layout.world_size > 1 else None
+
+
+def process_layout() -> ParallelLayout | None:
+    return _PROCESS[0]
 
 
 def active_layout(handle: Any) -> ParallelLayout | None:
-    """The handle view's layout when it spans more than one process, else None."""
+    """The handle view's layout (else the process layout) when it spans more than one process, else None."""
     layout = getattr(handle, "parallel", None)
+    if layout is None:
+        layout = _PROCESS[0]
     return layout if layout is not None and layout.world_size > 1 else None
 
 
@@ -46,8 +63,9 @@ def is_leader(handle: Any) -> bool:
 
 
 def writes_outputs() -> bool:
-    """Whether this process writes files: False on every rank but 0 of an initialised multi-process group."""
-    return not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0)
+    """Whether this process writes output files: False on every rank but 0 of the process layout."""
+    layout = _PROCESS[0]
+    return layout is None or layout.rank == 0
 
 
 def check_view(handle: Any, layout: ParallelLayout | None) -> ParallelLayout | None:
@@ -61,15 +79,47 @@ def check_view(handle: Any, layout: ParallelLayout | None) -> ParallelLayout | N
                          "ParallelLayout.create(cfg, ulysses) after init_process_group")
     mode = getattr(handle.offload, "mode", "none")
     if mode != "none":
-        raise ValueError(f"offload mode {mode!r} cannot run on several processes (each rank holds its own "
-                         f"copy or shard of the DiT): use offload 'none' with parallel {layout.describe()}")
+        raise ValueError(offload_refusal(mode, layout))
+    check_heads(handle, layout)
+    return layout
+
+
+def offload_refusal(mode: str, layout: ParallelLayout) -> str:
+    """The one message that refuses an offload mode for a parallel layout (FSDP or not)."""
+    if layout.fsdp:
+        return (f"offload mode {mode!r} and FSDP do not combine: FSDP shards the DiT's blocks over the ranks and "
+                f"an offload mode moves whole tensors; use offload 'none' with parallel {layout.describe()}")
+    return (f"offload mode {mode!r} cannot run on several processes (each rank holds its own copy of the DiT): "
+            f"use offload 'none' with parallel {layout.describe()}")
+
+
+def shard_for_stage(handle: Any, name: str) -> None:
+    """With an FSDP layout: shard DiT `name`'s blocks (once) before the stage door moves it onto the
+    device, so a rank never holds the whole DiT on its device. It is loaded here, on the host, when
+    it is not loaded yet (the one place a stage takes a component before its door: the door would
+    move it whole)."""
+    layout = active_layout(handle)
+    if layout is None or not layout.fsdp:
+        return
+    from .fsdp import describe, shard_dit
+
+    mode = getattr(handle.offload, "mode", "none")
+    if mode != "none":
+        raise ValueError(offload_refusal(mode, layout))
+    dit = handle.component(name)
+    if shard_dit(dit, layout):
+        log.info("%s: FSDP over %d ranks, %s", name, layout.world_size, describe(dit))
+
+
+def check_heads(handle: Any, layout: ParallelLayout) -> None:
+    """Refuse a ulysses degree that does not divide the heads of the handle's DiTs (known from the
+    checkpoint's config, or from a DiT in memory)."""
     info = getattr(handle, "info", None)
     heads = [(info.transformer_config or {}).get("num_attention_heads")] if info is not None else []
     heads += [m.spec.num_attention_heads for name, m in handle.shared.loaded.items()
               if name in ("transformer", "refiner") and hasattr(m, "spec")]
     for count in filter(None, heads):
         layout.check_heads(int(count))
-    return layout
 
 
 def check_request(handle: Any, *, cfg_batch: str, step_cache_on: bool) -> None:
@@ -77,6 +127,7 @@ def check_request(handle: Any, *, cfg_batch: str, step_cache_on: bool) -> None:
     layout = active_layout(handle)
     if layout is None:
         return
+    check_heads(handle, layout)
     if step_cache_on:
         raise ValueError(f"step caching does not combine with parallel {layout.describe()} (it keeps "
                          "per-branch state the ranks would not share); turn step_cache off")
