@@ -199,7 +199,10 @@ def child_model(folder: str, lora_path: str, weights: str, tokens: tuple[int, in
 
     base, _ = _rss()
     t0 = time.perf_counter()
-    model = load_dit(folder, dtype=torch.bfloat16, weights=weights)
+    from lingbot_core.weights.state import ModelState
+
+    state = ModelState()
+    model = load_dit(folder, dtype=torch.bfloat16, weights=weights, state=state)
     load_seconds = time.perf_counter() - t0
     loaded, _ = _rss()
     lora = lora_ops.load_lora_file(lora_path)
@@ -208,7 +211,7 @@ def child_model(folder: str, lora_path: str, weights: str, tokens: tuple[int, in
     result = _rounds(model, lora, inputs, repeats)
     plain, adapted = result.pop("_outputs")
     result.update(load_seconds=load_seconds, baseline_rss=base, model_rss=loaded - base, modules=report.modules,
-                  unmatched=len(report.unmatched), peak_rss=_rss()[1], format=model.weights_format)
+                  unmatched=len(report.unmatched), peak_rss=_rss()[1], format=state.format)
     if weights == "auto":
         torch.save({"plain": plain, "lora": adapted}, outputs)
     elif Path(outputs).is_file():

@@ -435,21 +435,25 @@ def write_format(plain: Path, fmt: str, folder: Path) -> Path:
     return folder
 
 
-def load_format(folder: Path, dtype: torch.dtype, *, streamed: bool = False) -> torch.nn.Module:
-    """The DiT of a `write_format` folder, loaded as the handle would (`checkpoint.load_transformer`)."""
+def load_format(folder: Path, dtype: torch.dtype, *, streamed: bool = False) -> tuple[torch.nn.Module, Any]:
+    """The DiT of a `write_format` folder, loaded as the handle would (`checkpoint.load_transformer`), and
+    its `ModelState` (disk homes and the like)."""
     from lingbot_core.checkpoint import load_transformer
+    from lingbot_core.weights.state import ModelState
 
-    return load_transformer(folder, "transformer", dtype=dtype, streamed=streamed)
+    state = ModelState()
+    return load_transformer(folder, "transformer", dtype=dtype, streamed=streamed, state=state), state
 
 
-def use_dit(base, dit: torch.nn.Module) -> None:
-    """Make `dit` the handle's DiT: every placement taken off first (components back to the CPU), then
-    the attention backend set as `SharedComponents.get` sets it on a loaded DiT."""
+def use_dit(base, dit: torch.nn.Module, state: Any) -> None:
+    """Make `dit` (and its `ModelState`) the handle's DiT: every placement taken off first (components back
+    to the CPU), then the attention backend set as `SharedComponents.get` sets it on a loaded DiT."""
     shared = base.shared
     with shared.lock:
         shared.placement.uninstall_all(shared.loaded)
         dit.set_attention_backend(shared.attention_backend)
         shared.loaded["transformer"] = dit
+        shared.states["transformer"] = state
 
 
 def weight_ratios(weight_rows: list[dict[str, Any]], rows: dict[str, dict[str, Any]], on_gpu: bool) -> None:
@@ -752,10 +756,11 @@ def run_formats(args: argparse.Namespace, base, rows: dict[str, dict[str, Any]],
                             continue
                     try:
                         t0 = time.perf_counter()
-                        dit = load_format(folder, dtype, streamed=offload_to == "disk")
-                        head.update(load_s=time.perf_counter() - t0, weights_format=dit.weights_format,
+                        dit, state = load_format(folder, dtype, streamed=offload_to == "disk")
+                        head.update(load_s=time.perf_counter() - t0, weights_format=state.format,
                                     dit_held_bytes=module_bytes(dit))
-                        use_dit(base, dit)
+                        use_dit(base, dit, state)
+                        del state
                         del dit
                         row = {**head, **run_mode(base, mode, options.get(mode, {}), request, device, offload_to)}
                     except Exception as err:  # one broken format/mode must not cost the others' numbers

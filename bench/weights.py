@@ -263,14 +263,16 @@ def _held_bytes(model: torch.nn.Module) -> int:
 def child_load(folder: str) -> dict[str, Any]:
     import lingbot_core.models.transformer  # noqa: F401  (imports before the baseline)
     from lingbot_core.weights.loader import load_dit
+    from lingbot_core.weights.state import ModelState
 
     base, _ = _rss()
     start = time.perf_counter()
-    model = load_dit(_dit_target(folder), dtype=torch.bfloat16)  # a single file: its header walk is counted
+    state = ModelState()
+    model = load_dit(_dit_target(folder), dtype=torch.bfloat16, state=state)  # a single file: its header walk is counted
     seconds = time.perf_counter() - start
     _, peak = _rss()
     return {"baseline_rss": base, "peak_rss": peak, "held": _held_bytes(model), "seconds": seconds,
-            "format": model.weights_format}
+            "format": state.format}
 
 
 def child_forward(folders: dict[str, str], video_tokens: int, text_tokens: int, out: str, repeats: int) -> dict:
@@ -348,8 +350,8 @@ def child_disk(folder: str, mode: str, video_tokens: int, text_tokens: int) -> d
     _, peak = _rss()
     return {"stored": stored, "baseline_rss": base, "rss_loaded": loaded, "load_peak_rss": load_peak,
             "rss_before": before, "peak_rss": peak, "peak_reset": reset, "seconds": seconds,
-            "load_seconds": load_seconds, "weight_reads": model.weight_reads, "finite": bool(sample.isfinite().all()),
-            "format": model.weights_format}
+            "load_seconds": load_seconds, "weight_reads": view.shared.states["transformer"].reads,
+            "finite": bool(sample.isfinite().all()), "format": view.shared.states["transformer"].format}
 
 
 # -- the full-depth MoE, written directly as GGUF-Q4_0 ---------------------------------------------------

@@ -33,17 +33,21 @@ from .checkpoint_inspect import (  # noqa: F401 (re-exported: the names callers 
 from .components import DITS, TABLE
 from .errors import CheckpointError
 from .weights.resolve import ComponentSource, folder_source
+from .weights.state import ModelState
 
 
 def load_transformer(folder: str | os.PathLike | None, subfolder: str = "transformer", *,
                      dtype: torch.dtype | None = None, weights: str = "auto",
-                     streamed: bool = False, source: ComponentSource | None = None) -> torch.nn.Module:
+                     streamed: bool = False, source: ComponentSource | None = None,
+                     state: ModelState | None = None) -> torch.nn.Module:
     """A DiT, tensor by tensor from its files (`weights.loader.load_dit`).
 
     `source`: the component as resolved when the checkpoint opened (its headers are not read
     again); without it `folder/subfolder` is resolved now. dtype None keeps the stored dtype
     (fp32-kept modules in fp32); `weights` "fp8_e4m3" quantizes the linear and expert weights on
     load. `streamed`: for disk-backed offload, the tensors kept as stored stay in the file (on `meta`).
+    `state`: a fresh `weights.state.ModelState` that receives what the load found (disk homes and the
+    like; the handle keeps it as the model's state).
     """
     from .weights.loader import load_dit
 
@@ -51,11 +55,12 @@ def load_transformer(folder: str | os.PathLike | None, subfolder: str = "transfo
         if folder is None:
             raise ValueError("load_transformer needs a folder or a resolved source")
         source = folder_source(Path(folder) / subfolder, subfolder if subfolder in DITS else "transformer")
-    return load_dit(source, dtype=dtype, weights=weights, streamed=streamed)
+    return load_dit(source, dtype=dtype, weights=weights, streamed=streamed, state=state)
 
 
 def load_refiner(folder: str | os.PathLike | None, *, dtype: torch.dtype | None = None,
-                 weights: str = "auto", streamed: bool = False, info: CheckpointInfo | None = None) -> torch.nn.Module:
+                 weights: str = "auto", streamed: bool = False, info: CheckpointInfo | None = None,
+                 state: ModelState | None = None) -> torch.nn.Module:
     """The MoE refiner DiT, loaded only when asked for; a dense checkpoint gets a clear error.
     `info`: the checkpoint as opened (its resolved refiner source is used; else `folder` is inspected)."""
     info = info if info is not None else inspect_checkpoint(folder)
@@ -65,8 +70,8 @@ def load_refiner(folder: str | os.PathLike | None, *, dtype: torch.dtype | None 
             "(robbyant/lingbot-video-moe-30b-a3b). Load that checkpoint, or disable refinement."
         )
     source = info.sources["refiner"]
-    return _finite(load_transformer(None, dtype=dtype, weights=weights, streamed=streamed, source=source),
-                   "refiner", source.config_dir or source.where)
+    return _finite(load_transformer(None, dtype=dtype, weights=weights, streamed=streamed, source=source,
+                                    state=state), "refiner", source.config_dir or source.where)
 
 
 def _finite(module: Any, name: str, where: Path) -> Any:
@@ -79,17 +84,19 @@ def _finite(module: Any, name: str, where: Path) -> Any:
 
 def load_component(folder: Path, name: str, *, dtype: torch.dtype | None = None,
                    attn_implementation: str = "sdpa", weights: str = "auto", streamed: bool = False,
-                   source: ComponentSource | None = None) -> Any:
+                   source: ComponentSource | None = None, state: ModelState | None = None) -> Any:
     """Load one component from a validated folder (CPU). dtype None: as stored (the DiT) or float32.
     `streamed` (the DiT only): its stored tensors stay in the file, for disk-backed offload.
     `source`: the component as resolved when the checkpoint opened (else it is resolved now): a
-    `ComponentSource`, what a single-file route resolved (`FILE_ROUTES`), or a processor folder."""
+    `ComponentSource`, what a single-file route resolved (`FILE_ROUTES`), or a processor folder.
+    `state`: receives what the load found (a DiT's disk homes, a text-only encoder; see `weights.state`)."""
     if source is not None and not isinstance(source, (ComponentSource, Path)):
         route = FILE_ROUTES[TABLE[name].role]
-        module = route.load(source, dtype=dtype, attn_implementation=attn_implementation)
+        module = route.load(source, dtype=dtype, attn_implementation=attn_implementation, weights=weights,
+                            streamed=streamed, state=state)
         return _finite(module, name, Path(getattr(source, "path", name)))
     if name == "transformer":
-        dit = load_transformer(folder, dtype=dtype, weights=weights, streamed=streamed, source=source)
+        dit = load_transformer(folder, dtype=dtype, weights=weights, streamed=streamed, source=source, state=state)
         return _finite(dit, name, (source.config_dir or source.where) if source is not None else Path(folder) / name)
     if name == "vae":
         from diffusers import AutoencoderKLWan

@@ -136,14 +136,14 @@ class FileRoute:
     inferred, problems refused) and loaded (from what `resolve` returned)."""
 
     resolve: Callable[..., Any]  # (path, component name, folder=checkpoint folder or None) -> the resolved file
-    load: Callable[..., Any]  # (resolved, dtype=..., attn_implementation=...) -> the component
+    load: Callable[..., Any]  # (resolved, dtype=, attn_implementation=, weights=, streamed=, state=) -> the component
 
 
 def _load_dit_file(resolved: ComponentSource, *, dtype: torch.dtype | None = None, weights: str = "auto",
-                   streamed: bool = False, **_: Any) -> torch.nn.Module:
+                   streamed: bool = False, state: Any = None, **_: Any) -> torch.nn.Module:
     from .weights.loader import load_dit
 
-    return load_dit(resolved, dtype=dtype, weights=weights, streamed=streamed)
+    return load_dit(resolved, dtype=dtype, weights=weights, streamed=streamed, state=state)
 
 
 def _dit_file(path: Path, component: str, folder: Path | None = None) -> ComponentSource:

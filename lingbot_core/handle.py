@@ -60,9 +60,9 @@ class SharedComponents:
         self.compile = compile  # "off" or "blocks": regional compile of the DiTs' blocks (models/compile.py)
         self.ffn_chunk = check_ffn_chunk(ffn_chunk)  # "auto", or tokens per FFN/MoE pass (None: never chunk)
         self.loaded: dict[str, Any] = dict(preloaded or {})
-        self.states: dict[str, ModelState] = {}  # each loaded model's mutable state (weights/state.py)
         self.lock = threading.RLock()
-        self.placement = Placement()  # what is installed and resident (placement/door.py acts on it)
+        self.states: dict[str, ModelState] = {}  # each loaded model's mutable state (weights/state.py)
+        self.placement = Placement(self.states)  # what is installed and resident (placement/door.py acts on it)
         self.load_count: dict[str, int] = {}
         self.transformer_source: tuple[Path, str] | None = None  # (root, subfolder) of a student DiT
 
@@ -81,17 +81,20 @@ class SharedComponents:
                 if self.folder is None and source is None and not (self.info is not None and name == "scheduler"):
                     raise RuntimeError(f"component {name!r} was released and this handle has no checkpoint "
                                        "folder to reload it from")
+                state = ModelState()  # what the load finds (disk homes...), kept as the model's state
                 if name == "refiner":
                     module = load_refiner(self.folder, dtype=self.dtypes["refiner"], weights=self.weights,
-                                          streamed=streamed, info=self.info)
+                                          streamed=streamed, info=self.info, state=state)
                 elif name == "transformer" and self.transformer_source is not None:
                     root, sub = self.transformer_source
                     module = load_transformer(root, sub, dtype=self.dtypes.get(name), weights=self.weights,
-                                              streamed=streamed, source=source)
+                                              streamed=streamed, source=source, state=state)
                 else:
                     module = load_component(self.folder, name, dtype=self.dtypes.get(name),
                                             attn_implementation=self.text_attn, weights=self.weights,
-                                            streamed=streamed and name == "transformer", source=source)
+                                            streamed=streamed and name == "transformer", source=source,
+                                            state=state)
+                self.states[name] = state.bind(module)
                 if name in DITS:
                     module.set_attention_backend(self.attention_backend)
                     if self.compile == "blocks":

@@ -17,6 +17,7 @@ import lingbot_core
 from lingbot_core.handle import PipelineHandle
 from lingbot_core.offload import configure_offload, stage
 from lingbot_core.weights.loader import load_dit
+from lingbot_core.weights.state import ModelState
 
 
 def _inputs():
@@ -66,10 +67,12 @@ def test_two_conversions_of_one_checkpoint_on_two_handles_both_keep_streaming(fi
 _CHILD = """
 import sys, torch
 from lingbot_core.weights.loader import load_dit
-dit = load_dit(sys.argv[1], dtype=torch.bfloat16, weights=sys.argv[2], streamed=True)
+from lingbot_core.weights.state import ModelState
+state = ModelState()  # holds the disk homes (and their cache-file leases) as long as it lives
+dit = load_dit(sys.argv[1], dtype=torch.bfloat16, weights=sys.argv[2], streamed=True, state=state)
 print("ready", flush=True)
 sys.stdin.readline()
-total = sum(float(s.read(torch.device("cpu")).float().sum()) for s in dit.weight_spans.values())
+total = sum(float(s.read(torch.device("cpu")).float().sum()) for s in state.spans.values())
 print("read", total, flush=True)
 """
 
@@ -88,14 +91,15 @@ def test_processes_sharing_one_cache_keep_their_files(fixtures_root, tmp_path):
             assert child.stdout.readline().strip() == "ready", child.stderr.read()
         os.environ["LINGBOT_TINY_DIR"] = str(tmp_path)
         try:
-            mine = load_dit(folder, dtype=torch.float16, streamed=True)
+            mine = ModelState()
+            load_dit(folder, dtype=torch.float16, streamed=True, state=mine)
         finally:
             del os.environ["LINGBOT_TINY_DIR"]
         assert len(_files(tmp_path)) == 3
         for child in children:
             out, err = child.communicate("go\n", timeout=120)
             assert child.returncode == 0 and "read" in out, err[-2000:]
-        assert mine.weight_spans
+        assert mine.spans
     finally:
         for child in children:
             if child.poll() is None:

@@ -248,7 +248,7 @@ def test_offload_modes_on_a_gguf_file(gguf_folder, gguf_files, mode, home):
     dit = view.shared.loaded["transformer"]
     if home == "disk":  # the single file is the home: nothing held between forwards, spans in that file
         assert all(t.device.type == "meta" for t in [*dit.parameters(), *dit.buffers()])
-        assert {Path(s.path) for s in dit.weight_spans.values()} == {gguf_files["transformer"]}
+        assert {Path(s.path) for s in view.shared.states["transformer"].spans.values()} == {gguf_files["transformer"]}
 
 
 def test_disk_offload_on_a_safetensors_file(tiny, tmp_path):
@@ -286,7 +286,7 @@ def test_fp8_on_load_of_a_safetensors_file_matches_the_folder(tiny, tmp_path):
     save_file(_renamed(sd, "diffusion_model.", "weight"), str(path))
     folder, file = _pair(tiny["moe"], path, weights="fp8_e4m3")
     assert torch.equal(_dit_out(file), _dit_out(folder))
-    assert "fp8" in file.shared.loaded["transformer"].weights_format
+    assert "fp8" in file.shared.states["transformer"].format
 
 
 def test_estimate_report_auto_and_reload_on_a_dit_file(gguf_folder, gguf_files, monkeypatch):

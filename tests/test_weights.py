@@ -425,11 +425,16 @@ def test_disk_load_leaves_the_stored_tensors_in_the_file(quantized, per_expert, 
     handle = _disk_view(PipelineHandle.open(folder, device="cpu"), "sequential")
     with stage(handle, "transformer"):
         dit = handle.component("transformer")
-        assert dit.weight_reads == 0 and reads.loads == 0  # loaded without reading a single stored tensor
-        assert _all_meta(dit) and len(dit.weight_spans) == len(dit.state_dict())
+        assert _state(handle).reads == 0 and reads.loads == 0  # loaded without reading a single stored tensor
+        assert _all_meta(dit) and len(_state(handle).spans) == len(dit.state_dict())
         got = _run(dit)
     assert reads.loads == 0 and reads.streams > 0
     assert torch.equal(got, expected)
+
+
+def _state(handle, name="transformer"):
+    """What the load found about a handle's DiT (disk homes, tensors read): its `ModelState`."""
+    return handle.shared.states[name]
 
 
 def _converted_files(cache_dir: Path) -> list[Path]:
@@ -450,12 +455,12 @@ def test_disk_converted_tensors_are_cached_once_and_streamed(fixtures_root, monk
     with stage(ram, "transformer"):
         ram_dit = ram.component("transformer")
         expected = _run(ram_dit)
-    converted = ram_dit.weight_reads - len(ram_dit.weight_spans)  # reads that were conversions
+    converted = _state(ram).reads - len(_state(ram).spans)  # reads that were conversions
     assert converted > 0 and not _converted_files(tmp_path)  # a RAM load converts in memory, caches nothing
     first = _disk_view(open_handle(), "group")
     with stage(first, "transformer"):
         dit = first.component("transformer")
-        assert _all_meta(dit) and dit.weight_reads == converted  # each converted once, into the cache
+        assert _all_meta(dit) and _state(first).reads == converted  # each converted once, into the cache
         assert torch.equal(_run(dit), expected)
     (cache,) = _converted_files(tmp_path)
     written = cache.stat().st_mtime_ns
@@ -463,7 +468,7 @@ def test_disk_converted_tensors_are_cached_once_and_streamed(fixtures_root, monk
     again = _disk_view(open_handle(), "sequential")
     with stage(again, "transformer"):
         dit = again.component("transformer")
-        assert dit.weight_reads == 0 and reads.loads == 0  # the cache is reused: nothing read or converted
+        assert _state(again).reads == 0 and reads.loads == 0  # the cache is reused: nothing read or converted
         assert torch.equal(_run(dit), expected)
     assert _converted_files(tmp_path) == [cache] and cache.stat().st_mtime_ns == written
 
@@ -480,7 +485,7 @@ def test_a_stale_converted_cache_is_rebuilt(fixtures_root, monkeypatch, tmp_path
                             "model")
         with stage(handle, "transformer"):
             dit = handle.component("transformer")
-            return dit.weight_reads, _run(dit)
+            return _state(handle).reads, _run(dit)
 
     converted, expected = streamed()
     (cache,) = _converted_files(tmp_path / "cache")
@@ -508,7 +513,7 @@ def test_disk_then_ram_then_disk_stays_exact(quantized, monkeypatch):
         assert torch.equal(_run(dit), expected)
     reads = _SpanReads(monkeypatch)
     in_ram = configure_offload(handle, "sequential")  # the RAM home: every stored tensor read back, once
-    assert reads.loads == len(dit.weight_spans)
+    assert reads.loads == len(_state(handle).spans)
     with stage(in_ram, "transformer"):
         assert torch.equal(_run(dit), expected)
     back = _disk_view(handle, "model")
@@ -533,7 +538,7 @@ def test_disk_release_reload_and_a_failed_forward_stay_exact(quantized, monkeypa
     assert reads.loads == 0  # a release forgets the streamed tensors, it does not read them back
     with stage(handle, "transformer"):
         dit = handle.component("transformer")
-        assert dit.weight_reads == 0
+        assert _state(handle).reads == 0
         hook = dit.blocks[1].register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
         with pytest.raises(KeyboardInterrupt):
             _run(dit)
@@ -765,7 +770,7 @@ def test_per_expert_gguf_under_every_offload_mode_and_disk(per_expert, mode):
             dit = handle.component("transformer")
             assert torch.equal(_run(dit), expected), (mode, home)
         if home == "disk":
-            assert "blocks.0.ffn.experts.w1_qdata.2" in dit.weight_spans  # each expert has its home in the file
+            assert "blocks.0.ffn.experts.w1_qdata.2" in _state(handle).spans  # each expert has its home in the file
             assert all(t.device.type == "meta" for t in dit.parameters())
 
 

@@ -60,7 +60,7 @@ def merge(module: torch.nn.Module, state: ModelState, patches: list[tuple[float,
         by_param.setdefault(patch.param, []).append((strength, patch))
     from ..weights.disk import materialize
 
-    if materialize(module, set(by_param)):  # disk offload: the targeted weights were still in their file
+    if materialize(module, state, set(by_param)):  # disk offload: the targeted weights were still in their file
         params = dict(module.named_parameters())
     for name in by_param:
         param = params[name]

@@ -343,7 +343,8 @@ def memory_report(handle: PipelineHandle) -> MemoryReport:
                                                 handle.shared.dtypes.get("text_encoder") or torch.float32))
         tokens = sum(last)
         generation = (tokens, estimate.generation_bytes(shape["text_kv_bytes_per_token"], shape["text_vocab"], tokens))
-    return build_report(handle.shared.loaded, handle.device, mode, handle.shared.placement.ffn_chunks, generation)
+    return build_report(handle.shared.loaded, handle.device, mode, handle.shared.placement.ffn_chunks, generation,
+                        states=handle.shared.states)
 
 
 # -- from outside a stage ----------------------------------------------------------------------------
@@ -387,8 +388,8 @@ def release(handle: PipelineHandle, components: tuple[str, ...] | list[str] | No
                                "keep them or open the handle from a checkpoint folder")
         for name in names:
             module = shared.loaded.pop(name)
-            shared.states.pop(name, None)  # its LoRA copies and notes go with it
             shared.placement.drop(name, module)
+            shared.states.pop(name, None)  # its disk homes, notes and LoRA copies go with it
             shared.placement.ledger.append(("drop", name, "release"))
             del module
         gc.collect()

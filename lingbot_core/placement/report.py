@@ -135,13 +135,15 @@ class MemoryReport:
         return "\n".join(rows)
 
 
-def component_memory(name: str, module: Any) -> ComponentMemory:
+def component_memory(name: str, module: Any, state: Any = None) -> ComponentMemory:
+    """Bytes per location of one component; `state` (its `weights.state.ModelState`) says which
+    weights live only in their file."""
     if not isinstance(module, torch.nn.Module):
         return ComponentMemory(name, False)
     from ..weights.disk import disk_homed
 
     usage: dict[str, int] = {}
-    on_disk = disk_homed(module)
+    on_disk = disk_homed(module, state if state is not None and state.belongs_to(module) else None)
     for t, nbytes in unique_storages(t for _o, _k, _n, t in module_tensors(module)):
         place = "disk" if id(t) in on_disk else location(t)
         usage[place] = usage.get(place, 0) + nbytes
@@ -150,6 +152,9 @@ def component_memory(name: str, module: Any) -> ComponentMemory:
 
 def build_report(loaded: Mapping[str, Any], device: torch.device, mode: str,
                  ffn_chunks: Mapping[str, tuple[int | None, str]] | None = None,
-                 generation: tuple[int, dict[str, int]] | None = None) -> MemoryReport:
-    return MemoryReport([component_memory(n, loaded.get(n)) for n in REPORTED], str(device), mode,
+                 generation: tuple[int, dict[str, int]] | None = None, *,
+                 states: Mapping[str, Any] | None = None) -> MemoryReport:
+    """`states`: the components' `weights.state.ModelState`s (which weights live only in their file)."""
+    states = states or {}
+    return MemoryReport([component_memory(n, loaded.get(n), states.get(n)) for n in REPORTED], str(device), mode,
                         dict(ffn_chunks or {}), generation)

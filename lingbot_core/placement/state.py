@@ -27,7 +27,8 @@ LEDGER_SIZE = 512
 
 
 class Placement:
-    def __init__(self) -> None:
+    def __init__(self, states: dict[str, Any] | None = None) -> None:
+        self.states = states if states is not None else {}  # each model's ModelState (the handle's)
         self.mode: Mode | None = None  # the concrete mode installed
         self.requested: OffloadSettings | None = None  # what the view asked for (possibly `auto`)
         self.auto: Any = None  # fit.AutoChoice when `requested` is auto
@@ -55,7 +56,7 @@ class Placement:
             if self.mode is not None else None
         try:
             self.uninstall_all(loaded)
-            self.mode = make_mode(MODE_CLASSES, concrete, device)
+            self.mode = make_mode(MODE_CLASSES, concrete, device, self.states)
             self.requested, self.auto, self.fell_back = requested, auto, fell_back
             self.install_pending(loaded)
         except BaseException as err:
@@ -68,7 +69,7 @@ class Placement:
             self.uninstall_all(loaded)
             if previous is not None:
                 requested, settings, device, auto, fell_back = previous
-                self.mode = make_mode(MODE_CLASSES, settings, device)
+                self.mode = make_mode(MODE_CLASSES, settings, device, self.states)
                 self.requested, self.auto, self.fell_back = requested, auto, fell_back
                 self.install_pending(loaded)
         except BaseException as rollback:  # keep the original error; say what else went wrong
@@ -153,9 +154,10 @@ class Placement:
         elif isinstance(module, torch.nn.Module):
             from .. import hooks
             from ..weights.disk import on_disk
+            from ..weights.state import state_for
 
             hooks.strip(module)
-            if not on_disk(module):  # a DiT loaded for disk offload has nothing to move
+            if not on_disk(module, state_for(self.states, name, module)):  # loaded for disk offload: nothing to move
                 module.to(CPU)
         self.resident.discard(name)
         for _kind, (_state, applied) in self.view_states.items():

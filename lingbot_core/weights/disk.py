@@ -16,8 +16,9 @@ A DiT loaded for disk offload (`load_dit(streamed=True)`, the stage door asks fo
 its span-backed tensors at all: they are on `meta` from the start, and tensors it had to convert
 live in the converted-weights cache (`weights.converted`). `materialize` reads them into memory when
 a RAM-homed mode takes the model over. A span-backed tensor streams only while it holds its file's
-bytes: what was read is noted (object and version, `note_exact`), so a tensor changed in memory
-since (a merged LoRA) keeps a host home and is copied in and out like `ram` offload, as are
+bytes: what was read is noted on the model's `ModelState` (object and version, `note_exact`), so a
+tensor changed in memory since (a merged LoRA) keeps a host home and is copied in and out like `ram`
+offload, as are
 tensors without a span (a model loaded normally with a dtype change or fp8 quantized on load).
 """
 
@@ -35,6 +36,7 @@ import torch
 import torch.nn as nn
 
 from .. import hooks
+from .state import ModelState
 
 _TRANSIENT_MIN = 1 << 16  # smaller tensors come from the heap (a mapping per norm weight is waste)
 TRIM_EVERY = 64 << 20  # streamed bytes between two hand-backs of the free heap
@@ -164,9 +166,9 @@ def _units(model: nn.Module, unit: str) -> list[tuple[nn.Module, list[tuple[nn.M
 class DiskStreaming:
     """Streams a DiT's weights from its files, unit by unit; `remove()` brings them back into memory."""
 
-    def __init__(self, model: nn.Module, device: torch.device, unit: str = "block"):
-        known = getattr(model, "weight_spans", None) or {}
-        self.model, self.device = model, torch.device(device)
+    def __init__(self, model: nn.Module, state: ModelState, device: torch.device, unit: str = "block"):
+        known = state.spans
+        self.model, self.state, self.device = model, state, torch.device(device)
         self.spans: dict[str, FileSpan] = {}  # the tensors streamed: those whose values are their file's
         self.homes: dict[str, torch.Tensor] = {}  # the others (converted, or changed in memory): host copies
         self.owners: list[nn.Module] = []  # the modules carrying a `UnitStream` hook
@@ -175,7 +177,7 @@ class DiskStreaming:
         slots = [(module, local, full) for _owner, tensors in self.units for module, local, full in tensors]
         for module, local, full in slots:
             tensor = _slot(module, local)
-            if full in known and matches_file(model, full, tensor):
+            if full in known and matches_file(state, full, tensor):
                 self.spans[full] = known[full]
             else:
                 self.homes[full] = tensor.data
@@ -235,7 +237,7 @@ class DiskStreaming:
         self.owners.clear()
         self.settle()  # converted tensors bound to their homes, span-backed ones on meta
         if restore:
-            materialize(self.model)
+            materialize(self.model, self.state)
 
 
 @hooks.named("lingbot.disk_stream", "disk offload: reads a unit's weights from the file before it computes, "
@@ -265,9 +267,9 @@ def _slot(module: nn.Module, local: str) -> torch.Tensor:
     return module._parameters[local] if local in module._parameters else module._buffers[local]
 
 
-def _span_backed(model: nn.Module, on_meta: bool = True):
+def _span_backed(model: nn.Module, state: ModelState | None, on_meta: bool = True):
     """(owner, local name, full name, tensor) of every span-backed tensor (`on_meta`: only those on `meta`)."""
-    spans = getattr(model, "weight_spans", None) or {}
+    spans = state.spans if state is not None else {}
     if not spans:
         return
     for prefix, module in model.named_modules():
@@ -277,38 +279,34 @@ def _span_backed(model: nn.Module, on_meta: bool = True):
                 yield module, local, full, tensor
 
 
-_EXACT = "_lingbot_exact"  # model.__dict__: full name -> (weakref to the tensor, its version) as read
-
-
-def note_exact(model: nn.Module, names: set[str] | None = None) -> None:
-    """Remember that these span-backed tensors hold exactly their file's bytes now (object and version)."""
-    record = model.__dict__.setdefault(_EXACT, {})
-    for _m, _l, full, tensor in _span_backed(model, on_meta=False):
+def note_exact(model: nn.Module, state: ModelState, names: set[str] | None = None) -> None:
+    """Note on `state` that these span-backed tensors hold exactly their file's bytes now (object and version)."""
+    for _m, _l, full, tensor in _span_backed(model, state, on_meta=False):
         if (names is None or full in names) and not tensor.is_inference():
             # an inference tensor has no version to watch: left out, it counts as changed (kept in RAM)
-            record[full] = (weakref.ref(tensor), tensor._version)
+            state.exact[full] = (weakref.ref(tensor), tensor._version)
 
 
-def matches_file(model: nn.Module, full: str, tensor: torch.Tensor) -> bool:
+def matches_file(state: ModelState, full: str, tensor: torch.Tensor) -> bool:
     """Are `tensor`'s values still its file's? On `meta`, or the object read then and not written since
     (an in-place change such as a merged LoRA bumps the version: such a tensor keeps a host home)."""
     if tensor.device.type == "meta":
         return True
-    seen = model.__dict__.get(_EXACT, {}).get(full)
+    seen = state.exact.get(full)
     return seen is not None and seen[0]() is tensor and seen[1] == tensor._version
 
 
-def disk_homed(model: nn.Module) -> set[int]:
+def disk_homed(model: nn.Module, state: ModelState | None) -> set[int]:
     """ids of the tensors whose only home is a file now (span-backed, on `meta`): the memory report's `disk`."""
-    return {id(t) for _m, _l, _f, t in _span_backed(model)} if isinstance(model, nn.Module) else set()
+    return {id(t) for _m, _l, _f, t in _span_backed(model, state)} if isinstance(model, nn.Module) else set()
 
 
-def on_disk(model: nn.Module) -> bool:
+def on_disk(model: nn.Module, state: ModelState | None) -> bool:
     """Does `model` have weights that live only in their file (a streamed load, or streaming installed)?"""
-    return isinstance(model, nn.Module) and next(_span_backed(model), None) is not None
+    return isinstance(model, nn.Module) and next(_span_backed(model, state), None) is not None
 
 
-def materialize(model: nn.Module, names: set[str] | None = None) -> int:
+def materialize(model: nn.Module, state: ModelState | None, names: set[str] | None = None) -> int:
     """Read the span-backed tensors still on `meta` (all, or those `names`) into host memory: a RAM-homed
     mode takes the model over, or a LoRA merges into them. Returns how many were read; a no-op on a
     model loaded normally."""
@@ -316,14 +314,15 @@ def materialize(model: nn.Module, names: set[str] | None = None) -> int:
         return 0
     if streaming_of(model) is not None:
         raise RuntimeError("materialize: disk streaming is installed on this model; remove it first")
-    todo = [slot for slot in _span_backed(model) if names is None or slot[2] in names]
-    if todo:
-        check_mappable({full: model.weight_spans[full] for _m, _l, full, _t in todo})
+    todo = [slot for slot in _span_backed(model, state) if names is None or slot[2] in names]
+    if not todo:
+        return 0
+    check_mappable({full: state.spans[full] for _m, _l, full, _t in todo})
     cpu = torch.device("cpu")
     with torch.inference_mode(False), torch.no_grad():  # versioned tensors: see `note_exact`
         for module, local, full, _tensor in todo:
-            DiskStreaming._bind(module, local, model.weight_spans[full].read(cpu))
-    note_exact(model, {full for _m, _l, full, _t in todo})
+            DiskStreaming._bind(module, local, state.spans[full].read(cpu))
+    note_exact(model, state, {full for _m, _l, full, _t in todo})
     return len(todo)
 
 

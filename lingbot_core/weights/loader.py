@@ -1,6 +1,6 @@
 """Load a LingBot DiT (transformer/ or refiner/) tensor by tensor, never holding more than it must.
 
-The model is built on the `meta` device (no memory), then every tensor is read from the mapped
+The model is built on the `meta` device (no memory), then every tensor is read from its
 file straight into its target form and assigned: plain weights in their target dtype, quantized
 weights (pre-quantized fp8, GGUF blocks, or fp8 quantized here on load) into `QuantizedLinear` /
 `QuantizedExperts`. Peak host memory is the finished model plus the tensor being converted; a bf16
@@ -30,6 +30,7 @@ from .fp8 import require_fp8
 from .modules import FP8, Packing, QuantizedExperts, QuantizedLinear, pack_fp8
 from .resolve import ComponentSource, check_weights_mode_for, folder_source
 from .sources import SCALE_SUFFIX, Entry, GGUFSource, WeightsError
+from .state import ModelState
 
 WEIGHT_MODES = ("auto", FP8)
 # Small layers kept in the compute dtype when quantizing on load (64-wide input / output).
@@ -74,10 +75,9 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
 
 
 class _Loader:
-    def __init__(self, model: nn.Module, source: Any, dtype: torch.dtype | None, weights: str, keep_mapped: bool,
-                 keeps_fp32, streamed: bool = False):
+    def __init__(self, model: nn.Module, source: Any, dtype: torch.dtype | None, weights: str, keeps_fp32,
+                 streamed: bool = False):
         self.model, self.source, self.dtype, self.weights = model, source, dtype, weights
-        self.keep_mapped = keep_mapped
         self.keeps_fp32 = keeps_fp32
         self.streamed = streamed  # tensors kept exactly as stored are not read: they stay on meta (disk offload)
         self.entries: dict[str, Entry] = source.entries
@@ -107,14 +107,13 @@ class _Loader:
         return (entry.kind == "gguf" and not entry.parts and gguf_codec.is_plain(entry.gguf_type)
                 and GGUFSource._plain_dtype(entry) == dtype)
 
-    def _span_or_read(self, name: str, key: str, dtype: torch.dtype, shape: tuple[int, ...],
-                      read=None) -> torch.Tensor:
+    def _span_or_read(self, name: str, key: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """The tensor kept as stored: recorded with its disk home, and read unless the load is streamed."""
         span = self.spans[name] = self.source.span(key, dtype, shape)
         if self.streamed:
             return torch.empty(shape, dtype=dtype, device="meta")
         self.read += 1
-        return read() if read is not None else span.read(_CPU)
+        return span.read(_CPU)
 
     def _converted(self, specs: list[Planned], produce) -> list[torch.Tensor]:
         """Tensors that must be converted: made now, or (streamed) planned for the converted-weights
@@ -153,15 +152,12 @@ class _Loader:
             return Packing(FP8, entry.shape), data, scale
         if entry.kind == "gguf" and entry.parts:
             shape = (*entry.shape[1:-1], gguf_codec.bytes_per_row(entry.gguf_type, entry.shape[-1]))
-            views = self.source.packed_experts(key, mapped=True) if self.keep_mapped and not self.streamed else None
-            parts = [self._span_or_read(f"{data_key}.{e}", stored, torch.uint8, shape,
-                                        (lambda e=e: views[e]) if views is not None else None)
+            parts = [self._span_or_read(f"{data_key}.{e}", stored, torch.uint8, shape)
                      for e, stored in enumerate(entry.parts)]
             return Packing("gguf", entry.shape, entry.gguf_type), parts, None
         if entry.kind == "gguf":
             shape = (*entry.shape[:-1], gguf_codec.bytes_per_row(entry.gguf_type, entry.shape[-1]))
-            data = self._span_or_read(data_key, key, torch.uint8, shape,
-                                      (lambda: self.source.packed(key, mapped=True)) if self.keep_mapped else None)
+            data = self._span_or_read(data_key, key, torch.uint8, shape)
             return Packing("gguf", entry.shape, entry.gguf_type), data, None
         if quantize:
             shape = tuple(entry.shape)
@@ -215,18 +211,20 @@ def check_weights_mode(weights: str) -> None:
 
 
 def load_dit(where: ComponentSource | str | os.PathLike, subfolder: str = "transformer", *,
-             dtype: torch.dtype | None = None, weights: str = "auto", keep_mapped: bool = False,
-             streamed: bool = False) -> nn.Module:
+             dtype: torch.dtype | None = None, weights: str = "auto", streamed: bool = False,
+             state: ModelState | None = None) -> nn.Module:
     """A DiT loaded tensor by tensor (see the module docstring) from a resolved source
     (`weights.resolve`: its headers were read when it resolved, and are not read again), or from the
     folder `where/subfolder` (resolved here).
 
     `weights`: "auto" loads what is stored (plain, pre-quantized fp8 or GGUF); "fp8_e4m3" also
-    quantizes plain linear weights and expert stacks on load. `keep_mapped`: GGUF blocks stay views of the mapped file instead
-    of being copied into memory (the page cache then holds them). `streamed` (disk-backed offload,
+    quantizes plain linear weights and expert stacks on load. `streamed` (disk-backed offload,
     `weights.disk`): the tensors kept exactly as stored are not read at all; they stay on `meta` with
-    their disk home in `weight_spans`; converted tensors are made once into the converted-weights cache
+    their disk home in `state.spans`; converted tensors are made once into the converted-weights cache
     (`weights.converted`) and stream from there, so nothing is held in memory.
+    `state` (a fresh `weights.state.ModelState`) receives what the load found: the disk homes of the
+    tensors kept exactly as stored, which of them hold their file's bytes, the format and the number of
+    tensors read (the handle keeps it as the model's state; without one, nothing is kept).
     """
     from ..models.moe import ExpertWeights
     from ..models.precision import stays_float32 as keeps_fp32
@@ -246,7 +244,7 @@ def load_dit(where: ComponentSource | str | os.PathLike, subfolder: str = "trans
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     check_entries(resolved.component, resolved.where, source.entries, expected)
 
-    loader = _Loader(model, source, dtype, weights, keep_mapped, keeps_fp32, streamed)
+    loader = _Loader(model, source, dtype, weights, keeps_fp32, streamed)
     # ComfyUI runs nodes under inference_mode; tensors made there carry no version counter, which disk
     # offload needs to tell a weight still equal to its file from one changed in place (weights.disk).
     with torch.inference_mode(False), torch.no_grad():
@@ -267,10 +265,11 @@ def load_dit(where: ComponentSource | str | os.PathLike, subfolder: str = "trans
             if t.device.type == "meta" and n not in loader.spans]
     if left:
         raise RuntimeError(f"{resolved.component}: no stored value for {', '.join(left[:3])} (a loader bug)")
-    model.weights_format = describe(model, source)
-    model.weight_spans = loader.spans  # disk homes of the tensors kept exactly as stored (weights.disk)
-    model.weight_reads = loader.read  # tensors read into memory by this load (0 span-backed ones when streamed)
-    note_exact(model)  # what was read holds its file's bytes (disk offload may drop and re-read it)
+    state = (state if state is not None else ModelState()).bind(model)
+    state.format = describe(model, source)
+    state.spans = loader.spans  # disk homes of the tensors kept exactly as stored (weights.disk)
+    state.reads = loader.read  # tensors read into memory by this load (0 span-backed ones when streamed)
+    note_exact(model, state)  # what was read holds its file's bytes (disk offload may drop and re-read it)
     return model.eval().requires_grad_(False)
 
 

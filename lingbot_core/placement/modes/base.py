@@ -68,10 +68,17 @@ class Mode:
     """The components `acquire` moves onto the device as one piece (None: every one); the mode's
     hooks stream the others, and `_settle_streamed` puts those back."""
 
-    def __init__(self, settings: OffloadSettings, device: torch.device):
+    def __init__(self, settings: OffloadSettings, device: torch.device, states: dict | None = None):
         self.settings = settings
         self.device = device
+        self.states = states if states is not None else {}  # the handle's ModelStates, by component
         self.homes: dict[str, Homes] = {}
+
+    def state(self, name: str, module: torch.nn.Module) -> Any:
+        """The `weights.state.ModelState` of component `name` (its disk homes, when it streams)."""
+        from ...weights.state import state_for
+
+        return state_for(self.states, name, module)
 
     @classmethod
     def check(cls, settings: OffloadSettings, device: torch.device, loaded: Mapping[str, Any]) -> None:
@@ -93,7 +100,7 @@ class Mode:
             return
         from ...weights.disk import materialize
 
-        materialize(module)  # a DiT loaded for disk offload: this mode's home for it is host memory
+        materialize(module, self.state(name, module))  # loaded for disk offload: this mode's home is host memory
         if not self.keeps_resident and any(t.device.type not in ("cpu", "meta") for t in module.parameters()):
             module.to(CPU)  # built or loaded on the device (benchmarks do): its home is the CPU
         self.homes[name] = Homes(module, keep_data=self._keeps_homes(name))

@@ -50,7 +50,8 @@ class DiskBacked:
 
             if any(t.device.type not in ("cpu", "meta") for t in module.parameters()):
                 module.to(CPU)  # built or loaded on the device: its home is the CPU (and the file)
-            self.streams[name] = DiskStreaming(module, self.inner.device, self.inner.disk_unit)
+            self.streams[name] = DiskStreaming(module, self.inner.state(name, module), self.inner.device,
+                                               self.inner.disk_unit)
             return
         self.inner.install(name, module)
 
@@ -102,9 +103,10 @@ def unit_bytes(mode: str, sizes: Any) -> int:
     return sizes.largest_block
 
 
-def make_mode(classes: dict[str, type], settings: Any, device: torch.device) -> Any:
-    """The mode object for `settings`, disk-backed for the DiTs when `offload_to` is `disk`."""
-    mode = classes[settings.mode](settings, device)
+def make_mode(classes: dict[str, type], settings: Any, device: torch.device, states: dict | None = None) -> Any:
+    """The mode object for `settings`, disk-backed for the DiTs when `offload_to` is `disk`; `states`: the
+    handle's `ModelState`s (where disk homes are written down)."""
+    mode = classes[settings.mode](settings, device, states)
     if streams_from_disk(settings, DITS[0]):
         return DiskBacked(mode)
     return mode
