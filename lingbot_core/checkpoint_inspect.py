@@ -173,10 +173,10 @@ def _text_encoder_file(path: Path, component: str, folder: Path | None = None) -
 
 
 def _load_text_encoder_file(resolved: Any, *, dtype: torch.dtype | None = None, attn_implementation: str = "sdpa",
-                            **_: Any) -> torch.nn.Module:
+                            state: Any = None, **_: Any) -> torch.nn.Module:
     from .weights.text_encoder_file import load_text_encoder_file
 
-    return load_text_encoder_file(resolved, dtype=dtype, attn_implementation=attn_implementation)
+    return load_text_encoder_file(resolved, dtype=dtype, attn_implementation=attn_implementation, state=state)
 
 
 # Single-file routes by component role: a new one is one row.

@@ -49,6 +49,10 @@ KNOWN: dict[str, str] = {ACCELERATE: "accelerate's offload hook (sequential mode
                          "lazy_prefetch_group_offloading": "diffusers' group offloading: sets up prefetching"}
 """Every hook name the pack attaches or expects, with what it does."""
 
+MARKS = frozenset({"_diffusers_hook", "_hf_hook", "_old_forward", "forward"})
+"""The instance attributes a hooked module carries (diffusers' registry, accelerate's hook, the wrapped
+`forward`): the only ones the pack may add to a module, and `strip` takes them all off."""
+
 
 class Hook:
     """A named behaviour on one module, with diffusers' `ModelHook` interface (`name` is set by `named`).

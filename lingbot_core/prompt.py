@@ -255,16 +255,19 @@ def encode_text(
     *,
     image: Image.Image | None = None,
     device: torch.device,
+    state: Any = None,
 ) -> PromptEmbeds:
     """Encode one prompt into DiT conditioning: final-normed hidden states of the caption tokens.
 
     ``text`` is encoded verbatim (apply :func:`caption_to_text` to positives beforehand). Uses the inner
     ``Qwen3VLModel`` (``text_encoder.model``) so no ``lm_head`` is involved and the encoder is left untouched.
+    ``state``: the encoder's ``weights.state.ModelState`` (an image is refused when it says the encoder
+    was loaded without a vision tower).
     """
     if image is not None:
         from .weights.text_encoder_file import require_vision
 
-        require_vision(text_encoder)
+        require_vision(state)
     inputs = build_text_inputs(processor, text, image)
     input_ids = inputs["input_ids"]
     if input_ids.shape[0] != 1:

@@ -147,11 +147,13 @@ def encode_prompt(
             encoder, processor = handle.component("text_encoder"), handle.component("processor")
             if image is not None and picture is None:
                 picture = image_ops.vision_image(pixels, image_ops.vision_patch_size(encoder, processor))
-            positive = prompt_ops.encode_text(encoder, processor, text, image=picture, device=device).to("cpu")
+            state = handle.shared.states.get("text_encoder")  # what its load found (a text-only file)
+            positive = prompt_ops.encode_text(encoder, processor, text, image=picture, device=device,
+                                              state=state).to("cpu")
             negative = None
             if negative_prompt is not None:
                 negative = prompt_ops.encode_text(encoder, processor, negative_prompt, image=picture,
-                                                  device=device).to("cpu")
+                                                  device=device, state=state).to("cpu")
         return Conditioning(positive, negative, prompt=text, with_image=picture is not None)
 
     # on a parallel view rank 0 encodes and the other ranks receive the embeddings

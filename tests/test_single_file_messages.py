@@ -80,9 +80,11 @@ def produced(row: str, tmp: Path) -> tuple[list[str], str]:
         path = _fake(tmp / name, {"decoder.middle.0.residual.0.gamma": (4, 1, 1, 1)})
         return [_error(tef.inspect_text_encoder_file, path)], name
     if row == "a text-only Qwen3-VL file, with TI2V":
-        model = torch.nn.Module()
-        setattr(model, tef.TEXT_ONLY_ATTR, name)
-        return [_error(tef.require_vision, model)], name
+        from lingbot_core.weights.state import ModelState
+
+        state = ModelState()
+        state.text_only = name  # what loading a text-only file notes
+        return [_error(tef.require_vision, state)], name
     if row == "a tokenizer of another model":
         processor = load_component(TINY, "processor")
         config = json.loads((TINY / "text_encoder" / "config.json").read_text())

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from lingbot_core.checkpoint import CheckpointError, load_component
 from lingbot_core.prompt import encode_text
 from lingbot_core.weights import text_encoder_file as tef
+from lingbot_core.weights.state import ModelState
 
 TINY = Path(__file__).resolve().parent / "fixtures" / "lingbot" / "models" / "tiny-dense"
 TE_FILE = TINY / "text_encoder" / "model.safetensors"
@@ -43,10 +44,10 @@ def _image() -> Image.Image:
     return Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8))
 
 
-def _encodings(model, processor) -> list[torch.Tensor]:
+def _encodings(model, processor, state: ModelState | None = None) -> list[torch.Tensor]:
     out = [encode_text(model, processor, p, device=CPU).embeds for p in PROMPTS]
-    if not getattr(model, tef.TEXT_ONLY_ATTR, ""):
-        out.append(encode_text(model, processor, PROMPTS[0], image=_image(), device=CPU).embeds)
+    if state is None or not state.text_only:
+        out.append(encode_text(model, processor, PROMPTS[0], image=_image(), device=CPU, state=state).embeds)
     return out
 
 
@@ -151,11 +152,28 @@ def test_fp8_layouts_dequantize_like_a_folder_holding_the_same_values(tmp_path, 
 def test_text_only_file_encodes_text_and_refuses_ti2v(tmp_path, processor, state, folder_config):
     path = tmp_path / "qwen3vl_text.safetensors"
     save_file({k: v for k, v in state.items() if not k.startswith("model.visual.")}, str(path))
-    model = tef.load_text_encoder_file(path, config=folder_config)
-    _assert_same(_encodings(model, processor), _encodings(_folder_with(), processor)[: len(PROMPTS)])
+    state = ModelState()
+    model = tef.load_text_encoder_file(path, config=folder_config, state=state)
+    assert state.text_only == path.name
+    _assert_same(_encodings(model, processor, state), _encodings(_folder_with(), processor)[: len(PROMPTS)])
     with pytest.raises(CheckpointError) as err:
-        encode_text(model, processor, PROMPTS[0], image=_image(), device=CPU)
+        encode_text(model, processor, PROMPTS[0], image=_image(), device=CPU, state=state)
     assert str(err.value) == tef.TEXT_ONLY_MESSAGE.format(name=path.name)
+    assert not any(k.startswith("_lingbot") for k in vars(model))  # the note is on the state, not the model
+
+
+def test_a_handle_on_a_text_only_file_refuses_a_ti2v_encode(tmp_path, state):
+    from lingbot_core.components import ComponentFiles
+    from lingbot_core.handle import PipelineHandle
+    from lingbot_core.stages import encode_prompt
+
+    path = tmp_path / "qwen3vl_text.safetensors"
+    save_file({k: v for k, v in state.items() if not k.startswith("model.visual.")}, str(path))
+    handle = PipelineHandle.open(TINY, device="cpu", files=ComponentFiles(text_encoder=path))
+    encode_prompt(handle, "a cat", None)  # text alone encodes
+    assert handle.shared.states["text_encoder"].text_only == path.name
+    with pytest.raises(CheckpointError, match="qwen3vl_text.safetensors"):
+        encode_prompt(handle, "a cat", None, mode="ti2v", image=torch.full((1, 3, 1, 64, 64), 0.5))
 
 
 def test_a_text_only_file_is_refused_for_ti2v_before_it_loads(tmp_path, state):

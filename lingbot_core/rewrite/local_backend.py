@@ -125,7 +125,7 @@ def generate_text(handle: Any, system: str, user: str, *, image: Any | None = No
             raise ValueError("this text encoder cannot write text (it has no LM head); use an endpoint")
         picture = None
         if image is not None:
-            require_vision(encoder)
+            require_vision(handle.shared.states.get("text_encoder"))
             picture = _picture(image, encoder, processor)
         text = chat_text(system, user, picture is not None)
         inputs = processor(text=[text], images=[picture] if picture is not None else None, videos=None,

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from ..checkpoint_checks import CheckpointError, StoredTensor, read_safetensors_entries, tensor_set_problems
+from .state import ModelState
 
 CONFIG_FILE = Path(__file__).resolve().parent.parent / "configs" / "qwen3-vl-4b.text_encoder.json"
 WHERE = "models/text_encoders"
@@ -51,7 +52,6 @@ COMFY_QUANT_FORMATS = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torc
 _MAX_QUANT_JSON = 4096  # bytes of one `.comfy_quant` entry we are willing to read
 _AUX_SUFFIXES = (".scale_weight", ".scale_input", ".weight_scale", ".input_scale", ".comfy_quant")
 _OUTER_PREFIX = re.compile(r"^text_encoders\.[A-Za-z0-9_]+\.transformer\.")
-TEXT_ONLY_ATTR = "_lingbot_text_only"
 
 
 def canonical_name(name: str) -> str:
@@ -300,9 +300,11 @@ def _dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -
 
 
 def load_text_encoder_file(source: str | Path | TextEncoderFile, *, dtype: torch.dtype | None = None,
-                           attn_implementation: str = "sdpa", config: dict[str, Any] | None = None) -> Any:
+                           attn_implementation: str = "sdpa", config: dict[str, Any] | None = None,
+                           state: ModelState | None = None) -> Any:
     """A `Qwen3VLForConditionalGeneration` (CPU, eval, no grad) from one file. dtype None: float32
-    (fp8 files are decoded into it). A text-only file gets an empty vision tower and `text_only`."""
+    (fp8 files are decoded into it). A text-only file gets an empty vision tower, and its name is
+    noted as `state.text_only` (the model's `weights.state.ModelState`)."""
     from accelerate import init_empty_weights
     from safetensors import safe_open
 
@@ -310,16 +312,16 @@ def load_text_encoder_file(source: str | Path | TextEncoderFile, *, dtype: torch
     dtype = dtype or torch.float32
     with torch.inference_mode(False):
         model = _skeleton(info.config, dtype, attn_implementation, init_empty_weights)
-        state: dict[str, torch.Tensor] = {}
+        tensors: dict[str, torch.Tensor] = {}
         with safe_open(str(info.path), framework="pt", device="cpu") as fh:
             for new, old in info.names.items():
                 tensor = fh.get_tensor(old)
                 if new in info.scales:
                     tensor = _dequantize(tensor, fh.get_tensor(info.scales[new]), dtype)
-                state[new] = tensor.to(dtype)
+                tensors[new] = tensor.to(dtype)
         # Only hidden states are used (never logits): the head is tied to the embedding, stored or not.
-        state.pop("lm_head.weight", None)
-        result = model.load_state_dict(state, strict=False, assign=True)
+        tensors.pop("lm_head.weight", None)
+        result = model.load_state_dict(tensors, strict=False, assign=True)
         missing = [k for k in result.missing_keys if k != "lm_head.weight" and not
                    (info.text_only and k.startswith("model.visual."))]
         if missing or result.unexpected_keys:
@@ -330,7 +332,8 @@ def load_text_encoder_file(source: str | Path | TextEncoderFile, *, dtype: torch
             for tensor in model.model.visual.parameters():
                 tensor.data.zero_()
         model.tie_weights()
-    setattr(model, TEXT_ONLY_ATTR, info.path.name if info.text_only else "")
+    if state is not None:
+        state.text_only = info.path.name if info.text_only else ""
     return model.eval().requires_grad_(False)
 
 
@@ -341,8 +344,9 @@ def require_vision_file(source: Any) -> None:
         raise CheckpointError(TEXT_ONLY_MESSAGE.format(name=source.path.name))
 
 
-def require_vision(model: Any) -> None:
-    """Refuse a text-only text encoder where the vision tower is needed (a TI2V first frame)."""
-    name = getattr(model, TEXT_ONLY_ATTR, "")
+def require_vision(state: ModelState | None) -> None:
+    """Refuse a text-only text encoder where the vision tower is needed (a TI2V first frame); `state`:
+    the encoder's `ModelState` (None: a model loaded without one, taken to have its vision tower)."""
+    name = state.text_only if state is not None else ""
     if name:
         raise CheckpointError(TEXT_ONLY_MESSAGE.format(name=name))
