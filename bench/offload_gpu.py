@@ -445,7 +445,7 @@ def load_format(folder: Path, dtype: torch.dtype, *, streamed: bool = False) -> 
     return load_transformer(folder, "transformer", dtype=dtype, streamed=streamed, state=state), state
 
 
-def use_dit(base, dit: torch.nn.Module, state: Any) -> None:
+def use_dit(base, dit: torch.nn.Module, state: Any = None) -> None:
     """Make `dit` (and its `ModelState`) the handle's DiT: every placement taken off first (components back
     to the CPU), then the attention backend set as `SharedComponents.get` sets it on a loaded DiT."""
     shared = base.shared
@@ -453,7 +453,10 @@ def use_dit(base, dit: torch.nn.Module, state: Any) -> None:
         shared.placement.uninstall_all(shared.loaded)
         dit.set_attention_backend(shared.attention_backend)
         shared.loaded["transformer"] = dit
-        shared.states["transformer"] = state
+        if state is not None:
+            shared.states["transformer"] = state
+        else:  # none known: a fresh one is made when something needs it
+            shared.states.pop("transformer", None)
 
 
 def weight_ratios(weight_rows: list[dict[str, Any]], rows: dict[str, dict[str, Any]], on_gpu: bool) -> None:
@@ -734,8 +737,9 @@ def run_formats(args: argparse.Namespace, base, rows: dict[str, dict[str, Any]],
     from lingbot_core.placement.door import module_bytes
 
     plain_dit = base.shared.loaded["transformer"]
+    plain_state = base.shared.states.get("transformer")
     with tempfile.TemporaryDirectory(prefix="lingbot-dit-weights-", dir=args.workdir) as tmp:
-        use_dit(base, plain_dit)  # placements off: the DiT is a plain module on the CPU
+        use_dit(base, plain_dit, plain_state)  # placements off: the DiT is a plain module on the CPU
         plain = save_plain_dit(plain_dit, Path(tmp) / "bf16")
         disk_modes = [m for m in args.modes if m in DISK_MODES] if args.disk_rows else []
         try:
@@ -784,7 +788,7 @@ def run_formats(args: argparse.Namespace, base, rows: dict[str, dict[str, Any]],
                     save()
                     _clear(device)
         finally:
-            use_dit(base, plain_dit)
+            use_dit(base, plain_dit, plain_state)
 
 
 def report(result: dict[str, Any]) -> str:
