@@ -28,8 +28,9 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("requests", {"stage_inputs", "notices"}),
     # the lazy handle over one checkpoint
     ("handle", {"handle"}),
-    # stages: plain functions over a handle; the prompt rewriter (runs a text model through the door)
-    ("stages", {"stages", "rewrite"}),
+    # stages: plain functions over a handle; the prompt rewriter (runs a text model through the door);
+    # `parallel.run`, the one-video-on-N-processes runner over a handle (a module placed apart from its package)
+    ("stages", {"stages", "rewrite", "parallel.run"}),
     # entry points
     ("entry", {"__main__", "__init__"}),
 ]
@@ -37,8 +38,11 @@ LEVEL = {unit: level for level, (_name, units) in enumerate(LAYERS) for unit in 
 
 
 def _unit(module: str) -> str:
-    """`lingbot_core.placement.door` -> `placement`; `lingbot_core` -> `__init__`."""
+    """`lingbot_core.placement.door` -> `placement`; `lingbot_core` -> `__init__`; a module placed apart from its
+    package (`parallel.run`) -> that dotted name."""
     parts = module.split(".")
+    if len(parts) > 2 and ".".join(parts[1:3]) in LEVEL:
+        return ".".join(parts[1:3])
     return parts[1] if len(parts) > 1 else "__init__"
 
 
