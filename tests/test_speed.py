@@ -177,8 +177,8 @@ def _block_call(model: LingBotVideoTransformer3DModel, index: int, inputs):
     return captured["args"]
 
 
-@pytest.mark.parametrize("cfg,index,dtype", [(TINY, 0, torch.float32), (TINY_MOE, 1, torch.bfloat16)],
-                         ids=["dense", "moe"])
+@pytest.mark.parametrize("cfg,index,dtype", [(TINY, 0, torch.float32), (TINY_MOE, 1, torch.bfloat16),
+                                             (TINY_MOE, 1, torch.float32)], ids=["dense", "moe", "moe-fp32"])
 def test_a_block_compiles_without_graph_breaks(cfg, index, dtype):
     model = _random_model(**cfg).to(dtype)
     block = model.blocks[index]
@@ -245,6 +245,56 @@ def test_group_offload_hooks_stay_outside_the_compiled_blocks():
         compiled = model(*_inputs()).sample
     regional._COMPILED.clear()
     assert len(graphs) == 1 and torch.equal(compiled, eager)
+
+
+def test_sequential_and_disk_offload_run_compiled_with_their_hooks_outside(fixtures_root):
+    """`sequential` (accelerate's hook on every leaf) and disk streaming per layer: every block runs
+    through the one compiled graph (never eagerly, no recompile at a new size), exactly as eager,
+    and the weights go back where the mode keeps them. The float32 MoE compiles too."""
+    from lingbot_core import hooks
+    from lingbot_core.handle import PipelineHandle
+    from lingbot_core.models import compile as regional
+    from lingbot_core.models.transformer import JointBlock
+    from lingbot_core.offload import configure_offload
+    from lingbot_core.placement.door import stage
+
+    folder = fixtures_root / "models" / "tiny-moe"
+    graphs, calls = [], [0]
+    torch._dynamo.reset()
+    regional._COMPILED.clear()
+    inner = torch.compile(JointBlock.compute, backend=lambda gm, ex: graphs.append(gm) or gm.forward, dynamic=True)
+
+    def counted(*args):
+        calls[0] += 1
+        return inner(*args)
+
+    regional._COMPILED[("inductor", True)] = counted  # what compile="blocks" picks up, without inductor's time
+
+    def inputs(dit, side=8):
+        g = torch.Generator().manual_seed(1)
+        return (torch.randn(1, dit.config.in_channels, 2, side, side, generator=g), torch.tensor([700.0]),
+                torch.randn(1, 8, dit.config.text_dim, generator=g))
+
+    dit = PipelineHandle.open(folder, device="cpu").component("transformer")
+    with torch.no_grad():
+        eager = dit(*inputs(dit)).sample
+    try:
+        for mode, to, hook in (("sequential", "ram", hooks.ACCELERATE), ("sequential", "disk", "lingbot.disk_stream")):
+            view = configure_offload(PipelineHandle.open(folder, device="cpu", compile="blocks"), mode, offload_to=to)
+            with stage(view, "transformer"):
+                compiled_dit = view.component("transformer")
+                assert any(name == hook for _p, name in hooks.listing(compiled_dit.blocks[0].attn))  # inside the block
+                before = calls[0]
+                with torch.no_grad():
+                    out = compiled_dit(*inputs(compiled_dit)).sample
+                    compiled_dit(*inputs(compiled_dit, side=12))
+                assert calls[0] - before == 2 * len(compiled_dit.blocks), (mode, to)  # none ran eagerly
+                assert torch.equal(out, eager), (mode, to)
+                if to == "ram":
+                    assert compiled_dit.blocks[0].attn.to_q.weight.device.type == "meta"  # back off the device
+        assert len(graphs) == 1  # one graph for both modes, both sizes: no recompile, no break
+    finally:
+        regional._COMPILED.clear()
 
 
 def test_rotary_tables_can_be_sized_before_compiling():

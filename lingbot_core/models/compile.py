@@ -13,9 +13,15 @@ block (the block is an argument; its parameters are graph inputs, not constants)
 - `dynamic=True`: a new sequence length reuses the graph instead of compiling a new one;
 - the MoE FFN routes with fixed shapes in half precision (`models/moe.py`), so it compiles without
   graph breaks; fp8 / GGUF decode runs inside the region (the compiler fuses it);
+- the MoE FFN in float32 (which `torch._grouped_mm` cannot trace) runs its expert loop as one
+  opaque op of fixed output shape (`moe.expert_loop`): no graph break, no recompile per routing;
 - leaf-level hooks (`sequential` offload, whose accelerate hooks sit on every linear; disk
-  streaming with per-leaf units) would be inside any block region: a block with a hook inside it
-  runs eagerly (`transformer._hooked_inside`), so such modes run as before, never half-compiled.
+  streaming with per-layer units) would be inside the block's region. `run_compiled` keeps them
+  outside: the weight-moving hooks inside the block (`WEIGHT_MOVERS`) run their pre-forwards
+  first (the block's weights come in, as under `group`; the sequential estimate already counts a
+  block), the compiled computation runs on the plain modules (their hook-wrapped `forward`s set
+  aside), then the post-forwards send the weights back. Any other hook inside (a torch hook, a
+  hook of unknown kind) and the block runs eagerly, as before, never half-compiled.
 """
 
 from __future__ import annotations
@@ -26,12 +32,64 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["COMPILE_CHOICES", "compile_blocks", "compile_problem", "compiled_blocks", "uncompile_blocks"]
+__all__ = ["COMPILE_CHOICES", "WEIGHT_MOVERS", "compile_blocks", "compile_problem", "compiled_blocks", "run_compiled",
+           "uncompile_blocks"]
 
 COMPILE_CHOICES = ("off", "blocks")
 """`off`: eager. `blocks`: regional compile of the repeated blocks (inductor, dynamic shapes)."""
 
 _COMPILED: dict[tuple[str, bool], Any] = {}
+
+WEIGHT_MOVERS = ("accelerate", "lingbot.disk_stream")
+"""Hooks (`lingbot_core.hooks` names) that only bring a module's weights in before its forward and
+take them out after, whatever the inputs: they can run around a compiled block instead of inside it."""
+
+
+def hooks_inside(block: nn.Module) -> list[tuple[nn.Module, list[Any]]] | None:
+    """(module, its hooks) for every hooked module inside `block` (the block's own hooks run outside
+    anyway); None when one of them cannot be moved outside (a torch hook, or not a `WEIGHT_MOVERS` hook)."""
+    from .. import hooks
+
+    found = []
+    for module in block.modules():
+        if module is block:
+            continue
+        if module._forward_pre_hooks or module._forward_hooks:
+            return None
+        attached = hooks.attached(module)
+        if attached:
+            if any(name not in WEIGHT_MOVERS for name, _hook in attached):
+                return None
+            found.append((module, [hook for _name, hook in attached]))
+        elif "forward" in module.__dict__:  # a wrapped forward with no hook we know
+            return None
+    return found
+
+
+def run_compiled(block: nn.Module, *args: Any) -> Any:
+    """One call of `block` through its compiled computation, weight-moving hooks inside it run around
+    the call (see the module docstring); eagerly when a hook inside cannot be moved out."""
+    inside = hooks_inside(block)
+    if inside is None:
+        return block.compute(*args)
+    if not inside:
+        return block.compiled_compute(block, *args)
+    entered: list[tuple[nn.Module, Any]] = []
+    wrapped: list[tuple[nn.Module, Any]] = []
+    try:
+        for module, module_hooks in inside:
+            for hook in module_hooks:
+                hook.pre_forward(module)
+                entered.append((module, hook))
+        for module, _hooks in inside:
+            wrapped.append((module, module.__dict__.pop("forward", None)))
+        return block.compiled_compute(block, *args)
+    finally:
+        for module, forward in wrapped:
+            if forward is not None:
+                module.__dict__["forward"] = forward
+        for module, hook in reversed(entered):
+            hook.post_forward(module, None)
 
 
 def _compiled_compute(backend: str, dynamic: bool) -> Any:

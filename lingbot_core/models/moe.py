@@ -89,6 +89,46 @@ def _grouped_mm_fits(tokens: torch.Tensor, experts: nn.Module) -> bool:
     return all(size * width % 16 == 0 for size in experts.w1.shape[1:])
 
 
+def _loop_mix(tokens: torch.Tensor, chosen: torch.Tensor, gates: torch.Tensor, project, num_experts: int) -> torch.Tensor:
+    """(N, D) -> (N, D) float32 weighted sum of each token's experts, expert by expert over the slots
+    with a non-zero gate; `project(name, e, rows)` applies weight `name` of expert e."""
+    n_tokens, per_token = chosen.shape
+    # One row per (token, choice) with a non-zero gate, stably sorted by expert id.
+    expert_of = chosen.flatten()
+    gate_of = gates.flatten()
+    live = torch.nonzero(gate_of != 0).squeeze(1)
+    slots = live[torch.argsort(expert_of[live], stable=True)]
+    counts = torch.bincount(expert_of[slots], minlength=num_experts).tolist()
+    rows_by_expert = tokens[slots // per_token].split(counts)
+    outputs = [project("w2", e, F.silu(project("w1", e, rows)) * project("w3", e, rows))
+               for e, rows in enumerate(rows_by_expert) if rows.shape[0]]
+    answers = torch.cat(outputs) if outputs else tokens.new_zeros((0, tokens.shape[1]))
+
+    # Weighted sum over each token's choices in float32, in choice order (dropped slots stay 0).
+    width = answers.shape[1] if outputs else tokens.shape[1]
+    by_slot = answers.new_zeros(n_tokens * per_token, width, dtype=torch.float32)
+    by_slot[slots] = answers.float()
+    weight = torch.zeros(n_tokens * per_token, dtype=torch.float32, device=tokens.device)
+    weight[slots] = gate_of[slots].float()
+    return (by_slot.view(n_tokens, per_token, -1) * weight.view(n_tokens, per_token, 1)).sum(dim=1)
+
+
+@torch.library.custom_op("lingbot::expert_loop", mutates_args=())
+def expert_loop(tokens: torch.Tensor, chosen: torch.Tensor, gates: torch.Tensor, w1: torch.Tensor,
+                w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+    """`_loop_mix` over plain stacked weights as one op. Why an op: inside a compiled block the
+    loop's sizes depend on the routing (a graph break, and a recompile per expert-count pattern
+    until the limit); as an op whose output shape is fixed (N, D), the compiler treats it as one
+    call. Used where `torch._grouped_mm` cannot trace (float32, which has no shape rule for it)."""
+    return _loop_mix(tokens, chosen, gates, lambda name, e, rows: F.linear(rows, {"w1": w1, "w2": w2, "w3": w3}[name][e]),
+                     w1.shape[0])
+
+
+@expert_loop.register_fake
+def _(tokens, chosen, gates, w1, w2, w3):
+    return tokens.new_empty((tokens.shape[0], w2.shape[1]), dtype=torch.float32)
+
+
 class SparseMoE(nn.Module):
     """Routed experts plus the shared expert (when the config has one), on (B, S, D) hidden states."""
 
@@ -99,21 +139,6 @@ class SparseMoE(nn.Module):
         self.experts = ExpertWeights(routing.num_experts, hidden_size, routing.moe_intermediate_size)
         self.shared_experts = SwiGLU(hidden_size, routing.shared_width) if routing.shared_width else None
         self.use_grouped_mm = True
-
-    def _experts_loop(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Expert by expert over expert-sorted tokens; `counts[e]` rows belong to expert e."""
-        experts = self.experts
-        if getattr(experts, "decodes_per_expert", False):
-            project = experts.project  # packed experts: decode expert e only, plus its runtime deltas
-        else:
-            def project(name: str, e: int, rows: torch.Tensor) -> torch.Tensor:
-                return F.linear(rows, getattr(experts, name)[e])
-        outputs = [
-            project("w2", e, F.silu(project("w1", e, rows)) * project("w3", e, rows))
-            for e, rows in enumerate(tokens.split(counts))
-            if rows.shape[0]
-        ]
-        return torch.cat(outputs) if outputs else tokens.new_zeros(tokens.shape)
 
     def _experts_grouped(self, tokens: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """All experts in three grouped matmuls over expert-sorted tokens; `ends`: int32 cumulative counts.
@@ -138,22 +163,18 @@ class SparseMoE(nn.Module):
 
     def _mix_loop(self, tokens: torch.Tensor, chosen: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
         """(N, D) -> (N, D) float32 weighted expert sum, expert by expert over the live slots."""
-        n_tokens, per_token = chosen.shape
-        # One row per (token, choice) with a non-zero gate, stably sorted by expert id.
-        expert_of = chosen.flatten()
-        gate_of = gates.flatten()
-        live = torch.nonzero(gate_of != 0).squeeze(1)
-        slots = live[torch.argsort(expert_of[live], stable=True)]
-        counts = torch.bincount(expert_of[slots], minlength=self.router.routing.num_experts).tolist()
-        # Packed (fp8/GGUF) experts with runtime deltas go here: each routed expert is decoded, used, dropped.
-        answers = self._experts_loop(tokens[slots // per_token], counts)
-
-        # Weighted sum over each token's choices in float32, in choice order (dropped slots stay 0).
-        by_slot = answers.new_zeros(n_tokens * per_token, self.hidden_size, dtype=torch.float32)
-        by_slot[slots] = answers.float()
-        weight = torch.zeros(n_tokens * per_token, dtype=torch.float32, device=tokens.device)
-        weight[slots] = gate_of[slots].float()
-        return (by_slot.view(n_tokens, per_token, -1) * weight.view(n_tokens, per_token, 1)).sum(dim=1)
+        if torch.compiler.is_compiling() and not getattr(self.experts, "deltas", None):
+            # its sizes depend on the routing: one opaque op of fixed output shape for the compiler
+            experts = self.experts
+            return expert_loop(tokens, chosen, gates, experts.w1.to(tokens.dtype), experts.w2.to(tokens.dtype),
+                               experts.w3.to(tokens.dtype))
+        experts = self.experts
+        if getattr(experts, "decodes_per_expert", False):
+            project = experts.project  # packed experts: decode expert e only, plus its runtime deltas
+        else:
+            def project(name: str, e: int, rows: torch.Tensor) -> torch.Tensor:
+                return F.linear(rows, getattr(experts, name)[e])
+        return _loop_mix(tokens, chosen, gates, project, self.router.routing.num_experts)
 
     def _routed(self, tokens: torch.Tensor) -> torch.Tensor:
         chosen, gates = self.router(tokens)

@@ -62,19 +62,6 @@ class SelfAttention(nn.Module):
         return self.to_out(mixed.flatten(-2).type_as(x))
 
 
-def _hooked_inside(block: nn.Module) -> bool:
-    """Does a module inside `block` carry a hook (torch forward hooks, accelerate's `_hf_hook`,
-    diffusers' hook registry)? Such a block runs eagerly even when compiled: leaf-level offload
-    (`sequential`, disk streaming per leaf) moves weights in those hooks, which no graph can hold."""
-    for module in block.modules():
-        if module is block:
-            continue
-        if (module._forward_pre_hooks or module._forward_hooks or hasattr(module, "_hf_hook")
-                or hasattr(module, "_diffusers_hook")):
-            return True
-    return False
-
-
 class JointBlock(nn.Module):
     """Attention then FFN, each as a gated residual branch modulated by the timestep.
 
@@ -126,8 +113,10 @@ class JointBlock(nn.Module):
 
         Runs `compute`, or its compiled form when regional compile is on (`models/compile.py`): hooks
         attached to the block wrap this method and so stay outside the compiled region."""
-        if self.compiled_compute is not None and not _hooked_inside(self):
-            return self.compiled_compute(self, x, temb6, rotations, key_mask)
+        if self.compiled_compute is not None:
+            from .compile import run_compiled
+
+            return run_compiled(self, x, temb6, rotations, key_mask)
         return self.compute(x, temb6, rotations, key_mask)
 
     def compute(
