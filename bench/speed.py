@@ -240,6 +240,57 @@ def cfg_batch(bench: Bench) -> Table:
     ])
 
 
+@section("compose")
+def compose(bench: Bench) -> Table:
+    """The options together: few-step + compile, and step cache + compile + group offload, each
+    against the eager run it replaces (compile time shown apart: the first compiled run pays it)."""
+    from lingbot_core.handle import PipelineHandle
+    from lingbot_core.models.compile import compile_problem
+    from lingbot_core.offload import configure_offload
+    from lingbot_core.sampling.step_cache import StepCacheSettings
+
+    if (problem := compile_problem("cpu")):
+        return Table("composition rows", [], [f"not run: {problem}"])
+    eager = bench.handle()
+    compiled = PipelineHandle.open(bench.folder(), device="cpu", compile="blocks")
+    compiled_group = configure_offload(compiled, "group", use_stream=False)
+    bench.cond()
+    calibration = str(bench.work / "magcache")
+    mag = StepCacheSettings("magcache", threshold=bench.args.mag_thresholds[-1], calibration_dir=calibration)
+    few = dict(steps=4, guidance_scale=1.0, sampler="euler")
+
+    def run(handle: Any, **options: Any) -> dict[str, Any]:
+        bench._handles["dense"], saved = handle, bench._handles["dense"]
+        try:
+            return bench.denoise(**options)
+        finally:
+            bench._handles["dense"] = saved
+
+    base = run(eager)
+    bench.denoise(step_cache=StepCacheSettings("magcache_calibrate", calibration_dir=calibration))
+    few_eager = run(eager, **few)
+    first = run(compiled, **few)  # compiles the blocks (one graph for all)
+    few_compiled = run(compiled, **few)
+    cached_eager = run(eager, step_cache=mag)
+    cached_first = run(compiled_group, step_cache=mag)  # group hooks around the compiled blocks
+    cached_compiled = run(compiled_group, step_cache=mag)
+    rows = []
+    for name, r, ref in ((f"{bench.args.steps}-step CFG, eager (baseline)", base, base),
+                         ("few-step (euler 4, cfg 1), eager", few_eager, base),
+                         ("few-step + compile, first run (compile included)", first, few_eager),
+                         ("few-step + compile", few_compiled, few_eager),
+                         (f"magcache {mag.threshold:g}, eager", cached_eager, base),
+                         ("magcache + compile + group offload, first run", cached_first, cached_eager),
+                         ("magcache + compile + group offload", cached_compiled, cached_eager)):
+        rows.append(dict(run=name, dit_blocks=r["blocks"], seconds=r["seconds"],
+                         vs_baseline=r["seconds"] / base["seconds"], vs_row_it_replaces=r["seconds"] / ref["seconds"],
+                         max_abs_diff_vs_it=float((r["latents"] - ref["latents"]).abs().max())))
+    return Table(f"composition, {bench.args.steps}-step CFG {bench.args.cfg} baseline", rows, [
+        "vs_row_it_replaces: few-step + compile against few-step eager; cache + compile + group against cache eager",
+        "max_abs_diff_vs_it: the final latents against that row (the eager cache row: against the baseline)",
+    ])
+
+
 # DiT-forward sections (quantized weights, fp8 matmul, chunked FFN/MoE, the estimate, regional compile)
 from bench.speed_dit import register_sections  # noqa: E402
 
