@@ -1,58 +1,22 @@
 """ComfyUI node classes for LingBot-Video: thin type translation over lingbot_core.
 
-The nodes are V3 (`io.ComfyNode`): inside ComfyUI they are registered through `comfy_entrypoint`,
-headless (no `comfy_api`) they run on the pack's own V3 subset (`v3_fallback`) in our engine.
-`NODE_CLASS_MAPPINGS` is the registry the headless engine, the CLI and the tests use.
+The registry (`NODES`, `NODE_CLASS_MAPPINGS`, `NODE_DISPLAY_NAME_MAPPINGS`, `HAVE_COMFY_API`,
+`comfy_entrypoint`) lives in `registry.py` and is loaded on first access. Importing the package itself
+stays light (no torch), so `python -m lingbot_nodes` can catch a Ctrl-C pressed while torch imports: the
+package is imported before `__main__` runs, outside any `try` there.
 """
 
 from __future__ import annotations
 
-from .caption import LingBotCaption
-from .conditioning import LingBotImageEncode, LingBotTextEncode
-from .files import LingBotLoaderFiles
-from .image_input import LingBotLoadImage
-from .loader import LingBotLoader, LingBotMemoryReport, LingBotOffload, LingBotRelease
-from .lora import LingBotLoRA
-from .output import LingBotDecode, LingBotSaveVideo
-from .rewrite import LingBotRewrite
-from .sampling import LingBotDenoise, LingBotRefine
-from .v3 import HAVE_COMFY_API, ComfyExtension
-
-NODES = [
-    LingBotLoader,
-    LingBotLoaderFiles,
-    LingBotOffload,
-    LingBotLoRA,
-    LingBotTextEncode,
-    LingBotImageEncode,
-    LingBotDenoise,
-    LingBotRefine,
-    LingBotDecode,
-    LingBotRelease,
-    LingBotSaveVideo,
-    LingBotLoadImage,
-    LingBotMemoryReport,
-    LingBotCaption,
-    LingBotRewrite,
-]
-
-
-def _schema(cls):
-    return cls.define_schema()
-
-
-NODE_CLASS_MAPPINGS = {_schema(cls).node_id: cls for cls in NODES}
-NODE_DISPLAY_NAME_MAPPINGS = {_schema(cls).node_id: _schema(cls).display_name for cls in NODES}
-
-
-class LingBotExtension(ComfyExtension):
-    async def get_node_list(self):
-        return list(NODES)
-
-
-async def comfy_entrypoint() -> LingBotExtension:
-    """What ComfyUI (0.3.48 and newer, the V3 node API) calls to register the pack."""
-    return LingBotExtension()
-
+import importlib
+from typing import Any
 
 __all__ = ["HAVE_COMFY_API", "NODES", "NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "comfy_entrypoint"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in __all__:  # submodules and everything else: the normal import machinery
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.registry"), name)
+    globals()[name] = value
+    return value

@@ -298,3 +298,30 @@ def test_ctrl_c_while_the_core_command_imports_is_clean(monkeypatch, capsys):
     monkeypatch.setattr(core, "_generate", interrupted)
     assert core.main([]) == 130
     assert capsys.readouterr().err.strip() == "interrupted"
+
+
+def test_the_package_import_is_light():
+    """`python -m lingbot_nodes` imports the package before its `__main__` can catch anything: that import
+    must not pull in torch, or a Ctrl-C in the first seconds prints a traceback."""
+    code = "import sys, lingbot_nodes; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_ctrl_c_while_python_m_lingbot_nodes_imports_is_clean(monkeypatch, capsys):
+    import importlib.abc
+    import runpy
+
+    class Interrupting(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "lingbot_nodes.cli":
+                raise KeyboardInterrupt  # as if pressed while torch is being imported
+            return None
+
+    monkeypatch.delitem(sys.modules, "lingbot_nodes.cli", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [Interrupting(), *sys.meta_path])
+    with pytest.raises(SystemExit) as stopped:
+        runpy.run_module("lingbot_nodes", run_name="__main__")
+    assert stopped.value.code == 130
+    assert capsys.readouterr().err.strip() == "interrupted"
