@@ -199,7 +199,6 @@ class LingBotLoaderFiles(io.ComfyNode):
                                  f"{', '.join('dit' if n == 'transformer' else n for n in missing)} (or a checkpoint)")
         processor = resolve_processor(AUTO, processor_path, folder)
         from lingbot_core.handle import PipelineHandle
-        runtime.install_memory_cooperation()
         dtypes = {"transformer": None, "refiner": None}
         dtypes.update(runtime.comfy_dtypes())
         if DTYPES[dtype] is not None:
@@ -208,7 +207,8 @@ class LingBotLoaderFiles(io.ComfyNode):
         options = dict(device=runtime.execution_device(device), dtypes=dtypes, weights=weights,
                        attention_backend=None if attention == "default" else attention)
         if processor is None and not any(chosen.values()):  # everything from the checkpoint folder
-            return io.NodeOutput(PipelineHandle.open(folder, **options))
+            return io.NodeOutput(runtime.install_memory_cooperation(PipelineHandle.open(folder, **options)))
         from lingbot_core.components import ComponentFiles
 
-        return io.NodeOutput(PipelineHandle.open(folder, files=ComponentFiles(**chosen, processor=processor), **options))
+        handle = PipelineHandle.open(folder, files=ComponentFiles(**chosen, processor=processor), **options)
+        return io.NodeOutput(runtime.install_memory_cooperation(handle))

@@ -136,7 +136,6 @@ class LingBotLoader(io.ComfyNode):
                    or runtime.attention_problem(attention, device))
         if problem:
             raise ValueError(problem)
-        runtime.install_memory_cooperation()
         folder = resolve_checkpoint(checkpoint, path)
         dtypes = {"transformer": None, "refiner": None}  # auto: the DiTs as stored
         dtypes.update(runtime.comfy_dtypes())  # ... unless ComfyUI's dtype flags say otherwise
@@ -150,6 +149,7 @@ class LingBotLoader(io.ComfyNode):
                                      transformer_folder=resolve_student(transformer_path), compile=compile)
         if variant != "auto" and handle.variant != variant:
             raise ValueError(f"{folder} is a {handle.variant} checkpoint, but the loader asks for {variant}")
+        runtime.install_memory_cooperation(handle)
         return io.NodeOutput(handle, ui=on_node(cpu_notice(handle.shared.info, handle.device)))
 
 

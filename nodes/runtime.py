@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from lingbot_core.interrupt import interrupt_checker, work_ticker
 
@@ -356,14 +357,12 @@ def _track_resident(shared, device) -> None:
     mm.current_loaded_models.append(ResidentStandIn(shared, device))
 
 
-def install_memory_cooperation() -> None:
-    """Inside ComfyUI: free ComfyUI's models before ours move onto the GPU, and let ComfyUI's memory
-    requests free ours."""
+def install_memory_cooperation(handle: Any) -> Any:
+    """Inside ComfyUI: free ComfyUI's models before this handle's components move onto the GPU, and let
+    ComfyUI's memory requests free them. The listeners are the handle's own (`door.add_listeners`).
+    Returns the handle."""
     from lingbot_core.placement import door
 
-    if not in_comfy():
-        return
-    if _free_comfy_memory not in door.MEMORY_LISTENERS:
-        door.MEMORY_LISTENERS.append(_free_comfy_memory)
-    if _track_resident not in door.SETTLE_LISTENERS:
-        door.SETTLE_LISTENERS.append(_track_resident)
+    if in_comfy():
+        door.add_listeners(handle, memory=_free_comfy_memory, settle=_track_resident)
+    return handle

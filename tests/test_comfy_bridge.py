@@ -74,10 +74,6 @@ def comfy(tmp_path, monkeypatch):
     for name, module in {"comfy": package, "comfy.model_management": mm, "comfy.utils": utils,
                          "folder_paths": folder_paths}.items():
         monkeypatch.setitem(sys.modules, name, module)
-    from lingbot_core.placement import door
-
-    monkeypatch.setattr(door, "MEMORY_LISTENERS", [])
-    monkeypatch.setattr(door, "SETTLE_LISTENERS", [])
     state.mm = mm
     state.tmp = tmp_path
     return state
@@ -148,29 +144,31 @@ def test_comfy_interrupt_cancels_mid_denoise_and_the_next_run_works(comfy):
 
 def test_free_memory_before_our_components_move_to_an_accelerator(comfy, monkeypatch):
     """Moving a whole component onto an accelerator first asks ComfyUI for room."""
-    from lingbot_core.placement import door
     from lingbot_nodes import runtime
 
-    NODE_CLASS_MAPPINGS["LingBotLoader"].execute("tiny (built-in dense)", "auto", "auto", "default")
-    assert runtime._free_comfy_memory in door.MEMORY_LISTENERS
-    assert runtime._track_resident in door.SETTLE_LISTENERS
+    handle, = NODE_CLASS_MAPPINGS["LingBotLoader"].execute("tiny (built-in dense)", "auto", "auto", "default").args
+    placement = handle.shared.placement
+    assert placement.memory_listeners == [runtime._free_comfy_memory]
+    assert placement.settle_listeners == [runtime._track_resident]
+    runtime.install_memory_cooperation(handle)  # a second time adds nothing
+    assert len(placement.memory_listeners) == len(placement.settle_listeners) == 1
     asked = []
     monkeypatch.setattr(comfy.mm, "free_memory", lambda need, device, keep_loaded=(): asked.append((need, device)))
-    for listener in door.MEMORY_LISTENERS:
+    for listener in placement.memory_listeners:
         listener("transformer", None, torch.device("cuda", 0), 123)
     assert asked == [(123, torch.device("cuda", 0))]
 
 
-def test_outside_comfyui_nothing_is_registered(monkeypatch):
-    from lingbot_core.placement import door
+def test_outside_comfyui_nothing_is_registered(monkeypatch, fixtures_root):
+    from lingbot_core.handle import PipelineHandle
     from lingbot_nodes import runtime
 
-    monkeypatch.setattr(door, "MEMORY_LISTENERS", [])
     for name in ("comfy", "comfy.model_management", "comfy.utils", "folder_paths"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     assert not runtime.in_comfy()
-    runtime.install_memory_cooperation()
-    assert door.MEMORY_LISTENERS == []
+    handle = PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu")
+    assert runtime.install_memory_cooperation(handle) is handle
+    assert handle.shared.placement.memory_listeners == handle.shared.placement.settle_listeners == []
 
 
 class _Loaded:

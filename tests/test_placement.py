@@ -303,13 +303,31 @@ def test_none_with_refine_keeps_the_base_unless_it_is_released():
 
 def test_auto_reads_the_budget_after_the_host_freed_memory(fixtures_root, monkeypatch):
     freed = []
-    monkeypatch.setattr(door, "MEMORY_LISTENERS", [lambda name, module, device, nbytes: freed.append(nbytes)])
     monkeypatch.setattr(door, "free_accelerator_bytes", lambda device: 10**15 if freed else 1)
     handle = _open(fixtures_root)
+    door.add_listeners(handle, memory=lambda name, module, device, nbytes: freed.append(nbytes))
     settings = handle.with_offload("auto", height=32, width=32, num_frames=5).offload
     concrete, choice = door.resolve(handle.shared, settings, torch.device("cuda"))
     assert freed and freed[0] >= choice.estimates["none"]
     assert concrete.mode == "none" and choice.budget == 10**15
+
+
+def test_listeners_belong_to_their_handle(fixtures_root, monkeypatch):
+    monkeypatch.setattr(door, "free_accelerator_bytes", lambda device: 10**15)
+    mine, other = _open(fixtures_root), _open(fixtures_root)
+    heard = []
+    door.add_listeners(mine, memory=lambda name, module, device, nbytes: heard.append(("memory", name)),
+                       settle=lambda shared, device: heard.append(("settle", shared)))
+    auto = other.with_offload("auto", height=32, width=32, num_frames=5).offload
+    door.resolve(other.shared, auto, torch.device("cuda"))
+    with offload.stage(other):
+        pass
+    assert heard == []  # the other handle's plan and stage never call this handle's listeners
+    view = mine.with_offload("auto", height=32, width=32, num_frames=5)  # a view of it: the same listeners
+    door.resolve(view.shared, view.offload, torch.device("cuda"))
+    with offload.stage(view):
+        pass
+    assert heard == [("memory", "auto plan"), ("settle", mine.shared)]
 
 
 # -- defect 7: attribute access never loads --------------------------------------------------------

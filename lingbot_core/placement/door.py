@@ -47,7 +47,7 @@ import functools
 import gc
 import logging
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -68,14 +68,23 @@ SharedComponents = Any
 """Its `SharedComponents`: `.loaded`, `.states`, `.lock`, `.placement`, `.info`, `.dtypes`, `.folder`."""
 log = logging.getLogger("lingbot_core.offload")
 
-MEMORY_LISTENERS: list = []
-"""Callables `(component, module, device, nbytes)` run before placement needs `nbytes` of device
-memory: before a whole component is moved onto the device, and before `auto` reads the free
-memory (component "auto plan", module None). A host such as ComfyUI frees its own models here.
-Hosts append to these lists (never rebind them); tests monkeypatch them on this module."""
+MemoryListener = Callable[[str, Any, torch.device, int], None]
+"""`(component, module, device, nbytes)`, run before placement needs `nbytes` of device memory: before a
+whole component is moved onto the device, and before `auto` reads the free memory (component "auto
+plan", module None). A host such as ComfyUI frees its own models here."""
+SettleListener = Callable[[SharedComponents, torch.device], None]
+"""`(shared, device)`, run after every stage; a host tracks what stays resident with it."""
 
-SETTLE_LISTENERS: list = []
-"""Callables `(shared, device)` run after every stage; a host tracks what stays resident with them."""
+
+def add_listeners(handle: PipelineHandle, *, memory: MemoryListener | None = None,
+                  settle: SettleListener | None = None) -> None:
+    """Run `memory` / `settle` for this handle's components (every view of it; another handle's
+    stages never call them). Adding one a second time is a no-op."""
+    placement = handle.shared.placement
+    with handle.shared.lock:
+        for listener, listeners in ((memory, placement.memory_listeners), (settle, placement.settle_listeners)):
+            if listener is not None and listener not in listeners:
+                listeners.append(listener)
 
 
 def module_bytes(module: Any) -> int:
@@ -100,9 +109,9 @@ def configure_offload(handle: PipelineHandle, mode: str, device: str | torch.dev
     return view
 
 
-def _free_budget(device: torch.device, wanted: int) -> int:
+def _free_budget(shared: SharedComponents, device: torch.device, wanted: int) -> int:
     """Free accelerator bytes, read after asking the host to make `wanted` bytes free."""
-    for listener in list(MEMORY_LISTENERS):
+    for listener in list(shared.placement.memory_listeners):
         listener("auto plan", None, device, wanted)
     return free_accelerator_bytes(device)
 
@@ -134,7 +143,7 @@ def resolve(shared: SharedComponents, requested: OffloadSettings,
         host_budget = requested.option("host_budget_bytes")
         if budget is None:
             wanted = estimate.estimate_peak("none", sizes, geometry) + estimate.RESERVE_BYTES
-            budget = _free_budget(device, wanted)
+            budget = _free_budget(shared, device, wanted)
             if host_budget is None:
                 host_budget = estimate.available_host_bytes()
         choice = fit.choose_mode(sizes, geometry, int(budget), host_budget=host_budget,
@@ -262,9 +271,12 @@ def execution_device(handle: PipelineHandle, name: str | None = None) -> torch.d
     return handle.device
 
 
-def _before_move(name: str, module: Any, device: torch.device) -> None:
-    for listener in list(MEMORY_LISTENERS):
-        listener(name, module, device, stored_bytes(module, include_meta=True))
+def _before_move(shared: SharedComponents) -> Callable[[str, Any, torch.device], None]:
+    """What `Placement.acquire` runs before moving a whole component: this handle's memory listeners."""
+    def before(name: str, module: Any, device: torch.device) -> None:
+        for listener in list(shared.placement.memory_listeners):
+            listener(name, module, device, stored_bytes(module, include_meta=True))
+    return before
 
 
 def _settle(shared: SharedComponents, used: tuple[str, ...] = ()) -> None:
@@ -292,7 +304,7 @@ def stage(handle: PipelineHandle, *components: str, label: str | None = None) ->
             placement.in_stage = set(components)
             for name in components:
                 if name in MODULE_COMPONENTS:
-                    placement.acquire(name, shared.loaded[name], _before_move)
+                    placement.acquire(name, shared.loaded[name], _before_move(shared))
                     placement.ledger.append(("acquire", name, label))
             device = execution_device(handle, components[0] if components else None)
             for name in components[1:]:
@@ -305,7 +317,7 @@ def stage(handle: PipelineHandle, *components: str, label: str | None = None) ->
                     placement.ledger.append(("release", name, label))
             placement.in_stage = set()
             _settle(shared, components)
-            for listener in list(SETTLE_LISTENERS):
+            for listener in list(placement.settle_listeners):
                 listener(shared, handle.device)
             if log.isEnabledFor(logging.DEBUG):  # per stage: DEBUG (a run logs one INFO summary)
                 log.debug("after %s: %s", label, memory_report(handle).one_line())
@@ -465,7 +477,7 @@ def check_handle(handle: object, geometry: estimate.Geometry, *, mode: str | Non
         return None
     sizes = estimate.ModelSizes.from_handle(handle)
     if vram_free is None:
-        vram_free = _free_budget(device, estimate.estimate_peak(mode, sizes, geometry) + estimate.RESERVE_BYTES)
+        vram_free = _free_budget(handle.shared, device, estimate.estimate_peak(mode, sizes, geometry) + estimate.RESERVE_BYTES)
     if host_free is None:
         host_free = estimate.available_host_bytes()
     verdict = fit.check(sizes, geometry, mode, offload_to, vram_free=vram_free, host_free=host_free)
