@@ -25,7 +25,7 @@ from bench.memory_table import GB, GiB, build, params, table
 
 # (GPU, variant, W, H, frames, refine size or None, tiled decode, offload mode)
 RECIPES = (
-    ("8 GB", "dense", 576, 320, 81, None, True, "group"),
+    ("8 GB", "dense", 576, 320, 121, None, True, "group"),
     ("12 GB", "dense", 832, 480, 121, None, True, "model"),
     ("16 GB", "dense", 1280, 736, 121, None, True, "group"),
     ("24 GB", "moe", 832, 480, 121, (736, 1280), True, "group"),

@@ -14,7 +14,7 @@ of the host RAM, `SYSTEM_GIB` is left to the OS and other programs. How a cell i
    `offload_to: ram` (fastest); else `offload_to: disk` with the largest format whose DiT file(s) the
    page cache can still hold (else Q4_0, read from the disk every step);
 3. the fastest offload mode that fits, with Decode tiling;
-4. the largest base size (1280x736, 832x480, 640x368; 121 frames) and, for the MoE, the largest
+4. the largest base size (`fit.BASE_SIZES`: 1280x736 down to 576x320; 121 frames) and, for the MoE, the largest
    refine size (1920x1088, 1280x736, 960x544) that fit under that setting.
 """
 
@@ -40,7 +40,6 @@ RAM_GB = (32, 64, 128)
 DESKTOP_GIB = 0.5
 SYSTEM_GIB = 4.0
 FORMATS = ("bf16", "GGUF Q8_0", "GGUF Q4_0")
-BASE_SIZES = ((736, 1280), (480, 832), (368, 640))
 FRAMES = 121
 GB, GiB = 1e9, 1024**3
 
@@ -118,7 +117,7 @@ def _plan(variant: str, fmt: str, to: str, vram: int, host: int) -> dict | None:
     """What fits with these weights and home: the largest base size, the largest refine size (MoE),
     and the fastest mode for the headline run (the refined run when one fits, else the largest base)."""
     from lingbot_core.memory import Geometry, host_bytes
-    from lingbot_core.placement.fit import REFINE_SIZES
+    from lingbot_core.placement.fit import BASE_SIZES, REFINE_SIZES
 
     sizes = sizes_for(variant, fmt)
     if to == "disk":  # only worth it when the page cache can keep the DiT file(s) a step reads
@@ -147,7 +146,8 @@ def recipe(vram_gb: int, ram_gb: int) -> Recipe:
     for variant in ("moe", "dense"):
         facts = model_facts()[variant]
         options = [(fmt, to, plan) for to in ("ram", "disk") for fmt in FORMATS
-                   if (plan := _plan(variant, fmt, to, vram, host)) is not None]
+                   if (plan := _plan(variant, fmt, to, vram, host)) is not None
+                   and (variant != "moe" or plan["base"][0] * plan["base"][1] >= 480 * 832)]  # rule 1
         if not options:
             continue
         area = (lambda hw: hw[0] * hw[1] if hw else 0)  # noqa: E731

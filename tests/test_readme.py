@@ -279,6 +279,35 @@ def test_recipes_table_is_what_the_estimator_gives():
     assert verdict.ok, verdict.line()
 
 
+def test_files_table_gpu_column_is_the_estimate_and_agrees_with_the_recipes():
+    """'Which files do I need?' (bench/files_table.py's recipes) shows the estimator's figure per GPU,
+    names the same size, fits the recipes' machine of that GPU, and where the recipes table picks the
+    same model its largest size and offload mode are the same (an 8 GB card: one answer, not two)."""
+    from bench import files_table, recipes
+    from lingbot_core import memory
+
+    header = README.index("| GPU | DiT, in `models/diffusion_models`")
+    rows = {}
+    for line in README[header:].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        rows[line.split("|")[1].strip()] = line
+    assert set(rows) == {gpu for gpu, *_ in files_table.RECIPES}
+    for gpu, variant, w, h, frames, refine, tiled, mode in files_table.RECIPES:
+        sizes = recipes.model_facts()[variant]["sizes"]
+        peak = memory.estimate_peak(mode, sizes, memory.Geometry(height=h, width=w, num_frames=frames,
+                                                                 refine=refine, vae_tiling=tiled))
+        row = rows[gpu]
+        assert row.rstrip(" |").endswith(f"{peak / memory.GiB:.1f} GiB"), row
+        assert f"{w}x{h}" in row and str(frames) in row and f"`{mode}`" in row, row
+        vram_gb = int(gpu.split()[0])
+        assert peak <= (vram_gb - recipes.DESKTOP_GIB) * memory.GiB, row
+        cells = [recipes.recipe(vram_gb, ram) for ram in recipes.RAM_GB]
+        same = [c for c in cells if c.model.lower().startswith(variant) and refine is None]
+        assert all(c.base == f"{w}x{h}x{frames}" and c.mode == mode for c in same), (row, same)
+    assert any(c.model.startswith("dense") for c in [recipes.recipe(8, ram) for ram in recipes.RAM_GB])
+
+
 def test_template_thumbnails_are_drawn_from_their_workflows():
     """Each shipped UI workflow has `<name>.jpg` beside it (ComfyUI's template browser asks for it),
     drawn from the current workflow: `python docs/render_graph.py --thumbnails` after a change."""

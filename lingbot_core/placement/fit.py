@@ -25,7 +25,8 @@ log = logging.getLogger("lingbot_core.offload")
 
 REFINE_SIZES = ((1088, 1920), (736, 1280), (544, 960))
 """Refiner output sizes (height, width) offered as advice, largest first (the reference's default first)."""
-BASE_SIZES = ((736, 1280), (480, 832), (368, 640))
+BASE_SIZES = ((736, 1280), (480, 832), (368, 640), (320, 576))
+"""Base sizes (height, width) offered as advice, largest first; the last is what an 8 GB card fits."""
 FRAME_COUNTS = (121, 81, 49)
 
 
