@@ -35,7 +35,7 @@ every installer's own bookkeeping. Here the module itself carries the registry.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -48,6 +48,10 @@ KNOWN: dict[str, str] = {ACCELERATE: "accelerate's offload hook (sequential mode
                          "layer_execution_tracker": "diffusers' group offloading: records the layer order once",
                          "lazy_prefetch_group_offloading": "diffusers' group offloading: sets up prefetching"}
 """Every hook name the pack attaches or expects, with what it does."""
+
+LASTING: set[str] = set()
+"""Hooks that belong to the model rather than to a placement (a compiled region): an offload mode
+taking its hooks off (`strip(module, keep=LASTING)`) leaves them on."""
 
 MARKS = frozenset({"_diffusers_hook", "_hf_hook", "_old_forward", "forward"})
 """The instance attributes a hooked module carries (diffusers' registry, accelerate's hook, the wrapped
@@ -86,12 +90,15 @@ class Hook:
 H = TypeVar("H", bound=type)
 
 
-def named(name: str, what: str):
-    """Class decorator: give a `Hook` subclass its registry name and describe it in `KNOWN`."""
+def named(name: str, what: str, *, lasting: bool = False):
+    """Class decorator: give a `Hook` subclass its registry name and describe it in `KNOWN`.
+    `lasting`: the hook belongs to the model, not to a placement (see `LASTING`)."""
     def register(cls: H) -> H:
         if KNOWN.get(name, what) != what:
             raise ValueError(f"hook name {name!r} is registered already ({KNOWN[name]})")
         KNOWN[name] = what
+        if lasting:
+            LASTING.add(name)
         cls.name = name
         return cls
     return register
@@ -182,8 +189,9 @@ def inventory(module: torch.nn.Module) -> dict[str, int]:
     return counts
 
 
-def strip(module: torch.nn.Module) -> None:
-    """Remove every hook under `module` (ours, diffusers', accelerate's) and restore the original methods.
+def strip(module: torch.nn.Module, keep: Collection[str] = ()) -> None:
+    """Remove every hook under `module` (ours, diffusers', accelerate's) and restore the original methods;
+    the hooks named in `keep` (an offload mode passes `LASTING`) are put back on the clean module.
 
     Tolerates half-installed hooks (an install that failed part way). Weights are not touched: the
     hooks' owners (offload modes, disk streaming) put their tensors back themselves.
@@ -192,7 +200,9 @@ def strip(module: torch.nn.Module) -> None:
 
     for sub in module.modules():
         registry = _registry(sub)
+        kept: list[tuple[str, Any]] = []
         if registry is not None:
+            kept = [(name, registry.hooks[name]) for name in registry._hook_order if name in keep]
             for name in list(reversed(registry._hook_order)):
                 registry.remove_hook(name, recurse=False)
             del sub.__dict__["_diffusers_hook"]
@@ -205,6 +215,8 @@ def strip(module: torch.nn.Module) -> None:
                 if old is not None:
                     sub.forward = old
         _restore_forward(sub)
+        for name, hook in kept:  # innermost again, on the class's own forward
+            attach(sub, hook, name)
 
 
 def _restore_forward(module: torch.nn.Module) -> None:

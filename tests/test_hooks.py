@@ -91,3 +91,70 @@ def test_onload_device_reads_every_kind_of_moving_hook():
     assert hooks.onload_device(GroupHook()) == torch.device("cpu")
     assert hooks.onload_device(Moving()) is not None
     assert hooks.onload_device(Recorder("a", [])) is None
+
+
+def _dit():
+    from lingbot_core.models.transformer import LingBotVideoTransformer3DModel
+
+    torch.manual_seed(0)
+    return LingBotVideoTransformer3DModel(hidden_size=64, num_attention_heads=4, depth=2, intermediate_size=96,
+                                          text_dim=32, freq_dim=32, axes_dims=(4, 6, 6), axes_lens=(64, 32, 32)).eval()
+
+
+def test_compiled_regions_and_sequence_parallel_are_registry_hooks():
+    from lingbot_core.models import compile as regional
+    from lingbot_core.parallel import ParallelLayout, disable_sequence_parallel, enable_sequence_parallel
+    from lingbot_core.parallel.ulysses import ATTENTION_HOOK, DIT_HOOK
+
+    model = _dit()
+    clean = {path: set(vars(m)) for path, m in model.named_modules()}
+    try:
+        assert regional.compile_blocks(model, backend="eager") == len(model.blocks)  # compiled at a first call only
+        enable_sequence_parallel(model, ParallelLayout(ulysses=2))  # no process group is touched until a forward
+        counts = hooks.inventory(model)
+        assert counts[regional.COMPILED_REGION] == len(model.blocks) == counts[ATTENTION_HOOK]
+        assert counts[DIT_HOOK] == 1
+        named = {name for _path, name in hooks.listing(model)}
+        assert named == {regional.COMPILED_REGION, DIT_HOOK, ATTENTION_HOOK} and named <= set(hooks.KNOWN)
+        disable_sequence_parallel(model)  # its own hooks only
+        assert {name for _path, name in hooks.listing(model)} == {regional.COMPILED_REGION}
+        hooks.strip(model, keep=hooks.LASTING)  # what an offload mode's removal does: the regions stay
+        assert regional.compiled_blocks(model) == len(model.blocks)
+        hooks.strip(model)  # everything off
+        assert hooks.listing(model) == [] and regional.compiled_blocks(model) == 0
+        assert {path: set(vars(m)) for path, m in model.named_modules()} == clean  # a clean module again
+    finally:
+        regional._COMPILED.clear()
+
+
+def test_compiled_regions_stay_through_offload_switches(fixtures_root):
+    from lingbot_core.handle import PipelineHandle
+    from lingbot_core.models import compile as regional
+    from lingbot_core.models.transformer import JointBlock
+    from lingbot_core.offload import configure_offload, stage
+
+    calls = [0]
+
+    def counted(block, *args):  # stands in for the compiled computation (no compiler time)
+        calls[0] += 1
+        return JointBlock.compute(block, *args)
+
+    g = torch.Generator().manual_seed(0)
+    inputs = (torch.randn(1, 16, 3, 8, 8, generator=g), torch.tensor([500.0]), torch.randn(1, 7, 32, generator=g))
+    folder = fixtures_root / "models" / "tiny-moe"
+    regional._COMPILED.clear()
+    regional._COMPILED[("inductor", True)] = counted
+    try:
+        with torch.no_grad():
+            eager = PipelineHandle.open(folder, device="cpu").component("transformer")(*inputs).sample
+            handle = PipelineHandle.open(folder, device="cpu", compile="blocks")
+            for mode in ("sequential", "model", "none"):
+                view = configure_offload(handle, mode)
+                with stage(view, "transformer"):
+                    dit = view.component("transformer")
+                    before = calls[0]
+                    assert torch.equal(dit(*inputs).sample, eager), mode
+                    assert calls[0] - before == len(dit.blocks), mode  # every block through its region
+                assert regional.compiled_blocks(dit) == len(dit.blocks), mode
+    finally:
+        regional._COMPILED.clear()

@@ -6,7 +6,10 @@ compile (`ModelMixin.compile_repeated_blocks`, which reads `_repeated_blocks`) c
 block's whole `__call__`, so the hooks that offload modes attach to a block (diffusers group
 offload, disk streaming's pre/post hooks) would run inside the compiled region and break it. Here
 each block's computation (`JointBlock.compute`) is compiled instead and `JointBlock.forward` calls it:
-block-level hooks stay outside. All blocks share one compiled function, so one graph serves every
+block-level hooks stay outside. The compiled computation is carried by a named hook on each block
+(`CompiledRegion`, `lingbot.compiled_region` in `lingbot_core.hooks`), so compiled regions are listed,
+counted and removed like every other hook; it is `lasting` (an offload mode's strip leaves it on) and
+passes calls through itself, so its place among the block's hooks does not matter. All blocks share one compiled function, so one graph serves every
 block (the block is an argument; its parameters are graph inputs, not constants). Consequences:
 - a LoRA merge or a disk/offload rebind changes parameter values or objects, not shapes or dtypes,
   so it does not recompile;
@@ -32,8 +35,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["COMPILE_CHOICES", "WEIGHT_MOVERS", "compile_blocks", "compile_problem", "compiled_blocks", "run_compiled",
-           "uncompile_blocks"]
+from .. import hooks
+
+__all__ = ["COMPILED_REGION", "COMPILE_CHOICES", "WEIGHT_MOVERS", "CompiledRegion", "compile_blocks", "compile_problem",
+           "compiled_blocks", "run_compiled", "uncompile_blocks"]
 
 COMPILE_CHOICES = ("off", "blocks")
 """`off`: eager. `blocks`: regional compile of the repeated blocks (inductor, dynamic shapes)."""
@@ -45,11 +50,23 @@ WEIGHT_MOVERS = ("accelerate", "lingbot.disk_stream")
 take them out after, whatever the inputs: they can run around a compiled block instead of inside it."""
 
 
+COMPILED_REGION = "lingbot.compiled_region"
+
+
+@hooks.named(COMPILED_REGION, "regional compile: the block's forward runs its computation compiled (models/compile.py)",
+             lasting=True)
+class CompiledRegion(hooks.Hook):
+    """The compiled computation of one repeated block (`compute`); the block's forward finds it here and
+    runs it (`run_compiled`). The hook itself passes every call through unchanged."""
+
+    def __init__(self, compute: Any):
+        super().__init__()
+        self.compute = compute
+
+
 def hooks_inside(block: nn.Module) -> list[tuple[nn.Module, list[Any]]] | None:
     """(module, its hooks) for every hooked module inside `block` (the block's own hooks run outside
     anyway); None when one of them cannot be moved outside (a torch hook, or not a `WEIGHT_MOVERS` hook)."""
-    from .. import hooks
-
     found = []
     for module in block.modules():
         if module is block:
@@ -66,14 +83,14 @@ def hooks_inside(block: nn.Module) -> list[tuple[nn.Module, list[Any]]] | None:
     return found
 
 
-def run_compiled(block: nn.Module, *args: Any) -> Any:
-    """One call of `block` through its compiled computation, weight-moving hooks inside it run around
-    the call (see the module docstring); eagerly when a hook inside cannot be moved out."""
+def run_compiled(block: nn.Module, compute: Any, *args: Any) -> Any:
+    """One call of `block` through `compute`, its compiled computation, weight-moving hooks inside it run
+    around the call (see the module docstring); eagerly when a hook inside cannot be moved out."""
     inside = hooks_inside(block)
     if inside is None:
         return block.compute(*args)
     if not inside:
-        return block.compiled_compute(block, *args)
+        return compute(block, *args)
     entered: list[tuple[nn.Module, Any]] = []
     wrapped: list[tuple[nn.Module, Any]] = []
     try:
@@ -83,7 +100,7 @@ def run_compiled(block: nn.Module, *args: Any) -> Any:
                 entered.append((module, hook))
         for module, _hooks in inside:
             wrapped.append((module, module.__dict__.pop("forward", None)))
-        return block.compiled_compute(block, *args)
+        return compute(block, *args)
     finally:
         for module, forward in wrapped:
             if forward is not None:
@@ -92,13 +109,12 @@ def run_compiled(block: nn.Module, *args: Any) -> Any:
             hook.post_forward(module, None)
 
 
-def _compiled_compute(backend: str, dynamic: bool) -> Any:
-    """One compiled `JointBlock.compute` per (backend, dynamic), shared by every block of every model."""
-    from .transformer import JointBlock
-
+def _compiled_compute(block_type: type, backend: str, dynamic: bool) -> Any:
+    """One compiled `block_type.compute` (`JointBlock`'s) per (backend, dynamic), shared by every block of
+    every model."""
     key = (backend, dynamic)
     if key not in _COMPILED:
-        _COMPILED[key] = torch.compile(JointBlock.compute, backend=backend, dynamic=dynamic)
+        _COMPILED[key] = torch.compile(block_type.compute, backend=backend, dynamic=dynamic)
     return _COMPILED[key]
 
 
@@ -119,23 +135,24 @@ def compile_problem(device: torch.device | str, backend: str = "inductor") -> st
 
 def compile_blocks(model: nn.Module, *, backend: str = "inductor", dynamic: bool = True) -> int:
     """Compile the computation of each repeated block of `model` (compilation happens at the first
-    call). Returns the number of blocks set up; `uncompile_blocks` undoes it."""
-    compute = _compiled_compute(backend, dynamic)
+    call): a `CompiledRegion` hook on each. Returns the number of blocks set up; compiling again
+    replaces the hooks; `uncompile_blocks` (or `hooks.strip`) takes them off."""
     names = set(getattr(model, "_repeated_blocks", ()))
     count = 0
     for module in model.modules():
         if type(module).__name__ in names:
-            module.compiled_compute = compute
+            hooks.detach(module, COMPILED_REGION)
+            hooks.attach(module, CompiledRegion(_compiled_compute(type(module), backend, dynamic)))
             count += 1
     return count
 
 
 def uncompile_blocks(model: nn.Module) -> None:
+    """Take every compiled region off `model` (its blocks run eagerly again)."""
     for module in model.modules():
-        if getattr(module, "compiled_compute", None) is not None:
-            module.compiled_compute = None
+        hooks.detach(module, COMPILED_REGION)
 
 
 def compiled_blocks(model: nn.Module) -> int:
     """How many blocks of `model` run through a compiled computation."""
-    return sum(1 for m in model.modules() if getattr(m, "compiled_compute", None) is not None)
+    return sum(1 for _module, _hook in hooks.hooks_named(model, COMPILED_REGION))

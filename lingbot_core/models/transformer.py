@@ -27,7 +27,9 @@ from diffusers.models.embeddings import TimestepEmbedding, Timesteps
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.modeling_utils import ModelMixin
 
+from .. import hooks
 from . import precision
+from .compile import COMPILED_REGION, run_compiled
 from .config import DiTConfig
 from .layers import CaptionProjection, RMSNorm, SwiGLU
 from .moe import SparseMoE
@@ -83,7 +85,6 @@ class JointBlock(nn.Module):
             self.ffn = SwiGLU(width, spec.intermediate_size)
         self.norm_post_ffn = RMSNorm(width, spec.norm_eps)
         self.ffn_chunk: int | None = None  # tokens per FFN/MoE pass (`set_ffn_chunk`); None = all at once
-        self.compiled_compute = None  # set by models.compile.compile_blocks
 
     def compute_dtype(self) -> torch.dtype:
         """The dtype the branch inputs are cast to: that of the block's matmul weights."""
@@ -111,12 +112,12 @@ class JointBlock(nn.Module):
     ) -> torch.Tensor:
         """`temb6`: (B, 1, 6*D) float32 modulation, broadcast over the sequence.
 
-        Runs `compute`, or its compiled form when regional compile is on (`models/compile.py`): hooks
-        attached to the block wrap this method and so stay outside the compiled region."""
-        if self.compiled_compute is not None:
-            from .compile import run_compiled
-
-            return run_compiled(self, x, temb6, rotations, key_mask)
+        Runs `compute`, or its compiled form when the block carries a compiled-region hook
+        (`models/compile.py`, a named hook in `lingbot_core.hooks`): the other hooks attached to the
+        block wrap this method and so stay outside the compiled region."""
+        region = hooks.find(self, COMPILED_REGION)
+        if region is not None:
+            return run_compiled(self, region.compute, x, temb6, rotations, key_mask)
         return self.compute(x, temb6, rotations, key_mask)
 
     def compute(

@@ -13,7 +13,8 @@ token's result does not depend on which rank holds it: the MoE routes each token
 would in one process. Padding tokens are zeros with identity rotations, and the key mask keeps
 them out of every real token's attention.
 
-It is installed as two diffusers hooks (the same registry the step cache uses), so the model code
+It is installed as two named hooks of `lingbot_core.hooks` (the one registry every behaviour on a
+module goes through: listed, counted and removed like the offload and step-cache hooks), so the model code
 is untouched and nothing changes when the degree is 1: one on the DiT hands `forward` a block
 runner that shards and gathers, and one per attention module swaps its forward for the
 all-to-all version. Diffusers' own context-parallel machinery is not used because it plans around
@@ -27,9 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 
+from .. import hooks
 from ..models.rotary import rotate_pairs
 from ..models.transformer import LingBotVideoTransformer3DModel, SelfAttention
 from .layout import ParallelLayout
@@ -37,8 +38,8 @@ from .layout import ParallelLayout
 __all__ = ["ATTENTION_HOOK", "DIT_HOOK", "disable_sequence_parallel", "enable_sequence_parallel",
            "heads_to_sequence", "sequence_to_heads"]
 
-DIT_HOOK = "lingbot_ulysses"
-ATTENTION_HOOK = "lingbot_ulysses_attention"
+DIT_HOOK = "lingbot.ulysses"
+ATTENTION_HOOK = "lingbot.ulysses_attention"
 
 
 def _exchange(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -65,7 +66,8 @@ def heads_to_sequence(x: torch.Tensor, degree: int, group: Any) -> torch.Tensor:
     return got.permute(1, 2, 0, 3, 4).reshape(b, seq // degree, degree * part, d)
 
 
-class _AttentionHook(ModelHook):
+@hooks.named(ATTENTION_HOOK, "sequence parallel: attention over the whole sequence with all-to-alls around it")
+class _AttentionHook(hooks.Hook):
     """Replaces a `SelfAttention` forward by: project, rotate, all-to-all, attend, all-to-all, project."""
 
     def __init__(self, layout: ParallelLayout):
@@ -84,7 +86,8 @@ class _AttentionHook(ModelHook):
         return module.to_out(mixed.flatten(-2).type_as(x))
 
 
-class _ShardingHook(ModelHook):
+@hooks.named(DIT_HOOK, "sequence parallel: the DiT's blocks run on this rank's share of the sequence")
+class _ShardingHook(hooks.Hook):
     """Hands the DiT's forward a block runner that shards the joint sequence and gathers it back."""
 
     def __init__(self, layout: ParallelLayout):
@@ -133,16 +136,12 @@ def enable_sequence_parallel(dit: LingBotVideoTransformer3DModel, layout: Parall
     layout.check_heads(dit.spec.num_attention_heads)
     for sub in dit.modules():
         if isinstance(sub, SelfAttention):
-            HookRegistry.check_if_exists_or_initialize(sub).register_hook(_AttentionHook(layout), ATTENTION_HOOK)
-    HookRegistry.check_if_exists_or_initialize(dit).register_hook(_ShardingHook(layout), DIT_HOOK)
+            hooks.attach(sub, _AttentionHook(layout))
+    hooks.attach(dit, _ShardingHook(layout))
 
 
 def disable_sequence_parallel(dit: torch.nn.Module) -> None:
     """Remove what `enable_sequence_parallel` installed (nothing else); the model runs on one process again."""
     for sub in dit.modules():
-        registry = sub.__dict__.get("_diffusers_hook")
-        if registry is None:
-            continue
         for name in (DIT_HOOK, ATTENTION_HOOK):
-            if registry.get_hook(name) is not None:
-                registry.remove_hook(name, recurse=False)
+            hooks.detach(sub, name)

@@ -159,7 +159,7 @@ class Placement:
             from ..weights.disk import on_disk
             from ..weights.state import state_for
 
-            hooks.strip(module)
+            hooks.strip(module, keep=hooks.LASTING)
             if not on_disk(module, state_for(self.states, name, module)):  # loaded for disk offload: nothing to move
                 module.to(CPU)
         self.resident.discard(name)

@@ -127,7 +127,7 @@ class Mode:
         if not isinstance(module, torch.nn.Module):
             return
         self._before_strip(name, module)
-        hooks.strip(module)
+        hooks.strip(module, keep=hooks.LASTING)  # a compiled region stays: it is the model's
         if homes is not None:
             homes.restore()
             lost = homes.lost()
