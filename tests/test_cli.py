@@ -60,13 +60,20 @@ def test_malformed_workflow_json(tmp_path, capsys, text, where):
 def test_python_dash_m_entry_points(tmp_path):
     env_run = subprocess.run([sys.executable, "-m", "lingbot_nodes", "--help"], capture_output=True, text=True)
     assert env_run.returncode == 0 and "NODE.INPUT=VALUE" in env_run.stdout
-    core = subprocess.run([sys.executable, "-m", "lingbot_core", "--output", str(tmp_path / "clip"), "--steps", "2",
-                           "--prefix", "runs/boat"], capture_output=True, text=True)
-    assert core.returncode == 0, core.stderr
-    assert core.stdout.strip() == str(tmp_path / "clip" / "runs" / "boat_00001_.mp4")  # numbered as lingbot-run
-    assert "step 2/2" in core.stderr and "loaded transformer: fp32 weights" in core.stderr  # progress
+    # `python -m lingbot_core` is wired to its main (a refused size: exit 2 before any model work) ...
     bad = subprocess.run([sys.executable, "-m", "lingbot_core", "--height", "40"], capture_output=True, text=True)
     assert bad.returncode == 2 and "multiples of 16" in bad.stderr
+
+
+def test_core_command_numbers_outputs_and_shows_progress(tmp_path, capsys):
+    """... and that main writes a numbered file as lingbot-run does, with progress on stderr (in process: a
+    second interpreter would only repeat the imports)."""
+    from lingbot_core.__main__ import main as core_main
+
+    assert core_main(["--output", str(tmp_path / "clip"), "--steps", "2", "--prefix", "runs/boat"]) == 0
+    run = capsys.readouterr()
+    assert run.out.strip() == str(tmp_path / "clip" / "runs" / "boat_00001_.mp4")  # numbered as lingbot-run
+    assert "step 2/2" in run.err and "loaded transformer: fp32 weights" in run.err  # progress
 
 
 def _stderr_lines(capsys) -> list[str]:
