@@ -5,7 +5,8 @@ video on several GPUs. This script runs the same random-weight DiT and inputs as
 - one process (the baseline, in this process),
 - ulysses=2: two spawned gloo processes sharing each forward's sequence,
 - cfg=2: two spawned gloo processes, one computing cond and one uncond,
-- with `--processes 4`: ulysses=4 and cfg=2 x ulysses=2 on four processes,
+- ulysses=2 with FSDP (each block's weights sharded over the two processes, gathered per block),
+- with `--processes 4`: ulysses=4, cfg=2 x ulysses=2, and cfg=2 x ulysses=2 with FSDP on four processes,
 checks each parallel result against the baseline and prints per-step time ratios.
 
 On a CPU both processes compete for the same cores and gloo copies through the loopback, so the
@@ -15,6 +16,7 @@ ratios are informative only (they show the overhead, not a GPU speed-up). On a m
     python bench/parallel.py                 # dense, hidden 256, 4 heads, 1600 video + 64 text tokens
     python bench/parallel.py --moe           # MoE FFN (8 experts top-2)
     python bench/parallel.py --quick         # tiny sizes (the smoke test)
+    python bench/parallel.py --estimates     # per-GPU memory estimates of the layouts (arithmetic, no processes)
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ import torch
 
 from bench._common import environment, fmt, max_abs_diff, table, write_json
 
-#: the layouts timed against the one-process baseline: (label, cfg, ulysses); `--processes` caps the world
-LAYOUTS = (("ulysses=2", 1, 2), ("cfg=2", 2, 1), ("ulysses=4", 1, 4), ("cfg=2 x ulysses=2", 2, 2))
+#: the layouts timed against the one-process baseline: (label, cfg, ulysses, fsdp); `--processes` caps the world
+LAYOUTS = (("ulysses=2", 1, 2, False), ("cfg=2", 2, 1, False), ("ulysses=2 + FSDP", 1, 2, True),
+           ("ulysses=4", 1, 4, False), ("cfg=2 x ulysses=2", 2, 2, False), ("cfg=2 x ulysses=2 + FSDP", 2, 2, True))
 TOLERANCE = 1e-5  # float32, relative to the baseline's largest magnitude
 
 
@@ -53,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: NCCL, one GPU per rank")
     p.add_argument("--quick", action="store_true", help="tiny sizes (the smoke test)")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--estimates", action="store_true", help="print the per-GPU memory estimates of the MoE at "
+                   "832x480, 121 frames under each layout (the README's figures) and exit")
     args = p.parse_args(argv)
     if args.quick:
         args.hidden, args.heads, args.depth, args.latent, args.text_tokens, args.repeats = 64, 4, 1, "1,16,1,4,6", 7, 1
@@ -107,7 +112,8 @@ def _time_steps(predict, latents: torch.Tensor, repeats: int, device: torch.devi
     return out, statistics.median(times)
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, cfg: int, ulysses: int, out: str) -> None:
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, cfg: int, ulysses: int, fsdp: bool,
+            out: str) -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
@@ -121,8 +127,12 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, cfg: int
         torch.cuda.set_device(device)
     init_loopback_group(rank, world, port, backend="nccl" if device.type == "cuda" else "gloo")
     try:
-        layout = ParallelLayout.create(cfg, ulysses, device_type=device.type)
+        layout = ParallelLayout.create(cfg, ulysses, device_type=device.type, fsdp=fsdp)
         model, latents, (pos, neg) = _setup(args, device)
+        if fsdp:
+            from lingbot_core.parallel.fsdp import shard_dit
+
+            shard_dit(model, layout)
         enable_sequence_parallel(model, layout)
         common = dict(dtype=torch.float32, device=device)
         if cfg == 2:
@@ -152,11 +162,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     del model, guidance
     rows = [{"layout": "1 process", "processes": 1, "seconds_per_step": base_seconds, "ratio": 1.0, "rel_diff": 0.0}]
     scale = float(baseline.abs().max())
-    for label, cfg, ulysses in LAYOUTS:
+    for label, cfg, ulysses, fsdp in LAYOUTS:
         if cfg * ulysses > args.processes:
             continue
         with tempfile.TemporaryDirectory() as out:
-            mp.spawn(_worker, args=(cfg * ulysses, free_loopback_port(), args, cfg, ulysses, out),
+            mp.spawn(_worker, args=(cfg * ulysses, free_loopback_port(), args, cfg, ulysses, fsdp, out),
                      nprocs=cfg * ulysses, join=True)
             got = load_file(str(Path(out, "rank0.safetensors")))
         seconds = float(got["seconds"][0])
@@ -166,8 +176,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "device": args.device, "environment": environment(), "rows": rows}
 
 
+#: the layouts of the estimate table: (cfg, ulysses, fsdp)
+ESTIMATE_LAYOUTS = ((1, 1, False), (2, 1, False), (1, 2, False), (2, 2, False), (2, 4, False), (2, 4, True),
+                    (1, 8, True))
+
+
+def estimates() -> list[dict[str, Any]]:
+    """Per-GPU peak estimates (`ParallelShare.peak`, the figure `auto` prints) of the real MoE config at
+    832x480, 121 frames, untiled decode: rank 0 (encodes and decodes too) and the other ranks."""
+    from bench.memory_table import build
+    from lingbot_core import memory
+    from lingbot_core.placement.estimate import ParallelShare
+
+    sizes = memory.sizes_from_modules(build("moe"))
+    geometry = memory.Geometry(height=480, width=832, num_frames=121)
+    rows = []
+    for cfg, ulysses, fsdp in ESTIMATE_LAYOUTS:
+        share = ParallelShare(cfg, ulysses, fsdp)
+        rows.append({"layout": f"cfg={cfg},ulysses={ulysses}" + (" --fsdp" if fsdp else ""), "processes": cfg * ulysses,
+                     "rank0_gib": share.peak(sizes, geometry) / 2**30,
+                     "others_gib": share.peak(sizes, geometry, leader=False) / 2**30 if cfg * ulysses > 1 else None})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.estimates:
+        rows = estimates()
+        print("MoE 30B-A3B, 832x480, 121 frames: per-GPU peak estimate (offload none; GiB)")
+        print(table(["layout", "processes", "rank 0", "other ranks"],
+                    [[r["layout"], str(r["processes"]), f"{r['rank0_gib']:.1f}",
+                      "-" if r["others_gib"] is None else f"{r['others_gib']:.1f}"] for r in rows]))
+        write_json(args.json, {"estimates": rows})
+        return 0
     result = run(args)
     print(f"guided step (cond + uncond forwards), {args.device}, latent {args.latent}, "
           f"{args.text_tokens} text tokens, {'MoE' if args.moe else 'dense'}, {args.threads} thread(s) per process")

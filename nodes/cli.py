@@ -462,9 +462,10 @@ def _start_parallel(args: argparse.Namespace, prompt, overrides: list[str], repo
         return None
     use_process_layout(layout)
     offloads = [nid for nid, node in prompt.nodes.items()
-                if node["class_type"] == "LingBotOffload" and node["inputs"].get("mode") != "none"]
+                if node["class_type"] == "LingBotOffload" and node["inputs"].get("mode") not in ("none", "auto")]
     if offloads:
-        reporter.write(f"--parallel: Offload node(s) {', '.join(offloads)} run as 'none' (each rank holds its DiT)")
+        reporter.write(f"--parallel: Offload node(s) {', '.join(offloads)} run as 'none' (each rank holds its DiT; "
+                       "'auto' picks it with a per-GPU estimate)")
         overrides += [f"{nid}.mode=none" for nid in offloads]
     if layout.rank != 0:
         reporter.enabled = reporter.tty = False

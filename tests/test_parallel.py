@@ -393,3 +393,75 @@ def test_fsdp_plan_shards_bulk_weights_and_keeps_the_float32_set_whole():
     handle = PipelineHandle.from_components({"transformer": model})
     with pytest.raises(ValueError, match="offload mode 'sequential' and FSDP do not combine"):
         handle.with_offload("sequential").with_parallel(_fake_layout(2, 2, fsdp=True))
+
+
+def _moe_sizes():
+    """The MoE 30B-A3B's sizes from the shipped transformer config (bf16 DiT; 60 GB, 48 blocks)."""
+    import json
+    from importlib import resources
+
+    from lingbot_core.placement.estimate import ModelSizes
+
+    cfg = json.loads(resources.files("lingbot_core").joinpath("configs/moe-30b-a3b.transformer.json").read_text())
+    dit = int(60.2e9)
+    return ModelSizes(text_encoder=int(8.9e9), transformer=dit, vae=int(0.51e9), refiner=dit, hidden=cfg["hidden_size"],
+                      depth=cfg["depth"], intermediate=cfg["moe_intermediate_size"] * cfg["num_experts_per_tok"],
+                      experts_per_token=cfg["num_experts_per_tok"], largest_block=dit // cfg["depth"],
+                      text_largest_layer=int(8.9e9 / 40))
+
+
+def test_per_gpu_estimate_divides_activations_by_ulysses_and_weights_by_fsdp():
+    from lingbot_core.placement.estimate import Geometry, ParallelShare, activation_bytes, estimate_peak
+
+    sizes = _moe_sizes()
+    big = Geometry(height=480, width=832, num_frames=121)
+    one = activation_bytes(sizes, big)["denoise"]
+    before = one
+    for degree in (2, 4, 8):
+        ranked_sizes, ranked = ParallelShare(ulysses=degree).per_rank(sizes, big)
+        share = activation_bytes(ranked_sizes, ranked)["denoise"]
+        # 1/degree of the per-token activations, plus the gathered output and the latents every rank holds
+        assert one / degree < share < 1.3 * one / degree and share < 0.6 * before, degree
+        before = share
+    assert ParallelShare(ulysses=1).peak(sizes, big) == estimate_peak("none", sizes, big)  # one process: unchanged
+    for world in (2, 4, 8):
+        ranked_sizes, _ = ParallelShare(cfg=2, ulysses=world // 2, fsdp=True).per_rank(sizes, big)
+        assert ranked_sizes.transformer == sizes.transformer // world + sizes.largest_block
+    eight = ParallelShare(cfg=2, ulysses=4, fsdp=True)
+    leader, other = eight.peak(sizes, big), eight.peak(sizes, big, leader=False)
+    # only rank 0 holds the encoder and the VAE, and runs their phases
+    assert leader - other >= sizes.text_encoder + sizes.vae
+    alone = estimate_peak("none", sizes, big)
+    assert other < alone / 6 and leader < alone / 2, (other / 2**30, leader / 2**30, alone / 2**30)
+    # cfg=2 never runs a batch-2 forward: the same per-GPU figure whether cfg_batch was asked or not
+    batched = Geometry(height=480, width=832, num_frames=121, cfg_batch=True)
+    assert ParallelShare(cfg=2, ulysses=2).peak(sizes, batched) == ParallelShare(cfg=2, ulysses=2).peak(sizes, big)
+
+
+def test_auto_on_a_parallel_view_is_none_with_the_per_gpu_estimate(monkeypatch):
+    from lingbot_core.placement import door
+    from lingbot_core.placement.estimate import GiB, ParallelShare
+    from lingbot_core.placement.settings import OffloadSettings
+
+    sizes = _moe_sizes()
+    monkeypatch.setattr(door.estimate.ModelSizes, "from_checkpoint", classmethod(lambda cls, *a, **k: sizes))
+    shared = SimpleNamespace(info=SimpleNamespace(variant="moe"), dtypes={}, loaded={}, weights="auto")
+    request = OffloadSettings.make("auto", budget_bytes=80 * GiB, height=480, width=832, num_frames=121)
+    for layout, fits in ((_fake_layout(2, 4, fsdp=True), True), (_fake_layout(2, 1), False)):
+        settings, choice = door.resolve(shared, request, torch.device("cuda"), layout)
+        assert settings.mode == choice.mode == "none" and choice.fits is fits, choice.reason
+        assert choice.estimates["none"] == ParallelShare.of(layout).peak(
+            sizes, door.estimate.geometry_from(dict(request.options), "moe", None))
+        assert "per GPU" in choice.reason
+
+
+def test_readme_per_gpu_figures_are_the_bench_estimates():
+    """The README's per-GPU figures are what `python bench/parallel.py --estimates` prints."""
+    from bench import parallel as bench_parallel
+
+    rows = {r["layout"]: r for r in bench_parallel.estimates()}
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    eight = rows["cfg=2,ulysses=4 --fsdp"]
+    for quoted in (f"one process ~{rows['cfg=1,ulysses=1']['rank0_gib']:.1f} GiB",
+                   f"~{eight['rank0_gib']:.1f} GiB on rank 0", f"~{eight['others_gib']:.1f} GiB on the others"):
+        assert quoted in readme, quoted

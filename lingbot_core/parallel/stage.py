@@ -78,7 +78,7 @@ def check_view(handle: Any, layout: ParallelLayout | None) -> ParallelLayout | N
         raise ValueError(f"parallel layout {layout.describe()} has no process groups: build it with "
                          "ParallelLayout.create(cfg, ulysses) after init_process_group")
     mode = getattr(handle.offload, "mode", "none")
-    if mode != "none":
+    if mode not in ("none", "auto"):  # auto resolves to 'none' on several processes (placement.door)
         raise ValueError(offload_refusal(mode, layout))
     check_heads(handle, layout)
     return layout
@@ -104,7 +104,7 @@ def shard_for_stage(handle: Any, name: str) -> None:
     from .fsdp import describe, shard_dit
 
     mode = getattr(handle.offload, "mode", "none")
-    if mode != "none":
+    if mode not in ("none", "auto"):
         raise ValueError(offload_refusal(mode, layout))
     dit = handle.component(name)
     if shard_dit(dit, layout):

@@ -128,12 +128,15 @@ def _group_defaults(device: torch.device) -> tuple[tuple[str, Any], ...]:
 
 
 def resolve(shared: SharedComponents, requested: OffloadSettings,
-            device: torch.device) -> tuple[OffloadSettings, fit.AutoChoice | None]:
-    """Concrete settings for a request; `auto` picks a mode from the memory estimate."""
+            device: torch.device, layout: Any = None) -> tuple[OffloadSettings, fit.AutoChoice | None]:
+    """Concrete settings for a request; `auto` picks a mode from the memory estimate (with a parallel
+    `layout`: 'none', the one mode that runs on several processes, estimated per GPU)."""
     if requested.mode != "auto":
         return requested, None
     budget = requested.option("budget_bytes")
-    if budget is None and device.type == "cpu":
+    if layout is not None:
+        choice = _parallel_choice(shared, requested, device, layout, budget)
+    elif budget is None and device.type == "cpu":
         choice = fit.AutoChoice("none", {}, 0, "the execution device is the CPU, so offloading saves nothing")
     else:
         sizes = estimate.ModelSizes.from_checkpoint(shared.info, shared.dtypes, shared.loaded,
@@ -156,6 +159,29 @@ def resolve(shared: SharedComponents, requested: OffloadSettings,
     return OffloadSettings(choice.mode, options, choice.offload_to or requested.offload_to), choice
 
 
+def _parallel_choice(shared: SharedComponents, requested: OffloadSettings, device: torch.device, layout: Any,
+                     budget: int | None) -> fit.AutoChoice:
+    """`auto` on several processes: 'none', with the per-GPU estimate of the layout (`ParallelShare`)."""
+    share = estimate.ParallelShare.of(layout)
+    reason = (f"parallel {layout.describe()}: offloading does not run on several processes, so 'none'"
+              + (" (the DiT blocks sharded by FSDP)" if share.fsdp else ""))
+    if shared.info is None:
+        return fit.AutoChoice("none", {}, int(budget or 0), reason)
+    sizes = estimate.ModelSizes.from_checkpoint(shared.info, shared.dtypes, shared.loaded,
+                                                getattr(shared, "weights", "auto"))
+    geometry = estimate.geometry_from(dict(requested.options), shared.info.variant, None)
+    need = share.peak(sizes, geometry)
+    if budget is None and device.type == "cuda":
+        budget = free_accelerator_bytes(device)
+    fits = budget is None or need + estimate.RESERVE_BYTES <= budget
+    reason += f": needs ~{need / estimate.GiB:.1f} GiB per GPU (rank 0)"
+    if budget is not None:
+        reason += f" of {budget / estimate.GiB:.1f} GiB free"
+    if not fits:
+        reason += "; more ulysses ranks divide the activations, --fsdp divides the DiT's weights"
+    return fit.AutoChoice("none", {"none": need}, int(budget or 0), reason, fits=fits)
+
+
 Plan = tuple[OffloadSettings, "fit.AutoChoice | None"] | None
 """What `_plan` decided: the concrete settings to install (and `auto`'s choice), or None when the
 view's settings are installed already."""
@@ -165,7 +191,9 @@ def _plan(handle: PipelineHandle) -> Plan:
     placement = handle.shared.placement
     if placement.matches(handle.offload, handle.device):
         return None
-    return resolve(handle.shared, handle.offload, handle.device)
+    from ..parallel.stage import active_layout
+
+    return resolve(handle.shared, handle.offload, handle.device, active_layout(handle))
 
 
 def _load(handle: PipelineHandle, names: tuple[str, ...], plan: Plan) -> None:
@@ -355,8 +383,13 @@ def memory_report(handle: PipelineHandle) -> MemoryReport:
                                                 handle.shared.dtypes.get("text_encoder") or torch.float32))
         tokens = sum(last)
         generation = (tokens, estimate.generation_bytes(shape["text_kv_bytes_per_token"], shape["text_vocab"], tokens))
-    return build_report(handle.shared.loaded, handle.device, mode, handle.shared.placement.ffn_chunks, generation,
-                        states=handle.shared.states)
+    report = build_report(handle.shared.loaded, handle.device, mode, handle.shared.placement.ffn_chunks, generation,
+                          states=handle.shared.states)
+    from ..parallel.stage import active_layout
+
+    layout = active_layout(handle)
+    report.parallel = layout.describe() if layout is not None else None
+    return report
 
 
 # -- from outside a stage ----------------------------------------------------------------------------

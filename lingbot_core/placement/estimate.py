@@ -84,6 +84,8 @@ class Geometry:
     # a prompt rewrite on the text encoder in this run: the longest context (prompt + new tokens)
     # one of its calls holds (0: none; `rewrite.local_backend.context_tokens` computes it)
     rewrite_tokens: int = 0
+    # a parallel run (`ParallelShare`): ranks sharing one DiT forward's sequence (Ulysses)
+    ulysses: int = 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -258,7 +260,8 @@ def activation_bytes(sizes: ModelSizes, geometry: Geometry) -> dict[str, int]:
     latent_frames = (geometry.num_frames - 1) // 4 + 1
 
     def dit(height: int, width: int) -> int:
-        tokens = latent_frames * (height // 16) * (width // 16) + TEXT_TOKENS
+        whole = latent_frames * (height // 16) * (width // 16) + TEXT_TOKENS
+        tokens = -(-whole // geometry.ulysses)  # Ulysses: each rank's blocks run on its chunk of the sequence
         chunk = geometry.ffn_chunk if isinstance(geometry.ffn_chunk, int) else None
         ffn_tokens = min(tokens, chunk) if chunk else tokens
         per_value = sizes.hidden * sizes.dit_bytes_per_value
@@ -266,8 +269,9 @@ def activation_bytes(sizes: ModelSizes, geometry: Geometry) -> dict[str, int]:
         ffn = ffn_tokens * per_value * 2 * sizes.intermediate / max(sizes.hidden, 1)
         routing = ffn_tokens * max(sizes.experts_per_token, 0) * sizes.hidden * 4
         latents = 3 * 16 * latent_frames * (height // 8) * (width // 8) * 4
+        gathered = whole * per_value if geometry.ulysses > 1 else 0  # the chunks gathered after the last block
         batch = 2 if geometry.cfg and geometry.cfg_batch else 1
-        return int(batch * (hidden + ffn + routing) + latents)
+        return int(batch * (hidden + ffn + routing + gathered) + latents)
 
     def vae(height: int, width: int, tiled: bool) -> int:
         h, w = (min(height, 384), min(width, 640)) if tiled else (height, width)
@@ -288,6 +292,46 @@ def activation_bytes(sizes: ModelSizes, geometry: Geometry) -> dict[str, int]:
         phases["rewrite"] = sum(generation_bytes(sizes.text_kv_bytes_per_token, sizes.text_vocab,
                                                  geometry.rewrite_tokens).values())
     return phases
+
+
+@dataclass(frozen=True)
+class ParallelShare:
+    """How a parallel layout (`lingbot_core.parallel.ParallelLayout`) divides one request per GPU.
+
+    Ulysses divides the DiT's per-token activations by its degree (each rank's blocks hold a chunk
+    of the sequence; the whole output is gathered once at the end). CFG parallel runs one branch per
+    rank (never a batch-2 forward). FSDP divides the DiTs' block weights by the world size, plus one
+    block gathered whole while it runs; the float32 set it leaves whole (norms, modulation, router;
+    well under 1% of a block) is counted as sharded. Only rank 0 holds the text encoder and the VAE.
+    Every mode but `none` is refused on several processes, so the estimate is `none`'s.
+    """
+
+    cfg: int = 1
+    ulysses: int = 1
+    fsdp: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.cfg * self.ulysses
+
+    @classmethod
+    def of(cls, layout: Any) -> ParallelShare:
+        return cls(int(layout.cfg), int(layout.ulysses), bool(getattr(layout, "fsdp", False)))
+
+    def per_rank(self, sizes: ModelSizes, geometry: Geometry, *, leader: bool = True) -> tuple[ModelSizes, Geometry]:
+        """`sizes` and `geometry` as one rank sees them (`leader`: rank 0, which also encodes and decodes)."""
+        def dit(held: int) -> int:
+            return held // self.world + sizes.largest_block if self.fsdp and held else held
+
+        ranked = replace(sizes, transformer=dit(sizes.transformer), refiner=dit(sizes.refiner),
+                         text_encoder=sizes.text_encoder if leader else 0, vae=sizes.vae if leader else 0)
+        return ranked, replace(geometry, ulysses=self.ulysses, cfg_batch=geometry.cfg_batch and self.cfg == 1)
+
+    def peak(self, sizes: ModelSizes, geometry: Geometry, *, leader: bool = True) -> int:
+        """The expected peak bytes on one GPU of the layout (rank 0's by default: the largest; the other
+        ranks only sample, so only the DiT phases count for them)."""
+        phases = None if leader else ("denoise", "refine")
+        return estimate_peak("none", *self.per_rank(sizes, geometry, leader=leader), phases)
 
 
 def estimate_peak(mode: str, sizes: ModelSizes, geometry: Geometry, phases: tuple[str, ...] | None = None) -> int:

@@ -101,6 +101,12 @@ class MemoryReport:
     # the text encoder's last generation (a rewrite): context tokens and bytes by part
     # (`estimate.generation_bytes`: kv_cache, prefill, logits), held on the execution device while it ran
     generation: tuple[int, dict[str, int]] | None = None
+    parallel: str | None = None  # a parallel run: the layout (the bytes above are this rank's)
+
+    def parallel_line(self) -> list[str]:
+        if self.parallel is None:
+            return []
+        return [f"parallel {self.parallel}; the bytes above are this process's (FSDP shards count their part)"]
 
     def generation_line(self) -> list[str]:
         if self.generation is None:
@@ -117,7 +123,7 @@ class MemoryReport:
 
     def one_line(self) -> str:
         parts = [f"{c.name}: {c.where}" + (f" ({c.format})" if c.format else "") for c in self.components]
-        return "; ".join(parts + self.chunk_lines() + self.generation_line())
+        return "; ".join(parts + self.chunk_lines() + self.generation_line() + self.parallel_line())
 
     def totals(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -131,7 +137,7 @@ class MemoryReport:
         rows += [f"  {c.name:<13} {c.where}" + (f"  [{c.format}]" if c.format else "") for c in self.components]
         summary = ", ".join(f"{place} {n / GiB:.2f} GiB" for place, n in sorted(self.totals().items()))
         rows.append(f"  {'total':<13} {summary or 'nothing loaded'}")
-        rows += [f"  {line}" for line in self.chunk_lines() + self.generation_line()]
+        rows += [f"  {line}" for line in self.chunk_lines() + self.generation_line() + self.parallel_line()]
         return "\n".join(rows)
 
 

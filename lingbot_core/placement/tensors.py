@@ -54,10 +54,16 @@ def _held_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What this process holds of `t`: an FSDP shard (a DTensor) counts its local part, not the whole."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
 def unique_storages(tensors: Iterable[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
     """One (representative tensor, bytes held) per distinct storage among `tensors`."""
     seen: dict[tuple[str, int], tuple[torch.Tensor, int]] = {}
-    for t in tensors:
+    for t in map(_local, tensors):
         key = _storage_key(t)
         if key not in seen:
             seen[key] = (t, _held_bytes(t))
