@@ -111,6 +111,13 @@ def _t2v_checks(layout: ParallelLayout, tiny: str) -> dict:
     hooks_left = any("_diffusers_hook" in m.__dict__ and m._diffusers_hook.hooks
                      for m in handle.shared.loaded["transformer"].modules())
     found = {"same_on_every_rank": all(torch.equal(e, shared) for e in every), "hooks_left": hooks_left}
+    # the TI2V first frame on a parallel view: rank 0 runs the VAE, the others receive the posterior
+    from PIL import Image
+
+    picture = Image.fromarray((torch.rand(40, 48, 3, generator=torch.Generator().manual_seed(6)) * 255).byte().numpy())
+    image_cond = stages.encode_image(handle.with_parallel(layout), picture, 32, 32)
+    found["vae_loaded"] = "vae" in handle.shared.loaded
+    found["image_latent"] = image_cond.mean_latent().sum().item()
     if layout.rank == 0:  # the one-process run, once
         alone = stages.denoise(handle, cond, **size, steps=3, guidance_scale=3.0, seed=7)
         frames_alone, frames_shared = stages.decode(handle, alone), stages.decode(handle, shared)
@@ -240,6 +247,9 @@ def test_tiny_t2v_on_four_processes_matches_one_process(four_ranks):
     assert got["latents"] <= T2V_TOLERANCE and got["frames"] <= T2V_TOLERANCE, got
     for rank, result in enumerate(four_ranks):
         assert result["t2v"]["same_on_every_rank"], rank  # every rank steps the same latents
+        # the first frame's posterior reached every rank; only rank 0 loaded the VAE for it
+        assert result["t2v"]["image_latent"] == four_ranks[0]["t2v"]["image_latent"], rank
+        assert result["t2v"]["vae_loaded"] is (rank == 0), rank
         assert not result["t2v"]["hooks_left"], rank  # the stage took its hooks off the shared DiT
 
 
