@@ -212,8 +212,10 @@ class PipelineHandle:
     def with_offload(self, mode: str, *, offload_to: str = "ram", **options: Any) -> PipelineHandle:
         """A view over the same components with other offload settings (validated here, installed at
         the next stage or by `configure_offload`)."""
+        from .parallel.stage import active_layout
+
         settings = OffloadSettings.make(mode, offload_to, **options)
-        check_guards(settings, self.device, self.shared.loaded)
+        check_guards(settings, self.device, self.shared.loaded, active_layout(self))
         if mode == AUTO and any(settings.option(k) is not None for k in ("height", "width", "num_frames")):
             from .stage_inputs import validate_geometry  # the size `auto` plans for is a request like any
 

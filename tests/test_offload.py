@@ -350,10 +350,24 @@ def test_guards(moe, monkeypatch):
         configure_offload(moe, "group", use_stream=True)
     with pytest.raises(ValueError, match="num_blocks_per_group"):
         configure_offload(moe, "group", use_stream=False, num_blocks_per_group=0)
+    from lingbot_core.parallel import stage as parallel_stage
+    from lingbot_core.parallel.layout import ParallelLayout
+
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a: 2)
-    with pytest.raises(ValueError, match="multi-process group"):
-        configure_offload(moe, "sequential")
+    # a data-parallel rank (--jobs under torchrun) runs whole videos alone: a world of 2 is no reason to refuse
+    assert moe.with_offload("sequential").offload.mode == "sequential"
+    for fsdp in (False, True):  # a view that shares one video (sequence/CFG parallel, FSDP) refuses
+        layout = ParallelLayout(cfg=1, ulysses=2, mesh=object(), fsdp=fsdp)
+        with pytest.raises(ValueError, match="multi-process group"):
+            moe.with_parallel(layout).with_offload("sequential")
+        try:  # so does every view of a headless --parallel process (the process layout)
+            parallel_stage.use_process_layout(layout)
+            with pytest.raises(ValueError, match="multi-process group"):
+                configure_offload(moe, "group", use_stream=False)
+        finally:
+            parallel_stage.use_process_layout(None)
+    assert moe.with_parallel(ParallelLayout.single()).with_offload("model").offload.mode == "model"
     monkeypatch.undo()
 
     class FSDPModule(torch.nn.Module):

@@ -86,8 +86,10 @@ def disk_unit(mode: str) -> str | None:
     return MODE_CLASSES[mode].disk_unit
 
 
-def check_guards(settings: OffloadSettings, device: torch.device, loaded: Mapping[str, Any]) -> None:
-    """Refuse settings that cannot work, before anything is touched: the generic checks, then the mode's own."""
+def check_guards(settings: OffloadSettings, device: torch.device, loaded: Mapping[str, Any],
+                 layout: Any = None) -> None:
+    """Refuse settings that cannot work, before anything is touched: the generic checks, then the mode's own.
+    `layout`: the view's parallel layout (`parallel.stage.active_layout`), None for one process."""
     mode = settings.mode
     if mode not in MODES:
         raise ValueError(f"unknown offload mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -102,7 +104,7 @@ def check_guards(settings: OffloadSettings, device: torch.device, loaded: Mappin
             if settings.option(name) is not None:
                 _positive_int(name, settings.option(name))
         return
-    MODE_CLASSES[mode].check(settings, device, loaded)
+    MODE_CLASSES[mode].check(settings, device, loaded, layout)
 
 
 def _positive_int(name: str, value: Any) -> None:

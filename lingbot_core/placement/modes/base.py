@@ -12,7 +12,7 @@ A mode is one small class. The door calls, per component:
   tensor back in its slot (ties included) and on the CPU.
 - `estimate(sizes, activations)` the peak accelerator bytes the mode needs for one request
   (pure arithmetic over `estimate.ModelSizes` and the per-phase activation bytes).
-- `check(settings, device, loaded)` (a classmethod) refuses settings the mode cannot run with,
+- `check(settings, device, loaded, layout)` (a classmethod) refuses settings the mode cannot run with,
   before anything is touched.
 
 The class attributes (`name`, `speed`, `options`, `disk_unit`, `summary`) are what the registry
@@ -81,12 +81,15 @@ class Mode:
         return state_for(self.states, name, module)
 
     @classmethod
-    def check(cls, settings: OffloadSettings, device: torch.device, loaded: Mapping[str, Any]) -> None:
-        """Refuse settings this mode cannot run with (before anything is touched); `loaded` components."""
+    def check(cls, settings: OffloadSettings, device: torch.device, loaded: Mapping[str, Any],
+              layout: Any = None) -> None:
+        """Refuse settings this mode cannot run with (before anything is touched); `loaded` components.
+        `layout`: the view's `parallel.ParallelLayout` (or the process layout), None for a one-process
+        view. Only a layout of several processes (sequence/CFG parallel, FSDP) refuses offloading: a
+        data-parallel rank (`--jobs`) runs whole videos alone, so a torch.distributed world alone does not."""
         if cls.keeps_resident:
             return
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if layout is not None and getattr(layout, "world_size", 1) > 1:
             raise ValueError(f"offload mode {cls.name!r} cannot run under a multi-process group (FSDP, CFG- or "
                              "context-parallel): each rank holds a shard; use offload 'none' there")
         for name, module in loaded.items():

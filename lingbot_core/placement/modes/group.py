@@ -78,8 +78,8 @@ class GroupMode(Mode):
     whole = frozenset(WHOLE)
 
     @classmethod
-    def check(cls, settings, device, loaded) -> None:
-        super().check(settings, device, loaded)
+    def check(cls, settings, device, loaded, layout=None) -> None:
+        super().check(settings, device, loaded, layout)
         use_stream = settings.option("use_stream", device.type == "cuda")
         if use_stream and device.type == "cpu":
             raise ValueError("group offload with use_stream needs an accelerator with streams; on CPU pass "
