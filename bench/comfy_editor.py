@@ -76,18 +76,18 @@ def dismiss_dialogs(page) -> None:
         page.wait_for_timeout(300)
 
 
-def check_templates(page, shots: Path) -> None:
+def check_templates(page, shots: Path, pack: str) -> None:
     seen: dict[str, int] = {}
 
     def on_response(response) -> None:
-        if "/workflow_templates/lingbot-nodes/" in response.url and response.url.endswith(".jpg"):
+        if f"/workflow_templates/{pack}/" in response.url and response.url.endswith(".jpg"):
             seen[response.url.rsplit("/", 1)[-1][:-4]] = response.status
 
     page.on("response", on_response)
     page.get_by_role("button", name="Templates").first.click()
     page.wait_for_timeout(1500)
-    entry = page.get_by_text("lingbot-nodes", exact=True).first
-    if not record(entry.count() > 0, "the template browser lists lingbot-nodes"):
+    entry = page.get_by_text(pack, exact=True).first
+    if not record(entry.count() > 0, f"the template browser lists {pack}"):
         page.screenshot(path=str(shots / "templates.png"))
         return
     entry.scroll_into_view_if_needed()
@@ -284,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default="http://127.0.0.1:8188")
     parser.add_argument("--chromium", default="/usr/bin/chromium")
+    parser.add_argument("--pack", default="lingbot-nodes", help="the pack's folder name in custom_nodes/")
     parser.add_argument("--shots", type=Path, required=True, help="a folder for the screenshots")
     parser.add_argument("--timeout", type=float, default=600, help="seconds the queued run may take")
     parser.add_argument("--rewrite-port", type=int, default=0,
@@ -302,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         version = page.evaluate("window.__COMFYUI_FRONTEND_VERSION__ || null")
         print(f"frontend {version}", flush=True)
         dismiss_dialogs(page)
-        check_templates(page, args.shots)
+        check_templates(page, args.shots, args.pack)
         check_workflows(page, args.shots)
         check_run(page, args.shots, args.timeout)
         if args.rewrite_port:
