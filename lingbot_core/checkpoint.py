@@ -30,13 +30,13 @@ from .checkpoint_inspect import (  # noqa: F401 (re-exported: the names callers 
     inspect_files,
     inspect_student,
 )
-from .components import DITS, TABLE
+from .components import DITS, REFINER, TABLE, TRANSFORMER
 from .errors import CheckpointError
 from .weights.resolve import ComponentSource, folder_source
 from .weights.state import ModelState
 
 
-def load_transformer(folder: str | os.PathLike | None, subfolder: str = "transformer", *,
+def load_transformer(folder: str | os.PathLike | None, subfolder: str = TRANSFORMER, *,
                      dtype: torch.dtype | None = None, weights: str = "auto",
                      streamed: bool = False, source: ComponentSource | None = None,
                      state: ModelState | None = None) -> torch.nn.Module:
@@ -54,7 +54,7 @@ def load_transformer(folder: str | os.PathLike | None, subfolder: str = "transfo
     if source is None:
         if folder is None:
             raise ValueError("load_transformer needs a folder or a resolved source")
-        source = folder_source(Path(folder) / subfolder, subfolder if subfolder in DITS else "transformer")
+        source = folder_source(Path(folder) / subfolder, subfolder if subfolder in DITS else TRANSFORMER)
     return load_dit(source, dtype=dtype, weights=weights, streamed=streamed, state=state)
 
 
@@ -69,9 +69,9 @@ def load_refiner(folder: str | os.PathLike | None, *, dtype: torch.dtype | None 
             f"{info.folder} has no refiner/ folder: the refiner ships only with the MoE checkpoint "
             "(robbyant/lingbot-video-moe-30b-a3b). Load that checkpoint, or disable refinement."
         )
-    source = info.sources["refiner"]
+    source = info.sources[REFINER]
     return _finite(load_transformer(None, dtype=dtype, weights=weights, streamed=streamed, source=source,
-                                    state=state), "refiner", source.config_dir or source.where)
+                                    state=state), REFINER, source.config_dir or source.where)
 
 
 def _finite(module: Any, name: str, where: Path) -> Any:
@@ -95,7 +95,7 @@ def load_component(folder: Path, name: str, *, dtype: torch.dtype | None = None,
         module = route.load(source, dtype=dtype, attn_implementation=attn_implementation, weights=weights,
                             streamed=streamed, state=state)
         return _finite(module, name, Path(getattr(source, "path", name)))
-    if name == "transformer":
+    if name == TRANSFORMER:
         dit = load_transformer(folder, dtype=dtype, weights=weights, streamed=streamed, source=source, state=state)
         return _finite(dit, name, (source.config_dir or source.where) if source is not None else Path(folder) / name)
     if name == "vae":

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .components import TRANSFORMER
 from .errors import CheckpointError
 from .json_text import MAX_JSON_NESTING, parse_json_text  # noqa: F401 (re-exported)
 from .weights.safetensors_header import (  # noqa: F401 (re-exported: the header checks live there)
@@ -37,7 +38,7 @@ CONFIG_LIMITS: dict[str, dict[str, int]] = {
     # 128 experts (8 per token, 768 wide, 1 shared, 4 groups). Larger video DiTs (Wan 14B: hidden 5120,
     # 40 heads, 40 layers, 13824 wide) stay far inside; the bounds leave 5-10x headroom (a 256-deep MoE
     # skeleton still builds in seconds).
-    "transformer": {
+    TRANSFORMER: {
         "depth": 256, "hidden_size": 32768, "num_attention_heads": 1024, "intermediate_size": 262144,
         "text_dim": 32768, "freq_dim": 16384, "in_channels": 1024, "out_channels": 1024, "patch_size": 64,
         "axes_dims": 4096, "axes_lens": 65536, "num_experts": 4096, "num_experts_per_tok": 1024,
@@ -142,28 +143,28 @@ def check_transformer_config(config: Mapping[str, Any], where: str) -> None:
     """The DiT's config values: types, ranges and the relations the model relies on."""
     for key in ("in_channels", "out_channels", "hidden_size", "num_attention_heads", "depth",
                 "intermediate_size", "text_dim", "freq_dim"):
-        _bounded(config, "transformer", key, where)
-    _bounded_list(config, "transformer", "patch_size", where, 3)
+        _bounded(config, TRANSFORMER, key, where)
+    _bounded_list(config, TRANSFORMER, "patch_size", where, 3)
     heads, hidden = config["num_attention_heads"], config["hidden_size"]
     if hidden % heads:
         raise CheckFailed(f"{where}: hidden_size {hidden} is not divisible by num_attention_heads {heads}; "
                           "the config is corrupt, re-download it.")
-    axes = _bounded_list(config, "transformer", "axes_dims", where, 3)
+    axes = _bounded_list(config, TRANSFORMER, "axes_dims", where, 3)
     if sum(axes) != hidden // heads or any(a % 2 for a in axes):
         raise CheckFailed(f"{where}: axes_dims {axes} must be even and sum to the head size {hidden // heads}; "
                           "the config is corrupt, re-download it.")
-    _bounded_list(config, "transformer", "axes_lens", where, 3)
+    _bounded_list(config, TRANSFORMER, "axes_lens", where, 3)
     for key in ("norm_eps", "rope_theta"):
         _need(config, key, where, _pos_float, "a positive finite number", optional=True)
     for key in ("qkv_bias", "out_bias", "patch_embed_bias", "timestep_mlp_bias"):
         _need(config, key, where, _bool, "true or false", optional=True)
-    experts = _bounded(config, "transformer", "num_experts", where, low=0, default=0, optional=True) or 0
+    experts = _bounded(config, TRANSFORMER, "num_experts", where, low=0, default=0, optional=True) or 0
     if experts:
         _need(config, "num_experts_per_tok", where, lambda v: _pos_int(v) and v <= experts,
               f"an integer in [1, num_experts={experts}]")
-        _bounded(config, "transformer", "moe_intermediate_size", where)
-        _bounded(config, "transformer", "decoder_sparse_step", where, optional=True)
-        _bounded(config, "transformer", "n_shared_experts", where, low=0, optional=True)
+        _bounded(config, TRANSFORMER, "moe_intermediate_size", where)
+        _bounded(config, TRANSFORMER, "decoder_sparse_step", where, optional=True)
+        _bounded(config, TRANSFORMER, "n_shared_experts", where, low=0, optional=True)
         _need(config, "score_func", where, lambda v: v in ("sigmoid", "softmax"), "'sigmoid' or 'softmax'",
               optional=True)
         _need(config, "norm_topk_prob", where, _bool, "true or false", optional=True)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from . import checkpoint_checks as checks
-from .components import DITS, INDEXED, TABLE, ComponentFiles
+from .components import DITS, INDEXED, REFINER, TABLE, TRANSFORMER, ComponentFiles
 from .errors import CheckpointError
 from .weights.resolve import ComponentSource, check_weights_mode_for, folder_source
 
@@ -203,7 +203,7 @@ def inspect_checkpoint(folder: str | os.PathLike, files: ComponentFiles | None =
     if not root.is_dir():
         raise CheckpointError(f"checkpoint folder {root} does not exist. Pass the folder that holds model_index.json.")
     index = _read_json(root / "model_index.json", "model_index.json")
-    checks.refuse_remote_code(root, (*COMPONENTS, "refiner"))
+    checks.refuse_remote_code(root, (*COMPONENTS, REFINER))
     for name in COMPONENTS:
         entry = index.get(name)
         if not (isinstance(entry, list) and len(entry) == 2 and all(isinstance(e, str) for e in entry)):
@@ -218,9 +218,9 @@ def inspect_checkpoint(folder: str | os.PathLike, files: ComponentFiles | None =
         if name not in given and not (root / name).is_dir():
             raise CheckpointError(f"{name}: missing folder {root / name}. Re-download the checkpoint.")
 
-    has_refiner = "refiner" in given or (root / "refiner").is_dir()
+    has_refiner = REFINER in given or (root / REFINER).is_dir()
     found = _Found()
-    for name in ("transformer", "vae", "text_encoder", *(("refiner",) if has_refiner else ())):
+    for name in (TRANSFORMER, "vae", "text_encoder", *((REFINER,) if has_refiner else ())):
         if name in given:
             found.add_file(name, given[name], root)
         else:
@@ -237,18 +237,18 @@ def inspect_files(files: ComponentFiles) -> CheckpointInfo:
     """Validate components given only as single files (no checkpoint folder): every component a run
     needs must be given; the scheduler takes its default config."""
     given = files.given()
-    missing = [n for n in ("transformer", "vae", "text_encoder", "processor") if n not in given]
+    missing = [n for n in (TRANSFORMER, "vae", "text_encoder", "processor") if n not in given]
     if missing:
         raise CheckpointError(f"without a checkpoint folder every component must be given as a file; missing: "
                               f"{', '.join(missing)}. Give them, or pass the checkpoint folder they come from.")
     found = _Found()
-    for name in ("transformer", "refiner", "vae", "text_encoder"):
+    for name in (TRANSFORMER, REFINER, "vae", "text_encoder"):
         if name in given:
             found.add_file(name, given[name])
     found.add_processor(given["processor"], True)
     check_values_and_shapes(Path("."), found.configs, found.sources, skip=set(given), scheduler=False)
     found.check_processor()
-    return found.info(None, "refiner" in given)
+    return found.info(None, REFINER in given)
 
 
 @dataclass
@@ -285,7 +285,7 @@ class _Found:
             check_folder(given, self.configs["text_encoder"])
 
     def info(self, root: Path | None, has_refiner: bool) -> CheckpointInfo:
-        config = self.configs["transformer"]
+        config = self.configs[TRANSFORMER]
         variant = "moe" if int(config.get("num_experts") or 0) > 0 else "dense"
         return CheckpointInfo(root, variant, has_refiner, config, self.sources, self.file_sources)
 
@@ -306,7 +306,7 @@ def check_values_and_shapes(root: Path, configs: dict[str, dict[str, Any]], sour
     meta-device skeleton of each model, so a mismatched refiner or GGUF is refused when the
     checkpoint opens, not after the text encoder or the base video ran.
     """
-    for name in ("transformer", "refiner"):
+    for name in DITS:
         if name in configs:
             checks.check_transformer_config(configs[name], str(root / name / "config.json"))
     where_of = {name: sources[name].where if name in skip and name in sources else root / name / "config.json"
@@ -317,17 +317,17 @@ def check_values_and_shapes(root: Path, configs: dict[str, dict[str, Any]], sour
         checks.check_scheduler_config(configs["scheduler"], str(root / "scheduler" / "scheduler_config.json"))
     if "text_encoder" not in skip:
         checks.check_text_encoder_config(configs["text_encoder"], str(root / "text_encoder" / "config.json"),
-                                         configs["transformer"].get("text_dim"))
+                                         configs[TRANSFORMER].get("text_dim"))
     if "text_encoder" in skip:  # a single file's width against the DiT's text width (a folder's: just above)
         from .single_files import check_fit
 
-        check_fit(configs["transformer"], None, configs["text_encoder"],
-                  {"text_encoder": where_of["text_encoder"], "transformer": where_of["transformer"]})
-    vae_dim, dit_in = configs["vae"].get("z_dim"), configs["transformer"]["in_channels"]
+        check_fit(configs[TRANSFORMER], None, configs["text_encoder"],
+                  {"text_encoder": where_of["text_encoder"], TRANSFORMER: where_of[TRANSFORMER]})
+    vae_dim, dit_in = configs["vae"].get("z_dim"), configs[TRANSFORMER]["in_channels"]
     if vae_dim is not None and vae_dim != dit_in:
         raise CheckpointError(f"{where_of['vae']}: the VAE's z_dim is {vae_dim} but the transformer "
                               f"({where_of['transformer']}) takes {dit_in} channels; they come from different models.")
-    for name in ("transformer", "refiner", "vae", "text_encoder"):
+    for name in (TRANSFORMER, REFINER, "vae", "text_encoder"):
         if name not in sources or name in skip:
             continue  # a single file was matched against its config when it resolved
         where = root / name
@@ -373,14 +373,14 @@ def inspect_student(folder: str | os.PathLike, base: CheckpointInfo) -> tuple[Pa
     path = Path(folder).expanduser()
     if not path.is_dir():
         raise CheckpointError(f"student transformer folder {path} does not exist")
-    if (path / "transformer" / "config.json").is_file():
-        root, sub = path, "transformer"
+    if (path / TRANSFORMER / "config.json").is_file():
+        root, sub = path, TRANSFORMER
     elif (path / "config.json").is_file():
         root, sub = path.parent, path.name
     else:
         raise CheckpointError(f"{path} holds no transformer: expected {path / 'transformer' / 'config.json'} "
                               f"(a student checkpoint folder) or {path / 'config.json'} (its transformer folder)")
-    config = _check_config_class(root / sub, "transformer")
+    config = _check_config_class(root / sub, TRANSFORMER)
     differs = sorted(k for k in set(config) | set(base.transformer_config)
                      if k not in _PROVENANCE_KEYS and config.get(k) != base.transformer_config.get(k))
     if differs:
@@ -389,6 +389,6 @@ def inspect_student(folder: str | os.PathLike, base: CheckpointInfo) -> tuple[Pa
             f"the student transformer in {root / sub} is not the base checkpoint's architecture "
             f"({len(differs)} config fields differ, e.g. {k}: {config.get(k)!r} vs {base.transformer_config.get(k)!r} "
             f"in {base.folder / 'transformer'}); load it with its own base checkpoint")
-    source = folder_source(root / sub, "transformer")
+    source = folder_source(root / sub, TRANSFORMER)
     check_dit_entries(source, checks.dit_shapes(config, str(root / sub / "config.json")))
     return root, sub, source

@@ -14,7 +14,7 @@ registered under (`checkpoint.LOADERS`).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 
@@ -39,24 +39,32 @@ class Component:
         return self.role == "dit"
 
 
+# The component names, for code that means one component (the table's rows are named with them).
+TRANSFORMER = "transformer"  # the base DiT
+REFINER = "refiner"  # the MoE refiner DiT
+VAE = "vae"
+TEXT_ENCODER = "text_encoder"
+PROCESSOR = "processor"
+SCHEDULER = "scheduler"
+
 _DIT_CLASS = "LingBotVideoTransformer3DModel"
 
 TABLE: dict[str, Component] = {c.name: c for c in (
-    Component("transformer", "dit", "config.json", (_DIT_CLASS,), "diffusion_pytorch_model",
+    Component(TRANSFORMER, "dit", "config.json", (_DIT_CLASS,), "diffusion_pytorch_model",
               (("lingbot_video.transformer_lingbot_video", _DIT_CLASS),), quantizable=True, may_stream=True,
               lora_prefix="transformer.", cuda_dtype="bfloat16", file_suffixes=(".safetensors", ".gguf"),
               loader="dit"),
-    Component("vae", "vae", "config.json", ("AutoencoderKLWan",), "diffusion_pytorch_model",
+    Component(VAE, "vae", "config.json", ("AutoencoderKLWan",), "diffusion_pytorch_model",
               (("diffusers", "AutoencoderKLWan"),), loader="vae"),
-    Component("text_encoder", "text_encoder", "config.json", (), "model",
+    Component(TEXT_ENCODER, "text_encoder", "config.json", (), "model",
               (("transformers", "Qwen3VLForConditionalGeneration"),), cuda_dtype="bfloat16", loader="text_encoder"),
-    Component("processor", "processor", None, index_classes=(("transformers", "Qwen3VLProcessor"),),
+    Component(PROCESSOR, "processor", None, index_classes=(("transformers", "Qwen3VLProcessor"),),
               loader="processor"),
-    Component("scheduler", "scheduler", "scheduler_config.json",
+    Component(SCHEDULER, "scheduler", "scheduler_config.json",
               ("FlowUniPCMultistepScheduler", "FlowUniPCScheduler"),  # the reference's name, and ours
               index_classes=(("lingbot_video.scheduling_flow_unipc", "FlowUniPCMultistepScheduler"),),
               loader="scheduler"),
-    Component("refiner", "dit", "config.json", (_DIT_CLASS,), "diffusion_pytorch_model", in_model_index=False,
+    Component(REFINER, "dit", "config.json", (_DIT_CLASS,), "diffusion_pytorch_model", in_model_index=False,
               quantizable=True, may_stream=True, lora_prefix="refiner.", cuda_dtype="bfloat16",
               file_suffixes=(".safetensors", ".gguf"), loader="dit"),
 )}
@@ -96,8 +104,8 @@ class ComponentFiles:
     def given(self) -> dict[str, Path]:
         """Component name -> path, for the slots that hold one (empty strings count as not given)."""
         out = {}
-        for name in ("transformer", "refiner", "vae", "text_encoder", "processor"):
-            value = getattr(self, name)
+        for slot in fields(self):
+            name, value = slot.name, getattr(self, slot.name)
             if value is not None and str(value).strip():
                 out[name] = Path(value).expanduser()
         return out

@@ -33,7 +33,7 @@ from .checkpoint import (
     load_refiner,
     load_transformer,
 )
-from .components import ALL, DITS, ComponentFiles
+from .components import ALL, DITS, REFINER, TRANSFORMER, ComponentFiles
 from .placement.modes import AUTO, check_guards
 from .placement.settings import OffloadSettings
 from .placement.state import Placement
@@ -82,17 +82,17 @@ class SharedComponents:
                     raise RuntimeError(f"component {name!r} was released and this handle has no checkpoint "
                                        "folder to reload it from")
                 state = ModelState()  # what the load finds (disk homes...), kept as the model's state
-                if name == "refiner":
-                    module = load_refiner(self.folder, dtype=self.dtypes["refiner"], weights=self.weights,
+                if name == REFINER:
+                    module = load_refiner(self.folder, dtype=self.dtypes[REFINER], weights=self.weights,
                                           streamed=streamed, info=self.info, state=state)
-                elif name == "transformer" and self.transformer_source is not None:
+                elif name == TRANSFORMER and self.transformer_source is not None:
                     root, sub = self.transformer_source
                     module = load_transformer(root, sub, dtype=self.dtypes.get(name), weights=self.weights,
                                               streamed=streamed, source=source, state=state)
                 else:
                     module = load_component(self.folder, name, dtype=self.dtypes.get(name),
                                             attn_implementation=self.text_attn, weights=self.weights,
-                                            streamed=streamed and name == "transformer", source=source,
+                                            streamed=streamed and name == TRANSFORMER, source=source,
                                             state=state)
                 self.states[name] = state.bind(module)
                 if name in DITS:
@@ -178,7 +178,7 @@ class PipelineHandle:
         if transformer_folder is not None and str(transformer_folder).strip():
             root, sub, source = inspect_student(transformer_folder, info)
             student = (root, sub)
-            info = replace(info, sources={**info.sources, "transformer": source})
+            info = replace(info, sources={**info.sources, TRANSFORMER: source})
         info.check_weights_mode(weights)  # fp8 on load of a GGUF DiT: refused now, before any stage
         from .notices import cpu_notice
 
@@ -257,14 +257,14 @@ class PipelineHandle:
     def variant(self) -> str:
         if self.shared.info is not None:
             return self.shared.info.variant
-        dit = self.shared.loaded.get("transformer")
+        dit = self.shared.loaded.get(TRANSFORMER)
         return "moe" if dit is not None and dit.config.num_experts > 0 else "dense"
 
     @property
     def has_refiner(self) -> bool:
         if self.shared.info is not None:
             return self.shared.info.has_refiner
-        return "refiner" in self.shared.loaded
+        return REFINER in self.shared.loaded
 
     def component(self, name: str) -> Any:
         """The component, loading it if needed. Stages call this only inside the stage door."""

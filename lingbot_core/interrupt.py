@@ -16,6 +16,7 @@ from contextvars import ContextVar
 import torch
 
 from . import hooks
+from .components import DITS
 
 Checker = Callable[[], None]
 _CHECKER: ContextVar[Checker | None] = ContextVar("lingbot_interrupt_checker", default=None)
@@ -50,7 +51,7 @@ def check_interrupt() -> None:
 
 
 def _work_units(name: str, module: torch.nn.Module) -> list[torch.nn.Module]:
-    if name in ("transformer", "refiner"):
+    if name in DITS:
         return list(getattr(module, "blocks", []))
     if name == "text_encoder":
         inner = getattr(module, "model", None)

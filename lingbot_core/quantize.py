@@ -30,6 +30,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from .components import DITS
+
 try:  # torch takes seconds to import: Ctrl-C then is one line too, as later (exit 130)
     import numpy as np
     import torch
@@ -45,7 +47,7 @@ except KeyboardInterrupt:
     sys.exit(130)
 
 TARGETS = ("fp8", "gguf-q8_0", "gguf-q4_0")
-DIT_FOLDERS = ("transformer", "refiner")
+DIT_FOLDERS = DITS
 WEIGHTS_STEM = "diffusion_pytorch_model"
 _ST_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
              torch.int32: "I32", torch.uint8: "U8", torch.int8: "I8", torch.bool: "BOOL"}

@@ -24,6 +24,7 @@ import torch
 from PIL import Image
 
 from . import sampling
+from .components import REFINER
 from .latents import SIZE_MULTIPLE, VAE_TEMPORAL, latent_shape
 from .sampling.guidance import CFG_BATCH
 from .sampling.sigmas import check_shift
@@ -421,7 +422,7 @@ def check_denoise_request(handle: Any, cond: Any, *, height: int, width: int, nu
     check_guidance(guidance_scale)
     check_cfg_batch(cfg_batch)
     method = sampling.get_sampler(sampler)
-    method.check(steps=steps, shift=shift, sigmas=sigmas, refine=transformer == "refiner")
+    method.check(steps=steps, shift=shift, sigmas=sigmas, refine=transformer == REFINER)
     check_step_cache(StepCacheSettings.of(step_cache), steps=steps, sampler_name=method.name)
     check_step_cache_ready(handle, step_cache, transformer=transformer, sampler=method, steps=steps, shift=shift,
                            sigmas=sigmas, guidance_scale=guidance_scale)

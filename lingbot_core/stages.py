@@ -25,6 +25,7 @@ from . import image as image_ops
 from . import prompt as prompt_ops
 from . import sampling
 from . import stage_inputs as checks
+from .components import REFINER, TRANSFORMER
 from .latents import dit_to_vae, vae_to_dit
 from .parallel import stage as parallel_stage
 from .parallel.cfg import ParallelGuidance
@@ -271,7 +272,7 @@ def denoise(
     cond_latent: torch.Tensor | None = None,
     latents: torch.Tensor | None = None,
     sigmas: torch.Tensor | None = None,
-    transformer: str = "transformer",
+    transformer: str = TRANSFORMER,
     callback: StepCallback | None = None,
     sampler: str | sampling.Sampler | None = None,
     trace: dict | None = None,
@@ -592,15 +593,15 @@ def refine(
                             sampler=sampler, guidance_scale=guidance_scale)
     if release_base is None:
         release_base = handle.info is not None and effective_mode(handle) != "none"  # reloadable
-    if release_base and "transformer" in handle.shared.loaded:
-        release(handle, ["transformer"])
+    if release_base and TRANSFORMER in handle.shared.loaded:
+        release(handle, [TRANSFORMER])
     start = prepare_refine(handle, frames, height=height, width=width, steps=steps, shift=shift, t_thresh=t_thresh,
                            tail_steps=tail_steps, seed=seed, first_frame=first_frame, tiling=tiling)
     refiner_cond = Conditioning(cond.positive, None, zero_negative=True, prompt=cond.prompt)
     latents = denoise(handle, refiner_cond, height=height, width=width, num_frames=start.num_frames,
                       steps=len(start.sigmas), guidance_scale=guidance_scale, shift=1.0, generator=start.generator,
                       latents=start.initial, sigmas=start.sigmas, cond_latent=start.cond_latent,
-                      transformer="refiner", callback=callback, sampler=sampler, cfg_batch=cfg_batch,
+                      transformer=REFINER, callback=callback, sampler=sampler, cfg_batch=cfg_batch,
                       step_cache=step_cache)
     if not decode_output:
         return latents
@@ -613,7 +614,7 @@ def _check_refine_cache(handle, step_cache: Any, *, steps: int, shift: float, t_
     few steps, and `magcache` without a calibration, before anything is released or loaded."""
     sigmas = _refiner_sigmas(handle, steps=steps, shift=shift, t_thresh=t_thresh, tail_steps=tail_steps)
     check_step_cache(StepCacheSettings.of(step_cache), steps=len(sigmas), sampler_name=sampling.get_sampler(sampler).name)
-    checks.check_step_cache_ready(handle, step_cache, transformer="refiner", sampler=sampler, steps=len(sigmas),
+    checks.check_step_cache_ready(handle, step_cache, transformer=REFINER, sampler=sampler, steps=len(sigmas),
                                   shift=1.0, sigmas=sigmas, guidance_scale=guidance_scale)
 
 
@@ -675,7 +676,7 @@ def generate(
         refine_size = (options.get("height", REFINER_DEFAULTS["height"]), options.get("width", REFINER_DEFAULTS["width"]))
     checks.check_request_fits(handle, height=height, width=width, num_frames=num_frames, cfg=guidance_scale > 1.0,
                               refine=refine_size, what="this generate request")
-    checks.check_step_cache_ready(handle, step_cache, transformer="transformer", sampler=sampler, steps=steps,
+    checks.check_step_cache_ready(handle, step_cache, transformer=TRANSFORMER, sampler=sampler, steps=steps,
                                   shift=shift, sigmas=None, guidance_scale=guidance_scale)
     refine_kw = {"cfg_batch": cfg_batch, **(refine_options or {})}
     if refine_output and StepCacheSettings.of(refine_kw.get("step_cache")).enabled:

@@ -25,6 +25,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .components import REFINER, TRANSFORMER
+
 __all__ = [
     "TINY_FORMAT_VERSION",
     "TINY_MARKER",
@@ -413,9 +415,9 @@ def _write_checkpoint(root: Path, variant: str, seed: int) -> None:
         _write_processor(root / "processor", tokenizer)
         _write_text_encoder(root / "text_encoder", len(tokenizer), tokenizer, seed)
         _write_vae(root / "vae", seed)
-        _write_transformer(root / "transformer", variant, seed, "transformer")
+        _write_transformer(root / TRANSFORMER, variant, seed, TRANSFORMER)
         if variant == "moe":
-            _write_transformer(root / "refiner", variant, seed, "refiner")
+            _write_transformer(root / REFINER, variant, seed, REFINER)
     version = {"_diffusers_version": diffusers.__version__}
     _write_json(root / "scheduler" / "scheduler_config.json", {**_SCHEDULER_CONFIG, **version})
     _write_json(

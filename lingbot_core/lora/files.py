@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from ..components import REFINER, TRANSFORMER
+
 
 class LoraError(ValueError):
     """A LoRA that cannot be used as asked; the message says why and what to do."""
@@ -37,12 +39,12 @@ class LoraError(ValueError):
 
 # (prefix, component it implies or None). Longest first where one is a prefix of another.
 _PREFIXES: tuple[tuple[str, str | None], ...] = (
-    ("model.diffusion_model.", "transformer"),
-    ("diffusion_model.", "transformer"),
+    ("model.diffusion_model.", TRANSFORMER),
+    ("diffusion_model.", TRANSFORMER),
     ("base_model.model.", None),
-    ("pipe.dit.", "transformer"),
-    ("transformer.", "transformer"),
-    ("refiner.", "refiner"),
+    ("pipe.dit.", TRANSFORMER),
+    ("transformer.", TRANSFORMER),
+    ("refiner.", REFINER),
     ("lora_unet.", None),
 )
 _UNDERSCORE_PREFIX = "lora_unet_"

@@ -14,10 +14,11 @@ from typing import Any
 
 import torch
 
+from ..components import DITS, REFINER, TRANSFORMER
 from .files import LoraError, LoraFile, _Group
 
-DIT_COMPONENTS = ("transformer", "refiner")
-TARGETS = ("auto", "transformer", "refiner", "both")
+DIT_COMPONENTS = DITS
+TARGETS = ("auto", TRANSFORMER, REFINER, "both")
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,7 @@ def _group_targets(group: _Group, component: str, apply_to: str) -> bool:
     """auto: the DiT the key's prefix names (no prefix: the base DiT); otherwise every key on the
     DiT(s) asked for, whatever its prefix."""
     if apply_to == "auto":
-        return (group.component or "transformer") == component
+        return (group.component or TRANSFORMER) == component
     return apply_to == "both" or apply_to == component
 
 
@@ -210,7 +211,7 @@ def dit_layout(handle: Any, component: str) -> dict[str, Any]:
     elif handle.folder is None:
         raise LoraError(f"the {component} is not loaded and this handle has no checkpoint folder to read it from")
     else:
-        source = getattr(handle.shared, "transformer_source", None) if component == "transformer" else None
+        source = getattr(handle.shared, "transformer_source", None) if component == TRANSFORMER else None
         folder = source[0] / source[1] if source else handle.folder / component
         config = LingBotVideoTransformer3DModel.load_config(folder)
     with torch.device("meta"):

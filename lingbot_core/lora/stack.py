@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..components import REFINER, TRANSFORMER
 from ..weights.state import Models
 from .files import LoraError, LoraFile, load_lora_file
 from .matching import DIT_COMPONENTS, TARGETS, MatchReport, Patch, _layout, _partial_hint, dit_layout, match
@@ -87,18 +88,18 @@ def plan(handle: Any, lora: LoraFile, strength: float = 1.0, apply_to: str = "au
     """Check a LoRA against a handle's DiTs before any work: refuse when it matches nothing, warn when
     it matches only part of what the file holds. Returns one report per DiT it applies to."""
     item = LoraItem(lora, float(strength), apply_to)
-    if apply_to == "refiner" or (apply_to == "auto" and lora.components() == {"refiner"}):
-        wanted = ["refiner"]
-    elif apply_to == "both" or (apply_to == "auto" and "refiner" in lora.components()):
-        wanted = ["transformer", "refiner"]
+    if apply_to == REFINER or (apply_to == "auto" and lora.components() == {REFINER}):
+        wanted = [REFINER]
+    elif apply_to == "both" or (apply_to == "auto" and REFINER in lora.components()):
+        wanted = [TRANSFORMER, REFINER]
     else:
-        wanted = ["transformer"]
-    if "refiner" in wanted and not handle.has_refiner:
-        if wanted == ["refiner"]:
+        wanted = [TRANSFORMER]
+    if REFINER in wanted and not handle.has_refiner:
+        if wanted == [REFINER]:
             raise LoraError(f"{lora.name} is for the refiner, but this checkpoint has none (only the MoE one does)")
         log.warning("LoRA %s: this checkpoint has no refiner, so the LoRA goes on the transformer only "
                     "(its refiner. keys, if any, are not applied)", lora.name)
-        wanted = ["transformer"]
+        wanted = [TRANSFORMER]
     reports = [match(lora, dit_layout(handle, c), c, apply_to=item.apply_to) for c in wanted]
     if not any(r.patches for r in reports):
         first = next(iter(lora.groups.values()))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..components import TRANSFORMER
 from ..handle import PipelineHandle
 from ..latents import VAE_SPATIAL, VAE_TEMPORAL
 from ..sampling.guidance import StepCallback
@@ -28,7 +29,7 @@ def geometry_of(latents: torch.Tensor) -> tuple[int, int, int]:
     return int(h) * VAE_SPATIAL, int(w) * VAE_SPATIAL, (int(t) - 1) * VAE_TEMPORAL + 1
 
 
-def wrap_dit(dit: torch.nn.Module, *, transformer: str = "transformer",
+def wrap_dit(dit: torch.nn.Module, *, transformer: str = TRANSFORMER,
              device: str | torch.device = "cpu") -> PipelineHandle:
     """A handle over one DiT already in memory (and a default flow-UniPC scheduler), for callers that
     hold a DiT and no checkpoint (a worker, a test). `transformer`: "transformer" or "refiner"."""
@@ -48,7 +49,7 @@ def parallel_denoise(
     steps: int | None = None,
     guidance_scale: float = 3.0,
     shift: float = 3.0,
-    transformer: str = "transformer",
+    transformer: str = TRANSFORMER,
     sampler: str | None = None,
     cond_latent: torch.Tensor | None = None,
     generator: torch.Generator | None = None,

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from ..components import DITS
 from .layout import ParallelLayout
 from .ulysses import disable_sequence_parallel, enable_sequence_parallel
 
@@ -117,7 +118,7 @@ def check_heads(handle: Any, layout: ParallelLayout) -> None:
     info = getattr(handle, "info", None)
     heads = [(info.transformer_config or {}).get("num_attention_heads")] if info is not None else []
     heads += [m.spec.num_attention_heads for name, m in handle.shared.loaded.items()
-              if name in ("transformer", "refiner") and hasattr(m, "spec")]
+              if name in DITS and hasattr(m, "spec")]
     for count in filter(None, heads):
         layout.check_heads(int(count))
 

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from ..components import DITS, REFINER, TRANSFORMER
 from .modes import MODE_CLASSES
 from .tensors import stored_bytes
 
@@ -131,11 +132,11 @@ class ModelSizes:
         cfg = info.transformer_config
 
         def held(name: str) -> int:
-            if name == "refiner" and not info.has_refiner:
+            if name == REFINER and not info.has_refiner:
                 return 0
             if isinstance(loaded.get(name), torch.nn.Module):
                 return stored_bytes(loaded[name], include_meta=True)
-            if name in ("transformer", "refiner"):
+            if name in DITS:
                 return dit_load_bytes(info.sources.get(name), dtypes.get(name), weights)
             on_disk = info.component_bytes(name)
             dtype = dtypes.get(name, torch.float32)
@@ -147,15 +148,15 @@ class ModelSizes:
             return on_disk * torch.finfo(dtype).bits // _stored_bits(info.sources.get(name))
 
         moe = bool(cfg.get("num_experts"))
-        dit, text = held("transformer"), held("text_encoder")
+        dit, text = held(TRANSFORMER), held("text_encoder")
         depth = int(cfg.get("depth", 24))
         return cls(
-            text_encoder=text, transformer=dit, vae=held("vae"), refiner=held("refiner"),
+            text_encoder=text, transformer=dit, vae=held("vae"), refiner=held(REFINER),
             hidden=int(cfg.get("hidden_size", 2048)), depth=depth,
             intermediate=(int(cfg.get("moe_intermediate_size", 768)) * int(cfg.get("num_experts_per_tok", 8))
                           if moe else int(cfg.get("intermediate_size", 6144))),
             experts_per_token=int(cfg.get("num_experts_per_tok", 0)) if moe else 0,
-            dit_bytes_per_value=dit_compute_bytes(info.sources.get("transformer"), dtypes.get("transformer")),
+            dit_bytes_per_value=dit_compute_bytes(info.sources.get(TRANSFORMER), dtypes.get(TRANSFORMER)),
             largest_block=math.ceil(dit / max(depth, 1)),
             text_largest_layer=math.ceil(text / TEXT_LAYERS_GUESS),
             **text_generation_shape(text_config_of(info), dtypes.get("text_encoder") or torch.float32),
@@ -166,14 +167,14 @@ class ModelSizes:
         """Sizes of components already in memory (benchmarks build them without a checkpoint)."""
         from ..models.precision import matmul_dtype
 
-        dit = components["transformer"]
+        dit = components[TRANSFORMER]
         cfg = dit.config
         moe = bool(cfg.num_experts)
         text = stored_bytes(components.get("text_encoder"), include_meta=True)
         return cls(
             text_encoder=text, transformer=stored_bytes(dit, include_meta=True),
             vae=stored_bytes(components.get("vae"), include_meta=True),
-            refiner=stored_bytes(components.get("refiner"), include_meta=True),
+            refiner=stored_bytes(components.get(REFINER), include_meta=True),
             hidden=cfg.hidden_size, depth=cfg.depth,
             intermediate=cfg.moe_intermediate_size * cfg.num_experts_per_tok if moe else cfg.intermediate_size,
             experts_per_token=cfg.num_experts_per_tok if moe else 0,

@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 
+from ..components import WEIGHTED
 from .tensors import module_tensors, unique_storages
 
 GiB = 1024**3
-REPORTED = ("transformer", "vae", "text_encoder", "refiner")
+REPORTED = WEIGHTED  # the components with weights, in the table's order
 
 
 def location(t: torch.Tensor) -> str:

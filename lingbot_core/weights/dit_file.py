@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from ..components import TRANSFORMER
 from ..errors import CheckpointError
 from .formats import format_of
 from .resolve import ComponentSource
@@ -168,7 +169,7 @@ def _match(shapes: dict[str, tuple[int, ...]], path: Path) -> dict[str, Any]:
                           f"{detail}. {FIX}")
 
 
-def dit_file_source(path: str | Path, component: str = "transformer") -> ComponentSource:
+def dit_file_source(path: str | Path, component: str = TRANSFORMER) -> ComponentSource:
     """Resolve a single DiT file: its format, headers (read once), names and config (inferred)."""
     path = Path(path).expanduser()
     if not path.is_file():

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from ..checkpoint_checks import tensor_set_problems
-from ..components import DITS
+from ..components import DITS, TRANSFORMER
 from . import gguf_codec
 from .converted import Planned
 from .disk import note_exact
@@ -210,7 +210,7 @@ def check_weights_mode(weights: str) -> None:
         require_fp8()
 
 
-def load_dit(where: ComponentSource | str | os.PathLike, subfolder: str = "transformer", *,
+def load_dit(where: ComponentSource | str | os.PathLike, subfolder: str = TRANSFORMER, *,
              dtype: torch.dtype | None = None, weights: str = "auto", streamed: bool = False,
              state: ModelState | None = None) -> nn.Module:
     """A DiT loaded tensor by tensor (see the module docstring) from a resolved source
@@ -234,7 +234,7 @@ def load_dit(where: ComponentSource | str | os.PathLike, subfolder: str = "trans
     if isinstance(where, ComponentSource):
         resolved = where
     else:
-        resolved = folder_source(Path(where) / subfolder, subfolder if subfolder in DITS else "transformer")
+        resolved = folder_source(Path(where) / subfolder, subfolder if subfolder in DITS else TRANSFORMER)
     check_weights_mode_for(resolved, weights)
     config = (resolved.config if resolved.config is not None
               else LingBotVideoTransformer3DModel.load_config(resolved.config_dir))

@@ -18,9 +18,8 @@ from typing import Any
 
 import torch
 
+from ...components import DITS
 from ..settings import CPU
-
-DITS = ("transformer", "refiner")
 
 
 def streams_from_disk(settings: Any, name: str) -> bool:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ... import hooks
+from ...components import DITS
 from ..settings import CPU
 from .base import Mode, peak_over_phases, positive_int
 
@@ -28,7 +29,7 @@ WHOLE = ("vae",)
 
 
 def group_targets(name: str, module: torch.nn.Module) -> list[torch.nn.Module]:
-    if name in ("transformer", "refiner"):
+    if name in DITS:
         return [module]
     if name == "text_encoder":
         inner = module.model

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ... import hooks
+from ...components import DITS
 from .base import Mode, peak_over_phases
 
 WHOLE = ("vae",)
@@ -23,7 +24,7 @@ WHOLE = ("vae",)
 def _preload_classes(name: str, module: torch.nn.Module) -> list[str]:
     if name == "text_encoder":
         return [type(m).__name__ for m in module.modules() if type(m).__name__.endswith("VisionModel")][:1]
-    if name in ("transformer", "refiner"):
+    if name in DITS:
         from ...models.moe import SparseMoE
 
         return [SparseMoE.__name__]  # its expert tensors have no forward of their own
