@@ -14,6 +14,7 @@ from .image_input import LingBotLoadImage
 from .loader import LingBotLoader, LingBotMemoryReport, LingBotOffload, LingBotRelease
 from .lora import LingBotLoRA
 from .output import LingBotDecode, LingBotSaveVideo
+from .parallel import LingBotParallel
 from .rewrite import LingBotRewrite
 from .sampling import LingBotDenoise, LingBotRefine
 from .v3 import HAVE_COMFY_API, ComfyExtension
@@ -29,6 +30,7 @@ NODES = [
     LingBotRefine,
     LingBotDecode,
     LingBotRelease,
+    LingBotParallel,
     LingBotSaveVideo,
     LingBotLoadImage,
     LingBotMemoryReport,

@@ -357,6 +357,49 @@ def _track_resident(shared, device) -> None:
     mm.current_loaded_models.append(ResidentStandIn(shared, device))
 
 
+class PoolStandIn(ResidentStandIn):
+    """A LingBot Parallel worker pool as an entry of `current_loaded_models`, so that ComfyUI's "Unload
+    models" (an unload-everything request) stops its workers. A request for some memory on this device
+    leaves it alone: the workers hold their memory on the other devices, so stopping them frees nothing
+    here and would cost a reload of every worker's DiT."""
+
+    def __init__(self, pool, device):
+        import weakref
+
+        self._pool = weakref.ref(pool)
+        self.device = device
+        self.currently_used = False
+        self.model_finalizer = None
+
+    def real_model(self):
+        return self._pool()
+
+    def _resident_bytes(self) -> int:
+        return 0
+
+    def model_unload(self, memory_to_free=None, unpatch_weights=True) -> bool:
+        if memory_to_free is not None and memory_to_free < UNLOAD_ALL_BYTES:
+            return False
+        pool = self._pool()
+        if pool is not None:
+            pool.release()
+        return True
+
+
+UNLOAD_ALL_BYTES = 1e20  # ComfyUI's unload_all_models asks for 1e30 bytes
+
+
+def track_pool(pool) -> None:
+    """Inside ComfyUI: list a started worker pool so "Unload models" stops it (once per pool)."""
+    mm = _comfy("comfy.model_management")
+    if mm is None:
+        return
+    if any(isinstance(e, PoolStandIn) and e.real_model() is pool for e in mm.current_loaded_models):
+        return
+    device = comfy_device_spellings(mm, mm.get_torch_device())[0]
+    mm.current_loaded_models.append(PoolStandIn(pool, device))
+
+
 def install_memory_cooperation(handle: Any) -> Any:
     """Inside ComfyUI: free ComfyUI's models before this handle's components move onto the GPU, and let
     ComfyUI's memory requests free them. The listeners are the handle's own (`door.add_listeners`).

@@ -112,8 +112,8 @@ class LingBotDenoise(io.ComfyNode):
     def execute(cls, pipe, conditioning, width, height, frames, steps, cfg, shift, seed, image_cond=None,
                 latent=None, sampler="flow_unipc", sigmas="", cfg_batch="off", step_cache="off", cache_threshold=0.0,
                 cache_warmup_steps=-1, cache_max_skips=-1):
-        from lingbot_core import stages
         from lingbot_core.latents import dit_to_vae, vae_to_dit
+        from lingbot_core.parallel.pool import run_stage  # the pipe's worker pool (LingBot Parallel), or here
         from lingbot_core.sampling import parse_sigmas
 
         custom = parse_sigmas(sigmas)
@@ -124,12 +124,12 @@ class LingBotDenoise(io.ComfyNode):
         notice = few_step_notice(pipe, sampler, int(steps), float(cfg))  # before the DiT loads
         start = vae_to_dit(latent_in(latent), pipe.vae_config()) if latent is not None else None
         with runtime.node_work(steps, "denoise", preview=True) as on_step:
-            out = stages.denoise(pipe, conditioning, height=int(height), width=int(width), num_frames=int(frames),
-                                 steps=int(steps), guidance_scale=float(cfg), shift=float(shift), seed=int(seed),
-                                 image_cond=image_cond, latents=start, callback=on_step, sampler=sampler,
-                                 sigmas=custom, cfg_batch=cfg_batch,
-                                 step_cache=cache_settings(step_cache, cache_threshold, cache_warmup_steps,
-                                                           cache_max_skips))
+            out = run_stage("denoise", pipe, conditioning, height=int(height), width=int(width),
+                            num_frames=int(frames), steps=int(steps), guidance_scale=float(cfg), shift=float(shift),
+                            seed=int(seed), image_cond=image_cond, latents=start, callback=on_step, sampler=sampler,
+                            sigmas=custom, cfg_batch=cfg_batch,
+                            step_cache=cache_settings(step_cache, cache_threshold, cache_warmup_steps,
+                                                      cache_max_skips))
         return io.NodeOutput(latent_out(dit_to_vae(out, pipe.vae_config())), ui=on_node(notice))
 
 

@@ -29,8 +29,9 @@ LAYERS: list[tuple[str, set[str]]] = [
     # the lazy handle over one checkpoint
     ("handle", {"handle"}),
     # stages: plain functions over a handle; the prompt rewriter (runs a text model through the door);
-    # `parallel.run`, the one-video-on-N-processes runner over a handle (a module placed apart from its package)
-    ("stages", {"stages", "rewrite", "parallel.run"}),
+    # `parallel.run`, the one-video-on-N-processes runner over a handle, and `parallel.pool`, the worker
+    # processes that run stages for LingBot Parallel (modules placed apart from their package)
+    ("stages", {"stages", "rewrite", "parallel.run", "parallel.pool"}),
     # entry points
     ("entry", {"__main__", "__init__"}),
 ]

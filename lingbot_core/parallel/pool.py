@@ -1,0 +1,619 @@
+"""Persistent worker processes for one parallel layout, with the calling process as rank 0.
+
+ComfyUI runs every node in one process, but torch.distributed needs one process per rank. A
+`WorkerPool` therefore starts one process per extra device (torch.multiprocessing, spawn) that joins
+a process group with the caller: the rendezvous is torch's TCP store on 127.0.0.1 (nothing listens
+on another address), gloo on CPUs, NCCL on CUDA devices. Each worker opens its own lazy handle from
+`describe_handle` (paths and settings, never pickled modules), so it loads its DiT on the first call
+and keeps it across calls. A call (`WorkerPool.run`) sends the stage's inputs to every worker -- a
+JSON header and tensors, both with `dist.broadcast`; nothing is pickled -- and then runs the stage
+here too, on the pool's parallel view of the caller's handle: every rank runs the same stage with
+the same inputs, and rank 0 keeps the result.
+
+Interrupts: after every step rank 0 broadcasts one flag; when its own step callback raised (ComfyUI's
+interrupt, Ctrl-C), the flag tells the workers to drop the call, so they stop within one step.
+
+Failures: a worker that died, or a call that failed on rank 0 for any reason but an interrupt,
+stops the whole pool with one clear `PoolError`; the caller's handle is untouched (its single-device
+stages work as before) and the next call on the pool starts fresh workers. `release` stops the
+workers (they also stop when this process exits: they are daemons, an atexit hook releases them,
+and a worker whose collectives fail because rank 0 is gone exits).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import sys
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .launch import free_loopback_port
+from .layout import CFG_DEGREES, ParallelLayout
+
+log = logging.getLogger("lingbot_core.parallel")
+
+__all__ = ["HANDLERS", "PoolError", "PoolSpec", "WorkerPool", "describe_handle", "open_described", "parse_devices",
+           "pool_for", "pool_of", "release_pool_of", "run_stage", "tag"]
+
+#: how long rank 0 waits for the workers to come up (spawn, imports, handle check) before giving up
+START_TIMEOUT_S = float(os.environ.get("LINGBOT_POOL_START_TIMEOUT", "600"))
+#: the collectives' timeout (a first call loads the DiT on every rank: minutes for a real checkpoint)
+COLLECTIVE_TIMEOUT = timedelta(minutes=30)
+#: how workers start: "spawn" (safe with CUDA initialised in this process, as in ComfyUI); the CPU tests
+#: use "fork" (an interpreter start with our imports costs a minute on a loaded machine)
+START_METHOD = "spawn"
+_STARTING, _READY, _FAILED = 0, 1, 2
+_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64,
+                                                        torch.int64, torch.int32, torch.uint8, torch.bool)}
+_DTYPE_NAMES = {d: n for n, d in _DTYPES.items()}
+MAX_HEADER_BYTES = 1 << 20
+
+
+class PoolError(RuntimeError):
+    """The pool cannot run this call (a worker died, a worker failed to start, rank 0 failed)."""
+
+
+class _Dropped(Exception):
+    """Worker side: rank 0 dropped the call (an interrupt); wait for the next one."""
+
+
+# -- what the workers need: devices, degrees and the checkpoint as plain data --------------------------------
+
+def parse_devices(text: str) -> tuple[str, ...]:
+    """`"cuda:0, cuda:1"`, `"0,1"` (CUDA indices) or `"cpu,cpu"` -> one device name per rank."""
+    names = []
+    for part in filter(None, (p.strip() for p in str(text).split(","))):
+        name = f"cuda:{part}" if part.isdigit() else part
+        try:
+            device = torch.device(name)
+        except (RuntimeError, ValueError):
+            raise ValueError(f"devices: {part!r} is not a device (cpu, cuda:N or a GPU index N)") from None
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"devices: {part!r}; LingBot Parallel runs on cpu or cuda devices")
+        if device.type == "cuda" and device.index is None:
+            raise ValueError(f"devices: {part!r}: name the GPU (cuda:0, cuda:1, ... or 0, 1, ...)")
+        names.append(str(device))
+    if len({torch.device(n).type for n in names}) > 1:
+        raise ValueError(f"devices: {text!r} mixes CPU and CUDA; one process group runs on one kind")
+    cuda = [n for n in names if n.startswith("cuda")]
+    if len(set(cuda)) != len(cuda):
+        raise ValueError(f"devices: {text!r} names a GPU twice; each rank needs its own")
+    return tuple(names)
+
+
+def describe_handle(handle: Any) -> dict[str, Any]:
+    """How a worker opens the same DiTs as `handle`: folder, DiT files, dtypes and settings (JSON-able)."""
+    shared = handle.shared
+    info = shared.info
+    if info is None:
+        raise ValueError("LingBot Parallel needs a pipe opened from a checkpoint (a folder or files): the "
+                         "workers load their own copy of the DiT from it")
+    folder = shared.folder
+    files = {}
+    for name in ("transformer", "refiner"):
+        source = info.sources.get(name)
+        paths = [Path(p) for p in getattr(source, "files", ())] if source is not None else []
+        inside = folder is not None and all(Path(folder) in p.parents for p in paths)
+        if paths and not inside:
+            if len(paths) != 1:
+                raise ValueError(f"LingBot Parallel: the {name} comes from {len(paths)} files outside the checkpoint "
+                                 "folder; give it as one file or a checkpoint folder")
+            files[name] = str(paths[0])
+    student = shared.transformer_source
+    return {"folder": str(folder) if folder is not None else None, "files": files,
+            "transformer_folder": str(student[0] / student[1]) if student is not None else None,
+            "dtypes": {k: (None if v is None else _DTYPE_NAMES.get(v, str(v))) for k, v in shared.dtypes.items()
+                       if k in ("transformer", "refiner")},
+            "attention_backend": shared.attention_backend, "weights": shared.weights, "compile": shared.compile,
+            "ffn_chunk": shared.ffn_chunk}
+
+
+def open_described(description: dict[str, Any], device: str | torch.device) -> Any:
+    """A lazy handle on `device` from `describe_handle`'s description (nothing loads until a stage runs)."""
+    from ..components import ComponentFiles
+    from ..handle import PipelineHandle
+
+    d = description
+    files = ComponentFiles(**d["files"]) if d["files"] else None
+    dtypes = {k: (None if v is None else _DTYPES[v]) for k, v in d["dtypes"].items()}
+    return PipelineHandle.open(d["folder"], files=files, device=device, dtypes=dtypes,
+                               attention_backend=d["attention_backend"], weights=d["weights"], compile=d["compile"],
+                               transformer_folder=d["transformer_folder"], ffn_chunk=d["ffn_chunk"])
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """One pool: a device per rank (rank 0 is this process's), the degrees, the workers' checkpoint."""
+
+    devices: tuple[str, ...]
+    cfg: int
+    ulysses: int
+    checkpoint: dict[str, Any] = field(hash=False, compare=True)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.devices)
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.devices[0].startswith("cuda") else "gloo"
+
+    @classmethod
+    def make(cls, handle: Any, devices: str | tuple[str, ...], cfg: int, ulysses: int = 0) -> PoolSpec:
+        """Checked against `handle` before any process starts: device 0 is the handle's, degrees fit."""
+        names = parse_devices(devices) if isinstance(devices, str) else tuple(devices)
+        if len(names) < 2:
+            raise ValueError(f"LingBot Parallel needs two or more devices (got {len(names)}); with one, use the "
+                             "pipe directly")
+        if not _same_device(names[0], handle.device):
+            raise ValueError(f"devices: the first device is this process's (rank 0), which runs the pipe on "
+                             f"{handle.device}; list {handle.device} first, then the workers' devices")
+        if cfg not in CFG_DEGREES:
+            raise ValueError(f"cfg degree {cfg}: choose one of {CFG_DEGREES}")
+        world = len(names)
+        ulysses = ulysses or world // cfg
+        if cfg * ulysses != world:
+            raise ValueError(f"cfg={cfg} x ulysses={ulysses} must equal the {world} devices given")
+        heads = (handle.info.transformer_config or {}).get("num_attention_heads") if handle.info else None
+        if heads:
+            ParallelLayout(cfg=cfg, ulysses=ulysses).check_heads(int(heads))
+        if handle.view_states:
+            kinds = ", ".join(sorted({s.kind for s in handle.view_states}))
+            raise ValueError(f"LingBot Parallel: the pipe carries {kinds}, which the workers would not have; "
+                             "connect the Loader's pipe (apply LoRAs etc. after this node is not supported yet)")
+        mode = getattr(handle.offload, "mode", "none")
+        if mode not in ("none", None):
+            raise ValueError(f"LingBot Parallel: offload mode {mode!r} does not combine with several processes; "
+                             "connect a pipe with offload 'none' (each GPU holds its own DiT)")
+        return cls(names, cfg, ulysses, describe_handle(handle))
+
+
+# -- messages: a JSON header and tensors, broadcast from rank 0 --------------------------------------------
+
+def _broadcast_message(device: torch.device, kind: str | None = None, fields: dict | None = None,
+                       tensors: dict[str, torch.Tensor] | None = None) -> tuple[str, dict, dict[str, torch.Tensor]]:
+    """Rank 0 passes kind/fields/tensors; every rank gets them back (tensors on the CPU)."""
+    leader = dist.get_rank() == 0
+    tensors = {k: v for k, v in (tensors or {}).items() if v is not None}
+    if leader:
+        header = {"kind": kind, "fields": fields or {},
+                  "tensors": {k: [_DTYPE_NAMES[v.dtype], list(v.shape)] for k, v in tensors.items()}}
+        data = json.dumps(header).encode("utf-8")
+        size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    else:
+        size = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.broadcast(size, 0)
+    n = int(size.item())
+    if not 0 < n <= MAX_HEADER_BYTES:
+        raise PoolError(f"pool message header of {n} bytes")
+    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if leader
+           else torch.empty(n, dtype=torch.uint8, device=device))
+    dist.broadcast(buf, 0)
+    if not leader:
+        header = json.loads(bytes(buf.cpu().tolist()).decode("utf-8"))
+    got = {}
+    for name, (dtype, shape) in header["tensors"].items():
+        t = tensors[name].detach().to(device).contiguous() if leader else torch.empty(
+            shape, dtype=_DTYPES[dtype], device=device)
+        dist.broadcast(t, 0)
+        got[name] = tensors[name] if leader else t.cpu()
+    return header["kind"], header["fields"], got
+
+
+def _step_flag(device: torch.device, stop: bool | None = None) -> bool:
+    flag = torch.tensor([1 if stop else 0], dtype=torch.int64, device=device)
+    dist.broadcast(flag, 0)
+    return bool(flag.item())
+
+
+# -- the stages a pool runs: each packs its inputs on rank 0 and unpacks them on the workers ---------------
+
+def _pack_prompt(prefix: str, embeds: Any, into: dict) -> None:
+    if embeds is not None:
+        into[f"{prefix}.embeds"], into[f"{prefix}.mask"] = embeds.embeds, embeds.mask
+        into[f"{prefix}.ids"] = embeds.input_ids
+
+
+def _unpack_prompt(prefix: str, tensors: dict) -> Any:
+    from ..prompt import PromptEmbeds
+
+    if f"{prefix}.embeds" not in tensors:
+        return None
+    return PromptEmbeds(tensors[f"{prefix}.embeds"], tensors[f"{prefix}.mask"], tensors[f"{prefix}.ids"])
+
+
+def _pack_denoise(kwargs: dict[str, Any]) -> tuple[dict, dict]:
+    """Denoise's keyword arguments -> (JSON fields, tensors). TI2V and step caches are refused here."""
+    from ..sampling.step_cache import StepCacheSettings
+
+    kwargs = dict(kwargs)
+    cond = kwargs.pop("cond")
+    if kwargs.get("image_cond") is not None or kwargs.get("cond_latent") is not None:
+        raise ValueError("LingBot Parallel runs text-to-video and text-to-image for now; connect the plain pipe "
+                         "for an image condition")
+    if StepCacheSettings.of(kwargs.get("step_cache", "off")).enabled:
+        raise ValueError("step caching does not combine with LingBot Parallel; turn step_cache off")
+    for unsupported in ("generator", "trace", "image_cond", "cond_latent"):
+        kwargs.pop(unsupported, None)
+    kwargs.pop("step_cache", None)
+    tensors: dict[str, torch.Tensor] = {}
+    _pack_prompt("positive", cond.positive, tensors)
+    _pack_prompt("negative", cond.negative, tensors)
+    for name in ("latents", "sigmas"):
+        value = kwargs.pop(name, None)
+        if value is not None:
+            tensors[name] = torch.as_tensor(value, dtype=torch.float32) if name == "sigmas" else value
+    sampler = kwargs.get("sampler")
+    if sampler is not None and not isinstance(sampler, str):
+        raise ValueError("LingBot Parallel takes a sampler by name")
+    fields = {**kwargs, "cond": {"zero_negative": cond.zero_negative, "prompt": cond.prompt,
+                                 "with_image": cond.with_image}}
+    json.dumps(fields)  # only plain values cross (a TypeError here is a bug in the caller)
+    return fields, tensors
+
+
+def _unpack_denoise(fields: dict, tensors: dict) -> dict[str, Any]:
+    from ..stages import Conditioning
+
+    fields = dict(fields)
+    c = fields.pop("cond")
+    cond = Conditioning(_unpack_prompt("positive", tensors), _unpack_prompt("negative", tensors), **c)
+    kwargs = {**fields, "cond": cond}
+    for name in ("latents", "sigmas"):
+        if name in tensors:
+            kwargs[name] = tensors[name]
+    return kwargs
+
+
+def _run_denoise(view: Any, kwargs: dict[str, Any], callback: Callable | None) -> Any:
+    from ..stages import denoise
+
+    cond = kwargs.pop("cond")
+    return denoise(view, cond, callback=callback, **kwargs)
+
+
+#: stage name -> (pack on rank 0, unpack on a worker, run on a parallel view)
+HANDLERS: dict[str, tuple[Callable, Callable, Callable]] = {
+    "denoise": (_pack_denoise, _unpack_denoise, _run_denoise),
+}
+
+
+# -- the pool (rank 0) ---------------------------------------------------------------------------------
+
+_LIVE: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
+
+
+class WorkerPool:
+    """Workers for `spec`, started on the first call (or `start`), kept until `release`."""
+
+    def __init__(self, spec: PoolSpec):
+        self.spec = spec
+        self.layout: ParallelLayout | None = None
+        self._procs: list[Any] = []
+        self._status: Any = None
+        self.starts = 0  # how many times workers were started (tests, the node's status line)
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+    @property
+    def started(self) -> bool:
+        return self.layout is not None
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.spec.devices[0]) if self.spec.backend == "nccl" else torch.device("cpu")
+
+    def start(self) -> None:
+        """Spawn the workers and join their process group as rank 0 (a no-op when started)."""
+        if self.started:
+            return
+        if dist.is_available() and dist.is_initialized():
+            raise PoolError("this process already belongs to a torch.distributed group (another LingBot Parallel "
+                            "pool, or a torchrun launch); release it first")
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context(START_METHOD)
+        world, port = self.spec.world_size, free_loopback_port()
+        self._status = ctx.Array("i", [_STARTING] * world)
+        self._procs = []
+        for rank in range(1, world):
+            proc = ctx.Process(target=_worker_main, args=(rank, self.spec, port, self._status), daemon=True,
+                               name=f"lingbot-parallel-{rank}")
+            proc.start()
+            self._procs.append(proc)
+        try:
+            self._wait_ready()
+            if self.spec.backend == "gloo":
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            dist.init_process_group(self.spec.backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                    world_size=world, timeout=COLLECTIVE_TIMEOUT)
+            self.layout = ParallelLayout.create(self.spec.cfg, self.spec.ulysses,
+                                                device_type="cuda" if self.spec.backend == "nccl" else "cpu")
+        except BaseException:
+            self._abandon()
+            raise
+        self.starts += 1
+        _LIVE.add(self)
+        log.info("LingBot Parallel: %d worker process(es) on %s (%s)", world - 1, ", ".join(self.spec.devices[1:]),
+                 self.layout.describe())
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            states = list(self._status)
+            if any(s == _FAILED for s in states):
+                rank = states.index(_FAILED)
+                raise PoolError(f"LingBot Parallel: the worker for {self.spec.devices[rank]} (rank {rank}) could not "
+                                "start; its error is in the server log")
+            self._check_processes("start")
+            if all(s == _READY for s in states[1:]):
+                return
+            if time.monotonic() > deadline:
+                raise PoolError(f"LingBot Parallel: the workers did not start within {START_TIMEOUT_S:.0f} s")
+            time.sleep(0.05)
+
+    def _check_processes(self, when: str) -> None:
+        for rank, proc in enumerate(self._procs, start=1):
+            if not proc.is_alive():
+                raise PoolError(f"LingBot Parallel: the worker for {self.spec.devices[rank]} (rank {rank}) is gone "
+                                f"(exit code {proc.exitcode}) at {when}; the workers were stopped. The pipe without "
+                                "LingBot Parallel works on this device; running again starts new workers")
+
+    def release(self) -> None:
+        """Stop the workers and leave the process group; the next call starts new ones."""
+        if self.started:
+            try:
+                self._check_processes("release")
+                _broadcast_message(self.device, "stop")
+            except Exception:  # a worker already gone: the processes are ended below
+                pass
+        self._abandon()
+
+    def _abandon(self) -> None:
+        for proc in self._procs:
+            proc.join(timeout=5 if self.started else 0)
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        self._procs = []
+        if dist.is_available() and dist.is_initialized() and self.layout is not None:
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a group broken by a dead peer: its resources go with it
+                pass
+        self.layout = None
+        _LIVE.discard(self)
+
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def ping(self) -> list[dict[str, Any]]:
+        """Every worker's status: its pid and how often it loaded each component (tests; the node's line)."""
+        self._call_started("ping")
+        _broadcast_message(self.device, "ping")
+        return _gather_status(self.device, None)
+
+    # -- calls -------------------------------------------------------------------------------------------
+    def _call_started(self, what: str) -> None:
+        self.start()
+        try:
+            self._check_processes(what)
+        except PoolError:
+            self._abandon()
+            raise
+
+    def run(self, stage: str, handle: Any, callback: Callable | None = None, **kwargs: Any) -> Any:
+        """Run `stage` ("denoise") with `kwargs` on every rank; rank 0's result (this process's) is returned.
+
+        `handle` is this process's pipe; it runs on the pool's parallel view of it. `callback(step,
+        total, latents)` runs here after each step; what it raises (an interrupt) stops every rank
+        within that step and propagates; the pool stays up. Any other failure stops the pool
+        (`PoolError` when a worker is gone).
+        """
+        pack, _unpack, execute = HANDLERS[stage]
+        fields, tensors = pack({**kwargs})  # bad input is refused before anything is sent
+        self._call_started(stage)
+        device = self.device
+        flagged = []
+
+        def on_step(step: int, total: int, latents: Any) -> None:
+            try:
+                if callback is not None:
+                    callback(step, total, latents)
+            except BaseException:
+                _step_flag(device, True)
+                flagged.append(step)
+                raise
+            _step_flag(device, False)
+
+        try:
+            _broadcast_message(device, stage, fields, tensors)
+            view = handle.with_parallel(self.layout)
+            return execute(view, {k: v for k, v in kwargs.items() if k not in ("generator", "trace")}, on_step)
+        except BaseException as err:
+            dead = self._dead_after(err)
+            if not dead and (flagged or isinstance(err, ValueError)):
+                raise  # every rank stopped the same way (the interrupt flag, or the same refused input)
+            rank = self._rank_of(dead[0]) if dead else None
+            self._abandon()  # an interrupt outside a step callback, too: the workers may wait in a collective
+            if dead:
+                raise PoolError(f"LingBot Parallel: a worker died during {stage} (exit code {dead[0].exitcode}); "
+                                "the workers were stopped. The pipe without LingBot Parallel works on this device; "
+                                "running again starts new workers" + (f" (rank {rank})" if rank else "")) from err
+            if isinstance(err, PoolError) or _is_interrupt(err):
+                raise
+            raise PoolError(f"LingBot Parallel: {stage} failed on rank 0 ({type(err).__name__}: {err}); the workers "
+                            "were stopped and the next run starts new ones") from err
+
+    def _rank_of(self, proc: Any) -> int | None:
+        return next((i for i, p in enumerate(self._procs, start=1) if p is proc), None)
+
+    def _dead_after(self, err: BaseException) -> list[Any]:
+        """Workers found dead after `err` (a collective error can come a moment before the exit is seen)."""
+        dead = [p for p in self._procs if not p.is_alive()]
+        if not dead and not _is_interrupt(err) and not isinstance(err, ValueError):
+            time.sleep(0.5)
+            dead = [p for p in self._procs if not p.is_alive()]
+        return dead
+
+
+def _same_device(name: str, device: torch.device | str) -> bool:
+    a, b = torch.device(name), torch.device(device)
+    if a.type != b.type:
+        return False
+    if a.type == "cpu":
+        return True
+    current = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
+
+
+# -- which pipes run on a pool ------------------------------------------------------------------------------
+
+_CURRENT: WorkerPool | None = None  # one process belongs to one process group: one pool at a time
+_TAGGED: dict[int, tuple[Any, WorkerPool]] = {}
+
+
+def pool_for(spec: PoolSpec) -> WorkerPool:
+    """The pool for `spec`: the current one when it has the same spec (kept warm), else a new one (the
+    current pool is released first: this process can be rank 0 of one group only)."""
+    global _CURRENT
+    if _CURRENT is not None and _CURRENT.spec == spec:
+        return _CURRENT
+    if _CURRENT is not None:
+        _CURRENT.release()
+    _CURRENT = WorkerPool(spec)
+    return _CURRENT
+
+
+def tag(pipe: Any, pool: WorkerPool) -> Any:
+    """A copy of the pipe (a handle view) whose stages `run_stage` sends to `pool`."""
+    from dataclasses import replace
+
+    view = replace(pipe)
+    key = id(view)
+    _TAGGED[key] = (weakref.ref(view, lambda _ref, key=key: _TAGGED.pop(key, None)), pool)
+    return view
+
+
+def pool_of(pipe: Any) -> WorkerPool | None:
+    """The pool a pipe from `tag` runs on (None for every other pipe)."""
+    entry = _TAGGED.get(id(pipe))
+    return entry[1] if entry is not None and entry[0]() is pipe else None
+
+
+def run_stage(stage: str, pipe: Any, cond: Any, *, callback: Callable | None = None, **kwargs: Any) -> Any:
+    """`stages.<stage>(pipe, cond, ...)`, on the pipe's pool when it has one."""
+    pool = pool_of(pipe)
+    if pool is None:
+        from .. import stages
+
+        return getattr(stages, stage)(pipe, cond, callback=callback, **kwargs)
+    return pool.run(stage, pipe, callback=callback, cond=cond, **kwargs)
+
+
+def release_pool_of(pipe: Any) -> bool:
+    """Stop the workers of the pipe's pool (True when it had one); the next call starts them again."""
+    pool = pool_of(pipe)
+    if pool is not None:
+        pool.release()
+    return pool is not None
+
+
+def _is_interrupt(err: BaseException) -> bool:
+    from ..exit_codes import INTERRUPTED, exit_code
+
+    return exit_code(err) == INTERRUPTED
+
+
+def _gather_status(device: torch.device, status: dict | None) -> list[dict[str, Any]]:
+    """All ranks: a fixed-size int row (pid, transformer loads, refiner loads) gathered on rank 0."""
+    row = torch.zeros(3, dtype=torch.int64, device=device)
+    if status is not None:
+        row[0], row[1], row[2] = status["pid"], status["transformer"], status["refiner"]
+    rows = [torch.zeros_like(row) for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
+    dist.gather(row, rows, dst=0)
+    if rows is None:
+        return []
+    return [{"rank": r, "pid": int(t[0]), "loads": {"transformer": int(t[1]), "refiner": int(t[2])}}
+            for r, t in enumerate(rows) if r > 0]
+
+
+@atexit.register
+def _release_all() -> None:
+    for pool in list(_LIVE):
+        try:
+            pool.release()
+        except Exception:
+            pass
+
+
+# -- the worker process --------------------------------------------------------------------------------------
+
+def _worker_main(rank: int, spec: PoolSpec, port: int, status: Any) -> None:
+    """A worker: open the handle (lazily), join the group, then serve calls until told to stop."""
+    try:
+        if START_METHOD == "fork":  # OpenMP's pool does not survive a fork once the parent used it
+            torch.set_num_threads(1)
+        device = torch.device(spec.devices[rank])
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        handle = open_described(spec.checkpoint, device)
+    except BaseException:
+        status[rank] = _FAILED
+        raise
+    status[rank] = _READY
+    if spec.backend == "gloo":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(spec.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=spec.world_size, timeout=COLLECTIVE_TIMEOUT)
+    try:
+        layout = ParallelLayout.create(spec.cfg, spec.ulysses, device_type=device.type)
+        _serve(handle, layout, device if spec.backend == "nccl" else torch.device("cpu"))
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def _serve(handle: Any, layout: ParallelLayout, device: torch.device) -> None:
+    view = handle.with_parallel(layout)
+
+    def on_step(step: int, total: int, latents: Any) -> None:
+        if _step_flag(device):
+            raise _Dropped
+
+    while True:
+        try:
+            kind, fields, tensors = _broadcast_message(device)
+        except Exception:  # rank 0 is gone (its process ended): nothing left to serve
+            return
+        if kind == "stop":
+            return
+        if kind == "ping":
+            loads = handle.shared.load_count
+            _gather_status(device, {"pid": os.getpid(), "transformer": loads.get("transformer", 0),
+                                    "refiner": loads.get("refiner", 0)})
+            continue
+        _pack, unpack, execute = HANDLERS[kind]
+        try:
+            execute(view, unpack(fields, tensors), on_step)
+        except _Dropped:
+            continue
+        except Exception as err:  # rank 0 fails the same way (same inputs) or stops the pool
+            print(f"lingbot parallel worker rank {layout.rank}: {kind} failed: {type(err).__name__}: {err}",
+                  file=sys.stderr, flush=True)

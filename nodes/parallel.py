@@ -1,0 +1,55 @@
+"""LingBot Parallel: one pipe on several devices, through persistent worker processes.
+
+Type translation only; the workers, the process group and the calls are
+`lingbot_core.parallel.pool`.
+"""
+
+from __future__ import annotations
+
+from . import runtime
+from .types import CATEGORY, Choice, Pipe
+from .v3 import io
+
+CFG_CHOICES = ["1", "2"]
+
+
+class LingBotParallel(io.ComfyNode):
+    """Starts (or reuses) worker processes for a pipe; Denoise on its output runs on all of them."""
+
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="LingBotParallel",
+            display_name="LingBot Parallel",
+            category=CATEGORY,
+            description="Runs Denoise on several devices: starts one worker process per extra device (each loads "
+                        "its own copy of the DiT once and keeps it across prompts), joined with this process on "
+                        "torch.distributed (NCCL on GPUs, gloo on CPU; the rendezvous listens on 127.0.0.1 only). "
+                        "cfg=2 computes the prompt and the negative on two halves of the devices; ulysses shares "
+                        "each DiT forward's sequence. The workers stop on LingBot Release, ComfyUI's Unload "
+                        "models, and server exit. Connect this node's pipe straight to Denoise.",
+            inputs=[
+                Pipe.Input("pipe", tooltip="From LingBot Loader (offload none): its checkpoint is what the workers load"),
+                io.String.Input("devices", default="cuda:0, cuda:1",
+                                tooltip="One device per process, this one first (the pipe's device), e.g. "
+                                        "'cuda:0, cuda:1, cuda:2, cuda:3', or GPU indices '0,1'; 'cpu, cpu' to try "
+                                        "it without GPUs"),
+                Choice("cfg", options=CFG_CHOICES, default="1",
+                       tooltip="2: the prompt's and the negative's DiT passes on two groups of devices (about 2x "
+                               "when cfg > 1); needs an even device count"),
+                io.Int.Input("ulysses", default=0, min=0, max=64,
+                             tooltip="Devices sharing one DiT pass (sequence parallel); must divide the DiT's 16 "
+                                     "attention heads. 0: the device count / cfg"),
+            ],
+            outputs=[Pipe.Output(display_name="pipe", tooltip="The pipe, running Denoise on the workers too")],
+        )
+
+    @classmethod
+    def execute(cls, pipe, devices, cfg="1", ulysses=0):
+        from lingbot_core.parallel.pool import PoolSpec, pool_for, tag
+
+        spec = PoolSpec.make(pipe, devices, int(cfg), int(ulysses))  # checked before any process starts
+        pool = pool_for(spec)
+        pool.start()  # now, so a bad device shows here; a no-op while the same spec's workers run
+        runtime.track_pool(pool)
+        return io.NodeOutput(tag(pipe, pool))

@@ -1,0 +1,126 @@
+"""LingBot Parallel's worker pool (issue 24, inside ComfyUI): this process is rank 0, one spawned worker
+is rank 1 (gloo on the loopback), on the tiny dense checkpoint.
+
+One lifecycle test spawns twice (each spawn costs an interpreter start): start, two runs on one load,
+an interrupt mid-denoise, LingBot Release; then a lazy restart, a killed worker (one clear error) and
+the single-device path afterwards. The ComfyUI "Unload models" wiring is checked on a stand-in pool.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import types
+
+import pytest
+import torch
+
+from lingbot_core import stages
+from lingbot_core.handle import PipelineHandle
+from lingbot_core.parallel.pool import PoolError, PoolSpec, parse_devices, pool_of, run_stage
+from lingbot_nodes import NODE_CLASS_MAPPINGS
+
+KW = dict(height=32, width=32, num_frames=5, steps=3, guidance_scale=3.0, shift=3.0, seed=7)
+TOLERANCE = 1e-5  # relative; CFG parallel is exact up to float rounding
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return float((a - b).abs().max() / b.abs().max()) <= TOLERANCE
+
+
+def _gone(pid: int, within: float = 10.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_pool_start_reuse_interrupt_release_restart_and_a_dead_worker(fixtures_root, monkeypatch):
+    from lingbot_core.parallel import pool as pool_module
+
+    monkeypatch.setattr(pool_module, "START_METHOD", "fork")  # ComfyUI spawns; fork saves the interpreter start
+    handle = PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu")
+    cond = stages.encode_prompt(handle, "a red paper boat on a canal")
+    expected = stages.denoise(handle, cond, **KW)
+
+    pipe, = NODE_CLASS_MAPPINGS["LingBotParallel"].execute(handle, "cpu, cpu", "2", 0).args
+    pool = pool_of(pipe)
+    assert pool is not None and pool.started and pool.starts == 1 and pool.layout.cfg == 2
+    first = run_stage("denoise", pipe, cond, **KW)
+    second = run_stage("denoise", pipe, cond, **KW)
+    assert _close(first, expected) and torch.equal(first, second)
+    assert [w["loads"]["transformer"] for w in pool.ping()] == [1]  # the worker loaded its DiT once
+
+    seen = []
+
+    def interrupt_at_two(step, total, latents):
+        seen.append(step)
+        if step == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_stage("denoise", pipe, cond, callback=interrupt_at_two, **KW)
+    assert seen == [1, 2] and pool.started  # the worker dropped the call at that step; the pool stays
+    assert torch.equal(run_stage("denoise", pipe, cond, **KW), first)
+    assert pool.starts == 1 and [w["loads"]["transformer"] for w in pool.ping()] == [1]
+
+    pids = pool.worker_pids()
+    NODE_CLASS_MAPPINGS["LingBotRelease"].execute(pipe, "v", "all")
+    assert not pool.started and all(_gone(pid) for pid in pids)
+
+    assert torch.equal(run_stage("denoise", pipe, cond, **KW), first)  # the cached pipe starts new workers
+    assert pool.starts == 2
+    victim = pool.worker_pids()[0]
+    os.kill(victim, signal.SIGKILL)
+    time.sleep(0.5)  # a killed child stays a zombie until the pool looks at it (reaped then)
+    with pytest.raises(PoolError, match=r"worker for cpu \(rank 1\) is gone .* without LingBot Parallel works"):
+        run_stage("denoise", pipe, cond, **KW)
+    assert not pool.started
+    assert torch.equal(stages.denoise(handle, cond, **KW), expected)  # the single-device path is untouched
+
+
+def test_unload_models_stops_a_pool_and_a_memory_request_does_not(monkeypatch):
+    from lingbot_nodes import runtime
+
+    class Pool:
+        releases = 0
+
+        def release(self):
+            Pool.releases += 1
+
+    mm = types.ModuleType("comfy.model_management")
+    mm.current_loaded_models = []
+    mm.get_torch_device = lambda: torch.device("cpu")
+    monkeypatch.setitem(sys.modules, "comfy", types.ModuleType("comfy"))
+    monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
+    pool = Pool()
+    runtime.track_pool(pool)
+    runtime.track_pool(pool)
+    entry, = mm.current_loaded_models  # listed once
+    assert entry.device == torch.device("cpu") and entry.model_memory() == 0
+    assert entry.model_unload(2 << 30) is False and Pool.releases == 0  # 2 GiB wanted here: workers stay
+    assert entry.model_unload(1e30) is True and Pool.releases == 1  # unload_all_models
+
+
+def test_devices_and_degrees_are_checked_before_any_process_starts(fixtures_root):
+    assert parse_devices("0, 1") == ("cuda:0", "cuda:1") and parse_devices("cpu,cpu") == ("cpu", "cpu")
+    for bad, message in (("cpu,cuda:1", "mixes"), ("cuda:1,1", "twice"), ("tpu", "not a device"),
+                         ("cuda", "name the GPU")):
+        with pytest.raises(ValueError, match=message):
+            parse_devices(bad)
+    handle = PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu")
+    with pytest.raises(ValueError, match="two or more"):
+        PoolSpec.make(handle, "cpu", 1)
+    with pytest.raises(ValueError, match="must equal"):
+        PoolSpec.make(handle, "cpu,cpu,cpu", 2)
+    with pytest.raises(ValueError, match="divide"):
+        PoolSpec.make(handle, "cpu,cpu,cpu", 1)  # ulysses 3 and the tiny DiT's heads
+    spec = PoolSpec.make(handle, "cpu,cpu", 1)
+    assert (spec.cfg, spec.ulysses, spec.backend) == (1, 2, "gloo")
+    assert spec.checkpoint["folder"] == str(handle.folder)  # paths and settings cross, not modules
