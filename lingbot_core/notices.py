@@ -8,6 +8,7 @@ ComfyUI's console see it too). Nothing here loads a model.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("lingbot_core.notices")
@@ -43,7 +44,10 @@ def cpu_notice(info: Any, device: Any) -> str | None:
                "for it (`nvidia-smi` shows the driver's CUDA version; install a matching torch build).")
     elif not torch.version.cuda and not getattr(torch.version, "hip", None):
         why = " This torch is a CPU-only build; install a CUDA build for your GPU."
-    text = (f"{getattr(info, 'folder', 'the checkpoint')} runs on the CPU: a real-size model takes hours there "
+    # The folder's name only: the notice shows on the node, and a shared server's paths are not the user's business.
+    folder = getattr(info, "folder", None)
+    name = f"The checkpoint '{Path(folder).name}'" if folder else "The checkpoint"
+    text = (f"{name} runs on the CPU: a real-size model takes hours there "
             f"(the CPU is for the tiny model and the tests).{why}")
     return _once(("cpu", str(getattr(info, "folder", ""))), text)
 

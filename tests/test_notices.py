@@ -98,6 +98,7 @@ def test_a_real_model_on_the_cpu_warns_once_with_the_likely_reason(monkeypatch, 
         first = notices.cpu_notice(info, torch.device("cpu"))
         notices.cpu_notice(info, torch.device("cpu"))
     assert "runs on the CPU" in first and "CUDA 13.0" in first and "driver" in first
+    assert "'dense'" in first and "models/lingbot_video" not in first  # the name, never the server's path
     assert len(caplog.records) == 1
     assert notices.cpu_notice(info, torch.device("cuda")) is None
     assert notices.cpu_notice(SimpleNamespace(transformer_config={"hidden_size": 64}, folder="t"), "cpu") is None
