@@ -124,3 +124,16 @@ def test_devices_and_degrees_are_checked_before_any_process_starts(fixtures_root
     spec = PoolSpec.make(handle, "cpu,cpu", 1)
     assert (spec.cfg, spec.ulysses, spec.backend) == (1, 2, "gloo")
     assert spec.checkpoint["folder"] == str(handle.folder)  # paths and settings cross, not modules
+
+
+def test_spawned_workers_do_not_rerun_the_main_script(monkeypatch):
+    """ComfyUI's main.py works at import; a spawned child would import it again unless it is hidden."""
+    from lingbot_core.parallel.pool import _main_module_hidden
+
+    main = types.ModuleType("__main__")
+    main.__file__, main.__spec__ = "comfy/main.py", object()
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    spec = main.__spec__
+    with _main_module_hidden():
+        assert not hasattr(main, "__file__") and main.__spec__ is None
+    assert main.__file__ == "comfy/main.py" and main.__spec__ is spec

@@ -29,7 +29,8 @@ import os
 import sys
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -326,11 +327,12 @@ class WorkerPool:
         world, port = self.spec.world_size, free_loopback_port()
         self._status = ctx.Array("i", [_STARTING] * world)
         self._procs = []
-        for rank in range(1, world):
-            proc = ctx.Process(target=_worker_main, args=(rank, self.spec, port, self._status), daemon=True,
-                               name=f"lingbot-parallel-{rank}")
-            proc.start()
-            self._procs.append(proc)
+        with _main_module_hidden():
+            for rank in range(1, world):
+                proc = ctx.Process(target=_worker_main, args=(rank, self.spec, port, self._status), daemon=True,
+                                   name=f"lingbot-parallel-{rank}")
+                proc.start()
+                self._procs.append(proc)
         try:
             self._wait_ready()
             if self.spec.backend == "gloo":
@@ -469,6 +471,25 @@ class WorkerPool:
             time.sleep(0.5)
             dead = [p for p in self._procs if not p.is_alive()]
         return dead
+
+
+@contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """A spawned child imports the parent's `__main__` script again (as `__mp_main__`) unless it cannot
+    find it; ComfyUI's main.py does work at import, and the workers need nothing from it, so its file
+    and spec are hidden while the workers start."""
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
+    for key in saved:
+        if key == "__spec__":
+            main.__spec__ = None
+        else:
+            del main.__dict__[key]
+    try:
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.update(saved)
 
 
 def _same_device(name: str, device: torch.device | str) -> bool:
