@@ -157,4 +157,8 @@ class ScriptedRewriter:
                 rewriter.stages.append(stage)
 
         monkeypatch.setattr(LocalBackend, "complete", complete)
+        # The scripted head makes the random-weight tiny model write: let it past the refusal of that model.
+        from lingbot_core.rewrite import local_backend
+
+        monkeypatch.setattr(local_backend, "check_writes_text", lambda handle: None)
         return self

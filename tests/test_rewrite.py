@@ -294,6 +294,19 @@ def test_local_rewrite_end_to_end_with_cache_and_release(dense):
     assert rw.generate_text(dense, "s", "u", max_new_tokens=2).tokens == 2  # reloads on demand
 
 
+def test_the_built_in_tiny_model_is_refused_before_the_first_token(monkeypatch):
+    """The shipped rewrite workflows on the built-in tiny checkpoint: one clear line at once, not minutes of
+    random tokens and then a failed caption."""
+    from lingbot_core.tiny import ensure_tiny_checkpoint
+
+    built_in = PipelineHandle.open(ensure_tiny_checkpoint("dense"), device="cpu")
+    monkeypatch.setattr(rw.local_backend, "generate_text",
+                        lambda *a, **k: pytest.fail("generated on the tiny model"))
+    with pytest.raises(rw.CannotWrite, match="tiny checkpoint has random weights.*type the caption"):
+        rw.rewrite(REQUEST, rw.LocalBackend(built_in), cache=None)
+    assert "text_encoder" not in built_in.shared.loaded  # refused before the text encoder loaded
+
+
 def test_random_weights_fail_with_the_clear_error(dense):
     # Random weights write no caption: whichever way it fails, it is the rewriter's clear error.
     with pytest.raises(rw.RewriteError, match="empty expansion|did not produce a valid caption after one repair"):

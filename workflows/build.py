@@ -105,7 +105,7 @@ REWRITE_NOTE = ("Write what you want in plain words in Rewrite's prompt: it writ
                 "reads (first a detailed timed description, then the caption; both show on the node), with the "
                 "checkpoint's own text encoder, or with an OpenAI-compatible server (endpoint; on a shared server "
                 "only those listed in LINGBOT_REWRITE_ENDPOINTS). The built-in tiny model has random weights and "
-                "writes no caption (the Rewrite fails after its token limits), so pick your checkpoint folder under "
+                "writes no caption (the Rewrite refuses it at once), so pick your checkpoint folder under "
                 "models/lingbot_video/ in the Loader first, then use {size} and 40 steps, and set Rewrite's "
                 "duration to the clip's length (121 frames at 24 fps: 5.0 s). Rewriting on the text encoder adds "
                 "its generation memory (KV cache for max_new_tokens) to the text stage; the Offload check counts it. "

@@ -23,7 +23,7 @@ from .core import (
                    rewrite,
 )
 from .instructions import TASKS
-from .local_backend import LocalBackend, generate_text
+from .local_backend import CannotWrite, LocalBackend, check_writes_text, generate_text
 from .negative import prune_negative
 from .openai_backend import (
                    API_KEY_ENV,
@@ -40,6 +40,7 @@ BACKENDS: dict[str, type] = {"local": LocalBackend, "openai": OpenAIBackend}
 """Rewriter backends by name (what the node's and CLI's choices list)."""
 
 __all__ = ["API_KEY_ENV", "BACKENDS", "CACHE", "ENDPOINTS_ENV", "JSON_STAGES", "STAGES", "TASKS", "Backend",
+           "CannotWrite", "check_writes_text",
            "EndpointError", "LocalBackend", "ObjectScanner", "OpenAIBackend", "ResultCache", "RewriteError",
            "RewriteRequest", "RewriteResult", "Sampling", "allowed_endpoints", "duration_for", "endpoint_allowed",
            "extract_object", "generate_text", "normalize_endpoint", "prune_negative", "rewrite"]

@@ -32,6 +32,23 @@ IMAGE_MAX_SIDE = 640
 """The first frame is shown to the rewriter at most this many pixels on its longer side."""
 
 
+class CannotWrite(ValueError):
+    """The handle's text encoder is known to write nothing usable (the built-in random-weight tiny model)."""
+
+
+def check_writes_text(handle: Any) -> None:
+    """Refuse, before the first token, the built-in tiny checkpoint: its text encoder has random weights, so a
+    rewrite would run to every stage's token limit (minutes on a CPU) and then fail on what it wrote."""
+    from ..tiny import is_tiny_checkpoint
+
+    folder = getattr(handle, "folder", None)
+    if folder is not None and is_tiny_checkpoint(folder):
+        raise CannotWrite(
+            "the built-in tiny checkpoint has random weights: its text encoder cannot write a caption. Pick a real "
+            "LingBot-Video checkpoint in the Loader, or give LingBot Rewrite an endpoint; on the tiny model, type "
+            "the caption into LingBot Text Encode instead.")
+
+
 @dataclass
 class Generation:
     text: str
@@ -196,6 +213,7 @@ class LocalBackend:
 
     def complete(self, stage: str, system: str, user: str, *, image: Any | None, sampling: Sampling,
                  stop_at_object: bool, on_token: TokenCallback | None) -> str:
+        check_writes_text(self.handle)
         self.last = generate_text(self.handle, system, user, image=image, max_new_tokens=self.max_new_tokens[stage],
                                   sampling=sampling, stop_at_object=stop_at_object, stage_name=stage,
                                   on_token=on_token)
