@@ -124,6 +124,8 @@ class PipelineHandle:
     offload: OffloadSettings = field(default_factory=OffloadSettings)
     view_states: tuple[Any, ...] = ()
     parallel: Any = None  # a `parallel.ParallelLayout` when this view runs on several processes (`with_parallel`)
+    # LingBot Parallel's `parallel.pool.WorkerPool` for this view and the views made from it (`pool.tag`)
+    pool: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
     def open(
@@ -215,6 +217,10 @@ class PipelineHandle:
         from .parallel.stage import active_layout
 
         settings = OffloadSettings.make(mode, offload_to, **options)
+        if self.pool is not None and settings.mode not in ("none", AUTO):
+            from .parallel.pool import pooled_offload_refusal
+
+            raise ValueError(pooled_offload_refusal(settings.mode))
         check_guards(settings, self.device, self.shared.loaded, active_layout(self))
         if mode == AUTO and any(settings.option(k) is not None for k in ("height", "width", "num_frames")):
             from .stage_inputs import validate_geometry  # the size `auto` plans for is a request like any

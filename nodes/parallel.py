@@ -27,7 +27,9 @@ class LingBotParallel(io.ComfyNode):
                         "torch.distributed (NCCL on GPUs, gloo on CPU; the rendezvous listens on 127.0.0.1 only). "
                         "cfg=2 computes the prompt and the negative on two halves of the devices; ulysses shares "
                         "each DiT forward's sequence. The workers stop on LingBot Release, ComfyUI's Unload "
-                        "models, and server exit. Connect this node's pipe straight to Denoise.",
+                        "models, and server exit. Connect its pipe to Denoise (T2V, T2I, TI2V), directly or through "
+                        "LingBot Offload with 'none' or 'auto'; other offload modes and LoRAs are refused on it. "
+                        "Refine runs on this process's device alone for now.",
             inputs=[
                 Pipe.Input("pipe", tooltip="From LingBot Loader (offload none): its checkpoint is what the workers load"),
                 io.String.Input("devices", default="cuda:0, cuda:1",

@@ -57,6 +57,16 @@ def test_pool_start_reuse_interrupt_release_restart_and_a_dead_worker(fixtures_r
     assert _close(first, expected) and torch.equal(first, second)
     assert [w["loads"]["transformer"] for w in pool.ping()] == [1]  # the worker loaded its DiT once
 
+    # a LingBot Offload view of the pipe ('auto' is 'none' on the workers) keeps the pool; TI2V crosses as
+    # the drawn first-frame latent plus the generator after the draw (same noise as one process)
+    view, = NODE_CLASS_MAPPINGS["LingBotOffload"].execute(pipe, "auto").args
+    assert pool_of(view) is pool
+    image_cond = stages.encode_image(handle, torch.rand(1, 40, 36, 3, generator=torch.Generator().manual_seed(3)),
+                                     32, 32)
+    i2v = stages.encode_prompt(handle, "a red paper boat on a canal", image=image_cond, mode="ti2v")
+    alone = stages.denoise(handle, i2v, image_cond=image_cond, **KW)
+    assert _close(run_stage("denoise", view, i2v, image_cond=image_cond, **KW), alone)
+
     seen = []
 
     def interrupt_at_two(step, total, latents):
@@ -83,6 +93,32 @@ def test_pool_start_reuse_interrupt_release_restart_and_a_dead_worker(fixtures_r
         run_stage("denoise", pipe, cond, **KW)
     assert not pool.started
     assert torch.equal(stages.denoise(handle, cond, **KW), expected)  # the single-device path is untouched
+
+
+def test_views_of_a_parallel_pipe_keep_the_pool_or_are_refused(fixtures_root, tmp_path):
+    """No spawn: the pool is never started, every refusal comes before anything is sent."""
+    from dataclasses import replace
+
+    from lingbot_core.lora import LoraError, LoraStack, with_lora
+    from lingbot_core.parallel.pool import WorkerPool, tag
+    from lingbot_core.placement.settings import OffloadSettings
+
+    handle = PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu")
+    pool = WorkerPool(PoolSpec.make(handle, "cpu,cpu", 1))
+    pipe = tag(handle, pool)
+    assert pool_of(handle) is None and pool_of(pipe) is pool
+    assert pool_of(pipe.with_offload("none")) is pool and pool_of(pipe.with_offload("auto")) is pool
+    with pytest.raises(ValueError, match="does not run on LingBot Parallel's workers"):
+        pipe.with_offload("model")
+    assert pool_of(handle.with_offload("model")) is None  # the plain pipe offloads as before
+    with pytest.raises(LoraError, match="do not apply LoRAs"):
+        with_lora(pipe, tmp_path / "never-read.safetensors")
+    cond = stages.encode_prompt(handle, "a red paper boat on a canal")
+    for view, message in ((replace(pipe, offload=OffloadSettings.make("sequential")), "'sequential' does not run"),
+                          (pipe.with_view_state(LoraStack()), "do not apply LoRAs")):
+        with pytest.raises(ValueError, match=message):  # a view built past the checks: refused at the call
+            run_stage("denoise", view, cond, **KW)
+    assert not pool.started and pool.starts == 0
 
 
 def test_unload_models_stops_a_pool_and_a_memory_request_does_not(monkeypatch):

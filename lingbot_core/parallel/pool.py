@@ -45,7 +45,8 @@ from .layout import CFG_DEGREES, ParallelLayout
 log = logging.getLogger("lingbot_core.parallel")
 
 __all__ = ["HANDLERS", "PoolError", "PoolSpec", "WorkerPool", "describe_handle", "open_described", "parse_devices",
-           "pool_for", "pool_of", "release_pool_of", "run_stage", "tag"]
+           "check_pooled", "pool_for", "pool_of", "pooled_offload_refusal", "release_pool_of", "run_stage",
+           "tag"]
 
 #: how long rank 0 waits for the workers to come up (spawn, imports, handle check) before giving up
 START_TIMEOUT_S = float(os.environ.get("LINGBOT_POOL_START_TIMEOUT", "600"))
@@ -234,24 +235,48 @@ def _unpack_prompt(prefix: str, tensors: dict) -> Any:
     return PromptEmbeds(tensors[f"{prefix}.embeds"], tensors[f"{prefix}.mask"], tensors[f"{prefix}.ids"])
 
 
+def _first_frame_drawn(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """TI2V on rank 0: draw the image condition's posterior sample here, from the call's generator (first,
+    as `stages.denoise` would), so the workers get the drawn latent and the generator after the draw,
+    not the image (they have no VAE statistics to draw it with)."""
+    image_cond = kwargs.get("image_cond")
+    if image_cond is None:
+        return kwargs
+    from ..stages import _generator
+
+    height, width = kwargs.get("height"), kwargs.get("width")
+    if (image_cond.height, image_cond.width) != (height, width):
+        raise ValueError(f"the image condition was prepared for {image_cond.height}x{image_cond.width} but the "
+                         f"video is {height}x{width}; encode the image at the video size")
+    if kwargs.get("cond_latent") is not None:
+        return {**kwargs, "image_cond": None}  # the given latent wins, as in stages.denoise
+    g = _generator(kwargs.get("seed"), kwargs.get("generator"))
+    return {**kwargs, "image_cond": None, "cond_latent": image_cond.sample_latent(g), "generator": g}
+
+
 def _pack_denoise(kwargs: dict[str, Any]) -> tuple[dict, dict]:
-    """Denoise's keyword arguments -> (JSON fields, tensors). TI2V and step caches are refused here."""
+    """Denoise's keyword arguments -> (JSON fields, tensors). A generator crosses as its state (the
+    workers draw what rank 0 draws); step caches are refused here."""
     from ..sampling.step_cache import StepCacheSettings
 
     kwargs = dict(kwargs)
     cond = kwargs.pop("cond")
-    if kwargs.get("image_cond") is not None or kwargs.get("cond_latent") is not None:
-        raise ValueError("LingBot Parallel runs text-to-video and text-to-image for now; connect the plain pipe "
-                         "for an image condition")
+    if kwargs.get("image_cond") is not None:
+        raise ValueError("an image condition reaches the workers as its drawn latent (`_first_frame_drawn`)")
     if StepCacheSettings.of(kwargs.get("step_cache", "off")).enabled:
         raise ValueError("step caching does not combine with LingBot Parallel; turn step_cache off")
-    for unsupported in ("generator", "trace", "image_cond", "cond_latent"):
+    generator = kwargs.pop("generator", None)
+    if generator is not None and generator.device.type != "cpu":
+        raise ValueError("LingBot Parallel takes a CPU generator (the stages' own kind), or a seed")
+    for unsupported in ("trace", "image_cond"):
         kwargs.pop(unsupported, None)
     kwargs.pop("step_cache", None)
     tensors: dict[str, torch.Tensor] = {}
     _pack_prompt("positive", cond.positive, tensors)
     _pack_prompt("negative", cond.negative, tensors)
-    for name in ("latents", "sigmas"):
+    if generator is not None:
+        tensors["generator"] = generator.get_state()
+    for name in ("latents", "sigmas", "cond_latent"):
         value = kwargs.pop(name, None)
         if value is not None:
             tensors[name] = torch.as_tensor(value, dtype=torch.float32) if name == "sigmas" else value
@@ -271,9 +296,12 @@ def _unpack_denoise(fields: dict, tensors: dict) -> dict[str, Any]:
     c = fields.pop("cond")
     cond = Conditioning(_unpack_prompt("positive", tensors), _unpack_prompt("negative", tensors), **c)
     kwargs = {**fields, "cond": cond}
-    for name in ("latents", "sigmas"):
+    for name in ("latents", "sigmas", "cond_latent"):
         if name in tensors:
             kwargs[name] = tensors[name]
+    if "generator" in tensors:
+        kwargs["generator"] = torch.Generator("cpu")
+        kwargs["generator"].set_state(tensors["generator"])
     return kwargs
 
 
@@ -427,8 +455,11 @@ class WorkerPool:
         (`PoolError` when a worker is gone).
         """
         pack, _unpack, execute = HANDLERS[stage]
+        check_pooled(handle)
+        kwargs = _first_frame_drawn(kwargs)
         fields, tensors = pack({**kwargs})  # bad input is refused before anything is sent
         self._call_started(stage)
+        view = handle.with_parallel(self.layout)  # its refusals too, before the workers hear of the call
         device = self.device
         flagged = []
 
@@ -444,8 +475,7 @@ class WorkerPool:
 
         try:
             _broadcast_message(device, stage, fields, tensors)
-            view = handle.with_parallel(self.layout)
-            return execute(view, {k: v for k, v in kwargs.items() if k not in ("generator", "trace")}, on_step)
+            return execute(view, {k: v for k, v in kwargs.items() if k != "trace"}, on_step)
         except BaseException as err:
             dead = self._dead_after(err)
             if not dead and (flagged or isinstance(err, ValueError)):
@@ -505,7 +535,6 @@ def _same_device(name: str, device: torch.device | str) -> bool:
 # -- which pipes run on a pool ------------------------------------------------------------------------------
 
 _CURRENT: WorkerPool | None = None  # one process belongs to one process group: one pool at a time
-_TAGGED: dict[int, tuple[Any, WorkerPool]] = {}
 
 
 def pool_for(spec: PoolSpec) -> WorkerPool:
@@ -521,19 +550,42 @@ def pool_for(spec: PoolSpec) -> WorkerPool:
 
 
 def tag(pipe: Any, pool: WorkerPool) -> Any:
-    """A copy of the pipe (a handle view) whose stages `run_stage` sends to `pool`."""
+    """A view of the pipe whose stages `run_stage` sends to `pool`. The pool is a field of the view, so
+    every view made from it (LingBot Offload with 'none'/'auto', anything built with `dataclasses.replace`)
+    runs on the pool too; what the workers cannot follow is refused (`check_pooled`), never run on rank 0
+    alone."""
     from dataclasses import replace
 
-    view = replace(pipe)
-    key = id(view)
-    _TAGGED[key] = (weakref.ref(view, lambda _ref, key=key: _TAGGED.pop(key, None)), pool)
-    return view
+    return replace(pipe, pool=pool)
 
 
 def pool_of(pipe: Any) -> WorkerPool | None:
-    """The pool a pipe from `tag` runs on (None for every other pipe)."""
-    entry = _TAGGED.get(id(pipe))
-    return entry[1] if entry is not None and entry[0]() is pipe else None
+    """The pool a pipe from `tag` (or a view of it) runs on (None for every other pipe)."""
+    pool = getattr(pipe, "pool", None)
+    return pool if isinstance(pool, WorkerPool) else None
+
+
+def pooled_offload_refusal(mode: str) -> str:
+    """The message that refuses an offload mode on a LingBot Parallel pipe."""
+    return (f"offload mode {mode!r} does not run on LingBot Parallel's workers (each device holds its own DiT): "
+            "use offload 'none' or 'auto' (which picks 'none' there) after LingBot Parallel, or connect the pipe "
+            "without LingBot Parallel to offload on one device")
+
+
+def check_pooled(handle: Any) -> None:
+    """Refuse, before anything is sent, a view of a pool's pipe that the workers would not follow: an
+    offload mode other than none/auto, or per-view states (LoRAs) the workers do not have."""
+    mode = getattr(handle.offload, "mode", "none")
+    if mode not in ("none", "auto", None):
+        raise ValueError(pooled_offload_refusal(mode))
+    if handle.view_states:
+        from ..lora.stack import POOLED_LORA_REFUSAL
+
+        kinds = sorted({s.kind for s in handle.view_states})
+        if kinds == ["lora"]:
+            raise ValueError(POOLED_LORA_REFUSAL)
+        raise ValueError(f"LingBot Parallel: the pipe carries {', '.join(kinds)}, which the workers do not have; "
+                         "connect LingBot Parallel's pipe (or a LingBot Offload view of it) to the stage")
 
 
 def run_stage(stage: str, pipe: Any, cond: Any, *, callback: Callable | None = None, **kwargs: Any) -> Any:
