@@ -12,6 +12,7 @@ posterior sample of the upscaled video, then (TI2V) of the first-frame image, th
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -574,6 +575,7 @@ def refine(
     sampler: str | sampling.Sampler | None = None,
     cfg_batch: str = "off",
     step_cache: str | StepCacheSettings | None = "off",
+    sample_with: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """SDEdit refinement with the MoE refiner DiT: base frames [F,H0,W0,3] -> refined frames (or latents).
 
@@ -582,6 +584,8 @@ def refine(
     `release_base` drops the base DiT (hooks first) before the refiner loads; by default it does so
     whenever the offload mode is not `none`. A later stage that needs the base reloads it.
     `cfg_batch` and `step_cache` as for `denoise` (caching needs a refiner list of more than 8 steps).
+    `sample_with` runs the refiner's sampling in place of `denoise` (same arguments): LingBot
+    Parallel's pool (`parallel.pool.run_refine`) sends it to its workers.
     """
     # Everything that can refuse the request runs before the base DiT is released (it would be lost).
     checks.check_refine_request(handle, frames, height=height, width=width, steps=steps, shift=shift,
@@ -598,7 +602,7 @@ def refine(
     start = prepare_refine(handle, frames, height=height, width=width, steps=steps, shift=shift, t_thresh=t_thresh,
                            tail_steps=tail_steps, seed=seed, first_frame=first_frame, tiling=tiling)
     refiner_cond = Conditioning(cond.positive, None, zero_negative=True, prompt=cond.prompt)
-    latents = denoise(handle, refiner_cond, height=height, width=width, num_frames=start.num_frames,
+    latents = (sample_with or denoise)(handle, refiner_cond, height=height, width=width, num_frames=start.num_frames,
                       steps=len(start.sigmas), guidance_scale=guidance_scale, shift=1.0, generator=start.generator,
                       latents=start.initial, sigmas=start.sigmas, cond_latent=start.cond_latent,
                       transformer=REFINER, callback=callback, sampler=sampler, cfg_batch=cfg_batch,

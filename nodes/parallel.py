@@ -14,7 +14,7 @@ CFG_CHOICES = ["1", "2"]
 
 
 class LingBotParallel(io.ComfyNode):
-    """Starts (or reuses) worker processes for a pipe; Denoise on its output runs on all of them."""
+    """Starts (or reuses) worker processes for a pipe; Denoise and Refine on its output run on all of them."""
 
     @classmethod
     def define_schema(cls):
@@ -29,7 +29,7 @@ class LingBotParallel(io.ComfyNode):
                         "each DiT forward's sequence. The workers stop on LingBot Release, ComfyUI's Unload "
                         "models, and server exit. Connect its pipe to Denoise (T2V, T2I, TI2V), directly or through "
                         "LingBot Offload with 'none' or 'auto'; other offload modes and LoRAs are refused on it. "
-                        "Refine runs on this process's device alone for now.",
+                        "Refine on it samples on the workers too (the MoE's refiner).",
             inputs=[
                 Pipe.Input("pipe", tooltip="From LingBot Loader (offload none): its checkpoint is what the workers load"),
                 io.String.Input("devices", default="cuda:0, cuda:1",
@@ -43,7 +43,7 @@ class LingBotParallel(io.ComfyNode):
                              tooltip="Devices sharing one DiT pass (sequence parallel); must divide the DiT's 16 "
                                      "attention heads. 0: the device count / cfg"),
             ],
-            outputs=[Pipe.Output(display_name="pipe", tooltip="The pipe, running Denoise on the workers too")],
+            outputs=[Pipe.Output(display_name="pipe", tooltip="The pipe, running Denoise and Refine on the workers too")],
         )
 
     @classmethod

@@ -178,18 +178,19 @@ class LingBotRefine(io.ComfyNode):
                 cache_threshold=0.0, cache_warmup_steps=-1, cache_max_skips=-1):
         from lingbot_core import stages
         from lingbot_core.latents import dit_to_vae
+        from lingbot_core.parallel.pool import run_refine  # refiner sampling on the pipe's pool, or here
 
         if (latent is None) == (images is None):
             raise ValueError("connect exactly one of `latent` or `images` as the base video")
         with runtime.node_work(steps, "refine", preview=True) as on_step:
             frames = images if images is not None else stages.decode_vae_latents(pipe, latent_in(latent))
-            out = stages.refine(pipe, frames, conditioning, height=int(height), width=int(width), steps=int(steps),
-                                t_thresh=float(t_thresh), guidance_scale=float(cfg), shift=float(shift),
-                                seed=int(seed), first_frame=first_frame, tiling=bool(tiling), decode_output=False,
-                                release_base={"auto": None, "on": True, "off": False}[release_base],
-                                callback=on_step, cfg_batch=cfg_batch,
-                                step_cache=cache_settings(step_cache, cache_threshold, cache_warmup_steps,
-                                                          cache_max_skips))
+            out = run_refine(pipe, frames, conditioning, height=int(height), width=int(width), steps=int(steps),
+                             t_thresh=float(t_thresh), guidance_scale=float(cfg), shift=float(shift),
+                             seed=int(seed), first_frame=first_frame, tiling=bool(tiling), decode_output=False,
+                             release_base={"auto": None, "on": True, "off": False}[release_base],
+                             callback=on_step, cfg_batch=cfg_batch,
+                             step_cache=cache_settings(step_cache, cache_threshold, cache_warmup_steps,
+                                                       cache_max_skips))
         from lingbot_core.stage_inputs import refine_frames_notice
 
         notice = refine_frames_notice(int(frames.shape[0])) if hasattr(frames, "shape") else None

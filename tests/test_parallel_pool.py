@@ -1,8 +1,8 @@
 """LingBot Parallel's worker pool (issue 24, inside ComfyUI): this process is rank 0, one spawned worker
-is rank 1 (gloo on the loopback), on the tiny dense checkpoint.
+is rank 1 (gloo on the loopback), on the tiny MoE checkpoint (base DiT and refiner).
 
 One lifecycle test spawns twice (each spawn costs an interpreter start): start, two runs on one load,
-an interrupt mid-denoise, LingBot Release; then a lazy restart, a killed worker (one clear error) and
+a TI2V run through a LingBot Offload view, a Refine, an interrupt mid-denoise, LingBot Release; then a lazy restart, a killed worker (one clear error) and
 the single-device path afterwards. The ComfyUI "Unload models" wiring is checked on a stand-in pool.
 """
 
@@ -45,7 +45,7 @@ def test_pool_start_reuse_interrupt_release_restart_and_a_dead_worker(fixtures_r
     from lingbot_core.parallel import pool as pool_module
 
     monkeypatch.setattr(pool_module, "START_METHOD", "fork")  # ComfyUI spawns; fork saves the interpreter start
-    handle = PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu")
+    handle = PipelineHandle.open(fixtures_root / "models" / "tiny-moe", device="cpu")  # it has a refiner
     cond = stages.encode_prompt(handle, "a red paper boat on a canal")
     expected = stages.denoise(handle, cond, **KW)
 
@@ -66,6 +66,16 @@ def test_pool_start_reuse_interrupt_release_restart_and_a_dead_worker(fixtures_r
     i2v = stages.encode_prompt(handle, "a red paper boat on a canal", image=image_cond, mode="ti2v")
     alone = stages.denoise(handle, i2v, image_cond=image_cond, **KW)
     assert _close(run_stage("denoise", view, i2v, image_cond=image_cond, **KW), alone)
+    # Refine on the pipe: the refiner's sampling on the workers (each loads the refiner once), exact vs one process
+    frames = torch.rand(5, 24, 24, 3, generator=torch.Generator().manual_seed(4))
+    refined = NODE_CLASS_MAPPINGS["LingBotRefine"].execute(pipe, cond, 32, 32, 2, 0.85, 3.0, 3.0, 1, images=frames,
+                                                           release_base="off").args[0]["samples"]
+    assert [w["loads"]["refiner"] for w in pool.ping()] == [1]
+    from lingbot_core.latents import dit_to_vae
+
+    alone = stages.refine(handle, frames, cond, height=32, width=32, steps=2, t_thresh=0.85, guidance_scale=3.0,
+                          shift=3.0, seed=1, decode_output=False)
+    assert _close(refined, dit_to_vae(alone, handle.vae_config()))
 
     seen = []
 

@@ -45,7 +45,7 @@ from .layout import CFG_DEGREES, ParallelLayout
 log = logging.getLogger("lingbot_core.parallel")
 
 __all__ = ["HANDLERS", "PoolError", "PoolSpec", "WorkerPool", "describe_handle", "open_described", "parse_devices",
-           "check_pooled", "pool_for", "pool_of", "pooled_offload_refusal", "release_pool_of", "run_stage",
+           "check_pooled", "pool_for", "pool_of", "pooled_offload_refusal", "release_pool_of", "run_refine", "run_stage",
            "tag"]
 
 #: how long rank 0 waits for the workers to come up (spawn, imports, handle check) before giving up
@@ -596,6 +596,29 @@ def run_stage(stage: str, pipe: Any, cond: Any, *, callback: Callable | None = N
 
         return getattr(stages, stage)(pipe, cond, callback=callback, **kwargs)
     return pool.run(stage, pipe, callback=callback, cond=cond, **kwargs)
+
+
+def run_refine(pipe: Any, frames: Any, cond: Any, *, callback: Callable | None = None, **kwargs: Any) -> Any:
+    """`stages.refine(pipe, frames, cond, ...)`; on the pipe's pool when it has one: the base frames'
+    upscale and VAE encode (and any decode) run here, the refiner's sampling on every rank (each
+    worker loads the refiner DiT on its first Refine and keeps it)."""
+    from .. import stages
+
+    pool = pool_of(pipe)
+    if pool is None:
+        return stages.refine(pipe, frames, cond, callback=callback, **kwargs)
+    from ..sampling.step_cache import StepCacheSettings
+
+    check_pooled(pipe)  # what pool.run would refuse, refused before the base DiT is released
+    if StepCacheSettings.of(kwargs.get("step_cache", "off")).enabled:
+        raise ValueError("step caching does not combine with LingBot Parallel; turn step_cache off")
+    if kwargs.get("sampler") is not None and not isinstance(kwargs["sampler"], str):
+        raise ValueError("LingBot Parallel takes a sampler by name")
+
+    def on_pool(handle: Any, refiner_cond: Any, **denoise_kwargs: Any) -> Any:
+        return pool.run("denoise", handle, cond=refiner_cond, **denoise_kwargs)
+
+    return stages.refine(pipe, frames, cond, callback=callback, sample_with=on_pool, **kwargs)
 
 
 def release_pool_of(pipe: Any) -> bool:
