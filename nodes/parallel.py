@@ -28,7 +28,8 @@ class LingBotParallel(io.ComfyNode):
                         "cfg=2 computes the prompt and the negative on two halves of the devices; ulysses shares "
                         "each DiT forward's sequence. The workers stop on LingBot Release, ComfyUI's Unload "
                         "models, and server exit. Connect its pipe to Denoise (T2V, T2I, TI2V), directly or through "
-                        "LingBot Offload with 'none' or 'auto'; other offload modes and LoRAs are refused on it. "
+                        "LingBot Offload ('none' or 'auto'; other modes are refused on it) and LingBot LoRA (each "
+                        "worker reads the same LoRA files). "
                         "Refine on it samples on the workers too (the MoE's refiner).",
             inputs=[
                 Pipe.Input("pipe", tooltip="From LingBot Loader (offload none): its checkpoint is what the workers load"),

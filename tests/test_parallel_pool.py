@@ -17,6 +17,7 @@ import types
 import pytest
 import torch
 
+from lingbot_core import lora as lora_ops
 from lingbot_core import stages
 from lingbot_core.handle import PipelineHandle
 from lingbot_core.parallel.pool import PoolError, PoolSpec, parse_devices, pool_of, run_stage
@@ -41,7 +42,7 @@ def _gone(pid: int, within: float = 10.0) -> bool:
     return False
 
 
-def test_pool_start_reuse_interrupt_release_restart_and_a_dead_worker(fixtures_root, monkeypatch):
+def test_pool_start_reuse_interrupt_release_restart_and_a_dead_worker(fixtures_root, monkeypatch, tmp_path):
     from lingbot_core.parallel import pool as pool_module
 
     monkeypatch.setattr(pool_module, "START_METHOD", "fork")  # ComfyUI spawns; fork saves the interpreter start
@@ -66,6 +67,12 @@ def test_pool_start_reuse_interrupt_release_restart_and_a_dead_worker(fixtures_r
     i2v = stages.encode_prompt(handle, "a red paper boat on a canal", image=image_cond, mode="ti2v")
     alone = stages.denoise(handle, i2v, image_cond=image_cond, **KW)
     assert _close(run_stage("denoise", view, i2v, image_cond=image_cond, **KW), alone)
+    # a LoRA on the pipe: the workers read the same file and merge it like rank 0 (equal to one process)
+    path = _lora_file(tmp_path, handle)
+    with_q = stages.denoise(lora_ops.with_lora(handle, path, 0.7), cond, **KW)
+    assert not _close(with_q, expected)  # the LoRA changes the result
+    assert _close(run_stage("denoise", lora_ops.with_lora(pipe, path, 0.7), cond, **KW), with_q)
+    assert torch.equal(run_stage("denoise", pipe, cond, **KW), first)  # and comes off again, on every rank
     # Refine on the pipe: the refiner's sampling on the workers (each loads the refiner once), exact vs one process
     frames = torch.rand(5, 24, 24, 3, generator=torch.Generator().manual_seed(4))
     refined = NODE_CLASS_MAPPINGS["LingBotRefine"].execute(pipe, cond, 32, 32, 2, 0.85, 3.0, 3.0, 1, images=frames,
@@ -109,8 +116,8 @@ def test_views_of_a_parallel_pipe_keep_the_pool_or_are_refused(fixtures_root, tm
     """No spawn: the pool is never started, every refusal comes before anything is sent."""
     from dataclasses import replace
 
-    from lingbot_core.lora import LoraError, LoraStack, with_lora
-    from lingbot_core.parallel.pool import WorkerPool, tag
+    from lingbot_core.lora import LoraFile, with_lora
+    from lingbot_core.parallel.pool import WorkerPool, pooled_loras, tag
     from lingbot_core.placement.settings import OffloadSettings
 
     handle = PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu")
@@ -121,14 +128,38 @@ def test_views_of_a_parallel_pipe_keep_the_pool_or_are_refused(fixtures_root, tm
     with pytest.raises(ValueError, match="does not run on LingBot Parallel's workers"):
         pipe.with_offload("model")
     assert pool_of(handle.with_offload("model")) is None  # the plain pipe offloads as before
-    with pytest.raises(LoraError, match="do not apply LoRAs"):
-        with_lora(pipe, tmp_path / "never-read.safetensors")
+    path = _lora_file(tmp_path, handle)
+    view = with_lora(pipe, path, 0.5, apply_to="transformer")
+    assert pool_of(view) is pool  # a LoRA view keeps the pool; the workers get the file and its settings
+    (row,) = pooled_loras(view)
+    assert row[0] == str(path.resolve()) and row[1] == path.stat().st_size and row[3:] == [0.5, "transformer"]
     cond = stages.encode_prompt(handle, "a red paper boat on a canal")
-    for view, message in ((replace(pipe, offload=OffloadSettings.make("sequential")), "'sequential' does not run"),
-                          (pipe.with_view_state(LoraStack()), "do not apply LoRAs")):
+    from safetensors.torch import load_file
+
+    in_memory = LoraFile.from_state_dict(load_file(path), name="hand-made")
+    refused = [(replace(pipe, offload=OffloadSettings.make("sequential")), "'sequential' does not run"),
+               (pipe.with_view_state(_OtherState()), "carries other"),
+               (with_lora(pipe, in_memory, 1.0, apply_to="transformer"), "not read from a file")]
+    for bad, message in refused:
         with pytest.raises(ValueError, match=message):  # a view built past the checks: refused at the call
-            run_stage("denoise", view, cond, **KW)
+            run_stage("denoise", bad, cond, **KW)
     assert not pool.started and pool.starts == 0
+
+
+class _OtherState:
+    kind = "other"
+
+
+def _lora_file(folder, handle):
+    """A small LoRA on the base DiT's first attention query (its shape from the handle's DiT)."""
+    from safetensors.torch import save_file
+
+    rows, cols = dict(handle.component("transformer").named_parameters())["blocks.0.attn.to_q.weight"].shape
+    g = torch.Generator().manual_seed(5)
+    path = folder / "q.safetensors"
+    save_file({"blocks.0.attn.to_q.lora_A.weight": torch.randn(2, cols, generator=g),
+               "blocks.0.attn.to_q.lora_B.weight": torch.randn(rows, 2, generator=g)}, path)
+    return path
 
 
 def test_unload_models_stops_a_pool_and_a_memory_request_does_not(monkeypatch):

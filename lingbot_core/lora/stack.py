@@ -115,15 +115,9 @@ def plan(handle: Any, lora: LoraFile, strength: float = 1.0, apply_to: str = "au
     return reports
 
 
-POOLED_LORA_REFUSAL = ("LingBot Parallel's workers do not apply LoRAs yet: a LoRA on its pipe would change rank 0's "
-                       "DiT only. Run the LoRA on the plain pipe (without LingBot Parallel)")
-
-
 def with_lora(handle: Any, lora: LoraFile | str | os.PathLike, strength: float = 1.0, *,
               apply_to: str = "auto") -> Any:
     """A view of `handle` with `lora` added to its stack (checked now; merged when a stage enters)."""
-    if getattr(handle, "pool", None) is not None:
-        raise LoraError(POOLED_LORA_REFUSAL)
     if not isinstance(lora, LoraFile):
         lora = load_lora_file(lora)
     item = LoraItem(lora, float(strength), apply_to)

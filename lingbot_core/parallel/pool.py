@@ -44,9 +44,9 @@ from .layout import CFG_DEGREES, ParallelLayout
 
 log = logging.getLogger("lingbot_core.parallel")
 
-__all__ = ["HANDLERS", "PoolError", "PoolSpec", "WorkerPool", "describe_handle", "open_described", "parse_devices",
-           "check_pooled", "pool_for", "pool_of", "pooled_offload_refusal", "release_pool_of", "run_refine", "run_stage",
-           "tag"]
+__all__ = ["HANDLERS", "PoolError", "PoolSpec", "WorkerPool", "check_pooled", "describe_handle", "open_described",
+           "parse_devices", "pool_for", "pool_of", "pooled_loras", "pooled_offload_refusal", "release_pool_of",
+           "run_refine", "run_stage", "tag"]
 
 #: how long rank 0 waits for the workers to come up (spawn, imports, handle check) before giving up
 START_TIMEOUT_S = float(os.environ.get("LINGBOT_POOL_START_TIMEOUT", "600"))
@@ -170,10 +170,7 @@ class PoolSpec:
         heads = (handle.info.transformer_config or {}).get("num_attention_heads") if handle.info else None
         if heads:
             ParallelLayout(cfg=cfg, ulysses=ulysses).check_heads(int(heads))
-        if handle.view_states:
-            kinds = ", ".join(sorted({s.kind for s in handle.view_states}))
-            raise ValueError(f"LingBot Parallel: the pipe carries {kinds}, which the workers would not have; "
-                             "connect the Loader's pipe (apply LoRAs etc. after this node is not supported yet)")
+        pooled_loras(handle)  # LoRAs from files cross (the workers read them); other view states do not
         mode = getattr(handle.offload, "mode", "none")
         if mode not in ("none", None):
             raise ValueError(f"LingBot Parallel: offload mode {mode!r} does not combine with several processes; "
@@ -458,6 +455,7 @@ class WorkerPool:
         check_pooled(handle)
         kwargs = _first_frame_drawn(kwargs)
         fields, tensors = pack({**kwargs})  # bad input is refused before anything is sent
+        fields = {**fields, "loras": pooled_loras(handle)}
         self._call_started(stage)
         view = handle.with_parallel(self.layout)  # its refusals too, before the workers hear of the call
         device = self.device
@@ -574,18 +572,50 @@ def pooled_offload_refusal(mode: str) -> str:
 
 def check_pooled(handle: Any) -> None:
     """Refuse, before anything is sent, a view of a pool's pipe that the workers would not follow: an
-    offload mode other than none/auto, or per-view states (LoRAs) the workers do not have."""
+    offload mode other than none/auto, or per-view states other than LoRAs read from files."""
     mode = getattr(handle.offload, "mode", "none")
     if mode not in ("none", "auto", None):
         raise ValueError(pooled_offload_refusal(mode))
-    if handle.view_states:
-        from ..lora.stack import POOLED_LORA_REFUSAL
+    pooled_loras(handle)
 
-        kinds = sorted({s.kind for s in handle.view_states})
-        if kinds == ["lora"]:
-            raise ValueError(POOLED_LORA_REFUSAL)
+
+def pooled_loras(handle: Any) -> list[list[Any]]:
+    """The view's LoRA stack as plain data the workers rebuild it from: [path, size, mtime_ns, strength,
+    apply_to] per LoRA, in order. Other per-view states, and LoRAs not read from a file, are refused."""
+    kinds = sorted({s.kind for s in handle.view_states} - {"lora"})
+    if kinds:
         raise ValueError(f"LingBot Parallel: the pipe carries {', '.join(kinds)}, which the workers do not have; "
-                         "connect LingBot Parallel's pipe (or a LingBot Offload view of it) to the stage")
+                         "connect LingBot Parallel's pipe (or a LingBot Offload or LoRA view of it) to the stage")
+    from ..lora.stack import lora_stack
+
+    rows = []
+    for item in lora_stack(handle).items:
+        fingerprint = item.lora.fingerprint
+        if fingerprint[0] != "file":
+            raise ValueError(f"LingBot Parallel: the LoRA {item.lora.name!r} was not read from a file, so the "
+                             "workers cannot read it; load it with LingBot LoRA from the loras folder")
+        rows.append([fingerprint[1], fingerprint[2], fingerprint[3], item.strength, item.apply_to])
+    return rows
+
+
+def _with_loras(view: Any, rows: list[list[Any]], files: dict[str, Any]) -> Any:
+    """Worker side: `view` with rank 0's LoRA stack (each file read once and kept while rank 0 uses it)."""
+    from ..lora import LoraStack
+    from ..lora.files import load_lora_file
+    from ..lora.stack import LoraItem
+
+    items = []
+    for path, size, mtime_ns, strength, apply_to in rows:
+        lora = files.get(path)
+        if lora is None or lora.fingerprint[2:] != (size, mtime_ns):
+            lora = files[path] = load_lora_file(path)
+            if lora.fingerprint[2:] != (size, mtime_ns):
+                log.warning("LoRA %s changed on disk since rank 0 read it; the workers use the file as it is now",
+                            path)
+        items.append(LoraItem(lora, float(strength), apply_to))
+    for path in set(files) - {row[0] for row in rows}:
+        del files[path]  # no longer in the stack: its tensors go
+    return view.with_view_state(LoraStack(tuple(items))) if items else view
 
 
 def run_stage(stage: str, pipe: Any, cond: Any, *, callback: Callable | None = None, **kwargs: Any) -> Any:
@@ -688,6 +718,7 @@ def _worker_main(rank: int, spec: PoolSpec, port: int, status: Any) -> None:
 
 def _serve(handle: Any, layout: ParallelLayout, device: torch.device) -> None:
     view = handle.with_parallel(layout)
+    lora_files: dict[str, Any] = {}  # path -> LoraFile, the files of rank 0's current LoRA stack
 
     def on_step(step: int, total: int, latents: Any) -> None:
         if _step_flag(device):
@@ -707,7 +738,8 @@ def _serve(handle: Any, layout: ParallelLayout, device: torch.device) -> None:
             continue
         _pack, unpack, execute = HANDLERS[kind]
         try:
-            execute(view, unpack(fields, tensors), on_step)
+            loras = fields.pop("loras", [])
+            execute(_with_loras(view, loras, lora_files), unpack(fields, tensors), on_step)
         except _Dropped:
             continue
         except Exception as err:  # rank 0 fails the same way (same inputs) or stops the pool
