@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -58,8 +59,11 @@ def test_shuffled_runs_in_every_mode_give_identical_outputs(name, mode):
 
     engine = Engine(NODE_CLASS_MAPPINGS)
     other_seed = apply_overrides(base, [f"{denoise}.seed=7"], NODE_CLASS_MAPPINGS)
-    for run, order_seed in enumerate([11, 12, 13, 14]):
-        prompt = base if run % 2 == 0 else other_seed  # re-runs denoise and everything after it
+    # Another seed first (re-runs Denoise and all after it), then the first prompt again on the same engine:
+    # it must come back exact. LINGBOT_FULL_SWEEPS=1 (bench/sweeps.py) runs two more rounds.
+    rounds = [12, 11, 14, 13] if os.environ.get("LINGBOT_FULL_SWEEPS") == "1" else [12, 11]
+    for run, order_seed in enumerate(rounds):
+        prompt = other_seed if run % 2 == 0 else base
         result = engine.run(prompt, seed_order=order_seed)
         frames = _frames(result, prompt)
         if prompt is base:
