@@ -218,7 +218,7 @@ class PipelineHandle:
 
         settings = OffloadSettings.make(mode, offload_to, **options)
         if self.pool is not None and settings.mode not in ("none", AUTO):
-            from .parallel.pool import pooled_offload_refusal
+            from .parallel.layout import pooled_offload_refusal
 
             raise ValueError(pooled_offload_refusal(settings.mode))
         check_guards(settings, self.device, self.shared.loaded, active_layout(self))

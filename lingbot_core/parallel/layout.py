@@ -121,3 +121,9 @@ class ParallelLayout:
         return (f"cfg={self.cfg} x ulysses={self.ulysses}{sharded} (rank {self.rank}: cfg row {self.cfg_rank}, "
                 f"chunk {self.ulysses_rank})")
 
+
+def pooled_offload_refusal(mode: str) -> str:
+    """The message that refuses an offload mode on a LingBot Parallel pipe."""
+    return (f"offload mode {mode!r} does not run on LingBot Parallel's workers (each device holds its own DiT): "
+            "use offload 'none' or 'auto' (which picks 'none' there) after LingBot Parallel, or connect the pipe "
+            "without LingBot Parallel to offload on one device")

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from .launch import free_loopback_port
-from .layout import CFG_DEGREES, ParallelLayout
+from .layout import CFG_DEGREES, ParallelLayout, pooled_offload_refusal
 
 log = logging.getLogger("lingbot_core.parallel")
 
@@ -561,13 +561,6 @@ def pool_of(pipe: Any) -> WorkerPool | None:
     """The pool a pipe from `tag` (or a view of it) runs on (None for every other pipe)."""
     pool = getattr(pipe, "pool", None)
     return pool if isinstance(pool, WorkerPool) else None
-
-
-def pooled_offload_refusal(mode: str) -> str:
-    """The message that refuses an offload mode on a LingBot Parallel pipe."""
-    return (f"offload mode {mode!r} does not run on LingBot Parallel's workers (each device holds its own DiT): "
-            "use offload 'none' or 'auto' (which picks 'none' there) after LingBot Parallel, or connect the pipe "
-            "without LingBot Parallel to offload on one device")
 
 
 def check_pooled(handle: Any) -> None:
