@@ -23,6 +23,10 @@ Rows:
 
     python bench/speed_dit.py --only quantized --tokens 1280          # real width, 1 block
     python bench/speed_dit.py --quick                                  # tiny sizes (the smoke test)
+    python bench/speed_dit.py --only quantized --kinds moe --formats fp8 --no-before --repeats 1
+
+Each row is printed (flushed) as soon as it is measured, so a run cut short still leaves its rows;
+`--kinds` and `--formats` pick one variant at a time.
 """
 
 from __future__ import annotations
@@ -133,6 +137,12 @@ def dit_inputs(cfg: dict[str, Any], video_tokens: int, text_tokens: int, batch: 
     return latents, torch.full((batch,), 700.0), text
 
 
+def emit(section: str, row: dict[str, Any]) -> None:
+    """Print one measured row at once (flushed), so a run cut short by a timeout still leaves its rows."""
+    cells = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
+    print(f"[{section}] {cells}", flush=True)
+
+
 def timed(fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
     """Seconds `fn(*args)` took, and its result."""
     start = time.perf_counter()
@@ -170,8 +180,8 @@ class _Legacy:
 
 def measure_quantized(args: argparse.Namespace) -> dict[str, Any]:
     """Forward time of each stored format over bf16, same weights, in this process: bf16, the format
-    with the old decode paths (`before`, see `_Legacy`) and with today's (`after`), in turn, best of
-    `--repeats`; the output's relative L2 error against bf16."""
+    with the old decode paths (`before`, see `_Legacy`; skipped with `--no-before`) and with today's
+    (`after`), in turn, best of `--repeats`; the output's relative L2 error against bf16."""
     rows = []
     for kind in args.kinds:
         base = build_model(kind, args.depth, args.quick)
@@ -187,16 +197,18 @@ def measure_quantized(args: argparse.Namespace) -> dict[str, Any]:
                 out = None
                 for _ in range(args.repeats):
                     times["bf16"].append(timed(base, *inputs)[0])
-                    with _Legacy(packed):
-                        times["before"].append(timed(packed, *inputs)[0])
+                    if args.before:
+                        with _Legacy(packed):
+                            times["before"].append(timed(packed, *inputs)[0])
                     seconds, out = timed(packed, *inputs)
                     times["after"].append(seconds)
-                best = {k: min(v) for k, v in times.items()}
+                best = {k: min(v) if v else float("nan") for k, v in times.items()}
                 rel = float((out.sample.float() - reference).norm() / reference.norm())
                 rows.append({"kind": kind, "format": fmt_name, "tokens": args.tokens, "bf16_s": best["bf16"],
                              "before_s": best["before"], "after_s": best["after"],
                              "before_ratio": best["before"] / best["bf16"],
                              "after_ratio": best["after"] / best["bf16"], "rel_l2": rel})
+                emit("quantized", rows[-1])
                 del packed
         del base
     text = table(["kind", "format", "video tokens", "bf16 s", "before x bf16", "after x bf16", "rel L2 vs bf16"],
@@ -328,6 +340,7 @@ def measure_compile(args: argparse.Namespace) -> dict[str, Any]:
         rows.append({"kind": kind, "tokens": args.tokens, "eager_s": best_eager, "first_call_s": first_s,
                      "compiled_s": best_compiled, "ratio": best_compiled / best_eager,
                      "max_abs_diff": max_abs_diff(compiled.sample, eager.sample)})
+        emit("compile", rows[-1])
     text = table(["kind", "video tokens", "eager s", "first compiled call s", "compiled x eager", "max |diff|"],
                  [[r["kind"], str(r["tokens"]), r["eager_s"], r["first_call_s"], r["ratio"], r["max_abs_diff"]]
                   for r in rows])
@@ -351,7 +364,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--depth", type=int, default=1)
     p.add_argument("--tokens", type=int, default=1280, help="video tokens")
     p.add_argument("--text-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2, help="timed pairs per row (at least 1); on a slow or "
+                   "loaded CPU lower this, not the shape")
+    p.add_argument("--no-before", dest="before", action="store_false",
+                   help="quantized: skip the `before` (old decode paths) column, one forward less per pair")
     p.add_argument("--chunk-tokens", type=int, default=2048, help="video tokens of the chunked-block row")
     p.add_argument("--chunk", type=int, default=512, help="tokens per FFN/MoE pass in the chunked row")
     p.add_argument("--threads", type=int, default=0)
@@ -360,6 +376,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.kinds = args.kinds.split(",")
     args.formats = args.formats.split(",")
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
     if args.quick:
         args.tokens, args.text_tokens, args.repeats = min(args.tokens, 64), min(args.text_tokens, 8), 1
         args.chunk_tokens, args.chunk = min(args.chunk_tokens, 128), min(args.chunk, 48)

@@ -350,6 +350,10 @@ def test_dit_speed_bench_runs_at_tiny_shapes():
     quantized = speed_dit.measure_quantized(args)
     [row] = quantized["rows"]
     assert row["format"] == "fp8" and row["after_ratio"] > 0 and 0 < row["rel_l2"] < 0.2
+    assert row["before_ratio"] > 0
+    [lean] = speed_dit.measure_quantized(speed_dit.parse_args(["--quick", "--kinds", "dense", "--formats", "fp8",
+                                                               "--no-before"]))["rows"]
+    assert lean["after_ratio"] > 0 and lean["before_s"] != lean["before_s"]  # NaN: the column was skipped
     [chunked] = speed_dit.measure_chunked(args)["rows"]
     assert chunked["max_abs_diff"] < 1e-2 and chunked["peak_chunked"] < chunked["peak_whole"]
     [matmul] = speed_dit.measure_fp8_matmul(args)["rows"]
