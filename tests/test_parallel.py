@@ -178,6 +178,75 @@ def _fsdp_checks(layout: ParallelLayout) -> dict:
             "expected_local": full - sharded_numel + sharded_numel // layout.world_size}
 
 
+def write_lora(path: Path) -> None:
+    """A small random LoRA on the tiny dense DiT's attention and FFN (block 0 and 1), as a file."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(9)
+    tensors = {}
+    for key, (rows, cols) in {"blocks.0.attn.to_q": (32, 32), "blocks.1.attn.to_out": (32, 32),
+                              "blocks.0.ffn.up_proj": (64, 32)}.items():
+        tensors[f"diffusion_model.{key}.lora_down.weight"] = torch.randn(4, cols, generator=g) * 0.3
+        tensors[f"diffusion_model.{key}.lora_up.weight"] = torch.randn(rows, 4, generator=g) * 0.3
+    save_file(tensors, str(path))
+
+
+def _lora_checks(layout: ParallelLayout, tiny: str, lora_path: str) -> dict:
+    """A LoRA view through the parallel denoise (2 steps) against the same view in one process; the
+    plain view before and after it, bit for bit (the merge is undone on every rank)."""
+    from lingbot_core import stages
+    from lingbot_core.handle import PipelineHandle
+    from lingbot_core.latents import latent_shape
+    from lingbot_core.lora import with_lora
+    from lingbot_core.parallel.run import parallel_denoise
+
+    handle = PipelineHandle.open(tiny, device="cpu")
+    size = dict(height=32, width=32, num_frames=5)
+    cond = stages.encode_prompt(handle, "a red paper boat on a canal", "")
+    noise = stages.prepare_latents(latent_shape(**size), torch.Generator().manual_seed(8))
+    run = dict(seed=8, steps=2, guidance_scale=3.0)
+    lora = with_lora(handle, lora_path, 0.8)
+    plain = parallel_denoise(handle, layout, noise, cond, **run)
+    weights = {n: p.detach().clone() for n, p in handle.component("transformer").named_parameters()}
+    shared = parallel_denoise(lora, layout, noise, cond, **run)
+    again = parallel_denoise(handle, layout, noise, cond, **run)
+    found = {"plain_again": bool(torch.equal(again, plain)), "lora_differs": _relative(shared, plain),
+             "weights_back": all(torch.equal(p, weights[n]) for n, p in
+                                 handle.component("transformer").named_parameters())}
+    if layout.rank == 0:
+        alone = stages.denoise(lora, cond, **size, **run)
+        found["lora"] = _relative(shared, alone)
+    return found
+
+
+def _lora_fsdp_checks(layout: ParallelLayout, tiny: str, lora_path: str) -> dict:
+    """A LoRA view with an FSDP layout (a handle of its own: FSDP sharding is one-way)."""
+    import dataclasses
+
+    from lingbot_core import stages
+    from lingbot_core.handle import PipelineHandle
+    from lingbot_core.latents import latent_shape
+    from lingbot_core.lora import with_lora
+    from lingbot_core.parallel.fsdp import is_fsdp_sharded
+
+    handle = PipelineHandle.open(tiny, device="cpu")
+    fsdp = dataclasses.replace(layout, fsdp=True, _world=None)
+    cond = stages.encode_prompt(handle, "a red paper boat on a canal", "")
+    noise = stages.prepare_latents(latent_shape(height=32, width=32, num_frames=5), torch.Generator().manual_seed(8))
+    found = {}
+    # the LoRA first, then the layout (refused by with_parallel), and the other way round (by the stage)
+    for order, view in (("lora_then_fsdp", lambda: with_lora(handle, lora_path, 0.8).with_parallel(fsdp)),
+                        ("fsdp_then_lora", lambda: with_lora(handle.with_parallel(fsdp), lora_path, 0.8))):
+        try:
+            got = stages.denoise(view(), cond, latents=noise, height=32, width=32, num_frames=5, seed=8, steps=1,
+                                 guidance_scale=3.0)
+            found[order] = {"error": None, "sum": float(got.sum())}
+        except ValueError as err:
+            dit = handle.shared.loaded.get("transformer")
+            found[order] = {"error": str(err), "sharded": dit is not None and is_fsdp_sharded(dit)}
+    return found
+
+
 def _headless(rank: int, world: int, out: str) -> dict:
     """`lingbot-run t2i --parallel cfg=2,ulysses=2` on this rank, as torchrun would start it (its
     environment variables; the CLI finds the group already initialised and leaves it at the end)."""
@@ -202,6 +271,8 @@ def _worker(rank: int, world: int, port: int, out: str, tiny: str, tiny_moe: str
         layout = ParallelLayout.create(2, 2)
         result = {"ulysses": _ulysses_checks(layout), "cfg": _cfg_checks(layout), "t2v": _t2v_checks(layout, tiny),
                   "refine": _refine_checks(layout, tiny_moe), "fsdp": _fsdp_checks(layout),
+                  "lora": _lora_checks(layout, tiny, str(Path(out, "lora.safetensors"))),
+                  "lora_fsdp": _lora_fsdp_checks(layout, tiny, str(Path(out, "lora.safetensors"))),
                   "cli": _headless(rank, world, out)}
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
@@ -215,6 +286,7 @@ def four_ranks(tmp_path_factory) -> list[dict]:
 
     tiny, tiny_moe = (str(ensure_tiny_checkpoint(v)) for v in ("dense", "moe"))  # built here, not raced by four
     out = tmp_path_factory.mktemp("parallel")
+    write_lora(out / "lora.safetensors")
     # fork: the workers start without importing torch again (as DataLoader workers do; one thread each);
     # spawn where CUDA is initialised in this process (it does not survive a fork)
     method = "spawn" if torch.cuda.is_initialized() else "fork"
@@ -475,3 +547,21 @@ def test_readme_per_gpu_figures_are_the_bench_estimates():
     for quoted in (f"one process ~{rows['cfg=1,ulysses=1']['rank0_gib']:.1f} GiB",
                    f"~{eight['rank0_gib']:.1f} GiB on rank 0", f"~{eight['others_gib']:.1f} GiB on the others"):
         assert quoted in readme, quoted
+
+
+def test_lora_view_on_four_processes_matches_one_process_and_comes_off(four_ranks):
+    got = four_ranks[0]["lora"]
+    assert got["lora"] <= T2V_TOLERANCE, got  # the LoRA view, parallel vs one process
+    for rank, result in enumerate(four_ranks):
+        found = result["lora"]
+        assert found["lora_differs"] > 1e-3, (rank, found)  # the LoRA was merged on this rank
+        assert found["plain_again"] and found["weights_back"], (rank, found)  # and taken off again, exactly
+
+
+def test_lora_with_fsdp_is_refused_before_any_work(four_ranks):
+    """FSDP leaves each rank a shard of the weights a LoRA merges into whole: one clear refusal, in
+    either order of building the view, and the DiT is left unsharded."""
+    for rank, result in enumerate(four_ranks):
+        for order, got in result["lora_fsdp"].items():
+            assert got["error"] is not None and "LoRA and FSDP do not combine" in got["error"], (rank, order, got)
+            assert not got["sharded"], (rank, order)
