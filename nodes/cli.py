@@ -211,7 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="one video on every process of a torchrun world (torchrun --nproc-per-node N -m "
                              "lingbot_nodes ...): cfg 1 or 2, ulysses dividing the DiT's heads, C x U = N; missing "
                              "degrees follow from the world (cfg=1, ulysses=N; the default under torchrun without "
-                             "--jobs). Rank 0 encodes, decodes and saves; Offload nodes run as 'none'")
+                             "--jobs). Rank 0 encodes, decodes and saves; Offload nodes run as 'none'. With --jobs, C x U "
+                             "may divide N: each group of C x U ranks runs its share of the jobs, its rank 0 saving")
     parser.add_argument("--fsdp", action="store_true",
                         help="with --parallel: shard the DiT's blocks over the processes (FSDP2) so each holds a "
                              "part of their weights; float32 norms, modulation and router stay whole")
@@ -353,7 +354,10 @@ def _run(args: argparse.Namespace, reporter: Reporter) -> int:
     if args.jobs is not None:
         if args.rewrite is not None:
             raise WorkflowError("--rewrite and --jobs do not combine yet; put each job's prompt in the jobs file")
-        return _run_jobs(args, prompt, engine, reporter, output)
+        try:
+            return _run_jobs(args, prompt, engine, reporter, output, layout)
+        finally:
+            _stop_parallel(layout)
     reporter.write(f"lingbot-run: {path}" + (f" on {layout.world_size} processes, {layout.describe()}"
                                              if layout is not None else ""))
     with _library_log(reporter), watch_nodes(reporter.node_started):
@@ -371,8 +375,10 @@ def _run(args: argparse.Namespace, reporter: Reporter) -> int:
     return 0
 
 
-def _run_jobs(args: argparse.Namespace, prompt, engine, reporter: Reporter, output: Path) -> int:
-    """--jobs: every line of the jobs file checked first, then this process's share run on one engine."""
+def _run_jobs(args: argparse.Namespace, prompt, engine, reporter: Reporter, output: Path, layout=None) -> int:
+    """--jobs: every line of the jobs file checked first, then this process's share run on one engine.
+    With a `layout` (--parallel) the ranks of each video group run their group's jobs together and
+    the group's rank 0 writes the files and the manifest lines."""
     from lingbot_core.parallel.jobs import (
         DONE,
         Manifest,
@@ -388,7 +394,7 @@ def _run_jobs(args: argparse.Namespace, prompt, engine, reporter: Reporter, outp
     from . import NODE_CLASS_MAPPINGS
 
     jobs = read_jobs(args.jobs)  # a bad line stops here, before any model work
-    place = world_place()
+    place = world_place(layout.world_size if layout is not None else 1)
     _pick_local_device()
     manifest = Manifest(args.manifest or output / f"{Path(args.jobs).stem}.manifest.jsonl")
     prompts, refused = {}, {}
@@ -446,9 +452,6 @@ def _start_parallel(args: argparse.Namespace, prompt, overrides: list[str], repo
     from lingbot_core.workflow import WorkflowError
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.jobs is not None and (args.parallel is not None or args.fsdp):
-        raise WorkflowError("--parallel/--fsdp and --jobs do not combine yet: --jobs spreads whole videos over the "
-                            "processes, --parallel shares one video among them")
     if args.parallel is None and (world == 1 or args.jobs is not None):
         if args.fsdp:
             raise WorkflowError("--fsdp shards the DiT over the processes of a parallel run: start it with "
@@ -457,8 +460,12 @@ def _start_parallel(args: argparse.Namespace, prompt, overrides: list[str], repo
     from lingbot_core.parallel.launch import init_from_env
     from lingbot_core.parallel.stage import use_process_layout
 
-    layout = init_from_env(args.parallel or "", fsdp=args.fsdp)
+    # with --jobs the world splits into groups of cfg x ulysses ranks, each running its share of the jobs
+    layout = init_from_env(args.parallel or "", fsdp=args.fsdp, split=args.jobs is not None)
     if layout.world_size == 1:
+        if args.fsdp:
+            raise WorkflowError("--fsdp shards the DiT over the processes of one video: give --parallel degrees "
+                                "whose product is more than 1")
         return None
     use_process_layout(layout)
     offloads = [nid for nid, node in prompt.nodes.items()

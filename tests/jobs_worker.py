@@ -27,3 +27,30 @@ def run_share(rank: int, world: int, port: int, folder: str) -> None:
         run_jobs(read_jobs(Path(folder, "jobs.jsonl")), run_one, Manifest(Path(folder, "m.jsonl")), place=place)
     finally:
         dist.destroy_process_group()
+
+
+def run_parallel_cli(rank: int, world: int, port: int, folder: str, model: str) -> None:
+    """`lingbot-run t2i --parallel cfg=1,ulysses=2 --jobs` on this rank, as torchrun would start it (its
+    environment variables; the CLI finds the group initialised and leaves it at the end). What the
+    rank printed and its exit code go to `folder`/rank<N>.json."""
+    import contextlib
+    import io
+    import json
+    import os
+
+    import torch
+
+    from lingbot_nodes.cli import main
+
+    torch.set_num_threads(1)
+    init_loopback_group(rank, world, port)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            code = main(["t2i", "--model", model, "--parallel", "cfg=1,ulysses=2", "-q",
+                         "--jobs", str(Path(folder, "jobs.jsonl")), "--output", str(Path(folder, "out"))])
+        Path(folder, f"rank{rank}.json").write_text(json.dumps({"code": code, "printed": printed.getvalue().split()}))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

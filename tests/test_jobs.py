@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
-from jobs_worker import run_share
+from jobs_worker import run_parallel_cli, run_share
 
 from lingbot_core.parallel.jobs import (
     DONE,
@@ -124,6 +124,38 @@ def test_two_processes_split_the_jobs_and_share_one_manifest(tmp_path):
     assert all((tmp_path / f"{e['id']}.txt").read_text() == str(e["rank"]) for e in entries if e["status"] == DONE)
     with pytest.raises(JobsFileError):
         read_jobs(tmp_path / "missing.jsonl")
+
+
+def test_four_processes_run_the_jobs_as_two_ulysses_groups(tmp_path, capsys, fixtures_root):
+    """torchrun-like world of 4 gloo ranks, --parallel cfg=1,ulysses=2: two groups of two ranks, each
+    job run once by one group (its DiT forwards shared over the group's own ulysses subgroup), the
+    group leaders (ranks 0 and 2) writing the files and the manifest; each picture equals the
+    one-process run's (PNG: lossless) within one 8-bit level."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    model = str(fixtures_root / "models" / "tiny-dense")
+    jobs = _write(tmp_path / "jobs.jsonl", [{"id": f"j{i}", "seed": i, "size": "48x32", "steps": 2} for i in range(3)])
+    method = "spawn" if torch.cuda.is_initialized() else "fork"  # fork: no second torch import per rank
+    mp.start_processes(run_parallel_cli, args=(4, free_loopback_port(), str(tmp_path), model), nprocs=4, join=True,
+                       start_method=method)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert [r["code"] for r in ranks] == [0, 0, 0, 0]
+    assert ranks[1]["printed"] == [] and ranks[3]["printed"] == []  # only the group leaders print
+    entries = sorted(_manifest(tmp_path / "out" / "jobs.manifest.jsonl"), key=lambda e: e["id"])
+    assert [(e["id"], e["rank"], e["status"]) for e in entries] == [("j0", 0, DONE), ("j1", 2, DONE), ("j2", 0, DONE)]
+    assert sorted(ranks[0]["printed"] + ranks[2]["printed"]) == [e["outputs"][0] for e in entries]
+
+    alone = tmp_path / "alone"
+    assert main(["t2i", "--model", model, "-q", "--jobs", str(jobs), "--output", str(alone)]) == 0
+    capsys.readouterr()
+    for entry in _manifest(alone / "jobs.manifest.jsonl"):
+        (mine,) = [e for e in entries if e["id"] == entry["id"]]
+        parallel_png = np.asarray(Image.open(mine["outputs"][0]), dtype=np.int16)
+        alone_png = np.asarray(Image.open(entry["outputs"][0]), dtype=np.int16)
+        assert parallel_png.shape == alone_png.shape == (32, 48, 3)
+        assert np.abs(parallel_png - alone_png).max() <= 1, entry["id"]
 
 
 def test_the_readme_jobs_example_reads(tmp_path):

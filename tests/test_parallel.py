@@ -450,13 +450,14 @@ def test_process_layout_decides_who_writes():
     assert frames.shape == (5, 32, 48, 3) and frames.untyped_storage().nbytes() == 4  # no memory behind it
 
 
-def test_cli_refuses_parallel_with_jobs(tmp_path, capsys):
-    from lingbot_nodes.cli import main
-
-    jobs = tmp_path / "jobs.jsonl"
-    jobs.write_text('{"seed": 1}\n')
-    assert main(["t2i", "--parallel", "cfg=2", "--jobs", str(jobs), "--output", str(tmp_path), "-q"]) == 2
-    assert "--parallel/--fsdp and --jobs do not combine" in capsys.readouterr().err
+def test_degrees_with_jobs_may_divide_the_world():
+    """With --jobs the degrees' product may divide the world (one video per group); without, it must equal it."""
+    assert parse_degrees("cfg=1,ulysses=2", 4, split=True) == (1, 2)
+    assert parse_degrees("cfg=2", 4, split=True) == (2, 2)  # a missing degree still fills the world
+    with pytest.raises(ValueError, match="divide"):
+        parse_degrees("ulysses=3", 4, split=True)
+    with pytest.raises(ValueError, match="equal"):
+        parse_degrees("cfg=1,ulysses=2", 4)
 
 
 def test_fsdp_plan_shards_bulk_weights_and_keeps_the_float32_set_whole():

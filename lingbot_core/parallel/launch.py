@@ -31,17 +31,19 @@ def init_loopback_group(rank: int, world_size: int, port: int, backend: str = "g
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
 
 
-def init_from_env(degrees: str = "", *, fsdp: bool = False) -> ParallelLayout:
+def init_from_env(degrees: str = "", *, fsdp: bool = False, split: bool = False) -> ParallelLayout:
     """This rank's layout in a world started by torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
     MASTER_PORT in the environment: the operator's rendezvous, not an input of the workflow).
 
     `degrees` as `parse_degrees` takes them ("cfg=2,ulysses=4"; missing ones follow from the world).
     One GPU per local rank (NCCL) when there are enough, else the CPU (gloo). A world of one gives the
     one-process layout and starts nothing. `fsdp`: the layout shards the DiTs' blocks (parallel/fsdp.py).
+    `split`: the degrees' product may divide the world, which then runs one video per group
+    (`ParallelLayout.create`); a product of one gives the one-process layout too.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg, ulysses = parse_degrees(degrees, world)
-    if world == 1:
+    cfg, ulysses = parse_degrees(degrees, world, split=split)
+    if world == 1 or cfg * ulysses == 1:
         return ParallelLayout.single()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
@@ -49,4 +51,4 @@ def init_from_env(degrees: str = "", *, fsdp: bool = False) -> ParallelLayout:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")  # env:// from torchrun's variables
-    return ParallelLayout.create(cfg, ulysses, device_type="cuda" if cuda else "cpu", fsdp=fsdp)
+    return ParallelLayout.create(cfg, ulysses, device_type="cuda" if cuda else "cpu", fsdp=fsdp, split=split)

@@ -7,6 +7,11 @@ head-sharded between two all-to-alls). Rank r sits at row r // ulysses, column r
 
 The groups come from torch's own `DeviceMesh` over the already-initialised default process group
 (NCCL on GPUs, gloo on CPU); nothing here opens a socket of its own.
+
+With `ParallelLayout.create(..., split=True)` the world may be several such grids (a jobs file
+spread over data-parallel groups): ranks [g*G, (g+1)*G) form video group g of G = cfg x ulysses
+ranks, the mesh gets a leading "jobs" dimension, and `rank` / `group` / `leader_rank` are this
+rank's place in its own group, so every collective of one video stays inside that group.
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ __all__ = ["CFG_DEGREES", "ParallelLayout", "parse_degrees"]
 CFG_DEGREES = (1, 2)
 
 
-def parse_degrees(text: str, world_size: int) -> tuple[int, int]:
+def parse_degrees(text: str, world_size: int, *, split: bool = False) -> tuple[int, int]:
     """`"cfg=2,ulysses=4"` -> (2, 4). A missing degree is filled from the world size
-    (cfg defaults to 1, ulysses to world // cfg); the product must equal the world size."""
+    (cfg defaults to 1, ulysses to world // cfg); the product must equal the world size, or with
+    `split` (one video per group of cfg x ulysses ranks) divide it."""
     given: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, sep, value = part.partition("=")
@@ -36,14 +42,21 @@ def parse_degrees(text: str, world_size: int) -> tuple[int, int]:
     if cfg not in CFG_DEGREES:
         raise ValueError(f"parallel degrees: cfg={cfg}; it must be one of {CFG_DEGREES}")
     ulysses = given.get("ulysses", world_size // cfg if world_size % cfg == 0 else 0)
+    if split and ulysses >= 1 and world_size % (cfg * ulysses) == 0:
+        return cfg, ulysses
     if ulysses < 1 or cfg * ulysses != world_size:
-        raise ValueError(f"parallel degrees: cfg={cfg} x ulysses={ulysses} must equal the world size {world_size}")
+        how = "divide" if split else "equal"
+        raise ValueError(f"parallel degrees: cfg={cfg} x ulysses={ulysses} must {how} the world size {world_size}")
     return cfg, ulysses
 
 
 @dataclass
 class ParallelLayout:
     """The degrees, this rank's place in the grid and the two process groups.
+
+    `rank` is this rank's place in its video group; `group` is that group's process group (None: the
+    whole world is one video) and `leader_rank` the global rank of its rank 0 (what `broadcast`'s
+    `src` names).
 
     Build it with `ParallelLayout.create(cfg, ulysses)` on every rank after
     `torch.distributed.init_process_group`; `ParallelLayout.single()` is the one-process layout
@@ -54,7 +67,9 @@ class ParallelLayout:
     ulysses: int = 1
     rank: int = 0
     mesh: Any = field(default=None, repr=False)
-    fsdp: bool = False  # shard the DiTs' blocks over every rank (parallel/fsdp.py)
+    fsdp: bool = False  # shard the DiTs' blocks over every rank of the video group (parallel/fsdp.py)
+    group: Any = field(default=None, repr=False, compare=False)
+    leader_rank: int = 0
     _world: Any = field(default=None, repr=False, compare=False)
 
     @property
@@ -86,24 +101,40 @@ class ParallelLayout:
         return cls()
 
     @classmethod
-    def create(cls, cfg: int, ulysses: int, *, device_type: str = "cpu", fsdp: bool = False) -> ParallelLayout:
+    def create(cls, cfg: int, ulysses: int, *, device_type: str = "cpu", fsdp: bool = False,
+               split: bool = False) -> ParallelLayout:
         """The layout of this rank in the initialised default group; every rank must call it.
-        `fsdp`: the DiTs' blocks are sharded over every rank when a denoise first runs them."""
+        `fsdp`: the DiTs' blocks are sharded over every rank of the video when a denoise first runs them.
+        `split`: the world may be a multiple of cfg x ulysses; it is cut into groups of that many
+        consecutive ranks, each running its own videos (every group is made here, by every rank)."""
         if cfg not in CFG_DEGREES or ulysses < 1:
             raise ValueError(f"parallel layout: cfg must be one of {CFG_DEGREES} and ulysses >= 1 (got {cfg}, {ulysses})")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("parallel layout: torch.distributed is not initialised (init_process_group first)")
         world = dist.get_world_size()
-        if cfg * ulysses != world:
-            raise ValueError(f"parallel layout: cfg={cfg} x ulysses={ulysses} must equal the world size {world}")
+        size = cfg * ulysses
+        if world % size if split else size != world:
+            how = "divide" if split else "equal"
+            raise ValueError(f"parallel layout: cfg={cfg} x ulysses={ulysses} must {how} the world size {world}")
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device_type, (cfg, ulysses), mesh_dim_names=("cfg", "ulysses"))
-        return cls(cfg=cfg, ulysses=ulysses, rank=dist.get_rank(), mesh=mesh, fsdp=bool(fsdp))
+        rank = dist.get_rank()
+        if world == size:  # one video on the whole world: the default group is its group
+            mesh = init_device_mesh(device_type, (cfg, ulysses), mesh_dim_names=("cfg", "ulysses"))
+            return cls(cfg=cfg, ulysses=ulysses, rank=rank, mesh=mesh, fsdp=bool(fsdp))
+        groups = world // size
+        mesh = init_device_mesh(device_type, (groups, cfg, ulysses), mesh_dim_names=("jobs", "cfg", "ulysses"))
+        # the groups are collectives of the whole world: made now, while every rank is here (the groups
+        # then run different jobs and never meet again)
+        videos = init_device_mesh(device_type, (groups, size), mesh_dim_names=("jobs", "video"))
+        layout = cls(cfg=cfg, ulysses=ulysses, rank=rank % size, mesh=mesh, fsdp=bool(fsdp),
+                     group=videos.get_group("video"), leader_rank=rank - rank % size)
+        layout._world = videos["video"]
+        return layout
 
     def world_mesh(self) -> Any:
-        """A one-dimensional mesh of every rank (what FSDP shards over), made on first use; every rank
-        must call it the first time."""
+        """A one-dimensional mesh of every rank of this video (what FSDP shards over), made on first use;
+        every rank must call it the first time (a split layout made it in `create`)."""
         if self._world is None:
             from torch.distributed.device_mesh import init_device_mesh
 

@@ -177,7 +177,7 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
 
 def broadcast_tensors(tensors: dict[str, torch.Tensor | None] | None, names: tuple[str, ...], *, src: int = 0,
                       group: Any = None, device: torch.device | str = "cpu") -> dict[str, torch.Tensor | None]:
-    """Rank `src`'s named tensors on every rank (`tensors` is read on `src` only; None entries stay None).
+    """Rank `src`'s (a global rank) named tensors on every rank of `group` (None: the world) (`tensors` is read on `src` only; None entries stay None).
 
     Only tensors cross: a header (dtype index and shape per name) and then each tensor, with
     `dist.broadcast`; nothing is pickled. `device` is where the collective runs (cuda for NCCL).
@@ -241,13 +241,13 @@ def from_rank0(handle: Any, compute: Callable[[], T], pack: Callable[[T], dict[s
         except BaseException as err:  # the others must not wait for tensors that never come
             error = err
             failed += 1
-    dist.broadcast(failed, 0)
+    dist.broadcast(failed, layout.leader_rank, group=layout.group)
     if int(failed.item()):
         if error is not None:
             raise error
         raise RuntimeError("rank 0 failed in a stage it computes for every rank (see its error)")
     packed = pack(result) if layout.rank == 0 else None
-    got = broadcast_tensors(packed, names, device=device)
+    got = broadcast_tensors(packed, names, src=layout.leader_rank, group=layout.group, device=device)
     return result if layout.rank == 0 else unpack(got)
 
 
