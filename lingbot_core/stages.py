@@ -319,7 +319,8 @@ def denoise(
         with _ffn_chunk(handle, transformer, cfg=guidance_scale > 1.0, cfg_batch=batch, height=height, width=width,
                         num_frames=num_frames), \
                 parallel_stage.sequence_parallel(guidance.dit, parallel_stage.active_layout(handle)):
-            latents = sample(run, guidance, latents, cond_latent=cond_latent, callback=callback)
+            latents = sample(run, guidance, latents, cond_latent=cond_latent, callback=callback,
+                             status=parallel_stage.step_status(handle))
         return latents.cpu()
 
 

@@ -263,6 +263,35 @@ def _headless(rank: int, world: int, out: str) -> dict:
     return {"code": code, "printed": printed.getvalue().split()}
 
 
+def _failure_checks(layout: ParallelLayout) -> dict:
+    """Rank 1 raises from its step callback after step 2 (as an interrupt would); what reached each
+    rank, and how long after its own step 2. Without the per-step status the other ranks would wait in
+    their step-3 collectives until the group's timeout (30 minutes)."""
+    import time
+
+    from lingbot_core.parallel.run import parallel_denoise
+    from lingbot_core.prompt import PromptEmbeds
+    from lingbot_core.stages import Conditioning
+
+    g = torch.Generator().manual_seed(4)
+    embeds = PromptEmbeds(torch.randn(1, 7, 32, generator=g), torch.ones(1, 7, dtype=torch.int64),
+                          torch.zeros(1, 1, dtype=torch.int64))
+    marks: dict = {}
+
+    def callback(step: int, total: int, latents: torch.Tensor) -> None:
+        marks[step] = time.monotonic()
+        if layout.rank == 1 and step == 2:
+            raise RuntimeError("injected failure at step 2")
+
+    try:
+        parallel_denoise(_model(DENSE), layout, torch.randn(1, 16, 2, 4, 6, generator=g),
+                         Conditioning(embeds, embeds), steps=5, guidance_scale=3.0, callback=callback)
+        return {"error": None}
+    except Exception as err:  # what reached this rank is the result
+        return {"error": type(err).__name__, "message": str(err), "steps": sorted(marks),
+                "after_step2_s": time.monotonic() - marks.get(2, 0.0)}
+
+
 def _worker(rank: int, world: int, port: int, out: str, tiny: str, tiny_moe: str) -> None:
     """One spawned run for every check (each interpreter start costs seconds on a loaded machine)."""
     torch.set_num_threads(1)
@@ -273,7 +302,7 @@ def _worker(rank: int, world: int, port: int, out: str, tiny: str, tiny_moe: str
                   "refine": _refine_checks(layout, tiny_moe), "fsdp": _fsdp_checks(layout),
                   "lora": _lora_checks(layout, tiny, str(Path(out, "lora.safetensors"))),
                   "lora_fsdp": _lora_fsdp_checks(layout, tiny, str(Path(out, "lora.safetensors"))),
-                  "cli": _headless(rank, world, out)}
+                  "failure": _failure_checks(layout), "cli": _headless(rank, world, out)}
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         if torch.distributed.is_initialized():
@@ -566,3 +595,16 @@ def test_lora_with_fsdp_is_refused_before_any_work(four_ranks):
         for order, got in result["lora_fsdp"].items():
             assert got["error"] is not None and "LoRA and FSDP do not combine" in got["error"], (rank, order, got)
             assert not got["sharded"], (rank, order)
+
+
+def test_a_rank_failing_between_steps_stops_the_others_at_once(four_ranks):
+    """Rank 1 raises after step 2; every other rank ends its denoise with PeerFailed naming rank 1 and
+    its error, right after its own step 2 (no collective left waiting), and rank 1 keeps its own error."""
+    one = four_ranks[1]["failure"]
+    assert one["error"] == "RuntimeError" and "injected failure at step 2" in one["message"], one
+    for rank in (0, 2, 3):
+        got = four_ranks[rank]["failure"]
+        assert got["error"] == "PeerFailed", (rank, got)
+        assert "rank 1 failed (RuntimeError: injected failure at step 2)" in got["message"], (rank, got)
+        assert "after step 2" in got["message"] and got["steps"] == [1, 2], (rank, got)
+        assert got["after_step2_s"] < 5, (rank, got)  # at once: not the group's 30-minute timeout

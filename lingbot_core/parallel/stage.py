@@ -30,7 +30,7 @@ from .layout import ParallelLayout
 from .ulysses import disable_sequence_parallel, enable_sequence_parallel
 
 __all__ = ["active_layout", "check_heads", "process_layout", "use_process_layout", "broadcast_tensors", "offload_refusal", "lora_refusal", "shard_for_stage", "check_request", "check_view", "from_rank0", "is_leader",
-           "placeholder_frames", "sequence_parallel", "text_tensor", "tensor_text", "writes_outputs"]
+           "placeholder_frames", "sequence_parallel", "step_status", "text_tensor", "tensor_text", "writes_outputs"]
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -258,6 +258,16 @@ def collective_device(handle: Any) -> torch.device:
         device = torch.device(handle.device)
         return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def step_status(handle: Any) -> Any:
+    """The per-step status exchange (`abort.StepStatus`) of a sampling loop on the view's layout, or
+    None in a one-process run: a rank that fails between two steps stops the others at once."""
+    if active_layout(handle) is None:
+        return None
+    from .abort import StepStatus
+
+    return StepStatus(collective_device(handle))
 
 
 def placeholder_frames(frames: int, height: int, width: int) -> torch.Tensor:

@@ -106,19 +106,28 @@ def pin_first_frames(latents: torch.Tensor, cond_latent: torch.Tensor | None) ->
 
 
 def sample(run: SamplerRun, guidance: Guidance, latents: torch.Tensor, *, cond_latent: torch.Tensor | None = None,
-           callback: StepCallback | None = None) -> torch.Tensor:
+           callback: StepCallback | None = None, status: Any = None) -> torch.Tensor:
     """Walk `run`'s schedule from `latents`: predict, step, pin the first frame, report each step.
 
     A step cache (`guidance.cache`) is attached to the DiT for this loop only, and finished
-    (calibration written) only when the loop completes."""
+    (calibration written) only when the loop completes. `status` (on several processes:
+    `parallel.abort.StepStatus`) hears after every step, outside the forward, whether this rank
+    finished it (`passed`) or raised (`failed`), so a failing rank stops the others."""
     total = len(run.timesteps)
     cache = guidance.cache
     with cache.attached(guidance.dit) if cache is not None else nullcontext():
         for i, t in enumerate(run.timesteps):
             v = guidance.predict(latents, t)
-            latents = pin_first_frames(run.step(v, i, latents), cond_latent)
-            if callback is not None:
-                callback(i + 1, total, latents)
+            try:
+                latents = pin_first_frames(run.step(v, i, latents), cond_latent)
+                if callback is not None:
+                    callback(i + 1, total, latents)
+            except BaseException as err:
+                if status is not None:
+                    status.failed(i + 1, err)
+                raise
+            if status is not None:
+                status.passed(i + 1)
     if cache is not None:
         cache.finish()
     return latents
