@@ -18,6 +18,8 @@ the store or async handles.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -38,7 +40,8 @@ class PeerFailed(RuntimeError):
 
 
 class StepStatus:
-    """The per-step status exchange of one sampling loop over the default process group.
+    """The per-step status exchange of one sampling loop over `layout`'s video group (ranks are
+    named by their place in that group, as `layout.rank`).
 
     `passed(step)` after a step this rank finished: raises `PeerFailed` if another rank did not.
     `failed(step, err)` when this rank raised after its forward: tells the others (the caller
@@ -46,9 +49,10 @@ class StepStatus:
     Every rank must call exactly one of the two after every step.
     """
 
-    def __init__(self, device: torch.device | str = "cpu"):
+    def __init__(self, layout: Any, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.group = layout.group  # the video's own group (None: the whole world is one video)
+        self.world = layout.world_size
 
     def _exchange(self, err: BaseException | None) -> list[torch.Tensor]:
         row = torch.zeros(1 + MESSAGE_BYTES, dtype=torch.uint8)
@@ -58,7 +62,7 @@ class StepStatus:
             row[1:1 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
         row = row.to(self.device)
         rows = [torch.empty_like(row) for _ in range(self.world)]
-        dist.all_gather(rows, row)
+        dist.all_gather(rows, row, group=self.group)
         return [r.cpu() for r in rows]
 
     def passed(self, step: int) -> None:

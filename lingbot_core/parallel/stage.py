@@ -267,7 +267,7 @@ def step_status(handle: Any) -> Any:
         return None
     from .abort import StepStatus
 
-    return StepStatus(collective_device(handle))
+    return StepStatus(active_layout(handle), collective_device(handle))
 
 
 def placeholder_frames(frames: int, height: int, width: int) -> torch.Tensor:
