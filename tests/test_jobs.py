@@ -136,7 +136,11 @@ def test_four_processes_run_the_jobs_as_two_ulysses_groups(tmp_path, capsys, fix
     from PIL import Image
 
     model = str(fixtures_root / "models" / "tiny-dense")
-    jobs = _write(tmp_path / "jobs.jsonl", [{"id": f"j{i}", "seed": i, "size": "48x32", "steps": 2} for i in range(3)])
+    # a prompt per job (of different lengths): each job encodes anew, so a broadcast that left its group
+    # would hand the other group the wrong prompt (or wait for ranks that have finished)
+    prompts = ["a red boat", "a small grey cat asleep on a warm windowsill", "rain"]
+    jobs = _write(tmp_path / "jobs.jsonl", [{"id": f"j{i}", "seed": i, "size": "48x32", "steps": 2, "prompt": p}
+                                            for i, p in enumerate(prompts)])
     method = "spawn" if torch.cuda.is_initialized() else "fork"  # fork: no second torch import per rank
     mp.start_processes(run_parallel_cli, args=(4, free_loopback_port(), str(tmp_path), model), nprocs=4, join=True,
                        start_method=method)
