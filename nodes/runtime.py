@@ -390,7 +390,12 @@ UNLOAD_ALL_BYTES = 1e20  # ComfyUI's unload_all_models asks for 1e30 bytes
 
 
 def track_pool(pool) -> None:
-    """Inside ComfyUI: list a started worker pool so "Unload models" stops it (once per pool)."""
+    """Inside ComfyUI: list a started worker pool so "Unload models" stops it (once per pool), and list
+    it again whenever its workers start anew: "Unload models" drops the entry, and a later prompt whose
+    LingBot Parallel node ComfyUI serves from its cache restarts the same pool without running the node."""
+    hooks = getattr(pool, "on_start", None)
+    if hooks is not None and track_pool not in hooks:
+        hooks.append(track_pool)
     mm = _comfy("comfy.model_management")
     if mm is None:
         return

@@ -53,6 +53,8 @@ def test_pool_start_reuse_interrupt_release_restart_and_a_dead_worker(fixtures_r
     pipe, = NODE_CLASS_MAPPINGS["LingBotParallel"].execute(handle, "cpu, cpu", "2", 0).args
     pool = pool_of(pipe)
     assert pool is not None and pool.started and pool.starts == 1 and pool.layout.cfg == 2
+    restarted = []
+    pool.on_start.append(restarted.append)  # the node's own hook (ComfyUI's listing) is in there too
     first = run_stage("denoise", pipe, cond, **KW)
     second = run_stage("denoise", pipe, cond, **KW)
     assert _close(first, expected) and torch.equal(first, second)
@@ -102,7 +104,7 @@ def test_pool_start_reuse_interrupt_release_restart_and_a_dead_worker(fixtures_r
     assert not pool.started and all(_gone(pid) for pid in pids)
 
     assert torch.equal(run_stage("denoise", pipe, cond, **KW), first)  # the cached pipe starts new workers
-    assert pool.starts == 2
+    assert pool.starts == 2 and restarted == [pool]
     victim = pool.worker_pids()[0]
     os.kill(victim, signal.SIGKILL)
     time.sleep(0.5)  # a killed child stays a zombie until the pool looks at it (reaped then)
@@ -183,6 +185,30 @@ def test_unload_models_stops_a_pool_and_a_memory_request_does_not(monkeypatch):
     assert entry.device == torch.device("cpu") and entry.model_memory() == 0
     assert entry.model_unload(2 << 30) is False and Pool.releases == 0  # 2 GiB wanted here: workers stay
     assert entry.model_unload(1e30) is True and Pool.releases == 1  # unload_all_models
+
+
+def test_a_pool_restarted_after_unload_models_is_listed_again(monkeypatch):
+    """ComfyUI serves a LingBot Parallel node from its cache after "Unload models" stopped its pool, and
+    the next Denoise restarts the same pool: the restart lists it again, so the next unload stops it too."""
+    from lingbot_core.parallel.pool import WorkerPool
+    from lingbot_nodes import runtime
+
+    mm = types.ModuleType("comfy.model_management")
+    mm.current_loaded_models = []
+    mm.get_torch_device = lambda: torch.device("cpu")
+    monkeypatch.setitem(sys.modules, "comfy", types.ModuleType("comfy"))
+    monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
+    pool = WorkerPool.__new__(WorkerPool)  # no spec, no processes: only its start hooks run here
+    pool.on_start, released = [], []
+    pool.release = lambda: released.append(1)
+    runtime.track_pool(pool)
+    entry, = mm.current_loaded_models
+    assert entry.model_unload(1e30) is True and released == [1]
+    mm.current_loaded_models.remove(entry)  # as free_memory does with an unloaded entry
+    for hook in pool.on_start:  # what WorkerPool.start runs once the new workers are up
+        hook(pool)
+    entry, = mm.current_loaded_models
+    assert entry.real_model() is pool and entry.model_unload(1e30) is True and released == [1, 1]
 
 
 def test_devices_and_degrees_are_checked_before_any_process_starts(fixtures_root):

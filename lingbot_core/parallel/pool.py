@@ -329,6 +329,9 @@ class WorkerPool:
         self._procs: list[Any] = []
         self._status: Any = None
         self.starts = 0  # how many times workers were started (tests, the node's status line)
+        #: called with the pool after every start of its workers, including a restart by a later call after
+        #: `release` (ComfyUI lists the pool again there, so its next "Unload models" stops the new workers)
+        self.on_start: list[Callable[[WorkerPool], None]] = []
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     @property
@@ -371,6 +374,8 @@ class WorkerPool:
             raise
         self.starts += 1
         _LIVE.add(self)
+        for hook in list(self.on_start):
+            hook(self)
         log.info("LingBot Parallel: %d worker process(es) on %s (%s)", world - 1, ", ".join(self.spec.devices[1:]),
                  self.layout.describe())
 
