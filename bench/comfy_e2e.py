@@ -2,6 +2,7 @@
 
     python bench/comfy_e2e.py COMFYUI_DIR [--python PY] [--port 8199]
     python bench/comfy_e2e.py COMFYUI_DIR --url http://127.0.0.1:8188   # a server you started yourself
+    python bench/comfy_e2e.py COMFYUI_DIR --skip workflows files advice interrupt --parallel   # LingBot Parallel only
 
 Run it with a Python that has this pack's requirements and aiohttp (ComfyUI's own Python does). The pack must
 already be in `COMFYUI_DIR/custom_nodes/` (a copy or a link of this folder). Without `--url` the script starts
@@ -18,7 +19,11 @@ What it checks, each printed as PASS/FAIL with the reason (exit status 1 if any 
   LoRA / student run and say so on Denoise (and LoRA, Loader) as the text the editor shows;
 - `POST /interrupt` in the middle of Denoise stops the run, and the next run's latents equal, bit for bit, those
   of a run that was never interrupted (core `SaveLatent`, read back through `/view`);
-- `POST /free` (unload models, and free the node cache) answers, and the next run is again bit-identical.
+- `POST /free` (unload models, and free the node cache) answers, and the next run is again bit-identical;
+- with `--parallel` (last; needs the server the script starts): a LingBot Parallel node between Loader and
+  Offload ('none') runs and its latents equal the single-device run's bit for bit; a second prompt reuses the
+  workers (no new start in the log, same pids); an interrupt mid-Denoise leaves the next run exact; POST /free
+  (unload models) stops the worker processes, twice; SIGINT to main.py leaves no worker process.
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -352,12 +359,139 @@ def check_interrupt_and_free(server: Server) -> None:
                f"HTTP {code}" + ("" if entry is None else " " + errors_of(entry)))
 
 
+# ------------------------------------------------------------------------------------- LingBot Parallel
+
+PARALLEL_STARTED = "LingBot Parallel: "  # the pool's log line, once per start of the workers
+
+
+def parallel_prompt(seed: int, tag: str, parallel: dict | None, steps: int = 8) -> tuple[dict, str, str]:
+    """`latent_prompt` with Offload 'none' (the modes LingBot Parallel takes) and, when `parallel` gives its
+    inputs, a LingBot Parallel node between Loader and Offload (so Text Encode, Denoise and Decode get its pipe)."""
+    prompt, denoise, saver = latent_prompt(seed, tag, steps)
+    offload = find_node(prompt, "LingBotOffload")
+    prompt[offload]["inputs"]["mode"] = "none"
+    if parallel is not None:
+        loader = find_node(prompt, "LingBotLoader")
+        prompt["950"] = {"class_type": "LingBotParallel", "inputs": {"pipe": [loader, 0], **parallel}}
+        prompt[offload]["inputs"]["pipe"] = ["950", 0]
+    return prompt, denoise, saver
+
+
+def worker_processes(server_pid: int) -> list[int]:
+    """The server's spawned children (multiprocessing's `spawn_main`: the pool's workers), from /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == server_pid and b"spawn_main" in cmdline:
+            found.append(int(stat.parent.name))
+    return sorted(found)
+
+
+def wait_for(predicate, timeout: float = 30) -> bool:
+    end = time.time() + timeout
+    while time.time() < end:
+        if predicate():
+            return True
+        time.sleep(0.5)
+    return predicate()
+
+
+def check_parallel(server: Server, proc: subprocess.Popen, log_path: Path, devices: str, cfg: str,
+                   ulysses: int) -> None:
+    """A pipe through LingBot Parallel on `devices`: its latents equal the single-device run's; a second
+    prompt reuses the workers; an interrupt leaves the next run exact; POST /free (unload models) stops
+    the workers and the next run starts new ones, exact again. Needs the server this script started (its
+    log and its child processes)."""
+    import torch
+
+    def starts() -> int:
+        return len(re.findall(PARALLEL_STARTED + r"\d+ worker process", log_path.read_text(errors="replace")))
+
+    inputs = {"devices": devices, "cfg": cfg, "ulysses": ulysses}
+    single, denoise, saver = parallel_prompt(seed=11, tag="par_single", parallel=None)
+    entry, refused = server.run(single)
+    if not record(ran(entry, denoise), "parallel: the single-device reference run (Offload none)",
+                  errors_of(entry) if entry else str(refused)):
+        return
+    reference = server.latent(entry, saver)
+
+    before = starts()
+    prompt, _, _ = parallel_prompt(seed=11, tag="par_1", parallel=inputs)
+    entry, refused = server.run(prompt)
+    ok = ran(entry, denoise)
+    workers = worker_processes(proc.pid)
+    same = ok and torch.equal(server.latent(entry, saver), reference)
+    diff = "" if not ok or same else f"max |diff| {(server.latent(entry, saver) - reference).abs().max().item():.3g}"
+    record(ok and same, f"parallel ({devices}; cfg {cfg}, ulysses {ulysses}): latents equal the single-device run",
+           f"workers {workers}" if same else (diff or (errors_of(entry) if entry else str(refused))))
+    record(ok and starts() == before + 1 and len(workers) >= 1, "parallel: the workers started once, as processes",
+           f"starts in the log {starts() - before}, worker pids {workers}")
+    if not ok:
+        return
+
+    prompt, _, _ = parallel_prompt(seed=12, tag="par_2", parallel=inputs)
+    entry, _ = server.run(prompt)
+    record(ran(entry, denoise) and starts() == before + 1 and worker_processes(proc.pid) == workers,
+           "parallel: a second prompt reuses the workers (no new start, same pids)",
+           f"starts {starts() - before}, pids {worker_processes(proc.pid)}")
+
+    stop_prompt, _, _ = parallel_prompt(seed=13, tag="par_stopped", parallel=inputs, steps=24)
+    prompt_id, step = asyncio.run(_interrupt_mid_denoise(server, stop_prompt, denoise, at_step=3))
+    stopped = server.wait(prompt_id) if prompt_id else None
+    interrupted = stopped is not None and any(kind == "execution_interrupted"
+                                              for kind, _ in stopped["status"]["messages"])
+    record(interrupted and step > 0, "parallel: POST /interrupt stops Denoise mid-way",
+           f"at step {step} of 24" if interrupted else f"status {stopped and stopped['status']}")
+    prompt, _, _ = parallel_prompt(seed=11, tag="par_after_interrupt", parallel=inputs)
+    entry, _ = server.run(prompt)
+    same = ran(entry, denoise) and torch.equal(server.latent(entry, saver), reference)
+    record(same, "parallel: the run after the interrupt equals the single-device run bit for bit",
+           f"pids {worker_processes(proc.pid)} (before {workers})" if same else (errors_of(entry) if entry else "refused"))
+
+    for round_ in (1, 2):  # twice: the second time the workers were started again by a cached Parallel node
+        code, _ = server.post("/free", {"unload_models": True})
+        gone = wait_for(lambda: not worker_processes(proc.pid))
+        record(code == 200 and gone, f"parallel: POST /free (unload models) stops the workers (round {round_})",
+               f"HTTP {code}, left {worker_processes(proc.pid)}")
+        prompt, _, _ = parallel_prompt(seed=11 + round_ * 100, tag="par_evict", parallel=inputs, steps=2)
+        server.run(prompt)  # Denoise not served from the cache below
+        prompt, _, _ = parallel_prompt(seed=11, tag="par_after_free", parallel=inputs)
+        entry, _ = server.run(prompt)
+        same = ran(entry, denoise) and torch.equal(server.latent(entry, saver), reference)
+        record(same and bool(worker_processes(proc.pid)),
+               f"parallel: after /free the next run starts new workers and is bit-identical (round {round_})",
+               f"pids {worker_processes(proc.pid)}" + ("" if entry is None else " " + errors_of(entry)))
+
+
+def check_exit_stops_workers(proc: subprocess.Popen) -> None:
+    """SIGINT to main.py (Ctrl-C) ends the server and leaves none of its worker processes behind."""
+    workers = worker_processes(proc.pid)
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        pass
+    alive = [pid for pid in workers if Path(f"/proc/{pid}").exists() and
+             b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    record(proc.poll() is not None and bool(workers) and wait_for(lambda: not [
+        p for p in workers if Path(f"/proc/{p}").exists()], 20),
+           "parallel: SIGINT to main.py ends the server and its worker processes",
+           f"server exit {proc.poll()}, workers before {workers}, alive right after {alive}")
+
+
 # --------------------------------------------------------------------------------------------------- main
 
 def start_server(comfy: Path, python: str, port: int, log_path: Path) -> subprocess.Popen:
     log = open(log_path, "w")  # noqa: SIM115 - closed with the process
+    # SIGINT as the default in the server: a shell starting this script in the background ignores it, the
+    # server would inherit that, and Python then installs no KeyboardInterrupt (the --parallel exit check)
     proc = subprocess.Popen([python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port)],
-                            cwd=comfy, stdout=log, stderr=subprocess.STDOUT)
+                            cwd=comfy, stdout=log, stderr=subprocess.STDOUT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     server = Server(f"http://127.0.0.1:{port}")
     end = time.time() + 300
     while time.time() < end:
@@ -379,7 +513,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--python", default=sys.executable, help="the Python that runs ComfyUI")
     parser.add_argument("--port", type=int, default=8199)
     parser.add_argument("--skip", nargs="*", default=[], choices=["workflows", "files", "advice", "interrupt"])
+    parser.add_argument("--parallel", nargs="?", const="cpu, cpu", metavar="DEVICES",
+                        help="also check LingBot Parallel on DEVICES (default 'cpu, cpu'), last, ending with SIGINT "
+                             "to the server; needs the server this script starts (not --url)")
+    parser.add_argument("--parallel-cfg", default="2", choices=["1", "2"])
+    parser.add_argument("--parallel-ulysses", type=int, default=1)
     args = parser.parse_args(argv)
+    if args.parallel and args.url:
+        parser.error("--parallel reads the server's log and processes: let the script start the server (no --url)")
     comfy = args.comfy.resolve()
     linked = [p for p in (comfy / "custom_nodes").iterdir() if p.resolve() == ROOT]
     if not linked:
@@ -406,8 +547,11 @@ def main(argv: list[str] | None = None) -> int:
             check_advice_on_nodes(server, comfy)
         if "interrupt" not in args.skip:
             check_interrupt_and_free(server)
+        if args.parallel:
+            check_parallel(server, proc, log_path, args.parallel, args.parallel_cfg, args.parallel_ulysses)
+            check_exit_stops_workers(proc)
     finally:
-        if proc is not None:
+        if proc is not None and proc.poll() is None:
             proc.terminate()
             try:
                 proc.wait(30)
