@@ -95,6 +95,16 @@ def test_pool_start_reuse_interrupt_release_restart_and_a_dead_worker(fixtures_r
 
     with pytest.raises(KeyboardInterrupt):
         run_stage("denoise", pipe, cond, callback=interrupt_at_two, **KW)
+    # ComfyUI's interrupt check, raising as soon as it is asked: rank 0 must not ask it between the DiT's
+    # blocks (the workers would be left inside the forward's collectives and the pool ended), only at a step
+    from lingbot_core.interrupt import interrupt_checker
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with interrupt_checker(interrupted), pytest.raises(KeyboardInterrupt):
+        run_stage("denoise", pipe, cond, callback=lambda step, total, latents: interrupted(), **KW)
+    assert pool.started and pool.starts == 1
     assert seen == [1, 2] and pool.started  # the worker dropped the call at that step; the pool stays
     assert torch.equal(run_stage("denoise", pipe, cond, **KW), first)
     assert pool.starts == 1 and [w["loads"]["transformer"] for w in pool.ping()] == [1]

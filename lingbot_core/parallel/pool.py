@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..interrupt import interrupt_checker
 from .launch import free_loopback_port
 from .layout import CFG_DEGREES, ParallelLayout, pooled_offload_refusal
 
@@ -478,7 +479,11 @@ class WorkerPool:
 
         try:
             _broadcast_message(device, stage, fields, tensors)
-            return execute(view, {k: v for k, v in kwargs.items() if k != "trace"}, on_step)
+            # no cancellation points inside the DiT here: an interrupt between two blocks would leave the
+            # workers inside that forward's collectives, and only ending them frees them (a reload of every
+            # worker's DiT on the next run). The step callback, between two forwards, follows it instead.
+            with interrupt_checker(None):
+                return execute(view, {k: v for k, v in kwargs.items() if k != "trace"}, on_step)
         except BaseException as err:
             dead = self._dead_after(err)
             if not dead and (flagged or isinstance(err, ValueError)):
