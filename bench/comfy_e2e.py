@@ -22,7 +22,7 @@ What it checks, each printed as PASS/FAIL with the reason (exit status 1 if any 
 - `POST /free` (unload models, and free the node cache) answers, and the next run is again bit-identical;
 - with `--parallel` (last; needs the server the script starts): a LingBot Parallel node between Loader and
   Offload ('none') runs and its latents equal the single-device run's bit for bit; a second prompt reuses the
-  workers (no new start in the log, same pids); an interrupt mid-Denoise leaves the next run exact; POST /free
+  workers (no new start in the log, same pids); an interrupt mid-Denoise leaves the next run exact and keeps the workers; POST /free
   (unload models) stops the worker processes, twice; SIGINT to main.py leaves no worker process.
 """
 
@@ -450,7 +450,10 @@ def check_parallel(server: Server, proc: subprocess.Popen, log_path: Path, devic
     entry, _ = server.run(prompt)
     same = ran(entry, denoise) and torch.equal(server.latent(entry, saver), reference)
     record(same, "parallel: the run after the interrupt equals the single-device run bit for bit",
-           f"pids {worker_processes(proc.pid)} (before {workers})" if same else (errors_of(entry) if entry else "refused"))
+           "" if same else (errors_of(entry) if entry else "refused"))
+    record(starts() == before + 1 and worker_processes(proc.pid) == workers,
+           "parallel: the interrupt kept the workers (no new start, same pids)",
+           f"starts {starts() - before}, pids {worker_processes(proc.pid)} (before {workers})")
 
     for round_ in (1, 2):  # twice: the second time the workers were started again by a cached Parallel node
         code, _ = server.post("/free", {"unload_models": True})
