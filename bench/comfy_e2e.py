@@ -314,6 +314,17 @@ async def _interrupt_mid_denoise(server: Server, prompt: dict, denoise: str, at_
     return prompt_id, -1
 
 
+def interrupt_mid_denoise(server: Server, prompt: dict, denoise: str, check: str) -> bool:
+    """Queue `prompt` (24 steps), interrupt it at Denoise's step 3 and record `check`: the run ended as
+    interrupted after at least one step."""
+    prompt_id, step = asyncio.run(_interrupt_mid_denoise(server, prompt, denoise, at_step=3))
+    stopped = server.wait(prompt_id) if prompt_id else None
+    interrupted = stopped is not None and any(kind == "execution_interrupted"
+                                              for kind, _ in stopped["status"]["messages"])
+    return record(interrupted and step > 0, check,
+                  f"interrupted at step {step} of 24" if interrupted else f"status {stopped and stopped['status']}")
+
+
 def ran(entry: dict | None, node: str) -> bool:
     """The run succeeded and `node` was computed in it (not served from ComfyUI's cache)."""
     if entry is None or entry["status"]["status_str"] != "success":
@@ -334,12 +345,7 @@ def check_interrupt_and_free(server: Server) -> None:
     reference = server.latent(entry, saver)
 
     stop_prompt, _, _ = latent_prompt(seed=8, tag="stopped")
-    prompt_id, step = asyncio.run(_interrupt_mid_denoise(server, stop_prompt, denoise, at_step=3))
-    stopped = server.wait(prompt_id) if prompt_id else None
-    interrupted = stopped is not None and any(kind == "execution_interrupted"
-                                              for kind, _ in stopped["status"]["messages"])
-    record(interrupted and step > 0, "POST /interrupt stops Denoise mid-way",
-           f"interrupted at step {step} of 24" if interrupted else f"status {stopped and stopped['status']}")
+    interrupt_mid_denoise(server, stop_prompt, denoise, "POST /interrupt stops Denoise mid-way")
 
     again_prompt, _, _ = latent_prompt(seed=7, tag="after_interrupt")
     entry, _ = server.run(again_prompt)  # the interrupted prompt replaced Denoise's cache entry: it runs again
@@ -440,12 +446,7 @@ def check_parallel(server: Server, proc: subprocess.Popen, log_path: Path, devic
            f"starts {starts() - before}, pids {worker_processes(proc.pid)}")
 
     stop_prompt, _, _ = parallel_prompt(seed=13, tag="par_stopped", parallel=inputs, steps=24)
-    prompt_id, step = asyncio.run(_interrupt_mid_denoise(server, stop_prompt, denoise, at_step=3))
-    stopped = server.wait(prompt_id) if prompt_id else None
-    interrupted = stopped is not None and any(kind == "execution_interrupted"
-                                              for kind, _ in stopped["status"]["messages"])
-    record(interrupted and step > 0, "parallel: POST /interrupt stops Denoise mid-way",
-           f"at step {step} of 24" if interrupted else f"status {stopped and stopped['status']}")
+    interrupt_mid_denoise(server, stop_prompt, denoise, "parallel: POST /interrupt stops Denoise mid-way")
     prompt, _, _ = parallel_prompt(seed=11, tag="par_after_interrupt", parallel=inputs)
     entry, _ = server.run(prompt)
     same = ran(entry, denoise) and torch.equal(server.latent(entry, saver), reference)
