@@ -18,9 +18,13 @@ from lingbot_core.weights.loader import quantizable
 T = gguf.GGMLQuantizationType
 
 
-def write_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, T]], arch: str = "lingbot_video") -> Path:
-    """A GGUF file holding `tensors` (name -> (stored array, GGML type)) in order, written by the gguf package."""
+def write_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, T]], arch: str = "lingbot_video",
+               arrays: dict[str, list] | None = None) -> Path:
+    """A GGUF file holding `tensors` (name -> (stored array, GGML type)) in order, written by the gguf package;
+    `arrays` are extra array-valued metadata keys, written after the architecture."""
     writer = gguf.GGUFWriter(path, arch=arch)
+    for key, values in (arrays or {}).items():
+        writer.add_array(key, values)
     for name, (data, qtype) in tensors.items():
         writer.add_tensor(name, data, raw_dtype=qtype)
     writer.write_header_to_file()

@@ -19,6 +19,7 @@ from lingbot_core.handle import PipelineHandle
 from lingbot_core.quantize import quantize_checkpoint
 from lingbot_core.weights.dit_file import PREFIXES, dit_file_source
 from lingbot_core.weights.loader import load_dit
+from tests.gguf_fakes import write_gguf
 
 T = gguf.GGMLQuantizationType
 STACK = re.compile(r"\.experts\.w[123]$")
@@ -126,19 +127,15 @@ def _community_gguf(src: Path, dst: Path, arch: str = "lingbot") -> Path:
     reader = gguf.GGUFReader(src)
     tensors = {t.name: (np.array(t.data), t.tensor_type) for t in reader.tensors}
     del reader
-    writer = gguf.GGUFWriter(dst, arch=arch)
+    stored, arrays = {}, {}
     for name, (data, qtype) in tensors.items():
-        stored = "model.diffusion_model." + (f"{name}.weight" if re.search(r"\.experts\.w[123]\.\d+$", name) else name)
+        key = "model.diffusion_model." + (f"{name}.weight" if re.search(r"\.experts\.w[123]\.\d+$", name) else name)
         if name == "blocks.0.attn.to_q.weight":
             assert qtype == T.Q8_0 and data.shape == (32, 34)
-            writer.add_array(f"comfy.gguf.orig_shape.{stored}", [32, 32])
+            arrays[f"comfy.gguf.orig_shape.{key}"] = [32, 32]
             data = data.reshape(4, 8 * 34)  # Q8_0 blocks run along rows: the same bytes, 256 values a row
-        writer.add_tensor(stored, data, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return dst
+        stored[key] = (data, qtype)
+    return write_gguf(dst, stored, arch=arch, arrays=arrays)
 
 
 @pytest.fixture(scope="module")
