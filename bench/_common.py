@@ -99,3 +99,16 @@ def environment() -> dict[str, Any]:
     if torch.cuda.is_available():
         info["cuda_device"] = torch.cuda.get_device_name(0)
     return info
+
+
+def random_dit(config: dict[str, Any], weight_scale: float = 0.02) -> Any:
+    """A LingBot-Video DiT of `config` with seeded random weights (torch's global seed set to 0 first): matrices
+    N(0, weight_scale), vectors N(0, 0.1), norm weights around 1. The benches and the tests' random DiTs."""
+    from lingbot_core.models.transformer import LingBotVideoTransformer3DModel
+
+    torch.manual_seed(0)
+    model = LingBotVideoTransformer3DModel(**config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * (weight_scale if p.ndim > 1 else 0.1) + (1.0 if "norm" in name else 0.0))
+    return model

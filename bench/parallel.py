@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/x.
 
 import torch
 
-from bench._common import environment, fmt, max_abs_diff, table, write_json
+from bench._common import environment, fmt, max_abs_diff, random_dit, table, write_json
 
 #: the layouts timed against the one-process baseline: (label, cfg, ulysses, fsdp); `--processes` caps the world
 LAYOUTS = (("ulysses=2", 1, 2, False), ("cfg=2", 2, 1, False), ("ulysses=2 + FSDP", 1, 2, True),
@@ -78,13 +78,7 @@ def dit_config(args: argparse.Namespace) -> dict[str, Any]:
 def _setup(args: argparse.Namespace, device: torch.device):
     from types import SimpleNamespace
 
-    from lingbot_core.models.transformer import LingBotVideoTransformer3DModel
-
-    torch.manual_seed(0)
-    model = LingBotVideoTransformer3DModel(**dit_config(args)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn_like(p) * (0.05 if p.ndim > 1 else 0.1) + (1.0 if "norm" in name else 0.0))
+    model = random_dit(dit_config(args), 0.05)
     model.to(device)
     g = torch.Generator().manual_seed(1)
     latents = torch.randn(*map(int, args.latent.split(",")), generator=g).to(device)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import lingbot_core
+from bench._common import random_dit
 from lingbot_core.models import moe as moe_module
 from lingbot_core.models.config import DiTConfig
 from lingbot_core.models.precision import stays_float32
@@ -19,15 +20,6 @@ CONFIGS = Path(lingbot_core.__file__).parent / "configs"
 TINY_MOE = dict(hidden_size=32, num_attention_heads=2, depth=2, intermediate_size=64, text_dim=32, freq_dim=32,
                 axes_dims=(4, 6, 6), axes_lens=(64, 32, 32), num_experts=4, num_experts_per_tok=2,
                 moe_intermediate_size=16, n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5)
-
-
-def _random_model(**cfg) -> LingBotVideoTransformer3DModel:
-    torch.manual_seed(0)
-    model = LingBotVideoTransformer3DModel(**cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn_like(p) * (0.02 if p.ndim > 1 else 0.1) + (1.0 if "norm" in name else 0.0))
-    return model
 
 
 def _inputs(b=1, text=8):
@@ -46,7 +38,7 @@ def test_published_configs_build_on_meta_with_exact_parameter_count(name, count)
 
 
 def test_half_cast_keeps_reference_fp32_modules():
-    model = _random_model(**TINY_MOE).to(torch.bfloat16)
+    model = random_dit(TINY_MOE).to(torch.bfloat16)
     params = dict(model.named_parameters()) | dict(model.named_buffers())
     assert params["blocks.0.ffn.router.e_score_correction_bias"].dtype == torch.float32
     assert params["text_embedder.norm.weight"].dtype == torch.float32
@@ -59,7 +51,7 @@ def test_half_cast_keeps_reference_fp32_modules():
 
 
 def test_bf16_model_runs_without_autocast_and_tracks_fp32():
-    model = _random_model(**TINY_MOE)
+    model = random_dit(TINY_MOE)
     x, t, text = _inputs()
     with torch.no_grad():
         ref = model(x, t, text).sample
@@ -69,7 +61,7 @@ def test_bf16_model_runs_without_autocast_and_tracks_fp32():
 
 
 def test_grouped_mm_path_matches_expert_loop_in_bf16(monkeypatch):
-    model = _random_model(**TINY_MOE).to(torch.bfloat16)
+    model = random_dit(TINY_MOE).to(torch.bfloat16)
     x, t, text = _inputs()
     calls = []
     real = moe_module.SparseMoE._experts_grouped
@@ -86,14 +78,14 @@ def test_grouped_mm_path_matches_expert_loop_in_bf16(monkeypatch):
 
 
 def test_fp32_model_never_uses_grouped_mm(monkeypatch):
-    model = _random_model(**TINY_MOE)
+    model = random_dit(TINY_MOE)
     monkeypatch.setattr(moe_module.SparseMoE, "_experts_grouped", lambda *a: pytest.fail("fp32 used grouped_mm"))
     with torch.no_grad():
         model(*_inputs())
 
 
 def test_time_modulation_is_per_sample_not_per_token():
-    model = _random_model(**TINY_MOE)
+    model = random_dit(TINY_MOE)
     seen = []
     model.blocks[0].register_forward_pre_hook(lambda mod, args: seen.append(tuple(args[1].shape)))
     with torch.no_grad():
@@ -102,7 +94,7 @@ def test_time_modulation_is_per_sample_not_per_token():
 
 
 def test_attention_backend_choice_reaches_dispatch(monkeypatch):
-    model = _random_model(**TINY_MOE)
+    model = random_dit(TINY_MOE)
     import lingbot_core.models.transformer as tr
 
     used = []
@@ -122,11 +114,11 @@ def test_attention_backend_choice_reaches_dispatch(monkeypatch):
 
 
 def test_rope_table_growth_does_not_change_outputs():
-    model = _random_model(**TINY_MOE)
+    model = random_dit(TINY_MOE)
     x, t, text = _inputs(text=40)  # text positions reach 40 on the frame axis
     with torch.no_grad():
         a = model(x, t, text).sample
-        fresh = _random_model(**{**TINY_MOE, "axes_lens": (2, 2, 2)})  # same seed, same weights, tiny tables
+        fresh = random_dit({**TINY_MOE, "axes_lens": (2, 2, 2)})  # same seed, same weights, tiny tables
         b = fresh(x, t, text).sample
     assert fresh.rope.axes[0].capacity > 40
     torch.testing.assert_close(a, b, atol=0, rtol=0)

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from bench._common import random_dit
 from lingbot_core.models.transformer import LingBotVideoTransformer3DModel
 from lingbot_core.parallel import (
     ParallelLayout,
@@ -38,15 +39,6 @@ MOE = dict(DENSE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16
            topk_group=1, routed_scaling_factor=2.5)
 
 
-def _model(cfg: dict) -> LingBotVideoTransformer3DModel:
-    torch.manual_seed(0)
-    model = LingBotVideoTransformer3DModel(**cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn_like(p) * (0.05 if p.ndim > 1 else 0.1) + (1.0 if "norm" in name else 0.0))
-    return model
-
-
 def _cases():
     g = torch.Generator().manual_seed(1)
     # 3x2x3 = 18 video tokens + 7 text tokens = 25: odd, so ulysses=2 pads one token
@@ -64,7 +56,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def _ulysses_checks(layout: ParallelLayout) -> dict:
     found = {}
     for name, cfg in (("dense", DENSE), ("moe", MOE)):
-        model = _model(cfg)
+        model = random_dit(cfg, 0.05)
         for case, (x, t, text, mask) in _cases().items():
             with torch.no_grad():
                 alone = model(x, t, text, mask, return_dict=False)[0]
@@ -80,7 +72,7 @@ def _cfg_checks(layout: ParallelLayout) -> dict:
     from lingbot_core.parallel import ParallelGuidance
     from lingbot_core.sampling.guidance import Guidance
 
-    model = _model(MOE)
+    model = random_dit(MOE, 0.05)
     g = torch.Generator().manual_seed(2)
     latents = torch.randn(1, 16, 3, 4, 6, generator=g)
     positive = SimpleNamespace(embeds=torch.randn(1, 7, 32, generator=g), mask=torch.ones(1, 7, dtype=torch.int64))
@@ -163,7 +155,7 @@ def _fsdp_checks(layout: ParallelLayout) -> dict:
     cond = Conditioning(PromptEmbeds(torch.randn(1, 7, 32, generator=g), torch.ones(1, 7, dtype=torch.int64), ids),
                         PromptEmbeds(torch.randn(1, 3, 32, generator=g), torch.ones(1, 3, dtype=torch.int64), ids))
     latents = torch.randn(1, 16, 2, 4, 6, generator=g)
-    model = _model(MOE)
+    model = random_dit(MOE, 0.05)
     full = sum(p.numel() for p in model.parameters())
     plan = shard_plan(model)
     alone = parallel_denoise(model, ParallelLayout.single(), latents, cond, steps=2, guidance_scale=3.0)
@@ -284,7 +276,7 @@ def _failure_checks(layout: ParallelLayout) -> dict:
             raise RuntimeError("injected failure at step 2")
 
     try:
-        parallel_denoise(_model(DENSE), layout, torch.randn(1, 16, 2, 4, 6, generator=g),
+        parallel_denoise(random_dit(DENSE, 0.05), layout, torch.randn(1, 16, 2, 4, 6, generator=g),
                          Conditioning(embeds, embeds), steps=5, guidance_scale=3.0, callback=callback)
         return {"error": None}
     except Exception as err:  # what reached this rank is the result
@@ -408,7 +400,7 @@ def test_ulysses_degree_must_divide_the_heads():
 
 
 def test_one_process_layout_installs_nothing():
-    model = _model(DENSE)
+    model = random_dit(DENSE, 0.05)
     enable_sequence_parallel(model, ParallelLayout.single())
     assert not any("_diffusers_hook" in m.__dict__ for m in model.modules())
 
@@ -446,7 +438,7 @@ def test_parallel_view_refuses_what_cannot_run_on_several_processes():
     from lingbot_core.handle import PipelineHandle
     from lingbot_core.parallel import stage as parallel_stage
 
-    handle = PipelineHandle.from_components({"transformer": _model(DENSE)})  # 4 heads
+    handle = PipelineHandle.from_components({"transformer": random_dit(DENSE, 0.05)})  # 4 heads
     with pytest.raises(ValueError, match="offload mode 'model' cannot run on several processes"):
         handle.with_offload("model").with_parallel(_fake_layout(2, 2))
     with pytest.raises(ValueError, match="divide the DiT's 4 attention heads"):
@@ -494,7 +486,7 @@ def test_fsdp_plan_shards_bulk_weights_and_keeps_the_float32_set_whole():
     from lingbot_core.models.precision import stays_float32
     from lingbot_core.parallel.fsdp import shard_plan
 
-    model = _model(MOE)
+    model = random_dit(MOE, 0.05)
     plan = shard_plan(model)
     assert len(plan.blocks) == MOE["depth"]
     for _, sharded, whole in plan.blocks:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench._common import random_dit
 from lingbot_core.models import moe as moe_module
 from lingbot_core.models.transformer import LingBotVideoTransformer3DModel
 from lingbot_core.weights.fp8 import dequantize_fp8, quantize_fp8
@@ -15,15 +16,6 @@ TINY = dict(hidden_size=32, num_attention_heads=2, depth=2, intermediate_size=64
             axes_dims=(4, 6, 6), axes_lens=(64, 32, 32))
 TINY_MOE = dict(TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
                 n_group=2, topk_group=1, routed_scaling_factor=2.5)
-
-
-def _random_model(**cfg) -> LingBotVideoTransformer3DModel:
-    torch.manual_seed(0)
-    model = LingBotVideoTransformer3DModel(**cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn_like(p) * (0.02 if p.ndim > 1 else 0.1) + (1.0 if "norm" in name else 0.0))
-    return model
 
 
 def _inputs(b: int = 1, frames: int = 2, side: int = 8, text: int = 8):
@@ -63,7 +55,7 @@ def test_fp8_table_decode_is_bit_identical_to_the_cast(dtype):
 # -- MoE paths -----------------------------------------------------------------------------------------
 
 def test_packed_experts_take_the_grouped_path_and_match_the_loop(monkeypatch):
-    model = _random_model(**TINY_MOE).to(torch.bfloat16)
+    model = random_dit(TINY_MOE).to(torch.bfloat16)
     _pack_experts(model)
     x, t, text = _inputs()
     calls = []
@@ -80,7 +72,7 @@ def test_packed_experts_take_the_grouped_path_and_match_the_loop(monkeypatch):
 
 
 def test_packed_experts_with_a_runtime_delta_stay_on_the_loop(monkeypatch):
-    model = _random_model(**TINY_MOE).to(torch.bfloat16)
+    model = random_dit(TINY_MOE).to(torch.bfloat16)
     _pack_experts(model)
     for m in model.modules():
         if isinstance(m, QuantizedExperts):
@@ -92,7 +84,7 @@ def test_packed_experts_with_a_runtime_delta_stay_on_the_loop(monkeypatch):
 
 def test_grouped_routing_with_a_zero_gate_adds_nothing():
     """A slot whose gate is exactly 0 is computed on the fixed-shape path and weighted by 0."""
-    model = _random_model(**TINY_MOE).to(torch.bfloat16)
+    model = random_dit(TINY_MOE).to(torch.bfloat16)
     moe = next(m for m in model.modules() if isinstance(m, moe_module.SparseMoE))
     tokens = torch.randn(6, 32).bfloat16()
     chosen, gates = moe.router(tokens)
@@ -109,7 +101,7 @@ def test_grouped_routing_with_a_zero_gate_adds_nothing():
 @pytest.mark.parametrize("cfg", [TINY, TINY_MOE], ids=["dense", "moe"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunked_ffn_matches_the_whole_sequence(cfg, dtype):
-    model = _random_model(**cfg).to(dtype)
+    model = random_dit(cfg).to(dtype)
     x, t, text = _inputs(b=2)  # 2 x 4 x 4 = 32 video tokens + 8 text per sample
     seen = []
     for block in model.blocks:
@@ -180,7 +172,7 @@ def _block_call(model: LingBotVideoTransformer3DModel, index: int, inputs):
 @pytest.mark.parametrize("cfg,index,dtype", [(TINY, 0, torch.float32), (TINY_MOE, 1, torch.bfloat16),
                                              (TINY_MOE, 1, torch.float32)], ids=["dense", "moe", "moe-fp32"])
 def test_a_block_compiles_without_graph_breaks(cfg, index, dtype):
-    model = _random_model(**cfg).to(dtype)
+    model = random_dit(cfg).to(dtype)
     block = model.blocks[index]
     assert type(block.ffn).__name__ == ("SparseMoE" if cfg is TINY_MOE else "SwiGLU")
     args = _block_call(model, index, _inputs())
@@ -200,7 +192,7 @@ def test_compiled_blocks_share_one_graph_and_survive_merges_and_new_sizes():
         graphs.append(gm)
         return gm.forward
 
-    model = _random_model(**TINY_MOE).to(torch.bfloat16)
+    model = random_dit(TINY_MOE).to(torch.bfloat16)
     torch._dynamo.reset()
     regional._COMPILED.clear()
     regional._COMPILED[("counting", True)] = torch.compile(type(model.blocks[0]).compute, backend=counting_backend,
@@ -230,7 +222,7 @@ def test_group_offload_hooks_stay_outside_the_compiled_blocks():
     from lingbot_core.models import compile as regional
 
     graphs = []
-    model = _random_model(**TINY_MOE).to(torch.bfloat16)
+    model = random_dit(TINY_MOE).to(torch.bfloat16)
     with torch.no_grad():
         eager = model(*_inputs()).sample
     cpu = torch.device("cpu")
@@ -298,7 +290,7 @@ def test_sequential_and_disk_offload_run_compiled_with_their_hooks_outside(fixtu
 
 
 def test_rotary_tables_can_be_sized_before_compiling():
-    model = _random_model(**TINY)
+    model = random_dit(TINY)
     rope = model.rope
     rope.reserve((40, 20, 30), n_text=16)
     assert [a.capacity for a in rope.axes] == [max(64, 57), 32, 32]
