@@ -20,6 +20,7 @@ import torch
 from lingbot_core import lora as lora_ops
 from lingbot_core import stages
 from lingbot_core.handle import PipelineHandle
+from lingbot_core.parallel import pool as pool_module
 from lingbot_core.parallel.pool import PoolError, PoolSpec, parse_devices, pool_of, run_stage
 from lingbot_nodes import NODE_CLASS_MAPPINGS
 
@@ -227,6 +228,8 @@ def test_devices_and_degrees_are_checked_before_any_process_starts(fixtures_root
                          ("cuda", "name the GPU")):
         with pytest.raises(ValueError, match=message):
             parse_devices(bad)
+    with pytest.raises(ValueError, match="CPU processes asked for"):  # a workflow cannot fork the server away
+        parse_devices(",".join(["cpu"] * (max(pool_module.MAX_CPU_RANKS, os.cpu_count() or 1) + 1)))
     handle = PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu")
     with pytest.raises(ValueError, match="two or more"):
         PoolSpec.make(handle, "cpu", 1)

@@ -73,6 +73,10 @@ class _Dropped(Exception):
 
 # -- what the workers need: devices, degrees and the checkpoint as plain data --------------------------------
 
+MAX_CPU_RANKS = 8
+"""CPU ranks LingBot Parallel starts at most (or one per core where there are more cores)."""
+
+
 def parse_devices(text: str) -> tuple[str, ...]:
     """`"cuda:0, cuda:1"`, `"0,1"` (CUDA indices) or `"cpu,cpu"` -> one device name per rank."""
     names = []
@@ -92,6 +96,11 @@ def parse_devices(text: str) -> tuple[str, ...]:
     cuda = [n for n in names if n.startswith("cuda")]
     if len(set(cuda)) != len(cuda):
         raise ValueError(f"devices: {text!r} names a GPU twice; each rank needs its own")
+    # A GPU can be named once; 'cpu' repeats, so a workflow could ask for any number of processes, each
+    # loading a DiT: a bound (CPU ranks are for trying the node out).
+    limit = max(MAX_CPU_RANKS, os.cpu_count() or 1)
+    if len(names) - len(cuda) > limit:
+        raise ValueError(f"devices: {len(names) - len(cuda)} CPU processes asked for; at most {limit} here")
     return tuple(names)
 
 
