@@ -10,14 +10,14 @@ from . import runtime
 from .types import CATEGORY, Choice, Pipe
 from .v3 import io
 
-CFG_CHOICES = ["1", "2"]
-
 
 class LingBotParallel(io.ComfyNode):
     """Starts (or reuses) worker processes for a pipe; Denoise and Refine on its output run on all of them."""
 
     @classmethod
     def define_schema(cls):
+        from lingbot_core.parallel.layout import CFG_DEGREES  # the degrees the layout accepts
+
         return io.Schema(
             node_id="LingBotParallel",
             display_name="LingBot Parallel",
@@ -37,7 +37,7 @@ class LingBotParallel(io.ComfyNode):
                                 tooltip="One device per process, this one first (the pipe's device), e.g. "
                                         "'cuda:0, cuda:1, cuda:2, cuda:3', or GPU indices '0,1'; 'cpu, cpu' to try "
                                         "it without GPUs"),
-                Choice("cfg", options=CFG_CHOICES, default="1",
+                Choice("cfg", options=[str(d) for d in CFG_DEGREES], default="1",
                        tooltip="2: the prompt's and the negative's DiT passes on two groups of devices (about 2x "
                                "when cfg > 1); needs an even device count"),
                 io.Int.Input("ulysses", default=0, min=0, max=64,
