@@ -394,9 +394,14 @@ def _run_jobs(args: argparse.Namespace, prompt, engine, reporter: Reporter, outp
     from . import NODE_CLASS_MAPPINGS
 
     jobs = read_jobs(args.jobs)  # a bad line stops here, before any model work
-    place = world_place(layout.world_size if layout is not None else 1)
+    place = world_place(layout=layout)
     _pick_local_device()
-    manifest = Manifest(args.manifest or output / f"{Path(args.jobs).stem}.manifest.jsonl")
+    # one file per writing group leader (jobs.manifest.group<N>.jsonl) when the world has several groups
+    manifest = Manifest(args.manifest or output / f"{Path(args.jobs).stem}.manifest.jsonl", writer=place.writer)
+    if layout is not None and layout.nodes > 1 and place.leader:
+        reporter.write(f"note: video group {place.group} spans {layout.nodes} nodes (cfg x ulysses = "
+                       f"{layout.world_size} does not fit the processes left on one node); its collectives "
+                       "cross the network")
     prompts, refused = {}, {}
     for job in place.share(jobs):  # each job's overrides and graph checked before the first one runs
         try:
@@ -435,12 +440,12 @@ def _run_jobs(args: argparse.Namespace, prompt, engine, reporter: Reporter, outp
 
     where = f" (rank {place.rank} of {place.world_size}, group {place.group} of {place.groups})" \
         if place.world_size > 1 else ""
-    reporter.write(f"lingbot-run: {len(jobs)} jobs from {args.jobs}{where}; manifest {manifest.path}")
+    reporter.write(f"lingbot-run: {len(jobs)} jobs from {args.jobs}{where}; manifest {manifest.write_path}")
     results = run_jobs(jobs, run_one, manifest, place=place, on_result=shown)
     failed = sum(e["status"] != DONE for e in results)
     mine = len(place.share(jobs))
     print(f"jobs: {len(results) - failed} done, {failed} failed, {mine - len(results)} already done"
-          f"{where}; manifest {manifest.path}", file=sys.stderr)
+          f"{where}; manifest {manifest.write_path}", file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -12,7 +12,7 @@ from lingbot_core.parallel.launch import init_loopback_group
 
 
 def run_share(rank: int, world: int, port: int, folder: str) -> None:
-    """One gloo rank: its share of `folder`/jobs.jsonl (seed 13 fails) into the shared m.jsonl."""
+    """One gloo rank: its share of `folder`/jobs.jsonl (seed 13 fails) into its own file of manifest m.jsonl."""
     init_loopback_group(rank, world, port)
     try:
         place = world_place()
@@ -24,15 +24,20 @@ def run_share(rank: int, world: int, port: int, folder: str) -> None:
             path.write_text(str(place.rank))
             return [str(path)]
 
-        run_jobs(read_jobs(Path(folder, "jobs.jsonl")), run_one, Manifest(Path(folder, "m.jsonl")), place=place)
+        run_jobs(read_jobs(Path(folder, "jobs.jsonl")), run_one, Manifest(Path(folder, "m.jsonl"), place.writer),
+                 place=place)
     finally:
         dist.destroy_process_group()
 
 
-def run_parallel_cli(rank: int, world: int, port: int, folder: str, model: str) -> None:
-    """`lingbot-run t2i --parallel cfg=1,ulysses=2 --jobs` on this rank, as torchrun would start it (its
-    environment variables; the CLI finds the group initialised and leaves it at the end). What the
-    rank printed and its exit code go to `folder`/rank<N>.json."""
+def run_parallel_cli(rank: int, world: int, ports: list[int], folder: str, runs: list[list[str]],
+                     nodes: int = 1) -> None:
+    """`lingbot-run ... --jobs` once per entry of `runs` (its arguments) on this rank, as torchrun would
+    start it: its environment variables, the CLI joining the group from them (env://, a port per
+    run: each run leaves the group at its end). `nodes` > 1 spreads the ranks over that many pretend
+    nodes round-robin (GROUP_RANK = rank % nodes, LOCAL_RANK = rank // nodes), so the video groups,
+    kept inside nodes, are not runs of consecutive ranks. What each run printed and its exit code
+    go to `folder`/rank<N>.json."""
     import contextlib
     import io
     import json
@@ -43,14 +48,18 @@ def run_parallel_cli(rank: int, world: int, port: int, folder: str, model: str) 
     from lingbot_nodes.cli import main
 
     torch.set_num_threads(1)
-    init_loopback_group(rank, world, port)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    printed = io.StringIO()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank // nodes),
+                      LOCAL_WORLD_SIZE=str(world // nodes), GROUP_RANK=str(rank % nodes), MASTER_ADDR="127.0.0.1",
+                      GLOO_SOCKET_IFNAME="lo")
+    results = []
     try:
-        with contextlib.redirect_stdout(printed):
-            code = main(["t2i", "--model", model, "--parallel", "cfg=1,ulysses=2", "-q",
-                         "--jobs", str(Path(folder, "jobs.jsonl")), "--output", str(Path(folder, "out"))])
-        Path(folder, f"rank{rank}.json").write_text(json.dumps({"code": code, "printed": printed.getvalue().split()}))
+        for port, args in zip(ports, runs, strict=True):
+            os.environ["MASTER_PORT"] = str(port)
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                code = main(args)
+            results.append({"code": code, "printed": printed.getvalue().split()})
+        Path(folder, f"rank{rank}.json").write_text(json.dumps(results))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

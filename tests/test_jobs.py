@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 from jobs_worker import run_parallel_cli, run_share
 
@@ -15,11 +16,13 @@ from lingbot_core.parallel.jobs import (
     JOB_FIELDS,
     Job,
     JobsFileError,
+    Manifest,
     WorldPlace,
     read_jobs,
     world_place,
 )
 from lingbot_core.parallel.launch import free_loopback_port
+from lingbot_core.parallel.layout import video_groups
 from lingbot_nodes.cli import main
 
 
@@ -114,52 +117,176 @@ def test_world_place_splits_jobs_by_their_place_in_the_file(monkeypatch):
         world_place(3)
 
 
-def test_two_processes_split_the_jobs_and_share_one_manifest(tmp_path):
+def _nodes(*counts: int) -> list[tuple[str, int]]:
+    """(node, local rank) per global rank as torchrun assigns them: each node's ranks consecutive."""
+    return [(f"agent{n}", local) for n, count in enumerate(counts) for local in range(count)]
+
+
+@pytest.mark.parametrize("counts,size", [((4, 4), 2), ((4, 4), 4), ((3, 3), 2), ((5, 5, 5, 5), 4), ((2, 2), 4),
+                                         ((4, 2), 2), ((6, 2), 4), ((1, 1, 1, 1), 2), ((8,), 8)])
+def test_video_groups_stay_inside_a_node_where_they_fit(counts, size):
+    groups = video_groups(_nodes(*counts), size)
+    node_of = [n for n, _local in _nodes(*counts)]
+    assert sorted(r for g in groups for r in g) == list(range(sum(counts)))  # each rank once
+    assert all(len(g) == size and g == sorted(g) for g in groups) and groups == sorted(groups)
+    spanning = [g for g in groups if len({node_of[r] for r in g}) > 1]
+    # only the ranks a node cannot fill a whole group with end up in groups across nodes
+    assert len(spanning) * size == sum(c % size for c in counts)
+    if all(c % size == 0 for c in counts):  # torchrun's consecutive ranks: the groups of consecutive ranks
+        assert groups == [list(range(i, i + size)) for i in range(0, sum(counts), size)]
+
+
+def test_video_groups_follow_the_nodes_not_the_rank_numbers():
+    interleaved = [(f"agent{r % 2}", r // 2) for r in range(8)]  # a launcher that deals ranks round-robin
+    assert video_groups(interleaved, 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert video_groups(interleaved, 4) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    # five ranks on one node, three on another, groups of four: node 0's first four make a group, its
+    # fifth and node 1's three are pooled into the one group across nodes
+    assert video_groups(_nodes(5, 3), 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert video_groups([("b", 1), ("b", 0), ("a", 0), ("a", 1)], 2) == [[0, 1], [2, 3]]  # local order within a node
+    with pytest.raises(ValueError, match="do not divide"):
+        video_groups(_nodes(3), 2)
+
+
+def test_manifest_files_per_writer_torn_lines_and_the_old_single_file(tmp_path):
+    base = tmp_path / "jobs.manifest.jsonl"
+    base.write_text(json.dumps({"id": "old", "status": DONE}) + "\n")  # written before the per-writer files
+    g0, g12 = Manifest(base, "group0"), Manifest(base, "group12")
+    assert (g0.write_path.name, g12.write_path.name) == ("jobs.manifest.group0.jsonl", "jobs.manifest.group12.jsonl")
+    g12.record({"id": "a", "status": DONE})
+    g12.write_path.open("a").write('{"id": "b", "status": "do')  # a writer killed mid-line
+    g0.record({"id": "c", "status": FAILED})
+    g12.record({"id": "d", "status": DONE})  # the next line starts on a line of its own
+    (tmp_path / "jobs.manifest.groupx.jsonl").write_text(json.dumps({"id": "x", "status": DONE}) + "\n")
+    (tmp_path / "jobs.manifest.jsonl.bak").write_text(json.dumps({"id": "y", "status": DONE}) + "\n")
+    (tmp_path / "other.manifest.group1.jsonl").write_text(json.dumps({"id": "z", "status": DONE}) + "\n")
+    reader = Manifest(base)
+    assert [p.name for p in reader.files()] == ["jobs.manifest.jsonl", "jobs.manifest.group0.jsonl",
+                                                "jobs.manifest.group12.jsonl"]
+    assert [e["id"] for e in reader.entries()] == ["old", "c", "a", "d"]
+    assert reader.done() == {"old", "a", "d"}
+    assert g12.write_path.read_text().splitlines()[1:] == ['{"id": "b", "status": "do', '{"id": "d", "status": "done"}']
+    assert Manifest(tmp_path / "none.jsonl").done() == set()
+    with pytest.raises(ValueError, match="group<N>"):
+        Manifest(base, "../x")
+
+
+def test_world_place_takes_the_groups_of_a_layout(monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    place = world_place(layout=SimpleNamespace(world_size=2, video=1, rank=0))  # rank 3 leads group 1 (ranks 1, 3)
+    assert (place.group, place.groups, place.leader, place.writer) == (1, 2, True, "group1")
+    assert [j.id for j in place.share([Job(f"j{i}", i + 1) for i in range(5)])] == ["j1", "j3"]
+    assert WorldPlace().writer is None and WorldPlace(2, 3, 1).writer == "group2"
+
+
+def test_two_processes_split_the_jobs_each_writing_its_own_manifest(tmp_path):
     _write(tmp_path / "jobs.jsonl", [{"id": f"j{i}", "seed": 13 if i == 2 else i} for i in range(5)])
-    mp.spawn(run_share, args=(2, free_loopback_port(), str(tmp_path)), nprocs=2, join=True)
-    entries = sorted(_manifest(tmp_path / "m.jsonl"), key=lambda e: e["id"])
+    mp.start_processes(run_share, args=(2, free_loopback_port(), str(tmp_path)), nprocs=2, join=True,
+                       start_method=_START)
+    # one file per writer (NFS does not make two writers' appends to one file safe), read back as one
+    assert sorted(p.name for p in tmp_path.glob("m*.jsonl")) == ["m.group0.jsonl", "m.group1.jsonl"]
+    entries = sorted(Manifest(tmp_path / "m.jsonl").entries(), key=lambda e: e["id"])
     assert [(e["id"], e["rank"], e["status"]) for e in entries] == [
         ("j0", 0, DONE), ("j1", 1, DONE), ("j2", 0, FAILED), ("j3", 1, DONE), ("j4", 0, DONE)]
+    assert all(e in _manifest(tmp_path / f"m.group{e['rank']}.jsonl") for e in entries)
     assert "unlucky seed" in entries[2]["error"]
     assert all((tmp_path / f"{e['id']}.txt").read_text() == str(e["rank"]) for e in entries if e["status"] == DONE)
     with pytest.raises(JobsFileError):
         read_jobs(tmp_path / "missing.jsonl")
 
 
-def test_four_processes_run_the_jobs_as_two_ulysses_groups(tmp_path, capsys, fixtures_root):
-    """torchrun-like world of 4 gloo ranks, --parallel cfg=1,ulysses=2: two groups of two ranks, each
-    job run once by one group (its DiT forwards shared over the group's own ulysses subgroup), the
-    group leaders (ranks 0 and 2) writing the files and the manifest; each picture equals the
-    one-process run's (PNG: lossless) within one 8-bit level."""
+_START = "spawn" if torch.cuda.is_initialized() else "fork"  # fork: no second torch import per rank
+# a prompt per job (of different lengths): each job encodes anew, so a broadcast that left its group
+# would hand the other group the wrong prompt (or wait for ranks that have finished)
+_PROMPTS = ["a red boat", "a small grey cat asleep on a warm windowsill", "rain"]
+
+
+def _picture_jobs() -> list[dict]:
+    return [{"id": f"j{i}", "seed": i, "size": "48x32", "steps": 2, "prompt": p} for i, p in enumerate(_PROMPTS)]
+
+
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory, fixtures_root) -> dict[str, Path]:
+    """The picture jobs run by one process (no --parallel): job id -> its PNG."""
+    folder = tmp_path_factory.mktemp("alone")
+    jobs = _write(folder / "jobs.jsonl", _picture_jobs())
+    model = str(fixtures_root / "models" / "tiny-dense")
+    assert main(["t2i", "--model", model, "-q", "--jobs", str(jobs), "--output", str(folder / "out")]) == 0
+    return {e["id"]: Path(e["outputs"][0]) for e in _manifest(folder / "out" / "jobs.manifest.jsonl")}
+
+
+def _same_pictures(entries: list[dict], alone: dict[str, Path]) -> None:
+    """Each job's PNG (lossless) equals the one-process run's within one 8-bit level: the parallel
+    forwards differ from one process's by float rounding only (tests/test_parallel.py: 2e-6 on frames)."""
     import numpy as np
-    import torch
     from PIL import Image
 
-    model = str(fixtures_root / "models" / "tiny-dense")
-    # a prompt per job (of different lengths): each job encodes anew, so a broadcast that left its group
-    # would hand the other group the wrong prompt (or wait for ranks that have finished)
-    prompts = ["a red boat", "a small grey cat asleep on a warm windowsill", "rain"]
-    jobs = _write(tmp_path / "jobs.jsonl", [{"id": f"j{i}", "seed": i, "size": "48x32", "steps": 2, "prompt": p}
-                                            for i, p in enumerate(prompts)])
-    method = "spawn" if torch.cuda.is_initialized() else "fork"  # fork: no second torch import per rank
-    mp.start_processes(run_parallel_cli, args=(4, free_loopback_port(), str(tmp_path), model), nprocs=4, join=True,
-                       start_method=method)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
-    assert [r["code"] for r in ranks] == [0, 0, 0, 0]
-    assert ranks[1]["printed"] == [] and ranks[3]["printed"] == []  # only the group leaders print
-    entries = sorted(_manifest(tmp_path / "out" / "jobs.manifest.jsonl"), key=lambda e: e["id"])
-    assert [(e["id"], e["rank"], e["status"]) for e in entries] == [("j0", 0, DONE), ("j1", 2, DONE), ("j2", 0, DONE)]
-    assert sorted(ranks[0]["printed"] + ranks[2]["printed"]) == [e["outputs"][0] for e in entries]
-
-    alone = tmp_path / "alone"
-    assert main(["t2i", "--model", model, "-q", "--jobs", str(jobs), "--output", str(alone)]) == 0
-    capsys.readouterr()
-    for entry in _manifest(alone / "jobs.manifest.jsonl"):
-        (mine,) = [e for e in entries if e["id"] == entry["id"]]
-        parallel_png = np.asarray(Image.open(mine["outputs"][0]), dtype=np.int16)
-        alone_png = np.asarray(Image.open(entry["outputs"][0]), dtype=np.int16)
+    assert sorted(e["id"] for e in entries) == sorted(alone)
+    for entry in entries:
+        parallel_png = np.asarray(Image.open(entry["outputs"][0]), dtype=np.int16)
+        alone_png = np.asarray(Image.open(alone[entry["id"]]), dtype=np.int16)
         assert parallel_png.shape == alone_png.shape == (32, 48, 3)
         assert np.abs(parallel_png - alone_png).max() <= 1, entry["id"]
+
+
+def _run_world(tmp_path: Path, runs: list[list[str]], nodes: int = 1) -> list[list[dict]]:
+    """Four gloo ranks (forked) running `lingbot-run` once per entry of `runs`; per rank, per run:
+    its exit code and what it printed."""
+    ports = [free_loopback_port() for _ in runs]
+    mp.start_processes(run_parallel_cli, args=(4, ports, str(tmp_path), runs, nodes), nprocs=4, join=True,
+                       start_method=_START)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+
+
+def test_four_processes_run_the_jobs_as_two_ulysses_groups(tmp_path, fixtures_root, alone):
+    """torchrun-like world of 4 gloo ranks, --parallel cfg=1,ulysses=2: two groups of two ranks, each
+    job run once by one group (its DiT forwards shared over the group's own ulysses subgroup), the
+    group leaders (ranks 0 and 2) writing the files and their own manifest files."""
+    jobs = _write(tmp_path / "jobs.jsonl", _picture_jobs())
+    args = ["t2i", "--model", str(fixtures_root / "models" / "tiny-dense"), "--parallel", "cfg=1,ulysses=2", "-q",
+            "--jobs", str(jobs), "--output", str(tmp_path / "out")]
+    ranks = [r[0] for r in _run_world(tmp_path, [args])]
+    assert [r["code"] for r in ranks] == [0, 0, 0, 0]
+    assert ranks[1]["printed"] == [] and ranks[3]["printed"] == []  # only the group leaders print
+    entries = sorted(Manifest(tmp_path / "out" / "jobs.manifest.jsonl").entries(), key=lambda e: e["id"])
+    assert [(e["id"], e["rank"], e["status"]) for e in entries] == [("j0", 0, DONE), ("j1", 2, DONE), ("j2", 0, DONE)]
+    assert [e["id"] for e in _manifest(tmp_path / "out" / "jobs.manifest.group1.jsonl")] == ["j1"]
+    assert sorted(ranks[0]["printed"] + ranks[2]["printed"]) == [e["outputs"][0] for e in entries]
+    _same_pictures(entries, alone)
+
+
+def test_cfg2_fsdp_groups_on_two_nodes_fail_alone_and_resume(tmp_path, fixtures_root, alone):
+    """--parallel cfg=2,ulysses=1 --fsdp --jobs on 4 gloo ranks spread over two pretend nodes round-robin
+    (node 0: ranks 0 and 2, node 1: ranks 1 and 3, as GROUP_RANK / LOCAL_RANK say): the two video
+    groups are {0, 2} and {1, 3}, each inside its node (not the consecutive {0, 1}, {2, 3}), their
+    leaders 0 and 1 writing the files and the manifest files. A job the workflow refuses is recorded
+    as failed and the others run; the second run (the bad job fixed, same id) skips the done ones
+    and runs only it. Pictures equal the one-process run's within one 8-bit level."""
+    good = _picture_jobs()
+    bad = {"id": "bad", "seed": 5, "size": "48x32", "steps": 2, "prompt": "fog", "set": ["Denoise.width=40"]}
+    first = _write(tmp_path / "first.jsonl", [good[0], bad, good[1], good[2]])
+    fixed = _write(tmp_path / "fixed.jsonl", [good[0], {k: v for k, v in bad.items() if k != "set"}, *good[1:]])
+    common = ["t2i", "--model", str(fixtures_root / "models" / "tiny-dense"), "--parallel", "cfg=2,ulysses=1",
+              "--fsdp", "-q", "--output", str(tmp_path / "out"), "--manifest", str(tmp_path / "out" / "m.jsonl")]
+    ranks = _run_world(tmp_path, [[*common, "--jobs", str(first)], [*common, "--jobs", str(fixed)]], nodes=2)
+    # exit codes per process: group 1 (ranks 1, 3) had the failed job in its first run (torchrun then fails)
+    assert [[run["code"] for run in r] for r in ranks] == [[0, 0], [1, 0], [0, 0], [1, 0]]
+    assert all(run["printed"] == [] for r in (ranks[2], ranks[3]) for run in r)  # not group leaders
+    manifest = Manifest(tmp_path / "out" / "m.jsonl")
+    entries = list(manifest.entries())
+    # jobs by place in the file: group 0 (ranks 0, 2) takes lines 1 and 3, group 1 (ranks 1, 3) lines 2 and 4
+    assert [(e["id"], e["rank"], e["status"]) for e in _manifest(tmp_path / "out" / "m.group0.jsonl")] == [
+        ("j0", 0, DONE), ("j1", 0, DONE)]
+    assert [(e["id"], e["rank"], e["status"]) for e in _manifest(tmp_path / "out" / "m.group1.jsonl")] == [
+        ("bad", 1, FAILED), ("j2", 1, DONE), ("bad", 1, DONE)]
+    assert "multiple of 16" in entries[2]["error"]
+    assert ranks[0][1]["printed"] == [] and len(ranks[1][1]["printed"]) == 1  # the resume ran only "bad"
+    done = {e["id"]: e for e in entries if e["status"] == DONE}
+    assert Path(done["bad"]["outputs"][0]).name == "t2i_bad_00001_.png"
+    _same_pictures([e for e in done.values() if e["id"] != "bad"], alone)
 
 
 def test_the_readme_jobs_example_reads(tmp_path):

@@ -19,6 +19,13 @@ same engine (loaded models stay loaded). A second run with the same manifest ski
 as done (failed ones run again), so an interrupted batch resumes where it stopped. Jobs are given
 to groups by their place in the whole file, not among the unfinished ones, so the groups need no
 communication to agree: each reads the manifest for its own jobs only.
+
+The manifest is one file per writer: with several groups, group g's leader appends to
+``<stem>.group<g><suffix>`` beside the named file (``jobs.manifest.group3.jsonl``), and a world of
+one group to the named file itself. No two processes ever append to one file, which NFS (the usual
+folder shared by several machines) does not make safe: its appends from two clients can overwrite
+each other. Reading takes the named file and every ``.group<N>`` one, so a batch resumes under a
+different world (more nodes, other degrees) or from a manifest written before the split.
 """
 
 from __future__ import annotations
@@ -191,39 +198,81 @@ def job_overrides(nodes: dict[str, dict[str, Any]], job: Job) -> list[str]:
     return out + list(job.sets)
 
 
+WRITER_PATTERN = re.compile(r"group[0-9]{1,6}")
+
+
 class Manifest:
     """The jsonl record of finished jobs: one line appended per job, read back to resume.
 
-    Each line is written with one ``write`` on a file opened for appending, so the leaders of
-    several groups on one machine can share the file; a line cut short (a crash mid-write) is
-    ignored when reading.
+    `path` names the manifest; `writer` (``group<N>``, see `WorldPlace.writer`) makes this process
+    append to its own file beside it (`write_path`), None to `path` itself. Each line is one
+    ``write`` followed by ``fsync``. A line cut short (a process killed mid-write, a crash that left
+    zero bytes) is skipped when reading, and the next line written after it starts on a line of its
+    own.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], writer: str | None = None) -> None:
         self.path = Path(path)
+        if writer is not None and not WRITER_PATTERN.fullmatch(writer):
+            raise ValueError(f"manifest writer {writer!r} is not group<N>")
+        self.writer = writer
+
+    @property
+    def write_path(self) -> Path:
+        """The file this process appends to."""
+        if self.writer is None:
+            return self.path
+        return self.path.with_name(f"{self._stem}.{self.writer}{self.path.suffix}")
+
+    @property
+    def _stem(self) -> str:
+        return self.path.name[: len(self.path.name) - len(self.path.suffix)]
+
+    def files(self) -> list[Path]:
+        """Every file of this manifest that exists: the named one, then each writer's (by group)."""
+        found = [self.path] if self.path.is_file() else []
+        stem, suffix = self._stem, self.path.suffix
+        writers = []
+        if self.path.parent.is_dir():
+            for candidate in self.path.parent.iterdir():
+                name = candidate.name
+                if name.startswith(f"{stem}.") and name.endswith(suffix) and candidate.is_file():
+                    middle = name[len(stem) + 1: len(name) - len(suffix)]
+                    if WRITER_PATTERN.fullmatch(middle):
+                        writers.append((int(middle[len("group"):]), candidate))
+        return found + [path for _n, path in sorted(writers)]
 
     def entries(self) -> Iterator[dict[str, Any]]:
-        if not self.path.is_file():
-            return
-        with self.path.open(encoding="utf-8", errors="replace") as f:
-            for raw in f:
-                try:
-                    entry = json.loads(raw)
-                except ValueError:
-                    continue
-                if isinstance(entry, dict) and isinstance(entry.get("id"), str):
-                    yield entry
+        """Every readable line of every file (`files`); torn or foreign lines are skipped."""
+        for path in self.files():
+            try:
+                f = path.open(encoding="utf-8", errors="replace")
+            except OSError:  # gone since it was listed (another run cleaning up)
+                continue
+            with f:
+                for raw in f:
+                    try:
+                        entry = json.loads(raw)
+                    except ValueError:
+                        continue
+                    if isinstance(entry, dict) and isinstance(entry.get("id"), str):
+                        yield entry
 
     def done(self) -> set[str]:
         """Ids of the jobs recorded as done (a later failure of the same id does not undo it)."""
         return {e["id"] for e in self.entries() if e.get("status") == DONE}
 
     def record(self, entry: dict[str, Any]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        line = json.dumps(entry, ensure_ascii=False) + "\n"
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        """Append `entry` as one line of `write_path` (after a newline if the file ends mid-line)."""
+        path = self.write_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        line = (json.dumps(entry, ensure_ascii=False) + "\n").encode("utf-8")
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, line.encode("utf-8"))
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                line = b"\n" + line  # a torn last line stays a line of its own, skipped when read
+            os.write(fd, line)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -231,11 +280,17 @@ class Manifest:
 
 @dataclass(frozen=True)
 class WorldPlace:
-    """Where this process stands among data-parallel groups of `group_size` ranks each."""
+    """Where this process stands among data-parallel groups of `group_size` ranks each.
+
+    `video` / `member` are its group's index and its place in that group as a parallel layout made
+    them (`ParallelLayout.video`, `.rank`: groups kept inside nodes); None: groups of consecutive ranks.
+    """
 
     rank: int = 0
     world_size: int = 1
     group_size: int = 1
+    video: int | None = None
+    member: int | None = None
 
     @property
     def groups(self) -> int:
@@ -243,22 +298,30 @@ class WorldPlace:
 
     @property
     def group(self) -> int:
-        return self.rank // self.group_size
+        return self.rank // self.group_size if self.video is None else self.video
 
     @property
     def leader(self) -> bool:
         """Rank 0 of its group: the one that writes files and manifest lines."""
-        return self.rank % self.group_size == 0
+        return self.rank % self.group_size == 0 if self.member is None else self.member == 0
+
+    @property
+    def writer(self) -> str | None:
+        """This group's manifest file name part (`Manifest`): None when the world is one group."""
+        return f"group{self.group}" if self.groups > 1 else None
 
     def share(self, jobs: Sequence[Job]) -> list[Job]:
         """This group's jobs: every `groups`-th from its index, by place in the whole file."""
         return list(jobs[self.group::self.groups])
 
 
-def world_place(group_size: int = 1) -> WorldPlace:
-    """This process's place: from torch.distributed when initialised, else torchrun's RANK /
-    WORLD_SIZE variables, else one process. `group_size` (ranks that make one video together)
-    must divide the world size."""
+def world_place(group_size: int = 1, layout: Any = None) -> WorldPlace:
+    """This process's place: from `layout` (a `ParallelLayout` of several processes: its video
+    group), else from torch.distributed when initialised, else torchrun's RANK / WORLD_SIZE
+    variables, else one process. `group_size` (ranks that make one video together) must divide the
+    world size."""
+    if layout is not None and layout.world_size > 1:
+        group_size = layout.world_size
     dist = sys.modules.get("torch.distributed")  # not imported: no group can be initialised
     try:
         if dist is not None and dist.is_available() and dist.is_initialized():
@@ -269,6 +332,8 @@ def world_place(group_size: int = 1) -> WorldPlace:
         raise ValueError("RANK and WORLD_SIZE must be whole numbers (as torchrun sets them)") from None
     if group_size < 1 or world % group_size:
         raise ValueError(f"{group_size} ranks per video do not divide the world of {world} processes")
+    if layout is not None and layout.world_size > 1:
+        return WorldPlace(rank, world, group_size, video=layout.video, member=layout.rank)
     return WorldPlace(rank, world, group_size)
 
 

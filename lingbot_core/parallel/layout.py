@@ -9,19 +9,28 @@ The groups come from torch's own `DeviceMesh` over the already-initialised defau
 (NCCL on GPUs, gloo on CPU); nothing here opens a socket of its own.
 
 With `ParallelLayout.create(..., split=True)` the world may be several such grids (a jobs file
-spread over data-parallel groups): ranks [g*G, (g+1)*G) form video group g of G = cfg x ulysses
-ranks, the mesh gets a leading "jobs" dimension, and `rank` / `group` / `leader_rank` are this
-rank's place in its own group, so every collective of one video stays inside that group.
+spread over data-parallel groups) of G = cfg x ulysses ranks each. `video_groups` cuts the world
+into them node by node, so a video's collectives (Ulysses' all-to-alls in every attention layer)
+stay inside one machine where they can: each node's processes, in local-rank order, make
+(processes on the node) // G groups, and only the ranks left over on the nodes (when G does not
+divide a node's process count, or exceeds it) make groups that span nodes. Under torchrun with the
+same --nproc-per-node everywhere and G dividing it, these are the groups of G consecutive ranks. The
+mesh gets a leading "jobs" dimension, and `rank` / `group` / `leader_rank` / `video` are this rank's
+place in its own group, so every collective of one video stays inside that group.
 """
 
 from __future__ import annotations
 
+import os
+import socket
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["CFG_DEGREES", "ParallelLayout", "parse_degrees"]
+__all__ = ["CFG_DEGREES", "ParallelLayout", "node_place", "parse_degrees", "video_groups"]
 
 #: the cfg degrees a layout accepts: no CFG split, or cond / uncond on two rank rows
 CFG_DEGREES = (1, 2)
@@ -50,13 +59,46 @@ def parse_degrees(text: str, world_size: int, *, split: bool = False) -> tuple[i
     return cfg, ulysses
 
 
+def node_place() -> tuple[str, int]:
+    """(node, local rank) of this process: torchrun's GROUP_RANK (its agent's rank; one agent per
+    machine) and LOCAL_RANK, else the host name and RANK (one machine)."""
+    node = os.environ.get("GROUP_RANK")
+    node = f"agent{node}" if node is not None and node.strip() else f"host:{socket.gethostname()}"
+    local = os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))
+    return node, int(local) if local.strip().isdigit() else 0
+
+
+def video_groups(places: Sequence[tuple[str, int]], size: int) -> list[list[int]]:
+    """The world's ranks cut into groups of `size`, each on one node where the node allows.
+
+    `places[r]` is global rank r's (node, local rank). A node's ranks (by local rank) fill whole
+    groups first; the ranks left over on every node (in node order: the node of the lowest rank
+    first) are pooled into the groups that must span nodes. Each group lists its ranks in rising
+    order (the order torch gives the ranks of a subgroup), and the groups come in the order of their
+    lowest rank. ValueError when `size` does not divide the world."""
+    if size < 1 or len(places) % size:
+        raise ValueError(f"{size} ranks per video do not divide the world of {len(places)} processes")
+    nodes: dict[str, list[tuple[int, int]]] = {}
+    for rank, (node, local) in enumerate(places):
+        nodes.setdefault(node, []).append((local, rank))
+    groups: list[list[int]] = []
+    leftover: list[int] = []
+    for members in nodes.values():  # dicts keep insertion order: the node of the lowest rank first
+        ranks = [rank for _local, rank in sorted(members)]
+        whole = len(ranks) - len(ranks) % size
+        groups += [ranks[i:i + size] for i in range(0, whole, size)]
+        leftover += ranks[whole:]
+    groups += [leftover[i:i + size] for i in range(0, len(leftover), size)]
+    return sorted((sorted(g) for g in groups), key=lambda g: g[0])
+
+
 @dataclass
 class ParallelLayout:
     """The degrees, this rank's place in the grid and the two process groups.
 
     `rank` is this rank's place in its video group; `group` is that group's process group (None: the
     whole world is one video) and `leader_rank` the global rank of its rank 0 (what `broadcast`'s
-    `src` names).
+    `src` names); `video` is the group's index among the world's `videos` groups.
 
     Build it with `ParallelLayout.create(cfg, ulysses)` on every rank after
     `torch.distributed.init_process_group`; `ParallelLayout.single()` is the one-process layout
@@ -70,6 +112,9 @@ class ParallelLayout:
     fsdp: bool = False  # shard the DiTs' blocks over every rank of the video group (parallel/fsdp.py)
     group: Any = field(default=None, repr=False, compare=False)
     leader_rank: int = 0
+    video: int = 0  # which video group this rank is in (split layouts), of `videos`
+    videos: int = 1
+    nodes: int = 1  # how many nodes this rank's video group spans (node_place)
     _world: Any = field(default=None, repr=False, compare=False)
 
     @property
@@ -106,7 +151,8 @@ class ParallelLayout:
         """The layout of this rank in the initialised default group; every rank must call it.
         `fsdp`: the DiTs' blocks are sharded over every rank of the video when a denoise first runs them.
         `split`: the world may be a multiple of cfg x ulysses; it is cut into groups of that many
-        consecutive ranks, each running its own videos (every group is made here, by every rank)."""
+        ranks (`video_groups`: each inside one node where it can), each running its own videos (every
+        group is made here, by every rank: they learn each other's node with one all-gather)."""
         if cfg not in CFG_DEGREES or ulysses < 1:
             raise ValueError(f"parallel layout: cfg must be one of {CFG_DEGREES} and ulysses >= 1 (got {cfg}, {ulysses})")
         if not dist.is_available() or not dist.is_initialized():
@@ -122,13 +168,21 @@ class ParallelLayout:
         if world == size:  # one video on the whole world: the default group is its group
             mesh = init_device_mesh(device_type, (cfg, ulysses), mesh_dim_names=("cfg", "ulysses"))
             return cls(cfg=cfg, ulysses=ulysses, rank=rank, mesh=mesh, fsdp=bool(fsdp))
-        groups = world // size
-        mesh = init_device_mesh(device_type, (groups, cfg, ulysses), mesh_dim_names=("jobs", "cfg", "ulysses"))
+        from torch.distributed.device_mesh import DeviceMesh
+
+        places: list[Any] = [None] * world
+        dist.all_gather_object(places, node_place())
+        groups = video_groups([tuple(p) for p in places], size)
+        (video,) = [i for i, g in enumerate(groups) if rank in g]
+        members = groups[video]
+        ranks = torch.tensor(groups, dtype=torch.int64)
         # the groups are collectives of the whole world: made now, while every rank is here (the groups
         # then run different jobs and never meet again)
-        videos = init_device_mesh(device_type, (groups, size), mesh_dim_names=("jobs", "video"))
-        layout = cls(cfg=cfg, ulysses=ulysses, rank=rank % size, mesh=mesh, fsdp=bool(fsdp),
-                     group=videos.get_group("video"), leader_rank=rank - rank % size)
+        mesh = DeviceMesh(device_type, ranks.view(len(groups), cfg, ulysses), mesh_dim_names=("jobs", "cfg", "ulysses"))
+        videos = DeviceMesh(device_type, ranks, mesh_dim_names=("jobs", "video"))
+        layout = cls(cfg=cfg, ulysses=ulysses, rank=members.index(rank), mesh=mesh, fsdp=bool(fsdp),
+                     group=videos.get_group("video"), leader_rank=members[0], video=video, videos=len(groups),
+                     nodes=len({places[r][0] for r in members}))
         layout._world = videos["video"]
         return layout
 
