@@ -310,5 +310,19 @@ def check_ffn_chunk(value: Any) -> int | str | None:
     raise ValueError(f"ffn_chunk must be 'auto', 0 (never chunk) or a number of tokens, got {value!r}")
 
 
+def ffn_chunk_setting(choice: Any) -> int | str | None:
+    """A Loader's `ffn_chunk` widget value (one of `placement.estimate.FFN_CHUNK_CHOICES`) as the handle's
+    setting: "auto", None for "off" (never chunk), else the number of tokens. Anything else is refused
+    with the choices, before anything loads."""
+    from .placement.estimate import AUTO_CHUNK, FFN_CHUNK_CHOICES, NO_CHUNK
+
+    if not isinstance(choice, str) or choice not in FFN_CHUNK_CHOICES:
+        shown = repr(choice)[:40] if isinstance(choice, (str, int, float, bool)) or choice is None else type(choice).__name__
+        raise ValueError(f"ffn_chunk must be one of {', '.join(FFN_CHUNK_CHOICES)}; got {shown}")
+    if choice == AUTO_CHUNK:
+        return AUTO_CHUNK
+    return None if choice == NO_CHUNK else int(choice)
+
+
 def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

@@ -20,7 +20,7 @@ from pathlib import Path
 from lingbot_core.save_path import is_inside
 
 from . import paths, runtime
-from .loader import ATTENTION, DTYPES, TINY, WEIGHTS, checkpoint_choices, resolve_checkpoint
+from .loader import ATTENTION, DTYPES, TINY, WEIGHTS, checkpoint_choices, ffn_chunk_input, resolve_checkpoint
 from .types import CATEGORY, Choice, Pipe
 from .v3 import io
 
@@ -125,6 +125,8 @@ class LingBotLoaderFiles(io.ComfyNode):
 
     @classmethod
     def define_schema(cls):
+        from lingbot_core.placement.estimate import FFN_CHUNK_CHOICES
+
         fill = [FROM_CHECKPOINT]
         return io.Schema(
             node_id="LingBotLoaderFiles",
@@ -167,6 +169,7 @@ class LingBotLoaderFiles(io.ComfyNode):
                 io.String.Input("vae_path", default="", optional=True, tooltip="A VAE file instead of the combo"),
                 io.String.Input("text_encoder_path", default="", optional=True,
                                 tooltip="A text encoder file instead of the combo"),
+                ffn_chunk_input(FFN_CHUNK_CHOICES),  # last: a workflow saved before it keeps its values in place
             ],
             outputs=[Pipe.Output(display_name="pipe", tooltip="The pipeline handle")],
         )
@@ -179,8 +182,12 @@ class LingBotLoaderFiles(io.ComfyNode):
     @classmethod
     def execute(cls, dit, vae, text_encoder, checkpoint, refiner=FROM_CHECKPOINT, dtype="auto", attention="default",
                 device="auto", weights="auto", processor_path="", checkpoint_path="", dit_path="", refiner_path="",
-                vae_path="", text_encoder_path=""):
+                vae_path="", text_encoder_path="", ffn_chunk="auto"):
         import torch
+
+        from lingbot_core.handle import PipelineHandle, ffn_chunk_setting
+
+        chunk = ffn_chunk_setting(ffn_chunk)  # refused here, before any file is opened
 
         problem = runtime.device_problem(device) or runtime.attention_problem(attention, device)
         if problem:
@@ -198,14 +205,13 @@ class LingBotLoaderFiles(io.ComfyNode):
                 raise ValueError(f"no checkpoint chosen, so every component must be a file: choose "
                                  f"{', '.join('dit' if n == 'transformer' else n for n in missing)} (or a checkpoint)")
         processor = resolve_processor(AUTO, processor_path, folder)
-        from lingbot_core.handle import PipelineHandle
         dtypes = {"transformer": None, "refiner": None}
         dtypes.update(runtime.comfy_dtypes())
         if DTYPES[dtype] is not None:
             dt = getattr(torch, DTYPES[dtype])
             dtypes = {"transformer": dt, "refiner": dt, "text_encoder": dt}
         options = dict(device=runtime.execution_device(device), dtypes=dtypes, weights=weights,
-                       attention_backend=None if attention == "default" else attention)
+                       attention_backend=None if attention == "default" else attention, ffn_chunk=chunk)
         if processor is None and not any(chosen.values()):  # everything from the checkpoint folder
             return io.NodeOutput(runtime.install_memory_cooperation(PipelineHandle.open(folder, **options)))
         from lingbot_core.components import ComponentFiles

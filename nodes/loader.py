@@ -28,6 +28,16 @@ def _attention_choice(value: object) -> str | None:
     return f"attention must be one of {', '.join(ATTENTION)}; got {shown}"
 
 
+def ffn_chunk_input(choices: tuple[str, ...]) -> Choice:
+    """The Loaders' `ffn_chunk` widget (the last of each: old saved workflows keep their values in place)."""
+    return Choice("ffn_chunk", options=list(choices), default=choices[0], optional=True,
+                  tooltip="Tokens per FFN/MoE pass in the DiTs: the same math per token, with the FFN's and the "
+                          "MoE routing's memory bounded to one chunk. auto: whole sequences when the memory "
+                          "estimate fits the free GPU memory, else the largest chunk that fits (the Memory Report "
+                          "says which); off: never chunk; a number: always that many tokens (smaller: less "
+                          "memory, a little slower). Changing it opens the checkpoint again: the next run reloads the models")
+
+
 def checkpoint_choices() -> list[str]:
     names = list(TINY)
     for root in runtime.model_roots():
@@ -75,6 +85,8 @@ class LingBotLoader(io.ComfyNode):
 
     @classmethod
     def define_schema(cls):
+        from lingbot_core.placement.estimate import FFN_CHUNK_CHOICES
+
         return io.Schema(
             node_id="LingBotLoader",
             display_name="LingBot Loader",
@@ -111,6 +123,7 @@ class LingBotLoader(io.ComfyNode):
                        tooltip="blocks: torch.compile each DiT block (first run compiles for a minute or more, "
                                "then each step runs faster; needs triton on CUDA or a C++ compiler on CPU). "
                                "Under sequential offload the blocks run uncompiled"),
+                ffn_chunk_input(FFN_CHUNK_CHOICES),  # last: a workflow saved before it keeps its values in place
             ],
             outputs=[Pipe.Output(display_name="pipe", tooltip="The pipeline handle")],
         )
@@ -127,11 +140,12 @@ class LingBotLoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, checkpoint, variant, dtype, attention, path="", device="auto", weights="auto",
-                transformer_path="", compile="off"):
+                transformer_path="", compile="off", ffn_chunk="auto"):
         import torch
 
-        from lingbot_core.handle import PipelineHandle
+        from lingbot_core.handle import PipelineHandle, ffn_chunk_setting
 
+        chunk = ffn_chunk_setting(ffn_chunk)  # refused here, before the checkpoint is even opened
         problem = (_attention_choice(attention) or runtime.device_problem(device)
                    or runtime.attention_problem(attention, device))
         if problem:
@@ -146,7 +160,8 @@ class LingBotLoader(io.ComfyNode):
 
         handle = PipelineHandle.open(folder, device=runtime.execution_device(device), dtypes=dtypes, weights=weights,
                                      attention_backend=None if attention == "default" else attention,
-                                     transformer_folder=resolve_student(transformer_path), compile=compile)
+                                     transformer_folder=resolve_student(transformer_path), compile=compile,
+                                     ffn_chunk=chunk)
         if variant != "auto" and handle.variant != variant:
             raise ValueError(f"{folder} is a {handle.variant} checkpoint, but the loader asks for {variant}")
         runtime.install_memory_cooperation(handle)

@@ -107,7 +107,7 @@ def test_t2v_dense_converts_as_written_out_by_hand():
         "1": {"class_type": "LingBotLoader", "_meta": {"title": "Loader"},
               "inputs": {"checkpoint": "tiny (built-in dense)", "variant": "auto", "dtype": "auto",
                          "attention": "default", "path": "", "device": "auto", "weights": "auto",
-                         "transformer_path": "", "compile": "off"}},
+                         "transformer_path": "", "compile": "off", "ffn_chunk": "auto"}},
         "2": {"class_type": "LingBotOffload", "_meta": {"title": "Offload"},
               "inputs": {"pipe": ["1", 0], "mode": "model", "use_stream": True, "low_cpu_mem_usage": False,
                          "num_blocks_per_group": 1, "plan_width": 832, "plan_height": 480, "plan_frames": 121,

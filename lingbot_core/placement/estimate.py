@@ -355,6 +355,10 @@ def cfg_batch_fits(mode: str, sizes: ModelSizes, geometry: Geometry, budget_byte
 
 FFN_CHUNKS = (65536, 32768, 16384, 8192, 4096)  # tokens per FFN/MoE pass, tried largest first
 AUTO_CHUNK = "auto"
+NO_CHUNK = "off"  # the Loaders' word for "never chunk" (the handle's None)
+FFN_CHUNK_CHOICES = (AUTO_CHUNK, NO_CHUNK, *(str(n) for n in (*FFN_CHUNKS, 2048, 1024, 512, 256)))
+"""What the Loaders' `ffn_chunk` widget offers (`handle.ffn_chunk_setting` reads it): auto's candidates and
+smaller chunks down to 256 tokens (fewer tokens per pass cost Python work per block, so the list stops there)."""
 
 
 def ffn_chunk_tokens(mode: str, sizes: ModelSizes, geometry: Geometry, budget_bytes: int,
