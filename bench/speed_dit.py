@@ -13,6 +13,8 @@ Rows:
 - `quantized`: forward time of fp8 / GGUF-Q8_0 / GGUF-Q4_0 DiTs relative to the same model in bf16,
   with the decode paths before this work (fp8 by an fp32 cast, packed experts expert by expert)
   and today's (fp8 by table, packed experts on the grouped matmul), in turn, best of `--repeats`;
+- `decode`: one packed weight decoded to bf16, in one pass (before) vs in pieces (`weights.decode`),
+  beside a bf16 matmul of the same weight for scale;
 - `fp8_matmul`: which fp8 matmul path `weights.fp8.choose_fp8_matmul` picks on this machine; the
   scaled fp8 matmul row is "not run" without a CUDA GPU of compute capability 9.0+;
 - `chunked`: peak CPU bytes allocated by one block forward, FFN/MoE over token chunks vs whole
@@ -152,9 +154,42 @@ def timed(fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
 
 # -- measurements ------------------------------------------------------------------------------------
 
+def _old_q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    """The Q4_0 decoder before the piecewise work (nibbles stacked, then converted): the baseline."""
+    q = torch.stack((blocks[:, None, 2:] & 0x0F, blocks[:, None, 2:] >> 4), dim=-2).reshape(blocks.shape[0], 32)
+    return blocks[:, :2].contiguous().view(torch.float16).float() * (q.float() - 8.0)
+
+
+class _OnePassDecode:
+    """Weights decoded the way they were before `weights.decode`: the whole tensor in one pass (no
+    pieces) and the old Q4_0 decoder; the values are the same (tested)."""
+
+    def __enter__(self):
+        from gguf import GGMLQuantizationType
+
+        from lingbot_core.weights import decode, gguf_codec
+
+        self._pieces = dict(decode.PIECE_VALUES)
+        decode.PIECE_VALUES["cpu"] = 1 << 62
+        q4 = GGMLQuantizationType.Q4_0
+        self._q4 = gguf_codec.BLOCK_TYPES[q4]
+        gguf_codec.BLOCK_TYPES[q4] = gguf_codec.BlockType(_old_q4_0, self._q4.half_fields)
+        return self
+
+    def __exit__(self, *exc):
+        from gguf import GGMLQuantizationType
+
+        from lingbot_core.weights import decode, gguf_codec
+
+        decode.PIECE_VALUES.clear()
+        decode.PIECE_VALUES.update(self._pieces)
+        gguf_codec.BLOCK_TYPES[GGMLQuantizationType.Q4_0] = self._q4
+
+
 class _Legacy:
     """The decode paths as they were before the speed work, for the `before` column: fp8 decoded by
-    an fp32 cast, packed experts run expert by expert (the grouped path switched off)."""
+    an fp32 cast, packed experts run expert by expert (the grouped path switched off), every weight
+    decoded in one pass (`_OnePassDecode`)."""
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -168,14 +203,68 @@ class _Legacy:
         self._moes = [m for m in self.model.modules() if isinstance(m, SparseMoE)]
         for m in self._moes:
             m.use_grouped_mm = False
+        self._one_pass = _OnePassDecode().__enter__()
         return self
 
     def __exit__(self, *exc):
         from lingbot_core.weights import modules
 
+        self._one_pass.__exit__(*exc)
         modules.dequantize_fp8 = self._saved
         for m in self._moes:
             m.use_grouped_mm = True
+
+
+def measure_decode(args: argparse.Namespace) -> dict[str, Any]:
+    """Decode time of one packed weight to bf16: one pass (as before `weights.decode`, `_OnePassDecode`)
+    vs in pieces (today), a few calls of each in turn, best of 3 x `--repeats` (at least 3); a [6144, 2048] FFN linear and
+    a stacked [16, 768, 2048] expert tensor (16 of the 128 experts), each next to a bf16 matmul of
+    that linear at `--tokens` + `--text-tokens` tokens for scale."""
+    import torch.nn.functional as F
+
+    from lingbot_core.weights.modules import unpack
+
+    shapes = {"linear": (6144, 2048), "experts": (16, 768, 2048)}
+    if args.quick:
+        shapes = {"linear": (512, 256), "experts": (4, 64, 256)}
+    repeats = max(3, args.repeats)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for where, shape in shapes.items():
+        weight = torch.randn(shape, generator=gen) * 0.02
+        x = torch.randn(args.tokens + args.text_tokens, shape[-1], generator=gen).bfloat16()
+        flat = weight.reshape(-1, shape[-1]).bfloat16()
+        matmul = min(timed(F.linear, x, flat)[0] for _ in range(repeats))
+        for fmt_name in args.formats:
+            if fmt_name == "bf16":
+                continue
+            if fmt_name == "fp8":
+                from lingbot_core.weights.modules import FP8, Packing, pack_fp8
+
+                data, scale = pack_fp8(weight)
+                packing = Packing(FP8, shape)
+            else:
+                packing, data, scale = _gguf_pack(weight, fmt_name.split("-")[1].upper())
+            times: dict[str, list[float]] = {"before": [], "after": []}
+            for _ in range(repeats):  # a few calls of each in turn: the allocator settles per way of decoding
+                with _OnePassDecode():
+                    for _ in range(3):
+                        seconds, before = timed(unpack, packing, data, scale, torch.bfloat16)
+                        times["before"].append(seconds)
+                for _ in range(3):
+                    seconds, after = timed(unpack, packing, data, scale, torch.bfloat16)
+                    times["after"].append(seconds)
+            best = {k: min(v) for k, v in times.items()}
+            rows.append({"weight": where, "shape": "x".join(map(str, shape)), "format": fmt_name,
+                         "before_ms": best["before"] * 1e3, "after_ms": best["after"] * 1e3,
+                         "ratio": best["after"] / best["before"], "matmul_ms": matmul * 1e3,
+                         "after_x_matmul": best["after"] / matmul, "equal": bool(torch.equal(before, after))})
+            emit("decode", rows[-1])
+    text = table(["weight", "shape", "format", "one pass ms", "pieces ms", "pieces x one pass",
+                  f"bf16 matmul ms ({args.tokens + args.text_tokens} tokens)", "pieces x matmul", "same values"],
+                 [[r["weight"], r["shape"], r["format"], r["before_ms"], r["after_ms"], r["ratio"], r["matmul_ms"],
+                   r["after_x_matmul"], str(r["equal"])] for r in rows])
+    return {"rows": rows, "text": text}
 
 
 def measure_quantized(args: argparse.Namespace) -> dict[str, Any]:
@@ -349,6 +438,7 @@ def measure_compile(args: argparse.Namespace) -> dict[str, Any]:
 
 MEASUREMENTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "quantized": measure_quantized,
+    "decode": measure_decode,
     "chunked": measure_chunked,
     "estimate": measure_estimate,
     "fp8_matmul": measure_fp8_matmul,

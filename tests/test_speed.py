@@ -71,6 +71,39 @@ def test_packed_experts_take_the_grouped_path_and_match_the_loop(monkeypatch):
     assert (grouped - looped).abs().max() < 2e-2 * looped.abs().max()
 
 
+@pytest.mark.parametrize("per_expert", [False, True], ids=["stacked", "per-expert"])
+@pytest.mark.parametrize("span", [1, 3])
+def test_packed_experts_in_spans_match_all_experts_at_once(monkeypatch, span, per_expert):
+    """Eager packed experts decode `grouped_span` experts at a time; spans of 1 and 3 of the 4 experts
+    (a short last span, spans no token routes to) give what decoding every expert at once gives."""
+    model = random_dit(TINY_MOE).to(torch.bfloat16)
+    _pack_experts(model)
+    experts = [m for m in model.modules() if isinstance(m, QuantizedExperts)]
+    if per_expert:  # held one tensor per expert, as a per-expert GGUF file stores them
+        for m in experts:
+            for name in m.NAMES:
+                for field in ("qdata", "qscale"):
+                    stacked = getattr(m, f"{name}_{field}")
+                    delattr(m, f"{name}_{field}")
+                    setattr(m, f"{name}_{field}", torch.nn.ParameterList(
+                        [torch.nn.Parameter(one, requires_grad=False) for one in stacked]))
+    x, t, text = _inputs()
+    decoded: list[int] = []
+    real_stack = QuantizedExperts.stack
+    monkeypatch.setattr(QuantizedExperts, "stack",
+                        lambda self, name, dtype=None, experts=None: decoded.append(
+                            self.num_experts if experts is None else experts.stop - experts.start)
+                        or real_stack(self, name, dtype, experts))
+    with torch.no_grad():
+        whole = model(x, t, text).sample
+        assert decoded and set(decoded) == {4}
+        decoded.clear()
+        monkeypatch.setattr(QuantizedExperts, "grouped_span", lambda self, device: span)
+        spans = model(x, t, text).sample
+    assert decoded and max(decoded) <= span and sum(decoded) <= 3 * len(experts) * 4
+    assert torch.equal(spans, whole)
+
+
 def test_packed_experts_with_a_runtime_delta_stay_on_the_loop(monkeypatch):
     model = random_dit(TINY_MOE).to(torch.bfloat16)
     _pack_experts(model)

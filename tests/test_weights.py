@@ -25,6 +25,7 @@ from lingbot_core.models.precision import stays_float32 as keeps_fp32
 from lingbot_core.offload import configure_offload, stage
 from lingbot_core.placement.modes import MODE_CLASSES, MODE_ORDER
 from lingbot_core.quantize import quantize_checkpoint
+from lingbot_core.weights import decode as decode_mod
 from lingbot_core.weights import fp8 as fp8_mod
 from lingbot_core.weights import gguf_codec
 from lingbot_core.weights.modules import QuantizedExperts, QuantizedLinear
@@ -78,6 +79,35 @@ def test_gguf_blocks_decode_like_the_gguf_package(qtype):
     expected = gguf.quants.dequantize(raw, qtype)
     ours = gguf_codec.dequantize(torch.from_numpy(raw.copy()), int(qtype), expected.shape)
     np.testing.assert_array_equal(ours.numpy(), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("qtype", [t for t in gguf_codec.SUPPORTED if t not in (T.F32, T.F16, T.BF16)],
+                         ids=lambda t: t.name)
+def test_gguf_decoding_in_pieces_gives_the_same_values(qtype, dtype, monkeypatch):
+    """Big weights decode a few blocks at a time (weights.decode): the pieces, including a short last
+    one, must give exactly what one pass gives (and both what the gguf package decodes)."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = np.random.default_rng(int(qtype) + 7).integers(0, 256, size=(7, 3 * size), dtype=np.uint8)
+    for at in HALF_FIELDS[qtype]:
+        raw.reshape(-1, size)[:, at + 1] &= 0x3B
+    whole = gguf_codec.dequantize(torch.from_numpy(raw.copy()), int(qtype), (7, 3 * block), dtype)
+    monkeypatch.setitem(decode_mod.PIECE_VALUES, "cpu", 2 * block)  # 21 blocks -> 10 pieces of 2 and 1 of 1
+    pieces = gguf_codec.dequantize(torch.from_numpy(raw.copy()), int(qtype), (7, 3 * block), dtype)
+    assert pieces.dtype == dtype and torch.equal(pieces, whole)
+    np.testing.assert_array_equal(pieces.float().numpy(),
+                                  torch.from_numpy(gguf.quants.dequantize(raw, qtype)).to(dtype).float().numpy())
+
+
+@pytest.mark.parametrize("shape", [(5, 48), (3, 4, 32), (40,)], ids=["linear", "experts", "vector"])
+def test_fp8_decoding_in_pieces_gives_the_same_values(shape, monkeypatch):
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(5))
+    q, scale = fp8_mod.quantize_fp8(w)
+    whole = fp8_mod.dequantize_fp8(q, scale, torch.bfloat16)
+    monkeypatch.setitem(decode_mod.PIECE_VALUES, "cpu", 2 * shape[-1] + 1)  # two rows a piece, a short last one
+    pieces = fp8_mod.dequantize_fp8(q, scale, torch.bfloat16)
+    assert pieces.shape == w.shape and torch.equal(pieces, whole)
+    assert torch.equal(pieces, (q.float() * scale.float()[..., None]).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("qtype", [T.F32, T.F16, T.BF16], ids=lambda t: t.name)

@@ -113,6 +113,15 @@ def _loop_mix(tokens: torch.Tensor, chosen: torch.Tensor, gates: torch.Tensor, p
     return (by_slot.view(n_tokens, per_token, -1) * weight.view(n_tokens, per_token, 1)).sum(dim=1)
 
 
+def _swiglu_grouped(tokens: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                    ends: torch.Tensor) -> torch.Tensor:
+    """SwiGLU experts over expert-sorted `tokens` in three `torch._grouped_mm` calls; w1/w3 [E, I, D],
+    w2 [E, D, I]; `ends` int32 cumulative row counts per expert."""
+    gate, down, up = (w.transpose(-2, -1) for w in (w1, w2, w3))
+    inner = F.silu(torch._grouped_mm(tokens, gate, offs=ends)) * torch._grouped_mm(tokens, up, offs=ends)
+    return torch._grouped_mm(inner, down, offs=ends)
+
+
 @torch.library.custom_op("lingbot::expert_loop", mutates_args=())
 def expert_loop(tokens: torch.Tensor, chosen: torch.Tensor, gates: torch.Tensor, w1: torch.Tensor,
                 w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
@@ -143,10 +152,31 @@ class SparseMoE(nn.Module):
     def _experts_grouped(self, tokens: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """All experts in three grouped matmuls over expert-sorted tokens; `ends`: int32 cumulative counts.
 
-        Packed experts are decoded here, every expert of one weight at a time (`stack`)."""
-        gate, down, up = (w.to(tokens.dtype).transpose(-2, -1) for w in (self.experts.w1, self.experts.w2, self.experts.w3))
-        inner = F.silu(torch._grouped_mm(tokens, gate, offs=ends)) * torch._grouped_mm(tokens, up, offs=ends)
-        return torch._grouped_mm(inner, down, offs=ends)
+        Packed experts are decoded here: every expert of one weight at once while compiling (fixed
+        shapes), else a span of experts at a time (`grouped_span`), their rows only."""
+        span = getattr(self.experts, "grouped_span", None)
+        if span is not None and not torch.compiler.is_compiling():
+            step = span(tokens.device)
+            if step < self.router.routing.num_experts:
+                return self._experts_grouped_in_spans(tokens, ends, step)
+        weights = (self.experts.w1, self.experts.w2, self.experts.w3)
+        return _swiglu_grouped(tokens, *(w.to(tokens.dtype) for w in weights), ends)
+
+    def _experts_grouped_in_spans(self, tokens: torch.Tensor, ends: torch.Tensor, step: int) -> torch.Tensor:
+        """`_experts_grouped` for packed experts, `step` experts decoded at a time; spans no token
+        routes to are not decoded. The rows of a span are contiguous (tokens are sorted by expert)."""
+        experts, num = self.experts, self.router.routing.num_experts
+        bounds = [0, *ends.tolist()]  # one host read per layer: where each span's rows start and end
+        out = tokens.new_empty(tokens.shape[0], self.hidden_size)
+        for first in range(0, num, step):
+            last = min(num, first + step)
+            lo, hi = bounds[first], bounds[last]
+            if hi == lo:
+                continue
+            part = slice(first, last)
+            weights = (experts.stack(name, tokens.dtype, part) for name in ("w1", "w2", "w3"))
+            out[lo:hi] = _swiglu_grouped(tokens[lo:hi], *weights, ends[part] - lo)
+        return out
 
     def _mix_grouped(self, tokens: torch.Tensor, chosen: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
         """(N, D) -> (N, D) float32 weighted expert sum, with shapes fixed by N, top-k and E only."""

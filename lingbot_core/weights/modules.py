@@ -13,6 +13,7 @@ to, so an expert LoRA costs only the routed experts' factors.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,9 +23,12 @@ import torch.nn.functional as F
 
 from ..errors import WeightsError
 from . import gguf_codec
+from .decode import piece_values
 from .fp8 import FP8_MATMULS, choose_fp8_matmul, dequantize_fp8, quantize_fp8, scaled_mm_linear
 
 FP8 = "fp8_e4m3"
+#: decoding pieces (`weights.decode.piece_values`) one span of experts may hold on the grouped path
+GROUPED_SPAN_PIECES = 16
 
 
 @dataclass(frozen=True)
@@ -199,12 +203,24 @@ class QuantizedExperts(nn.Module):
         """Whether weight `name` is held one tensor per expert (as a per-expert GGUF file stores it)."""
         return isinstance(getattr(self, f"{name}_qdata"), nn.ParameterList)
 
-    def stack(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Every expert of `name` decoded at once, [E, out, in] (the grouped-matmul path)."""
+    def grouped_span(self, device: torch.device) -> int:
+        """How many experts the grouped path decodes at a time on `device` (`models.moe`): all three
+        weights of a span together hold at most `GROUPED_SPAN_PIECES` decoding pieces, so the decoded
+        experts never all exist at once (3 x 128 experts at real width are 1.2 GB of bf16; on a CPU a
+        fresh tensor that large also faults its pages in on every call)."""
+        per_expert = sum(math.prod(self.packings[name].shape[1:]) for name in self.NAMES)
+        return max(1, GROUPED_SPAN_PIECES * piece_values(device) // per_expert)
+
+    def stack(self, name: str, dtype: torch.dtype | None = None, experts: slice | None = None) -> torch.Tensor:
+        """Experts of `name` decoded at once, [E, out, in] (the grouped-matmul path): all of them, or the
+        contiguous range `experts` (a slice with no step)."""
+        part = slice(0, self.num_experts) if experts is None else slice(*experts.indices(self.num_experts)[:2])
         if self.per_expert(name):
-            return torch.stack([self.expert(name, e, dtype) for e in range(self.num_experts)])
+            return torch.stack([self.expert(name, e, dtype) for e in range(part.start, part.stop)])
         packing = self.packings[name]
-        return unpack(packing, getattr(self, f"{name}_qdata"), getattr(self, f"{name}_qscale"),
+        scale = getattr(self, f"{name}_qscale")
+        one = Packing(packing.kind, (part.stop - part.start, *packing.shape[1:]), packing.gguf_type)
+        return unpack(one, getattr(self, f"{name}_qdata")[part], scale[part] if scale is not None else None,
                       dtype or self.compute_dtype)
 
     @property
