@@ -381,5 +381,9 @@ def test_dit_speed_bench_runs_at_tiny_shapes():
     assert lean["after_ratio"] > 0 and lean["before_s"] != lean["before_s"]  # NaN: the column was skipped
     [chunked] = speed_dit.measure_chunked(args)["rows"]
     assert chunked["max_abs_diff"] < 1e-2 and chunked["peak_chunked"] < chunked["peak_whole"]
+    decode_rows = speed_dit.measure_decode(speed_dit.parse_args(["--quick", "--formats", "fp8,gguf-q4_0"]))["rows"]
+    assert {(r["weight"], r["format"]) for r in decode_rows} == {(w, f) for w in ("linear", "experts")
+                                                                  for f in ("fp8", "gguf-q4_0")}
+    assert all(r["equal"] and r["before_ms"] > 0 and r["after_ms"] > 0 for r in decode_rows)
     [matmul] = speed_dit.measure_fp8_matmul(args)["rows"]
     assert matmul["auto_picks"] == ("scaled_mm" if matmul["scaled_mm"] != "not run" else "decode")
