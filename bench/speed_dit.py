@@ -275,7 +275,7 @@ def measure_quantized(args: argparse.Namespace) -> dict[str, Any]:
     for kind in args.kinds:
         base = build_model(kind, args.depth, args.quick)
         cfg = dict(base.config)
-        inputs = dit_inputs(cfg, args.tokens, args.text_tokens)
+        inputs = dit_inputs(cfg, args.tokens, args.text_tokens, batch=args.batch)
         with torch.no_grad():
             reference = base(*inputs).sample.float()
             for fmt_name in args.formats:
@@ -293,15 +293,15 @@ def measure_quantized(args: argparse.Namespace) -> dict[str, Any]:
                     times["after"].append(seconds)
                 best = {k: min(v) if v else float("nan") for k, v in times.items()}
                 rel = float((out.sample.float() - reference).norm() / reference.norm())
-                rows.append({"kind": kind, "format": fmt_name, "tokens": args.tokens, "bf16_s": best["bf16"],
+                rows.append({"kind": kind, "format": fmt_name, "tokens": args.tokens, "batch": args.batch, "bf16_s": best["bf16"],
                              "before_s": best["before"], "after_s": best["after"],
                              "before_ratio": best["before"] / best["bf16"],
                              "after_ratio": best["after"] / best["bf16"], "rel_l2": rel})
                 emit("quantized", rows[-1])
                 del packed
         del base
-    text = table(["kind", "format", "video tokens", "bf16 s", "before x bf16", "after x bf16", "rel L2 vs bf16"],
-                 [[r["kind"], r["format"], str(r["tokens"]), r["bf16_s"], r["before_ratio"], r["after_ratio"],
+    text = table(["kind", "format", "video tokens", "batch", "bf16 s", "before x bf16", "after x bf16", "rel L2 vs bf16"],
+                 [[r["kind"], r["format"], str(r["tokens"]), str(r["batch"]), r["bf16_s"], r["before_ratio"], r["after_ratio"],
                    r["rel_l2"]] for r in rows])
     return {"rows": rows, "text": text}
 
@@ -456,6 +456,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--text-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="timed pairs per row (at least 1); on a slow or "
                    "loaded CPU lower this, not the shape")
+    p.add_argument("--batch", type=int, default=1, help="quantized: batch size of the forward (2 = CFG as one "
+                   "call, `cfg_batch`: one decode serves both branches)")
     p.add_argument("--no-before", dest="before", action="store_false",
                    help="quantized: skip the `before` (old decode paths) column, one forward less per pair")
     p.add_argument("--chunk-tokens", type=int, default=2048, help="video tokens of the chunked-block row")
