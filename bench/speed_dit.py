@@ -410,8 +410,9 @@ def measure_compile(args: argparse.Namespace) -> dict[str, Any]:
     if problem:
         return {"rows": [], "text": f"not run: {problem}"}
     rows = []
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.compile_dtype]
     for kind in args.kinds:
-        model = build_model(kind, args.depth, args.quick)
+        model = build_model(kind, args.depth, args.quick, dtype=dtype)
         inputs = dit_inputs(dict(model.config), args.tokens, args.text_tokens)
         torch._dynamo.reset()
         with torch.no_grad():
@@ -426,12 +427,12 @@ def measure_compile(args: argparse.Namespace) -> dict[str, Any]:
                 seconds = timed(model, *inputs)[0]
                 best_compiled = seconds if best_compiled is None else min(best_compiled, seconds)
         uncompile_blocks(model)
-        rows.append({"kind": kind, "tokens": args.tokens, "eager_s": best_eager, "first_call_s": first_s,
+        rows.append({"kind": kind, "dtype": args.compile_dtype, "tokens": args.tokens, "eager_s": best_eager, "first_call_s": first_s,
                      "compiled_s": best_compiled, "ratio": best_compiled / best_eager,
                      "max_abs_diff": max_abs_diff(compiled.sample, eager.sample)})
         emit("compile", rows[-1])
-    text = table(["kind", "video tokens", "eager s", "first compiled call s", "compiled x eager", "max |diff|"],
-                 [[r["kind"], str(r["tokens"]), r["eager_s"], r["first_call_s"], r["ratio"], r["max_abs_diff"]]
+    text = table(["kind", "dtype", "video tokens", "eager s", "first compiled call s", "compiled x eager", "max |diff|"],
+                 [[r["kind"], r["dtype"], str(r["tokens"]), r["eager_s"], r["first_call_s"], r["ratio"], r["max_abs_diff"]]
                   for r in rows])
     return {"rows": rows, "text": text}
 
@@ -458,6 +459,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "loaded CPU lower this, not the shape")
     p.add_argument("--batch", type=int, default=1, help="quantized: batch size of the forward (2 = CFG as one "
                    "call, `cfg_batch`: one decode serves both branches)")
+    p.add_argument("--compile-dtype", choices=("bf16", "fp32"), default="bf16",
+                   help="compile: the model's dtype (fp32 separates compiler error from bf16 rounding)")
     p.add_argument("--no-before", dest="before", action="store_false",
                    help="quantized: skip the `before` (old decode paths) column, one forward less per pair")
     p.add_argument("--chunk-tokens", type=int, default=2048, help="video tokens of the chunked-block row")
