@@ -354,10 +354,17 @@ def _run(args: argparse.Namespace, reporter: Reporter) -> int:
     if args.jobs is not None:
         if args.rewrite is not None:
             raise WorkflowError("--rewrite and --jobs do not combine yet; put each job's prompt in the jobs file")
+        from lingbot_core.parallel.launch import join_world
+
+        joined = layout is None and join_world()  # plain --jobs under torchrun: a group for the jobs' end only
         try:
             return _run_jobs(args, prompt, engine, reporter, output, layout)
         finally:
             _stop_parallel(layout)
+            if joined:
+                import torch.distributed as dist
+
+                dist.destroy_process_group()
     reporter.write(f"lingbot-run: {path}" + (f" on {layout.world_size} processes, {layout.describe()}"
                                              if layout is not None else ""))
     with _library_log(reporter), watch_nodes(reporter.node_started):
@@ -383,6 +390,7 @@ def _run_jobs(args: argparse.Namespace, prompt, engine, reporter: Reporter, outp
         DONE,
         Manifest,
         failure_text,
+        finish_together,
         job_overrides,
         read_jobs,
         run_jobs,
@@ -446,6 +454,11 @@ def _run_jobs(args: argparse.Namespace, prompt, engine, reporter: Reporter, outp
     mine = len(place.share(jobs))
     print(f"jobs: {len(results) - failed} done, {failed} failed, {mine - len(results)} already done"
           f"{where}; manifest {manifest.write_path}", file=sys.stderr)
+    # under torchrun every process leaves together, all with the world's exit code (finish_together says why)
+    failed = finish_together(failed if place.leader else 0, say=reporter.write)
+    if failed and place.world_size > 1 and place.rank == 0:
+        print(f"jobs: {failed} failed in the world of {place.world_size} processes; see the manifest files",
+              file=sys.stderr)
     return 1 if failed else 0
 
 

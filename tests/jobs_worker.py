@@ -37,11 +37,12 @@ def run_parallel_cli(rank: int, world: int, ports: list[int], folder: str, runs:
     run: each run leaves the group at its end). `nodes` > 1 spreads the ranks over that many pretend
     nodes round-robin (GROUP_RANK = rank % nodes, LOCAL_RANK = rank // nodes), so the video groups,
     kept inside nodes, are not runs of consecutive ranks. What each run printed and its exit code
-    go to `folder`/rank<N>.json."""
+    go to `folder`/rank<N>.json, with when it started and returned (time.time())."""
     import contextlib
     import io
     import json
     import os
+    import time
 
     import torch
 
@@ -56,9 +57,11 @@ def run_parallel_cli(rank: int, world: int, ports: list[int], folder: str, runs:
         for port, args in zip(ports, runs, strict=True):
             os.environ["MASTER_PORT"] = str(port)
             printed = io.StringIO()
+            started = time.time()
             with contextlib.redirect_stdout(printed):
                 code = main(args)
-            results.append({"code": code, "printed": printed.getvalue().split()})
+            results.append({"code": code, "printed": printed.getvalue().split(), "started": started,
+                            "returned": time.time()})
         Path(folder, f"rank{rank}.json").write_text(json.dumps(results))
     finally:
         if dist.is_initialized():

@@ -232,13 +232,28 @@ def _same_pictures(entries: list[dict], alone: dict[str, Path]) -> None:
         assert np.abs(parallel_png - alone_png).max() <= 1, entry["id"]
 
 
-def _run_world(tmp_path: Path, runs: list[list[str]], nodes: int = 1) -> list[list[dict]]:
-    """Four gloo ranks (forked) running `lingbot-run` once per entry of `runs`; per rank, per run:
-    its exit code and what it printed."""
+def _run_world(tmp_path: Path, runs: list[list[str]], nodes: int = 1, world: int = 4) -> list[list[dict]]:
+    """`world` gloo ranks (forked) running `lingbot-run` once per entry of `runs`; per rank, per run:
+    its exit code, what it printed, when it started and returned."""
     ports = [free_loopback_port() for _ in runs]
-    mp.start_processes(run_parallel_cli, args=(4, ports, str(tmp_path), runs, nodes), nprocs=4, join=True,
+    mp.start_processes(run_parallel_cli, args=(world, ports, str(tmp_path), runs, nodes), nprocs=world, join=True,
                        start_method=_START)
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def test_processes_under_torchrun_leave_together_with_the_worlds_exit_code(tmp_path, fixtures_root):
+    """Plain --jobs (no --parallel) on two processes: rank 0's share is one job the workflow refuses
+    (done at once), rank 1's a real one. torchrun stops a node's other workers when one exits non-zero,
+    so rank 0 must not leave before rank 1 has finished; both leave with exit code 1 (a job failed)."""
+    jobs = _write(tmp_path / "jobs.jsonl", [{"id": "bad", "set": ["Denoise.width=40"]},
+                                            {"id": "slow", "seed": 1, "size": "48x32", "steps": 2}])
+    args = ["t2i", "--model", str(fixtures_root / "models" / "tiny-dense"), "-q", "--jobs", str(jobs),
+            "--output", str(tmp_path / "out")]
+    (rank0,), (rank1,) = _run_world(tmp_path, [args], world=2)
+    assert (rank0["code"], rank1["code"]) == (1, 1)
+    entries = {e["id"]: e for e in Manifest(tmp_path / "out" / "jobs.manifest.jsonl").entries()}
+    assert (entries["bad"]["status"], entries["slow"]["status"]) == (FAILED, DONE)
+    assert rank0["returned"] >= rank1["started"] + entries["slow"]["seconds"], (rank0, rank1)
 
 
 def test_four_processes_run_the_jobs_as_two_ulysses_groups(tmp_path, fixtures_root, alone):
@@ -272,8 +287,8 @@ def test_cfg2_fsdp_groups_on_two_nodes_fail_alone_and_resume(tmp_path, fixtures_
     common = ["t2i", "--model", str(fixtures_root / "models" / "tiny-dense"), "--parallel", "cfg=2,ulysses=1",
               "--fsdp", "-q", "--output", str(tmp_path / "out"), "--manifest", str(tmp_path / "out" / "m.jsonl")]
     ranks = _run_world(tmp_path, [[*common, "--jobs", str(first)], [*common, "--jobs", str(fixed)]], nodes=2)
-    # exit codes per process: group 1 (ranks 1, 3) had the failed job in its first run (torchrun then fails)
-    assert [[run["code"] for run in r] for r in ranks] == [[0, 0], [1, 0], [0, 0], [1, 0]]
+    # every process exits with the world's verdict: a job failed in the first run (in group 1's share)
+    assert [[run["code"] for run in r] for r in ranks] == [[1, 0]] * 4
     assert all(run["printed"] == [] for r in (ranks[2], ranks[3]) for run in r)  # not group leaders
     manifest = Manifest(tmp_path / "out" / "m.jsonl")
     entries = list(manifest.entries())

@@ -45,7 +45,7 @@ from ..exit_codes import INTERRUPTED, exit_code, root_cause
 from ..workflow.errors import WorkflowError, clip
 
 __all__ = ["DONE", "FAILED", "JOB_FIELDS", "Job", "JobField", "JobsFileError", "Manifest", "WorldPlace",
-           "failure_text", "job_overrides", "read_jobs", "run_jobs", "world_place"]
+           "failure_text", "finish_together", "job_overrides", "read_jobs", "run_jobs", "world_place"]
 
 DONE = "done"
 FAILED = "failed"
@@ -371,6 +371,41 @@ def run_jobs(jobs: Sequence[Job], run_one: JobRunner, manifest: Manifest, *, pla
         if on_result is not None:
             on_result(entry)
     return results
+
+
+def finish_together(failed: int, *, poll_s: float = 1.0, say: Callable[[str], None] | None = None) -> int:
+    """Wait until every process of the initialised world has finished its share of the jobs; returns
+    how many jobs failed in the whole world (`failed`: this process's count, leaders only).
+
+    Why: torchrun stops every worker of a node when one exits non-zero, and a node whose workers
+    all succeeded waits (5 minutes, then an error) for the others at its exit. A process whose
+    share is done early and had a failed job would so stop its node's other processes in the middle
+    of their jobs. Here every process leaves at the same moment, all with the world's verdict.
+
+    Shares may end hours apart, longer than any collective's timeout, so the wait is a counter in
+    the process group's store, read every `poll_s` seconds (no timeout: a process that died is
+    torchrun's to stop; the manifest lines are written before this), and a barrier once all are in
+    (so no process, the store's host among them, leaves while another still reads). `say` gets one
+    line when this process has to wait. Without an initialised group: `failed` itself."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return failed
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()  # the group's rendezvous store (torchrun's agent store, or rank 0's)
+    world = dist.get_world_size()
+    store.add("lingbot-jobs/failed", int(failed))
+    waiting = store.add("lingbot-jobs/finished", 1) < world
+    if waiting and say is not None:
+        say(f"jobs: this share is finished; waiting for the other processes of the world ({world}) to finish theirs")
+    pause = min(0.05, poll_s)
+    while waiting:
+        time.sleep(pause)
+        pause = min(2 * pause, poll_s)  # quick when the shares end close together, then every poll_s
+        waiting = store.add("lingbot-jobs/finished", 0) < world
+    total = store.add("lingbot-jobs/failed", 0)
+    dist.barrier()
+    return int(total)
 
 
 def failure_text(err: BaseException) -> str:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from .layout import ParallelLayout, parse_degrees
 
-__all__ = ["free_loopback_port", "init_from_env", "init_loopback_group"]
+__all__ = ["free_loopback_port", "init_from_env", "init_loopback_group", "join_world"]
 
 
 def free_loopback_port() -> int:
@@ -29,6 +29,16 @@ def init_loopback_group(rank: int, world_size: int, port: int, backend: str = "g
     if backend == "gloo":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+
+
+def join_world() -> bool:
+    """In a torchrun world of several processes (WORLD_SIZE > 1) with no process group yet: start one on
+    gloo from torchrun's variables (env://), for what the processes say to each other outside any
+    model (the jobs' end: `jobs.finish_together`). True when it started one (the caller ends it)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        return False
+    dist.init_process_group("gloo")
+    return True
 
 
 def init_from_env(degrees: str = "", *, fsdp: bool = False, split: bool = False) -> ParallelLayout:
