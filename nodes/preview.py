@@ -3,7 +3,8 @@
 Inside ComfyUI the preview comes from ComfyUI's own previewer for its `Wan21` latent format (it
 honours `--preview-method`; `auto` means the latent-to-RGB approximation) and travels with the
 progress bar. Headless there is no editor to show it in: when `LINGBOT_PREVIEW_DIR` is set, one
-PNG per step is written there instead, made with the same linear approximation.
+PNG per step is written there instead, made with the same linear approximation (under torchrun in
+its ``rank<RANK>`` sub-folder: with --jobs several processes preview different jobs at once).
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ class Previewer:
                 self._comfy = None
         elif os.environ.get("LINGBOT_PREVIEW_DIR"):
             self._folder = Path(os.environ["LINGBOT_PREVIEW_DIR"])
+            rank = os.environ.get("RANK", "")
+            if os.environ.get("WORLD_SIZE", "1") != "1" and rank.isdigit():
+                # a torchrun world: the leader of each video group previews its own job, so one folder each
+                self._folder = self._folder / f"rank{int(rank)}"
 
     @property
     def active(self) -> bool:

@@ -65,6 +65,10 @@ def test_a_node_id_with_a_slash_still_gets_its_headless_preview(tmp_path, monkey
     monkeypatch.setenv("LINGBOT_PREVIEW_DIR", str(tmp_path / "previews"))
     path = Previewer("denoise", comfy=False).write(3, torch.randn(1, 16, 2, 4, 4), node_id="12/../7:sub")
     assert path is not None and path.is_file() and path.parent == tmp_path / "previews"
+    monkeypatch.setenv("WORLD_SIZE", "4")  # a torchrun world (--jobs: group leaders preview different jobs at once)
+    monkeypatch.setenv("RANK", "2")
+    path = Previewer("denoise", comfy=False).write(3, torch.randn(1, 16, 2, 4, 4), node_id="12")
+    assert path is not None and path.is_file() and path.parent == tmp_path / "previews" / "rank2"
 
 
 def test_the_python_api_has_the_nodes_limits(fixtures_root):
