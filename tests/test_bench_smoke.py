@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from bench import dit_forward, generate, offload_gpu
+from bench import dit_forward, generate, multinode, offload_gpu
 from lingbot_core.placement.modes import MODE_ORDER
 
 MODES = list(MODE_ORDER)  # every registered offload mode: the benches run them all
@@ -33,7 +33,7 @@ def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("bench")
 
 
-@pytest.mark.parametrize("script", [dit_forward, generate, offload_gpu])
+@pytest.mark.parametrize("script", [dit_forward, generate, offload_gpu, multinode])
 def test_help(script, capsys):
     with pytest.raises(SystemExit) as exit_info:
         script.main(["--help"])
