@@ -389,6 +389,7 @@ def _run_jobs(args: argparse.Namespace, prompt, engine, reporter: Reporter, outp
     from lingbot_core.parallel.jobs import (
         DONE,
         Manifest,
+        check_file_names,
         failure_text,
         finish_together,
         job_overrides,
@@ -403,6 +404,7 @@ def _run_jobs(args: argparse.Namespace, prompt, engine, reporter: Reporter, outp
 
     jobs = read_jobs(args.jobs)  # a bad line stops here, before any model work
     place = world_place(layout=layout)
+    check_file_names(prompt.nodes, place)  # before any model work: no two groups may pick one file name
     _pick_local_device()
     # one file per writing group leader (jobs.manifest.group<N>.jsonl) when the world has several groups
     manifest = Manifest(args.manifest or output / f"{Path(args.jobs).stem}.manifest.jsonl", writer=place.writer)

@@ -18,11 +18,13 @@ from lingbot_core.parallel.jobs import (
     JobsFileError,
     Manifest,
     WorldPlace,
+    check_file_names,
     read_jobs,
     world_place,
 )
 from lingbot_core.parallel.launch import free_loopback_port
 from lingbot_core.parallel.layout import video_groups
+from lingbot_core.workflow.errors import WorkflowError
 from lingbot_nodes.cli import main
 
 
@@ -103,6 +105,15 @@ def test_job_fields_fill_their_inputs():
     for key in ("prompt", "negative"):
         with pytest.raises(ValueError, match="must be str"):
             JOB_FIELDS[key].values(3)
+
+
+def test_a_linked_filename_prefix_is_refused_when_several_groups_write():
+    nodes = {"1": {"class_type": "LingBotSaveVideo", "inputs": {"filename_prefix": ["9", 0]}},
+             "2": {"class_type": "LingBotSaveVideo", "inputs": {"filename_prefix": "clips/x"}}}
+    check_file_names(nodes, WorldPlace(0, 1, 1))  # one process numbers its jobs' files one after the other
+    check_file_names({"2": nodes["2"]}, WorldPlace(0, 4, 1))  # text prefixes get the job id
+    with pytest.raises(WorkflowError, match=r"node\(s\) 1 take their filename_prefix through a link"):
+        check_file_names(nodes, WorldPlace(0, 4, 2))
 
 
 def test_world_place_splits_jobs_by_their_place_in_the_file(monkeypatch):

@@ -45,7 +45,7 @@ from ..exit_codes import INTERRUPTED, exit_code, root_cause
 from ..workflow.errors import WorkflowError, clip
 
 __all__ = ["DONE", "FAILED", "JOB_FIELDS", "Job", "JobField", "JobsFileError", "Manifest", "WorldPlace",
-           "failure_text", "finish_together", "job_overrides", "read_jobs", "run_jobs", "world_place"]
+           "check_file_names", "failure_text", "finish_together", "job_overrides", "read_jobs", "run_jobs", "world_place"]
 
 DONE = "done"
 FAILED = "failed"
@@ -199,6 +199,21 @@ def job_overrides(nodes: dict[str, dict[str, Any]], job: Job) -> list[str]:
 
 
 WRITER_PATTERN = re.compile(r"group[0-9]{1,6}")
+
+
+def check_file_names(nodes: dict[str, dict[str, Any]], place: WorldPlace) -> None:
+    """Refuse (WorkflowError) a workflow whose files could collide between the world's groups.
+
+    `job_overrides` puts the job's id into every text ``filename_prefix``, so no two jobs share a
+    file name; a prefix that comes through a link cannot get it. One process then numbers the files
+    of its jobs one after the other, but several groups writing into one folder (a machine's, or a
+    shared one) would each pick the same next number and replace each other's file."""
+    linked = [nid for nid, node in nodes.items() if isinstance(node.get("inputs", {}).get("filename_prefix"), list)]
+    if linked and place.groups > 1:
+        raise WorkflowError(f"--jobs on {place.groups} groups of processes: node(s) {', '.join(linked)} take their "
+                            "filename_prefix through a link, so the job id cannot be added to it and two processes "
+                            "could write the same file name; give them a text prefix (e.g. --set "
+                            f"{linked[0]}.filename_prefix=lingbot/batch)")
 
 
 class Manifest:
@@ -373,6 +388,9 @@ def run_jobs(jobs: Sequence[Job], run_one: JobRunner, manifest: Manifest, *, pla
     return results
 
 
+_FINISHES = [0]
+
+
 def finish_together(failed: int, *, poll_s: float = 1.0, say: Callable[[str], None] | None = None) -> int:
     """Wait until every process of the initialised world has finished its share of the jobs; returns
     how many jobs failed in the whole world (`failed`: this process's count, leaders only).
@@ -394,16 +412,18 @@ def finish_together(failed: int, *, poll_s: float = 1.0, say: Callable[[str], No
 
     store = _get_default_store()  # the group's rendezvous store (torchrun's agent store, or rank 0's)
     world = dist.get_world_size()
-    store.add("lingbot-jobs/failed", int(failed))
-    waiting = store.add("lingbot-jobs/finished", 1) < world
+    _FINISHES[0] += 1  # every process calls this as often as the others: a key of its own each time
+    key = f"lingbot-jobs/{_FINISHES[0]}"
+    store.add(f"{key}/failed", int(failed))
+    waiting = store.add(f"{key}/finished", 1) < world
     if waiting and say is not None:
         say(f"jobs: this share is finished; waiting for the other processes of the world ({world}) to finish theirs")
     pause = min(0.05, poll_s)
     while waiting:
         time.sleep(pause)
         pause = min(2 * pause, poll_s)  # quick when the shares end close together, then every poll_s
-        waiting = store.add("lingbot-jobs/finished", 0) < world
-    total = store.add("lingbot-jobs/failed", 0)
+        waiting = store.add(f"{key}/finished", 0) < world
+    total = store.add(f"{key}/failed", 0)
     dist.barrier()
     return int(total)
 
