@@ -9,6 +9,11 @@ Exactness: the first LoRA on a parameter keeps a pristine CPU copy of it (only t
 parameters) on the model's `ModelState`; every application starts from that copy and removal
 copies it back, so removing a LoRA or changing its strength restores the weights bit for bit.
 Patches on quantized layers become runtime deltas instead (`runtime.py`).
+
+FSDP (`parallel/fsdp.py`): a sharded parameter is a DTensor whose rank holds some rows. The pristine
+copy is then this rank's rows only, and the merge adds this rank's rows of the delta (the whole delta
+is formed on every rank from the LoRA file, which each rank reads, then cut by the parameter's own
+placement: no communication), so merging costs each rank its share and comes off bit for bit too.
 """
 
 from __future__ import annotations
@@ -26,6 +31,23 @@ def pristine_copies(state: ModelState | None) -> dict[str, torch.Tensor]:
     return dict(state.pristine) if state is not None else {}
 
 
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """The tensor this process holds of `param`: its rows of a sharded (DTensor) parameter, else itself."""
+    from torch.distributed.tensor import DTensor
+
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def _local_rows(param: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """This process's part of a whole-parameter `delta`, cut the way `param` is sharded."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(param, DTensor):
+        return delta
+    # src_data_rank=None: every rank holds the same whole delta, so each keeps its own part, no transfer
+    return distribute_tensor(delta, param.device_mesh, param.placements, src_data_rank=None).to_local()
+
+
 def restore(module: torch.nn.Module, state: ModelState) -> None:
     """Put back the original value of every parameter a LoRA changed (bit-exact) and forget the copies;
     take off the runtime deltas it added to quantized layers."""
@@ -36,7 +58,7 @@ def restore(module: torch.nn.Module, state: ModelState) -> None:
     params = dict(module.named_parameters())
     with torch.no_grad():
         for name, original in saved.items():
-            params[name].copy_(original)
+            _local(params[name]).copy_(original)
 
 
 def _delta(patch: Patch, coefficient: torch.Tensor) -> torch.Tensor:
@@ -70,12 +92,14 @@ def merge(module: torch.nn.Module, state: ModelState, patches: list[tuple[float,
         if not param.dtype.is_floating_point or param.dtype.itemsize < 2:
             raise LoraError(f"cannot merge a LoRA into {name} stored as {param.dtype}: merged LoRAs need "
                             "bf16/fp16/fp32 weights")
-    saved = {name: params[name].detach().to("cpu", copy=True) for name in by_param}
+    saved = {name: _local(params[name]).detach().to("cpu", copy=True) for name in by_param}
     state.pristine = saved
     with torch.no_grad():
         for name, items in by_param.items():
             acc = saved[name].float()
             for strength, patch in items:
                 scale = strength if patch.kind == "diff" else strength * patch.scale
-                acc = acc + _delta(patch, torch.tensor(scale, dtype=torch.float32))
-            params[name].copy_(acc.to(params[name].dtype))
+                term = _local_rows(params[name], _delta(patch, torch.tensor(scale, dtype=torch.float32)))
+                acc = acc + term.to(acc.device)
+            target = _local(params[name])
+            target.copy_(acc.to(target.dtype))

@@ -29,7 +29,7 @@ from ..components import DITS
 from .layout import ParallelLayout
 from .ulysses import disable_sequence_parallel, enable_sequence_parallel
 
-__all__ = ["active_layout", "check_heads", "process_layout", "use_process_layout", "broadcast_tensors", "offload_refusal", "lora_refusal", "shard_for_stage", "check_request", "check_view", "from_rank0", "is_leader",
+__all__ = ["active_layout", "check_heads", "process_layout", "use_process_layout", "broadcast_tensors", "offload_refusal", "shard_for_stage", "check_request", "check_view", "from_rank0", "is_leader",
            "placeholder_frames", "sequence_parallel", "step_status", "text_tensor", "tensor_text", "writes_outputs"]
 
 T = TypeVar("T")
@@ -82,23 +82,7 @@ def check_view(handle: Any, layout: ParallelLayout | None) -> ParallelLayout | N
     if mode not in ("none", "auto"):  # auto resolves to 'none' on several processes (placement.door)
         raise ValueError(offload_refusal(mode, layout))
     check_heads(handle, layout)
-    if layout.fsdp and _carries_lora(handle):
-        raise ValueError(lora_refusal(layout))
     return layout
-
-
-def _carries_lora(handle: Any) -> bool:
-    from ..lora.stack import lora_stack
-
-    return bool(lora_stack(handle).items)
-
-
-def lora_refusal(layout: ParallelLayout) -> str:
-    """The one message that refuses a LoRA view with an FSDP layout. A LoRA is merged into whole
-    weights (and restored from a whole pristine copy); FSDP leaves each rank a shard of them, so the
-    merge would mix whole and sharded tensors. Without FSDP every rank merges its own whole copy."""
-    return (f"LoRA and FSDP do not combine: FSDP shards the DiT's weights over the ranks and a LoRA is merged into "
-            f"whole weights; run parallel {layout.describe()} without fsdp, or without the LoRA")
 
 
 def offload_refusal(mode: str, layout: ParallelLayout) -> str:
@@ -118,14 +102,19 @@ def shard_for_stage(handle: Any, name: str) -> None:
     layout = active_layout(handle)
     if layout is None or not layout.fsdp:
         return
-    from .fsdp import describe, shard_dit
+    from .fsdp import describe, is_fsdp_sharded, shard_dit
 
     mode = getattr(handle.offload, "mode", "none")
     if mode not in ("none", "auto"):
         raise ValueError(offload_refusal(mode, layout))
-    if _carries_lora(handle):  # a LoRA added after with_parallel, or a process layout's FSDP
-        raise ValueError(lora_refusal(layout))
     dit = handle.component(name)
+    state = handle.shared.states.get(name)
+    if state is not None and state.pristine and not is_fsdp_sharded(dit):
+        # a LoRA merged into the whole weights and not taken off: put them back first, so its pristine
+        # copies are never whole while the parameters are shards (the door merges it again, per rank)
+        from ..lora.merging import restore
+
+        restore(dit, state)
     if shard_dit(dit, layout):
         log.info("%s: FSDP over %d ranks, %s", name, layout.world_size, describe(dit))
 
