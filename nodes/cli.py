@@ -451,7 +451,11 @@ def _run_jobs(args: argparse.Namespace, prompt, engine, reporter: Reporter, outp
     where = f" (rank {place.rank} of {place.world_size}, group {place.group} of {place.groups})" \
         if place.world_size > 1 else ""
     reporter.write(f"lingbot-run: {len(jobs)} jobs from {args.jobs}{where}; manifest {manifest.write_path}")
-    results = run_jobs(jobs, run_one, manifest, place=place, on_result=shown)
+    try:
+        results = run_jobs(jobs, run_one, manifest, place=place, on_result=shown)
+    except BaseException:  # an interrupt: the processes waiting at the end must not wait for this one
+        finish_together(0, stopped=True)
+        raise
     failed = sum(e["status"] != DONE for e in results)
     mine = len(place.share(jobs))
     print(f"jobs: {len(results) - failed} done, {failed} failed, {mine - len(results)} already done"

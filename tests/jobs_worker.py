@@ -30,6 +30,20 @@ def run_share(rank: int, world: int, port: int, folder: str) -> None:
         dist.destroy_process_group()
 
 
+def finish_share(rank: int, world: int, port: int, folder: str) -> None:
+    """`finish_together` on a gloo world: the last rank stops early (`stopped`), the others finish with
+    one failed job each; what each returned goes to `folder`/finish<N>.txt. (Rank 0 holds the store
+    here, as torchrun's agent does there, so it must not be the one that leaves.)"""
+    from lingbot_core.parallel.jobs import finish_together
+
+    init_loopback_group(rank, world, port)
+    try:
+        total = finish_together(0, stopped=True) if rank == world - 1 else finish_together(1, poll_s=0.05)
+        Path(folder, f"finish{rank}.txt").write_text(str(total))
+    finally:
+        dist.destroy_process_group()
+
+
 def run_parallel_cli(rank: int, world: int, ports: list[int], folder: str, runs: list[list[str]],
                      nodes: int = 1) -> None:
     """`lingbot-run ... --jobs` once per entry of `runs` (its arguments) on this rank, as torchrun would

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from jobs_worker import run_parallel_cli, run_share
+from jobs_worker import finish_share, run_parallel_cli, run_share
 
 from lingbot_core.parallel.jobs import (
     DONE,
@@ -282,6 +283,21 @@ def test_four_processes_run_the_jobs_as_two_ulysses_groups(tmp_path, fixtures_ro
     assert [e["id"] for e in _manifest(tmp_path / "out" / "jobs.manifest.group1.jsonl")] == ["j1"]
     assert sorted(ranks[0]["printed"] + ranks[2]["printed"]) == [e["outputs"][0] for e in entries]
     _same_pictures(entries, alone)
+
+
+def test_a_process_that_stops_early_does_not_leave_the_others_waiting(tmp_path):
+    context = mp.start_processes(finish_share, args=(3, free_loopback_port(), str(tmp_path)), nprocs=3, join=False,
+                                 start_method=_START)
+    deadline = time.monotonic() + 60
+    while not context.join(timeout=max(0.1, deadline - time.monotonic())):  # False until all have ended
+        if time.monotonic() > deadline:  # they would wait for ever for the one that stopped
+            for process in context.processes:
+                process.kill()
+            pytest.fail("the processes that finished still wait for the one that stopped")
+    # nobody waits for the one that stopped (this returns at all) and every process leaves with a failure:
+    # the stopped one with 1, the others with the failures counted when they saw it stop (1 or both)
+    found = [int((tmp_path / f"finish{r}.txt").read_text()) for r in range(3)]
+    assert found[2] == 1 and found[0] in (1, 2) and found[1] in (1, 2), found
 
 
 def test_cfg2_fsdp_groups_on_two_nodes_fail_alone_and_resume(tmp_path, fixtures_root, alone):

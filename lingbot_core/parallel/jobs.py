@@ -391,9 +391,11 @@ def run_jobs(jobs: Sequence[Job], run_one: JobRunner, manifest: Manifest, *, pla
 _FINISHES = [0]
 
 
-def finish_together(failed: int, *, poll_s: float = 1.0, say: Callable[[str], None] | None = None) -> int:
+def finish_together(failed: int, *, stopped: bool = False, poll_s: float = 1.0,
+                    say: Callable[[str], None] | None = None) -> int:
     """Wait until every process of the initialised world has finished its share of the jobs; returns
-    how many jobs failed in the whole world (`failed`: this process's count, leaders only).
+    how many jobs failed in the whole world (`failed`: this process's count, leaders only), at least
+    1 when a process stopped its share early.
 
     Why: torchrun stops every worker of a node when one exits non-zero, and a node whose workers
     all succeeded waits (5 minutes, then an error) for the others at its exit. A process whose
@@ -401,10 +403,12 @@ def finish_together(failed: int, *, poll_s: float = 1.0, say: Callable[[str], No
     of their jobs. Here every process leaves at the same moment, all with the world's verdict.
 
     Shares may end hours apart, longer than any collective's timeout, so the wait is a counter in
-    the process group's store, read every `poll_s` seconds (no timeout: a process that died is
-    torchrun's to stop; the manifest lines are written before this), and a barrier once all are in
-    (so no process, the store's host among them, leaves while another still reads). `say` gets one
-    line when this process has to wait. Without an initialised group: `failed` itself."""
+    the process group's store, read every `poll_s` seconds, and a barrier once all are in (so no
+    process, the store's host among them, leaves while another still reads). `stopped`: this
+    process leaves its share unfinished (an interrupt, an error outside the jobs): it says so in the
+    store and returns at once, and the waiting ones stop waiting and skip the barrier. A process
+    that dies without a word is torchrun's to stop (the manifest lines are written before this).
+    `say` gets one line when this process has to wait. Without an initialised group: `failed`."""
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
         return failed
@@ -414,16 +418,28 @@ def finish_together(failed: int, *, poll_s: float = 1.0, say: Callable[[str], No
     world = dist.get_world_size()
     _FINISHES[0] += 1  # every process calls this as often as the others: a key of its own each time
     key = f"lingbot-jobs/{_FINISHES[0]}"
+    if stopped:
+        store.add(f"{key}/stopped", 1)
+        return max(failed, 1)
     store.add(f"{key}/failed", int(failed))
     waiting = store.add(f"{key}/finished", 1) < world
     if waiting and say is not None:
         say(f"jobs: this share is finished; waiting for the other processes of the world ({world}) to finish theirs")
     pause = min(0.05, poll_s)
-    while waiting:
-        time.sleep(pause)
-        pause = min(2 * pause, poll_s)  # quick when the shares end close together, then every poll_s
-        waiting = store.add(f"{key}/finished", 0) < world
-    total = store.add(f"{key}/failed", 0)
+    stopped_elsewhere = 0
+    try:
+        while waiting and not stopped_elsewhere:
+            time.sleep(pause)
+            pause = min(2 * pause, poll_s)  # quick when the shares end close together, then every poll_s
+            waiting = store.add(f"{key}/finished", 0) < world
+            stopped_elsewhere = store.add(f"{key}/stopped", 0)
+        total = store.add(f"{key}/failed", 0)
+    except RuntimeError:  # the store is gone: its host (rank 0, where torchrun's agent does not hold it) left
+        stopped_elsewhere, total = 1, failed
+    if stopped_elsewhere:
+        if say is not None:
+            say("jobs: another process stopped before the end of its share; leaving without waiting for it")
+        return max(int(total), 1)
     dist.barrier()
     return int(total)
 
