@@ -359,6 +359,9 @@ def _run(args: argparse.Namespace, reporter: Reporter) -> int:
         joined = layout is None and join_world()  # plain --jobs under torchrun: a group for the jobs' end only
         try:
             return _run_jobs(args, prompt, engine, reporter, output, layout)
+        except BaseException as err:
+            _publish_failure(layout, err)
+            raise
         finally:
             _stop_parallel(layout)
             if joined:
@@ -370,6 +373,9 @@ def _run(args: argparse.Namespace, reporter: Reporter) -> int:
     with _library_log(reporter), watch_nodes(reporter.node_started):
         try:
             result = engine.run(prompt, seed_order=args.shuffle, progress=reporter.progress)
+        except BaseException as err:
+            _publish_failure(layout, err)
+            raise
         finally:
             reporter.close_bar()
             _stop_parallel(layout)
@@ -501,6 +507,25 @@ def _start_parallel(args: argparse.Namespace, prompt, overrides: list[str], repo
     if layout.rank != 0:
         reporter.enabled = reporter.tty = False
     return layout
+
+
+def _publish_failure(layout, err: BaseException) -> None:
+    """A parallel run that failed on this rank: its error goes to the group's store before the rank leaves
+    (`parallel.abort`), so the ranks whose collectives then fail name this rank and its error (a failure
+    inside a DiT forward already is there; the first one published wins)."""
+    if layout is None:
+        return
+    import torch
+    import torch.distributed as dist
+
+    from lingbot_core.exit_codes import root_cause
+    from lingbot_core.parallel.abort import failure_key, publish_failure
+
+    node = getattr(err, "node_id", None)
+    where = f"in node {node} ({err.class_type})" if node is not None else "in its run"
+    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+    device = f"cuda:{torch.cuda.current_device()}" if nccl else "cpu"
+    publish_failure(root_cause(err), where=where, device=device, key=failure_key(layout))
 
 
 def _stop_parallel(layout) -> None:

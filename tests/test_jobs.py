@@ -194,6 +194,40 @@ def test_world_place_takes_the_groups_of_a_layout(monkeypatch):
     assert WorldPlace().writer is None and WorldPlace(2, 3, 1).writer == "group2"
 
 
+def test_a_job_that_broke_the_group_is_recorded_and_stops_the_batch(tmp_path):
+    """A job whose run broke the group's collectives (one rank failed inside a DiT forward: every rank
+    raises GroupBroken) gets its manifest line, and the batch stops there instead of running the next
+    job on a group that is out of step; a rerun resumes after the jobs done."""
+    from lingbot_core.parallel.abort import Failure, GroupBroken
+    from lingbot_core.parallel.jobs import Manifest, run_jobs
+    from lingbot_core.workflow.errors import NodeExecutionError
+
+    jobs = [Job(f"j{i}", i + 1) for i in range(4)]
+    ran, healed = [], []
+    broken = GroupBroken(Failure(1, "cuda:1", "OutOfMemoryError: CUDA out of memory", "in the DiT forward of step 3"), 0)
+
+    def run_one(job):
+        ran.append(job.id)
+        if job.id == "j1" and not healed:
+            raise NodeExecutionError("4", "LingBotDenoise", str(broken)) from broken  # as the engine wraps it
+        if job.id == "j2":
+            raise ValueError("a refused input fails that job alone")
+        return []
+
+    manifest = Manifest(tmp_path / "m.jsonl")
+    with pytest.raises(NodeExecutionError):
+        run_jobs(jobs, run_one, manifest)
+    assert ran == ["j0", "j1"]
+    entries = _manifest(tmp_path / "m.jsonl")
+    assert [(e["id"], e["status"]) for e in entries] == [("j0", DONE), ("j1", FAILED)]
+    assert "rank 1 (cuda:1) failed in the DiT forward of step 3 (OutOfMemoryError" in entries[1]["error"]
+    ran.clear()
+    healed.append(True)
+    run_jobs(jobs, run_one, manifest)  # the rerun resumes at j1; a refused input (j2) fails that job alone
+    assert ran == ["j1", "j2", "j3"]
+    assert [e["status"] for e in _manifest(tmp_path / "m.jsonl")[2:]] == [DONE, FAILED, DONE]
+
+
 def test_two_processes_split_the_jobs_each_writing_its_own_manifest(tmp_path):
     _write(tmp_path / "jobs.jsonl", [{"id": f"j{i}", "seed": 13 if i == 2 else i} for i in range(5)])
     mp.start_processes(run_share, args=(2, free_loopback_port(), str(tmp_path)), nprocs=2, join=True,

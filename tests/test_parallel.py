@@ -632,3 +632,49 @@ def test_a_rank_failing_between_steps_stops_the_others_at_once(four_ranks):
         assert "rank 1 failed (RuntimeError: injected failure at step 2)" in got["message"], (rank, got)
         assert "after step 2" in got["message"] and got["steps"] == [1, 2], (rank, got)
         assert got["after_step2_s"] < 5, (rank, got)  # at once: not the group's 30-minute timeout
+
+
+def _failing_headless(rank: int, world: int, port: int, out: str, model: str) -> None:
+    """`lingbot-run t2i --parallel cfg=1,ulysses=2` on this rank (torchrun's variables, a group already
+    initialised with gloo's default 30-minute timeout), where rank 1's DiT raises inside a forward (the
+    test's patch, inherited through the fork). Its exit code, what it printed on stderr and how long
+    it ran go to `out`/rank<N>.json; then the process ends, as a torchrun rank would."""
+    import contextlib
+    import io
+    import os
+    import time
+
+    from lingbot_nodes.cli import main
+
+    torch.set_num_threads(1)
+    init_loopback_group(rank, world, port)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    errors = io.StringIO()
+    started = time.monotonic()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(errors):
+        code = main(["t2i", "--model", model, "--parallel", "cfg=1,ulysses=2", "-q", "--output", str(Path(out, "cli"))])
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"code": code, "stderr": errors.getvalue(),
+                                                         "seconds": time.monotonic() - started}))
+
+
+def test_a_rank_failing_inside_a_forward_ends_every_headless_rank_at_once(fixtures_root, tmp_path, monkeypatch):
+    """Two headless ranks share each forward (ulysses=2); rank 1 raises inside its second forward, where
+    rank 0 waits for it in an all-to-all. Both processes end within seconds (not at the group's
+    30-minute timeout) with exit code 1, both naming rank 1, its device and its error."""
+    from parallel_fakes import fail_inside_forward
+
+    fail_inside_forward(monkeypatch, rank=1, call=4)
+    model = str(fixtures_root / "models" / "tiny-dense")
+    method = "spawn" if torch.cuda.is_initialized() else "fork"  # spawn would not inherit the patch
+    if method == "spawn":
+        pytest.skip("CUDA is initialised in this process: the failure is injected through a fork")
+    mp.start_processes(_failing_headless, args=(2, free_loopback_port(), str(tmp_path), model), nprocs=2, join=True,
+                       start_method=method)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    named = "rank 1 (cpu) failed in the DiT forward of step 1 (RuntimeError: injected failure inside the forward on rank 1)"
+    for rank, got in enumerate(results):
+        assert got["code"] == 1, (rank, got)
+        assert named in " ".join(got["stderr"].split()), (rank, got)
+        assert got["seconds"] < 60, (rank, got)
+    assert "rank 0 stopped with it" in results[0]["stderr"] and "every rank of the group stops" in results[1]["stderr"]
+    assert not list((tmp_path / "cli").rglob("*.png")), "a failed run saves nothing"

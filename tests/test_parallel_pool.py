@@ -16,6 +16,7 @@ import types
 
 import pytest
 import torch
+from parallel_fakes import fail_inside_forward
 
 from lingbot_core import lora as lora_ops
 from lingbot_core import stages
@@ -123,6 +124,48 @@ def test_pool_start_reuse_interrupt_release_restart_and_a_dead_worker(fixtures_r
         run_stage("denoise", pipe, cond, **KW)
     assert not pool.started
     assert torch.equal(stages.denoise(handle, cond, **KW), expected)  # the single-device path is untouched
+
+
+def test_a_rank_failing_inside_a_forward_stops_the_call_at_once_and_is_named(fixtures_root, monkeypatch):
+    """cfg=1 x ulysses=2 (all-to-alls inside every block): the worker raises inside its second forward,
+    where rank 0 waits for it in a collective. Rank 0 gets a PoolError naming the worker's device,
+    rank and error within seconds (the group's timeout is COLLECTIVE_TIMEOUT, 30 minutes), the handle
+    denoises alone as before and the next call starts new workers. Then the same with rank 0 failing:
+    the workers, left waiting in a collective, are ended at once."""
+    monkeypatch.setattr(pool_module, "START_METHOD", "fork")
+    assert pool_module.COLLECTIVE_TIMEOUT.total_seconds() >= 600
+    from lingbot_core.parallel.pool import WorkerPool, tag
+
+    handle = PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu")
+    cond = stages.encode_prompt(handle, "a red paper boat on a canal")
+    expected = stages.denoise(handle, cond, **KW)
+    armed = fail_inside_forward(monkeypatch, rank=1, call=4)
+    pool = WorkerPool(PoolSpec.make(handle, "cpu,cpu", 1))
+    pipe = tag(handle, pool)
+    pool.start()
+    started = time.monotonic()
+    with pytest.raises(PoolError, match=r"the worker for cpu \(rank 1\) failed in the DiT forward of step 1 "
+                                        r"\(RuntimeError: injected failure inside the forward on rank 1\)"):
+        run_stage("denoise", pipe, cond, **KW)
+    assert time.monotonic() - started < 60  # seconds, not the backend's timeout
+    assert not pool.started
+    assert torch.equal(stages.denoise(handle, cond, **KW), expected)  # the single-device path is untouched
+
+    armed.clear()  # the next workers are forked without the failure
+    assert _close(run_stage("denoise", pipe, cond, **KW), expected)
+    assert pool.starts == 2 and pool.started
+
+    armed.append(0)  # now rank 0 (this process) fails inside a forward; the worker waits in a collective
+    workers = pool.worker_pids()
+    started = time.monotonic()
+    with pytest.raises(PoolError, match=r"failed on rank 0 \(cpu\) in the DiT forward of step \d \(RuntimeError: "
+                                        "injected failure inside the forward on rank 0"):
+        run_stage("denoise", pipe, cond, **KW)
+    assert time.monotonic() - started < 60 and all(_gone(pid) for pid in workers)
+    armed.clear()
+    assert torch.equal(stages.denoise(handle, cond, **KW), expected)
+    assert _close(run_stage("denoise", pipe, cond, **KW), expected) and pool.starts == 3
+    pool.release()
 
 
 def test_views_of_a_parallel_pipe_keep_the_pool_or_are_refused(fixtures_root, tmp_path):

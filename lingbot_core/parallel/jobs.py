@@ -360,7 +360,10 @@ def run_jobs(jobs: Sequence[Job], run_one: JobRunner, manifest: Manifest, *, pla
     """Run this group's unfinished jobs with `run_one`, one manifest line each (leader only).
 
     A job's exception is recorded as failed and the next job runs; an interrupt (Ctrl-C, an
-    interrupt exception) stops the batch and propagates, the jobs already recorded staying done.
+    interrupt exception) stops the batch and propagates, the jobs already recorded staying done. So
+    does, after its manifest line, a failure that broke the group's collectives (an error marked
+    `stops_group`: `parallel.abort.GroupBroken`, one rank failing inside a DiT forward): the group
+    cannot run another job, and a rerun resumes after the jobs recorded as done.
     Returns the entries of the jobs run here (``on_result`` sees each as it is recorded).
     """
     done = manifest.done()
@@ -370,12 +373,15 @@ def run_jobs(jobs: Sequence[Job], run_one: JobRunner, manifest: Manifest, *, pla
             continue
         started = time.perf_counter()
         entry: dict[str, Any] = {"id": job.id, "line": job.line}
+        stop: Exception | None = None
         try:
             outputs = run_one(job)
         except Exception as err:
             if exit_code(err) == INTERRUPTED:
                 raise
             entry.update(status=FAILED, outputs=[], error=failure_text(err))
+            if getattr(root_cause(err), "stops_group", False):
+                stop = err
         else:
             entry.update(status=DONE, outputs=[str(p) for p in outputs])
         entry.update(seconds=round(time.perf_counter() - started, 3), rank=place.rank,
@@ -385,6 +391,8 @@ def run_jobs(jobs: Sequence[Job], run_one: JobRunner, manifest: Manifest, *, pla
         results.append(entry)
         if on_result is not None:
             on_result(entry)
+        if stop is not None:
+            raise stop
     return results
 
 

@@ -13,11 +13,15 @@ the same inputs, and rank 0 keeps the result.
 Interrupts: after every step rank 0 broadcasts one flag; when its own step callback raised (ComfyUI's
 interrupt, Ctrl-C), the flag tells the workers to drop the call, so they stop within one step.
 
-Failures: a worker that died, or a call that failed on rank 0 for any reason but an interrupt,
-stops the whole pool with one clear `PoolError`; the caller's handle is untouched (its single-device
-stages work as before) and the next call on the pool starts fresh workers. `release` stops the
-workers (they also stop when this process exits: they are daemons, an atexit hook releases them,
-and a worker whose collectives fail because rank 0 is gone exits).
+Failures: a worker that failed (inside a DiT forward too: an out-of-memory error on its GPU), a
+worker that died, or a call that failed on rank 0 for any reason but an interrupt or a refused
+input stops the whole pool with one clear `PoolError` naming the rank and device that failed and
+its error; the caller's handle is untouched (its single-device stages work as before) and the next
+call on the pool starts fresh workers. A failing worker publishes its error in the group's store and
+ends its process, so the collectives rank 0 (and every other worker) waits in fail at once instead
+of at the backend's timeout; rank 0 reads the error there (`abort.py` has the details, NCCL's
+included). `release` stops the workers (they also stop when this process exits: they are daemons, an
+atexit hook releases them, and a worker whose collectives fail because rank 0 is gone exits).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ..interrupt import interrupt_checker
+from .abort import Failure, failure_in, failure_key, publish_failure, published_failure
 from .launch import free_loopback_port
 from .layout import CFG_DEGREES, ParallelLayout, pooled_offload_refusal
 
@@ -365,7 +370,7 @@ class WorkerPool:
         world, port = self.spec.world_size, free_loopback_port()
         self._status = ctx.Array("i", [_STARTING] * world)
         self._procs = []
-        with _main_module_hidden():
+        with _main_module_hidden(), _fork_safe():
             for rank in range(1, world):
                 proc = ctx.Process(target=_worker_main, args=(rank, self.spec, port, self._status), daemon=True,
                                    name=f"lingbot-parallel-{rank}")
@@ -375,6 +380,8 @@ class WorkerPool:
             self._wait_ready()
             if self.spec.backend == "gloo":
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            else:  # on an NCCL error or timeout: abort the communicators and raise, never end ComfyUI's process
+                os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
             dist.init_process_group(self.spec.backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
                                     world_size=world, timeout=COLLECTIVE_TIMEOUT)
             self.layout = ParallelLayout.create(self.spec.cfg, self.spec.ulysses,
@@ -421,9 +428,10 @@ class WorkerPool:
                 pass
         self._abandon()
 
-    def _abandon(self) -> None:
+    def _abandon(self, grace: float = 5.0) -> None:
+        """End the workers (after `grace` seconds for them to stop by themselves) and leave the group."""
         for proc in self._procs:
-            proc.join(timeout=5 if self.started else 0)
+            proc.join(timeout=grace if self.started else 0)
         for proc in self._procs:
             if proc.is_alive():
                 proc.terminate()
@@ -494,19 +502,38 @@ class WorkerPool:
             with interrupt_checker(None):
                 return execute(view, {k: v for k, v in kwargs.items() if k != "trace"}, on_step)
         except BaseException as err:
-            dead = self._dead_after(err)
-            if not dead and (flagged or isinstance(err, ValueError)):
+            failure = failure_in(err)  # the group broke: the first rank that failed, as it published it
+            if failure is None and not _is_interrupt(err) and not isinstance(err, ValueError):
+                failure = published_failure(failure_key(self.layout))  # a worker that failed outside the loop
+            dead = [] if failure is not None and failure.rank != 0 else self._dead_after(err)
+            if failure is None and not dead and (flagged or isinstance(err, ValueError)):
                 raise  # every rank stopped the same way (the interrupt flag, or the same refused input)
-            rank = self._rank_of(dead[0]) if dead else None
-            self._abandon()  # an interrupt outside a step callback, too: the workers may wait in a collective
-            if dead:
-                raise PoolError(f"LingBot Parallel: a worker died during {stage} (exit code {dead[0].exitcode}); "
-                                "the workers were stopped. The pipe without LingBot Parallel works on this device; "
-                                "running again starts new workers" + (f" (rank {rank})" if rank else "")) from err
-            if isinstance(err, PoolError) or _is_interrupt(err):
+            self._abandon(grace=0)  # the workers left, or wait in a collective that will not complete
+            error = self._failure_error(stage, err, failure, dead)
+            if error is err:
                 raise
-            raise PoolError(f"LingBot Parallel: {stage} failed on rank 0 ({type(err).__name__}: {err}); the workers "
-                            "were stopped and the next run starts new ones") from err
+            raise error from err
+
+    def _failure_error(self, stage: str, err: BaseException, failure: Failure | None, dead: list[Any]) -> BaseException:
+        """What a failed call raises: the worker that failed (its device, rank and error), else a worker
+        that died, else rank 0's own error (an interrupt as it is)."""
+        after = ("; the workers were stopped. The pipe without LingBot Parallel works on this device; running "
+                 "again starts new workers")
+        if failure is not None and 0 < failure.rank < self.spec.world_size:
+            device = self.spec.devices[failure.rank]
+            what = "was interrupted" if failure.interrupted else f"failed {failure.where} ({failure.error})"
+            return PoolError(f"LingBot Parallel: the worker for {device} (rank {failure.rank}) {what} during "
+                             f"{stage}{after}")
+        if dead:
+            rank = self._rank_of(dead[0])
+            return PoolError(f"LingBot Parallel: the worker for {self.spec.devices[rank]} (rank {rank}) died during "
+                             f"{stage} (exit code {dead[0].exitcode}){after}")
+        if isinstance(err, PoolError) or _is_interrupt(err):
+            return err
+        own = failure.error if failure is not None else f"{type(err).__name__}: {err}"
+        where = f" {failure.where}" if failure is not None else ""
+        return PoolError(f"LingBot Parallel: {stage} failed on rank 0 ({self.spec.devices[0]}){where} ({own}); the "
+                         "workers were stopped and the next run starts new ones")
 
     def _rank_of(self, proc: Any) -> int | None:
         return next((i for i, p in enumerate(self._procs, start=1) if p is proc), None)
@@ -537,6 +564,26 @@ def _main_module_hidden() -> Iterator[None]:
     finally:
         if main is not None:
             main.__dict__.update(saved)
+
+
+@contextmanager
+def _fork_safe() -> Iterator[None]:
+    """With the fork start method (the CPU tests): a forked worker must never run the destructors of
+    what this process still holds, such as the process groups of a pool that failed, kept alive by
+    the traceback of the error the caller holds (a gloo group's destructor joins threads the child
+    does not have: a crash or a hang). So garbage goes first and the garbage collector leaves
+    everything older than the fork alone in the children (`gc.freeze`, Python's advice for fork)."""
+    if START_METHOD != "fork":
+        yield
+        return
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _same_device(name: str, device: torch.device | str) -> bool:
@@ -730,6 +777,7 @@ def _worker_main(rank: int, spec: PoolSpec, port: int, status: Any) -> None:
 
 def _serve(handle: Any, layout: ParallelLayout, device: torch.device) -> None:
     view = handle.with_parallel(layout)
+    spec_device = str(handle.device)
     lora_files: dict[str, Any] = {}  # path -> LoraFile, the files of rank 0's current LoRA stack
 
     def on_step(step: int, total: int, latents: Any) -> None:
@@ -754,6 +802,12 @@ def _serve(handle: Any, layout: ParallelLayout, device: torch.device) -> None:
             execute(_with_loras(view, loras, lora_files), unpack(fields, tensors), on_step)
         except _Dropped:
             continue
-        except Exception as err:  # rank 0 fails the same way (same inputs) or stops the pool
+        except Exception as err:
             print(f"lingbot parallel worker rank {layout.rank}: {kind} failed: {type(err).__name__}: {err}",
                   file=sys.stderr, flush=True)
+            if isinstance(err, ValueError):
+                continue  # a refused input: rank 0 refuses the same (same inputs, same checks) and keeps the pool
+            # anything else leaves this call out of step with the others: publish it for rank 0 (a failure
+            # inside the forward already is) and leave, which ends every collective waiting on this process
+            publish_failure(err, where=f"in {kind}", device=spec_device, key=failure_key(layout))
+            return

@@ -112,12 +112,22 @@ def sample(run: SamplerRun, guidance: Guidance, latents: torch.Tensor, *, cond_l
     A step cache (`guidance.cache`) is attached to the DiT for this loop only, and finished
     (calibration written) only when the loop completes. `status` (on several processes:
     `parallel.abort.StepStatus`) hears after every step, outside the forward, whether this rank
-    finished it (`passed`) or raised (`failed`), so a failing rank stops the others."""
+    finished it (`passed`) or raised (`failed`), so a failing rank stops the others; an error inside
+    the forward (the others wait in its collectives) becomes what `status.broken` returns."""
     total = len(run.timesteps)
     cache = guidance.cache
-    with cache.attached(guidance.dit) if cache is not None else nullcontext():
+    with cache.attached(guidance.dit) if cache is not None else nullcontext(), \
+            status.watching() if status is not None else nullcontext():
         for i, t in enumerate(run.timesteps):
-            v = guidance.predict(latents, t)
+            try:
+                v = guidance.predict(latents, t)
+            except BaseException as err:
+                if status is None:
+                    raise
+                stop = status.broken(i + 1, err)
+                if stop is err:
+                    raise
+                raise stop from err
             try:
                 latents = pin_first_frames(run.step(v, i, latents), cond_latent)
                 if callback is not None:
