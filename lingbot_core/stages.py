@@ -299,7 +299,7 @@ def denoise(
         guidance_scale=guidance_scale, shift=shift, sigmas=sigmas, sampler=sampler, transformer=transformer,
         image_cond=image_cond, cond_latent=cond_latent, latents=latents, cfg_batch=cfg_batch,
         step_cache=step_cache)
-    parallel_stage.check_request(handle, cfg_batch=cfg_batch, step_cache_on=StepCacheSettings.of(step_cache).enabled)
+    parallel_stage.check_request(handle, cfg_batch=cfg_batch, step_cache=StepCacheSettings.of(step_cache).method)
     g = _generator(seed, generator)
     latents, cond_latent = _starting_latents(shape, g, latents, cond_latent, image_cond)
     needs = (transformer, "scheduler") if method.uses_scheduler else (transformer,)
@@ -316,6 +316,7 @@ def denoise(
         guidance = _guidance(handle, transformer, cond, guidance_scale, device, batch)
         guidance.cache = _step_cache(handle, step_cache, transformer=transformer, method=method, steps=steps,
                                      run_steps=len(run), shift=shift, sigmas=sigmas, guidance_scale=guidance_scale)
+        parallel_stage.share_step_cache(guidance.cache, parallel_stage.active_layout(handle))
         with _ffn_chunk(handle, transformer, cfg=guidance_scale > 1.0, cfg_batch=batch, height=height, width=width,
                         num_frames=num_frames), \
                 parallel_stage.sequence_parallel(guidance.dit, parallel_stage.active_layout(handle)):

@@ -265,6 +265,44 @@ def _lora_fsdp_checks(layout: ParallelLayout, tiny: str, lora_path: str) -> dict
     return found
 
 
+def _step_cache_checks(layout: ParallelLayout, tiny: str) -> dict:
+    """First-block caching on the parallel view against one process: the figure each rank decides on
+    is the whole sequence's (summed over its ulysses group), each cfg row keeps its own branch's, and
+    the latents match."""
+    from lingbot_core import stages
+    from lingbot_core.handle import PipelineHandle
+    from lingbot_core.latents import latent_shape
+    from lingbot_core.parallel.run import parallel_denoise
+    from lingbot_core.sampling import step_cache
+
+    figures: list[float] = []
+    real = step_cache._rel_l1
+
+    def recording(now, before, reduce=None):
+        figures.append(real(now, before, reduce))
+        return figures[-1]
+
+    step_cache._rel_l1 = recording
+    try:
+        handle = PipelineHandle.open(tiny, device="cpu")
+        cond = stages.encode_prompt(handle, "a red paper boat on a canal", "")
+        noise = stages.prepare_latents(latent_shape(height=32, width=32, num_frames=5), torch.Generator().manual_seed(8))
+        run = dict(seed=8, steps=10, guidance_scale=3.0)
+        cache = step_cache.StepCacheSettings("first_block", threshold=1e9, warmup_steps=2, max_skips=3)
+        shared = parallel_denoise(handle, layout, noise, cond, **run, step_cache=cache)
+        found: dict = {"figures": list(figures), "cfg_rank": layout.cfg_rank}
+        if layout.rank == 0:
+            figures.clear()
+            geometry = dict(latents=noise, height=32, width=32, num_frames=5, **run)
+            alone = stages.denoise(handle, cond, **geometry, step_cache=cache)
+            found["alone_figures"] = list(figures)
+            found["latents"] = _relative(shared, alone)
+            found["cache_changed"] = _relative(alone, stages.denoise(handle, cond, **geometry))
+    finally:
+        step_cache._rel_l1 = real
+    return found
+
+
 def _headless(rank: int, world: int, out: str) -> dict:
     """`lingbot-run t2i --parallel cfg=2,ulysses=2` on this rank, as torchrun would start it (its
     environment variables; the CLI finds the group already initialised and leaves it at the end)."""
@@ -321,6 +359,7 @@ def _worker(rank: int, world: int, port: int, out: str, tiny: str, tiny_moe: str
                   "lora": _lora_checks(layout, tiny, str(Path(out, "lora.safetensors"))),
                   "lora_fsdp": {"dense": _lora_fsdp_checks(layout, tiny, str(Path(out, "lora.safetensors"))),
                                 "moe": _lora_fsdp_checks(layout, tiny_moe, str(Path(out, "moe_lora.safetensors")))},
+                  "step_cache": _step_cache_checks(layout, tiny),
                   "failure": _failure_checks(layout), "cli": _headless(rank, world, out)}
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
@@ -433,14 +472,21 @@ def test_one_process_layout_installs_nothing():
     assert not any("_diffusers_hook" in m.__dict__ for m in model.modules())
 
 
-def test_sequence_parallel_refuses_a_step_cache_runner():
+def test_sequence_parallel_runs_a_step_cache_runner_on_its_share():
+    """The sharding runner wraps a step cache's runner (attached after it, so it runs first); the
+    cache's own hook refuses to replace a sharding runner (the other order would lose the sharding)."""
     from lingbot_core.parallel.ulysses import _ShardingHook
+    from lingbot_core.sampling.step_cache import StepCache, StepCacheSettings, _RunnerHook
 
     hook = _ShardingHook(ParallelLayout(cfg=1, ulysses=2))
-    with pytest.raises(RuntimeError, match="step cache"):
-        hook.pre_forward(None, block_runner=lambda *a: None)
     _, kwargs = hook.pre_forward(None)
     assert kwargs["block_runner"] == hook.run
+    inner = lambda *a: None  # noqa: E731
+    _, kwargs = hook.pre_forward(None, block_runner=inner)
+    assert kwargs["block_runner"].func == hook.run and kwargs["block_runner"].keywords == {"inner": inner}
+    cache_hook = _RunnerHook(StepCache(StepCacheSettings("first_block"), steps=20))
+    with pytest.raises(RuntimeError, match="attached after sequence parallel"):
+        cache_hook.pre_forward(None, block_runner=hook.run)
 
 
 def test_bench_script_parses_and_builds_valid_configs(capsys):
@@ -475,12 +521,13 @@ def test_parallel_view_refuses_what_cannot_run_on_several_processes():
         handle.with_parallel(ParallelLayout(cfg=2, ulysses=1))
     view = handle.with_parallel(_fake_layout(2, 2))
     assert parallel_stage.active_layout(view) is view.parallel and parallel_stage.active_layout(handle) is None
-    with pytest.raises(ValueError, match="step caching"):
-        parallel_stage.check_request(view, cfg_batch="off", step_cache_on=True)
+    with pytest.raises(ValueError, match="MagCache calibration runs on one process"):
+        parallel_stage.check_request(view, cfg_batch="off", step_cache="magcache_calibrate")
     with pytest.raises(ValueError, match="cfg_batch 'on'"):
-        parallel_stage.check_request(view, cfg_batch="on", step_cache_on=False)
-    parallel_stage.check_request(view, cfg_batch="auto", step_cache_on=False)
-    parallel_stage.check_request(handle, cfg_batch="on", step_cache_on=True)  # one process: not this check's
+        parallel_stage.check_request(view, cfg_batch="on")
+    for method in ("off", "first_block", "magcache"):  # a step cache decides alike on every rank (share_step_cache)
+        parallel_stage.check_request(view, cfg_batch="auto", step_cache=method)
+    parallel_stage.check_request(handle, cfg_batch="on", step_cache="magcache_calibrate")  # one process: fine
 
 
 def test_process_layout_decides_who_writes():
@@ -619,6 +666,19 @@ def test_lora_with_fsdp_matches_one_process_and_comes_off(four_ranks):
             assert got["sharded"], (kind, rank)
             assert got["lora_then_fsdp"] > 1e-3 and got["fsdp_then_lora"] > 1e-3, (kind, rank, got)  # it did something
             assert got["weights_back"] and got["plain_again"], (kind, rank, got)
+
+
+def test_step_cache_on_four_processes_decides_as_one_process(four_ranks):
+    """cfg=2 x ulysses=2 with first-block caching: every rank's figures are the one process's for its
+    branch (row 0 the conditional, row 1 the unconditional: one process alternates them), so the ranks
+    of a ulysses group skip alike; the cached latents match the one-process cached run."""
+    alone = four_ranks[0]["step_cache"]
+    assert alone["latents"] <= T2V_TOLERANCE and alone["cache_changed"] > 1e-4, alone
+    assert len(alone["alone_figures"]) >= 4, alone
+    for rank, result in enumerate(four_ranks):
+        got = result["step_cache"]
+        want = alone["alone_figures"][got["cfg_rank"]::2]
+        assert got["figures"] == pytest.approx(want, rel=1e-4), (rank, got, want)
 
 
 def test_a_rank_failing_between_steps_stops_the_others_at_once(four_ranks):

@@ -22,9 +22,10 @@ __all__ = ["ParallelGuidance"]
 class ParallelGuidance(Guidance):
     """`Guidance` whose two branches run on the two cfg rows of `layout` (cfg degree 2).
 
-    Takes `Guidance`'s arguments plus the layout; `batch_cfg` and a step cache are refused (the
-    first is the one-device way of doing the same, the second keeps per-branch state that the rows
-    would not share). Without a negative prompt every rank computes the one conditional forward.
+    Takes `Guidance`'s arguments plus the layout; `batch_cfg` is refused (the one-device way of doing
+    the same). A step cache keeps one branch's state per row: row 0 the conditional branch's, row 1
+    the unconditional one's, as one process keeps both. Without a negative prompt every rank computes
+    the one conditional forward.
     """
 
     def __init__(self, dit: torch.nn.Module, positive: Any, negative: Any | None, scale: float, *,
@@ -33,8 +34,6 @@ class ParallelGuidance(Guidance):
             raise ValueError(f"CFG parallel needs a layout with cfg=2 (got {layout.describe()})")
         if kwargs.get("batch_cfg"):
             raise ValueError("CFG parallel and batch_cfg are two ways of doing the same; pick one")
-        if kwargs.get("cache") is not None:
-            raise ValueError("CFG parallel does not combine with a step cache yet; turn the step cache off")
         super().__init__(dit, positive, negative, scale, **kwargs)
         self.layout = layout
 
@@ -42,9 +41,9 @@ class ParallelGuidance(Guidance):
         if self.negative is None:
             return super().predict(latents, t)
         t_dit = self.timestep(t)
-        mine = self.positive if self.layout.cfg_rank == 0 else self.negative
+        mine, branch = (self.positive, "cond") if self.layout.cfg_rank == 0 else (self.negative, "uncond")
         with torch.no_grad(), self._autocast():
-            v_mine = self.forward(latents, t_dit, mine).contiguous()
+            v_mine = self.forward(latents, t_dit, mine, branch).contiguous()
             both = [torch.empty_like(v_mine) for _ in range(2)]
             dist.all_gather(both, v_mine, group=self.layout.cfg_group)
             v, v_uncond = both

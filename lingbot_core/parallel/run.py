@@ -15,6 +15,7 @@ from ..components import TRANSFORMER
 from ..handle import PipelineHandle
 from ..latents import VAE_SPATIAL, VAE_TEMPORAL
 from ..sampling.guidance import StepCallback
+from ..sampling.step_cache import StepCacheSettings
 from ..stages import Conditioning, denoise
 from .layout import ParallelLayout
 
@@ -54,6 +55,7 @@ def parallel_denoise(
     cond_latent: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     callback: StepCallback | None = None,
+    step_cache: str | StepCacheSettings = "off",
 ) -> torch.Tensor:
     """Denoise `latents` on the processes of `layout`; the final DiT-space latents (float32, CPU).
 
@@ -67,7 +69,8 @@ def parallel_denoise(
       (default 40) with `shift`.
     - `seed`: seeds the generator stochastic samplers draw from (ignored when `generator` is given).
     - `transformer`: "transformer" (the base DiT) or "refiner".
-    `callback(step, total, latents)` runs on every rank after every step.
+    `callback(step, total, latents)` runs on every rank after every step. `step_cache`: as for the
+    `denoise` stage (every rank of a ulysses group decides alike; each cfg row keeps its branch's state).
     """
     handle = handle_or_dit if isinstance(handle_or_dit, PipelineHandle) else wrap_dit(handle_or_dit,
                                                                                       transformer=transformer)
@@ -78,4 +81,4 @@ def parallel_denoise(
     return denoise(view, cond, height=height, width=width, num_frames=num_frames, steps=steps,
                    guidance_scale=guidance_scale, shift=shift, seed=seed, generator=generator,
                    cond_latent=cond_latent, latents=latents, sigmas=sigmas, transformer=transformer,
-                   callback=callback, sampler=sampler)
+                   callback=callback, sampler=sampler, step_cache=step_cache)

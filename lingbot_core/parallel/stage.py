@@ -130,18 +130,35 @@ def check_heads(handle: Any, layout: ParallelLayout) -> None:
         layout.check_heads(int(count))
 
 
-def check_request(handle: Any, *, cfg_batch: str, step_cache_on: bool) -> None:
-    """Refuse denoise options that do not combine with the view's layout (before any model work)."""
+def check_request(handle: Any, *, cfg_batch: str, step_cache: str = "off") -> None:
+    """Refuse denoise options that do not combine with the view's layout (before any model work).
+    `step_cache`: the step cache method asked for."""
     layout = active_layout(handle)
     if layout is None:
         return
     check_heads(handle, layout)
-    if step_cache_on:
-        raise ValueError(f"step caching does not combine with parallel {layout.describe()} (it keeps "
-                         "per-branch state the ranks would not share); turn step_cache off")
+    if step_cache == "magcache_calibrate":
+        raise ValueError(f"MagCache calibration runs on one process (each cfg row would record only its own "
+                         f"branch); calibrate without parallel {layout.describe()}, then use 'magcache' with it")
     if layout.cfg == 2 and cfg_batch == "on":
         raise ValueError("cfg_batch 'on' and CFG parallel (cfg=2) are two ways of running both guidance "
                          "branches at once; turn cfg_batch off for a cfg=2 layout")
+
+
+def share_step_cache(cache: Any, layout: ParallelLayout | None) -> None:
+    """Make a step cache decide alike on every rank of a ulysses group: its figures (the first
+    block's change, MagCache's calibration norms) are summed over the group's shares of the sequence.
+    CFG rows need nothing: each keeps its own branch's state, as one process keeps both."""
+    if cache is None or layout is None or layout.ulysses == 1:
+        return
+    group = layout.ulysses_group
+
+    def summed(partial: torch.Tensor) -> torch.Tensor:
+        partial = partial.clone()
+        dist.all_reduce(partial, group=group)
+        return partial
+
+    cache.reduce = summed
 
 
 @contextmanager

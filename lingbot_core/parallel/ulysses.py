@@ -23,6 +23,8 @@ modules that pass a `parallel_config` to `dispatch_attention_fn`, which our atte
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -97,14 +99,15 @@ class _ShardingHook(hooks.Hook):
         self.group = layout.ulysses_group
 
     def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
-        if kwargs.get("block_runner") is not None:
-            raise RuntimeError("sequence parallel does not combine with a step cache (both replace the DiT's "
-                               "block loop); turn the step cache off for a parallel run")
-        kwargs["block_runner"] = self.run
+        inner = kwargs.get("block_runner")  # a step cache's runner: it runs on this rank's share
+        kwargs["block_runner"] = self.run if inner is None else functools.partial(self.run, inner=inner)
         return args, kwargs
 
     def run(self, blocks: torch.nn.ModuleList, x: torch.Tensor, temb6: torch.Tensor, rotations: torch.Tensor,
-            key_mask: torch.Tensor | None) -> torch.Tensor:
+            key_mask: torch.Tensor | None, inner: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+        """Shard the joint sequence, run the blocks on this rank's share (through `inner`, a step cache's
+        runner, when given: it must decide alike on every rank, see `parallel.stage.share_step_cache`),
+        gather it back."""
         batch, seq = x.shape[:2]
         pad = -seq % self.degree
         chunk = (seq + pad) // self.degree
@@ -117,8 +120,12 @@ class _ShardingHook(hooks.Hook):
         mine = slice(self.index * chunk, (self.index + 1) * chunk)
         local = x[:, mine].contiguous()
         local_rotations = rotations[:, mine].contiguous()
-        for block in blocks:
-            local = block(local, temb6, local_rotations, key_mask)
+        if inner is not None:  # it must not count this share's padding rows: `real_tokens`
+            real = max(0, min(chunk, seq - self.index * chunk))
+            local = inner(blocks, local, temb6, local_rotations, key_mask, real_tokens=real)
+        else:
+            for block in blocks:
+                local = block(local, temb6, local_rotations, key_mask)
         chunks = [torch.empty_like(local) for _ in range(self.degree)]
         dist.all_gather(chunks, local, group=self.group)
         return torch.cat(chunks, dim=1)[:, :seq]

@@ -39,7 +39,7 @@ import logging
 import math
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -181,8 +181,17 @@ def _write_calibration(path: Path, identity: dict[str, Any], ratios: dict[str, l
             os.unlink(tmp)
 
 
-def _rel_l1(now: torch.Tensor, before: torch.Tensor) -> float:
-    return float((now - before).abs().float().mean() / before.abs().float().mean().clamp_min(1e-12))
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _rel_l1(now: torch.Tensor, before: torch.Tensor, reduce: Reduce | None = None) -> float:
+    """mean |now - before| / mean |before| (both over the same values, so the counts cancel). `reduce`
+    sums the two partial sums over the processes that hold parts of one sequence (sequence parallel):
+    every rank then sees the whole sequence's figure and decides alike."""
+    sums = torch.stack(((now - before).abs().float().sum(), before.abs().float().sum()))
+    if reduce is not None:
+        sums = reduce(sums)
+    return float(sums[0] / sums[1].clamp_min(1e-12))
 
 
 @dataclass
@@ -214,6 +223,9 @@ class StepCache:
         self.skipped = 0  # blocks skipped
         self.calibration_path = calibration_file(settings, self.identity)
         self.ratios: dict[str, list[float]] = {}
+        # sums partial sums over a sequence-parallel group (`parallel.stage.share_step_cache`); None: one process
+        self.reduce: Reduce | None = None
+        self._real_tokens: int | None = None  # of the current call (`run`)
         if self.method == "magcache":
             self.ratios = read_calibration(self.calibration_path, self.identity)
 
@@ -234,8 +246,11 @@ class StepCache:
                 return self.ratios[key]
         return []
 
-    def run(self, blocks: torch.nn.ModuleList, x: torch.Tensor, *extra: Any) -> torch.Tensor:
-        """The DiT's block stack for the current branch and step, skipping what the method allows."""
+    def run(self, blocks: torch.nn.ModuleList, x: torch.Tensor, *extra: Any, real_tokens: int | None = None) -> torch.Tensor:
+        """The DiT's block stack for the current branch and step, skipping what the method allows.
+        `real_tokens`: how many leading tokens of `x` are the sequence's (a sequence-parallel share may
+        end in padding, which the figures the cache decides on must not count); None: all of them."""
+        self._real_tokens = real_tokens
         state = self.branches.setdefault(self.current, _Branch())
         index = state.step
         state.step += 1
@@ -245,10 +260,16 @@ class StepCache:
             return self._magcache(state, index, blocks, x, extra)
         out = self._compute(blocks, x, extra)
         if self.method == "magcache_calibrate":
-            norm = float((out - x).float().norm())
+            squares = self._real(out - x).float().square().sum()
+            norm = float((self.reduce(squares) if self.reduce is not None else squares).sqrt())
             state.ratios.append(1.0 if not state.last_norm else norm / state.last_norm)
             state.last_norm = norm
         return out
+
+    def _real(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` (B, S, D) without the padding rows of a sequence-parallel share."""
+        n = self._real_tokens
+        return t if n is None else t[:, :n]
 
     def _compute(self, blocks, x, extra, start: int = 0) -> torch.Tensor:
         for block in list(blocks)[start:]:
@@ -261,7 +282,7 @@ class StepCache:
         head = h - x
         if (index >= self.warmup and state.tail is not None and state.head is not None
                 and state.skips < self.max_skips and state.tail.shape == h.shape
-                and _rel_l1(head, state.head) < self.threshold):
+                and _rel_l1(self._real(head), self._real(state.head), self.reduce) < self.threshold):
             state.skips += 1
             self.skipped += len(blocks) - 1
             return h + state.tail
@@ -315,5 +336,8 @@ class _RunnerHook(hooks.Hook):
         self.cache = cache
 
     def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        if kwargs.get("block_runner") is not None:  # a sequence-parallel runner wraps the cache, never the reverse
+            raise RuntimeError("the step cache must be attached after sequence parallel (its runner is handed "
+                               "to the sharding runner, which runs it on this rank's share of the sequence)")
         kwargs["block_runner"] = self.cache.run
         return args, kwargs
