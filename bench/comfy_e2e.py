@@ -23,7 +23,12 @@ What it checks, each printed as PASS/FAIL with the reason (exit status 1 if any 
 - with `--parallel` (last; needs the server the script starts): a LingBot Parallel node between Loader and
   Offload ('none') runs and its latents equal the single-device run's bit for bit; a second prompt reuses the
   workers (no new start in the log, same pids); an interrupt mid-Denoise leaves the next run exact and keeps the workers; POST /free
-  (unload models) stops the worker processes, twice; SIGINT to main.py leaves no worker process.
+  (unload models) stops the worker processes, twice; a LingBot Release on the parallel pipe stops them and the
+  next prompt starts new ones, exact; a worker killed between prompts gives the next prompt a clear error and
+  the pipe without LingBot Parallel still runs, exact; the MoE's Refine on a parallel pipe equals the
+  single-device Refine; SIGINT to main.py leaves no worker process;
+- the Loader's `ffn_chunk` (a chunk shorter than the sequence) changes no bit of Denoise's latents (dense), and
+  Refine's (MoE, in the `--parallel` section) only within float rounding; the Memory Report names the chunk.
 """
 
 from __future__ import annotations
@@ -365,6 +370,50 @@ def check_interrupt_and_free(server: Server) -> None:
                f"HTTP {code}" + ("" if entry is None else " " + errors_of(entry)))
 
 
+def with_memory_report(prompt: dict, value: str) -> str:
+    """A Memory Report on the prompt's Offload pipe after node `value`; its id (the report is its UI text)."""
+    prompt["901"] = {"class_type": "LingBotMemoryReport",
+                     "inputs": {"pipe": [find_node(prompt, "LingBotOffload"), 0], "value": [value, 0]}}
+    return "901"
+
+
+def report_text(entry: dict | None, node: str) -> str:
+    return " ".join(entry["outputs"].get(node, {}).get("text", [])) if entry else ""
+
+
+CHUNK = "256"  # shorter than the sequences below (dense 320 video tokens, MoE refine 320): the FFN runs in pieces
+MOE_CHUNK_REL_L2 = 1e-5  # the MoE's chunked Refine against the whole one (fp32 on the CPU; see check_parallel_refine)
+
+
+def check_ffn_chunk(server: Server) -> None:
+    """The Loader's `ffn_chunk` through the API: 256-token chunks on a 320-token sequence give Denoise's
+    latents bit for bit, and the Memory Report says the DiT ran in chunks."""
+    import torch
+
+    results = {}
+    for chunk in ("auto", CHUNK):
+        prompt, denoise, saver = latent_prompt(seed=5, tag=f"chunk_{chunk}", steps=8)
+        prompt[find_node(prompt, "LingBotLoader")]["inputs"]["ffn_chunk"] = chunk
+        report = with_memory_report(prompt, denoise)
+        entry, refused = server.run(prompt)
+        if not record(ran(entry, denoise), f"ffn_chunk {chunk}: the T2V run (dense, 128x128x17, 8 steps)",
+                      errors_of(entry) if entry else json.dumps(refused)[:300]):
+            return
+        results[chunk] = (server.latent(entry, saver), report_text(entry, report))
+    (whole, whole_text), (chunked, chunked_text) = results["auto"], results[CHUNK]
+    said = [line for line in chunked_text.splitlines() if "FFN/MoE" in line]
+    record(f"{CHUNK}-token chunks" in chunked_text and "whole sequence" in whole_text,
+           f"ffn_chunk {CHUNK}: the Memory Report says the DiT ran in chunks (auto: whole)", "; ".join(said))
+    record(torch.equal(chunked, whole), f"ffn_chunk {CHUNK}: Denoise's latents equal ffn_chunk auto's bit for bit",
+           "" if torch.equal(chunked, whole) else f"max |diff| {(chunked - whole).abs().max().item():.3g}")
+    bad, _, _ = latent_prompt(seed=5, tag="chunk_bad", steps=2)
+    bad[find_node(bad, "LingBotLoader")]["inputs"]["ffn_chunk"] = "300"
+    prompt_id, answer = server.queue(bad)
+    record(prompt_id is None and "ffn_chunk" in json.dumps(answer),
+           "ffn_chunk 300 (not offered): POST /prompt refuses it, naming the input",
+           json.dumps(answer)[:300] if prompt_id is None else "queued")
+
+
 # ------------------------------------------------------------------------------------- LingBot Parallel
 
 PARALLEL_STARTED = "LingBot Parallel: "  # the pool's log line, once per start of the workers
@@ -397,6 +446,22 @@ def worker_processes(server_pid: int) -> list[int]:
     return sorted(found)
 
 
+def process_state(pid: int) -> str | None:
+    """The state letter of `pid` in /proc (R, S, Z ...), None when there is no such process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def threads(pid: int) -> int:
+    """How many threads `pid` has left in /proc (0 when there is no such process)."""
+    try:
+        return len(list(Path(f"/proc/{pid}/task").iterdir()))
+    except OSError:
+        return 0
+
+
 def wait_for(predicate, timeout: float = 30) -> bool:
     end = time.time() + timeout
     while time.time() < end:
@@ -406,16 +471,21 @@ def wait_for(predicate, timeout: float = 30) -> bool:
     return predicate()
 
 
+def pool_starts(log_path: Path) -> int:
+    """How many times the server's worker pools started, from its log."""
+    return len(re.findall(PARALLEL_STARTED + r"\d+ worker process", log_path.read_text(errors="replace")))
+
+
 def check_parallel(server: Server, proc: subprocess.Popen, log_path: Path, devices: str, cfg: str,
                    ulysses: int) -> None:
     """A pipe through LingBot Parallel on `devices`: its latents equal the single-device run's; a second
     prompt reuses the workers; an interrupt leaves the next run exact; POST /free (unload models) stops
-    the workers and the next run starts new ones, exact again. Needs the server this script started (its
-    log and its child processes)."""
+    the workers and the next run starts new ones, exact again; then `check_parallel_release` and
+    `check_parallel_dead_worker`. Needs the server this script started (its log and its child processes)."""
     import torch
 
     def starts() -> int:
-        return len(re.findall(PARALLEL_STARTED + r"\d+ worker process", log_path.read_text(errors="replace")))
+        return pool_starts(log_path)
 
     inputs = {"devices": devices, "cfg": cfg, "ulysses": ulysses}
     single, denoise, saver = parallel_prompt(seed=11, tag="par_single", parallel=None)
@@ -470,6 +540,135 @@ def check_parallel(server: Server, proc: subprocess.Popen, log_path: Path, devic
                f"parallel: after /free the next run starts new workers and is bit-identical (round {round_})",
                f"pids {worker_processes(proc.pid)}" + ("" if entry is None else " " + errors_of(entry)))
 
+    check_parallel_release(server, proc, log_path, inputs, reference)
+    check_parallel_dead_worker(server, proc, log_path, inputs, reference)
+
+
+def exact_run(server: Server, prompt: dict, denoise: str, saver: str, reference: Any) -> tuple[bool, str]:
+    """Run `prompt`: (Denoise ran and its saved latents equal `reference` bit for bit, what went wrong)."""
+    import torch
+
+    entry, refused = server.run(prompt)
+    if not ran(entry, denoise):
+        return False, errors_of(entry) if entry else json.dumps(refused)[:300]
+    got = server.latent(entry, saver)
+    same = torch.equal(got, reference)
+    return same, "" if same else f"max |diff| {(got - reference).abs().max().item():.3g}"
+
+
+def check_parallel_release(server: Server, proc: subprocess.Popen, log_path: Path, inputs: dict,
+                           reference: Any) -> None:
+    """A LingBot Release (all) on the parallel pipe, after Denoise: the worker processes are gone when the
+    prompt ends; the next prompt (the same Parallel node, served from ComfyUI's cache) starts new ones."""
+    before, old = pool_starts(log_path), worker_processes(proc.pid)
+    prompt, denoise, saver = parallel_prompt(seed=21, tag="par_release", parallel=inputs)
+    prompt["902"] = {"class_type": "LingBotRelease",
+                     "inputs": {"pipe": [find_node(prompt, "LingBotOffload"), 0], "value": [denoise, 0], "what": "all"}}
+    prompt[saver]["inputs"]["samples"] = ["902", 0]
+    entry, refused = server.run(prompt)
+    gone = wait_for(lambda: not worker_processes(proc.pid), 10)
+    record(ran(entry, "902") and bool(old) and gone,
+           "parallel: LingBot Release on the parallel pipe stops the worker processes",
+           f"before {old}, after {worker_processes(proc.pid)}" + (" " + errors_of(entry) if entry else str(refused)))
+    prompt, denoise, saver = parallel_prompt(seed=11, tag="par_after_release", parallel=inputs)
+    same, why = exact_run(server, prompt, denoise, saver, reference)
+    new = worker_processes(proc.pid)
+    record(same and pool_starts(log_path) == before + 1 and bool(new) and not set(new) & set(old),
+           "parallel: after Release the next prompt starts a fresh pool and is bit-identical",
+           f"starts {pool_starts(log_path) - before}, pids {new} (before {old}) {why}")
+
+
+def check_parallel_dead_worker(server: Server, proc: subprocess.Popen, log_path: Path, inputs: dict,
+                               reference: Any) -> None:
+    """A worker killed (SIGKILL) between prompts: the next parallel prompt fails with the pool's message
+    (the worker is gone; the pipe without LingBot Parallel works), a single-device prompt then runs and is
+    exact, and the parallel pipe after that starts new workers, exact again."""
+    import os
+
+    workers = worker_processes(proc.pid)
+    if not record(bool(workers), "parallel: workers running before the kill", str(workers)):
+        return
+    os.kill(workers[0], signal.SIGKILL)
+    # until it has exited: a zombie with no thread left (its main thread turns zombie first, while its other
+    # threads -- gloo's, torch's -- still exit, and until then the server cannot see it dead), or reaped; the
+    # check below is of a worker gone *between* prompts
+    wait_for(lambda: process_state(workers[0]) in ("Z", "X", None) and threads(workers[0]) <= 1, 30)
+    prompt, denoise, _ = parallel_prompt(seed=31, tag="par_killed", parallel=inputs)
+    entry, refused = server.run(prompt)
+    error = errors_of(entry) if entry else json.dumps(refused)[:300]
+    clear = ("LingBot Parallel" in error and ("is gone" in error or "died" in error)
+             and "without LingBot Parallel works" in error)
+    record(entry is not None and entry["status"]["status_str"] == "error" and clear,
+           "parallel: a worker killed between prompts gives the next prompt a clear error", error[:400])
+    single, denoise, saver = parallel_prompt(seed=11, tag="single_after_kill", parallel=None)
+    same, why = exact_run(server, single, denoise, saver, reference)
+    record(same, "parallel: after the dead worker, the pipe without LingBot Parallel runs and is bit-identical", why)
+    before = pool_starts(log_path)
+    prompt, denoise, saver = parallel_prompt(seed=11, tag="par_after_kill", parallel=inputs)
+    same, why = exact_run(server, prompt, denoise, saver, reference)
+    new = worker_processes(proc.pid)
+    record(same and pool_starts(log_path) == before + 1 and bool(new) and workers[0] not in new,
+           "parallel: the parallel pipe then starts new workers and is bit-identical",
+           f"starts {pool_starts(log_path) - before}, pids {new} {why}")
+
+
+def refine_prompt(tag: str, parallel: dict | None, chunk: str = "auto") -> tuple[dict, str, str, str]:
+    """The shipped MoE refine workflow with Offload 'none', 17 frames (the refine pass: 320 tokens at
+    128x128), the Loader's `ffn_chunk`, Refine's LATENT saved by core SaveLatent and, when `parallel` gives
+    its inputs, a LingBot Parallel node between Loader and Offload. (prompt, Refine, SaveLatent, Memory Report)."""
+    prompt = json.loads((WORKFLOWS / "lingbot_t2v_moe_refine.json").read_text())
+    loader, offload = find_node(prompt, "LingBotLoader"), find_node(prompt, "LingBotOffload")
+    refine = find_node(prompt, "LingBotRefine")
+    prompt[loader]["inputs"]["ffn_chunk"] = chunk
+    prompt[offload]["inputs"]["mode"] = "none"
+    prompt[find_node(prompt, "LingBotDenoise")]["inputs"]["frames"] = 17
+    prompt[find_node(prompt, "LingBotSaveVideo")]["inputs"]["filename_prefix"] = f"{PREFIX}/{tag}"
+    prompt["900"] = {"class_type": "SaveLatent", "inputs": {"samples": [refine, 0], "filename_prefix": f"{PREFIX}/{tag}"}}
+    if parallel is not None:
+        prompt["950"] = {"class_type": "LingBotParallel", "inputs": {"pipe": [loader, 0], **parallel}}
+        prompt[offload]["inputs"]["pipe"] = ["950", 0]
+    return prompt, refine, "900", find_node(prompt, "LingBotMemoryReport")
+
+
+def check_parallel_refine(server: Server, proc: subprocess.Popen, log_path: Path, devices: str, cfg: str,
+                          ulysses: int) -> None:
+    """The tiny MoE: Refine on a LingBot Parallel pipe gives the single-device Refine's latents bit for bit
+    (the workers load the base and the refiner DiT); the single-device run with 256-token FFN/MoE chunks
+    (the refiner's 320-token sequence in two pieces, routing per token) gives them within float rounding."""
+    import torch
+
+    inputs = {"devices": devices, "cfg": cfg, "ulysses": ulysses}
+    prompt, refine, saver, report = refine_prompt("moe_single", None)
+    entry, refused = server.run(prompt)
+    if not record(ran(entry, refine), "MoE refine: the single-device reference run (Offload none)",
+                  errors_of(entry) if entry else json.dumps(refused)[:300]):
+        return
+    reference = server.latent(entry, saver)
+
+    prompt, refine, saver, report = refine_prompt("moe_chunk", None, chunk=CHUNK)
+    entry, refused = server.run(prompt)
+    said = [line.strip() for line in report_text(entry, report).splitlines() if "FFN/MoE" in line]
+    if ran(entry, refine):
+        # The MoE's experts see other row counts per chunk, and the CPU's matmul kernels may then round
+        # differently (the dense FFN's do not here): float rounding, not another computation
+        got = server.latent(entry, saver)
+        rel = ((got - reference).norm() / reference.norm()).item()
+        how = "bit-identical" if torch.equal(got, reference) else \
+            f"rel-L2 {rel:.2g}, max |diff| {(got - reference).abs().max().item():.2g}"
+        close = rel <= MOE_CHUNK_REL_L2
+    else:
+        close, how = False, errors_of(entry) if entry else json.dumps(refused)[:300]
+    record(close and any(f"refiner FFN/MoE: {CHUNK}-token chunks" in line for line in said),
+           f"MoE refine with ffn_chunk {CHUNK}: Refine's latents equal ffn_chunk auto's within float rounding "
+           f"(rel-L2 <= {MOE_CHUNK_REL_L2:g}), chunks reported", f"{how}; " + "; ".join(said))
+
+    before = pool_starts(log_path)
+    prompt, refine, saver, report = refine_prompt("moe_parallel", inputs)
+    same, why = exact_run(server, prompt, refine, saver, reference)
+    record(same and pool_starts(log_path) == before + 1 and bool(worker_processes(proc.pid)),
+           f"parallel ({devices}; cfg {cfg}, ulysses {ulysses}): MoE Refine's latents equal the single-device run",
+           f"starts {pool_starts(log_path) - before}, pids {worker_processes(proc.pid)} {why}")
+
 
 def check_exit_stops_workers(proc: subprocess.Popen) -> None:
     """SIGINT to main.py (Ctrl-C) ends the server and leaves none of its worker processes behind."""
@@ -516,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", help="use this running server instead of starting one")
     parser.add_argument("--python", default=sys.executable, help="the Python that runs ComfyUI")
     parser.add_argument("--port", type=int, default=8199)
-    parser.add_argument("--skip", nargs="*", default=[], choices=["workflows", "files", "advice", "interrupt"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["workflows", "files", "advice", "interrupt", "chunk"])
     parser.add_argument("--parallel", nargs="?", const="cpu, cpu", metavar="DEVICES",
                         help="also check LingBot Parallel on DEVICES (default 'cpu, cpu'), last, ending with SIGINT "
                              "to the server; needs the server this script starts (not --url)")
@@ -551,8 +750,11 @@ def main(argv: list[str] | None = None) -> int:
             check_advice_on_nodes(server, comfy)
         if "interrupt" not in args.skip:
             check_interrupt_and_free(server)
+        if "chunk" not in args.skip:
+            check_ffn_chunk(server)
         if args.parallel:
             check_parallel(server, proc, log_path, args.parallel, args.parallel_cfg, args.parallel_ulysses)
+            check_parallel_refine(server, proc, log_path, args.parallel, args.parallel_cfg, args.parallel_ulysses)
             check_exit_stops_workers(proc)
     finally:
         if proc is not None and proc.poll() is None:

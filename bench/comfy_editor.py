@@ -13,7 +13,14 @@ API). What it checks, printed as PASS/FAIL, with screenshots in SHOTS_DIR to loo
   events arrive, it finishes, and the Memory Report and Text Encode's prose warning show as text on the nodes
   (`web/lingbot_text.js`);
 - with `--rewrite-port`, a Rewrite node asking a canned loopback OpenAI-compatible server shows its result on
-  itself.
+  itself;
+- LingBot Parallel is found by the node search (double-click on the canvas) and LingBot Loader through the
+  canvas menu (Add Node > LingBot-Video); the new nodes show their widgets with the declared defaults (the
+  Parallel node's devices, cfg, ulysses; the Loader's ffn_chunk with every choice the pack offers);
+- the UI workflows saved by earlier versions of the pack (`tests/old_workflows/`) load with every saved value on
+  its own widget and the widgets added since at their defaults, and queue the values of their API twins;
+- with `--parallel DEVICES`, the T2V workflow with a LingBot Parallel node put between Loader and Offload
+  (Offload 'none') runs from the Run button (the server must allow those devices: `cpu, cpu` on a --cpu server).
 """
 
 from __future__ import annotations
@@ -278,6 +285,166 @@ def check_rewrite(page, shots: Path, port: int, timeout: float) -> None:
         httpd.shutdown()
 
 
+OLD_WORKFLOWS = ROOT / "tests" / "old_workflows"
+
+NODE_STATE = """(type) => {
+  const nodes = window.app.graph._nodes.filter((n) => n.type === type);
+  const node = nodes[nodes.length - 1];
+  if (!node) return null;
+  return {id: node.id, count: nodes.length,
+          widgets: (node.widgets || []).map((w) => ({name: w.name, value: w.value,
+                                                     options: w.options?.values ?? null}))};
+}"""
+
+CANVAS_POINT = """() => {
+  const r = window.app.canvasEl.getBoundingClientRect();
+  return {x: r.left + r.width * 0.4, y: r.top + r.height * 0.4};
+}"""
+
+
+def declared(class_type: str) -> dict:
+    """The class's widget inputs as the pack declares them (name -> default and, for a combo, its choices),
+    from its own registry (`nodes/` loaded as `lingbot_nodes`, as the API check does)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    import importlib.util
+
+    if "lingbot_nodes" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            "lingbot_nodes", ROOT / "nodes" / "__init__.py", submodule_search_locations=[str(ROOT / "nodes")])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["lingbot_nodes"] = module
+        spec.loader.exec_module(module)
+    from lingbot_core.workflow.nodeinfo import NodeClassInfo
+
+    info = NodeClassInfo(class_type, sys.modules["lingbot_nodes"].NODE_CLASS_MAPPINGS[class_type])
+    return {s.name: (s.options.get("default"), s.combo_options) for s in info.visible_inputs() if s.is_widget}
+
+
+def widgets_match(state: dict | None, class_type: str) -> list[str]:
+    """How the editor's widgets of a new `class_type` node differ from the declaration (names, order,
+    defaults, combo choices); empty when they match."""
+    if state is None:
+        return ["no such node in the graph"]
+    want = declared(class_type)
+    shown = [w for w in state["widgets"] if w["name"] in want or not w["name"].startswith("control")]
+    problems = []
+    if [w["name"] for w in shown] != list(want):
+        problems.append(f"widgets {[w['name'] for w in shown]} != declared {list(want)}")
+    for w in shown:
+        default, choices = want.get(w["name"], (None, None))
+        if w["name"] in want and w["value"] != default:
+            problems.append(f"{w['name']} shows {w['value']!r}, declared default {default!r}")
+        if choices is not None and w["options"] != choices:
+            problems.append(f"{w['name']} offers {w['options']}, declared {choices}")
+    return problems
+
+
+def focus_shot(page, node_id: int, path: Path) -> None:
+    page.evaluate(FOCUS, node_id)
+    page.wait_for_timeout(800)
+    page.screenshot(path=str(path))
+
+
+def check_new_nodes(page, shots: Path) -> None:
+    """LingBot Parallel from the node search, LingBot Loader from the canvas menu, on an empty graph."""
+    page.evaluate("() => { window.app.graph.clear(); window.app.canvas.setDirty(true, true); }")
+    page.wait_for_timeout(500)
+    at = page.evaluate(CANVAS_POINT)
+    page.mouse.dblclick(at["x"], at["y"])
+    page.wait_for_timeout(1000)
+    page.keyboard.type("LingBot Parallel", delay=40)
+    page.wait_for_timeout(1500)
+    page.screenshot(path=str(shots / "search_lingbot_parallel.png"))
+    page.keyboard.press("Enter")
+    page.wait_for_timeout(1000)
+    state = page.evaluate(NODE_STATE, "LingBotParallel")
+    record(state is not None, "the node search finds LingBot Parallel and adds it", str(state and state["widgets"]))
+    problems = widgets_match(state, "LingBotParallel")
+    record(state is not None and not problems,
+           "LingBot Parallel shows its widgets (devices, cfg, ulysses) with the declared defaults",
+           "; ".join(problems) or ", ".join(f"{w['name']}={w['value']!r}" for w in state["widgets"]))
+    if state is not None:
+        focus_shot(page, state["id"], shots / "parallel_node.png")
+
+    page.mouse.click(at["x"] + 420, at["y"] + 40, button="right")
+    page.wait_for_timeout(600)
+    try:
+        for label in ("Add Node", "LingBot-Video", "LingBot Loader"):
+            page.locator(".litemenu-entry", has_text=label).filter(
+                has_not_text="(files)" if label == "LingBot Loader" else "\u0000").first.click(timeout=5000)
+            page.wait_for_timeout(500)
+    except Exception as exc:  # noqa: BLE001 - reported as the check's detail
+        page.screenshot(path=str(shots / "menu_add_loader.png"))
+        record(False, "the canvas menu adds LingBot Loader (Add Node > LingBot-Video)", str(exc)[:300])
+        return
+    state = page.evaluate(NODE_STATE, "LingBotLoader")
+    problems = widgets_match(state, "LingBotLoader")
+    chunk = next((w for w in (state or {}).get("widgets", []) if w["name"] == "ffn_chunk"), None)
+    record(state is not None, "the canvas menu adds LingBot Loader (Add Node > LingBot-Video)")
+    record(state is not None and not problems and chunk is not None and chunk["value"] == "auto",
+           "LingBot Loader shows its widgets with the declared defaults, ffn_chunk last at auto",
+           "; ".join(problems) or (f"ffn_chunk={chunk['value']!r} of {chunk['options']}" if chunk else "no ffn_chunk"))
+    if state is not None:
+        focus_shot(page, state["id"], shots / "loader_node_ffn_chunk.png")
+
+
+def check_old_workflows(page, shots: Path) -> None:
+    """Files the pack shipped before widgets were added: every saved value stays on its widget (the saved
+    list is a prefix of what the editor now holds), the added widgets hold their declared defaults, and
+    the editor queues the old API twin's values plus those defaults."""
+    for path in sorted(p for p in OLD_WORKFLOWS.glob("*.json") if not p.name.endswith(".api.json")):
+        wf = json.loads(path.read_text())
+        out = page.evaluate(LOAD_AND_COMPARE, wf)
+        page.wait_for_timeout(500)
+        dismiss_dialogs(page)
+        record(not out["unknown"], f"old {path.name}: every node type is known", str(out["unknown"]))
+        moved = [s for s in out["shifted"] if s["editor"] is None or s["editor"][:len(s["file"])] != s["file"]]
+        record(not moved, f"old {path.name}: every saved widget value stays in place", json.dumps(moved)[:800])
+        then = json.loads(path.with_suffix(".api.json").read_text())
+        problems = []
+        for nid, node in then.items():
+            now = out["prompt"].get(nid, {}).get("inputs", {})
+            problems += [f"{node['class_type']}.{k}: {now.get(k)!r} != saved {v!r}"
+                         for k, v in node["inputs"].items() if now.get(k) != v]
+            want = declared(node["class_type"])
+            problems += [f"{node['class_type']}.{k} (added since): {now.get(k)!r} != default {want[k][0]!r}"
+                         for k in set(now) - set(node["inputs"]) if k in want and now.get(k) != want[k][0]]
+        record(not problems, f"old {path.name}: the editor queues the saved values, the added widgets at defaults",
+               "; ".join(problems)[:800])
+        loader = next(n for n in wf["nodes"] if n["type"] in ("LingBotLoader", "LingBotLoaderFiles"))
+        focus_shot(page, loader["id"], shots / f"old_{path.stem}_loader.png")
+
+
+PARALLEL_GRAPH = """([devices, nonce]) => {
+  const g = window.app.graph;
+  const byType = (t) => g._nodes.find((n) => n.type === t);
+  const loader = byType('LingBotLoader'), offload = byType('LingBotOffload'), text = byType('LingBotTextEncode');
+  const par = window.LiteGraph.createNode('LingBotParallel');
+  par.pos = [loader.pos[0], loader.pos[1] + 420];
+  g.add(par);
+  loader.connect(0, par, 0);
+  par.connect(0, offload, 0);
+  par.widgets.find((w) => w.name === 'devices').value = devices;
+  par.widgets.find((w) => w.name === 'cfg').value = '2';
+  offload.widgets.find((w) => w.name === 'mode').value = 'none';
+  text.widgets.find((w) => w.name === 'prompt').value = text.widgets.find((w) => w.name === 'prompt').value
+    .replace('at dawn', 'at dawn, take ' + nonce);
+  g.setDirtyCanvas(true, true);
+  return par.id;
+}"""
+
+
+def check_parallel_run(page, shots: Path, devices: str, timeout: float) -> None:
+    page.evaluate(LOAD_AND_COMPARE, json.loads((WORKFLOWS / "lingbot_t2v_dense.json").read_text()))
+    dismiss_dialogs(page)
+    node = page.evaluate(PARALLEL_GRAPH, [devices, int(time.time())])
+    state = queue_and_wait(page, shots, "parallel", timeout)
+    focus_shot(page, node, shots / "parallel_after_run.png")
+    record(state["done"] == "success", f"T2V with LingBot Parallel ({devices}, cfg 2) queued from the Run button "
+                                       "finishes", str(state["done"]))
+
+
 def main(argv: list[str] | None = None) -> int:
     from playwright.sync_api import sync_playwright
 
@@ -287,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pack", default="lingbot-nodes", help="the pack's folder name in custom_nodes/")
     parser.add_argument("--shots", type=Path, required=True, help="a folder for the screenshots")
     parser.add_argument("--timeout", type=float, default=600, help="seconds the queued run may take")
+    parser.add_argument("--parallel", nargs="?", const="cpu, cpu", default=None, metavar="DEVICES",
+                        help="also run the T2V workflow through LingBot Parallel on DEVICES (default 'cpu, cpu')")
     parser.add_argument("--rewrite-port", type=int, default=0,
                         help="run the Rewrite check against a canned endpoint on this loopback port (start ComfyUI "
                              "with LINGBOT_REWRITE_ENDPOINTS=http://127.0.0.1:PORT/v1)")
@@ -306,6 +475,10 @@ def main(argv: list[str] | None = None) -> int:
         check_templates(page, args.shots, args.pack)
         check_workflows(page, args.shots)
         check_run(page, args.shots, args.timeout)
+        check_new_nodes(page, args.shots)
+        check_old_workflows(page, args.shots)
+        if args.parallel:
+            check_parallel_run(page, args.shots, args.parallel, args.timeout)
         if args.rewrite_port:
             check_rewrite(page, args.shots, args.rewrite_port, args.timeout)
         ours = [e for e in errors if "lingbot" in e.lower()]
