@@ -2,7 +2,7 @@
 is rank 1 (gloo on the loopback), on the tiny MoE checkpoint (base DiT and refiner).
 
 One lifecycle test spawns twice (each spawn costs an interpreter start): start, two runs on one load,
-a TI2V run through a LingBot Offload view, a Refine, an interrupt mid-denoise, LingBot Release; then a lazy restart, a killed worker (one clear error) and
+a TI2V run through a LingBot Offload view, a LoRA, a step cache, a Refine, an interrupt mid-denoise, LingBot Release; then a lazy restart, a killed worker (one clear error) and
 the single-device path afterwards. The ComfyUI "Unload models" wiring is checked on a stand-in pool.
 """
 
@@ -77,6 +77,13 @@ def test_pool_start_reuse_interrupt_release_restart_and_a_dead_worker(fixtures_r
     assert not _close(with_q, expected)  # the LoRA changes the result
     assert _close(run_stage("denoise", lora_ops.with_lora(pipe, path, 0.7), cond, **KW), with_q)
     assert torch.equal(run_stage("denoise", pipe, cond, **KW), first)  # and comes off again, on every rank
+    # a step cache crosses as its settings; each cfg row keeps its branch's state (as one process does)
+    from lingbot_core.sampling.step_cache import StepCacheSettings
+
+    cached = dict(KW, steps=10, step_cache=StepCacheSettings("first_block", threshold=1e9, warmup_steps=2, max_skips=3))
+    alone_cached = stages.denoise(handle, cond, **cached)
+    assert not _close(alone_cached, stages.denoise(handle, cond, **dict(KW, steps=10)))  # it skipped
+    assert _close(run_stage("denoise", pipe, cond, **cached), alone_cached)
     # Refine on the pipe: the refiner's sampling on the workers (each loads the refiner once), exact vs one process
     frames = torch.rand(5, 24, 24, 3, generator=torch.Generator().manual_seed(4))
     refined = NODE_CLASS_MAPPINGS["LingBotRefine"].execute(pipe, cond, 32, 32, 2, 0.85, 3.0, 3.0, 1, images=frames,

@@ -27,6 +27,7 @@ atexit hook releases them, and a worker whose collectives fail because rank 0 is
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import logging
 import os
@@ -268,21 +269,22 @@ def _first_frame_drawn(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def _pack_denoise(kwargs: dict[str, Any]) -> tuple[dict, dict]:
     """Denoise's keyword arguments -> (JSON fields, tensors). A generator crosses as its state (the
-    workers draw what rank 0 draws); step caches are refused here."""
+    workers draw what rank 0 draws); a step cache as its settings (each rank keeps its own cache, which
+    decides as its peers do: `parallel.stage.share_step_cache`)."""
     from ..sampling.step_cache import StepCacheSettings
 
     kwargs = dict(kwargs)
     cond = kwargs.pop("cond")
     if kwargs.get("image_cond") is not None:
         raise ValueError("an image condition reaches the workers as its drawn latent (`_first_frame_drawn`)")
-    if StepCacheSettings.of(kwargs.get("step_cache", "off")).enabled:
-        raise ValueError("step caching does not combine with LingBot Parallel; turn step_cache off")
+    cache = StepCacheSettings.of(kwargs.pop("step_cache", "off"))
+    if cache.enabled:
+        kwargs["step_cache"] = dataclasses.asdict(cache)
     generator = kwargs.pop("generator", None)
     if generator is not None and generator.device.type != "cpu":
         raise ValueError("LingBot Parallel takes a CPU generator (the stages' own kind), or a seed")
     for unsupported in ("trace", "image_cond"):
         kwargs.pop(unsupported, None)
-    kwargs.pop("step_cache", None)
     tensors: dict[str, torch.Tensor] = {}
     _pack_prompt("positive", cond.positive, tensors)
     _pack_prompt("negative", cond.negative, tensors)
@@ -308,6 +310,10 @@ def _unpack_denoise(fields: dict, tensors: dict) -> dict[str, Any]:
     c = fields.pop("cond")
     cond = Conditioning(_unpack_prompt("positive", tensors), _unpack_prompt("negative", tensors), **c)
     kwargs = {**fields, "cond": cond}
+    if "step_cache" in fields:
+        from ..sampling.step_cache import StepCacheSettings
+
+        kwargs["step_cache"] = StepCacheSettings(**fields["step_cache"])
     for name in ("latents", "sigmas", "cond_latent"):
         if name in tensors:
             kwargs[name] = tensors[name]
@@ -696,11 +702,7 @@ def run_refine(pipe: Any, frames: Any, cond: Any, *, callback: Callable | None =
     pool = pool_of(pipe)
     if pool is None:
         return stages.refine(pipe, frames, cond, callback=callback, **kwargs)
-    from ..sampling.step_cache import StepCacheSettings
-
     check_pooled(pipe)  # what pool.run would refuse, refused before the base DiT is released
-    if StepCacheSettings.of(kwargs.get("step_cache", "off")).enabled:
-        raise ValueError("step caching does not combine with LingBot Parallel; turn step_cache off")
     if kwargs.get("sampler") is not None and not isinstance(kwargs["sampler"], str):
         raise ValueError("LingBot Parallel takes a sampler by name")
 
