@@ -348,7 +348,41 @@ def _failure_checks(layout: ParallelLayout) -> dict:
                 "after_step2_s": time.monotonic() - marks.get(2, 0.0)}
 
 
-def _worker(rank: int, world: int, port: int, out: str, tiny: str, tiny_moe: str) -> None:
+def _forward_failure_checks(rank: int, world: int, store_port: int) -> dict:
+    """Last (it breaks its group): a new group on a store the test process holds, as torchrun's agent
+    holds it (it outlives every rank), with gloo's default 30-minute timeout; cfg=2 x ulysses=2 and
+    rank 1 raising inside its first forward (the test-only patch, in this process). Ranks 0 and 3
+    wait on rank 1 directly (its ulysses and cfg groups), rank 2 only on ranks 0 and 3: it stops
+    when they leave. What reached each rank and how long it took; then the process ends (leaves)."""
+    import time
+    from datetime import timedelta
+
+    from parallel_fakes import fail_inside_forward
+
+    from lingbot_core.parallel.run import parallel_denoise
+    from lingbot_core.prompt import PromptEmbeds
+    from lingbot_core.stages import Conditioning
+
+    store = torch.distributed.TCPStore("127.0.0.1", store_port, world, False, timedelta(seconds=60))
+    torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    layout = ParallelLayout.create(2, 2)
+    patch = pytest.MonkeyPatch()
+    fail_inside_forward(patch, rank=1, call=2)  # the tiny DiT's second block: after the first block's all-to-alls
+    g = torch.Generator().manual_seed(4)
+    embeds = PromptEmbeds(torch.randn(1, 7, 32, generator=g), torch.ones(1, 7, dtype=torch.int64),
+                          torch.zeros(1, 1, dtype=torch.int64))
+    started = time.monotonic()
+    try:
+        parallel_denoise(random_dit(DENSE, 0.05), layout, torch.randn(1, 16, 2, 4, 6, generator=g),
+                         Conditioning(embeds, embeds), steps=3, guidance_scale=3.0)
+        return {"error": None}
+    except Exception as err:
+        return {"error": type(err).__name__, "message": str(err), "seconds": time.monotonic() - started}
+    finally:
+        patch.undo()
+
+
+def _worker(rank: int, world: int, port: int, out: str, tiny: str, tiny_moe: str, store_port: int) -> None:
     """One spawned run for every check (each interpreter start costs seconds on a loaded machine)."""
     torch.set_num_threads(1)
     init_loopback_group(rank, world, port)
@@ -361,6 +395,7 @@ def _worker(rank: int, world: int, port: int, out: str, tiny: str, tiny_moe: str
                                 "moe": _lora_fsdp_checks(layout, tiny_moe, str(Path(out, "moe_lora.safetensors")))},
                   "step_cache": _step_cache_checks(layout, tiny),
                   "failure": _failure_checks(layout), "cli": _headless(rank, world, out)}
+        result["forward_failure"] = _forward_failure_checks(rank, world, store_port)
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         if torch.distributed.is_initialized():
@@ -378,8 +413,9 @@ def four_ranks(tmp_path_factory) -> list[dict]:
     # fork: the workers start without importing torch again (as DataLoader workers do; one thread each);
     # spawn where CUDA is initialised in this process (it does not survive a fork)
     method = "spawn" if torch.cuda.is_initialized() else "fork"
-    mp.start_processes(_worker, args=(4, free_loopback_port(), str(out), tiny, tiny_moe), nprocs=4, join=True,
-                       start_method=method)
+    store = torch.distributed.TCPStore("127.0.0.1", 0, 4, True, wait_for_workers=False)  # torchrun's agent's part
+    mp.start_processes(_worker, args=(4, free_loopback_port(), str(out), tiny, tiny_moe, store.port), nprocs=4,
+                       join=True, start_method=method)
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
     results[0]["cli_files"] = sorted(str(p.relative_to(out / "cli")) for p in (out / "cli").rglob("*") if p.is_file())
     print("parallel vs one process, max relative diff per rank:", json.dumps(results))  # shown with -s
@@ -738,3 +774,39 @@ def test_a_rank_failing_inside_a_forward_ends_every_headless_rank_at_once(fixtur
         assert got["seconds"] < 60, (rank, got)
     assert "rank 0 stopped with it" in results[0]["stderr"] and "every rank of the group stops" in results[1]["stderr"]
     assert not list((tmp_path / "cli").rglob("*.png")), "a failed run saves nothing"
+
+
+def test_a_rank_failing_inside_a_forward_stops_all_four_at_once(four_ranks):
+    """Rank 1 raised inside its forward (cfg=2 x ulysses=2): every rank stopped within seconds, rank 2
+    too (it never waits on rank 1 itself), each naming rank 1, its device and its error."""
+    named = "rank 1 (cpu) failed in the DiT forward of step 1 (RuntimeError: injected failure inside the forward on rank 1)"
+    for rank, result in enumerate(four_ranks):
+        got = result["forward_failure"]
+        assert got["error"] == "GroupBroken" and named in got["message"], (rank, got)
+        assert got["seconds"] < 60, (rank, got)  # the group's timeout is 30 minutes
+
+
+def test_failure_watch_acts_once_on_another_ranks_failure_only():
+    """The CUDA ranks' watch (it aborts their NCCL communicators; no GPU here, so its action is recorded
+    instead): a failure another rank published fires it once, within its polling interval; this rank's
+    own failure does not. The first failure published stays the one every rank reads."""
+    import time
+
+    from lingbot_core.parallel.abort import FailureWatch, GroupBroken, publish_failure, published_failure
+
+    store = torch.distributed.HashStore()
+    seen: dict[int, list] = {0: [], 1: []}
+    with FailureWatch("k", seen[0].append, store=store, interval=0.01, rank=0), \
+            FailureWatch("k", seen[1].append, store=store, interval=0.01, rank=1) as other:
+        first = publish_failure(RuntimeError("out of memory"), where="in the DiT forward of step 2", device="cuda:0",
+                                key="k", store=store)  # no group here: this process is rank 0
+        deadline = time.monotonic() + 30
+        while other.fired is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert first.rank == 0 and first.error == "RuntimeError: out of memory"
+    assert seen[1] == [first] and seen[0] == []
+    later = publish_failure(ValueError("second"), where="x", key="k", store=store)
+    assert later == first == published_failure("k", store)
+    broken = GroupBroken(first, 1)
+    assert publish_failure(broken, where="y", key="k", store=store) is first  # a rank that stopped with it
+    assert "rank 0 (cuda:0) failed in the DiT forward of step 2 (RuntimeError: out of memory); rank 1 stopped" in str(broken)

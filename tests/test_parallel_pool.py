@@ -133,12 +133,13 @@ def test_pool_start_reuse_interrupt_release_restart_and_a_dead_worker(fixtures_r
     assert torch.equal(stages.denoise(handle, cond, **KW), expected)  # the single-device path is untouched
 
 
-def test_a_rank_failing_inside_a_forward_stops_the_call_at_once_and_is_named(fixtures_root, monkeypatch):
+def test_a_rank_failing_inside_a_forward_stops_the_call_at_once_and_is_named(fixtures_root, monkeypatch, tmp_path):
     """cfg=1 x ulysses=2 (all-to-alls inside every block): the worker raises inside its second forward,
     where rank 0 waits for it in a collective. Rank 0 gets a PoolError naming the worker's device,
     rank and error within seconds (the group's timeout is COLLECTIVE_TIMEOUT, 30 minutes), the handle
-    denoises alone as before and the next call starts new workers. Then the same with rank 0 failing:
-    the workers, left waiting in a collective, are ended at once."""
+    denoises alone as before and the next call starts new workers. Then the same with rank 0 failing
+    (the workers, left waiting in a collective, are ended at once), and with a worker failing before
+    its forward, where rank 0 already waits."""
     monkeypatch.setattr(pool_module, "START_METHOD", "fork")
     assert pool_module.COLLECTIVE_TIMEOUT.total_seconds() >= 600
     from lingbot_core.parallel.pool import WorkerPool, tag
@@ -172,6 +173,13 @@ def test_a_rank_failing_inside_a_forward_stops_the_call_at_once_and_is_named(fix
     armed.clear()
     assert torch.equal(stages.denoise(handle, cond, **KW), expected)
     assert _close(run_stage("denoise", pipe, cond, **KW), expected) and pool.starts == 3
+
+    # a failure in a worker's own preparation (it reads the LoRA file again; rank 0 keeps its copy and goes
+    # on into the forward): named too, even as a ValueError, which a refused input on every rank would be
+    view = lora_ops.with_lora(pipe, _lora_file(tmp_path, handle), 0.7)
+    (tmp_path / "q.safetensors").write_bytes(b"no longer a LoRA")
+    with pytest.raises(PoolError, match=r"the worker for cpu \(rank 1\) failed preparing denoise"):
+        run_stage("denoise", view, cond, **KW)
     pool.release()
 
 

@@ -98,12 +98,21 @@ class GroupBroken(RuntimeError):
     """A rank of the group failed where the others wait for it in a collective (inside a forward, or
     outside the sampling loop): every rank of the group raises this, naming the first failure, and
     the group must not run another collective. `stops_group`: a jobs run stops here rather than
-    going on with its next job on a group whose collectives are out of step."""
+    going on with its next job on a group whose collectives are out of step.
+
+    `failure` is None when the store could not be read (its host ended: rank 0 of a group started
+    without torchrun's agent, which holds the store under torchrun); `lost` then says what this
+    rank saw, and the failing rank's own log has the cause."""
 
     stops_group = True
 
-    def __init__(self, failure: Failure, this_rank: int):
+    def __init__(self, failure: Failure | None, this_rank: int, lost: str = ""):
         self.failure = failure
+        if failure is None:
+            super().__init__(f"parallel run stopped: rank {this_rank} lost its group ({lost}) and the group's store "
+                             "is gone too (the process that held it ended), so the rank that failed first is named in "
+                             "the other ranks' logs. The group cannot go on: its collectives are out of step")
+            return
         others = ("every rank of the group stops with it" if failure.rank == this_rank
                   else f"rank {this_rank} stopped with it (rank {failure.rank}'s own log has the full error)")
         super().__init__(f"parallel run stopped: {failure.describe()}; {others}. The group cannot go on: its "
@@ -133,21 +142,20 @@ def _is_interrupt(err: BaseException) -> bool:
 
 
 def publish_failure(err: BaseException, *, where: str, device: torch.device | str = "cpu", key: str | None = None,
-                    store: Any = None) -> Failure:
+                    store: Any = None) -> Failure | None:
     """Record `err` as the group's first failure unless another rank's came first; returns the first.
 
-    A `GroupBroken` (this rank stopped because of another's failure) is not recorded again. When the
-    store cannot be reached (its host ended), this rank's own failure is returned."""
-    found = failure_in(err)
-    if found is not None:
-        return found
+    A `GroupBroken` (this rank stopped because of another's failure) is not recorded again. None when
+    the store cannot be reached (its host ended): which rank failed first is unknown here then."""
+    if isinstance(err, GroupBroken):
+        return err.failure
     rank = dist.get_rank() if dist.is_initialized() else 0
     mine = Failure(rank, str(device), _error_text(err), where, _is_interrupt(err))
     try:
         store = store if store is not None else _store()
         return Failure.decode(store.compare_set(key or failure_key(), "", mine.encode()))
     except Exception:
-        return mine
+        return None
 
 
 def published_failure(key: str | None = None, store: Any = None) -> Failure | None:
@@ -275,9 +283,9 @@ class StepStatus:
         if self.device.type == "cuda":
             abort_own_group()
         me = dist.get_rank()
-        if first.rank == me and first.interrupted:
+        if first is not None and first.rank == me and first.interrupted:
             return err
-        return GroupBroken(first, me)
+        return GroupBroken(first, me, lost=_error_text(err))
 
     @contextmanager
     def watching(self) -> Iterator[None]:

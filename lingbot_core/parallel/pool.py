@@ -799,17 +799,19 @@ def _serve(handle: Any, layout: ParallelLayout, device: torch.device) -> None:
                                     "refiner": loads.get("refiner", 0)})
             continue
         _pack, unpack, execute = HANDLERS[kind]
+        where = f"preparing {kind}"  # the worker's own steps (its LoRA files): rank 0 does not repeat them
         try:
-            loras = fields.pop("loras", [])
-            execute(_with_loras(view, loras, lora_files), unpack(fields, tensors), on_step)
+            call_view, call_kwargs = _with_loras(view, fields.pop("loras", []), lora_files), unpack(fields, tensors)
+            where = f"in {kind}"
+            execute(call_view, call_kwargs, on_step)
         except _Dropped:
             continue
         except Exception as err:
             print(f"lingbot parallel worker rank {layout.rank}: {kind} failed: {type(err).__name__}: {err}",
                   file=sys.stderr, flush=True)
-            if isinstance(err, ValueError):
+            if isinstance(err, ValueError) and where == f"in {kind}":
                 continue  # a refused input: rank 0 refuses the same (same inputs, same checks) and keeps the pool
             # anything else leaves this call out of step with the others: publish it for rank 0 (a failure
             # inside the forward already is) and leave, which ends every collective waiting on this process
-            publish_failure(err, where=f"in {kind}", device=spec_device, key=failure_key(layout))
+            publish_failure(err, where=where, device=spec_device, key=failure_key(layout))
             return
