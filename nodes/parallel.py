@@ -43,15 +43,24 @@ class LingBotParallel(io.ComfyNode):
                 io.Int.Input("ulysses", default=0, min=0, max=64,
                              tooltip="Devices sharing one DiT pass (sequence parallel); must divide the DiT's 16 "
                                      "attention heads. 0: the device count / cfg"),
+                # last, and optional: a workflow saved before it keeps its values on their widgets
+                Choice("fsdp", options=["off", "on"], default="off", optional=True,
+                       tooltip="on: shard each DiT block's weights over the devices (FSDP2), so each holds about 1/N "
+                               "of them (the MoE on several smaller GPUs); a block's weights are gathered just "
+                               "before it runs. Needs plain bf16 DiT weights (not fp8/GGUF). This process then "
+                               "loads its own copy of the DiT for the workers' group: the pipe without LingBot "
+                               "Parallel keeps its whole one"),
             ],
             outputs=[Pipe.Output(display_name="pipe", tooltip="The pipe, running Denoise and Refine on the workers too")],
         )
 
     @classmethod
-    def execute(cls, pipe, devices, cfg="1", ulysses=0):
+    def execute(cls, pipe, devices, cfg="1", ulysses=0, fsdp="off"):
         from lingbot_core.parallel.pool import PoolSpec, pool_for, tag
 
-        spec = PoolSpec.make(pipe, devices, int(cfg), int(ulysses))  # checked before any process starts
+        if fsdp not in ("off", "on"):
+            raise ValueError(f"fsdp must be 'off' or 'on', got {fsdp!r}")
+        spec = PoolSpec.make(pipe, devices, int(cfg), int(ulysses), fsdp=fsdp == "on")  # checked before any process starts
         pool = pool_for(spec)
         pool.start()  # now, so a bad device shows here; a no-op while the same spec's workers run
         runtime.track_pool(pool)

@@ -183,6 +183,44 @@ def test_a_rank_failing_inside_a_forward_stops_the_call_at_once_and_is_named(fix
     pool.release()
 
 
+def test_an_fsdp_pool_shards_its_own_copy_and_matches_one_device(fixtures_root, monkeypatch, tmp_path):
+    """LingBot Parallel with fsdp on: every rank (this process on a handle of the pool's own) shards the
+    DiT's blocks; a denoise, a LoRA on the pipe and a Refine equal one device; the Loader's handle keeps
+    its whole DiT (the pipe without LingBot Parallel runs as before); fp8 weights are refused up front."""
+    from torch.distributed.tensor import DTensor
+
+    from lingbot_core.latents import dit_to_vae
+    from lingbot_core.parallel.fsdp import is_fsdp_sharded
+
+    monkeypatch.setattr(pool_module, "START_METHOD", "fork")
+    handle = PipelineHandle.open(fixtures_root / "models" / "tiny-moe", device="cpu")
+    cond = stages.encode_prompt(handle, "a red paper boat on a canal")
+    expected = stages.denoise(handle, cond, **KW)
+    pipe, = NODE_CLASS_MAPPINGS["LingBotParallel"].execute(handle, "cpu, cpu", "2", 0, "on").args
+    pool = pool_of(pipe)
+    assert pool.spec.fsdp and pool.layout.fsdp
+    assert _close(run_stage("denoise", pipe, cond, **KW), expected)
+    own = pool._own.component("transformer")
+    assert is_fsdp_sharded(own) and not is_fsdp_sharded(handle.component("transformer"))
+    assert not any(isinstance(p, DTensor) for p in handle.component("transformer").parameters())
+    path = _lora_file(tmp_path, handle)
+    assert _close(run_stage("denoise", lora_ops.with_lora(pipe, path, 0.7), cond, **KW),
+                  stages.denoise(lora_ops.with_lora(handle, path, 0.7), cond, **KW))
+    frames = torch.rand(5, 24, 24, 3, generator=torch.Generator().manual_seed(4))
+    refined = NODE_CLASS_MAPPINGS["LingBotRefine"].execute(pipe, cond, 32, 32, 2, 0.85, 3.0, 3.0, 1, images=frames,
+                                                           release_base="off").args[0]["samples"]
+    alone = stages.refine(handle, frames, cond, height=32, width=32, steps=2, t_thresh=0.85, guidance_scale=3.0,
+                          shift=3.0, seed=1, decode_output=False)
+    assert _close(refined, dit_to_vae(alone, handle.vae_config()))
+    assert is_fsdp_sharded(pool._own.component("refiner"))
+    assert torch.equal(stages.denoise(handle, cond, **KW), expected)  # the plain pipe, whole, as before
+    pool.release()
+    assert pool._own is None
+    fp8 = PipelineHandle.open(fixtures_root / "models" / "tiny-moe", device="cpu", weights="fp8_e4m3")
+    with pytest.raises(ValueError, match="fsdp shards plain"):
+        PoolSpec.make(fp8, "cpu,cpu", 2, fsdp=True)
+
+
 def test_views_of_a_parallel_pipe_keep_the_pool_or_are_refused(fixtures_root, tmp_path):
     """No spawn: the pool is never started, every refusal comes before anything is sent."""
     from dataclasses import replace

@@ -158,6 +158,10 @@ class PoolSpec:
     cfg: int
     ulysses: int
     checkpoint: dict[str, Any] = field(hash=False, compare=True)
+    #: shard the DiTs' blocks over every rank (FSDP2, `parallel/fsdp.py`): each device holds 1/N of them.
+    #: Rank 0 then runs on a handle of its own (the same checkpoint, opened lazily), since sharding is
+    #: one-way and the Loader's handle must stay whole for the pipe without LingBot Parallel
+    fsdp: bool = False
 
     @property
     def world_size(self) -> int:
@@ -168,7 +172,8 @@ class PoolSpec:
         return "nccl" if self.devices[0].startswith("cuda") else "gloo"
 
     @classmethod
-    def make(cls, handle: Any, devices: str | tuple[str, ...], cfg: int, ulysses: int = 0) -> PoolSpec:
+    def make(cls, handle: Any, devices: str | tuple[str, ...], cfg: int, ulysses: int = 0, *,
+             fsdp: bool = False) -> PoolSpec:
         """Checked against `handle` before any process starts: device 0 is the handle's, degrees fit."""
         names = parse_devices(devices) if isinstance(devices, str) else tuple(devices)
         if len(names) < 2:
@@ -191,7 +196,10 @@ class PoolSpec:
         if mode not in ("none", None):
             raise ValueError(f"LingBot Parallel: offload mode {mode!r} does not combine with several processes; "
                              "connect a pipe with offload 'none' (each GPU holds its own DiT)")
-        return cls(names, cfg, ulysses, describe_handle(handle))
+        if fsdp and getattr(handle.shared, "weights", "auto") not in ("auto", None):
+            raise ValueError(f"LingBot Parallel: fsdp shards plain (bf16) DiT weights; this pipe loads them as "
+                             f"{handle.shared.weights!r}: load with weights 'auto' from a bf16 checkpoint, or turn fsdp off")
+        return cls(names, cfg, ulysses, describe_handle(handle), bool(fsdp))
 
 
 # -- messages: a JSON header and tensors, broadcast from rank 0 --------------------------------------------
@@ -353,6 +361,8 @@ class WorkerPool:
         #: called with the pool after every start of its workers, including a restart by a later call after
         #: `release` (ComfyUI lists the pool again there, so its next "Unload models" stops the new workers)
         self.on_start: list[Callable[[WorkerPool], None]] = []
+        self._own: Any = None  # FSDP: rank 0's own lazy handle of the checkpoint (`_rank0_view`)
+        self._own_loras: dict[str, Any] = {}  # its LoRA files, as a worker keeps them
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     @property
@@ -390,7 +400,7 @@ class WorkerPool:
                 os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
             dist.init_process_group(self.spec.backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
                                     world_size=world, timeout=COLLECTIVE_TIMEOUT)
-            self.layout = ParallelLayout.create(self.spec.cfg, self.spec.ulysses,
+            self.layout = ParallelLayout.create(self.spec.cfg, self.spec.ulysses, fsdp=self.spec.fsdp,
                                                 device_type="cuda" if self.spec.backend == "nccl" else "cpu")
         except BaseException:
             self._abandon()
@@ -452,6 +462,7 @@ class WorkerPool:
             except Exception:  # a group broken by a dead peer: its resources go with it
                 pass
         self.layout = None
+        self._own, self._own_loras = None, {}  # FSDP shards belong to the group just left
         _LIVE.discard(self)
 
     def worker_pids(self) -> list[int]:
@@ -486,7 +497,7 @@ class WorkerPool:
         fields, tensors = pack({**kwargs})  # bad input is refused before anything is sent
         fields = {**fields, "loras": pooled_loras(handle)}
         self._call_started(stage)
-        view = handle.with_parallel(self.layout)  # its refusals too, before the workers hear of the call
+        view = self._rank0_view(handle, fields["loras"])  # its refusals too, before the workers hear of the call
         device = self.device
         flagged = []
 
@@ -519,6 +530,16 @@ class WorkerPool:
             if error is err:
                 raise
             raise error from err
+
+    def _rank0_view(self, handle: Any, loras: list[list[Any]]) -> Any:
+        """The parallel view rank 0 runs a call on: the caller's handle, or with FSDP a handle of the pool's
+        own (opened like a worker's, lazily; its DiT is sharded on first use, the caller's stays whole)
+        carrying the caller's LoRA stack as the workers get it."""
+        if not self.spec.fsdp:
+            return handle.with_parallel(self.layout)
+        if self._own is None:
+            self._own = open_described(self.spec.checkpoint, handle.device)
+        return _with_loras(self._own.with_parallel(self.layout), loras, self._own_loras)
 
     def _failure_error(self, stage: str, err: BaseException, failure: Failure | None, dead: list[Any]) -> BaseException:
         """What a failed call raises: the worker that failed (its device, rank and error), else a worker
@@ -768,7 +789,7 @@ def _worker_main(rank: int, spec: PoolSpec, port: int, status: Any) -> None:
     dist.init_process_group(spec.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=spec.world_size, timeout=COLLECTIVE_TIMEOUT)
     try:
-        layout = ParallelLayout.create(spec.cfg, spec.ulysses, device_type=device.type)
+        layout = ParallelLayout.create(spec.cfg, spec.ulysses, device_type=device.type, fsdp=spec.fsdp)
         _serve(handle, layout, device if spec.backend == "nccl" else torch.device("cpu"))
     finally:
         try:
