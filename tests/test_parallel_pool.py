@@ -213,6 +213,13 @@ def test_an_fsdp_pool_shards_its_own_copy_and_matches_one_device(fixtures_root, 
                           shift=3.0, seed=1, decode_output=False)
     assert _close(refined, dit_to_vae(alone, handle.vae_config()))
     assert is_fsdp_sharded(pool._own.component("refiner"))
+    assert [w["resident"] for w in pool.ping()] == [["transformer", "refiner"]]
+    # release_base on: the base DiT goes before the refiner samples, here and on every worker
+    again = NODE_CLASS_MAPPINGS["LingBotRefine"].execute(pipe, cond, 32, 32, 2, 0.85, 3.0, 3.0, 1, images=frames,
+                                                         release_base="on").args[0]["samples"]
+    assert torch.equal(again, refined)
+    assert [w["resident"] for w in pool.ping()] == [["refiner"]]
+    assert "transformer" not in pool._own.shared.loaded and "transformer" not in handle.shared.loaded
     assert torch.equal(stages.denoise(handle, cond, **KW), expected)  # the plain pipe, whole, as before
     pool.release()
     assert pool._own is None

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..components import DITS, TRANSFORMER
 from ..interrupt import interrupt_checker
 from .abort import Failure, failure_in, failure_key, publish_failure, published_failure
 from .launch import free_loopback_port
@@ -331,6 +332,16 @@ def _unpack_denoise(fields: dict, tensors: dict) -> dict[str, Any]:
     return kwargs
 
 
+def _drop_dits(handle: Any, names: list[str]) -> None:
+    """Release the named DiTs of `handle` where loaded (a worker following rank 0's Refine with
+    `release_base`: the base DiT goes before the refiner loads, not both on one device)."""
+    loaded = [name for name in names if name in DITS and name in handle.shared.loaded]
+    if loaded:
+        from ..placement.door import release
+
+        release(handle, loaded)
+
+
 def _run_denoise(view: Any, kwargs: dict[str, Any], callback: Callable | None) -> Any:
     from ..stages import denoise
 
@@ -469,7 +480,8 @@ class WorkerPool:
         return [p.pid for p in self._procs]
 
     def ping(self) -> list[dict[str, Any]]:
-        """Every worker's status: its pid and how often it loaded each component (tests; the node's line)."""
+        """Every worker's status: its pid, how often it loaded each DiT and which are in memory (tests; the
+        node's line)."""
         self._call_started("ping")
         _broadcast_message(self.device, "ping")
         return _gather_status(self.device, None)
@@ -493,11 +505,14 @@ class WorkerPool:
         """
         pack, _unpack, execute = HANDLERS[stage]
         check_pooled(handle)
+        release = [name for name in kwargs.pop("release_dits", ()) if name in DITS]
         kwargs = _first_frame_drawn(kwargs)
         fields, tensors = pack({**kwargs})  # bad input is refused before anything is sent
-        fields = {**fields, "loras": pooled_loras(handle)}
+        fields = {**fields, "loras": pooled_loras(handle), "release": release}
         self._call_started(stage)
         view = self._rank0_view(handle, fields["loras"])  # its refusals too, before the workers hear of the call
+        if self._own is not None:
+            _drop_dits(self._own, release)
         device = self.device
         flagged = []
 
@@ -727,8 +742,10 @@ def run_refine(pipe: Any, frames: Any, cond: Any, *, callback: Callable | None =
     if kwargs.get("sampler") is not None and not isinstance(kwargs["sampler"], str):
         raise ValueError("LingBot Parallel takes a sampler by name")
 
+    release = [TRANSFORMER] if kwargs.get("release_base") else []  # the workers drop it too, as rank 0 does
+
     def on_pool(handle: Any, refiner_cond: Any, **denoise_kwargs: Any) -> Any:
-        return pool.run("denoise", handle, cond=refiner_cond, **denoise_kwargs)
+        return pool.run("denoise", handle, cond=refiner_cond, release_dits=release, **denoise_kwargs)
 
     return stages.refine(pipe, frames, cond, callback=callback, sample_with=on_pool, **kwargs)
 
@@ -748,15 +765,19 @@ def _is_interrupt(err: BaseException) -> bool:
 
 
 def _gather_status(device: torch.device, status: dict | None) -> list[dict[str, Any]]:
-    """All ranks: a fixed-size int row (pid, transformer loads, refiner loads) gathered on rank 0."""
-    row = torch.zeros(3, dtype=torch.int64, device=device)
+    """All ranks: a fixed-size int row (pid, then per DiT: loads, and 1 if it is in memory now) gathered
+    on rank 0."""
+    row = torch.zeros(1 + 2 * len(DITS), dtype=torch.int64, device=device)
     if status is not None:
-        row[0], row[1], row[2] = status["pid"], status["transformer"], status["refiner"]
+        row[0] = status["pid"]
+        for i, name in enumerate(DITS):
+            row[1 + 2 * i], row[2 + 2 * i] = status["loads"].get(name, 0), int(name in status["resident"])
     rows = [torch.zeros_like(row) for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
     dist.gather(row, rows, dst=0)
     if rows is None:
         return []
-    return [{"rank": r, "pid": int(t[0]), "loads": {"transformer": int(t[1]), "refiner": int(t[2])}}
+    return [{"rank": r, "pid": int(t[0]), "loads": {name: int(t[1 + 2 * i]) for i, name in enumerate(DITS)},
+             "resident": [name for i, name in enumerate(DITS) if t[2 + 2 * i]]}
             for r, t in enumerate(rows) if r > 0]
 
 
@@ -815,13 +836,13 @@ def _serve(handle: Any, layout: ParallelLayout, device: torch.device) -> None:
         if kind == "stop":
             return
         if kind == "ping":
-            loads = handle.shared.load_count
-            _gather_status(device, {"pid": os.getpid(), "transformer": loads.get("transformer", 0),
-                                    "refiner": loads.get("refiner", 0)})
+            _gather_status(device, {"pid": os.getpid(), "loads": dict(handle.shared.load_count),
+                                    "resident": list(handle.shared.loaded)})
             continue
         _pack, unpack, execute = HANDLERS[kind]
         where = f"preparing {kind}"  # the worker's own steps (its LoRA files): rank 0 does not repeat them
         try:
+            _drop_dits(handle, fields.pop("release", []))  # as rank 0 dropped them (Refine's release_base)
             call_view, call_kwargs = _with_loras(view, fields.pop("loras", []), lora_files), unpack(fields, tensors)
             where = f"in {kind}"
             execute(call_view, call_kwargs, on_step)
