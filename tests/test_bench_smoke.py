@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from bench import dit_forward, generate, multinode, offload_gpu
+from bench import dit_forward, generate, multinode, offload_gpu, parallel_failure
 from lingbot_core.placement.modes import MODE_ORDER
 
 MODES = list(MODE_ORDER)  # every registered offload mode: the benches run them all
@@ -33,7 +33,7 @@ def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("bench")
 
 
-@pytest.mark.parametrize("script", [dit_forward, generate, offload_gpu, multinode])
+@pytest.mark.parametrize("script", [dit_forward, generate, offload_gpu, multinode, parallel_failure])
 def test_help(script, capsys):
     with pytest.raises(SystemExit) as exit_info:
         script.main(["--help"])
@@ -231,3 +231,17 @@ def test_quant_error_on_the_tiny_model(fixtures_root, tmp_path, capsys):
     assert abs(report["noise1"]["weight_rel_l2"] - 0.01) < 0.002  # 1 % of each layer's RMS
     assert len(report["q4_0"]["block_rel_l2_by_depth"]) == 2  # tiny-dense has 2 blocks
     assert "| q4_0 |" in capsys.readouterr().out
+
+
+def test_parallel_failure_two_processes_and_its_verdicts(tmp_path, capsys):
+    """Two forked gloo ranks, rank 1 raising inside a forward: both stop and name it (the script's exit
+    code 0); the verdicts flag a rank that never reported or names another rank."""
+    out = tmp_path / "f.json"
+    assert parallel_failure.main(["--processes", "2", "--cfg", "1", "--steps", "2", "--start-method", "fork",
+                                  "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["error"] for r in result["rows"]] == ["GroupBroken", "GroupBroken"] and result["verdicts"] == []
+    rows = [{"rank": 0, "exit_code": -9, "stopped_after_s": None, "error": None, "message": None},
+            {"rank": 1, "exit_code": 0, "stopped_after_s": 0.1, "error": "GroupBroken", "message": "rank 0 (cpu) failed"}]
+    bad = parallel_failure.verdicts({"failing_rank": 1, "rows": rows}, 60)
+    assert len(bad) == 2 and "did not report" in bad[0] and "not GroupBroken naming rank 1" in bad[1]
