@@ -102,9 +102,9 @@ def _child_env(folder: Path) -> dict[str, str]:
     return env
 
 
-def _agents(scenario: Scenario, cli: list[list[str]], folder: Path, tag: str, timeout: float) -> tuple[list[int], float]:
-    """Start one torchrun agent per node (cli[node]: its lingbot-run arguments), wait for both.
-    Returns their exit codes and the wall time; their output goes to folder/<tag>-node<N>.log."""
+def _start_agents(scenario: Scenario, cli: list[list[str]], folder: Path, tag: str) -> list[subprocess.Popen]:
+    """Start one torchrun agent per node (cli[node]: its lingbot-run arguments), each in a session of
+    its own (as on its own machine); their output goes to folder/<tag>-node<N>.log."""
     port = _free_port()
     if scenario.rendezvous == "static":
         rdzv = lambda node: ["--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port)]  # noqa: E731
@@ -113,23 +113,36 @@ def _agents(scenario: Scenario, cli: list[list[str]], folder: Path, tag: str, ti
                              "--rdzv-id", f"bench-{tag}"]
     env = _child_env(folder)
     procs = []
-    started = time.perf_counter()
     for node in range(2):
         command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
                    str(scenario.nproc), *rdzv(node), "-m", "lingbot_nodes", *cli[node]]
-        log = (folder / f"{tag}-node{node}.log").open("w")
-        procs.append((subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=folder,
-                                       start_new_session=True), log))
-    codes = []
-    for proc, log in procs:
-        try:
-            codes.append(proc.wait(timeout=max(1.0, timeout - (time.perf_counter() - started))))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)  # the agent's own session: it and its workers
-            codes.append(proc.wait())
-        finally:
-            log.close()
-    return codes, time.perf_counter() - started
+        with (folder / f"{tag}-node{node}.log").open("w") as log:
+            procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=folder,
+                                          start_new_session=True))
+    return procs
+
+
+def _wait(procs: list[subprocess.Popen], started: float, timeout: float) -> list[tuple[int, float]]:
+    """Each agent's exit code and when it ended (seconds from `started`); SIGTERM to what outlives `timeout`."""
+    ended = [None] * len(procs)
+    while any(e is None for e in ended):
+        for i, proc in enumerate(procs):
+            if ended[i] is None and proc.poll() is not None:
+                ended[i] = (proc.returncode, time.perf_counter() - started)
+        if time.perf_counter() - started > timeout:
+            for i, proc in enumerate(procs):
+                if ended[i] is None:
+                    os.killpg(proc.pid, signal.SIGTERM)  # the agent's own session (its workers have theirs)
+                    ended[i] = (proc.wait(), time.perf_counter() - started)
+        time.sleep(0.2)
+    return ended
+
+
+def _agents(scenario: Scenario, cli: list[list[str]], folder: Path, tag: str, timeout: float) -> tuple[list[int], float]:
+    """Both agents from start to end: their exit codes and the wall time."""
+    started = time.perf_counter()
+    ended = _wait(_start_agents(scenario, cli, folder, tag), started, timeout)
+    return [code for code, _t in ended], max(t for _c, t in ended)
 
 
 def _manifest_files(folders: list[Path]) -> dict[str, list[dict]]:
@@ -230,10 +243,45 @@ def run_scenario(scenario: Scenario, model: str, folder: Path, alone: dict[str, 
     check(worst <= 1, "pictures within one 8-bit level of the one-process run", f"max diff {worst}")
 
 
+def run_stop(model: str, folder: Path, check: Checks, timeout: float, sig: signal.Signals) -> None:
+    """One machine stopped mid-batch: node 1's agent gets `sig` once its first job is recorded
+    (SIGINT: Ctrl-C in its terminal; SIGTERM: a scheduler ending the job), and torchrun passes it on
+    to its worker; node 0's worker finishes its own share and leaves at once, with a failure,
+    instead of waiting at the end for a process that will not come."""
+    scenario = Scenario("stop", 1, "static", "", shared_output=False, groups=2, spanning=0)
+    print(f"\n== stop: 2 nodes x 1 process, static rendezvous; {sig.name} to node 1's torchrun mid-batch", flush=True)
+    jobs = [{"id": f"s{i}", "seed": i, "size": "48x32", "steps": 4, "prompt": PROMPTS[i % len(PROMPTS)]}
+            for i in range(8)]
+    _write_jobs(folder / "jobs.jsonl", jobs)
+    outputs = [folder / f"out-node{n}" for n in range(2)]
+    cli = [["t2i", "--model", model, "--jobs", "jobs.jsonl", "--output", str(o)] for o in outputs]
+    started = time.perf_counter()
+    procs = _start_agents(scenario, cli, folder, f"stop-{sig.name}")
+    node1 = outputs[1] / "jobs.manifest.group1.jsonl"
+    while not (node1.is_file() and node1.read_text().strip()) and time.perf_counter() - started < timeout:
+        if any(p.poll() is not None for p in procs):
+            break
+        time.sleep(0.2)
+    stopped_at = time.perf_counter() - started
+    os.killpg(procs[1].pid, sig)  # the agent's session (its worker has its own)
+    (code0, end0), (code1, end1) = _wait(procs, started, timeout)
+    print(f"  node 1 stopped at {stopped_at:.1f} s; agents exited {code0} at {end0:.1f} s, {code1} at {end1:.1f} s",
+          flush=True)
+    files = _manifest_files(outputs)
+    node0 = files.get("out-node0/jobs.manifest.group0.jsonl", [])
+    log0 = (folder / f"stop-{sig.name}-node0.log").read_text()
+    check(code1 != 0, "node 1's agent ends with an error (interrupted)", code1)
+    check(sorted(e["id"] for e in node0 if e.get("status") == "done") == [f"s{i}" for i in range(0, 8, 2)],
+          "node 0 still finishes its whole share", [e.get("id") for e in node0])
+    check(code0 == 1 and "another process stopped" in log0, "node 0 then leaves with exit 1, not waiting for node 1",
+          code0)
+    check("exit barrier" not in log0, "no wait at torchrun's exit barrier")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scenario", choices=[*SCENARIOS, "all"], default="all")
+    parser.add_argument("--scenario", choices=[*SCENARIOS, "stop", "all"], default="all")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per torchrun run (both agents)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (its path is printed)")
     args = parser.parse_args(argv)
@@ -260,7 +308,13 @@ def main(argv: list[str] | None = None) -> int:
     for raw in (base / "out" / "jobs.manifest.jsonl").read_text().splitlines():
         entry = json.loads(raw)
         alone[entry["id"]] = Path(entry["outputs"][0])
-    for name in SCENARIOS if args.scenario == "all" else [args.scenario]:
+    for name in [*SCENARIOS, "stop"] if args.scenario == "all" else [args.scenario]:
+        if name == "stop":
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                folder = work / f"stop-{sig.name}"
+                folder.mkdir()
+                run_stop(model, folder, check, args.timeout, sig)
+            continue
         folder = work / name
         folder.mkdir()
         run_scenario(SCENARIOS[name], model, folder, alone, check, args.timeout)

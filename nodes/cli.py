@@ -458,9 +458,13 @@ def _run_jobs(args: argparse.Namespace, prompt, engine, reporter: Reporter, outp
         if place.world_size > 1 else ""
     reporter.write(f"lingbot-run: {len(jobs)} jobs from {args.jobs}{where}; manifest {manifest.write_path}")
     try:
-        results = run_jobs(jobs, run_one, manifest, place=place, on_result=shown)
+        with _sigterm_interrupts(place.world_size > 1):
+            results = run_jobs(jobs, run_one, manifest, place=place, on_result=shown)
     except BaseException:  # an interrupt: the processes waiting at the end must not wait for this one
-        finish_together(0, stopped=True)
+        try:
+            finish_together(0, stopped=True)
+        except Exception:  # the store may be gone with the rest of the world; the interrupt is what matters
+            pass
         raise
     failed = sum(e["status"] != DONE for e in results)
     mine = len(place.share(jobs))
@@ -472,6 +476,28 @@ def _run_jobs(args: argparse.Namespace, prompt, engine, reporter: Reporter, outp
         print(f"jobs: {failed} failed in the world of {place.world_size} processes; see the manifest files",
               file=sys.stderr)
     return 1 if failed else 0
+
+
+@contextmanager
+def _sigterm_interrupts(under_torchrun: bool) -> Iterator[None]:
+    """Under torchrun, SIGTERM interrupts like Ctrl-C. torchrun starts its workers in sessions of their
+    own and stops them with SIGTERM (Ctrl-C on the machine, a failed worker there), which ends Python
+    at once by default: the other machines' processes, waiting at the jobs' end, would never hear of it."""
+    import signal
+    import threading
+
+    if not under_torchrun or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _start_parallel(args: argparse.Namespace, prompt, overrides: list[str], reporter: Reporter):

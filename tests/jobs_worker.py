@@ -80,3 +80,20 @@ def run_parallel_cli(rank: int, world: int, ports: list[int], folder: str, runs:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def sigterm_in_jobs(under_torchrun: bool) -> None:
+    """Send this process SIGTERM inside the CLI's jobs guard: exit 7 when it arrived as an interrupt."""
+    import os
+    import signal
+    import time
+
+    from lingbot_nodes.cli import _sigterm_interrupts
+
+    try:
+        with _sigterm_interrupts(under_torchrun):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises here (or the default action has ended the process)
+    except KeyboardInterrupt:
+        os._exit(7)
+    os._exit(0)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from jobs_worker import finish_share, run_parallel_cli, run_share
+from jobs_worker import finish_share, run_parallel_cli, run_share, sigterm_in_jobs
 
 from lingbot_core.parallel.jobs import (
     DONE,
@@ -317,6 +317,21 @@ def test_four_processes_run_the_jobs_as_two_ulysses_groups(tmp_path, fixtures_ro
     assert [e["id"] for e in _manifest(tmp_path / "out" / "jobs.manifest.group1.jsonl")] == ["j1"]
     assert sorted(ranks[0]["printed"] + ranks[2]["printed"]) == [e["outputs"][0] for e in entries]
     _same_pictures(entries, alone)
+
+
+def test_sigterm_interrupts_a_jobs_run_under_torchrun():
+    """torchrun stops its workers with SIGTERM (its own SIGTERM, a failed sibling): in a --jobs run it must
+    raise like Ctrl-C, so the process can tell the others' end-of-batch wait (finish_together) that it stopped."""
+    import multiprocessing
+    import signal
+
+    codes = []
+    for under_torchrun in (True, False):
+        child = multiprocessing.get_context("fork").Process(target=sigterm_in_jobs, args=(under_torchrun,))
+        child.start()
+        child.join(30)
+        codes.append(child.exitcode)
+    assert codes == [7, -signal.SIGTERM]  # an interrupt under torchrun; Python's default (killed) otherwise
 
 
 def test_a_process_that_stops_early_does_not_leave_the_others_waiting(tmp_path):
