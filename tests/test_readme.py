@@ -196,9 +196,11 @@ def test_every_readme_command_is_checked():
         elif argv[0] == "lingbot-run":
             run_parser().parse_args(argv[1:])
         elif argv[0] == "torchrun":  # torchrun [its options] -m lingbot_nodes [lingbot-run's options]
-            module = argv.index("-m")
-            assert argv[module + 1] == "lingbot_nodes" and argv[1:module] == ["--nproc-per-node", argv[2]], argv
-            run_parser().parse_args(argv[module + 2:])
+            from torch.distributed.run import get_args_parser as torchrun_parser
+
+            launch = torchrun_parser().parse_args(argv[1:])  # torchrun's own parser: its options, multi-node too
+            assert launch.module and launch.training_script == "lingbot_nodes", argv
+            run_parser().parse_args(launch.training_script_args)
         else:
             assert any(tuple(argv[:len(s)]) == s for s in SHELL), f"no check for README command {argv}"
         kinds.add(argv[0])
