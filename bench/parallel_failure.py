@@ -89,7 +89,7 @@ def _worker(rank: int, args: argparse.Namespace, store_port: int, out: str) -> N
     import torch.distributed as dist
 
     from lingbot_core.parallel import ParallelLayout
-    from lingbot_core.parallel.run import parallel_denoise, wrap_dit
+    from lingbot_core.parallel_runs.run import parallel_denoise, wrap_dit
     from lingbot_core.prompt import PromptEmbeds
     from lingbot_core.stages import Conditioning
 

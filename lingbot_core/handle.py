@@ -124,7 +124,7 @@ class PipelineHandle:
     offload: OffloadSettings = field(default_factory=OffloadSettings)
     view_states: tuple[Any, ...] = ()
     parallel: Any = None  # a `parallel.ParallelLayout` when this view runs on several processes (`with_parallel`)
-    # LingBot Parallel's `parallel.pool.WorkerPool` for this view and the views made from it (`pool.tag`)
+    # LingBot Parallel's `parallel_runs.pool.WorkerPool` for this view and the views made from it (`pool.tag`)
     pool: Any = field(default=None, compare=False, repr=False)
 
     @classmethod

@@ -587,7 +587,7 @@ def refine(
     whenever the offload mode is not `none`. A later stage that needs the base reloads it.
     `cfg_batch` and `step_cache` as for `denoise` (caching needs a refiner list of more than 8 steps).
     `sample_with` runs the refiner's sampling in place of `denoise` (same arguments): LingBot
-    Parallel's pool (`parallel.pool.run_refine`) sends it to its workers.
+    Parallel's pool (`parallel_runs.pool.run_refine`) sends it to its workers.
     """
     # Everything that can refuse the request runs before the base DiT is released (it would be lost).
     checks.check_refine_request(handle, frames, height=height, width=width, steps=steps, shift=shift,

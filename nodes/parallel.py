@@ -1,7 +1,7 @@
 """LingBot Parallel: one pipe on several devices, through persistent worker processes.
 
 Type translation only; the workers, the process group and the calls are
-`lingbot_core.parallel.pool`.
+`lingbot_core.parallel_runs.pool`.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class LingBotParallel(io.ComfyNode):
 
     @classmethod
     def execute(cls, pipe, devices, cfg="1", ulysses=0, fsdp="off"):
-        from lingbot_core.parallel.pool import PoolSpec, pool_for, tag
+        from lingbot_core.parallel_runs.pool import PoolSpec, pool_for, tag
 
         if fsdp not in ("off", "on"):
             raise ValueError(f"fsdp must be 'off' or 'on', got {fsdp!r}")

@@ -29,9 +29,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     # the lazy handle over one checkpoint
     ("handle", {"handle"}),
     # stages: plain functions over a handle; the prompt rewriter (runs a text model through the door);
-    # `parallel.run`, the one-video-on-N-processes runner over a handle, and `parallel.pool`, the worker
-    # processes that run stages for LingBot Parallel (modules placed apart from their package)
-    ("stages", {"stages", "rewrite", "parallel.run", "parallel.pool"}),
+    # the runners over the stages on several processes (`parallel_denoise`, LingBot Parallel's worker pool)
+    ("stages", {"stages", "rewrite", "parallel_runs"}),
     # entry points
     ("entry", {"__main__", "__init__"}),
 ]
@@ -39,11 +38,8 @@ LEVEL = {unit: level for level, (_name, units) in enumerate(LAYERS) for unit in 
 
 
 def _unit(module: str) -> str:
-    """`lingbot_core.placement.door` -> `placement`; `lingbot_core` -> `__init__`; a module placed apart from its
-    package (`parallel.run`) -> that dotted name."""
+    """`lingbot_core.placement.door` -> `placement`; `lingbot_core` -> `__init__`."""
     parts = module.split(".")
-    if len(parts) > 2 and ".".join(parts[1:3]) in LEVEL:
-        return ".".join(parts[1:3])
     return parts[1] if len(parts) > 1 else "__init__"
 
 

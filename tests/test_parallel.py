@@ -91,7 +91,7 @@ def _t2v_checks(layout: ParallelLayout, tiny: str) -> dict:
     from lingbot_core import stages
     from lingbot_core.handle import PipelineHandle
     from lingbot_core.latents import latent_shape
-    from lingbot_core.parallel.run import parallel_denoise
+    from lingbot_core.parallel_runs.run import parallel_denoise
 
     handle = PipelineHandle.open(tiny, device="cpu")
     size = dict(height=32, width=32, num_frames=5)
@@ -146,7 +146,7 @@ def _fsdp_checks(layout: ParallelLayout) -> dict:
     import dataclasses
 
     from lingbot_core.parallel.fsdp import is_fsdp_sharded, shard_plan
-    from lingbot_core.parallel.run import parallel_denoise
+    from lingbot_core.parallel_runs.run import parallel_denoise
     from lingbot_core.prompt import PromptEmbeds
     from lingbot_core.stages import Conditioning
 
@@ -204,7 +204,7 @@ def _lora_checks(layout: ParallelLayout, tiny: str, lora_path: str) -> dict:
     from lingbot_core.handle import PipelineHandle
     from lingbot_core.latents import latent_shape
     from lingbot_core.lora import with_lora
-    from lingbot_core.parallel.run import parallel_denoise
+    from lingbot_core.parallel_runs.run import parallel_denoise
 
     handle = PipelineHandle.open(tiny, device="cpu")
     size = dict(height=32, width=32, num_frames=5)
@@ -272,7 +272,7 @@ def _step_cache_checks(layout: ParallelLayout, tiny: str) -> dict:
     from lingbot_core import stages
     from lingbot_core.handle import PipelineHandle
     from lingbot_core.latents import latent_shape
-    from lingbot_core.parallel.run import parallel_denoise
+    from lingbot_core.parallel_runs.run import parallel_denoise
     from lingbot_core.sampling import step_cache
 
     figures: list[float] = []
@@ -325,7 +325,7 @@ def _failure_checks(layout: ParallelLayout) -> dict:
     their step-3 collectives until the group's timeout (30 minutes)."""
     import time
 
-    from lingbot_core.parallel.run import parallel_denoise
+    from lingbot_core.parallel_runs.run import parallel_denoise
     from lingbot_core.prompt import PromptEmbeds
     from lingbot_core.stages import Conditioning
 
@@ -359,7 +359,7 @@ def _forward_failure_checks(rank: int, world: int, store_port: int) -> dict:
 
     from parallel_fakes import fail_inside_forward
 
-    from lingbot_core.parallel.run import parallel_denoise
+    from lingbot_core.parallel_runs.run import parallel_denoise
     from lingbot_core.prompt import PromptEmbeds
     from lingbot_core.stages import Conditioning
 

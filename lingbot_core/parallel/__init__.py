@@ -4,6 +4,8 @@ many videos over data-parallel groups (`jobs`).
 `ParallelLayout` says which rank does what and holds the process groups; `enable_sequence_parallel`
 makes a DiT share its sequence over the layout's ulysses group; `ParallelGuidance` runs the two CFG
 branches on the two cfg rows. `launch` has the loopback helpers tests and benches spawn with.
+The runners over the stages (`parallel_denoise`, LingBot Parallel's worker pool) sit above them, in
+`parallel_runs`.
 
 The names are imported on first use, so `lingbot_core.parallel.jobs` and `.launch` stay light for
 spawned processes and the CLI (the sequence-parallel hooks import diffusers).

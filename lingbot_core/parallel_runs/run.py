@@ -14,10 +14,10 @@ import torch
 from ..components import TRANSFORMER
 from ..handle import PipelineHandle
 from ..latents import VAE_SPATIAL, VAE_TEMPORAL
+from ..parallel.layout import ParallelLayout
 from ..sampling.guidance import StepCallback
 from ..sampling.step_cache import StepCacheSettings
 from ..stages import Conditioning, denoise
-from .layout import ParallelLayout
 
 __all__ = ["geometry_of", "parallel_denoise", "wrap_dit"]
 

@@ -19,7 +19,7 @@ input stops the whole pool with one clear `PoolError` naming the rank and device
 its error; the caller's handle is untouched (its single-device stages work as before) and the next
 call on the pool starts fresh workers. A failing worker publishes its error in the group's store and
 ends its process, so the collectives rank 0 (and every other worker) waits in fail at once instead
-of at the backend's timeout; rank 0 reads the error there (`abort.py` has the details, NCCL's
+of at the backend's timeout; rank 0 reads the error there (`parallel/abort.py` has the details, NCCL's
 included). `release` stops the workers (they also stop when this process exits: they are daemons, an
 atexit hook releases them, and a worker whose collectives fail because rank 0 is gone exits).
 """
@@ -46,9 +46,9 @@ import torch.distributed as dist
 
 from ..components import DITS, TRANSFORMER
 from ..interrupt import interrupt_checker
-from .abort import Failure, failure_in, failure_key, publish_failure, published_failure
-from .launch import free_loopback_port
-from .layout import CFG_DEGREES, ParallelLayout, pooled_offload_refusal
+from ..parallel.abort import Failure, failure_in, failure_key, publish_failure, published_failure
+from ..parallel.launch import free_loopback_port
+from ..parallel.layout import CFG_DEGREES, ParallelLayout, pooled_offload_refusal
 
 log = logging.getLogger("lingbot_core.parallel")
 
