@@ -25,11 +25,11 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lingbot_core import checkpoint_checks as checks
 from lingbot_core.checkpoint import CheckpointError, check_values_and_shapes
+from lingbot_core.weights import checks
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGS = Path(checks.__file__).parent / "configs"
+CONFIGS = Path(checks.__file__).parents[1] / "configs"  # lingbot_core/configs
 FILES = {"transformer": "transformer/config.json", "vae": "vae/config.json",
          "text_encoder": "text_encoder/config.json", "scheduler": "scheduler/scheduler_config.json"}
 

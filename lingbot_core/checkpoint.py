@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from . import checkpoint_checks as checks
 from .checkpoint_inspect import (  # noqa: F401 (re-exported: the names callers import from here)
     COMPONENTS,
     FILE_ROUTES,
@@ -32,6 +31,7 @@ from .checkpoint_inspect import (  # noqa: F401 (re-exported: the names callers 
 )
 from .components import DITS, REFINER, TABLE, TRANSFORMER
 from .errors import CheckpointError
+from .weights import checks
 from .weights.resolve import ComponentSource, folder_source
 from .weights.state import ModelState
 

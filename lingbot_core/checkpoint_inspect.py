@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from . import checkpoint_checks as checks
 from .components import DITS, INDEXED, REFINER, TABLE, TRANSFORMER, ComponentFiles
 from .errors import CheckpointError
+from .weights import checks
 from .weights.resolve import ComponentSource, check_weights_mode_for, folder_source
 
 COMPONENTS = INDEXED  # what model_index.json lists (the refiner is found by its folder)

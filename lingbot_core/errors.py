@@ -3,7 +3,7 @@
 `CheckpointError`: a checkpoint (a folder, or a single weights file) that cannot be loaded; the
 message names the file and the fix. `WeightsError`: weights that cannot be used as asked (a format,
 a tensor, a quantization mode); a `CheckpointError`, so callers catching that see both.
-They are re-exported where they used to live (`checkpoint`, `checkpoint_checks`, `weights.sources`).
+They are re-exported where they used to live (`checkpoint`, `weights.checks`, `weights.sources`).
 """
 
 from __future__ import annotations

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from lingbot_core import checkpoint_checks as checks
 from lingbot_core.checkpoint import CheckpointError, check_values_and_shapes, inspect_checkpoint
+from lingbot_core.weights import checks
 
-PUBLISHED = Path(checks.__file__).parent / "configs"
+PUBLISHED = Path(checks.__file__).parents[1] / "configs"  # lingbot_core/configs
 FILES = {"transformer": "transformer/config.json", "vae": "vae/config.json",
          "text_encoder": "text_encoder/config.json", "scheduler": "scheduler/scheduler_config.json"}
 

@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("models", {"models", "scheduler", "sampling", "image", "video", "latents"}),
     # files -> modules: checkpoints, weight formats, single files, the tiny checkpoint, quantizing, LoRA,
     # the text encoder's prompt encoding (it loads through `weights`)
-    ("weights", {"weights", "checkpoint", "checkpoint_checks", "checkpoint_inspect", "single_files", "processor_files",
+    ("weights", {"weights", "checkpoint", "checkpoint_inspect", "single_files", "processor_files",
                  "tiny", "quantize", "lora", "prompt"}),
     # where weights live while stages run, on one device or several
     ("placement", {"placement", "offload", "memory", "parallel"}),

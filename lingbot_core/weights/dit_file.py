@@ -142,7 +142,7 @@ def _logical_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, 
 
 def _match(shapes: dict[str, tuple[int, ...]], path: Path) -> dict[str, Any]:
     """The known config (at the file's depth) whose tensors the file holds exactly."""
-    from ..checkpoint_checks import check_transformer_config, dit_shapes, tensor_set_problems
+    from .checks import check_transformer_config, dit_shapes, tensor_set_problems
 
     blocks = {int(m.group(1)) for n in shapes if (m := _BLOCK.match(n))}
     depth = max(blocks) + 1 if blocks else 0

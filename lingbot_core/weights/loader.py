@@ -21,9 +21,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..checkpoint_checks import tensor_set_problems
 from ..components import DITS, TRANSFORMER
 from . import gguf_codec
+from .checks import tensor_set_problems
 from .converted import Planned
 from .disk import note_exact
 from .fp8 import require_fp8

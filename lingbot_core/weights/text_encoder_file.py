@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint_checks import CheckpointError, StoredTensor, read_safetensors_entries, tensor_set_problems
+from .checks import CheckpointError, StoredTensor, read_safetensors_entries, tensor_set_problems
 from .state import ModelState
 
 CONFIG_FILE = Path(__file__).resolve().parent.parent / "configs" / "qwen3-vl-4b.text_encoder.json"

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint_checks import CheckpointError, StoredTensor, read_safetensors_entries, vae_shapes
+from .checks import CheckpointError, StoredTensor, read_safetensors_entries, vae_shapes
 
 CONFIG_FILE = Path(__file__).resolve().parent.parent / "configs" / "wan2.1.vae.json"
 # Keys of the latent statistics and of the structure we infer; everything else in the shipped
@@ -208,7 +208,7 @@ def inspect_vae_file(path: str | Path) -> VAEFile:
         raise CheckpointError(f"{path}: tensors stored as {bad[0]}; a VAE file is read in F32, F16 or BF16 only. {FIX}")
     config = {**shipped_config(), **_infer_structure(shapes, path)}
     expected = vae_shapes(config, str(path))
-    from ..checkpoint_checks import tensor_set_problems
+    from .checks import tensor_set_problems
 
     problems = tensor_set_problems(shapes, expected)
     if problems:

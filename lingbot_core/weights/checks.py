@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from .components import TRANSFORMER
-from .errors import CheckpointError
-from .json_text import MAX_JSON_NESTING, parse_json_text  # noqa: F401 (re-exported)
-from .weights.safetensors_header import (  # noqa: F401 (re-exported: the header checks live there)
+from ..components import TRANSFORMER
+from ..errors import CheckpointError
+from ..json_text import MAX_JSON_NESTING, parse_json_text  # noqa: F401 (re-exported)
+from .safetensors_header import (  # noqa: F401 (re-exported: the header checks live there)
     MAX_HEADER_BYTES,
     SAFETENSORS_ITEMSIZE,
     StoredTensor,
@@ -213,7 +213,7 @@ def check_scheduler_config(config: Mapping[str, Any], where: str) -> None:
     _bounded(config, "scheduler", "num_train_timesteps", where, default=1000)
     _need(config, "shift", where, _pos_float, "a positive finite number", optional=True)
     _need(config, "solver_order", where, lambda v: _pos_int(v) and v <= 3, "1, 2 or 3", optional=True)
-    from .scheduler import UniPCSettings
+    from ..scheduler import UniPCSettings
 
     try:  # what the sampler would refuse when it runs (a solver variant, a prediction type), refused now
         UniPCSettings.from_mapping(config)
@@ -317,7 +317,7 @@ def _skeleton_shapes(make, where: str) -> dict[str, tuple[int, ...]]:
 
 
 def dit_shapes(config: Mapping[str, Any], where: str) -> dict[str, tuple[int, ...]]:
-    from .models.transformer import LingBotVideoTransformer3DModel
+    from ..models.transformer import LingBotVideoTransformer3DModel
 
     clean = {k: v for k, v in config.items() if not k.startswith("_")}
     return _memo("dit", clean, lambda: _skeleton_shapes(
@@ -407,7 +407,7 @@ def scan_non_finite(module: torch.nn.Module, component: str, where: Path) -> Non
             continue  # a finite tensor whose sum overflowed float32 (not seen in practice)
         raise CheckFailed(f"{component}: weight {name} in {where} holds {bad} NaN/inf value(s); the file is "
                           "corrupt or was exported wrongly. Re-download it.")
-    from .weights.scan import packed_non_finite
+    from .scan import packed_non_finite
 
     for name, what in packed_non_finite(module):
         raise CheckFailed(f"{component}: quantized weight {name} in {where} holds {what}, so it decodes to NaN/inf; "
