@@ -20,7 +20,16 @@ from pathlib import Path
 from lingbot_core.save_path import is_inside
 
 from . import paths, runtime
-from .loader import ATTENTION, DTYPES, TINY, WEIGHTS, checkpoint_choices, ffn_chunk_input, resolve_checkpoint
+from .loader import (
+    ATTENTION,
+    DTYPES,
+    TINY,
+    WEIGHTS,
+    checkpoint_choices,
+    compile_input,
+    ffn_chunk_input,
+    resolve_checkpoint,
+)
 from .types import CATEGORY, Choice, Pipe
 from .v3 import io
 
@@ -169,7 +178,8 @@ class LingBotLoaderFiles(io.ComfyNode):
                 io.String.Input("vae_path", default="", optional=True, tooltip="A VAE file instead of the combo"),
                 io.String.Input("text_encoder_path", default="", optional=True,
                                 tooltip="A text encoder file instead of the combo"),
-                ffn_chunk_input(FFN_CHUNK_CHOICES),  # last: a workflow saved before it keeps its values in place
+                ffn_chunk_input(FFN_CHUNK_CHOICES),
+                compile_input(),  # last: a workflow saved before it keeps its values in place
             ],
             outputs=[Pipe.Output(display_name="pipe", tooltip="The pipeline handle")],
         )
@@ -182,7 +192,7 @@ class LingBotLoaderFiles(io.ComfyNode):
     @classmethod
     def execute(cls, dit, vae, text_encoder, checkpoint, refiner=FROM_CHECKPOINT, dtype="auto", attention="default",
                 device="auto", weights="auto", processor_path="", checkpoint_path="", dit_path="", refiner_path="",
-                vae_path="", text_encoder_path="", ffn_chunk="auto"):
+                vae_path="", text_encoder_path="", ffn_chunk="auto", compile="off"):
         import torch
 
         from lingbot_core.handle import PipelineHandle, ffn_chunk_setting
@@ -211,7 +221,8 @@ class LingBotLoaderFiles(io.ComfyNode):
             dt = getattr(torch, DTYPES[dtype])
             dtypes = {"transformer": dt, "refiner": dt, "text_encoder": dt}
         options = dict(device=runtime.execution_device(device), dtypes=dtypes, weights=weights,
-                       attention_backend=None if attention == "default" else attention, ffn_chunk=chunk)
+                       attention_backend=None if attention == "default" else attention, ffn_chunk=chunk,
+                       compile=compile)
         if processor is None and not any(chosen.values()):  # everything from the checkpoint folder
             return io.NodeOutput(runtime.install_memory_cooperation(PipelineHandle.open(folder, **options)))
         from lingbot_core.components import ComponentFiles

@@ -38,6 +38,14 @@ def ffn_chunk_input(choices: tuple[str, ...]) -> Choice:
                           "memory, a little slower). Changing it opens the checkpoint again: the next run reloads the models")
 
 
+def compile_input() -> Choice:
+    """The Loaders' `compile` widget (regional torch.compile of the DiTs' blocks)."""
+    return Choice("compile", options=list(COMPILE_CHOICES), default="off", optional=True,
+                  tooltip="blocks: torch.compile each DiT block (the first run compiles for a minute or more, "
+                          "then each step runs faster; needs triton on CUDA or a C++ compiler on CPU). Every "
+                          "offload mode runs the compiled blocks (the offload hooks stay outside them)")
+
+
 def checkpoint_choices() -> list[str]:
     names = list(TINY)
     for root in runtime.model_roots():
@@ -119,10 +127,7 @@ class LingBotLoader(io.ComfyNode):
                                 tooltip="A student DiT (e.g. DMD-distilled): a folder that differs from the checkpoint "
                                         "only in transformer/, or that transformer folder. Inside ComfyUI it must "
                                         "lie under models/lingbot_video. Empty: the checkpoint's own"),
-                Choice("compile", options=list(COMPILE_CHOICES), default="off", optional=True,
-                       tooltip="blocks: torch.compile each DiT block (first run compiles for a minute or more, "
-                               "then each step runs faster; needs triton on CUDA or a C++ compiler on CPU). "
-                               "Under sequential offload the blocks run uncompiled"),
+                compile_input(),
                 ffn_chunk_input(FFN_CHUNK_CHOICES),  # last: a workflow saved before it keeps its values in place
             ],
             outputs=[Pipe.Output(display_name="pipe", tooltip="The pipeline handle")],

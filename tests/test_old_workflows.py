@@ -64,12 +64,18 @@ def test_an_old_ui_file_validates_as_a_whole(path):
     assert Engine(NODE_CLASS_MAPPINGS).validate(prompt)
 
 
+# the widgets each Loader gained after the files in old_workflows/ were saved, in the order they came
+ADDED = {"LingBotLoader": ["ffn_chunk"], "LingBotLoaderFiles": ["ffn_chunk", "compile"]}
+
+
 @pytest.mark.parametrize("class_type", LOADERS)
-def test_ffn_chunk_is_each_loaders_last_widget_and_defaults_to_auto(class_type):
-    """Appended, never inserted: the positional values of files saved before it stay where they were."""
-    last = _widgets(class_type)[-1]
-    assert last.name == "ffn_chunk" and last.category == "optional"
-    assert last.combo_options == list(FFN_CHUNK_CHOICES) and last.options["default"] == AUTO_CHUNK
+def test_widgets_added_since_are_each_loaders_last_and_ffn_chunk_defaults_to_auto(class_type):
+    """Appended, never inserted: the positional values of files saved before them stay where they were."""
+    widgets = _widgets(class_type)
+    added = widgets[-len(ADDED[class_type]):]
+    assert [w.name for w in added] == ADDED[class_type] and all(w.category == "optional" for w in added)
+    chunk = next(w for w in added if w.name == "ffn_chunk")
+    assert chunk.combo_options == list(FFN_CHUNK_CHOICES) and chunk.options["default"] == AUTO_CHUNK
 
 
 def test_the_choices_are_auto_off_and_bounded_token_counts():
@@ -129,3 +135,27 @@ def test_the_loaders_pass_the_choice_to_the_handle(class_type, choice, expected)
     handle = out.result[0] if hasattr(out, "result") else out[0]
     assert handle.shared.ffn_chunk == expected
     assert not handle.shared.loaded  # nothing heavy loaded by the Loader
+
+
+@pytest.mark.parametrize("class_type", LOADERS)
+def test_both_loaders_offer_compile_and_pass_it_to_the_handle(class_type):
+    """The Loader (files) gained `compile` (appended after ffn_chunk): same choices as the Loader, wired
+    through to the handle; a value outside the choices is refused by validation."""
+    from lingbot_core.models.compile import COMPILE_CHOICES
+
+    widget = next(w for w in _widgets(class_type) if w.name == "compile")
+    assert widget.combo_options == list(COMPILE_CHOICES) and widget.options["default"] == "off"
+    loader = NODE_CLASS_MAPPINGS[class_type]
+    args = (("tiny (built-in dense)", "auto", "auto", "default") if class_type == "LingBotLoader"
+            else ("(from checkpoint)", "(from checkpoint)", "(from checkpoint)", "tiny (built-in dense)"))
+    for choice in COMPILE_CHOICES:
+        out = loader.execute(*args, device="cpu", compile=choice)
+        handle = out.result[0] if hasattr(out, "result") else out[0]
+        assert handle.shared.compile == choice and not handle.shared.loaded
+    name = "lingbot_t2v_dense" if class_type == "LingBotLoader" else "lingbot_t2v_dense_files"
+    prompt = load_workflow(API / f"{name}.json", NODE_CLASS_MAPPINGS).to_dict()
+    node = next(nid for nid, n in prompt.items() if n["class_type"] == class_type)
+    prompt[node]["inputs"]["compile"] = "everything"
+    with pytest.raises(WorkflowValidationError) as err:
+        Engine(NODE_CLASS_MAPPINGS).validate(prompt)
+    assert [(i.node_id, i.input_name) for i in err.value.issues] == [(node, "compile")]
