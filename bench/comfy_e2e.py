@@ -65,15 +65,23 @@ def record(ok: bool, name: str, detail: str = "") -> bool:
     return ok
 
 
-def node_registry() -> list[str]:
-    """The pack's node ids, from its own registry (`nodes/` is installed as `lingbot_nodes`)."""
+def pack_nodes() -> dict[str, Any]:
+    """The pack's NODE_CLASS_MAPPINGS, from its own registry (`nodes/` loaded as `lingbot_nodes`, as it is
+    installed; this checkout's `lingbot_core` on the path)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
     if "lingbot_nodes" not in sys.modules:
         spec = importlib.util.spec_from_file_location(
             "lingbot_nodes", ROOT / "nodes" / "__init__.py", submodule_search_locations=[str(ROOT / "nodes")])
         module = importlib.util.module_from_spec(spec)
         sys.modules["lingbot_nodes"] = module
         spec.loader.exec_module(module)
-    return list(sys.modules["lingbot_nodes"].NODE_CLASS_MAPPINGS)
+    return sys.modules["lingbot_nodes"].NODE_CLASS_MAPPINGS
+
+
+def node_registry() -> list[str]:
+    """The pack's node ids, from its own registry."""
+    return list(pack_nodes())
 
 
 class Server:
@@ -478,7 +486,7 @@ def pool_starts(log_path: Path) -> int:
 
 
 def check_parallel(server: Server, proc: subprocess.Popen, log_path: Path, devices: str, cfg: str,
-                   ulysses: int) -> None:
+                   ulysses: int, fsdp: str = "off") -> None:
     """A pipe through LingBot Parallel on `devices`: its latents equal the single-device run's; a second
     prompt reuses the workers; an interrupt leaves the next run exact; POST /free (unload models) stops
     the workers and the next run starts new ones, exact again; then `check_parallel_release` and
@@ -488,7 +496,7 @@ def check_parallel(server: Server, proc: subprocess.Popen, log_path: Path, devic
     def starts() -> int:
         return pool_starts(log_path)
 
-    inputs = {"devices": devices, "cfg": cfg, "ulysses": ulysses}
+    inputs = {"devices": devices, "cfg": cfg, "ulysses": ulysses, "fsdp": fsdp}
     single, denoise, saver = parallel_prompt(seed=11, tag="par_single", parallel=None)
     entry, refused = server.run(single)
     if not record(ran(entry, denoise), "parallel: the single-device reference run (Offload none)",
@@ -632,14 +640,14 @@ def refine_prompt(tag: str, parallel: dict | None, chunk: str = "auto") -> tuple
 
 
 def check_parallel_refine(server: Server, proc: subprocess.Popen, log_path: Path, devices: str, cfg: str,
-                          ulysses: int) -> None:
+                          ulysses: int, fsdp: str = "off") -> None:
     """The tiny MoE: Refine on a LingBot Parallel pipe gives the single-device Refine's latents (the workers
     load the base and the refiner DiT): bit for bit with cfg alone, within float rounding with a ulysses
     share; the single-device run with 256-token FFN/MoE chunks (the refiner's 320-token sequence in two
     pieces, routing per token) gives them within float rounding too."""
     import torch
 
-    inputs = {"devices": devices, "cfg": cfg, "ulysses": ulysses}
+    inputs = {"devices": devices, "cfg": cfg, "ulysses": ulysses, "fsdp": fsdp}
     prompt, refine, saver, report = refine_prompt("moe_single", None)
     entry, refused = server.run(prompt)
     if not record(ran(entry, refine), "MoE refine: the single-device reference run (Offload none)",
@@ -734,6 +742,8 @@ def main(argv: list[str] | None = None) -> int:
                              "to the server; needs the server this script starts (not --url)")
     parser.add_argument("--parallel-cfg", default="2", choices=["1", "2"])
     parser.add_argument("--parallel-ulysses", type=int, default=1)
+    parser.add_argument("--parallel-fsdp", default="off", choices=["off", "on"],
+                        help="the Parallel node's fsdp: 'on' shards the DiTs' blocks over the processes")
     args = parser.parse_args(argv)
     if args.parallel and args.url:
         parser.error("--parallel reads the server's log and processes: let the script start the server (no --url)")
@@ -766,8 +776,9 @@ def main(argv: list[str] | None = None) -> int:
         if "chunk" not in args.skip:
             check_ffn_chunk(server)
         if args.parallel:
-            check_parallel(server, proc, log_path, args.parallel, args.parallel_cfg, args.parallel_ulysses)
-            check_parallel_refine(server, proc, log_path, args.parallel, args.parallel_cfg, args.parallel_ulysses)
+            layout = (args.parallel, args.parallel_cfg, args.parallel_ulysses, args.parallel_fsdp)
+            check_parallel(server, proc, log_path, *layout)
+            check_parallel_refine(server, proc, log_path, *layout)
             check_exit_stops_workers(proc)
     finally:
         if proc is not None and proc.poll() is None:

@@ -307,17 +307,10 @@ def declared(class_type: str) -> dict:
     from its own registry (`nodes/` loaded as `lingbot_nodes`, as the API check does)."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    import importlib.util
-
-    if "lingbot_nodes" not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            "lingbot_nodes", ROOT / "nodes" / "__init__.py", submodule_search_locations=[str(ROOT / "nodes")])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["lingbot_nodes"] = module
-        spec.loader.exec_module(module)
+    from bench.comfy_e2e import pack_nodes
     from lingbot_core.workflow.nodeinfo import NodeClassInfo
 
-    info = NodeClassInfo(class_type, sys.modules["lingbot_nodes"].NODE_CLASS_MAPPINGS[class_type])
+    info = NodeClassInfo(class_type, pack_nodes()[class_type])
     return {s.name: (s.options.get("default"), s.combo_options) for s in info.visible_inputs() if s.is_widget}
 
 

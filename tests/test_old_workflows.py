@@ -101,15 +101,20 @@ def test_other_values_are_refused_with_the_choices(bad):
     assert message.startswith("ffn_chunk must be one of auto, off, 65536") and len(message) < 200
 
 
-@pytest.mark.parametrize("class_type", LOADERS)
-def test_a_bad_value_is_refused_by_validation_before_anything_runs(class_type):
-    name = "lingbot_t2v_dense" if class_type == "LingBotLoader" else "lingbot_t2v_dense_files"
-    prompt = load_workflow(API / f"{name}.json", NODE_CLASS_MAPPINGS).to_dict()
+def _refused_by_validation(class_type: str, name: str, value: object) -> None:
+    """The shipped T2V workflow of that Loader with one input set to `value`: validation refuses exactly it."""
+    workflow = "lingbot_t2v_dense" if class_type == "LingBotLoader" else "lingbot_t2v_dense_files"
+    prompt = load_workflow(API / f"{workflow}.json", NODE_CLASS_MAPPINGS).to_dict()
     loader = next(nid for nid, n in prompt.items() if n["class_type"] == class_type)
-    prompt[loader]["inputs"]["ffn_chunk"] = "300"
+    prompt[loader]["inputs"][name] = value
     with pytest.raises(WorkflowValidationError) as err:
         Engine(NODE_CLASS_MAPPINGS).validate(prompt)
-    assert [(i.node_id, i.input_name) for i in err.value.issues] == [(loader, "ffn_chunk")]
+    assert [(i.node_id, i.input_name) for i in err.value.issues] == [(loader, name)]
+
+
+@pytest.mark.parametrize("class_type", LOADERS)
+def test_a_bad_value_is_refused_by_validation_before_anything_runs(class_type):
+    _refused_by_validation(class_type, "ffn_chunk", "300")
 
 
 @pytest.mark.parametrize("class_type", LOADERS)
@@ -152,10 +157,4 @@ def test_both_loaders_offer_compile_and_pass_it_to_the_handle(class_type):
         out = loader.execute(*args, device="cpu", compile=choice)
         handle = out.result[0] if hasattr(out, "result") else out[0]
         assert handle.shared.compile == choice and not handle.shared.loaded
-    name = "lingbot_t2v_dense" if class_type == "LingBotLoader" else "lingbot_t2v_dense_files"
-    prompt = load_workflow(API / f"{name}.json", NODE_CLASS_MAPPINGS).to_dict()
-    node = next(nid for nid, n in prompt.items() if n["class_type"] == class_type)
-    prompt[node]["inputs"]["compile"] = "everything"
-    with pytest.raises(WorkflowValidationError) as err:
-        Engine(NODE_CLASS_MAPPINGS).validate(prompt)
-    assert [(i.node_id, i.input_name) for i in err.value.issues] == [(node, "compile")]
+    _refused_by_validation(class_type, "compile", "everything")
