@@ -16,7 +16,7 @@ API). What it checks, printed as PASS/FAIL, with screenshots in SHOTS_DIR to loo
   itself;
 - LingBot Parallel is found by the node search (double-click on the canvas) and LingBot Loader through the
   canvas menu (Add Node > LingBot-Video); the new nodes show their widgets with the declared defaults (the
-  Parallel node's devices, cfg, ulysses; the Loader's ffn_chunk with every choice the pack offers);
+  Parallel node's devices, cfg, ulysses, fsdp; the Loader's ffn_chunk and fp8_matmul with every choice the pack offers);
 - the UI workflows saved by earlier versions of the pack (`tests/old_workflows/`) load with every saved value on
   its own widget and the widgets added since at their defaults, and queue the values of their API twins;
 - with `--parallel DEVICES`, the T2V workflow with a LingBot Parallel node put between Loader and Offload
@@ -376,7 +376,7 @@ def check_new_nodes(page, shots: Path) -> None:
     chunk = next((w for w in (state or {}).get("widgets", []) if w["name"] == "ffn_chunk"), None)
     record(state is not None, "the canvas menu adds LingBot Loader (Add Node > LingBot-Video)")
     record(state is not None and not problems and chunk is not None and chunk["value"] == "auto",
-           "LingBot Loader shows its widgets with the declared defaults, ffn_chunk last at auto",
+           "LingBot Loader shows its widgets in the declared order at the declared defaults (ffn_chunk auto)",
            "; ".join(problems) or (f"ffn_chunk={chunk['value']!r} of {chunk['options']}" if chunk else "no ffn_chunk"))
     if state is not None:
         focus_shot(page, state["id"], shots / "loader_node_ffn_chunk.png")

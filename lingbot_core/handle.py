@@ -50,7 +50,7 @@ class SharedComponents:
     def __init__(self, folder: str | os.PathLike | None, *, info: CheckpointInfo | None,
                  dtypes: dict[str, torch.dtype], text_attn: str, attention_backend: str | None,
                  preloaded: dict[str, Any] | None = None, weights: str = "auto", compile: str = "off",
-                 ffn_chunk: int | str | None = "auto"):
+                 ffn_chunk: int | str | None = "auto", fp8_matmul: str = "decode"):
         self.folder = Path(folder) if folder is not None else None
         self.info = info
         self.dtypes = dtypes
@@ -59,6 +59,7 @@ class SharedComponents:
         self.attention_backend = attention_backend
         self.compile = compile  # "off" or "blocks": regional compile of the DiTs' blocks (models/compile.py)
         self.ffn_chunk = check_ffn_chunk(ffn_chunk)  # "auto", or tokens per FFN/MoE pass (None: never chunk)
+        self.fp8_matmul = fp8_matmul  # how fp8 layers multiply: weights.fp8.FP8_MATMULS (set on each DiT as it loads)
         self.loaded: dict[str, Any] = dict(preloaded or {})
         self.lock = threading.RLock()
         self.states: dict[str, ModelState] = {}  # each loaded model's mutable state (weights/state.py)
@@ -97,6 +98,10 @@ class SharedComponents:
                 self.states[name] = state.bind(module)
                 if name in DITS:
                     module.set_attention_backend(self.attention_backend)
+                    if self.fp8_matmul != "decode":
+                        from .weights.modules import set_fp8_matmul
+
+                        set_fp8_matmul(module, self.fp8_matmul)
                     if self.compile == "blocks":
                         from .models.compile import compile_blocks
 
@@ -141,6 +146,7 @@ class PipelineHandle:
         weights: str = "auto",
         compile: str = "off",
         ffn_chunk: int | str | None = "auto",
+        fp8_matmul: str = "decode",
     ) -> PipelineHandle:
         """Validate the checkpoint now (cheap); load components when a stage first needs them.
 
@@ -159,6 +165,9 @@ class PipelineHandle:
         `ffn_chunk`: tokens per FFN/MoE pass in the DiTs. "auto" (default): whole sequences when the
         memory estimate fits the device, else the largest chunk that does (`placement.estimate.
         ffn_chunk_tokens`); a number: always that many (0 or None: never chunk).
+        `fp8_matmul`: how the DiTs' fp8 layers multiply (`weights.fp8.FP8_MATMULS`): "decode" (default:
+        the weight decoded to bf16, exact), "auto" (fp8 tensor cores where the GPU has them, else decode)
+        or "scaled_mm" (refused here where the device cannot run it).
         """
         from .models.compile import COMPILE_CHOICES, compile_problem
         from .weights.loader import check_weights_mode
@@ -166,6 +175,7 @@ class PipelineHandle:
         check_weights_mode(weights)
         check_ffn_chunk(ffn_chunk)
         device = torch.device(device) if device is not None else default_device()
+        check_fp8_matmul(fp8_matmul, device)
         if compile not in COMPILE_CHOICES:
             raise ValueError(f"unknown compile setting {compile!r}; choose one of {', '.join(COMPILE_CHOICES)}")
         if compile != "off" and (problem := compile_problem(device)):
@@ -196,7 +206,7 @@ class PipelineHandle:
                 raise ValueError(f"unknown attention backend {attention_backend!r}; choose one of {names}") from None
         shared = SharedComponents(info.folder, info=info, dtypes=chosen, text_attn=text_attn,
                                   attention_backend=attention_backend, weights=weights, compile=compile,
-                                  ffn_chunk=ffn_chunk)
+                                  ffn_chunk=ffn_chunk, fp8_matmul=fp8_matmul)
         shared.transformer_source = student
         return cls(shared, device)
 
@@ -308,6 +318,20 @@ def check_ffn_chunk(value: Any) -> int | str | None:
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value or None
     raise ValueError(f"ffn_chunk must be 'auto', 0 (never chunk) or a number of tokens, got {value!r}")
+
+
+def check_fp8_matmul(value: Any, device: torch.device) -> str:
+    """The fp8 matmul setting, checked (`weights.fp8.FP8_MATMULS`); `scaled_mm` is refused here, before
+    anything loads, on a device that cannot run it (`auto` falls back to decode there)."""
+    from .weights.fp8 import FP8_MATMULS, scaled_mm_problem
+
+    if not isinstance(value, str) or value not in FP8_MATMULS:
+        shown = repr(value)[:40] if isinstance(value, (str, int, float, bool)) or value is None else type(value).__name__
+        raise ValueError(f"fp8_matmul must be one of {', '.join(FP8_MATMULS)}; got {shown}")
+    if value == "scaled_mm" and (problem := scaled_mm_problem(device, torch.bfloat16, 16, 16)):
+        raise ValueError(f"fp8_matmul scaled_mm cannot run here: {problem}; choose auto (fp8 tensor cores where "
+                         "the GPU has them, else decode) or decode")
+    return value
 
 
 def ffn_chunk_setting(choice: Any) -> int | str | None:

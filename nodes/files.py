@@ -28,6 +28,7 @@ from .loader import (
     checkpoint_choices,
     compile_input,
     ffn_chunk_input,
+    fp8_matmul_input,
     resolve_checkpoint,
 )
 from .types import CATEGORY, Choice, Pipe
@@ -179,7 +180,8 @@ class LingBotLoaderFiles(io.ComfyNode):
                 io.String.Input("text_encoder_path", default="", optional=True,
                                 tooltip="A text encoder file instead of the combo"),
                 ffn_chunk_input(FFN_CHUNK_CHOICES),
-                compile_input(),  # last: a workflow saved before it keeps its values in place
+                compile_input(),
+                fp8_matmul_input(),  # last: a workflow saved before it keeps its values in place
             ],
             outputs=[Pipe.Output(display_name="pipe", tooltip="The pipeline handle")],
         )
@@ -192,7 +194,7 @@ class LingBotLoaderFiles(io.ComfyNode):
     @classmethod
     def execute(cls, dit, vae, text_encoder, checkpoint, refiner=FROM_CHECKPOINT, dtype="auto", attention="default",
                 device="auto", weights="auto", processor_path="", checkpoint_path="", dit_path="", refiner_path="",
-                vae_path="", text_encoder_path="", ffn_chunk="auto", compile="off"):
+                vae_path="", text_encoder_path="", ffn_chunk="auto", compile="off", fp8_matmul="decode"):
         import torch
 
         from lingbot_core.handle import PipelineHandle, ffn_chunk_setting
@@ -222,7 +224,7 @@ class LingBotLoaderFiles(io.ComfyNode):
             dtypes = {"transformer": dt, "refiner": dt, "text_encoder": dt}
         options = dict(device=runtime.execution_device(device), dtypes=dtypes, weights=weights,
                        attention_backend=None if attention == "default" else attention, ffn_chunk=chunk,
-                       compile=compile)
+                       compile=compile, fp8_matmul=fp8_matmul)
         if processor is None and not any(chosen.values()):  # everything from the checkpoint folder
             return io.NodeOutput(runtime.install_memory_cooperation(PipelineHandle.open(folder, **options)))
         from lingbot_core.components import ComponentFiles

@@ -46,6 +46,17 @@ def compile_input() -> Choice:
                           "offload mode runs the compiled blocks (the offload hooks stay outside them)")
 
 
+def fp8_matmul_input() -> Choice:
+    """The Loaders' `fp8_matmul` widget: how the DiTs' fp8 layers multiply (`weights.fp8.FP8_MATMULS`)."""
+    from lingbot_core.weights.fp8 import FP8_MATMULS
+
+    return Choice("fp8_matmul", options=list(FP8_MATMULS), default="decode", optional=True,
+                  tooltip="fp8 DiT weights only. decode: each layer's weight is decoded to bf16 for its matmul "
+                          "(exact, every device); auto: fp8 tensor cores (torch._scaled_mm, the activations "
+                          "quantized per row: faster, not bit-equal) on GPUs of compute capability 9.0+, else "
+                          "decode; scaled_mm: always the tensor cores (refused where the GPU has none)")
+
+
 def checkpoint_choices() -> list[str]:
     names = list(TINY)
     for root in runtime.model_roots():
@@ -128,7 +139,8 @@ class LingBotLoader(io.ComfyNode):
                                         "only in transformer/, or that transformer folder. Inside ComfyUI it must "
                                         "lie under models/lingbot_video. Empty: the checkpoint's own"),
                 compile_input(),
-                ffn_chunk_input(FFN_CHUNK_CHOICES),  # last: a workflow saved before it keeps its values in place
+                ffn_chunk_input(FFN_CHUNK_CHOICES),
+                fp8_matmul_input(),  # last: a workflow saved before it keeps its values in place
             ],
             outputs=[Pipe.Output(display_name="pipe", tooltip="The pipeline handle")],
         )
@@ -145,7 +157,7 @@ class LingBotLoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, checkpoint, variant, dtype, attention, path="", device="auto", weights="auto",
-                transformer_path="", compile="off", ffn_chunk="auto"):
+                transformer_path="", compile="off", ffn_chunk="auto", fp8_matmul="decode"):
         import torch
 
         from lingbot_core.handle import PipelineHandle, ffn_chunk_setting
@@ -166,7 +178,7 @@ class LingBotLoader(io.ComfyNode):
         handle = PipelineHandle.open(folder, device=runtime.execution_device(device), dtypes=dtypes, weights=weights,
                                      attention_backend=None if attention == "default" else attention,
                                      transformer_folder=resolve_student(transformer_path), compile=compile,
-                                     ffn_chunk=chunk)
+                                     ffn_chunk=chunk, fp8_matmul=fp8_matmul)
         if variant != "auto" and handle.variant != variant:
             raise ValueError(f"{folder} is a {handle.variant} checkpoint, but the loader asks for {variant}")
         runtime.install_memory_cooperation(handle)

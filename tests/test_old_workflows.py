@@ -65,7 +65,7 @@ def test_an_old_ui_file_validates_as_a_whole(path):
 
 
 # the widgets each Loader gained after the files in old_workflows/ were saved, in the order they came
-ADDED = {"LingBotLoader": ["ffn_chunk"], "LingBotLoaderFiles": ["ffn_chunk", "compile"]}
+ADDED = {"LingBotLoader": ["ffn_chunk", "fp8_matmul"], "LingBotLoaderFiles": ["ffn_chunk", "compile", "fp8_matmul"]}
 
 
 @pytest.mark.parametrize("class_type", LOADERS)
@@ -158,3 +158,26 @@ def test_both_loaders_offer_compile_and_pass_it_to_the_handle(class_type):
         handle = out.result[0] if hasattr(out, "result") else out[0]
         assert handle.shared.compile == choice and not handle.shared.loaded
     _refused_by_validation(class_type, "compile", "everything")
+
+
+@pytest.mark.parametrize("class_type", LOADERS)
+def test_both_loaders_offer_fp8_matmul_and_set_it_on_the_fp8_layers(class_type):
+    """`fp8_matmul` (appended last): the choices of weights.fp8.FP8_MATMULS, default decode; the choice
+    reaches every fp8 layer of the DiT when it loads; scaled_mm is refused by the Loader on a device
+    without fp8 tensor cores (this CPU) before anything loads; other values by validation."""
+    from lingbot_core.weights.fp8 import FP8_MATMULS
+    from lingbot_core.weights.modules import QuantizedLinear
+
+    widget = next(w for w in _widgets(class_type) if w.name == "fp8_matmul")
+    assert widget.combo_options == list(FP8_MATMULS) and widget.options["default"] == "decode"
+    loader = NODE_CLASS_MAPPINGS[class_type]
+    args = (("tiny (built-in dense)", "auto", "auto", "default") if class_type == "LingBotLoader"
+            else ("(from checkpoint)", "(from checkpoint)", "(from checkpoint)", "tiny (built-in dense)"))
+    out = loader.execute(*args, device="cpu", weights="fp8_e4m3", fp8_matmul="auto")
+    handle = out.result[0] if hasattr(out, "result") else out[0]
+    assert handle.shared.fp8_matmul == "auto" and not handle.shared.loaded
+    layers = [m for m in handle.component("transformer").modules() if isinstance(m, QuantizedLinear)]
+    assert layers and {m.fp8_matmul for m in layers} == {"auto"}
+    with pytest.raises(ValueError, match="fp8_matmul scaled_mm cannot run here: fp8 matmuls need a CUDA device"):
+        loader.execute(*args, device="cpu", weights="fp8_e4m3", fp8_matmul="scaled_mm")
+    _refused_by_validation(class_type, "fp8_matmul", "fast")
