@@ -34,6 +34,7 @@ from .checkpoint import (
     load_transformer,
 )
 from .components import ALL, DITS, REFINER, TRANSFORMER, ComponentFiles
+from .errors import quoted
 from .placement.modes import AUTO, check_guards
 from .placement.settings import OffloadSettings
 from .placement.state import Placement
@@ -326,8 +327,7 @@ def check_fp8_matmul(value: Any, device: torch.device) -> str:
     from .weights.fp8 import FP8_MATMULS, scaled_mm_problem
 
     if not isinstance(value, str) or value not in FP8_MATMULS:
-        shown = repr(value)[:40] if isinstance(value, (str, int, float, bool)) or value is None else type(value).__name__
-        raise ValueError(f"fp8_matmul must be one of {', '.join(FP8_MATMULS)}; got {shown}")
+        raise ValueError(f"fp8_matmul must be one of {', '.join(FP8_MATMULS)}; got {quoted(value)}")
     if value == "scaled_mm" and (problem := scaled_mm_problem(device, torch.bfloat16, 16, 16)):
         raise ValueError(f"fp8_matmul scaled_mm cannot run here: {problem}; choose auto (fp8 tensor cores where "
                          "the GPU has them, else decode) or decode")
@@ -341,8 +341,7 @@ def ffn_chunk_setting(choice: Any) -> int | str | None:
     from .placement.estimate import AUTO_CHUNK, FFN_CHUNK_CHOICES, NO_CHUNK
 
     if not isinstance(choice, str) or choice not in FFN_CHUNK_CHOICES:
-        shown = repr(choice)[:40] if isinstance(choice, (str, int, float, bool)) or choice is None else type(choice).__name__
-        raise ValueError(f"ffn_chunk must be one of {', '.join(FFN_CHUNK_CHOICES)}; got {shown}")
+        raise ValueError(f"ffn_chunk must be one of {', '.join(FFN_CHUNK_CHOICES)}; got {quoted(choice)}")
     if choice == AUTO_CHUNK:
         return AUTO_CHUNK
     return None if choice == NO_CHUNK else int(choice)

@@ -135,8 +135,6 @@ class LingBotLoaderFiles(io.ComfyNode):
 
     @classmethod
     def define_schema(cls):
-        from lingbot_core.placement.estimate import FFN_CHUNK_CHOICES
-
         fill = [FROM_CHECKPOINT]
         return io.Schema(
             node_id="LingBotLoaderFiles",
@@ -179,7 +177,7 @@ class LingBotLoaderFiles(io.ComfyNode):
                 io.String.Input("vae_path", default="", optional=True, tooltip="A VAE file instead of the combo"),
                 io.String.Input("text_encoder_path", default="", optional=True,
                                 tooltip="A text encoder file instead of the combo"),
-                ffn_chunk_input(FFN_CHUNK_CHOICES),
+                ffn_chunk_input(),
                 compile_input(),
                 fp8_matmul_input(),  # last: a workflow saved before it keeps its values in place
             ],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from lingbot_core.errors import quoted
 from lingbot_core.models.compile import COMPILE_CHOICES
 from lingbot_core.save_path import is_inside
 
@@ -24,12 +25,13 @@ def _attention_choice(value: object) -> str | None:
     """Why `value` is not one of the attention options (a null, a number, an unknown name), or None."""
     if isinstance(value, str) and value in ATTENTION:
         return None
-    shown = repr(value)[:40] if isinstance(value, (str, int, float, bool)) or value is None else type(value).__name__
-    return f"attention must be one of {', '.join(ATTENTION)}; got {shown}"
+    return f"attention must be one of {', '.join(ATTENTION)}; got {quoted(value)}"
 
 
-def ffn_chunk_input(choices: tuple[str, ...]) -> Choice:
-    """The Loaders' `ffn_chunk` widget (the last of each: old saved workflows keep their values in place)."""
+def ffn_chunk_input() -> Choice:
+    """The Loaders' `ffn_chunk` widget (`placement.estimate.FFN_CHUNK_CHOICES`, auto first)."""
+    from lingbot_core.placement.estimate import FFN_CHUNK_CHOICES as choices
+
     return Choice("ffn_chunk", options=list(choices), default=choices[0], optional=True,
                   tooltip="Tokens per FFN/MoE pass in the DiTs: the same math per token, with the FFN's and the "
                           "MoE routing's memory bounded to one chunk. auto: whole sequences when the memory "
@@ -104,8 +106,6 @@ class LingBotLoader(io.ComfyNode):
 
     @classmethod
     def define_schema(cls):
-        from lingbot_core.placement.estimate import FFN_CHUNK_CHOICES
-
         return io.Schema(
             node_id="LingBotLoader",
             display_name="LingBot Loader",
@@ -139,7 +139,7 @@ class LingBotLoader(io.ComfyNode):
                                         "only in transformer/, or that transformer folder. Inside ComfyUI it must "
                                         "lie under models/lingbot_video. Empty: the checkpoint's own"),
                 compile_input(),
-                ffn_chunk_input(FFN_CHUNK_CHOICES),
+                ffn_chunk_input(),
                 fp8_matmul_input(),  # last: a workflow saved before it keeps its values in place
             ],
             outputs=[Pipe.Output(display_name="pipe", tooltip="The pipeline handle")],
