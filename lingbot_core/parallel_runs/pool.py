@@ -198,7 +198,7 @@ class PoolSpec:
         if mode not in ("none", None):
             raise ValueError(f"LingBot Parallel: offload mode {mode!r} does not combine with several processes; "
                              "connect a pipe with offload 'none' (each GPU holds its own DiT)")
-        if fsdp and getattr(handle.shared, "weights", "auto") not in ("auto", None):
+        if fsdp and handle.shared.weights != "auto":
             raise ValueError(f"LingBot Parallel: fsdp shards plain (bf16) DiT weights; this pipe loads them as "
                              f"{handle.shared.weights!r}: load with weights 'auto' from a bf16 checkpoint, or turn fsdp off")
         return cls(names, cfg, ulysses, describe_handle(handle), bool(fsdp))
@@ -506,7 +506,7 @@ class WorkerPool:
         """
         pack, _unpack, execute = HANDLERS[stage]
         check_pooled(handle)
-        release = [name for name in kwargs.pop("release_dits", ()) if name in DITS]
+        release = list(kwargs.pop("release_dits", ()))  # `_drop_dits` keeps the DiTs among them
         kwargs = _first_frame_drawn(kwargs)
         fields, tensors = pack({**kwargs})  # bad input is refused before anything is sent
         fields = {**fields, "loras": pooled_loras(handle), "release": release}

@@ -225,7 +225,6 @@ class StepCache:
         self.ratios: dict[str, list[float]] = {}
         # sums partial sums over a sequence-parallel group (`parallel.stage.share_step_cache`); None: one process
         self.reduce: Reduce | None = None
-        self._real_tokens: int | None = None  # of the current call (`run`)
         if self.method == "magcache":
             self.ratios = read_calibration(self.calibration_path, self.identity)
 
@@ -250,26 +249,21 @@ class StepCache:
         """The DiT's block stack for the current branch and step, skipping what the method allows.
         `real_tokens`: how many leading tokens of `x` are the sequence's (a sequence-parallel share may
         end in padding, which the figures the cache decides on must not count); None: all of them."""
-        self._real_tokens = real_tokens
+        real = slice(None, real_tokens)  # the tokens the figures count
         state = self.branches.setdefault(self.current, _Branch())
         index = state.step
         state.step += 1
         if self.method == "first_block":
-            return self._first_block(state, index, blocks, x, extra)
+            return self._first_block(state, index, blocks, x, extra, real)
         if self.method == "magcache":
             return self._magcache(state, index, blocks, x, extra)
         out = self._compute(blocks, x, extra)
         if self.method == "magcache_calibrate":
-            squares = self._real(out - x).float().square().sum()
+            squares = (out - x)[:, real].float().square().sum()
             norm = float((self.reduce(squares) if self.reduce is not None else squares).sqrt())
             state.ratios.append(1.0 if not state.last_norm else norm / state.last_norm)
             state.last_norm = norm
         return out
-
-    def _real(self, t: torch.Tensor) -> torch.Tensor:
-        """`t` (B, S, D) without the padding rows of a sequence-parallel share."""
-        n = self._real_tokens
-        return t if n is None else t[:, :n]
 
     def _compute(self, blocks, x, extra, start: int = 0) -> torch.Tensor:
         for block in list(blocks)[start:]:
@@ -277,12 +271,12 @@ class StepCache:
         self.computed += len(blocks) - start
         return x
 
-    def _first_block(self, state: _Branch, index: int, blocks, x, extra) -> torch.Tensor:
+    def _first_block(self, state: _Branch, index: int, blocks, x, extra, real: slice) -> torch.Tensor:
         h = self._compute(blocks[:1], x, extra)
         head = h - x
         if (index >= self.warmup and state.tail is not None and state.head is not None
                 and state.skips < self.max_skips and state.tail.shape == h.shape
-                and _rel_l1(self._real(head), self._real(state.head), self.reduce) < self.threshold):
+                and _rel_l1(head[:, real], state.head[:, real], self.reduce) < self.threshold):
             state.skips += 1
             self.skipped += len(blocks) - 1
             return h + state.tail
