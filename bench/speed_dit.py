@@ -13,8 +13,10 @@ Rows:
 - `quantized`: forward time of fp8 / GGUF-Q8_0 / GGUF-Q4_0 DiTs relative to the same model in bf16,
   with the decode paths before this work (fp8 by an fp32 cast, packed experts expert by expert)
   and today's (fp8 by table, packed experts on the grouped matmul), in turn, best of `--repeats`;
-- `decode`: one packed weight decoded to bf16, in one pass (before) vs in pieces (`weights.decode`),
-  beside a bf16 matmul of the same weight for scale;
+- `decode`: one packed weight decoded to bf16, in one pass (before) vs in pieces vs one compiled
+  kernel (`weights.decode`), beside a bf16 matmul of the same weight for scale;
+- `decoders`: every packed format, eager vs compiled decoder (`weights.decode`), ns per value: the
+  evidence for which formats `auto` compiles;
 - `fp8_matmul`: which fp8 matmul path `weights.fp8.choose_fp8_matmul` picks on this machine; the
   scaled fp8 matmul row is "not run" without a CUDA GPU of compute capability 9.0+;
 - `chunked`: peak CPU bytes allocated by one block forward, FFN/MoE over token chunks vs whole
@@ -199,10 +201,11 @@ class _Legacy:
         from lingbot_core.weights import modules
 
         self._saved = modules.dequantize_fp8
-        modules.dequantize_fp8 = lambda q, scale, dtype: (q.float() * scale.float()[..., None]).to(dtype)
+        modules.dequantize_fp8 = lambda q, scale, dtype, decoder="auto": (q.float() * scale.float()[..., None]).to(dtype)
         self._moes = [m for m in self.model.modules() if isinstance(m, SparseMoE)]
         for m in self._moes:
             m.use_grouped_mm = False
+        modules.set_decoder(self.model, "eager")
         self._one_pass = _OnePassDecode().__enter__()
         return self
 
@@ -211,6 +214,7 @@ class _Legacy:
 
         self._one_pass.__exit__(*exc)
         modules.dequantize_fp8 = self._saved
+        modules.set_decoder(self.model, "auto")
         for m in self._moes:
             m.use_grouped_mm = True
 
@@ -245,32 +249,44 @@ def measure_decode(args: argparse.Namespace) -> dict[str, Any]:
                 packing = Packing(FP8, shape)
             else:
                 packing, data, scale = _gguf_pack(weight, fmt_name.split("-")[1].upper())
-            times: dict[str, list[float]] = {"before": [], "after": []}
+            times: dict[str, list[float]] = {"before": [], "after": [], "compiled": []}
+            decoded = {}
             for _ in range(repeats):  # a few calls of each in turn: the allocator settles per way of decoding
                 with _OnePassDecode():
                     for _ in range(3):
-                        seconds, before = timed(unpack, packing, data, scale, torch.bfloat16)
+                        seconds, decoded["before"] = timed(unpack, packing, data, scale, torch.bfloat16, "eager")
                         times["before"].append(seconds)
-                for _ in range(3):
-                    seconds, after = timed(unpack, packing, data, scale, torch.bfloat16)
-                    times["after"].append(seconds)
+                for way, decoder in (("after", "eager"), ("compiled", "compiled")):
+                    for _ in range(3):  # the first compiled call compiles (and is checked against eager)
+                        seconds, decoded[way] = timed(unpack, packing, data, scale, torch.bfloat16, decoder)
+                        times[way].append(seconds)
             best = {k: min(v) for k, v in times.items()}
             rows.append({"weight": where, "shape": "x".join(map(str, shape)), "format": fmt_name,
                          "before_ms": best["before"] * 1e3, "after_ms": best["after"] * 1e3,
-                         "ratio": best["after"] / best["before"], "matmul_ms": matmul * 1e3,
-                         "after_x_matmul": best["after"] / matmul, "equal": bool(torch.equal(before, after))})
+                         "compiled_ms": best["compiled"] * 1e3,
+                         "ratio": best["after"] / best["before"], "compiled_ratio": best["compiled"] / best["before"],
+                         "matmul_ms": matmul * 1e3, "after_x_matmul": best["after"] / matmul,
+                         "compiled_x_matmul": best["compiled"] / matmul,
+                         "equal": all(bool(torch.equal(decoded["before"].view(torch.int16), v.view(torch.int16)))
+                                      for v in decoded.values())})
             emit("decode", rows[-1])
-    text = table(["weight", "shape", "format", "one pass ms", "pieces ms", "pieces x one pass",
-                  f"bf16 matmul ms ({args.tokens + args.text_tokens} tokens)", "pieces x matmul", "same values"],
-                 [[r["weight"], r["shape"], r["format"], r["before_ms"], r["after_ms"], r["ratio"], r["matmul_ms"],
-                   r["after_x_matmul"], str(r["equal"])] for r in rows])
+    text = table(["weight", "shape", "format", "one pass ms", "pieces ms", "compiled ms", "pieces x one pass",
+                  "compiled x one pass", f"bf16 matmul ms ({args.tokens + args.text_tokens} tokens)", "pieces x matmul",
+                  "compiled x matmul", "same values"],
+                 [[r["weight"], r["shape"], r["format"], r["before_ms"], r["after_ms"], r["compiled_ms"], r["ratio"],
+                   r["compiled_ratio"], r["matmul_ms"], r["after_x_matmul"], r["compiled_x_matmul"], str(r["equal"])]
+                  for r in rows])
     return {"rows": rows, "text": text}
 
 
 def measure_quantized(args: argparse.Namespace) -> dict[str, Any]:
     """Forward time of each stored format over bf16, same weights, in this process: bf16, the format
-    with the old decode paths (`before`, see `_Legacy`; skipped with `--no-before`) and with today's
-    (`after`), in turn, best of `--repeats`; the output's relative L2 error against bf16."""
+    with the old decode paths (`before`, see `_Legacy`; skipped with `--no-before`), with today's
+    decoders forced eager (`eager`, `weights.modules.set_decoder`) and with today's default (`after`:
+    `auto`, compiled decoders on CPU), in turn, best of `--repeats` (the first `after` call compiles,
+    so take at least 2); the output's relative L2 error against bf16."""
+    from lingbot_core.weights.modules import set_decoder
+
     rows = []
     for kind in args.kinds:
         base = build_model(kind, args.depth, args.quick)
@@ -282,27 +298,31 @@ def measure_quantized(args: argparse.Namespace) -> dict[str, Any]:
                 if fmt_name == "bf16":
                     continue
                 packed = pack_in_memory(build_model(kind, args.depth, args.quick), fmt_name)
-                times: dict[str, list[float]] = {"bf16": [], "before": [], "after": []}
+                times: dict[str, list[float]] = {"bf16": [], "before": [], "eager": [], "after": []}
                 out = None
                 for _ in range(args.repeats):
                     times["bf16"].append(timed(base, *inputs)[0])
                     if args.before:
                         with _Legacy(packed):
                             times["before"].append(timed(packed, *inputs)[0])
+                    set_decoder(packed, "eager")
+                    times["eager"].append(timed(packed, *inputs)[0])
+                    set_decoder(packed, "auto")
                     seconds, out = timed(packed, *inputs)
                     times["after"].append(seconds)
                 best = {k: min(v) if v else float("nan") for k, v in times.items()}
                 rel = float((out.sample.float() - reference).norm() / reference.norm())
                 rows.append({"kind": kind, "format": fmt_name, "tokens": args.tokens, "batch": args.batch, "bf16_s": best["bf16"],
-                             "before_s": best["before"], "after_s": best["after"],
-                             "before_ratio": best["before"] / best["bf16"],
+                             "before_s": best["before"], "eager_s": best["eager"], "after_s": best["after"],
+                             "before_ratio": best["before"] / best["bf16"], "eager_ratio": best["eager"] / best["bf16"],
                              "after_ratio": best["after"] / best["bf16"], "rel_l2": rel})
                 emit("quantized", rows[-1])
                 del packed
         del base
-    text = table(["kind", "format", "video tokens", "batch", "bf16 s", "before x bf16", "after x bf16", "rel L2 vs bf16"],
-                 [[r["kind"], r["format"], str(r["tokens"]), str(r["batch"]), r["bf16_s"], r["before_ratio"], r["after_ratio"],
-                   r["rel_l2"]] for r in rows])
+    text = table(["kind", "format", "video tokens", "batch", "bf16 s", "before x bf16", "eager x bf16", "after x bf16",
+                  "rel L2 vs bf16"],
+                 [[r["kind"], r["format"], str(r["tokens"]), str(r["batch"]), r["bf16_s"], r["before_ratio"], r["eager_ratio"],
+                   r["after_ratio"], r["rel_l2"]] for r in rows])
     return {"rows": rows, "text": text}
 
 
@@ -368,6 +388,51 @@ def measure_estimate(args: argparse.Namespace) -> dict[str, Any]:
                  [[str(r["chunk"] or "whole"), r["group"] / GiB, r["sequential"] / GiB] for r in rows])
     text += f"\nchunk picked for a 22 GiB budget (reserve included): {picked}"
     return {"rows": rows, "picked_for_22GiB": picked, "text": text}
+
+
+def measure_decoders(args: argparse.Namespace) -> dict[str, Any]:
+    """Every packed format the pack reads (each GGUF block type of `weights.gguf_codec.BLOCK_TYPES`,
+    and fp8): one [1536, 2048] weight of random stored bytes (valid float16 scale fields, so no NaN)
+    decoded to bf16 by the eager decoder (in pieces) and by its compiled kernel, best of 3 x
+    `--repeats`, ns per value, whether the values are the same, and whether the registry lets `auto`
+    compile it (`compiles`). The evidence behind those flags."""
+    from lingbot_core.weights import decode, gguf_codec
+    from lingbot_core.weights.fp8 import FP8_ROWS
+
+    values = 256 * 1024 if args.quick else 1536 * 2048
+    repeats = max(3, args.repeats)
+    gen = torch.Generator().manual_seed(0)
+    cases = []
+    for kind, block in gguf_codec.BLOCK_TYPES.items():
+        per_block, size = gguf_codec.block_values(int(kind)), gguf_codec.block_bytes(int(kind))
+        stored = torch.randint(0, 256, (values // per_block, size), dtype=torch.uint8, generator=gen)
+        for at in block.half_fields:
+            stored[:, at:at + 2] = (torch.rand(stored.shape[0], 1, generator=gen) * 1e-3).half().view(torch.uint8)
+        cases.append((block.rows_format(kind.name), stored, None, per_block))
+    fp8_bytes = torch.randint(0, 256, (values // 2048, 2048), dtype=torch.uint8, generator=gen)
+    fp8_bytes[(fp8_bytes & 0x7F) == 0x7F] = 0  # no NaN bytes
+    cases.append((FP8_ROWS, fp8_bytes.view(torch.float8_e4m3fn), torch.rand(values // 2048, generator=gen) * 1e-3, 2048))
+    rows = []
+    for fmt, stored, extra, per_row in cases:
+        got = {}
+        times: dict[str, list[float]] = {"eager": [], "compiled": []}
+        for _ in range(repeats):
+            for way in times:
+                seconds, got[way] = timed(decode.decode_rows, stored, per_row, fmt, torch.bfloat16, stored.device,
+                                          extra, way)
+                times[way].append(seconds)
+        best = {k: min(v) for k, v in times.items()}
+        rows.append({"format": fmt.name, "values": stored.shape[0] * per_row,
+                     "eager_ns": best["eager"] / (stored.shape[0] * per_row) * 1e9,
+                     "compiled_ns": best["compiled"] / (stored.shape[0] * per_row) * 1e9,
+                     "ratio": best["compiled"] / best["eager"], "compiles": fmt.compiles,
+                     "equal": bool(torch.equal(got["eager"].view(torch.int16), got["compiled"].view(torch.int16)))})
+        emit("decoders", rows[-1])
+    text = table(["format", "values", "eager ns/value", "compiled ns/value", "compiled x eager", "auto compiles",
+                  "same values"],
+                 [[r["format"], str(r["values"]), r["eager_ns"], r["compiled_ns"], r["ratio"], str(r["compiles"]),
+                   str(r["equal"])] for r in rows])
+    return {"rows": rows, "text": text}
 
 
 def measure_fp8_matmul(args: argparse.Namespace) -> dict[str, Any]:
@@ -440,6 +505,7 @@ def measure_compile(args: argparse.Namespace) -> dict[str, Any]:
 MEASUREMENTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "quantized": measure_quantized,
     "decode": measure_decode,
+    "decoders": measure_decoders,
     "chunked": measure_chunked,
     "estimate": measure_estimate,
     "fp8_matmul": measure_fp8_matmul,

@@ -1,46 +1,195 @@
-"""Decoding a packed weight piece by piece into one output tensor.
+"""Decoding a packed weight into one output tensor: eagerly piece by piece, or by one compiled kernel.
 
-A decoder (GGUF blocks, fp8 rows) works in float32 and makes several temporaries the size of what it
-decodes. Over a whole [6144, 2048] linear, or a stacked [128, 768, 2048] expert tensor, those
+Eager: a decoder (GGUF blocks, fp8 rows) works in float32 and makes several temporaries the size of
+what it decodes. Over a whole [6144, 2048] linear, or a stacked [128, 768, 2048] expert tensor, those
 temporaries are tens to hundreds of MB: on a CPU each pass then runs from main memory (and fresh
 allocations that large fault their pages in every call), on a GPU they are a transient of 4 bytes per
 value on top of the model. Decoding a fixed number of values at a time into the final tensor keeps the
 float32 scratch in the CPU's cache and bounds the accelerator transient, with the same values.
 
-Measured with `python bench/speed_dit.py --only decode` (docs/benchmarks.md): on a 2-core CPU a
-[6144, 2048] Q8_0 weight decodes about 10x faster in pieces, Q4_0 and fp8 3-4x.
+Compiled: the same decoder traced by `torch.compile` (inductor) into one kernel that reads the packed
+bytes and writes the output dtype, with no temporaries, so the whole tensor goes in one call. Each
+format's eager decoder is written as separate torch ops (two to five passes over the values, plus
+fresh temporaries); the fused kernel makes one. Why not a library kernel: torch's packed-weight
+matmuls (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) take per-channel or bf16 group scales
+(not GGUF's float16 block scales) and were measured slower than decode + bf16 matmul on CPU.
+
+Which is used (`DECODERS`, set per module by `weights.modules.set_decoder`): `auto` compiles on the
+devices in `COMPILE_DEVICES` for formats marked `compiles` and weights of at least
+`COMPILE_MIN_VALUES` values (a tiny model is not worth a compile), else eager. The first compiled
+decode of each format, dtype and device is checked bit for bit against the eager one; a compile
+failure (no C++ compiler, say) or any difference falls back to eager for the rest of the process,
+with one warning. Measured with `python bench/speed_dit.py --only decode,quantized`
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+import types
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-#: values decoded per piece, by device type: 1M float32 values (4 MB of scratch) fit a CPU's last-level
-#: cache; on an accelerator the piece bounds the float32 transient (64 MB) with few kernel launches
+log = logging.getLogger("lingbot_core.weights.decode")
+
+#: values decoded per eager piece, by device type: 1M float32 values (4 MB of scratch) fit a CPU's
+#: last-level cache; on an accelerator the piece bounds the float32 transient (64 MB) with few launches
 PIECE_VALUES: dict[str, int] = {"cpu": 1 << 20}
 DEFAULT_PIECE_VALUES = 1 << 24
 
+#: how packed weights decode: `auto` (compiled where measured faster, else eager), `eager`, `compiled`
+DECODERS = ("auto", "eager", "compiled")
+#: device types where `auto` compiles: measured on CPU (inductor C++); GPUs not run yet
+COMPILE_DEVICES = ("cpu",)
+#: the smallest weight (values) `auto` compiles a decode for; the real DiT's smallest is 4M
+COMPILE_MIN_VALUES = 1 << 20
+
+# values: float32 [n, ...] from (rows [n, ...], per-row extra or None)
+RowDecode = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class PackedFormat:
+    """How rows of one packed format decode.
+
+    `eager(rows, extra)` and `traced(rows, extra)` give the float32 values of `rows` (each row
+    `per_row` values once reshaped); `extra` is a per-row tensor some formats need (fp8: the scales)
+    or None. `traced` is the form the compiler fuses (default: `eager`); `compiles`: `auto` may use a
+    compiled kernel (measured faster than eager)."""
+
+    name: str
+    eager: RowDecode
+    traced: RowDecode | None = None
+    compiles: bool = True
+
+    @property
+    def fusable(self) -> RowDecode:
+        return self.traced or self.eager
+
 
 def piece_values(device: torch.device) -> int:
-    """How many values one decoding piece holds on `device`."""
+    """How many values one eager decoding piece holds on `device`."""
     return PIECE_VALUES.get(torch.device(device).type, DEFAULT_PIECE_VALUES)
 
 
-def decode_rows(rows: torch.Tensor, per_row: int, decode: Callable[[torch.Tensor, slice], torch.Tensor],
-                dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """`decode(rows[a:b], slice(a, b))` over pieces of `rows` (each row decodes to `per_row` values),
-    written into one [len(rows), per_row] tensor of `dtype`.
+def check_decoder(value: object) -> str:
+    """`value` if it is one of `DECODERS`, else a ValueError naming them."""
+    if value not in DECODERS:
+        raise ValueError(f"unknown decoder {value!r}; choose one of {', '.join(DECODERS)}")
+    return str(value)
 
-    One call when everything fits one piece, or while tracing for `torch.compile` (the compiler fuses
-    the passes itself and a Python loop would unroll into the graph)."""
-    n = rows.shape[0]
-    step = max(1, piece_values(device) // max(1, per_row))
-    if n <= step or torch.compiler.is_compiling():
-        return decode(rows, slice(0, n)).reshape(n, per_row).to(dtype)
-    out = torch.empty(n, per_row, dtype=dtype, device=device)
+
+# -- compiled kernels ------------------------------------------------------------------------------
+
+_kernels: dict[str, Callable[..., None]] = {}
+_verdicts: dict[tuple[str, str, torch.dtype], bool] = {}  # (format, device type, dtype) -> compiled is usable
+_lock = threading.Lock()
+
+
+def _kernel(fmt: PackedFormat) -> Callable[..., None]:
+    """The compiled `out.copy_(decode(rows, extra))` of `fmt`, built once per process.
+
+    Each format gets a function with a code object of its own: the compiler keeps its graphs per code
+    object, so formats sharing one wrapper would evict each other and hit the recompile limit."""
+    kernel = _kernels.get(fmt.name)
+    if kernel is None:
+        decode = fmt.fusable
+
+        def write_into(rows: torch.Tensor, extra: torch.Tensor | None, out: torch.Tensor) -> None:
+            out.copy_(decode(rows, extra).reshape(out.shape))
+
+        name = f"decode_{fmt.name.lower()}"
+        code = write_into.__code__.replace(co_name=name, co_qualname=name)
+        own = types.FunctionType(code, write_into.__globals__, name, None, write_into.__closure__)
+        kernel = _kernels[fmt.name] = torch.compile(own, dynamic=True, fullgraph=True)
+    return kernel
+
+
+def wants_compiled(fmt: PackedFormat, decoder: str, values: int, device: torch.device) -> bool:
+    """Whether a decode of `values` values of `fmt` on `device` goes through the compiled kernel."""
+    if decoder == "eager" or torch.compiler.is_compiling():
+        return False
+    if decoder == "auto" and (not fmt.compiles or values < COMPILE_MIN_VALUES
+                              or torch.device(device).type not in COMPILE_DEVICES):
+        return False
+    return True
+
+
+def _eager_into(rows: torch.Tensor, extra: torch.Tensor | None, fmt: PackedFormat, out: torch.Tensor) -> None:
+    n, per_row = out.shape
+    step = max(1, piece_values(rows.device) // max(1, per_row))
     for start in range(0, n, step):
         part = slice(start, min(n, start + step))
-        out[part].copy_(decode(rows[part], part).reshape(-1, per_row))
+        out[part].copy_(fmt.eager(rows[part], None if extra is None else extra[part]).reshape(-1, per_row))
+
+
+def _compiled_into(rows: torch.Tensor, extra: torch.Tensor | None, fmt: PackedFormat, out: torch.Tensor) -> bool:
+    """Decode into `out` through the compiled kernel and return True; False (`out` untouched) where
+    this format, device and dtype decode eagerly after a failed or differing first try."""
+    key = (fmt.name, out.device.type, out.dtype)
+    verdict = _verdicts.get(key)
+    if verdict is None:
+        with _lock:
+            if key not in _verdicts:
+                _verdicts[key] = _first_compiled(rows, extra, fmt, out)
+                return True  # the first call leaves `out` right either way
+        verdict = _verdicts[key]
+    if not verdict:
+        return False
+    _kernel(fmt)(rows, extra, out)
+    return True
+
+
+def _first_compiled(rows: torch.Tensor, extra: torch.Tensor | None, fmt: PackedFormat, out: torch.Tensor) -> bool:
+    """Compile `fmt`'s kernel, decode `out` with it and check that against the eager decoder bit for
+    bit; whether the compiled kernel may be used from now on. `out` ends right either way."""
+    label = f"{fmt.name} -> {str(out.dtype).replace('torch.', '')} on {out.device.type}"
+    log.info("lingbot: compiling the %s weight decoder (once per process)", label)
+    expected = torch.empty_like(out)
+    _eager_into(rows, extra, fmt, expected)
+    try:
+        _kernel(fmt)(rows, extra, out)
+    except Exception as exc:  # a missing C++ compiler, an op it cannot lower: the eager decoder still works
+        first_line = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        log.warning("lingbot: the compiled %s weight decoder failed (%s: %s); decoding eagerly instead",
+                    label, type(exc).__name__, first_line)
+        out.copy_(expected)
+        return False
+    if not same_values(out, expected):
+        log.warning("lingbot: the compiled %s weight decoder differs from the eager one; decoding eagerly", label)
+        out.copy_(expected)
+        return False
+    return True
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same floats bit for bit (signed zeros told apart), except that any NaN equals any NaN: a
+    compiled cast may write another NaN payload than the eager one."""
+    nan = a.isnan()
+    if not torch.equal(nan, b.isnan()):
+        return False
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.view(width)[~nan], b.view(width)[~nan])
+
+
+def decode_rows(rows: torch.Tensor, per_row: int, fmt: PackedFormat, dtype: torch.dtype, device: torch.device,
+                extra: torch.Tensor | None = None, decoder: str = "auto") -> torch.Tensor:
+    """`rows` of `fmt` (each decoding to `per_row` values, with per-row `extra` where the format has
+    one) decoded into one [len(rows), per_row] tensor of `dtype`: by the compiled kernel where
+    `wants_compiled` says so and it is trusted, else eagerly piece by piece.
+
+    While tracing for `torch.compile` the traced form in one call (the compiler fuses the passes
+    itself and a Python loop would unroll into the graph)."""
+    n = rows.shape[0]
+    if torch.compiler.is_compiling():
+        return fmt.fusable(rows, extra).reshape(n, per_row).to(dtype)
+    out = torch.empty(n, per_row, dtype=dtype, device=device)
+    if n and wants_compiled(fmt, decoder, n * per_row, device) and _compiled_into(rows, extra, fmt, out):
+        return out
+    if n <= max(1, piece_values(device) // max(1, per_row)):
+        return fmt.eager(rows, extra).reshape(n, per_row).to(dtype)
+    _eager_into(rows, extra, fmt, out)
     return out

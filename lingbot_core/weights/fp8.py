@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import WeightsError
-from .decode import decode_rows
+from .decode import PackedFormat, decode_rows
 
 E4M3_MAX = 448.0
 REL_STEP = 2.0**-4  # half an e4m3 ulp, relative
@@ -62,24 +62,29 @@ def e4m3_values(device: torch.device | str = "cpu") -> torch.Tensor:
     return table
 
 
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """float8 values and their per-row float32 scales -> `dtype` (the product is formed in float32).
+def _by_table(rows: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Eager: each byte's value looked up in a 256-entry float32 table (`e4m3_values`) and scaled in
+    place: the same float32 numbers as torch's fp8 -> float32 cast (bit-identical, tested) in fewer
+    passes over memory."""
+    wide = torch.index_select(e4m3_values(rows.device), 0, rows.view(torch.uint8).reshape(-1).int())
+    return wide.view(rows.shape).mul_(scales[:, None])
 
-    Eager: each byte's value is looked up in a 256-entry float32 table (`e4m3_values`) and scaled in
-    place, the same float32 numbers as torch's fp8 -> float32 cast (bit-identical, tested) in fewer
-    passes over memory, a few rows at a time (`weights.decode`; bench/speed_dit.py). Compiled: the
-    plain cast, which the compiler fuses."""
-    if torch.compiler.is_compiling():
-        return (q.float() * scale.float()[..., None]).to(dtype)
-    table = e4m3_values(q.device)
+
+def _by_cast(rows: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Compiled: the plain cast, which the compiler fuses with the scaling into one pass."""
+    return rows.float() * scales[:, None]
+
+
+#: fp8 rows (float8_e4m3fn [n, width]) with their float32 row scales as the per-row extra
+FP8_ROWS = PackedFormat("fp8_e4m3", eager=_by_table, traced=_by_cast)
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, decoder: str = "auto") -> torch.Tensor:
+    """float8 values and their per-row float32 scales -> `dtype` (the product is formed in float32),
+    by `weights.decode.decode_rows` (`decoder`: one of `weights.decode.DECODERS`)."""
     width = q.shape[-1]
-    rows, row_scales = q.reshape(-1, width).view(torch.uint8), scale.reshape(-1).float()
-
-    def piece(part: torch.Tensor, where: slice) -> torch.Tensor:
-        wide = torch.index_select(table, 0, part.reshape(-1).int()).view(part.shape)
-        return wide.mul_(row_scales[where, None])
-
-    return decode_rows(rows, width, piece, dtype, q.device).view(q.shape)
+    rows, row_scales = q.reshape(-1, width), scale.reshape(-1).float()
+    return decode_rows(rows, width, FP8_ROWS, dtype, q.device, extra=row_scales, decoder=decoder).view(q.shape)
 
 
 # -- fp8 matmuls ---------------------------------------------------------------------------------------

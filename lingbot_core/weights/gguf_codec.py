@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from .decode import decode_rows
+from .decode import PackedFormat, decode_rows
 
 QK_K = 256
 
@@ -178,10 +178,17 @@ def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
 class BlockType:
     """One block format we read: its decoder and the byte offsets of its float16 fields (`d`, and
     `m`/`dmin` where it has one): the only stored values that can make a block decode to NaN/inf (the
-    NaN scan reads just these). A new GGUF type is its decoder plus one row of `BLOCK_TYPES`."""
+    NaN scan reads just these). `compiles`: the `auto` decoder may fuse it into one compiled kernel
+    (`weights.decode`; off where the compiled kernel measured slower than the eager ops:
+    `python bench/speed_dit.py --only decoders`). A new GGUF type is its decoder plus one
+    row of `BLOCK_TYPES`."""
 
     decode: _Decoder
     half_fields: tuple[int, ...]
+    compiles: bool = True
+
+    def rows_format(self, name: str) -> PackedFormat:
+        return PackedFormat(name, eager=lambda rows, _: self.decode(rows), compiles=self.compiles)
 
 
 _Q = GGMLQuantizationType
@@ -193,9 +200,9 @@ BLOCK_TYPES: dict[GGMLQuantizationType, BlockType] = {
     _Q.Q5_1: BlockType(_q5_1, (0, 2)),
     _Q.Q4_K: BlockType(_q4_k, (0, 2)),
     _Q.Q5_K: BlockType(_q5_k, (0, 2)),
-    _Q.Q6_K: BlockType(_q6_k, (208,)),
-    _Q.Q3_K: BlockType(_q3_k, (108,)),
-    _Q.Q2_K: BlockType(_q2_k, (80, 82)),
+    _Q.Q6_K: BlockType(_q6_k, (208,), compiles=False),
+    _Q.Q3_K: BlockType(_q3_k, (108,), compiles=False),
+    _Q.Q2_K: BlockType(_q2_k, (80, 82), compiles=False),
     _Q.IQ4_NL: BlockType(_iq4_nl, (0,)),
     _Q.IQ4_XS: BlockType(_iq4_xs, (0,)),
 }
@@ -254,8 +261,9 @@ def bytes_per_row(qtype: int, row: int) -> int:
 
 
 def dequantize(packed: torch.Tensor, qtype: int, shape: tuple[int, ...] | torch.Size,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Decode packed bytes (uint8, any leading shape) into a `shape` tensor of `dtype` on their device."""
+               dtype: torch.dtype = torch.float32, decoder: str = "auto") -> torch.Tensor:
+    """Decode packed bytes (uint8, any leading shape) into a `shape` tensor of `dtype` on their device
+    (`decoder`: one of `weights.decode.DECODERS`)."""
     kind = GGMLQuantizationType(qtype)
     flat = packed.reshape(-1)
     if kind in _PLAIN:
@@ -265,4 +273,5 @@ def dequantize(packed: torch.Tensor, qtype: int, shape: tuple[int, ...] | torch.
         raise ValueError(f"cannot dequantize GGUF type {kind.name}; lingbot-nodes reads {supported_names()}")
     values, size = GGML_QUANT_SIZES[kind]
     blocks = flat.view(-1, size)
-    return decode_rows(blocks, values, lambda part, _: block.decode(part), dtype, blocks.device).reshape(shape)
+    return decode_rows(blocks, values, block.rows_format(kind.name), dtype, blocks.device, decoder=decoder).reshape(shape)
+

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ..errors import WeightsError
 from . import gguf_codec
-from .decode import piece_values
+from .decode import check_decoder, piece_values
 from .fp8 import FP8_MATMULS, choose_fp8_matmul, dequantize_fp8, quantize_fp8, scaled_mm_linear
 
 FP8 = "fp8_e4m3"
@@ -54,10 +54,12 @@ def pack_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(torch.uint8), scale.view(torch.int32)
 
 
-def unpack(packing: Packing, data: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+def unpack(packing: Packing, data: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype,
+           decoder: str = "auto") -> torch.Tensor:
+    """The stored bytes decoded to `dtype` (`decoder`: one of `weights.decode.DECODERS`)."""
     if packing.kind == FP8:
-        return dequantize_fp8(data.view(torch.float8_e4m3fn), scale.view(torch.float32), dtype)
-    return gguf_codec.dequantize(data, packing.gguf_type, packing.shape, dtype)
+        return dequantize_fp8(data.view(torch.float8_e4m3fn), scale.view(torch.float32), dtype, decoder)
+    return gguf_codec.dequantize(data, packing.gguf_type, packing.shape, dtype, decoder)
 
 
 class QuantizedLinear(nn.Module):
@@ -74,10 +76,11 @@ class QuantizedLinear(nn.Module):
         self.bias = _param(bias) if bias is not None else None
         self.deltas: list[Callable[[torch.Tensor], torch.Tensor]] = []
         self.fp8_matmul = "decode"  # fp8 only: one of weights.fp8.FP8_MATMULS (`set_fp8_matmul`)
+        self.decoder = "auto"  # one of weights.decode.DECODERS (`set_decoder`)
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The weight as a plain [out, in] tensor of `dtype` (the compute dtype by default), on its device."""
-        return unpack(self.packing, self.qdata, self.qscale, dtype or self.compute_dtype)
+        return unpack(self.packing, self.qdata, self.qscale, dtype or self.compute_dtype, self.decoder)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -170,6 +173,7 @@ class QuantizedExperts(nn.Module):
             setattr(self, f"{name}_qdata", _stored(data))
             setattr(self, f"{name}_qscale", _stored(scale))
         self.num_experts = self.packings["w1"].shape[0]
+        self.decoder = "auto"  # one of weights.decode.DECODERS (`set_decoder`)
         # (weight name, fn(expert, rows)): output deltas of runtime adapters, see `add_delta`
         self.deltas: list[tuple[str, Callable[[int, torch.Tensor], torch.Tensor]]] = []
 
@@ -197,7 +201,7 @@ class QuantizedExperts(nn.Module):
         data = getattr(self, f"{name}_qdata")[e]
         scale = getattr(self, f"{name}_qscale")
         one = Packing(packing.kind, packing.shape[1:], packing.gguf_type)
-        return unpack(one, data, scale[e] if scale is not None else None, dtype or self.compute_dtype)
+        return unpack(one, data, scale[e] if scale is not None else None, dtype or self.compute_dtype, self.decoder)
 
     def per_expert(self, name: str) -> bool:
         """Whether weight `name` is held one tensor per expert (as a per-expert GGUF file stores it)."""
@@ -221,7 +225,7 @@ class QuantizedExperts(nn.Module):
         scale = getattr(self, f"{name}_qscale")
         one = Packing(packing.kind, (part.stop - part.start, *packing.shape[1:]), packing.gguf_type)
         return unpack(one, getattr(self, f"{name}_qdata")[part], scale[part] if scale is not None else None,
-                      dtype or self.compute_dtype)
+                      dtype or self.compute_dtype, self.decoder)
 
     @property
     def w1(self) -> _ExpertView:
@@ -249,6 +253,18 @@ def set_fp8_matmul(model: nn.Module, wanted: str) -> int:
     for m in model.modules():
         if isinstance(m, QuantizedLinear) and m.packing.kind == FP8:
             m.fp8_matmul = wanted
+            count += 1
+    return count
+
+
+def set_decoder(model: nn.Module, wanted: str) -> int:
+    """Set how every packed weight of `model` decodes (one of `weights.decode.DECODERS`); returns how
+    many modules it set."""
+    check_decoder(wanted)
+    count = 0
+    for m in model.modules():
+        if isinstance(m, (QuantizedLinear, QuantizedExperts)):
+            m.decoder = wanted
             count += 1
     return count
 
