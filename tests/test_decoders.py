@@ -151,3 +151,29 @@ def test_set_decoder_reaches_every_packed_module_and_refuses_unknown_names():
     set_decoder(model, "compiled")
     assert torch.equal(linear(x), eager)
     assert torch.equal(model["experts"].stack("w1"), model["experts"].stack("w1").clone())
+
+
+def test_compiled_decode_runs_under_inference_mode_in_a_worker_thread():
+    """As ComfyUI runs a node: in its prompt thread, under `torch.inference_mode()`, the packed bytes
+    made outside it."""
+    import threading
+
+    weight = torch.randn(8, 128) * 0.02
+    q, s = quantize_fp8(weight)
+    q8 = _gguf_bytes(GGMLQuantizationType.Q4_0, 8, 128, seed=3)
+    results = {}
+
+    def node():
+        with torch.inference_mode():
+            results["fp8"] = (dequantize_fp8(q, s, torch.bfloat16, decoder="compiled"),
+                              dequantize_fp8(q, s, torch.bfloat16, decoder="eager"))
+            results["q4_0"] = tuple(gguf_codec.dequantize(q8, int(GGMLQuantizationType.Q4_0), (8, 128), torch.bfloat16,
+                                                          decoder=way) for way in ("compiled", "eager"))
+
+    worker = threading.Thread(target=node)
+    worker.start()
+    worker.join(timeout=300)
+    assert set(results) == {"fp8", "q4_0"}
+    for got, want in results.values():
+        assert decode.same_values(got, want)
+    assert decode._verdicts and all(decode._verdicts.values())  # compiled, not fallen back
