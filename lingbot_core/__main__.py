@@ -55,6 +55,7 @@ def _chunk(text: str) -> str | int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command's options (the README's commands are parsed with this in the tests)."""
+    from .weights.decode import DECODERS
     from .weights.fp8 import FP8_MATMULS
 
     parser = argparse.ArgumentParser(prog="python -m lingbot_core", description=__doc__)
@@ -100,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fp8-matmul", default="decode", choices=FP8_MATMULS,
                         help="fp8 DiT weights: decode (default, exact), auto (fp8 tensor cores on GPUs of compute "
                              "capability 9.0+, else decode) or scaled_mm")
+    parser.add_argument("--decoder", default="auto", choices=DECODERS,
+                        help="fp8/GGUF DiT weights: auto (default: a compiled decoder on the CPU for big weights, "
+                             "checked against eager on first use; eager elsewhere or if it fails), eager or compiled")
     parser.add_argument("--output", default="output", help="output folder (default ./output)")
     parser.add_argument("--prefix", default="lingbot/core",
                         help="file name prefix inside the output folder; files are numbered prefix_00001_.mp4")
@@ -191,7 +195,7 @@ def _run(args: argparse.Namespace, output: Path) -> int:
     if args.refine:
         refine = (args.refine_height or (2 * height if tiny else 1088), args.refine_width or (2 * width if tiny else 1920))
     handle = PipelineHandle.open(folder, device=args.device, weights=args.weights, ffn_chunk=args.ffn_chunk,
-                                 fp8_matmul=args.fp8_matmul)
+                                 fp8_matmul=args.fp8_matmul, decoder=args.decoder)
     require_refiner(handle, refine)
     handle = configure_offload(handle, args.offload, offload_to=args.offload_to,
                                **(dict(height=height, width=width, num_frames=frames, refine=refine,

@@ -51,7 +51,7 @@ class SharedComponents:
     def __init__(self, folder: str | os.PathLike | None, *, info: CheckpointInfo | None,
                  dtypes: dict[str, torch.dtype], text_attn: str, attention_backend: str | None,
                  preloaded: dict[str, Any] | None = None, weights: str = "auto", compile: str = "off",
-                 ffn_chunk: int | str | None = "auto", fp8_matmul: str = "decode"):
+                 ffn_chunk: int | str | None = "auto", fp8_matmul: str = "decode", decoder: str = "auto"):
         self.folder = Path(folder) if folder is not None else None
         self.info = info
         self.dtypes = dtypes
@@ -61,6 +61,7 @@ class SharedComponents:
         self.compile = compile  # "off" or "blocks": regional compile of the DiTs' blocks (models/compile.py)
         self.ffn_chunk = check_ffn_chunk(ffn_chunk)  # "auto", or tokens per FFN/MoE pass (None: never chunk)
         self.fp8_matmul = fp8_matmul  # how fp8 layers multiply: weights.fp8.FP8_MATMULS (set on each DiT as it loads)
+        self.decoder = decoder  # how packed weights decode: weights.decode.DECODERS (set on each DiT as it loads)
         self.loaded: dict[str, Any] = dict(preloaded or {})
         self.lock = threading.RLock()
         self.states: dict[str, ModelState] = {}  # each loaded model's mutable state (weights/state.py)
@@ -103,6 +104,10 @@ class SharedComponents:
                         from .weights.modules import set_fp8_matmul
 
                         set_fp8_matmul(module, self.fp8_matmul)
+                    if self.decoder != "auto":  # the modules' own default; only the DiTs hold packed weights
+                        from .weights.modules import set_decoder
+
+                        set_decoder(module, self.decoder)
                     if self.compile == "blocks":
                         from .models.compile import compile_blocks
 
@@ -148,6 +153,7 @@ class PipelineHandle:
         compile: str = "off",
         ffn_chunk: int | str | None = "auto",
         fp8_matmul: str = "decode",
+        decoder: str = "auto",
     ) -> PipelineHandle:
         """Validate the checkpoint now (cheap); load components when a stage first needs them.
 
@@ -169,11 +175,19 @@ class PipelineHandle:
         `fp8_matmul`: how the DiTs' fp8 layers multiply (`weights.fp8.FP8_MATMULS`): "decode" (default:
         the weight decoded to bf16, exact), "auto" (fp8 tensor cores where the GPU has them, else decode)
         or "scaled_mm" (refused here where the device cannot run it).
+        `decoder`: how the DiTs' packed (fp8/GGUF) weights decode (`weights.decode.DECODERS`): "auto"
+        (default: on the CPU, weights of 1M+ values in the formats measured faster compiled decode
+        through one compiled kernel per packed format, checked bit for bit against the eager decode on
+        first use; eager elsewhere, and for the rest of the process after a compile failure or a
+        difference), "eager" (never compiled) or "compiled" (the compiled kernel on every device and
+        size, with the same first-use check and fallback).
         """
         from .models.compile import COMPILE_CHOICES, compile_problem
+        from .weights.decode import check_decoder
         from .weights.loader import check_weights_mode
 
         check_weights_mode(weights)
+        check_decoder(decoder)
         check_ffn_chunk(ffn_chunk)
         device = torch.device(device) if device is not None else default_device()
         check_fp8_matmul(fp8_matmul, device)
@@ -207,7 +221,7 @@ class PipelineHandle:
                 raise ValueError(f"unknown attention backend {attention_backend!r}; choose one of {names}") from None
         shared = SharedComponents(info.folder, info=info, dtypes=chosen, text_attn=text_attn,
                                   attention_backend=attention_backend, weights=weights, compile=compile,
-                                  ffn_chunk=ffn_chunk, fp8_matmul=fp8_matmul)
+                                  ffn_chunk=ffn_chunk, fp8_matmul=fp8_matmul, decoder=decoder)
         shared.transformer_source = student
         return cls(shared, device)
 

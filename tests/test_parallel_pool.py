@@ -345,6 +345,18 @@ def test_devices_and_degrees_are_checked_before_any_process_starts(fixtures_root
     assert spec.checkpoint["folder"] == str(handle.folder)  # paths and settings cross, not modules
 
 
+def test_workers_open_their_handle_with_the_pipes_decoder_and_fp8_matmul(fixtures_root):
+    """The description a worker opens its handle from carries the settings of the Loader's handle."""
+    from lingbot_core.parallel_runs.pool import describe_handle, open_described
+
+    handle = PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu", decoder="eager",
+                                 fp8_matmul="auto")
+    description = describe_handle(handle)
+    assert (description["decoder"], description["fp8_matmul"]) == ("eager", "auto")
+    worker = open_described(description, "cpu")
+    assert (worker.shared.decoder, worker.shared.fp8_matmul) == ("eager", "auto") and not worker.shared.loaded
+
+
 def test_spawned_workers_do_not_rerun_the_main_script(monkeypatch):
     """ComfyUI's main.py works at import; a spawned child would import it again unless it is hidden."""
     from lingbot_core.parallel_runs.pool import _main_module_hidden

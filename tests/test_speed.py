@@ -191,6 +191,36 @@ def test_fp8_linear_on_cpu_decodes_whatever_is_asked_short_of_scaled_mm():
         set_fp8_matmul(layer, "fastest")
 
 
+def test_the_handle_refuses_an_unknown_decoder_before_anything_loads(tmp_path):
+    """Checked first in open(): the folder does not even exist, yet the decoder is what is refused."""
+    from lingbot_core.handle import PipelineHandle
+    from lingbot_core.weights.decode import DECODERS
+
+    assert "fastest" not in DECODERS
+    with pytest.raises(ValueError, match=f"unknown decoder 'fastest'; choose one of {', '.join(DECODERS)}"):
+        PipelineHandle.open(tmp_path / "missing", device="cpu", decoder="fastest")
+
+
+def test_a_handle_sets_its_decoder_on_every_packed_module_of_both_dits(fixtures_root):
+    """decoder="eager" (not the modules' default) reaches every QuantizedLinear and QuantizedExperts of
+    the base DiT and the refiner as they load (tiny MoE, quantized to fp8 on load)."""
+    from lingbot_core.handle import PipelineHandle
+    from lingbot_core.weights.decode import DECODERS
+    from lingbot_core.weights.modules import QuantizedExperts, QuantizedLinear
+
+    assert "eager" in DECODERS
+    handle = PipelineHandle.open(fixtures_root / "models" / "tiny-moe", device="cpu", weights="fp8_e4m3",
+                                 decoder="eager")
+    assert handle.shared.decoder == "eager" and not handle.shared.loaded
+    for name in ("transformer", "refiner"):
+        packed = [m for m in handle.component(name).modules() if isinstance(m, (QuantizedLinear, QuantizedExperts))]
+        assert any(isinstance(m, QuantizedExperts) for m in packed), name
+        assert packed and {m.decoder for m in packed} == {"eager"}, name
+    default = PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu", weights="fp8_e4m3")
+    packed = [m for m in default.component("transformer").modules() if isinstance(m, QuantizedLinear)]
+    assert default.shared.decoder == "auto" and packed and {m.decoder for m in packed} == {"auto"}
+
+
 # -- regional compile ----------------------------------------------------------------------------------
 
 def _block_call(model: LingBotVideoTransformer3DModel, index: int, inputs):

@@ -158,3 +158,28 @@ def test_the_core_command_takes_the_speed_options(fixtures_root, tmp_path, monke
     assert seen["step_cache"].method == "first_block" and seen["step_cache"].threshold == 0.1
     assert main(base + ["--step-cache", "sometimes"]) == 2
     assert "step_cache must be one of" in capsys.readouterr().err
+
+
+def test_the_core_command_takes_the_decoder(fixtures_root, tmp_path, monkeypatch, capsys):
+    """`--decoder`: the choices of weights.decode.DECODERS (default auto), handed to the handle;
+    anything else refused by the parser."""
+    from lingbot_core.__main__ import build_parser, main
+    from lingbot_core.weights.decode import DECODERS
+
+    action = next(a for a in build_parser()._actions if a.dest == "decoder")
+    assert tuple(action.choices) == DECODERS and build_parser().parse_args([]).decoder == "auto"
+    assert build_parser().parse_args(["--decoder", "eager"]).decoder == "eager"
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args(["--decoder", "fastest"])
+    assert refused.value.code == 2 and "invalid choice: 'fastest'" in capsys.readouterr().err
+    monkeypatch.setenv("LINGBOT_CACHE_DIR", str(tmp_path / "cache"))
+    seen = {}
+
+    def fake_generate(handle, prompt, **kw):
+        seen["decoder"] = handle.shared.decoder
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(stages, "generate", fake_generate)
+    assert main(["--model", str(fixtures_root / "models" / "tiny-dense"), "--output", str(tmp_path), "-q",
+                 "--decoder", "eager"]) == 130
+    assert seen == {"decoder": "eager"}

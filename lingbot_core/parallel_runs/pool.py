@@ -135,7 +135,7 @@ def describe_handle(handle: Any) -> dict[str, Any]:
             "dtypes": {k: (None if v is None else _DTYPE_NAMES.get(v, str(v))) for k, v in shared.dtypes.items()
                        if k in ("transformer", "refiner")},
             "attention_backend": shared.attention_backend, "weights": shared.weights, "compile": shared.compile,
-            "ffn_chunk": shared.ffn_chunk, "fp8_matmul": shared.fp8_matmul}
+            "ffn_chunk": shared.ffn_chunk, "fp8_matmul": shared.fp8_matmul, "decoder": shared.decoder}
 
 
 def open_described(description: dict[str, Any], device: str | torch.device) -> Any:
@@ -149,7 +149,7 @@ def open_described(description: dict[str, Any], device: str | torch.device) -> A
     return PipelineHandle.open(d["folder"], files=files, device=device, dtypes=dtypes,
                                attention_backend=d["attention_backend"], weights=d["weights"], compile=d["compile"],
                                transformer_folder=d["transformer_folder"], ffn_chunk=d["ffn_chunk"],
-                               fp8_matmul=d["fp8_matmul"])
+                               fp8_matmul=d["fp8_matmul"], decoder=d["decoder"])
 
 
 @dataclass(frozen=True)
