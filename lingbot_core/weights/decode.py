@@ -58,12 +58,15 @@ class PackedFormat:
     `eager(rows, extra)` and `traced(rows, extra)` give the float32 values of `rows` (each row
     `per_row` values once reshaped); `extra` is a per-row tensor some formats need (fp8: the scales)
     or None. `traced` is the form the compiler fuses (default: `eager`); `compiles`: `auto` may use a
-    compiled kernel (measured faster than eager)."""
+    compiled kernel (measured faster than eager); `rows_dtype`: the dtype the rows are viewed as before
+    either decoder sees them (a view outside the kernel is free; inside, reinterpreting uint8 as int8
+    compiled to a per-byte loop, 0.54 vs 0.11 ns per value measured)."""
 
     name: str
     eager: RowDecode
     traced: RowDecode | None = None
     compiles: bool = True
+    rows_dtype: torch.dtype | None = None
 
     @property
     def fusable(self) -> RowDecode:
@@ -184,6 +187,8 @@ def decode_rows(rows: torch.Tensor, per_row: int, fmt: PackedFormat, dtype: torc
     While tracing for `torch.compile` the traced form in one call (the compiler fuses the passes
     itself and a Python loop would unroll into the graph)."""
     n = rows.shape[0]
+    if fmt.rows_dtype is not None:
+        rows = rows.view(fmt.rows_dtype)
     if torch.compiler.is_compiling():
         return fmt.fusable(rows, extra).reshape(n, per_row).to(dtype)
     out = torch.empty(n, per_row, dtype=dtype, device=device)

@@ -186,14 +186,16 @@ class BlockType:
     decode: _Decoder
     half_fields: tuple[int, ...]
     compiles: bool = True
+    signed_bytes: bool = False  # the decoder reads only int8 quants and float16 fields: bytes handed over as int8
 
     def rows_format(self, name: str) -> PackedFormat:
-        return PackedFormat(name, eager=lambda rows, _: self.decode(rows), compiles=self.compiles)
+        return PackedFormat(name, eager=lambda rows, _: self.decode(rows), compiles=self.compiles,
+                            rows_dtype=torch.int8 if self.signed_bytes else None)
 
 
 _Q = GGMLQuantizationType
 BLOCK_TYPES: dict[GGMLQuantizationType, BlockType] = {
-    _Q.Q8_0: BlockType(_q8_0, (0,)),
+    _Q.Q8_0: BlockType(_q8_0, (0,), signed_bytes=True),
     _Q.Q4_0: BlockType(_q4_0, (0,)),
     _Q.Q4_1: BlockType(_q4_1, (0, 2)),
     _Q.Q5_0: BlockType(_q5_0, (0,)),
