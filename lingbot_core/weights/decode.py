@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import types
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -154,7 +155,13 @@ def _first_compiled(rows: torch.Tensor, extra: torch.Tensor | None, fmt: PackedF
     expected = torch.empty_like(out)
     _eager_into(rows, extra, fmt, expected)
     try:
-        _kernel(fmt)(rows, extra, out)
+        # one small C++ kernel: compiled in this process (no pool of compile workers, one per CPU core,
+        # started on a big server for it); inductor's note on mixing fp16 scales with bf16 output is noise
+        import torch._inductor.config as inductor_config
+
+        with inductor_config.patch(compile_threads=1), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="bf16 and fp16 are mixed")
+            _kernel(fmt)(rows, extra, out)
     except Exception as exc:  # a missing C++ compiler, an op it cannot lower: the eager decoder still works
         first_line = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
         log.warning("lingbot: the compiled %s weight decoder failed (%s: %s); decoding eagerly instead",
