@@ -188,6 +188,13 @@ class _OnePassDecode:
         gguf_codec.BLOCK_TYPES[GGMLQuantizationType.Q4_0] = self._q4
 
 
+def _fp32_cast_decode(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, decoder: str = "auto",
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp8 decoded by an fp32 cast, as before the table decode (`_Legacy`)."""
+    values = (q.float() * scale.float()[..., None]).to(dtype)
+    return values if out is None else out.view(values.shape).copy_(values)
+
+
 class _Legacy:
     """The decode paths as they were before the speed work, for the `before` column: fp8 decoded by
     an fp32 cast, packed experts run expert by expert (the grouped path switched off), every weight
@@ -201,7 +208,7 @@ class _Legacy:
         from lingbot_core.weights import modules
 
         self._saved = modules.dequantize_fp8
-        modules.dequantize_fp8 = lambda q, scale, dtype, decoder="auto": (q.float() * scale.float()[..., None]).to(dtype)
+        modules.dequantize_fp8 = _fp32_cast_decode
         self._moes = [m for m in self.model.modules() if isinstance(m, SparseMoE)]
         for m in self._moes:
             m.use_grouped_mm = False

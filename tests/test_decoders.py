@@ -177,3 +177,17 @@ def test_compiled_decode_runs_under_inference_mode_in_a_worker_thread():
     for got, want in results.values():
         assert decode.same_values(got, want)
     assert decode._verdicts and all(decode._verdicts.values())  # compiled, not fallen back
+
+
+@pytest.mark.parametrize("kind", [GGMLQuantizationType.F16, GGMLQuantizationType.Q4_0])
+def test_decoding_into_a_given_tensor_writes_the_same_values_there(kind):
+    weight = torch.randn(2, 4, 64) * 0.02
+    if kind == GGMLQuantizationType.F16:
+        stored = weight.half().view(torch.uint8).reshape(2, 4, 128)
+    else:
+        stored = _gguf_bytes(kind, 8, 64).reshape(2, 4, -1)
+    want = gguf_codec.dequantize(stored, int(kind), (2, 4, 64), torch.bfloat16)
+    scratch = torch.full((3, 4, 64), float("nan"), dtype=torch.bfloat16)
+    got = gguf_codec.dequantize(stored, int(kind), (2, 4, 64), torch.bfloat16, out=scratch[:2])
+    assert got.data_ptr() == scratch.data_ptr() and torch.equal(scratch[:2], want)
+    assert scratch[2].isnan().all()  # nothing written past the given part

@@ -3,6 +3,8 @@ grouped path, token-chunked FFN/MoE, the fp8 matmul choice, regional compile wit
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -91,17 +93,34 @@ def test_packed_experts_in_spans_match_all_experts_at_once(monkeypatch, span, pe
     decoded: list[int] = []
     real_stack = QuantizedExperts.stack
     monkeypatch.setattr(QuantizedExperts, "stack",
-                        lambda self, name, dtype=None, experts=None: decoded.append(
+                        lambda self, name, dtype=None, experts=None, out=None: decoded.append(
                             self.num_experts if experts is None else experts.stop - experts.start)
-                        or real_stack(self, name, dtype, experts))
+                        or real_stack(self, name, dtype, experts, out))
     with torch.no_grad():
         whole = model(x, t, text).sample
         assert decoded and set(decoded) == {4}
         decoded.clear()
         monkeypatch.setattr(QuantizedExperts, "grouped_span", lambda self, device: span)
         spans = model(x, t, text).sample
-    assert decoded and max(decoded) <= span and sum(decoded) <= 3 * len(experts) * 4
-    assert torch.equal(spans, whole)
+        for m in experts:
+            m.decoder = "compiled"  # the same through the compiled kernels writing into the span scratch
+        compiled = model(x, t, text).sample
+    assert decoded and max(decoded) <= span and sum(decoded) <= 2 * 3 * len(experts) * 4
+    assert torch.equal(spans, whole) and torch.equal(compiled, whole)
+
+
+def test_grouped_spans_are_a_multiple_of_the_cpu_threads_and_bounded_elsewhere(monkeypatch):
+    from lingbot_core.weights import modules
+
+    model = random_dit(TINY_MOE).to(torch.bfloat16)
+    _pack_experts(model)
+    experts = next(m for m in model.modules() if isinstance(m, QuantizedExperts))
+    per_expert = sum(math.prod(experts.packings[n].shape[1:]) for n in experts.NAMES)
+    monkeypatch.setitem(modules.GROUPED_SPAN_VALUES, "cpu", 7 * per_expert)
+    for threads, want in ((2, 6), (4, 4), (8, 7), (1, 7)):
+        monkeypatch.setattr(torch, "get_num_threads", lambda n=threads: n)
+        assert experts.grouped_span(torch.device("cpu")) == want
+    assert experts.grouped_span(torch.device("meta")) == modules.DEFAULT_GROUPED_SPAN_VALUES // per_expert
 
 
 def test_packed_experts_with_a_runtime_delta_stay_on_the_loop(monkeypatch):

@@ -771,11 +771,11 @@ def test_a_forward_dequantizes_only_the_routed_experts(quantized, per_expert, mo
     decoded: list[tuple[str, int]] = []
     real = gguf_codec.dequantize
 
-    def counting(packed, qtype, shape, dtype=torch.float32, decoder="auto"):
+    def counting(packed, qtype, shape, dtype=torch.float32, decoder="auto", out=None):
         if packed.data_ptr() in owner:
             assert len(shape) == 2, "a whole stack was decoded"
             decoded.append(owner[packed.data_ptr()])
-        return real(packed, qtype, shape, dtype, decoder)
+        return real(packed, qtype, shape, dtype, decoder, out)
 
     monkeypatch.setattr(gguf_codec, "dequantize", counting)
     token = torch.randn(1, 1, hidden, generator=torch.Generator().manual_seed(4))

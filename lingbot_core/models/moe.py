@@ -163,18 +163,22 @@ class SparseMoE(nn.Module):
         return _swiglu_grouped(tokens, *(w.to(tokens.dtype) for w in weights), ends)
 
     def _experts_grouped_in_spans(self, tokens: torch.Tensor, ends: torch.Tensor, step: int) -> torch.Tensor:
-        """`_experts_grouped` for packed experts, `step` experts decoded at a time; spans no token
-        routes to are not decoded. The rows of a span are contiguous (tokens are sorted by expert)."""
+        """`_experts_grouped` for packed experts, `step` experts decoded at a time into one scratch per
+        weight (allocated once per call, not per span: fresh tensors of tens of MB fault their pages
+        in on a CPU); spans no token routes to are not decoded. The rows of a span are contiguous
+        (tokens are sorted by expert)."""
         experts, num = self.experts, self.router.routing.num_experts
         bounds = [0, *ends.tolist()]  # one host read per layer: where each span's rows start and end
         out = tokens.new_empty(tokens.shape[0], self.hidden_size)
+        names = ("w1", "w2", "w3")
+        scratch = {name: tokens.new_empty(min(step, num), *experts.packings[name].shape[1:]) for name in names}
         for first in range(0, num, step):
             last = min(num, first + step)
             lo, hi = bounds[first], bounds[last]
             if hi == lo:
                 continue
             part = slice(first, last)
-            weights = (experts.stack(name, tokens.dtype, part) for name in ("w1", "w2", "w3"))
+            weights = (experts.stack(name, tokens.dtype, part, out=scratch[name][:last - first]) for name in names)
             out[lo:hi] = _swiglu_grouped(tokens[lo:hi], *weights, ends[part] - lo)
         return out
 

@@ -186,22 +186,26 @@ def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def decode_rows(rows: torch.Tensor, per_row: int, fmt: PackedFormat, dtype: torch.dtype, device: torch.device,
-                extra: torch.Tensor | None = None, decoder: str = "auto") -> torch.Tensor:
+                extra: torch.Tensor | None = None, decoder: str = "auto", out: torch.Tensor | None = None) -> torch.Tensor:
     """`rows` of `fmt` (each decoding to `per_row` values, with per-row `extra` where the format has
-    one) decoded into one [len(rows), per_row] tensor of `dtype`: by the compiled kernel where
-    `wants_compiled` says so and it is trusted, else eagerly piece by piece.
+    one) decoded into one [len(rows), per_row] tensor of `dtype` (`out`, a contiguous tensor of that
+    many values and `dtype`, where given): by the compiled kernel where `wants_compiled` says so and
+    it is trusted, else eagerly piece by piece.
 
     While tracing for `torch.compile` the traced form in one call (the compiler fuses the passes
     itself and a Python loop would unroll into the graph)."""
     n = rows.shape[0]
     if fmt.rows_dtype is not None:
         rows = rows.view(fmt.rows_dtype)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and out is None:
         return fmt.fusable(rows, extra).reshape(n, per_row).to(dtype)
-    out = torch.empty(n, per_row, dtype=dtype, device=device)
+    if out is None:
+        if n <= max(1, piece_values(device) // max(1, per_row)) and not wants_compiled(fmt, decoder, n * per_row, device):
+            return fmt.eager(rows, extra).reshape(n, per_row).to(dtype)
+        out = torch.empty(n, per_row, dtype=dtype, device=device)
+    else:
+        out = out.view(n, per_row)
     if n and wants_compiled(fmt, decoder, n * per_row, device) and _compiled_into(rows, extra, fmt, out):
         return out
-    if n <= max(1, piece_values(device) // max(1, per_row)):
-        return fmt.eager(rows, extra).reshape(n, per_row).to(dtype)
     _eager_into(rows, extra, fmt, out)
     return out

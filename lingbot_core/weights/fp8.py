@@ -79,12 +79,15 @@ def _by_cast(rows: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 FP8_ROWS = PackedFormat("fp8_e4m3", eager=_by_table, traced=_by_cast)
 
 
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, decoder: str = "auto") -> torch.Tensor:
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, decoder: str = "auto",
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """float8 values and their per-row float32 scales -> `dtype` (the product is formed in float32),
-    by `weights.decode.decode_rows` (`decoder`: one of `weights.decode.DECODERS`)."""
+    by `weights.decode.decode_rows` (`decoder`: one of `weights.decode.DECODERS`; `out`: a contiguous
+    tensor of q's size and `dtype` to write into)."""
     width = q.shape[-1]
     rows, row_scales = q.reshape(-1, width), scale.reshape(-1).float()
-    return decode_rows(rows, width, FP8_ROWS, dtype, q.device, extra=row_scales, decoder=decoder).view(q.shape)
+    return decode_rows(rows, width, FP8_ROWS, dtype, q.device, extra=row_scales, decoder=decoder,
+                       out=out).view(q.shape)
 
 
 # -- fp8 matmuls ---------------------------------------------------------------------------------------

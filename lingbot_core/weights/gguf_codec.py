@@ -263,17 +263,20 @@ def bytes_per_row(qtype: int, row: int) -> int:
 
 
 def dequantize(packed: torch.Tensor, qtype: int, shape: tuple[int, ...] | torch.Size,
-               dtype: torch.dtype = torch.float32, decoder: str = "auto") -> torch.Tensor:
+               dtype: torch.dtype = torch.float32, decoder: str = "auto", out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode packed bytes (uint8, any leading shape) into a `shape` tensor of `dtype` on their device
-    (`decoder`: one of `weights.decode.DECODERS`)."""
+    (`decoder`: one of `weights.decode.DECODERS`; `out`: a contiguous tensor of that size and `dtype`
+    to write into)."""
     kind = GGMLQuantizationType(qtype)
     flat = packed.reshape(-1)
     if kind in _PLAIN:
-        return flat.view(_PLAIN[kind]).reshape(shape).to(dtype)
+        plain = flat.view(_PLAIN[kind]).reshape(shape)
+        return plain.to(dtype) if out is None else out.view(shape).copy_(plain)
     block = BLOCK_TYPES.get(kind)
     if block is None:
         raise ValueError(f"cannot dequantize GGUF type {kind.name}; lingbot-nodes reads {supported_names()}")
     values, size = GGML_QUANT_SIZES[kind]
     blocks = flat.view(-1, size)
-    return decode_rows(blocks, values, block.rows_format(kind.name), dtype, blocks.device, decoder=decoder).reshape(shape)
+    return decode_rows(blocks, values, block.rows_format(kind.name), dtype, blocks.device, decoder=decoder,
+                       out=out).reshape(shape)
 

@@ -23,12 +23,16 @@ import torch.nn.functional as F
 
 from ..errors import WeightsError
 from . import gguf_codec
-from .decode import check_decoder, piece_values
+from .decode import check_decoder
 from .fp8 import FP8_MATMULS, choose_fp8_matmul, dequantize_fp8, quantize_fp8, scaled_mm_linear
 
 FP8 = "fp8_e4m3"
-#: decoding pieces (`weights.decode.piece_values`) one span of experts may hold on the grouped path
-GROUPED_SPAN_PIECES = 16
+#: values (all three weights) one span of experts may hold on the grouped path, by device type: on a
+#: CPU 8 experts at real width (bench/speed_dit.py: larger spans split evenly between the threads and
+#: gave the grouped matmuls their speed back; 1-3 experts a span ran 15-20% slower than one call);
+#: elsewhere 256M values bound the accelerator transient (54 experts, 0.5 GB of bf16)
+GROUPED_SPAN_VALUES: dict[str, int] = {"cpu": 40 << 20}
+DEFAULT_GROUPED_SPAN_VALUES = 1 << 28
 
 
 @dataclass(frozen=True)
@@ -55,11 +59,12 @@ def pack_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def unpack(packing: Packing, data: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype,
-           decoder: str = "auto") -> torch.Tensor:
-    """The stored bytes decoded to `dtype` (`decoder`: one of `weights.decode.DECODERS`)."""
+           decoder: str = "auto", out: torch.Tensor | None = None) -> torch.Tensor:
+    """The stored bytes decoded to `dtype` (`decoder`: one of `weights.decode.DECODERS`), into `out`
+    (contiguous, the packing's shape and `dtype`) where given."""
     if packing.kind == FP8:
-        return dequantize_fp8(data.view(torch.float8_e4m3fn), scale.view(torch.float32), dtype, decoder)
-    return gguf_codec.dequantize(data, packing.gguf_type, packing.shape, dtype, decoder)
+        return dequantize_fp8(data.view(torch.float8_e4m3fn), scale.view(torch.float32), dtype, decoder, out)
+    return gguf_codec.dequantize(data, packing.gguf_type, packing.shape, dtype, decoder, out)
 
 
 class QuantizedLinear(nn.Module):
@@ -196,12 +201,13 @@ class QuantizedExperts(nn.Module):
                 out = out + fn(e, rows).to(out.dtype)
         return out
 
-    def expert(self, name: str, e: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def expert(self, name: str, e: int, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         packing = self.packings[name]
         data = getattr(self, f"{name}_qdata")[e]
         scale = getattr(self, f"{name}_qscale")
         one = Packing(packing.kind, packing.shape[1:], packing.gguf_type)
-        return unpack(one, data, scale[e] if scale is not None else None, dtype or self.compute_dtype, self.decoder)
+        return unpack(one, data, scale[e] if scale is not None else None, dtype or self.compute_dtype, self.decoder,
+                      out)
 
     def per_expert(self, name: str) -> bool:
         """Whether weight `name` is held one tensor per expert (as a per-expert GGUF file stores it)."""
@@ -209,23 +215,34 @@ class QuantizedExperts(nn.Module):
 
     def grouped_span(self, device: torch.device) -> int:
         """How many experts the grouped path decodes at a time on `device` (`models.moe`): all three
-        weights of a span together hold at most `GROUPED_SPAN_PIECES` decoding pieces, so the decoded
-        experts never all exist at once (3 x 128 experts at real width are 1.2 GB of bf16; on a CPU a
-        fresh tensor that large also faults its pages in on every call)."""
+        weights of a span together hold at most `GROUPED_SPAN_VALUES` values (by device type), so the
+        decoded experts never all exist at once (3 x 128 experts at real width are 1.2 GB of bf16); on
+        a CPU a multiple of the threads, since a grouped matmul splits its experts between them."""
         per_expert = sum(math.prod(self.packings[name].shape[1:]) for name in self.NAMES)
-        return max(1, GROUPED_SPAN_PIECES * piece_values(device) // per_expert)
+        kind = torch.device(device).type
+        span = max(1, GROUPED_SPAN_VALUES.get(kind, DEFAULT_GROUPED_SPAN_VALUES) // per_expert)
+        if kind == "cpu":
+            threads = max(1, torch.get_num_threads())
+            span = max(span // threads * threads, min(span, threads))
+        return span
 
-    def stack(self, name: str, dtype: torch.dtype | None = None, experts: slice | None = None) -> torch.Tensor:
+    def stack(self, name: str, dtype: torch.dtype | None = None, experts: slice | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
         """Experts of `name` decoded at once, [E, out, in] (the grouped-matmul path): all of them, or the
-        contiguous range `experts` (a slice with no step)."""
+        contiguous range `experts` (a slice with no step); into `out` (contiguous, that shape) where given."""
         part = slice(0, self.num_experts) if experts is None else slice(*experts.indices(self.num_experts)[:2])
+        dtype = dtype or self.compute_dtype
         if self.per_expert(name):
-            return torch.stack([self.expert(name, e, dtype) for e in range(part.start, part.stop)])
+            if out is None:
+                return torch.stack([self.expert(name, e, dtype) for e in range(part.start, part.stop)])
+            for i, e in enumerate(range(part.start, part.stop)):
+                self.expert(name, e, dtype, out[i])
+            return out
         packing = self.packings[name]
         scale = getattr(self, f"{name}_qscale")
         one = Packing(packing.kind, (part.stop - part.start, *packing.shape[1:]), packing.gguf_type)
         return unpack(one, getattr(self, f"{name}_qdata")[part], scale[part] if scale is not None else None,
-                      dtype or self.compute_dtype, self.decoder)
+                      dtype, self.decoder, out)
 
     @property
     def w1(self) -> _ExpertView:
