@@ -17,6 +17,7 @@ Rows:
   kernel (`weights.decode`), beside a bf16 matmul of the same weight for scale;
 - `decoders`: every packed format, eager vs compiled decoder (`weights.decode`), ns per value: the
   evidence for which formats `auto` compiles;
+- `spans`: a packed MoE forward with its experts decoded `--spans` at a time (CPU), over bf16;
 - `fp8_matmul`: which fp8 matmul path `weights.fp8.choose_fp8_matmul` picks on this machine; the
   scaled fp8 matmul row is "not run" without a CUDA GPU of compute capability 9.0+;
 - `chunked`: peak CPU bytes allocated by one block forward, FFN/MoE over token chunks vs whole
@@ -442,6 +443,45 @@ def measure_decoders(args: argparse.Namespace) -> dict[str, Any]:
     return {"rows": rows, "text": text}
 
 
+def measure_spans(args: argparse.Namespace) -> dict[str, Any]:
+    """MoE forward time with packed experts decoded `--spans` experts at a time on the grouped path
+    (`weights.modules.GROUPED_SPAN_VALUES` set for each in turn, the same packed model), over the bf16
+    model, alternating, best of `--repeats`: the evidence for the CPU's span size."""
+    import math
+
+    from lingbot_core.weights import modules
+
+    rows = []
+    base = build_model("moe", args.depth, args.quick)
+    inputs = dit_inputs(dict(base.config), args.tokens, args.text_tokens, batch=args.batch)
+    saved = dict(modules.GROUPED_SPAN_VALUES)
+    try:
+        with torch.no_grad():
+            for fmt_name in [f for f in args.formats if f != "bf16"]:
+                packed = pack_in_memory(build_model("moe", args.depth, args.quick), fmt_name)
+                experts = next(m for m in packed.modules() if isinstance(m, modules.QuantizedExperts))
+                per_expert = sum(math.prod(experts.packings[n].shape[1:]) for n in experts.NAMES)
+                packed(*inputs)  # compiles the decoders once, outside the timing
+                times: dict[Any, list[float]] = {"bf16": [], **{n: [] for n in args.spans}}
+                for _ in range(args.repeats):
+                    times["bf16"].append(timed(base, *inputs)[0])
+                    for n in args.spans:
+                        modules.GROUPED_SPAN_VALUES["cpu"] = n * per_expert
+                        times[n].append(timed(packed, *inputs)[0])
+                bf16 = min(times["bf16"])
+                for n in args.spans:
+                    rows.append({"format": fmt_name, "tokens": args.tokens, "span": n, "bf16_s": bf16,
+                                 "ratio": min(times[n]) / bf16})
+                    emit("spans", rows[-1])
+                del packed
+    finally:
+        modules.GROUPED_SPAN_VALUES.clear()
+        modules.GROUPED_SPAN_VALUES.update(saved)
+    text = table(["format", "video tokens", "experts a span", "bf16 s", "x bf16"],
+                 [[r["format"], str(r["tokens"]), str(r["span"]), r["bf16_s"], r["ratio"]] for r in rows])
+    return {"rows": rows, "text": text}
+
+
 def measure_fp8_matmul(args: argparse.Namespace) -> dict[str, Any]:
     """The fp8 matmul path `auto` picks here; the scaled fp8 matmul itself needs a CUDA GPU (sm90+)."""
     from lingbot_core.weights.fp8 import choose_fp8_matmul, scaled_mm_problem
@@ -513,6 +553,7 @@ MEASUREMENTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "quantized": measure_quantized,
     "decode": measure_decode,
     "decoders": measure_decoders,
+    "spans": measure_spans,
     "chunked": measure_chunked,
     "estimate": measure_estimate,
     "fp8_matmul": measure_fp8_matmul,
@@ -536,6 +577,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="compile: the model's dtype (fp32 separates compiler error from bf16 rounding)")
     p.add_argument("--no-before", dest="before", action="store_false",
                    help="quantized: skip the `before` (old decode paths) column, one forward less per pair")
+    p.add_argument("--spans", default="3,8", help="spans: experts decoded at a time on the CPU's grouped path, in turn")
     p.add_argument("--chunk-tokens", type=int, default=2048, help="video tokens of the chunked-block row")
     p.add_argument("--chunk", type=int, default=512, help="tokens per FFN/MoE pass in the chunked row")
     p.add_argument("--threads", type=int, default=0)
@@ -544,6 +586,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.kinds = args.kinds.split(",")
     args.formats = args.formats.split(",")
+    args.spans = [int(n) for n in args.spans.split(",")]
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
     if args.quick:

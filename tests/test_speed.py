@@ -433,6 +433,12 @@ def test_dit_speed_bench_runs_at_tiny_shapes():
     decode_rows = speed_dit.measure_decode(speed_dit.parse_args(["--quick", "--formats", "fp8,gguf-q4_0"]))["rows"]
     assert {(r["weight"], r["format"]) for r in decode_rows} == {(w, f) for w in ("linear", "experts")
                                                                   for f in ("fp8", "gguf-q4_0")}
-    assert all(r["equal"] and r["before_ms"] > 0 and r["after_ms"] > 0 for r in decode_rows)
+    assert all(r["equal"] and r["before_ms"] > 0 and r["after_ms"] > 0 and r["compiled_ms"] > 0 for r in decode_rows)
+    from lingbot_core.weights import modules
+
+    spans = speed_dit.measure_spans(speed_dit.parse_args(["--quick", "--formats", "fp8", "--spans", "1,2",
+                                                          "--repeats", "1"]))["rows"]
+    assert [r["span"] for r in spans] == [1, 2] and all(r["ratio"] > 0 for r in spans)
+    assert "cpu" in modules.GROUPED_SPAN_VALUES and modules.GROUPED_SPAN_VALUES["cpu"] > 2  # restored
     [matmul] = speed_dit.measure_fp8_matmul(args)["rows"]
     assert matmul["auto_picks"] == ("scaled_mm" if matmul["scaled_mm"] != "not run" else "decode")
