@@ -279,4 +279,3 @@ def dequantize(packed: torch.Tensor, qtype: int, shape: tuple[int, ...] | torch.
     blocks = flat.view(-1, size)
     return decode_rows(blocks, values, block.rows_format(kind.name), dtype, blocks.device, decoder=decoder,
                        out=out).reshape(shape)
-

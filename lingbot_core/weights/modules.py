@@ -28,8 +28,8 @@ from .fp8 import FP8_MATMULS, choose_fp8_matmul, dequantize_fp8, quantize_fp8, s
 
 FP8 = "fp8_e4m3"
 #: values (all three weights) one span of experts may hold on the grouped path, by device type: on a
-#: CPU 8 experts at real width (bench/speed_dit.py: larger spans split evenly between the threads and
-#: gave the grouped matmuls their speed back; 1-3 experts a span ran 15-20% slower than one call);
+#: CPU 8 experts at real width (fastest of 1/3/8/16 in `python bench/speed_dit.py --only spans`: a
+#: span splits evenly between the threads, and fewer, larger grouped matmuls);
 #: elsewhere 256M values bound the accelerator transient (54 experts, 0.5 GB of bf16)
 GROUPED_SPAN_VALUES: dict[str, int] = {"cpu": 40 << 20}
 DEFAULT_GROUPED_SPAN_VALUES = 1 << 28
