@@ -234,6 +234,7 @@ def measure_decode(args: argparse.Namespace) -> dict[str, Any]:
     that linear at `--tokens` + `--text-tokens` tokens for scale."""
     import torch.nn.functional as F
 
+    from lingbot_core.weights.decode import same_values
     from lingbot_core.weights.modules import unpack
 
     shapes = {"linear": (6144, 2048), "experts": (16, 768, 2048)}
@@ -275,8 +276,7 @@ def measure_decode(args: argparse.Namespace) -> dict[str, Any]:
                          "ratio": best["after"] / best["before"], "compiled_ratio": best["compiled"] / best["before"],
                          "matmul_ms": matmul * 1e3, "after_x_matmul": best["after"] / matmul,
                          "compiled_x_matmul": best["compiled"] / matmul,
-                         "equal": all(bool(torch.equal(decoded["before"].view(torch.int16), v.view(torch.int16)))
-                                      for v in decoded.values())})
+                         "equal": all(same_values(decoded["before"], v) for v in decoded.values())})
             emit("decode", rows[-1])
     text = table(["weight", "shape", "format", "one pass ms", "pieces ms", "compiled ms", "pieces x one pass",
                   "compiled x one pass", f"bf16 matmul ms ({args.tokens + args.text_tokens} tokens)", "pieces x matmul",
@@ -398,6 +398,18 @@ def measure_estimate(args: argparse.Namespace) -> dict[str, Any]:
     return {"rows": rows, "picked_for_22GiB": picked, "text": text}
 
 
+def random_blocks(kind: Any, blocks: int, gen: torch.Generator) -> torch.Tensor:
+    """`blocks` GGUF blocks of `kind` made of random bytes, their float16 scale fields set to small
+    finite values (so nothing decodes to NaN/inf): any block type, the K-quants included, which the
+    `gguf` package cannot quantize."""
+    from lingbot_core.weights import gguf_codec
+
+    stored = torch.randint(0, 256, (blocks, gguf_codec.block_bytes(int(kind))), dtype=torch.uint8, generator=gen)
+    for at in gguf_codec.half_fields(int(kind)):
+        stored[:, at:at + 2] = (torch.rand(blocks, 1, generator=gen) * 1e-3).half().view(torch.uint8)
+    return stored
+
+
 def measure_decoders(args: argparse.Namespace) -> dict[str, Any]:
     """Every packed format the pack reads (each GGUF block type of `weights.gguf_codec.BLOCK_TYPES`,
     and fp8): one [1536, 2048] weight of random stored bytes (valid float16 scale fields, so no NaN)
@@ -412,10 +424,8 @@ def measure_decoders(args: argparse.Namespace) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(0)
     cases = []
     for kind, block in gguf_codec.BLOCK_TYPES.items():
-        per_block, size = gguf_codec.block_values(int(kind)), gguf_codec.block_bytes(int(kind))
-        stored = torch.randint(0, 256, (values // per_block, size), dtype=torch.uint8, generator=gen)
-        for at in block.half_fields:
-            stored[:, at:at + 2] = (torch.rand(stored.shape[0], 1, generator=gen) * 1e-3).half().view(torch.uint8)
+        per_block = gguf_codec.block_values(int(kind))
+        stored = random_blocks(kind, values // per_block, gen)
         cases.append((block.rows_format(kind.name), stored, None, per_block))
     fp8_bytes = torch.randint(0, 256, (values // 2048, 2048), dtype=torch.uint8, generator=gen)
     fp8_bytes[(fp8_bytes & 0x7F) == 0x7F] = 0  # no NaN bytes
@@ -434,7 +444,7 @@ def measure_decoders(args: argparse.Namespace) -> dict[str, Any]:
                      "eager_ns": best["eager"] / (stored.shape[0] * per_row) * 1e9,
                      "compiled_ns": best["compiled"] / (stored.shape[0] * per_row) * 1e9,
                      "ratio": best["compiled"] / best["eager"], "compiles": fmt.compiles,
-                     "equal": bool(torch.equal(got["eager"].view(torch.int16), got["compiled"].view(torch.int16)))})
+                     "equal": decode.same_values(got["eager"], got["compiled"])})
         emit("decoders", rows[-1])
     text = table(["format", "values", "eager ns/value", "compiled ns/value", "compiled x eager", "auto compiles",
                   "same values"],

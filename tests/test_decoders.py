@@ -11,6 +11,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
+from bench.speed_dit import random_blocks
 from lingbot_core.weights import decode, gguf_codec
 from lingbot_core.weights.fp8 import FP8_ROWS, dequantize_fp8, quantize_fp8
 from lingbot_core.weights.modules import (
@@ -39,15 +40,6 @@ def _gguf_bytes(kind: GGMLQuantizationType, rows: int, width: int, seed: int = 0
     return torch.from_numpy(np.ascontiguousarray(quantize(weight.numpy(), kind)))
 
 
-def _random_blocks(kind: GGMLQuantizationType, blocks: int, seed: int = 0) -> torch.Tensor:
-    """Random stored bytes with sane float16 scale fields (the quantizer does not write K-quants)."""
-    g = torch.Generator().manual_seed(seed)
-    stored = torch.randint(0, 256, (blocks, gguf_codec.block_bytes(int(kind))), dtype=torch.uint8, generator=g)
-    for at in gguf_codec.half_fields(int(kind)):
-        stored[:, at:at + 2] = (torch.rand(blocks, 1, generator=g) * 1e-3).half().view(torch.uint8)
-    return stored
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_compiled_decoders_give_the_eager_values_bit_for_bit(dtype):
     q8 = _gguf_bytes(GGMLQuantizationType.Q8_0, 8, 256)
@@ -55,7 +47,7 @@ def test_compiled_decoders_give_the_eager_values_bit_for_bit(dtype):
     want = gguf_codec.dequantize(q8, int(GGMLQuantizationType.Q8_0), (8, 256), dtype, decoder="eager")
     assert torch.equal(_bits(got), _bits(want))
 
-    k4 = _random_blocks(GGMLQuantizationType.Q4_K, 6)
+    k4 = random_blocks(GGMLQuantizationType.Q4_K, 6, torch.Generator().manual_seed(0))
     got = gguf_codec.dequantize(k4, int(GGMLQuantizationType.Q4_K), (6, 256), dtype, decoder="compiled")
     want = gguf_codec.dequantize(k4, int(GGMLQuantizationType.Q4_K), (6, 256), dtype, decoder="eager")
     assert torch.equal(_bits(got), _bits(want))

@@ -122,9 +122,14 @@ def wants_compiled(fmt: PackedFormat, decoder: str, values: int, device: torch.d
     return True
 
 
+def _piece_rows(device: torch.device, per_row: int) -> int:
+    """Rows of `per_row` values in one eager piece on `device`."""
+    return max(1, piece_values(device) // max(1, per_row))
+
+
 def _eager_into(rows: torch.Tensor, extra: torch.Tensor | None, fmt: PackedFormat, out: torch.Tensor) -> None:
     n, per_row = out.shape
-    step = max(1, piece_values(rows.device) // max(1, per_row))
+    step = _piece_rows(rows.device, per_row)
     for start in range(0, n, step):
         part = slice(start, min(n, start + step))
         out[part].copy_(fmt.eager(rows[part], None if extra is None else extra[part]).reshape(-1, per_row))
@@ -199,13 +204,14 @@ def decode_rows(rows: torch.Tensor, per_row: int, fmt: PackedFormat, dtype: torc
         rows = rows.view(fmt.rows_dtype)
     if torch.compiler.is_compiling() and out is None:
         return fmt.fusable(rows, extra).reshape(n, per_row).to(dtype)
+    compiled = n > 0 and wants_compiled(fmt, decoder, n * per_row, device)
     if out is None:
-        if n <= max(1, piece_values(device) // max(1, per_row)) and not wants_compiled(fmt, decoder, n * per_row, device):
+        if not compiled and n <= _piece_rows(device, per_row):
             return fmt.eager(rows, extra).reshape(n, per_row).to(dtype)
         out = torch.empty(n, per_row, dtype=dtype, device=device)
     else:
         out = out.view(n, per_row)
-    if n and wants_compiled(fmt, decoder, n * per_row, device) and _compiled_into(rows, extra, fmt, out):
+    if compiled and _compiled_into(rows, extra, fmt, out):
         return out
     _eager_into(rows, extra, fmt, out)
     return out
