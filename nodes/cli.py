@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
         "many videos (a jobs file; under torchrun each process takes its share)",
         "Each line of the jobs file is a JSON object of overrides: "
         + ", ".join(f"{k} ({f.help})" for k, f in JOB_FIELDS.items())
-        + ', "set": ["NODE.INPUT=VALUE", ...] for any other input, "id" to name the job (default line<N>). '
+        + ', "set": ["NODE.INPUT=VALUE", ...] for any other input, "id" to name the job (default: j + a digest of its content). '
           "Every finished job gets a manifest line; a rerun skips the jobs recorded as done. Exit code 1 when "
           "a job failed (the others still ran).")
     jobs.add_argument("--jobs", metavar="FILE", help="run the workflow once per line of FILE (JSON Lines)")
@@ -398,6 +398,7 @@ def _run_jobs(args: argparse.Namespace, prompt, engine, reporter: Reporter, outp
         check_file_names,
         failure_text,
         finish_together,
+        group_agreement,
         job_overrides,
         read_jobs,
         run_jobs,
@@ -457,9 +458,17 @@ def _run_jobs(args: argparse.Namespace, prompt, engine, reporter: Reporter, outp
     where = f" (rank {place.rank} of {place.world_size}, group {place.group} of {place.groups})" \
         if place.world_size > 1 else ""
     reporter.write(f"lingbot-run: {len(jobs)} jobs from {args.jobs}{where}; manifest {manifest.write_path}")
+    elsewhere = []  # jobs another run on this jobs file holds (Claims)
+
+    def skipped(job, why: str) -> None:
+        if why == "elsewhere":
+            elsewhere.append(job.id)
+            reporter.write(f"job {job.id} (line {job.line}) is running in another process; skipped here")
+
     try:
         with _sigterm_interrupts(place.world_size > 1):
-            results = run_jobs(jobs, run_one, manifest, place=place, on_result=shown)
+            results = run_jobs(jobs, run_one, manifest, place=place, on_result=shown, agree=group_agreement(layout),
+                               on_skip=skipped)
     except BaseException:  # an interrupt: the processes waiting at the end must not wait for this one
         try:
             finish_together(0, stopped=True)
@@ -468,8 +477,9 @@ def _run_jobs(args: argparse.Namespace, prompt, engine, reporter: Reporter, outp
         raise
     failed = sum(e["status"] != DONE for e in results)
     mine = len(place.share(jobs))
-    print(f"jobs: {len(results) - failed} done, {failed} failed, {mine - len(results)} already done"
-          f"{where}; manifest {manifest.write_path}", file=sys.stderr)
+    print(f"jobs: {len(results) - failed} done, {failed} failed, {mine - len(results) - len(elsewhere)} already done"
+          + (f", {len(elsewhere)} running in another process" if elsewhere else "")
+          + f"{where}; manifest {manifest.write_path}", file=sys.stderr)
     # under torchrun every process leaves together, all with the world's exit code (finish_together says why)
     failed = finish_together(failed if place.leader else 0, say=reporter.write)
     if failed and place.world_size > 1 and place.rank == 0:

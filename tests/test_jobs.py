@@ -54,7 +54,9 @@ def test_jobs_run_record_fail_alone_and_resume(tmp_path, capsys, fixtures_root):
     assert main(args) == 1  # a job failed; the others ran
     captured = capsys.readouterr()
     written = captured.out.split()
-    assert [Path(p).name for p in written] == ["t2i_a_00001_.png", "t2i_line6_00001_.png"]
+    last = read_jobs(jobs)[-1].id  # no id given: j + the digest of its content
+    assert last.startswith("j") and len(last) == 13
+    assert [Path(p).name for p in written] == ["t2i_a_00001_.png", f"t2i_{last}_00001_.png"]
     from PIL import Image
 
     assert [Image.open(p).size for p in written] == [(48, 32), (32, 48)]
@@ -62,7 +64,7 @@ def test_jobs_run_record_fail_alone_and_resume(tmp_path, capsys, fixtures_root):
     manifest = out / "jobs.manifest.jsonl"
     entries = _manifest(manifest)
     assert [(e["id"], e["line"], e["status"]) for e in entries] == [
-        ("a", 1, DONE), ("bad", 2, FAILED), ("boom", 5, FAILED), ("line6", 6, DONE)]
+        ("a", 1, DONE), ("bad", 2, FAILED), ("boom", 5, FAILED), (last, 6, DONE)]
     assert entries[0]["outputs"] == [written[0]] and entries[0]["seconds"] > 0
     assert "multiple of 16" in entries[1]["error"]
     assert "LingBotDenoise" in entries[2]["error"] and "sigmas" in entries[2]["error"]
@@ -384,4 +386,92 @@ def test_the_readme_jobs_example_reads(tmp_path):
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     block = text.split("```jsonl\n", 1)[1].split("```", 1)[0]
     jobs = read_jobs(_write(tmp_path / "jobs.jsonl", block.splitlines()))
-    assert [j.id for j in jobs] == ["boat", "boat-b", "line3"] and jobs[2].sets == ("Decode.tiling=true", "Save.fps=16")
+    assert [j.id for j in jobs[:2]] == ["boat", "boat-b"] and jobs[2].sets == ("Decode.tiling=true", "Save.fps=16")
+    assert jobs[2].id == f"j{jobs[2].digest[:12]}"
+
+
+# --- issue 34 item 3: a job is its content, not its line; two runs at once split the work ---
+
+def _ran(jobs_path: Path, manifest: Manifest, **kw) -> list[tuple[str, int]]:
+    from lingbot_core.parallel.jobs import run_jobs
+
+    ran = []
+    run_jobs(read_jobs(jobs_path), lambda job: ran.append((job.values.get("seed"), job.line)) or [], manifest, **kw)
+    return ran
+
+
+def test_an_edited_jobs_file_runs_what_never_ran_and_nothing_twice(tmp_path):
+    manifest = Manifest(tmp_path / "m.jsonl")
+    jobs = _write(tmp_path / "jobs.jsonl", [{"seed": 1}, {"seed": 2}, {"id": "named", "seed": 3}])
+    assert _ran(jobs, manifest) == [(1, 1), (2, 2), (3, 3)]
+    # a line inserted at the top, a copy of an existing job (its own id: the second copy), a named job edited
+    _write(jobs, [{"seed": 9}, {"seed": 2}, {"seed": 1}, {"seed": 2}, {"id": "named", "seed": 4}])
+    ids = [j.id for j in read_jobs(jobs)]
+    assert ids[3] == ids[1] + ".2" and ids[2] == read_jobs(tmp_path / "jobs.jsonl")[2].id
+    # line numbers moved: still nothing done runs again, and what never ran (seed 9, the copy, the edit) runs
+    assert _ran(jobs, manifest) == [(9, 1), (2, 4), (4, 5)]
+    assert _ran(jobs, manifest) == []
+    # the same content written differently is the same job
+    _write(jobs, ['{ "seed" : 9 }', {"seed": 2}, {"seed": 1}, {"seed": 2}, {"seed": 4, "id": "named"}])
+    assert _ran(jobs, manifest) == []
+    same = read_jobs(_write(tmp_path / "a.jsonl", [{"size": "64x32", "cfg": 4}, {"cfg": 4.0, "size": [64, 32]}]))
+    assert same[0].digest == same[1].digest and same[1].id == same[0].id + ".2"
+
+
+def test_manifest_lines_from_before_digests_still_resume(tmp_path):
+    base = tmp_path / "m.jsonl"
+    base.write_text("\n".join(json.dumps(e) for e in [
+        {"id": "boat", "line": 1, "status": DONE}, {"id": "line2", "line": 2, "status": DONE},
+        {"id": "line3", "line": 3, "status": FAILED}]) + "\n")
+    jobs = _write(tmp_path / "jobs.jsonl", [{"id": "boat", "seed": 1}, {"seed": 2}, {"seed": 3}])
+    assert _ran(jobs, Manifest(base)) == [(3, 3)]
+    assert [e.get("digest") for e in _manifest(base)][-1] == read_jobs(jobs)[2].digest
+
+
+def test_two_runs_on_one_jobs_file_share_the_jobs(tmp_path):
+    """Run A holds j0 (blocked inside it) while run B goes through the file: B skips j0 (claimed) and
+    runs the rest; A, let go, finds the others done in the manifest. Every job ran once."""
+    import threading
+
+    from lingbot_core.parallel.jobs import run_jobs
+
+    jobs = read_jobs(_write(tmp_path / "jobs.jsonl", [{"id": f"j{i}", "seed": i} for i in range(3)]))
+    inside, go, ran, skipped = threading.Event(), threading.Event(), [], []
+
+    def slow(job):
+        ran.append(("A", job.id))
+        if job.id == "j0":
+            inside.set()
+            assert go.wait(10)
+        return []
+
+    first = threading.Thread(target=run_jobs, args=(jobs, slow, Manifest(tmp_path / "m.jsonl")))
+    first.start()
+    assert inside.wait(10)
+    run_jobs(jobs, lambda job: ran.append(("B", job.id)) or [], Manifest(tmp_path / "m.jsonl"),
+             on_skip=lambda job, why: skipped.append((job.id, why)))
+    go.set()
+    first.join(10)
+    assert sorted(ran, key=lambda r: r[1]) == [("A", "j0"), ("B", "j1"), ("B", "j2")]
+    assert skipped == [("j0", "elsewhere")]
+    assert sorted(e["id"] for e in Manifest(tmp_path / "m.jsonl").entries()) == ["j0", "j1", "j2"]
+    # the claims are let go at the end: a third run takes a failed or new job at once
+    assert Manifest(tmp_path / "m.jsonl").claims_folder.is_dir()
+    assert _ran(_write(tmp_path / "jobs.jsonl", [{"id": "j3", "seed": 3}]), Manifest(tmp_path / "m.jsonl")) == [(3, 1)]
+
+
+def test_a_group_runs_what_its_leader_decided(tmp_path):
+    """The ranks of one video group follow the leader's decision (group_agreement), not their own
+    reading of the manifest: a member whose manifest says done still runs the job the leader runs."""
+    from lingbot_core.parallel.jobs import RUN, SKIP, run_jobs
+
+    jobs = read_jobs(_write(tmp_path / "jobs.jsonl", [{"id": "a", "seed": 1}, {"id": "b", "seed": 2}]))
+    (tmp_path / "m.jsonl").write_text(json.dumps({"id": "a", "digest": jobs[0].digest, "status": DONE}) + "\n")
+    said, ran = iter([RUN, SKIP]), []
+    run_jobs(jobs, lambda job: ran.append(job.id) or [], Manifest(tmp_path / "m.jsonl"),
+             place=WorldPlace(rank=1, world_size=2, group_size=2), agree=lambda _mine: next(said))
+    assert ran == ["a"] and len(_manifest(tmp_path / "m.jsonl")) == 1  # a member runs, never records
+    heard = []
+    run_jobs(jobs, lambda job: [], Manifest(tmp_path / "m.jsonl"), place=WorldPlace(0, 2, 2),
+             agree=lambda mine: heard.append(mine) or mine)
+    assert heard == [SKIP, RUN]  # the leader: a is done, b is not

@@ -8,8 +8,15 @@ skipped), each a set of overrides on the workflow, e.g.::
 
 The short keys are the rows of `JOB_FIELDS` (each fills the named input of every node of its
 classes); ``set`` takes ``NODE.INPUT=VALUE`` overrides as ``lingbot-run --set`` does; ``id`` names
-the job (default ``line<N>``) in the manifest and in its file names. The whole file is read and
-checked before anything runs: a line that is not such an object is an error naming the line.
+the job in the manifest and in its file names. The whole file is read and checked before anything
+runs: a line that is not such an object is an error naming the line.
+
+A job is known by what it asks for, not by its line: its `digest` is a hash of its normalised
+content (the values and ``set`` overrides; key order, spacing and ``"WxH"`` / ``[W, H]`` do not
+count), and its default id is ``j`` and the digest's first 12 hex digits (``.2``, ``.3``, ... for the
+second and later copies of one content). The manifest matches a job by id *and* digest, so editing
+the file (inserting, removing or reordering lines, changing a job) never skips a job that did not
+run nor counts one as another. Manifest lines written before digests existed match by id and line.
 
 A job then runs on one data-parallel group of the world: job i (in file order) belongs to group
 i % groups, and only the group's leader writes (files and the manifest). Every finished job appends
@@ -19,6 +26,14 @@ same engine (loaded models stay loaded). A second run with the same manifest ski
 as done (failed ones run again), so an interrupted batch resumes where it stopped. Jobs are given
 to groups by their place in the whole file, not among the unfinished ones, so the groups need no
 communication to agree: each reads the manifest for its own jobs only.
+
+Two runs on one jobs file at once (two terminals, two machines on a shared folder) split the work
+instead of doing it twice: before a job starts, its leader claims it with a lock on a file of its
+own in ``<manifest stem>.claims/`` beside the manifest (`Claims`: ``flock``, which Linux's NFS client
+turns into a lock the server arbitrates; the lock ends with the process holding it, so a killed run
+leaves no stale claim). A job another process holds is skipped here ("running elsewhere"); a job
+claimed after another run let it go is looked up in the manifest again first. In a group of
+several ranks only the leader claims, and tells the others what it decided (`group_agreement`).
 
 The manifest is one file per writer: with several groups, group g's leader appends to
 ``<stem>.group<g><suffix>`` beside the named file (``jobs.manifest.group3.jsonl``), and a world of
@@ -30,9 +45,11 @@ different world (more nodes, other degrees) or from a manifest written before th
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -44,8 +61,9 @@ from typing import Any
 from ..exit_codes import INTERRUPTED, exit_code, root_cause
 from ..workflow.errors import WorkflowError, clip
 
-__all__ = ["DONE", "FAILED", "JOB_FIELDS", "Job", "JobField", "JobsFileError", "Manifest", "WorldPlace",
-           "check_file_names", "failure_text", "finish_together", "job_overrides", "read_jobs", "run_jobs", "world_place"]
+__all__ = ["DONE", "FAILED", "JOB_FIELDS", "Claims", "Job", "JobField", "JobsFileError", "Manifest", "WorldPlace",
+           "check_file_names", "failure_text", "finish_together", "group_agreement", "job_digest", "job_overrides",
+           "read_jobs", "run_jobs", "world_place"]
 
 DONE = "done"
 FAILED = "failed"
@@ -101,14 +119,41 @@ JOB_FIELDS: dict[str, JobField] = {f.key: f for f in (
 _OTHER_KEYS = ("id", "set")
 
 
+def job_digest(values: dict[str, Any], sets: Sequence[str]) -> str:
+    """The hex sha256 of a job's normalised content: each short key's values as its inputs take them
+    (``"832x480"`` and ``[832, 480]`` alike, a number as a float), then the ``set`` overrides in order."""
+    normal = {key: [float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+                    for v in JOB_FIELDS[key].values(value)] for key, value in values.items()}
+    text = json.dumps({"values": normal, "set": list(sets)}, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 @dataclass(frozen=True)
 class Job:
-    """One line of a jobs file, checked: its id, 1-based line number and its values by key."""
+    """One line of a jobs file, checked: its id, 1-based line number, its values by key, its ``set``
+    overrides and the digest of that content (`job_digest`; computed when not given). `named`: the
+    id was written in the file (else it comes from the digest)."""
 
     id: str
     line: int
     values: dict[str, Any] = field(default_factory=dict)
     sets: tuple[str, ...] = ()
+    digest: str = ""
+    named: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.digest:
+            object.__setattr__(self, "digest", job_digest(self.values, self.sets))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What the manifest matches: (id, digest)."""
+        return (self.id, self.digest)
+
+    @property
+    def legacy_key(self) -> tuple[str, int]:
+        """What a manifest line written before digests names: (the id of that time, line)."""
+        return (self.id if self.named else f"line{self.line}", self.line)
 
 
 def read_jobs(path: str | os.PathLike[str]) -> list[Job]:
@@ -126,11 +171,16 @@ def read_jobs(path: str | os.PathLike[str]) -> list[Job]:
         raise JobsFileError(f"jobs file {path}: cannot read it as UTF-8 text ({err})") from None
     jobs: list[Job] = []
     seen: dict[str, int] = {}
+    copies: dict[str, int] = {}
     for number, raw in enumerate(text.splitlines(), start=1):
         stripped = raw.strip()
         if not stripped or stripped.startswith("#"):
             continue
         job = _parse_line(stripped, number, path)
+        if not job.named:  # the n-th copy of one content: the same id whatever lines come between
+            copies[job.digest] = copies.get(job.digest, 0) + 1
+            if copies[job.digest] > 1:
+                job = Job(f"{job.id}.{copies[job.digest]}", number, job.values, job.sets, job.digest, named=False)
         if job.id in seen:
             raise JobsFileError(f"{path}:{number}: id {job.id!r} is already used on line {seen[job.id]}")
         seen[job.id] = number
@@ -156,8 +206,8 @@ def _parse_line(text: str, number: int, path: Path) -> Job:
         known = ", ".join([*_OTHER_KEYS, *JOB_FIELDS])
         raise JobsFileError(f"{where}: unknown key {unknown[0]!r} (keys: {known}; other inputs go in "
                             "\"set\": [\"NODE.INPUT=VALUE\"])")
-    job_id = obj.get("id", f"line{number}")
-    if not isinstance(job_id, str) or not ID_PATTERN.fullmatch(job_id):
+    job_id = obj.get("id")
+    if job_id is not None and (not isinstance(job_id, str) or not ID_PATTERN.fullmatch(job_id)):
         raise JobsFileError(f"{where}: id {job_id!r} must be 1-64 letters, digits, '.', '_' or '-' "
                             "(it becomes part of file names)")
     sets = obj.get("set", [])
@@ -173,7 +223,10 @@ def _parse_line(text: str, number: int, path: Path) -> Job:
             except ValueError as err:
                 raise JobsFileError(f"{where}: {err}") from None
             values[key] = obj[key]
-    return Job(job_id, number, values, tuple(sets))
+    digest = job_digest(values, sets)
+    if job_id is None:
+        return Job(f"j{digest[:12]}", number, values, tuple(sets), digest, named=False)
+    return Job(job_id, number, values, tuple(sets), digest)
 
 
 def job_overrides(nodes: dict[str, dict[str, Any]], job: Job) -> list[str]:
@@ -277,6 +330,29 @@ class Manifest:
         """Ids of the jobs recorded as done (a later failure of the same id does not undo it)."""
         return {e["id"] for e in self.entries() if e.get("status") == DONE}
 
+    def done_keys(self) -> set[tuple[str, Any]]:
+        """What the jobs recorded as done match (`is_done`): (id, digest), or (id, line) for a line
+        written before digests were recorded."""
+        keys: set[tuple[str, Any]] = set()
+        for e in self.entries():
+            if e.get("status") != DONE:
+                continue
+            if isinstance(e.get("digest"), str):
+                keys.add((e["id"], e["digest"]))
+            elif isinstance(e.get("line"), int) and not isinstance(e.get("line"), bool):
+                keys.add((e["id"], e["line"]))
+        return keys
+
+    @staticmethod
+    def is_done(job: Job, keys: set[tuple[str, Any]]) -> bool:
+        """Is `job` among `keys` (`done_keys`)?"""
+        return job.key in keys or job.legacy_key in keys
+
+    @property
+    def claims_folder(self) -> Path:
+        """Where the jobs' claim files are (`Claims`): ``<stem>.claims`` beside the named file."""
+        return self.path.with_name(f"{self._stem}.claims")
+
     def record(self, entry: dict[str, Any]) -> None:
         """Append `entry` as one line of `write_path` (after a newline if the file ends mid-line)."""
         path = self.write_path
@@ -291,6 +367,100 @@ class Manifest:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+class Claims:
+    """One lock file per job (id and digest) in `folder`: a job runs only in the process that holds
+    its lock, so two runs on one jobs file never run a job twice at once.
+
+    The lock is ``flock`` (``msvcrt.locking`` on Windows) on a file that is never removed (removing
+    a lock file lets a third process lock a new file of the same name while the old lock is held);
+    it goes with the process holding it, so a killed run leaves nothing stale. The file holds who
+    claimed it last (host, pid, time), for people. `take` says whether anyone had claimed the job
+    before (then the caller reads the manifest again: that run may have finished it since)."""
+
+    def __init__(self, folder: str | os.PathLike[str]) -> None:
+        self.folder = Path(folder)
+        self._held: dict[tuple[str, str], int] = {}
+
+    def _path(self, job: Job) -> Path:
+        return self.folder / f"{job.id}.{job.digest[:16]}.claim"
+
+    def take(self, job: Job) -> tuple[bool, bool]:
+        """(held now, claimed before): False when another process holds the job. OSError when the
+        folder cannot be written."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self._path(job), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if not _try_lock(fd):
+                os.close(fd)
+                return False, True
+            before = os.fstat(fd).st_size > 0
+            note = json.dumps({"id": job.id, "digest": job.digest, "host": socket.gethostname(), "pid": os.getpid(),
+                               "claimed": datetime.now(timezone.utc).isoformat(timespec="seconds")})
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, note.encode() + b"\n", 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._held[job.key] = fd
+        return True, before
+
+    def release(self, job: Job) -> None:
+        """Let the job go (closing the file drops the lock)."""
+        fd = self._held.pop(job.key, None)
+        if fd is not None:
+            os.close(fd)
+
+    def __del__(self) -> None:  # a batch stopped by an exception: its claim goes with it
+        for fd in self._held.values():
+            os.close(fd)
+        self._held.clear()
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        import msvcrt
+
+        try:
+            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+        except OSError:
+            return False
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+RUN, SKIP, BROKE = 1, 0, 2  # what a group's leader decides for a job (`group_agreement` carries it)
+Agreement = Callable[[int], int]
+
+
+def group_agreement(layout: Any) -> Agreement | None:
+    """The leader's decision for each job (`RUN` / `SKIP` / `BROKE`) sent to every rank of its video
+    group (`layout`: a `ParallelLayout` of several ranks), so the ranks that make a video together run
+    the same jobs whatever the manifest and the claims say by the time each reads them. None: a
+    one-process group decides alone."""
+    if layout is None or layout.world_size <= 1:
+        return None
+    import torch
+    import torch.distributed as dist
+
+    group = layout.group  # None: the whole world is one video (the default group)
+
+    def agree(decision: int) -> int:
+        device = torch.device("cpu")
+        if dist.get_backend(group) == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        value = torch.tensor([decision], dtype=torch.int64, device=device)
+        dist.broadcast(value, src=layout.leader_rank, group=group)
+        return int(value.item())
+
+    return agree
 
 
 @dataclass(frozen=True)
@@ -356,7 +526,8 @@ JobRunner = Callable[[Job], list[str]]  # runs one job, returns the files it wro
 
 
 def run_jobs(jobs: Sequence[Job], run_one: JobRunner, manifest: Manifest, *, place: WorldPlace = WorldPlace(),
-             on_result: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+             on_result: Callable[[dict[str, Any]], None] | None = None, agree: Agreement | None = None,
+             on_skip: Callable[[Job, str], None] | None = None) -> list[dict[str, Any]]:
     """Run this group's unfinished jobs with `run_one`, one manifest line each (leader only).
 
     A job's exception is recorded as failed and the next job runs; an interrupt (Ctrl-C, an
@@ -365,14 +536,19 @@ def run_jobs(jobs: Sequence[Job], run_one: JobRunner, manifest: Manifest, *, pla
     `stops_group`: `parallel.abort.GroupBroken`, one rank failing inside a DiT forward): the group
     cannot run another job, and a rerun resumes after the jobs recorded as done.
     Returns the entries of the jobs run here (``on_result`` sees each as it is recorded).
+
+    Each job is claimed first (`Claims`, leader only; `agree` hands the leader's decision to the
+    rest of a group of several ranks, `group_agreement`): a job another process holds is skipped,
+    and `on_skip` hears ``(job, "done")`` or ``(job, "elsewhere")`` for each job not run here.
     """
-    done = manifest.done()
+    done = manifest.done_keys() if place.leader or agree is None else set()
+    claims = Claims(manifest.claims_folder)
     results = []
     for job in place.share(jobs):
-        if job.id in done:
+        if not _claim(job, manifest, claims, done, place, agree, on_skip):
             continue
         started = time.perf_counter()
-        entry: dict[str, Any] = {"id": job.id, "line": job.line}
+        entry: dict[str, Any] = {"id": job.id, "line": job.line, "digest": job.digest}
         stop: Exception | None = None
         try:
             outputs = run_one(job)
@@ -388,12 +564,48 @@ def run_jobs(jobs: Sequence[Job], run_one: JobRunner, manifest: Manifest, *, pla
                      finished=datetime.now(timezone.utc).isoformat(timespec="seconds"))
         if place.leader:
             manifest.record(entry)
+        claims.release(job)
         results.append(entry)
         if on_result is not None:
             on_result(entry)
         if stop is not None:
             raise stop
     return results
+
+
+def _claim(job: Job, manifest: Manifest, claims: Claims, done: set[tuple[str, Any]], place: WorldPlace,
+           agree: Agreement | None, on_skip: Callable[[Job, str], None] | None) -> bool:
+    """Should this process run `job`: the leader's decision (`_decide`), shared with its group."""
+    decision = SKIP
+    if place.leader or agree is None:
+        try:
+            decision = _decide(job, manifest, claims, done)
+        except OSError as err:
+            if agree is not None:
+                agree(BROKE)
+            raise JobsFileError(f"cannot claim job {job.id} in {claims.folder}: {err.strerror or err}") from None
+    if agree is not None:
+        decision = agree(decision)
+        if decision == BROKE:
+            raise JobsFileError(f"the leader of this group could not claim job {job.id} (its error says why)")
+    if decision == SKIP and on_skip is not None:
+        on_skip(job, "done" if Manifest.is_done(job, done) or not place.leader else "elsewhere")
+    return decision == RUN
+
+
+def _decide(job: Job, manifest: Manifest, claims: Claims, done: set[tuple[str, Any]]) -> int:
+    """RUN when `job` is not done and this process now holds its claim; SKIP otherwise."""
+    if Manifest.is_done(job, done):
+        return SKIP
+    held, before = claims.take(job)
+    if not held:
+        return SKIP
+    if before:  # another run had it: it may have finished it since this run read the manifest
+        done |= manifest.done_keys()
+        if Manifest.is_done(job, done):
+            claims.release(job)
+            return SKIP
+    return RUN
 
 
 _FINISHES = [0]
