@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--width", type=_positive(int))
     parser.add_argument("--frames", type=_positive(int))
     parser.add_argument("--steps", type=_positive(int))
-    parser.add_argument("--cfg", type=_non_negative, default=3.0)
+    parser.add_argument("--cfg", type=_non_negative, default=None,
+                        help="guidance scale (default 3; with --sampler dmd_student its recipe's 1)")
     parser.add_argument("--shift", type=_positive(float), default=3.0)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--fps", type=_positive(float), default=24.0)
@@ -86,7 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="auto: the DiT as stored (bf16, fp8 or GGUF); fp8_e4m3: quantize it on load")
     parser.add_argument("--tiling", action="store_true", help="tiled VAE decode (much less memory)")
     parser.add_argument("--sampler", default=None,
-                        help="flow_unipc (default), euler or dmd_student")
+                        help="flow_unipc (default), euler or dmd_student (a DMD student checkpoint such as "
+                             "robbyant/lingbot-video-moe-dmd-30b-a3b: --steps and --cfg then default to its "
+                             "recipe, 8 and 1)")
     parser.add_argument("--cfg-batch", default="off",
                         help="CFG's two passes as one batch-2 pass: off (default), on, or auto (when the memory "
                              "estimate fits)")
@@ -152,7 +155,10 @@ def _generate(args: argparse.Namespace) -> int:
     output = Path(args.output)
     _check_writable(output)
     check_prefix(args.prefix, output)
-    get_sampler(args.sampler)  # an unknown sampler is bad input, before anything loads
+    recommended = get_sampler(args.sampler).recommended or {}  # an unknown sampler is bad input, before any load
+    if args.cfg is None:  # a sampler's own recipe (the DMD student's cfg 1) unless --cfg says otherwise
+        args.cfg = float(recommended.get("guidance_scale", 3.0))
+    args.recommended_steps = recommended.get("steps")
     from .sampling.step_cache import StepCacheSettings
     from .stage_inputs import check_cfg_batch
 
@@ -187,6 +193,7 @@ def _run(args: argparse.Namespace, output: Path) -> int:
     tiny = args.model is None
     folder = ensure_tiny_checkpoint("moe" if args.refine else "dense") if tiny else args.model
     small = dict(height=64, width=64, frames=9, steps=4) if tiny else dict(height=480, width=832, frames=121, steps=40)
+    small["steps"] = getattr(args, "recommended_steps", None) or small["steps"]
     height, width = args.height or small["height"], args.width or small["width"]
     frames = args.frames or (1 if args.mode == "t2i" else small["frames"])
     steps = args.steps or small["steps"]

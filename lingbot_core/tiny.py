@@ -31,6 +31,7 @@ __all__ = [
     "TINY_FORMAT_VERSION",
     "TINY_MARKER",
     "TINY_VARIANTS",
+    "STUDENT_VARIANT",
     "build_tiny_checkpoint",
     "default_tiny_dir",
     "ensure_tiny_checkpoint",
@@ -45,7 +46,11 @@ TINY_FORMAT_VERSION = 1
 TINY_MARKER = "lingbot_tiny.json"
 """Written last into a finished build: variant, seed, format version and the size of every file."""
 
-TINY_VARIANTS = ("dense", "moe")
+TINY_VARIANTS = ("dense", "moe", "moe-dmd")
+STUDENT_VARIANT = "moe-dmd"
+"""Laid out like the published DMD student root (`robbyant/lingbot-video-moe-dmd-30b-a3b`): the MoE
+architecture, its own transformer weights (a stand-in for the distilled student), the base's text
+encoder, processor and VAE, and no refiner/."""
 
 # --- sizes -------------------------------------------------------------------------------------------
 
@@ -230,7 +235,7 @@ def tiny_dit_config(variant: str = "dense") -> dict[str, Any]:
     """The tiny DiT's config of `variant` (what `transformer/config.json` of a tiny build holds, less
     the diffusers bookkeeping): single-file loading knows this shape as well as the published ones."""
     _check_variant(variant)
-    config = {**_DIT_CONFIG, **(_DIT_MOE_OVERRIDES if variant == "moe" else {})}
+    config = {**_DIT_CONFIG, **(_DIT_MOE_OVERRIDES if _architecture(variant) == "moe" else {})}
     return json.loads(json.dumps(config))  # tuples as lists, as a config file holds them
 
 
@@ -320,7 +325,8 @@ def is_tiny_checkpoint(
 def build_tiny_checkpoint(
     folder: str | os.PathLike[str], variant: str = "dense", *, seed: int = 0, overwrite: bool = False
 ) -> Path:
-    """Write a random-weight LingBot-Video checkpoint of `variant` ("dense" or "moe") to `folder`.
+    """Write a random-weight LingBot-Video checkpoint of `variant` to `folder`: "dense", "moe" (with a
+    refiner), or "moe-dmd" (`STUDENT_VARIANT`: the DMD student release's layout, no refiner/).
 
     Returns the existing folder untouched when it already holds a complete build of the same variant,
     seed and format (unless `overwrite`). The build goes to a temporary sibling folder that is renamed
@@ -355,6 +361,11 @@ def build_tiny_checkpoint(
 def _check_variant(variant: str) -> None:
     if variant not in TINY_VARIANTS:
         raise ValueError(f"unknown tiny checkpoint variant {variant!r}; expected one of {TINY_VARIANTS}")
+
+
+def _architecture(variant: str) -> str:
+    """The DiT architecture of a tiny variant: the student root is a MoE."""
+    return "moe" if variant == STUDENT_VARIANT else variant
 
 
 def _check_replaceable(folder: Path) -> None:
@@ -415,7 +426,10 @@ def _write_checkpoint(root: Path, variant: str, seed: int) -> None:
         _write_processor(root / "processor", tokenizer)
         _write_text_encoder(root / "text_encoder", len(tokenizer), tokenizer, seed)
         _write_vae(root / "vae", seed)
-        _write_transformer(root / TRANSFORMER, variant, seed, TRANSFORMER)
+        # The student's transformer draws from its own streams: the same architecture as the tiny MoE's,
+        # other weights (so a test can tell which DiT ran); the text encoder, processor and VAE are the base's.
+        _write_transformer(root / TRANSFORMER, _architecture(variant), seed,
+                           "transformer-dmd" if variant == STUDENT_VARIANT else TRANSFORMER)
         if variant == "moe":
             _write_transformer(root / REFINER, variant, seed, REFINER)
     version = {"_diffusers_version": diffusers.__version__}

@@ -14,7 +14,8 @@ from .notices import on_node
 from .types import CATEGORY, FRAMES_GRID, MAX_FRAMES, MAX_SIZE, SIZE_GRID, Choice, Pipe, problems_or_true
 from .v3 import io, ui
 
-TINY = {"tiny (built-in dense)": "dense", "tiny (built-in moe)": "moe"}
+TINY = {"tiny (built-in dense)": "dense", "tiny (built-in moe)": "moe",
+        "tiny (built-in moe dmd student)": "moe-dmd"}  # lingbot_core.tiny.TINY_VARIANTS
 DTYPES = {"auto": None, "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 WEIGHTS = ["auto", "fp8_e4m3"]
 ATTENTION = ["default", "native", "_native_math", "_native_flash", "_native_efficient", "flash", "sage",

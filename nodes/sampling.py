@@ -97,7 +97,9 @@ class LingBotDenoise(io.ComfyNode):
                 Choice("sampler", options=SAMPLERS, default="flow_unipc", optional=True,
                        tooltip="flow_unipc: the reference (40 steps, cfg 3). euler: flow Euler (4 steps, cfg 1 "
                                "is the LightLingBot LoRA's trained grid). dmd_student: DMD-distilled student "
-                               "checkpoints (8 steps, cfg 1, shift 3)"),
+                               "checkpoints such as robbyant/lingbot-video-moe-dmd-30b-a3b (8 steps, cfg 1, "
+                               "shift 3; the files do not mark a student, so this choice is how the pack "
+                               "knows)"),
                 io.String.Input("sigmas", default="", optional=True,
                                 tooltip="A custom sigma list, e.g. 1.0, 0.9, 0.75, 0.5 (used as given: shift does not "
                                         "apply; it sets the step count). Empty: the sampler's own grid. "
@@ -121,7 +123,7 @@ class LingBotDenoise(io.ComfyNode):
             steps = len(custom) - (custom[-1] == 0.0)
         from lingbot_core.notices import few_step_notice
 
-        notice = few_step_notice(pipe, sampler, int(steps), float(cfg))  # before the DiT loads
+        notice = few_step_notice(pipe, sampler, int(steps), float(cfg), float(shift))  # before the DiT loads
         start = vae_to_dit(latent_in(latent), pipe.vae_config()) if latent is not None else None
         with runtime.node_work(steps, "denoise", preview=True) as on_step:
             out = run_stage("denoise", pipe, conditioning, height=int(height), width=int(width),

@@ -66,8 +66,10 @@ def test_a_weight_file_beside_the_plain_weights_is_named(fixtures_root, tmp_path
     assert "NOT used" not in caplog.text
 
 
-def _real(folder="ckpt", student=False, loras=()):
-    info = SimpleNamespace(transformer_config={"hidden_size": 2048}, folder=folder)
+def _real(folder="ckpt", student=False, loras=(), variant="moe", has_refiner=True, layout_folder=True):
+    source = SimpleNamespace(config_dir=Path(folder) / "transformer" if layout_folder else None)
+    info = SimpleNamespace(transformer_config={"hidden_size": 2048}, folder=folder, variant=variant,
+                           has_refiner=has_refiner, sources={"transformer": source})
     shared = SimpleNamespace(info=info, transformer_source=("x", "transformer") if student else None)
     from lingbot_core.lora import LoraStack
 
@@ -76,18 +78,47 @@ def _real(folder="ckpt", student=False, loras=()):
 
 def test_few_step_recipes_without_their_lora_or_student_say_so(caplog):
     with caplog.at_level(logging.WARNING, logger="lingbot_core.notices"):
-        dmd = notices.few_step_notice(_real(), "dmd_student", 8, 1.0)
-        again = notices.few_step_notice(_real(), "dmd_student", 8, 1.0)
-    assert dmd and "transformer_path" in dmd and again == dmd
+        dmd = notices.few_step_notice(_real(), "dmd_student", 8, 1.0, 3.0)
+        again = notices.few_step_notice(_real(), "dmd_student", 8, 1.0, 3.0)
+    assert dmd and "transformer_path" in dmd and "refiner/" in dmd and again == dmd
     assert len([r for r in caplog.records if "dmd_student" in r.getMessage()]) == 1  # logged once, shown each run
+    dense = notices.few_step_notice(_real(variant="dense", has_refiner=False), "dmd_student", 8, 1.0, 3.0)
+    assert dense and "no dense student is published" in dense
     four = notices.few_step_notice(_real(), "flow_unipc", 4, 1.0)
-    assert four and "LightLingBot" in four and "40 steps" in four
-    assert notices.few_step_notice(_real(student=True), "dmd_student", 8, 1.0) is None
+    assert four and "LightLingBot" in four and "40 steps" in four and notices.STUDENT_RELEASE in four
+    assert notices.few_step_notice(_real(student=True), "dmd_student", 8, 1.0, 3.0) is None
+    assert notices.few_step_notice(_real(has_refiner=False), "dmd_student", 8, 1.0, 3.0) is None  # the release root
     assert notices.few_step_notice(_real(loras=[object()]), "flow_unipc", 4, 1.0) is None
     assert notices.few_step_notice(_real(), "flow_unipc", 40, 3.0) is None
     tiny = _real()
     tiny.shared.info.transformer_config = {"hidden_size": 32}
     assert notices.few_step_notice(tiny, "dmd_student", 8, 1.0) is None  # the tiny workflows run as shipped
+
+
+def test_a_student_off_its_recipe_is_told_the_recipe():
+    """A declared student (transformer_path) on the base recipe, and dmd_student off its own recipe
+    (cfg > 1, other steps or shift), get the recipe on the node; the recipe comes from the sampler."""
+    recipe = notices.student_recipe()
+    assert recipe["sampler"] == "dmd_student" and recipe["steps"] == 8 and recipe["guidance_scale"] == 1.0
+    base = notices.few_step_notice(_real(student=True), "flow_unipc", 40, 3.0, 3.0)
+    assert base and "transformer_path" in base and "sampler dmd_student, 8 steps, cfg 1, shift 3" in base
+    assert notices.few_step_notice(_real(student=True), "flow_unipc", 8, 3.0, 3.0)  # cfg > 1 alone
+    release = _real(has_refiner=False)
+    cfg = notices.few_step_notice(release, "dmd_student", 8, 3.0, 3.0)
+    assert cfg and "cfg 3" in cfg and "twice" in cfg
+    steps = notices.few_step_notice(release, "dmd_student", 40, 1.0, 3.0)
+    assert steps and "40 steps" in steps and "8 steps" in steps
+    assert notices.few_step_notice(release, "dmd_student", 8, 1.0, 5.0)  # shift off the grid
+
+
+def test_a_folder_laid_out_like_the_student_release_gets_a_hint_that_says_why():
+    """No refiner/ in a MoE folder is the release's layout, not proof: the hint names what it saw,
+    and a folder given as single files (no layout) or a base with its refiner gets none."""
+    hint = notices.few_step_notice(_real(has_refiner=False), "flow_unipc", 40, 3.0, 3.0)
+    assert hint and "without refiner/" in hint and notices.STUDENT_RELEASE in hint and "ignore this" in hint
+    assert notices.few_step_notice(_real(has_refiner=False, layout_folder=False), "flow_unipc", 40, 3.0) is None
+    assert notices.few_step_notice(_real(has_refiner=True), "flow_unipc", 40, 3.0) is None
+    assert notices.few_step_notice(_real(has_refiner=False, variant="dense"), "flow_unipc", 40, 3.0) is None
 
 
 def test_a_real_model_on_the_cpu_warns_once_with_the_likely_reason(monkeypatch, caplog):
