@@ -46,6 +46,17 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(_TINY_DIR, ignore_errors=True)
 
 
+@pytest.fixture(autouse=True)
+def fresh_kernel_verdicts():
+    """Each test starts with no fast kernel judged (`lingbot_core.kernels`): a test that makes one refuse
+    must not send the next test down the plain path."""
+    from lingbot_core import kernels
+
+    kernels.reset()
+    yield
+    kernels.reset()
+
+
 @pytest.fixture(scope="session")
 def fixtures_root() -> Path:
     if not (FIXTURES / "manifest.json").is_file():

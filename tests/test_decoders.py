@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from bench.speed_dit import random_blocks
+from lingbot_core import kernels
 from lingbot_core.weights import decode, gguf_codec
 from lingbot_core.weights.fp8 import FP8_ROWS, dequantize_fp8, quantize_fp8
 from lingbot_core.weights.modules import (
@@ -24,10 +25,10 @@ from lingbot_core.weights.modules import (
 )
 
 
-@pytest.fixture(autouse=True)
-def fresh_verdicts(monkeypatch):
-    """Each test starts with no format judged (the kernels themselves stay cached: compiling is slow)."""
-    monkeypatch.setattr(decode, "_verdicts", {})
+def _judged() -> list[tuple[str, str, str, str]]:
+    """(kernel, device, dtype, verdict) of every fast kernel judged so far (`lingbot_core.kernels`; each
+    test starts with none, tests/conftest.py; the compiled kernels themselves stay cached)."""
+    return [(r["kernel"], r["device"], r["dtype"], r["verdict"]) for r in kernels.verdicts()]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -59,7 +60,7 @@ def test_compiled_decoders_give_the_eager_values_bit_for_bit(dtype):
     want = dequantize_fp8(every_byte, scale, dtype, decoder="eager")
     assert decode.same_values(got, want)  # NaN bytes may decode to another NaN payload compiled
     assert got.isnan().sum() == 6
-    assert all(decode._verdicts.values()) and len(decode._verdicts) == 3
+    assert [v for *_rest, v in _judged()] == [kernels.FAST] * 3
 
 
 def test_same_values_tells_signed_zeros_apart_and_any_nan_from_a_number():
@@ -105,7 +106,7 @@ def test_a_failing_compile_falls_back_to_eager_once_and_for_all(monkeypatch, cap
     assert calls == ["Q8_0"]  # tried once
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "no C++ compiler found" in warnings[0] and "decoding eagerly" in warnings[0]
-    assert decode._verdicts == {("Q8_0", "cpu", torch.bfloat16): False}
+    assert _judged() == [("compiled_decoder/Q8_0", "cpu", "bfloat16", kernels.REFUSED)]
 
 
 def test_a_compiled_decoder_that_differs_is_not_trusted(monkeypatch, caplog):
@@ -122,8 +123,8 @@ def test_a_compiled_decoder_that_differs_is_not_trusted(monkeypatch, caplog):
         first = dequantize_fp8(q, s, torch.float32, decoder="compiled")
         second = dequantize_fp8(q, s, torch.float32, decoder="compiled")
     assert torch.equal(first, want) and torch.equal(second, want)
-    assert any("differs from the eager one" in r.getMessage() for r in caplog.records)
-    assert decode._verdicts == {("fp8_e4m3", "cpu", torch.float32): False}
+    assert any("differs from the eager decoder" in r.getMessage() for r in caplog.records)
+    assert _judged() == [("compiled_decoder/fp8_e4m3", "cpu", "float32", kernels.MISMATCH)]
 
 
 def test_set_decoder_reaches_every_packed_module_and_refuses_unknown_names():
@@ -168,7 +169,7 @@ def test_compiled_decode_runs_under_inference_mode_in_a_worker_thread():
     assert set(results) == {"fp8", "q4_0"}
     for got, want in results.values():
         assert decode.same_values(got, want)
-    assert decode._verdicts and all(decode._verdicts.values())  # compiled, not fallen back
+    assert _judged() and all(v == kernels.FAST for *_rest, v in _judged())  # compiled, not fallen back
 
 
 @pytest.mark.parametrize("kind", [GGMLQuantizationType.F16, GGMLQuantizationType.Q4_0])

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1] / "lingbot_core"
 LAYERS: list[tuple[str, set[str]]] = [
     # knows nothing of the models: errors, tables, the hook registry, cancellation, paths, the graph engine
     ("base", {"errors", "components", "json_text", "caption_schema", "exit_codes", "hooks", "interrupt", "save_path",
-              "workflow"}),
+              "workflow", "kernels"}),
     # pure computation over tensors: the DiT, the scheduler and samplers, image/video/latent prep
     ("models", {"models", "scheduler", "sampling", "image", "video", "latents"}),
     # files -> modules: checkpoints, weight formats, single files, the tiny checkpoint, quantizing, LoRA,

@@ -13,6 +13,11 @@ path routes with fixed shapes (every (token, choice) slot, sorted by expert, per
 tensor), so it has no data-dependent size and compiles without graph breaks (the float32 loop
 does not: it splits by per-expert counts read back to Python). A slot whose gate is exactly zero
 is computed and weighted by zero, which adds nothing.
+
+`torch._grouped_mm` runs on some devices, dtypes and torch versions only (torch <= 2.8: compute
+capability 9.0 and bf16): it is the `grouped_mm` kernel of `lingbot_core.kernels`, tried on its
+first call per device, dtype and torch, its first `CHECK_TOKENS` tokens compared with the loop's;
+where it refuses or differs the loop serves the rest of the process, with one warning.
 """
 
 from __future__ import annotations
@@ -21,10 +26,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .. import kernels
 from .config import MoEConfig
 from .layers import SwiGLU
 
 __all__ = ["ExpertWeights", "Router", "SparseMoE"]
+
+#: tokens of a grouped call's first result compared with the loop's (`kernels.run`'s check)
+CHECK_TOKENS = 64
+#: how far (relative error, `kernels.relative_error`) the grouped result may be from the loop's: both
+#: round to the half-precision dtype between the matmuls (equal on the CPU; on a GPU, not run yet)
+GROUPED_TOLERANCE = 2e-2
 
 
 class Router(nn.Module):
@@ -213,7 +225,13 @@ class SparseMoE(nn.Module):
     def _routed(self, tokens: torch.Tensor) -> torch.Tensor:
         chosen, gates = self.router(tokens)
         if self.use_grouped_mm and _grouped_mm_fits(tokens, self.experts):
-            return self._mix_grouped(tokens, chosen, gates)
+            def against_loop(grouped: torch.Tensor) -> str | None:
+                n = CHECK_TOKENS
+                return kernels.differs(grouped[:n], self._mix_loop(tokens[:n], chosen[:n], gates[:n]), GROUPED_TOLERANCE)
+
+            return kernels.run("grouped_mm", lambda: self._mix_grouped(tokens, chosen, gates),
+                               lambda: self._mix_loop(tokens, chosen, gates), device=tokens.device, dtype=tokens.dtype,
+                               check=against_loop)
         return self._mix_loop(tokens, chosen, gates)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -221,3 +239,21 @@ class SparseMoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+
+@kernels.trial_for("grouped_mm")
+def _grouped_mm_trial(device: torch.device, dtype: torch.dtype, variant: str = "") -> str | None:
+    """`kernels.probe`'s small trial: a 4-expert MoE on 32 tokens in `dtype` on `device` through the
+    grouped path, judged by the trial rule; why it cannot be tried at all, or None."""
+    if not hasattr(torch, "_grouped_mm"):
+        return f"this torch ({torch.__version__}) has no torch._grouped_mm"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"the grouped path runs bf16/fp16 models only, not {dtype}"
+    g = torch.Generator().manual_seed(0)
+    moe = SparseMoE(64, MoEConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))
+    for p in moe.parameters():
+        p.data = torch.randn(p.shape, generator=g) * 0.1
+    moe = moe.to(device=device, dtype=dtype)
+    with torch.no_grad():
+        moe(torch.randn(1, 32, 64, generator=g).to(device=device, dtype=dtype))
+    return None

@@ -16,23 +16,24 @@ matmuls (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) take per-channel 
 
 Which is used (`DECODERS`, set per module by `weights.modules.set_decoder`): `auto` compiles on the
 devices in `COMPILE_DEVICES` for formats marked `compiles` and weights of at least
-`COMPILE_MIN_VALUES` values (a tiny model is not worth a compile), else eager. The first compiled
-decode of each format, dtype and device is checked bit for bit against the eager one; a compile
-failure (no C++ compiler, say) or any difference falls back to eager for the rest of the process,
-with one warning. Measured with `python bench/speed_dit.py --only decode,quantized`
+`COMPILE_MIN_VALUES` values (a tiny model is not worth a compile), else eager. Each format's compiled
+decoder is a fast kernel of `lingbot_core.kernels` (`compiled_decoder/<format>`): its first decode per
+device, dtype and torch is checked bit for bit against the eager one; a compile failure (no C++
+compiler, say) or any difference falls back to eager for the rest of the process, with one warning. Measured with `python bench/speed_dit.py --only decode,quantized`
 (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import types
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from .. import kernels
 
 log = logging.getLogger("lingbot_core.weights.decode")
 
@@ -89,8 +90,6 @@ def check_decoder(value: object) -> str:
 # -- compiled kernels ------------------------------------------------------------------------------
 
 _kernels: dict[str, Callable[..., None]] = {}
-_verdicts: dict[tuple[str, str, torch.dtype], bool] = {}  # (format, device type, dtype) -> compiled is usable
-_lock = threading.Lock()
 
 
 def _kernel(fmt: PackedFormat) -> Callable[..., None]:
@@ -135,31 +134,30 @@ def _eager_into(rows: torch.Tensor, extra: torch.Tensor | None, fmt: PackedForma
         out[part].copy_(fmt.eager(rows[part], None if extra is None else extra[part]).reshape(-1, per_row))
 
 
+def kernel_name(fmt: PackedFormat) -> str:
+    """The name `lingbot_core.kernels` judges `fmt`'s compiled decoder by: `compiled_decoder/<format>`."""
+    return f"compiled_decoder/{fmt.name}"
+
+
 def _compiled_into(rows: torch.Tensor, extra: torch.Tensor | None, fmt: PackedFormat, out: torch.Tensor) -> bool:
     """Decode into `out` through the compiled kernel and return True; False (`out` untouched) where
-    this format, device and dtype decode eagerly after a failed or differing first try."""
-    key = (fmt.name, out.device.type, out.dtype)
-    verdict = _verdicts.get(key)
-    if verdict is None:
-        with _lock:
-            if key not in _verdicts:
-                _verdicts[key] = _first_compiled(rows, extra, fmt, out)
-                return True  # the first call leaves `out` right either way
-        verdict = _verdicts[key]
-    if not verdict:
+    this format, device and dtype decode eagerly after a failed or differing first try.
+
+    The first call per format, device, dtype (and torch) is the kernel's trial (`lingbot_core.kernels`):
+    compiled, then checked against the eager decoder bit for bit; a compile failure (no C++ compiler,
+    an op it cannot lower) or any difference leaves `out` decoded eagerly and the format eager for the
+    rest of the process, with one warning."""
+    name = kernel_name(fmt)
+    if not kernels.usable(name, out.device, out.dtype):
         return False
-    _kernel(fmt)(rows, extra, out)
-    return True
+    first = kernels.verdict(name, out.device, out.dtype) is None
 
-
-def _first_compiled(rows: torch.Tensor, extra: torch.Tensor | None, fmt: PackedFormat, out: torch.Tensor) -> bool:
-    """Compile `fmt`'s kernel, decode `out` with it and check that against the eager decoder bit for
-    bit; whether the compiled kernel may be used from now on. `out` ends right either way."""
-    label = f"{fmt.name} -> {str(out.dtype).replace('torch.', '')} on {out.device.type}"
-    log.info("lingbot: compiling the %s weight decoder (once per process)", label)
-    expected = torch.empty_like(out)
-    _eager_into(rows, extra, fmt, expected)
-    try:
+    def compiled() -> bool:
+        if not first:
+            _kernel(fmt)(rows, extra, out)
+            return True
+        log.info("lingbot: compiling the %s -> %s weight decoder on %s (once per process)", fmt.name,
+                 str(out.dtype).replace("torch.", ""), out.device.type)
         # one small C++ kernel: compiled in this process (no pool of compile workers, one per CPU core,
         # started on a big server for it); inductor's note on mixing fp16 scales with bf16 output is noise
         import torch._inductor.config as inductor_config
@@ -167,16 +165,19 @@ def _first_compiled(rows: torch.Tensor, extra: torch.Tensor | None, fmt: PackedF
         with inductor_config.patch(compile_threads=1), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="bf16 and fp16 are mixed")
             _kernel(fmt)(rows, extra, out)
-    except Exception as exc:  # a missing C++ compiler, an op it cannot lower: the eager decoder still works
-        first_line = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-        log.warning("lingbot: the compiled %s weight decoder failed (%s: %s); decoding eagerly instead",
-                    label, type(exc).__name__, first_line)
-        out.copy_(expected)
-        return False
-    if not same_values(out, expected):
-        log.warning("lingbot: the compiled %s weight decoder differs from the eager one; decoding eagerly", label)
-        out.copy_(expected)
-        return False
+        return True
+
+    def eager() -> bool:
+        _eager_into(rows, extra, fmt, out)
+        return True
+
+    def against_eager(_done: bool) -> str | None:
+        expected = torch.empty_like(out)
+        _eager_into(rows, extra, fmt, expected)
+        return None if same_values(out, expected) else "its values differ from the eager decoder's"
+
+    kernels.run(name, compiled, eager, device=out.device, dtype=out.dtype, check=against_eager,
+                label=f"the compiled {fmt.name} weight decoder")
     return True
 
 
@@ -215,3 +216,16 @@ def decode_rows(rows: torch.Tensor, per_row: int, fmt: PackedFormat, dtype: torc
         return out
     _eager_into(rows, extra, fmt, out)
     return out
+
+
+@kernels.trial_for("compiled_decoder")
+def _decoder_trial(device: torch.device, dtype: torch.dtype, variant: str = "") -> str | None:
+    """`kernels.probe`'s small trial: the compiled fp8 decoder (or the format `variant` names, where it is
+    fp8) over 4 rows of 64 values into `dtype` on `device`, judged by the trial rule."""
+    from .fp8 import FP8_ROWS, quantize_fp8
+
+    if variant and variant != FP8_ROWS.name:
+        return None  # nothing small to try for this format here: the first real decode is its trial
+    q, scale = quantize_fp8(torch.randn(4, 64, generator=torch.Generator().manual_seed(0)))
+    decode_rows(q.to(device), 64, FP8_ROWS, dtype, device, extra=scale.to(device), decoder="compiled")
+    return None

@@ -1,0 +1,165 @@
+"""Fast kernels by trial (`lingbot_core.kernels`): a refusing or differing kernel gives the plain path's
+output, with one warning, for the rest of the process; CUDA-only branches through fakes."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from bench._common import random_dit
+from lingbot_core import kernels
+from lingbot_core.models import moe as moe_module
+
+TINY_MOE = dict(hidden_size=32, num_attention_heads=2, depth=2, intermediate_size=64, text_dim=32, freq_dim=32,
+                axes_dims=(4, 6, 6), axes_lens=(64, 32, 32), num_experts=4, num_experts_per_tok=2,
+                moe_intermediate_size=16, n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5)
+SM90_ONLY = "torch._grouped_mm is only supported on CUDA devices with compute capability = 9.0"
+
+
+def _inputs(b=1, text=8):
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(b, 16, 2, 4, 4, generator=g), torch.tensor([700.0] * b),
+            torch.randn(b, text, 32, generator=g))
+
+
+def _loop_only(model):
+    for m in model.modules():
+        if isinstance(m, moe_module.SparseMoE):
+            m.use_grouped_mm = False
+
+
+def test_a_refusing_grouped_mm_falls_back_to_the_expert_loop(monkeypatch):
+    """The issue's reproduction: torch <= 2.8 off sm90 raises inside the first MoE block."""
+    model = random_dit(TINY_MOE).to(torch.bfloat16)
+    x, t, text = _inputs()
+
+    def refuses(*args, **kwargs):
+        raise RuntimeError(SM90_ONLY)
+
+    monkeypatch.setattr(torch, "_grouped_mm", refuses)
+    with torch.no_grad():
+        got = model(x, t, text).sample
+        _loop_only(model)
+        want = model(x, t, text).sample
+    assert torch.equal(got, want)
+
+
+def _warnings(caplog):
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_the_refusal_is_warned_once_and_the_kernel_is_not_called_again(monkeypatch, caplog):
+    model = random_dit(TINY_MOE).to(torch.bfloat16)
+    calls = []
+
+    def refuses(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError(SM90_ONLY + "\nmore detail")
+
+    monkeypatch.setattr(torch, "_grouped_mm", refuses)
+    with caplog.at_level(logging.WARNING), torch.no_grad():
+        first = model(*_inputs()).sample
+        second = model(*_inputs()).sample
+    assert torch.equal(first, second) and calls == [1]
+    said = _warnings(caplog)
+    assert len(said) == 1 and "grouped_mm" in said[0] and SM90_ONLY in said[0] and "more detail" not in said[0]
+    assert kernels.KERNELS["grouped_mm"].fallback in said[0]
+    [row] = kernels.verdicts()
+    assert (row["kernel"], row["verdict"], row["dtype"]) == ("grouped_mm", kernels.REFUSED, "bfloat16")
+    assert SM90_ONLY in row["reason"]
+
+
+def test_a_differing_grouped_mm_gives_the_loop_output_with_one_warning(monkeypatch, caplog):
+    model = random_dit(TINY_MOE).to(torch.bfloat16)
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: real(*a, **k) * 1.5)
+    with caplog.at_level(logging.WARNING), torch.no_grad():
+        got = [model(*_inputs()).sample for _ in range(2)]
+        _loop_only(model)
+        want = model(*_inputs()).sample
+    assert torch.equal(got[0], want) and torch.equal(got[1], want)
+    said = _warnings(caplog)
+    assert len(said) == 1 and "grouped_mm" in said[0] and "relative error" in said[0]
+    assert [r["verdict"] for r in kernels.verdicts()] == [kernels.MISMATCH]
+
+
+def test_a_working_grouped_mm_is_trusted_after_its_first_call(monkeypatch):
+    model = random_dit(TINY_MOE).to(torch.bfloat16)
+    checks = []
+    real = kernels.differs
+    monkeypatch.setattr(kernels, "differs", lambda *a: checks.append(1) or real(*a))
+    with torch.no_grad():
+        model(*_inputs())
+        model(*_inputs())
+    assert [r["verdict"] for r in kernels.verdicts()] == [kernels.FAST]
+    assert len(checks) == 1  # the first MoE call of the first forward only (one trial key)
+
+
+# -- the rule itself, with device labels and fakes -------------------------------------------------
+
+def _refuse():
+    raise RuntimeError("no kernel image is available for execution on the device")
+
+
+def test_each_capability_dtype_and_torch_version_is_tried_on_its_own(monkeypatch):
+    cuda = torch.device("cuda")  # a label: the work below runs on the CPU
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
+    assert kernels.run("grouped_mm", _refuse, lambda: "plain", device=cuda, dtype=torch.bfloat16) == "plain"
+    assert kernels.run("grouped_mm", lambda: "fast", lambda: "plain", device=cuda, dtype=torch.bfloat16) == "plain"
+    assert kernels.run("grouped_mm", lambda: "fast", lambda: "plain", device=cuda, dtype=torch.float16) == "fast"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert kernels.run("grouped_mm", lambda: "fast", lambda: "plain", device=cuda, dtype=torch.bfloat16) == "fast"
+    monkeypatch.setattr(torch, "__version__", "2.7.1+cu126")
+    assert kernels.run("grouped_mm", _refuse, lambda: "plain", device=cuda, dtype=torch.bfloat16) == "plain"
+    rows = {(r["capability"], r["dtype"], r["torch"]): r["verdict"] for r in kernels.verdicts()}
+    now = str(torch.torch_version.__version__)
+    assert rows == {("8.6", "bfloat16", now): kernels.REFUSED, ("8.6", "float16", now): kernels.FAST,
+                    ("9.0", "bfloat16", now): kernels.FAST, ("9.0", "bfloat16", "2.7.1+cu126"): kernels.REFUSED}
+    assert kernels.verdict("grouped_mm", cuda, torch.bfloat16) == kernels.REFUSED
+    assert not kernels.usable("grouped_mm", cuda, torch.bfloat16)
+    assert kernels.usable("grouped_mm", cuda, torch.float32)  # not tried yet
+
+
+def test_running_out_of_memory_or_an_interrupt_is_not_a_refusal():
+    from lingbot_core.workflow.errors import Interrupted
+
+    for error in (torch.OutOfMemoryError("CUDA out of memory"), Interrupted("stop")):
+        def fails(error=error):
+            raise error
+
+        with pytest.raises(type(error)):
+            kernels.run("grouped_mm", fails, lambda: "plain", device="cpu", dtype=torch.bfloat16)
+    assert kernels.verdicts() == []
+
+
+def test_unknown_kernels_are_refused_by_name():
+    with pytest.raises(KeyError, match="unknown fast kernel 'warp_mm'"):
+        kernels.run("warp_mm", lambda: 1, lambda: 2, device="cpu", dtype=None)
+
+
+def test_relative_error_tells_nan_positions_apart():
+    a = torch.tensor([1.0, float("nan"), 3.0])
+    assert kernels.relative_error(a, a.clone()) == 0.0
+    assert kernels.relative_error(a, torch.tensor([1.0, 2.0, 3.0])) == float("inf")
+    assert kernels.differs(a * 1.5, a, 0.1) and kernels.differs(a * 1.01, a, 0.1) is None
+
+
+def test_every_kernel_family_registers_a_probe_trial():
+    for name in kernels.KERNELS:
+        row = kernels.probe(name, "meta", torch.bfloat16)
+        assert row["kernel"] == name and "no trial is registered" not in row["reason"], row
+
+
+def test_probing_grouped_mm_reports_a_refusal_and_keeps_no_good_verdict(monkeypatch, caplog):
+    if hasattr(torch, "_grouped_mm"):
+        good = kernels.probe("grouped_mm", "cpu", torch.bfloat16)
+        assert good["verdict"] == kernels.FAST and kernels.verdicts() == []  # the first real call is the trial
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: _refuse())
+    with caplog.at_level(logging.WARNING):
+        bad = kernels.probe("grouped_mm", "cpu", torch.bfloat16)
+    assert bad["verdict"] == kernels.REFUSED and "no kernel image" in bad["reason"]
+    assert not _warnings(caplog)  # the prober says it; the process remembers it
+    assert kernels.verdicts() == [bad]
+    assert kernels.probe("grouped_mm", "cpu", torch.float32)["verdict"] == kernels.REFUSED  # not a dtype it runs
