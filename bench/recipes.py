@@ -85,8 +85,11 @@ def sizes_for(variant: str, fmt: str):
     facts = model_facts()[variant]
     sizes, dit = facts["sizes"], facts["dit"]
     ratio = dit[fmt] / dit["bf16"]
+    # the pinned copies (group offload's) scale alike: the same tensors, each at its share of the format's bytes
     return replace(sizes, transformer=int(sizes.transformer * ratio), refiner=int(sizes.refiner * ratio),
-                   largest_block=int(sizes.largest_block * ratio))
+                   largest_block=int(sizes.largest_block * ratio),
+                   pinned_transformer=int(sizes.pinned("transformer") * ratio),
+                   pinned_refiner=int(sizes.pinned("refiner") * ratio))
 
 
 @dataclass(frozen=True)

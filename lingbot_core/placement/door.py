@@ -117,9 +117,13 @@ def _free_budget(shared: SharedComponents, device: torch.device, wanted: int) ->
 
 
 def free_accelerator_bytes(device: torch.device) -> int:
+    """Bytes a new allocation on `device` can have: what the driver reports free plus what torch's caching
+    allocator holds reserved but unused (earlier stages' freed blocks, which `mem_get_info` counts as used
+    but torch hands out again without asking the driver; ComfyUI's `get_free_memory` counts them the same way)."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
+        cached = int(torch.cuda.memory_reserved(device)) - int(torch.cuda.memory_allocated(device))
+        return int(free) + max(cached, 0)
     raise ValueError(f"auto offload needs an accelerator to measure; the device is {device}")
 
 
@@ -513,7 +517,9 @@ def check_handle(handle: object, geometry: estimate.Geometry, *, mode: str | Non
         vram_free = _free_budget(handle.shared, device, estimate.estimate_peak(mode, sizes, geometry) + estimate.RESERVE_BYTES)
     if host_free is None:
         host_free = estimate.available_host_bytes()
-    verdict = fit.check(sizes, geometry, mode, offload_to, vram_free=vram_free, host_free=host_free)
+    pinned = device.type == "cuda" and not (mode == settings.mode and (not settings.option("use_stream", True)
+                                                                    or settings.option("low_cpu_mem_usage", False)))
+    verdict = fit.check(sizes, geometry, mode, offload_to, vram_free=vram_free, host_free=host_free, pinned=pinned)
     if verdict.ok:
         log.info("offload '%s': %s", mode, verdict.line())
     else:

@@ -42,7 +42,7 @@ estimate against measured peak per mode.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -50,7 +50,7 @@ import torch
 
 from ..components import DITS, REFINER, TRANSFORMER
 from .modes import MODE_CLASSES
-from .tensors import stored_bytes
+from .tensors import module_tensors, stored_bytes, unique_storages
 
 GiB = 1024**3
 DIT_ACT_FACTOR = 14
@@ -111,6 +111,16 @@ class ModelSizes:
     text_kv_bytes_per_token: int = 0
     text_vocab: int = 0
     text_head: int = 0
+    # host bytes of each component's tensors once pinned (`pinned_bytes`: every tensor rounded up to a
+    # power of two); None where the tensor sizes are unknown (`host_bytes` then counts the bound, 2x)
+    pinned_transformer: int | None = None
+    pinned_refiner: int | None = None
+    pinned_text_encoder: int | None = None
+
+    def pinned(self, name: str) -> int:
+        """Host bytes component `name` holds pinned (its pinned figure, else the bound: twice its bytes)."""
+        given = getattr(self, f"pinned_{name}")
+        return getattr(self, name) * PINNED_BOUND if given is None else given
 
     @classmethod
     def from_handle(cls, handle: Any) -> ModelSizes:
@@ -124,7 +134,7 @@ class ModelSizes:
         """Loaded components count the bytes their tensors hold. The DiTs not loaded yet count what
         the weights loader will hold (`weights.estimate`: fp8 values + scales, GGUF blocks, plain
         tensors at their load dtype); the other components their files scaled to the load dtype."""
-        from ..weights.estimate import dit_compute_bytes, dit_load_bytes
+        from ..weights.estimate import dit_compute_bytes, dit_load_bytes, dit_tensor_bytes
 
         if info is None:
             raise ValueError("size estimates need a handle opened from a checkpoint folder")
@@ -147,6 +157,17 @@ class ModelSizes:
                 return on_disk
             return on_disk * torch.finfo(dtype).bits // _stored_bits(info.sources.get(name))
 
+        def pinned(name: str) -> int | None:
+            if name == REFINER and not info.has_refiner:
+                return 0
+            if isinstance(loaded.get(name), torch.nn.Module):
+                return module_pinned_bytes(loaded[name])
+            if name in DITS:
+                sizes = dit_tensor_bytes(info.sources.get(name), dtypes.get(name), weights)
+            else:
+                sizes = _tensor_bytes(info.sources.get(name), dtypes.get(name, torch.float32))
+            return pinned_bytes(sizes) if sizes else None
+
         moe = bool(cfg.get("num_experts"))
         dit, text = held(TRANSFORMER), held("text_encoder")
         depth = int(cfg.get("depth", 24))
@@ -160,6 +181,8 @@ class ModelSizes:
             largest_block=math.ceil(dit / max(depth, 1)),
             text_largest_layer=math.ceil(text / TEXT_LAYERS_GUESS),
             **text_generation_shape(text_config_of(info), dtypes.get("text_encoder") or torch.float32),
+            pinned_transformer=pinned(TRANSFORMER), pinned_refiner=pinned(REFINER),
+            pinned_text_encoder=pinned("text_encoder"),
         )
 
     @classmethod
@@ -182,6 +205,8 @@ class ModelSizes:
             largest_block=max(stored_bytes(b, include_meta=True) for b in dit.blocks),
             text_largest_layer=math.ceil(text / TEXT_LAYERS_GUESS),
             **module_generation_shape(components.get("text_encoder")),
+            pinned_transformer=module_pinned_bytes(dit), pinned_refiner=module_pinned_bytes(components.get(REFINER)),
+            pinned_text_encoder=module_pinned_bytes(components.get("text_encoder")),
         )
 
 
@@ -254,6 +279,35 @@ def _stored_bits(source: Any) -> int:
         width = 8 * SAFETENSORS_ITEMSIZE.get(entry.dtype, 4)
         by_width[width] = by_width.get(width, 0) + entry.nbytes
     return max(by_width, key=by_width.get) if by_width else 32
+
+
+def _tensor_bytes(source: Any, dtype: torch.dtype | None) -> list[int]:
+    """Bytes of each tensor of a (non-DiT) component's safetensors files once loaded in `dtype` (as stored
+    when None); empty when its files are not safetensors (the sizes are then unknown)."""
+    from ..weights.safetensors_header import SAFETENSORS_ITEMSIZE
+
+    if source is None or getattr(getattr(source, "format", None), "name", None) != "safetensors":
+        return []
+    out = []
+    for entry in source.stored_tensors().values():
+        itemsize = SAFETENSORS_ITEMSIZE.get(entry.dtype, 4)
+        out.append(entry.nbytes * torch.finfo(dtype).bits // (8 * itemsize) if dtype is not None else entry.nbytes)
+    return out
+
+
+def pinned_bytes(tensor_bytes: Iterable[int]) -> int:
+    """Host bytes that pinning tensors of these sizes one by one takes (`Tensor.pin_memory()`, which
+    diffusers' group offloading with a stream calls once per tensor of every group). torch's pinned-memory
+    allocator (`CachingHostAllocator::allocate` in ATen/core/CachingHostAllocator.h) rounds each request
+    up to the next power of two, unless `PYTORCH_ALLOC_CONF` sets a `pinned_max_round_threshold` below it."""
+    return sum(1 << (int(n) - 1).bit_length() for n in tensor_bytes if n > 0)
+
+
+def module_pinned_bytes(module: Any) -> int:
+    """`pinned_bytes` of a module's storages (a `meta` one counts its size as loaded)."""
+    if not isinstance(module, torch.nn.Module):
+        return 0
+    return pinned_bytes(n for _t, n in unique_storages(t for _o, _k, _n, t in module_tensors(module)))
 
 
 def activation_bytes(sizes: ModelSizes, geometry: Geometry) -> dict[str, int]:
@@ -387,18 +441,33 @@ def resolve_chunk(mode: str, sizes: ModelSizes, geometry: Geometry, budget_bytes
     return replace(geometry, ffn_chunk=chunk)
 
 
-def host_bytes(mode: str, sizes: ModelSizes, offload_to: str = "ram") -> int:
-    """Host RAM the weights need under `mode` and `offload_to` (see the module docstring)."""
+def host_bytes(mode: str, sizes: ModelSizes, offload_to: str = "ram", *, pinned: bool = True) -> int:
+    """Host RAM the weights need under `mode` and `offload_to` at their peak (see the module docstring).
+
+    `pinned`: the mode pins its host copies where it can (`Mode.pins`: `group` with a prefetch stream,
+    what `auto` installs on CUDA). A pinned component takes `ModelSizes.pinned` bytes; it is pinned one
+    tensor at a time (`modes.group.pin_in_place`), so while it installs one tensor is held twice, at
+    most the largest of a DiT block and the text encoder's embedding."""
     if mode not in MODE_CLASSES:
         raise ValueError(f"no estimate for mode {mode!r}")
-    if MODE_CLASSES[mode].keeps_resident:
+    cls = MODE_CLASSES[mode]
+    if cls.keeps_resident:
         return 0  # everything lives on the accelerator
-    others = sizes.text_encoder + sizes.vae
-    if offload_to == "disk":
-        from .modes.disk import unit_bytes
+    from .modes.disk import unit_bytes
 
-        return others + unit_bytes(mode, sizes)
-    return others + sizes.transformer + sizes.refiner
+    pins = cls.pins if pinned else frozenset()
+    dits = ("transformer", "refiner") if offload_to != "disk" else ()
+    held = {"text_encoder": sizes.text_encoder, "vae": sizes.vae}
+    held.update({n: getattr(sizes, n) for n in dits})
+    pinned_now = {n: sizes.pinned(n) for n in held if n in pins}
+    steady = sum(pinned_now.get(n, b) for n, b in held.items())
+    installing = max(sizes.largest_block, sizes.text_head) if pinned_now else 0
+    return steady + installing + (unit_bytes(mode, sizes) if offload_to == "disk" else 0)
+
+
+PINNED_BOUND = 2
+"""A tensor pinned alone takes less than twice its bytes (the power-of-two rounding of `pinned_bytes`):
+what `host_bytes` counts where the tensor sizes are unknown (a GGUF or single-file component)."""
 
 
 def available_host_bytes() -> int | None:

@@ -161,12 +161,13 @@ def _advice(sizes: ModelSizes, g: Geometry, mode: str, offload_to: str, vram: in
 
 
 def check(sizes: ModelSizes, geometry: Geometry, mode: str, offload_to: str = "ram", *,
-          vram_free: int | None, host_free: int | None) -> Fit:
+          vram_free: int | None, host_free: int | None, pinned: bool = True) -> Fit:
     """The fit of one explicit mode (not `auto`) with its advice when it does not fit. An `"auto"` FFN
-    chunk is resolved against `vram_free` (`Fit.ffn_chunk`: the chunk the estimate counted)."""
+    chunk is resolved against `vram_free` (`Fit.ffn_chunk`: the chunk the estimate counted). `pinned`:
+    the mode keeps pinned host copies (`estimate.host_bytes`; `group` without a stream does not)."""
     resolved = estimate.resolve_chunk(mode, sizes, geometry, vram_free)
     fit = Fit(mode, offload_to, geometry, estimate.estimate_peak(mode, sizes, resolved), vram_free,
-              estimate.host_bytes(mode, sizes, offload_to), host_free,
+              estimate.host_bytes(mode, sizes, offload_to, pinned=pinned), host_free,
               ffn_chunk=resolved.ffn_chunk if isinstance(resolved.ffn_chunk, int) else None)
     if fit.ok:
         return fit

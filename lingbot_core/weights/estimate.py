@@ -47,11 +47,20 @@ def _headers(source: Any) -> list | None:
 def dit_load_bytes(source: Any, dtype: torch.dtype | None, weights: str = "auto") -> int:
     """Bytes of a DiT loaded from `source` (a resolved `ComponentSource`, or its files) with this dtype
     (None: as stored) and weights mode."""
-    headers = _headers(source)
-    if headers is None:  # GGUF: blocks stay packed; the header is negligible
+    sizes = dit_tensor_bytes(source, dtype, weights)
+    if sizes is None:  # GGUF: blocks stay packed; the header is negligible
         files = source if isinstance(source, (list, tuple)) else source.files
         return sum(Path(f).stat().st_size for f in files)
-    total = 0
+    return sum(sizes)
+
+
+def dit_tensor_bytes(source: Any, dtype: torch.dtype | None, weights: str = "auto") -> list[int] | None:
+    """`dit_load_bytes` tensor by tensor (fp8 on load: the values and their scales as two); None for a
+    GGUF source (its sizes are not read here)."""
+    headers = _headers(source)
+    if headers is None:
+        return None
+    out = []
     for header in headers:
         for key, info in header.tensors.items():
             shape = info.shape
@@ -60,15 +69,15 @@ def dit_load_bytes(source: Any, dtype: torch.dtype | None, weights: str = "auto"
                 numel *= n
             stored_bits = _BITS.get(info.dtype, 32)
             if info.dtype.startswith("F8") or key.endswith(".scale"):
-                total += numel * stored_bits // 8
+                out.append(numel * stored_bits // 8)
             elif weights == FP8 and _quantizable_on_load(key, shape):
-                total += numel + 4 * (numel // shape[-1])
+                out += [numel, 4 * (numel // shape[-1])]
             elif _keeps_fp32(key):
-                total += numel * 4
+                out.append(numel * 4)
             else:
                 bits = torch.finfo(dtype).bits if dtype is not None else stored_bits
-                total += numel * bits // 8
-    return total
+                out.append(numel * bits // 8)
+    return out
 
 
 def dit_compute_bytes(source: Any, dtype: torch.dtype | None) -> int:

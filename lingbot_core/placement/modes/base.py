@@ -62,6 +62,9 @@ class Mode:
     "block" or "layer"; None: the mode keeps no host home to replace (it does not stream)."""
     summary: ClassVar[str] = ""
     """One phrase for the Offload node's tooltip."""
+    pins: ClassVar[frozenset[str]] = frozenset()
+    """The components whose host copies the mode pins (page-locked) when it runs with its defaults on an
+    accelerator: `estimate.host_bytes` counts them at their pinned size (`ModelSizes.pinned`)."""
     keeps_resident: ClassVar[bool] = False
     """True if components may stay on the device between stages (`none`)."""
     whole: ClassVar[frozenset[str] | None] = frozenset()

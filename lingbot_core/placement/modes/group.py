@@ -37,6 +37,22 @@ def group_targets(name: str, module: torch.nn.Module) -> list[torch.nn.Module]:
     return []
 
 
+def pin_in_place(module: torch.nn.Module) -> None:
+    """Rebind every CPU tensor of `module` to a pinned copy, one tensor at a time.
+
+    With a stream, diffusers pins a copy of each tensor of every group of a target before its hooks
+    rebind the weights to those copies, so the whole pageable target would live next to its pinned
+    copy for a moment. Pinned here first, its `pin_memory()` returns the tensor itself (no copy), and the
+    host holds the pageable and the pinned bytes of one tensor at a time."""
+    seen: set[int] = set()
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            if id(t) in seen or t.device.type != "cpu" or t.is_pinned():
+                continue
+            seen.add(id(t))
+            t.data = t.data.pin_memory()
+
+
 def group_is_onloaded(group: Any) -> bool:
     """Does any tensor of the group live off its offload device?"""
     tensors = [*group.parameters, *group.buffers]
@@ -77,6 +93,7 @@ class GroupMode(Mode):
     disk_unit = "block"
     summary = "DiT blocks streamed"
     whole = frozenset(WHOLE)
+    pins = frozenset({*DITS, "text_encoder"})  # with a stream: diffusers keeps a pinned copy of every grouped tensor
 
     @classmethod
     def check(cls, settings, device, loaded, layout=None) -> None:
@@ -117,6 +134,8 @@ class GroupMode(Mode):
 
         s = self.settings
         use_stream = bool(s.option("use_stream", self.device.type == "cuda"))
+        if use_stream and not s.option("low_cpu_mem_usage", False):
+            pin_in_place(module)
         for target in targets:
             apply_group_offloading(
                 target, onload_device=self.device, offload_device=CPU, offload_type="block_level",
