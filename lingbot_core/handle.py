@@ -337,14 +337,21 @@ def check_ffn_chunk(value: Any) -> int | str | None:
 
 def check_fp8_matmul(value: Any, device: torch.device) -> str:
     """The fp8 matmul setting, checked (`weights.fp8.FP8_MATMULS`); `scaled_mm` is refused here, before
-    anything loads, on a device that cannot run it (`auto` falls back to decode there)."""
+    anything loads, where a small trial on the device fails (`kernels.probe`; `auto` decodes there)."""
     from .weights.fp8 import FP8_MATMULS, scaled_mm_problem
 
     if not isinstance(value, str) or value not in FP8_MATMULS:
         raise ValueError(f"fp8_matmul must be one of {', '.join(FP8_MATMULS)}; got {quoted(value)}")
-    if value == "scaled_mm" and (problem := scaled_mm_problem(device, torch.bfloat16, 16, 16)):
-        raise ValueError(f"fp8_matmul scaled_mm cannot run here: {problem}; choose auto (fp8 tensor cores where "
-                         "the GPU has them, else decode) or decode")
+    if value == "scaled_mm":
+        problem = scaled_mm_problem(device, torch.bfloat16, 16, 16)
+        if problem is None:
+            from . import kernels
+
+            trial = kernels.probe("scaled_mm", device, torch.bfloat16)
+            problem = None if trial["verdict"] == kernels.FAST else f"torch._scaled_mm {trial['verdict']}: {trial['reason']}"
+        if problem:
+            raise ValueError(f"fp8_matmul scaled_mm cannot run here: {problem}; choose auto (fp8 tensor cores where "
+                             "the GPU runs them, else decode) or decode")
     return value
 
 

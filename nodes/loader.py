@@ -56,8 +56,9 @@ def fp8_matmul_input() -> Choice:
     return Choice("fp8_matmul", options=list(FP8_MATMULS), default="decode", optional=True,
                   tooltip="fp8 DiT weights only. decode: each layer's weight is decoded to bf16 for its matmul "
                           "(exact, every device); auto: fp8 tensor cores (torch._scaled_mm, the activations "
-                          "quantized per row: faster, not bit-equal) on GPUs of compute capability 9.0+, else "
-                          "decode; scaled_mm: always the tensor cores (refused where the GPU has none)")
+                          "quantized per row: faster, not bit-equal) for bf16 on GPUs of compute capability 8.9+, "
+                          "else decode; scaled_mm: the tensor cores (refused when the Loader opens if a trial on "
+                          "the GPU fails). Where the first fp8 matmul fails or differs, the layers decode (one warning)")
 
 
 def checkpoint_choices() -> list[str]:

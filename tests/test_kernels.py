@@ -163,3 +163,101 @@ def test_probing_grouped_mm_reports_a_refusal_and_keeps_no_good_verdict(monkeypa
     assert not _warnings(caplog)  # the prober says it; the process remembers it
     assert kernels.verdicts() == [bad]
     assert kernels.probe("grouped_mm", "cpu", torch.float32)["verdict"] == kernels.REFUSED  # not a dtype it runs
+
+
+# -- torch._scaled_mm (fp8 linears) ---------------------------------------------------------------------
+
+def _fp8_layer(wanted="scaled_mm"):
+    from lingbot_core.weights.modules import QuantizedLinear
+
+    layer = QuantizedLinear.from_linear_fp8(torch.randn(32, 64, generator=torch.Generator().manual_seed(2)) * 0.02,
+                                            torch.zeros(32), torch.bfloat16)
+    layer.fp8_matmul = wanted
+    return layer
+
+
+def _on_a_fake_gpu(monkeypatch, capability=(8, 9)):
+    """The CPU passes for a CUDA device with fp8 tensor cores: the fp8 matmul choice admits it and the
+    kernel itself (torch's CPU _scaled_mm, or a fake) is what the trial judges."""
+    from lingbot_core.weights import fp8
+
+    monkeypatch.setattr(fp8, "scaled_mm_problem", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+
+
+@pytest.mark.parametrize("wanted", ["scaled_mm", "auto"])
+def test_a_refusing_scaled_mm_decodes_with_one_warning(monkeypatch, caplog, wanted):
+    layer = _fp8_layer(wanted)
+    x = torch.randn(5, 64).bfloat16()
+    want = torch.nn.functional.linear(x, layer.dequantized_weight(torch.bfloat16), layer.bias.bfloat16())
+    _on_a_fake_gpu(monkeypatch)
+    assert layer.matmul_path(x) == "scaled_mm"
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: _refuse())
+    with caplog.at_level(logging.WARNING):
+        got = [layer(x) for _ in range(3)]
+    assert all(torch.equal(g, want) for g in got)
+    said = _warnings(caplog)
+    assert len(said) == 1 and "scaled_mm" in said[0] and "no kernel image" in said[0]
+    assert [r["verdict"] for r in kernels.verdicts()] == [kernels.REFUSED]
+
+
+def test_scaled_mm_on_activations_it_does_not_take_decodes_instead_of_raising(monkeypatch):
+    """An explicit scaled_mm on fp16 activations: where the kernel refuses the dtype, the layer decodes."""
+    layer = _fp8_layer()
+    x = torch.randn(5, 64).half()
+    want = torch.nn.functional.linear(x, layer.dequantized_weight(torch.float16), layer.bias.half())
+    _on_a_fake_gpu(monkeypatch)
+
+    def bf16_only(*args, out_dtype=None, **kwargs):
+        if out_dtype != torch.bfloat16:
+            raise RuntimeError("Only bf16 high precision output types are supported for row-wise scaling.")
+        return real(*args, out_dtype=out_dtype, **kwargs)
+
+    real = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", bf16_only)
+    assert torch.equal(layer(x), want)
+    assert kernels.verdict("scaled_mm", "cpu", torch.float16) == kernels.REFUSED
+
+
+def test_a_differing_scaled_mm_decodes(monkeypatch, caplog):
+    layer = _fp8_layer()
+    x = torch.randn(5, 64).bfloat16()
+    want = torch.nn.functional.linear(x, layer.dequantized_weight(torch.bfloat16), layer.bias.bfloat16())
+    _on_a_fake_gpu(monkeypatch, capability=(12, 0))
+    monkeypatch.setattr(torch, "_scaled_mm", lambda a, b, **k: torch.zeros(a.shape[0], b.shape[1], dtype=k["out_dtype"]))
+    with caplog.at_level(logging.WARNING):
+        assert torch.equal(layer(x), want) and torch.equal(layer(x), want)
+    assert len(_warnings(caplog)) == 1
+    [row] = kernels.verdicts()
+    assert (row["verdict"], row["capability"]) == (kernels.MISMATCH, "-")  # the work ran on the CPU
+
+
+@pytest.mark.skipif(not hasattr(torch, "_scaled_mm"), reason="this torch has no _scaled_mm")
+def test_a_working_scaled_mm_is_kept_within_its_tolerance(monkeypatch):
+    from lingbot_core.weights.fp8 import SCALED_MM_TOLERANCE
+
+    layer = _fp8_layer()
+    x = torch.randn(5, 64).bfloat16()
+    _on_a_fake_gpu(monkeypatch)
+    try:
+        torch._scaled_mm(torch.zeros(16, 16, dtype=torch.float8_e4m3fn), torch.zeros(16, 16, dtype=torch.float8_e4m3fn).t(),
+                         scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except Exception:
+        pytest.skip("this torch has no CPU _scaled_mm")
+    got = layer(x)
+    want = torch.nn.functional.linear(x, layer.dequantized_weight(torch.bfloat16), layer.bias.bfloat16())
+    assert [r["verdict"] for r in kernels.verdicts()] == [kernels.FAST]
+    assert 0 < kernels.relative_error(got, want) < SCALED_MM_TOLERANCE  # quantized activations: close, not equal
+
+
+def test_the_handle_refuses_an_explicit_scaled_mm_that_cannot_run_when_it_opens(monkeypatch, tmp_path):
+    """Before anything loads (the folder does not even exist): on the CPU for want of CUDA, on a (faked)
+    GPU because the probe's trial failed, with the kernel's reason."""
+    from lingbot_core.handle import PipelineHandle
+
+    with pytest.raises(ValueError, match="fp8_matmul scaled_mm cannot run here: fp8 matmuls need a CUDA device"):
+        PipelineHandle.open(tmp_path / "missing", device="cpu", fp8_matmul="scaled_mm")
+    _on_a_fake_gpu(monkeypatch, capability=(8, 6))
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: _refuse())
+    with pytest.raises(ValueError, match="scaled_mm cannot run here: torch._scaled_mm refused: RuntimeError: no kernel"):
+        PipelineHandle.open(tmp_path / "missing", device="cpu", fp8_matmul="scaled_mm")

@@ -9,8 +9,12 @@ the smallest, subnormal values).
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Callable
 
+import torch
+import torch.nn.functional as F
+
+from .. import kernels
 from ..errors import WeightsError
 from .decode import PackedFormat, decode_rows
 
@@ -96,46 +100,59 @@ FP8_MATMULS = ("decode", "scaled_mm", "auto")
 """How an fp8 linear computes. `decode`: weight decoded to the compute dtype, then a plain matmul
 (exact with respect to the stored weight; every device). `scaled_mm`: the activations are quantized
 to e4m3 per row and multiplied by the fp8 weight on fp8 tensor cores (`torch._scaled_mm`, row-wise
-scales), faster where supported and not bit-equal to `decode`. `auto`: `scaled_mm` where
-`scaled_mm_problem` finds none, else `decode`."""
+scales), faster where supported and not bit-equal to `decode`. `auto`: `scaled_mm` for bf16
+activations on a GPU with fp8 tensor cores (compute capability 8.9+), else `decode`.
+
+Whether `torch._scaled_mm` runs on a given GPU, dtype and torch build is not read from a table (row-wise
+kernels came to sm89, sm100 and sm120 at different torch versions): it is the `scaled_mm` kernel of
+`lingbot_core.kernels`, tried on its first call, its first rows compared with the decoded matmul's, and
+where it refuses or differs every fp8 linear decodes for the rest of the process (one warning). A layer
+whose sizes `_scaled_mm` cannot take decodes too. So neither choice raises mid-forward; an explicit
+`scaled_mm` that cannot run on the device is refused when the handle opens (`kernels.probe`)."""
+
+#: rows of a scaled_mm call's first result compared with the decoded matmul's
+CHECK_ROWS = 64
+#: how far (relative error) a scaled_mm result may be from the decoded matmul's: the activations are
+#: rounded to e4m3 (3 mantissa bits); measured 0.026 on random rows (torch's CPU kernel)
+SCALED_MM_TOLERANCE = 0.125
+#: compute capability from which a GPU has fp8 tensor cores (Ada, sm89): where `auto` tries scaled_mm
+FP8_CORES = (8, 9)
 
 
 def scaled_mm_problem(device: torch.device, dtype: torch.dtype, out_features: int, in_features: int,
                       capability: tuple[int, int] | None = None) -> str | None:
-    """Why `torch._scaled_mm` with row-wise scales cannot serve this linear, or None.
-
-    Needs a torch with `_scaled_mm`, a CUDA device of compute capability 9.0 or newer (row-wise fp8
-    scaling; 8.9 has only per-tensor scales), bf16 activations and both sizes multiples of 16.
-    `capability` overrides the device's (tests)."""
+    """Why `torch._scaled_mm` cannot be tried for this linear whatever the GPU, or None: this torch
+    lacks it, the device is not CUDA, or a size is not a multiple of 16 (its documented input rules).
+    Whether it runs on this GPU, dtype and torch is its trial's to say (`lingbot_core.kernels`);
+    `dtype` and `capability` are kept for callers and not consulted."""
     if not hasattr(torch, "_scaled_mm") or not fp8_available():
         return "this torch has no torch._scaled_mm"
     if torch.device(device).type != "cuda":
         return f"fp8 matmuls need a CUDA device, not {torch.device(device).type}"
-    if capability is None:
-        capability = torch.cuda.get_device_capability(device)
-    if tuple(capability) < (9, 0):
-        return f"row-scaled fp8 matmuls need compute capability 9.0+, this device has {capability[0]}.{capability[1]}"
-    if dtype != torch.bfloat16:
-        return f"fp8 matmuls here take bf16 activations, not {dtype}"
     if out_features % 16 or in_features % 16:
         return f"fp8 matmuls need both sizes to be multiples of 16, not {out_features}x{in_features}"
     return None
 
 
+def _has_fp8_cores(device: torch.device, capability: tuple[int, int] | None) -> bool:
+    if capability is None:
+        capability = torch.cuda.get_device_capability(device)
+    return tuple(capability) >= FP8_CORES
+
+
 def choose_fp8_matmul(wanted: str, device: torch.device, dtype: torch.dtype, out_features: int, in_features: int,
                       capability: tuple[int, int] | None = None) -> str:
-    """The path an fp8 linear takes for `wanted` (one of `FP8_MATMULS`): `decode` or `scaled_mm`.
-    `scaled_mm` asked for where it cannot run raises with the reason; `auto` falls back silently."""
+    """The path an fp8 linear takes for `wanted` (one of `FP8_MATMULS`): `decode`, or `scaled_mm` (tried
+    under `lingbot_core.kernels`' rule, see `FP8_MATMULS`). Never raises for a device or dtype: `scaled_mm`
+    where `scaled_mm_problem` finds one decodes (the handle refuses it at open on such a device); `auto`
+    tries scaled_mm for bf16 on a GPU with fp8 tensor cores only. `capability` overrides the device's (tests)."""
     if wanted not in FP8_MATMULS:
         raise ValueError(f"unknown fp8 matmul {wanted!r}; choose one of {', '.join(FP8_MATMULS)}")
-    if wanted == "decode":
+    if wanted == "decode" or scaled_mm_problem(device, dtype, out_features, in_features):
         return "decode"
-    problem = scaled_mm_problem(device, dtype, out_features, in_features, capability)
-    if problem is None:
-        return "scaled_mm"
-    if wanted == "scaled_mm":
-        raise ValueError(f"fp8_matmul=scaled_mm cannot run: {problem}; use auto or decode")
-    return "decode"
+    if wanted == "auto" and (dtype != torch.bfloat16 or not _has_fp8_cores(torch.device(device), capability)):
+        return "decode"
+    return "scaled_mm"
 
 
 def scaled_mm_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
@@ -147,3 +164,35 @@ def scaled_mm_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     out = torch._scaled_mm(xq, q.t(), scale_a=row_scale, scale_b=scale.float().view(1, -1),
                            bias=bias, out_dtype=x.dtype)
     return out.reshape(*x.shape[:-1], q.shape[0])
+
+
+def tried_scaled_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                    decoded: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`scaled_mm_linear` under the trial rule of `lingbot_core.kernels` (kernel `scaled_mm`), with the
+    decoded matmul as its plain path: `decoded()` gives the weight decoded to x's dtype. Its first
+    call per device, dtype and torch compares its first `CHECK_ROWS` rows with the decoded matmul's."""
+    def plain() -> torch.Tensor:
+        return F.linear(x, decoded(), bias)
+
+    def against_decode(out: torch.Tensor) -> str | None:
+        rows = x.reshape(-1, x.shape[-1])[:CHECK_ROWS]
+        got = out.reshape(-1, out.shape[-1])[:CHECK_ROWS]
+        return kernels.differs(got, F.linear(rows, decoded(), bias), SCALED_MM_TOLERANCE)
+
+    return kernels.run("scaled_mm", lambda: scaled_mm_linear(x, q, scale, bias), plain, device=x.device,
+                       dtype=x.dtype, check=against_decode)
+
+
+@kernels.trial_for("scaled_mm")
+def _scaled_mm_trial(device: torch.device, dtype: torch.dtype, variant: str = "") -> str | None:
+    """`kernels.probe`'s small trial: a 64x64 fp8 linear on 32 rows of `dtype` on `device`, judged by the
+    trial rule; why it cannot be tried at all (`scaled_mm_problem`), or None."""
+    problem = scaled_mm_problem(device, dtype, 64, 64)
+    if problem:
+        return problem
+    g = torch.Generator().manual_seed(0)
+    q, scale = quantize_fp8(torch.randn(64, 64, generator=g) * 0.02)
+    q, scale = q.to(device), scale.to(device)
+    x = torch.randn(32, 64, generator=g).to(device=device, dtype=dtype)
+    tried_scaled_mm(x, q, scale, None, lambda: dequantize_fp8(q, scale, dtype, decoder="eager"))
+    return None
