@@ -26,7 +26,8 @@ WORKFLOW_DIRS = (HERE / "workflows", HERE.parent / "workflows")
 SHORT_NAMES = {"t2v": "lingbot_t2v_dense", "t2i": "lingbot_t2i_dense", "ti2v": "lingbot_ti2v_dense",
                "moe": "lingbot_t2v_moe_refine", "refine": "lingbot_t2v_moe_refine",
                "t2v-files": "lingbot_t2v_dense_files", "moe-gguf": "lingbot_t2v_moe_gguf_lightlingbot4",
-               "t2v-rewrite": "lingbot_t2v_dense_rewrite", "ti2v-rewrite": "lingbot_ti2v_dense_rewrite"}
+               "t2v-rewrite": "lingbot_t2v_dense_rewrite", "ti2v-rewrite": "lingbot_ti2v_dense_rewrite",
+               "moe-dmd8": "lingbot_t2v_moe_dmd8", "ti2v-moe-dmd8": "lingbot_ti2v_moe_dmd8"}
 # --flag -> the LingBot Loader (files) input it sets on every such node
 FILE_FLAGS = {"dit": "dit_path", "refiner": "refiner_path", "vae": "vae_path", "text_encoder": "text_encoder_path",
               "processor": "processor_path"}

@@ -142,3 +142,39 @@ def test_the_core_cli_defaults_to_the_student_recipe(student, tmp_path, monkeypa
     code = main(["--model", str(student), "--sampler", "dmd_student", "--height", "64", "--width", "64",
                  "--frames", "5", "--output", str(tmp_path / "out"), "-q"])
     assert code == 0 and len(calls) == RECIPE["steps"]
+
+
+@pytest.mark.parametrize("name, short", [("lingbot_t2v_moe_dmd8", "moe-dmd8"), ("lingbot_ti2v_moe_dmd8", "ti2v-moe-dmd8")])
+def test_the_shipped_student_workflows_run_the_recipe_on_the_tiny_root(name, short):
+    """As shipped: the tiny release-layout root, the recipe (one DiT call per step, no negative), a
+    `lingbot-run` name each; the Notes name the release and the flow_unipc refiner after it."""
+    import sys
+
+    from lingbot_core.workflow import Engine, load_workflow
+    from lingbot_nodes import NODE_DISPLAY_NAME_MAPPINGS
+    from lingbot_nodes.cli import SHORT_NAMES, build_parser
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root))
+    from workflows import build
+
+    assert SHORT_NAMES[short] == name and short in build_parser().format_help()
+    assert build.STUDENT_RELEASE == notices.STUDENT_RELEASE and build.STUDENT_TINY in TINY
+    note = build.WORKFLOWS[name]["note"]
+    assert notices.STUDENT_RELEASE in note and "flow_unipc" in note and "transformer_path" in note
+    assert "No dense DMD student is published" in build.WORKFLOWS["lingbot_t2v_dense_dmd8"]["note"]
+    prompt = load_workflow(root / "workflows" / "api" / f"{name}.json", NODE_CLASS_MAPPINGS,
+                           display_names=NODE_DISPLAY_NAME_MAPPINGS)
+    denoise = next(n for n in prompt.nodes.values() if n["class_type"] == "LingBotDenoise")["inputs"]
+    assert (denoise["sampler"], denoise["steps"], denoise["cfg"], denoise["shift"]) == \
+        (RECIPE["sampler"], RECIPE["steps"], RECIPE["guidance_scale"], RECIPE["shift"])
+    engine = Engine(NODE_CLASS_MAPPINGS)
+    handle = engine.run(prompt, outputs=["1"]).output("1")
+    assert not handle.has_refiner and handle.folder.name == "tiny-moe-dmd"
+    calls = []
+    hook = handle.component("transformer").register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        engine.run(prompt)
+    finally:
+        hook.remove()
+    assert len(calls) == RECIPE["steps"]

@@ -101,6 +101,49 @@ def profile_note(profile: str, how: str) -> str:
     return FEW_STEP_NOTE.format(profile=profile, how=how, **PROFILES[profile])
 
 
+STUDENT_RELEASE = "robbyant/lingbot-video-moe-dmd-30b-a3b"  # lingbot_core.notices.STUDENT_RELEASE (a test compares)
+STUDENT_TINY = "tiny (built-in moe dmd student)"  # the tiny root laid out like the release (no refiner/)
+STUDENT_HOW = (f"For real output download {STUDENT_RELEASE} (a complete model root: model_index.json, transformer/ "
+               "holding the student, text_encoder/, processor/, vae/, scheduler/; no refiner/) into "
+               "models/lingbot_video/ and pick it in the Loader, then use 480x832 (H x W), 121 frames and fps 24, "
+               "the upstream recipe. The files do not mark a student: the sampler dmd_student is how the pack "
+               f"knows. Offload (estimate): its base pass needs about {_F['moe_base']} GiB of VRAM under 'group' "
+               "or 'sequential'; the 60 GB student DiT lives in host RAM, or with offload_to 'disk' (or a GGUF "
+               "copy from python -m lingbot_core.quantize, Q8_0 32 GB / Q4_0 17 GB) on less than about 70 GB of "
+               "RAM. Refining after the student (not part of the upstream recipe): load the base MoE root (it "
+               "has refiner/) in the Loader with transformer_path set to the student root (its transformer/ "
+               "runs, the base's text encoder and VAE are used), add LingBot Refine after Denoise, and keep "
+               "Refine as it is: it samples with flow_unipc, as upstream's refiner does after the student.")
+
+
+def student_nodes(task: str, prefix: str) -> list:
+    """The DMD student's graph on the tiny root laid out like the release: T2V, or TI2V with a first frame."""
+    prompt = PROMPT if task == "t2v" else IMAGE_PROMPT
+    denoise = dict(width=64, height=64, frames=9, seed=42, **PROFILES["DMD 8-step"])
+    if task == "t2v":
+        return [
+            loader(STUDENT_TINY, "moe"),
+            offload_node("group"),
+            (3, "LingBotTextEncode", "Prompt", dict(prompt=prompt, negative_prompt="", task=task,
+                                                    encode_negative=False), {"pipe": (2, 0)}),
+            (4, "LingBotDenoise", "Denoise (DMD 8-step)", denoise, {"pipe": (2, 0), "conditioning": (3, 0)}),
+            decode_node(5, 4, tiled=True),
+            (6, "LingBotSaveVideo", "Save", dict(fps=24.0, filename_prefix=prefix), {"images": (5, 0)}),
+        ]
+    return [
+        loader(STUDENT_TINY, "moe"),
+        offload_node("group"),
+        (3, "LingBotLoadImage", "Load Image", dict(path=""), {}),
+        (4, "LingBotImageEncode", "First frame", dict(width=64, height=64), {"pipe": (2, 0), "image": (3, 0)}),
+        (5, "LingBotTextEncode", "Prompt", dict(prompt=prompt, negative_prompt="", task=task, encode_negative=False),
+         {"pipe": (2, 0), "image_cond": (4, 0)}),
+        (6, "LingBotDenoise", "Denoise (DMD 8-step)", denoise,
+         {"pipe": (2, 0), "conditioning": (5, 0), "image_cond": (4, 0)}),
+        decode_node(7, 6, tiled=True),
+        (8, "LingBotSaveVideo", "Save", dict(fps=24.0, filename_prefix=prefix), {"images": (7, 0)}),
+    ]
+
+
 REWRITE_NOTE = ("Write what you want in plain words in Rewrite's prompt: it writes the structured caption Text Encode "
                 "reads (first a detailed timed description, then the caption; both show on the node), with the "
                 "checkpoint's own text encoder, or with an OpenAI-compatible server (endpoint; on a shared server "
@@ -183,9 +226,11 @@ WORKFLOWS = {
         ],
     ),
     "lingbot_t2v_dense_dmd8": dict(
-        note=profile_note("DMD 8-step", "For real output load the base checkpoint in the Loader and set its "
-                          "transformer_path to the DMD student folder (it differs only in transformer/), then use "
-                          "480x832 and 121 frames. " + DENSE_OFFLOAD),
+        note=profile_note("DMD 8-step", "No dense DMD student is published: the only one is "
+                          f"{STUDENT_RELEASE} (workflows lingbot_t2v_moe_dmd8 / lingbot_ti2v_moe_dmd8). This "
+                          "workflow is for a dense student of your own: load the dense base checkpoint in the "
+                          "Loader and set its transformer_path to the student folder (it differs only in "
+                          "transformer/), then use 480x832 and 121 frames. " + DENSE_OFFLOAD),
         nodes=[
             loader(),
             offload_node(),
@@ -197,6 +242,15 @@ WORKFLOWS = {
             decode_node(5, 4),
             (6, "LingBotSaveVideo", "Save", dict(fps=24.0, filename_prefix="lingbot/t2v_dmd8"), {"images": (5, 0)}),
         ],
+    ),
+    "lingbot_t2v_moe_dmd8": dict(
+        note=profile_note("DMD 8-step", STUDENT_HOW),
+        nodes=student_nodes("t2v", "lingbot/t2v_moe_dmd8"),
+    ),
+    "lingbot_ti2v_moe_dmd8": dict(
+        note=profile_note("DMD 8-step", STUDENT_HOW) + " Load your own first frame in Load Image. To refine "
+        "a TI2V result, give Refine text-only conditioning and this image as its first_frame.",
+        nodes=student_nodes("ti2v", "lingbot/ti2v_moe_dmd8"),
     ),
     "lingbot_t2v_moe_lightlingbot4": dict(
         note=profile_note("LightLingBot 4-step", "For real output pick the MoE checkpoint in the Loader and "
