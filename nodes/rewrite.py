@@ -121,8 +121,10 @@ class LingBotRewrite(io.ComfyNode):
                              tooltip="Token limit of the caption stage"),
                 io.Float.Input("temperature", default=0.0, min=0.0, max=2.0, step=0.05, optional=True,
                                tooltip="0: greedy (the same input gives the same caption); above 0 samples"),
-                io.Int.Input("seed", default=0, min=0, max=2**31 - 1, optional=True, control_after_generate=True,
-                             tooltip="Seed for sampling (temperature above 0)"),
+                # "fixed" (not the frontend's "randomize"): at temperature 0 a new seed changes nothing but
+                # would make every Run redo the rewrite and all after it; a saved workflow keeps its own value
+                io.Int.Input("seed", default=0, min=0, max=2**31 - 1, optional=True, control_after_generate="fixed",
+                             tooltip="Seed for sampling (temperature above 0; ignored at 0)"),
                 io.Boolean.Input("auto_negative", default=False, optional=True,
                                  tooltip="Also prune the default negative prompt of what the request itself asks "
                                          "for (e.g. 'cartoon' for a cartoon); only deletes listed items"),

@@ -162,3 +162,114 @@ class ScriptedRewriter:
 
         monkeypatch.setattr(local_backend, "check_writes_text", lambda handle: None)
         return self
+
+
+class HostileServer:
+    """A loopback chat endpoint that misbehaves one way (``mode``), on a bounded threading server: at most
+    `MAX_HANDLERS` requests at once, and every slow behaviour ends by itself within `LONGEST` seconds
+    (or when the server closes), so a client that fails to give up fails a test instead of hanging it.
+
+    Modes: ``echo-400`` / ``echo-500`` / ``echo-200-text`` (the request's headers as text, with that
+    status), ``echo-200-json`` / ``echo-400-json`` (as a JSON object), ``echo-400-cut`` (the echo after
+    padding that puts the key at byte 290, so a 300-byte excerpt would cut it); ``drip-body`` / ``drip-headers`` (one
+    byte every 0.2 s), ``silent`` (no answer), ``status-503``; ``nested-reply`` (200 KB of ``[``),
+    ``nested-choices`` (a reply nested 900 deep), ``nested-content`` (a chat reply whose text nests
+    5,000 deep); ``content:<text>`` a chat reply with that text."""
+
+    MAX_HANDLERS = 8
+    LONGEST = 20.0
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.seen_key: str | None = None
+        self.requests = 0
+        self.closing = threading.Event()
+        slots = threading.BoundedSemaphore(self.MAX_HANDLERS)
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def do_POST(self):  # noqa: N802 - http.server's name
+                if not slots.acquire(timeout=1):
+                    self.send_error(503)
+                    return
+                try:
+                    length = min(int(self.headers.get("Content-Length", 0)), 16 << 20)
+                    self.rfile.read(length)
+                    server.requests += 1
+                    server.seen_key = self.headers.get("Authorization")
+                    server.answer(self)
+                except (BrokenPipeError, ConnectionResetError, OSError):
+                    pass
+                finally:
+                    slots.release()
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def _send(self, handler, status: int, body: bytes, kind: str = "application/json") -> None:
+        handler.send_response(status)
+        handler.send_header("Content-Type", kind)
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.write(body)
+
+    def _drip(self, handler, data: bytes) -> None:
+        end = time.monotonic() + self.LONGEST
+        for byte in data:
+            if self.closing.wait(0.2) or time.monotonic() > end:
+                return
+            handler.wfile.write(bytes([byte]))
+            handler.wfile.flush()
+
+    def answer(self, handler) -> None:
+        mode = self.mode
+        headers = dict(handler.headers)
+        echo = "\n".join(f"{k}: {v}" for k, v in headers.items())
+        if mode in ("echo-400", "echo-500", "echo-200-text"):
+            self._send(handler, int(mode.split("-")[1]) if mode != "echo-200-text" else 200,
+                       f"bad request; you sent:\n{echo}".encode(), "text/plain")
+        elif mode == "echo-400-cut":
+            at = echo.find("Bearer ") + len("Bearer ")  # the key's first byte lands at byte 290 of the body
+            self._send(handler, 400, ("x" * max(0, 290 - at) + echo).encode(), "text/plain")
+        elif mode in ("echo-200-json", "echo-400-json"):
+            self._send(handler, int(mode.split("-")[1]), json.dumps({"error": {"message": "rejected",
+                                                                               "request_headers": headers}}).encode())
+        elif mode == "drip-body":
+            handler.send_response(200)
+            handler.send_header("Content-Type", "application/json")
+            handler.send_header("Content-Length", "1000")
+            handler.end_headers()
+            handler.wfile.flush()
+            self._drip(handler, b" " * 1000)
+        elif mode == "drip-headers":
+            self._drip(handler, b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Padding: " + b"a" * 1000)
+        elif mode == "silent":
+            self.closing.wait(self.LONGEST)
+        elif mode == "status-503":
+            self._send(handler, 503, b"busy", "text/plain")
+        elif mode == "nested-reply":
+            self._send(handler, 200, b"[" * 200_000)
+        elif mode == "nested-choices":
+            self._send(handler, 200, b'{"x": ' + b"[" * 900 + b"]" * 900 + b"}")
+        elif mode == "nested-content":
+            self._send(handler, 200, json.dumps(reply('{"a": ' * 5000 + "1" + "}" * 5000)).encode())
+        elif mode.startswith("content:"):
+            self._send(handler, 200, json.dumps(reply(mode[len("content:"):])).encode())
+        else:
+            raise ValueError(f"unknown mode {mode!r}")
+
+    def __enter__(self) -> HostileServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.closing.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()

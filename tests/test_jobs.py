@@ -475,3 +475,13 @@ def test_a_group_runs_what_its_leader_decided(tmp_path):
     run_jobs(jobs, lambda job: [], Manifest(tmp_path / "m.jsonl"), place=WorldPlace(0, 2, 2),
              agree=lambda mine: heard.append(mine) or mine)
     assert heard == [SKIP, RUN]  # the leader: a is done, b is not
+
+
+def test_a_huge_value_is_not_echoed_whole_and_a_byte_order_mark_is_fine(tmp_path):
+    for line in ({"seed": "7" * 100_000}, {"x" * 100_000: 1}, {"id": "y" * 100_000}, {"size": "z" * 100_000}):
+        with pytest.raises(JobsFileError) as caught:
+            read_jobs(_write(tmp_path / "jobs.jsonl", [line]))
+        assert len(str(caught.value)) < 400 + len(str(tmp_path)) and "jobs.jsonl:1: " in str(caught.value)
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"seed": 1}).encode() + b"\r\n")
+    assert [j.values for j in read_jobs(path)] == [{"seed": 1}]

@@ -76,6 +76,11 @@ class JobsFileError(WorkflowError):
     """The jobs file cannot be used as given (nothing has run); the message names the line."""
 
 
+def _shown(value: Any) -> str:
+    """A value for a message, its repr cut to 80 characters (a 100,000-character prompt is not echoed)."""
+    return clip(repr(value), 80)
+
+
 @dataclass(frozen=True)
 class JobField:
     """One short key of a jobs line: which node inputs its value fills.
@@ -95,14 +100,14 @@ class JobField:
         if len(self.inputs) == 2:
             parts = value.lower().split("x") if isinstance(value, str) else value
             if not isinstance(parts, (list, tuple)) or len(parts) != 2:
-                raise ValueError(f"'{self.key}' must be \"WxH\" or [W, H], got {value!r}")
+                raise ValueError(f"'{self.key}' must be \"WxH\" or [W, H], got {_shown(value)}")
             try:
                 return tuple(int(p) for p in parts)
             except (TypeError, ValueError):
-                raise ValueError(f"'{self.key}' must be \"WxH\" or [W, H] with whole numbers, got {value!r}") from None
+                raise ValueError(f"'{self.key}' must be \"WxH\" or [W, H] with whole numbers, got {_shown(value)}") from None
         if isinstance(value, bool) or not isinstance(value, self.kind):
             want = " or ".join(k.__name__ for k in (self.kind if isinstance(self.kind, tuple) else (self.kind,)))
-            raise ValueError(f"'{self.key}' must be {want}, got {value!r}")
+            raise ValueError(f"'{self.key}' must be {want}, got {_shown(value)}")
         return (value,)
 
 
@@ -166,7 +171,7 @@ def read_jobs(path: str | os.PathLike[str]) -> list[Job]:
     if size > MAX_JOBS_BYTES:
         raise JobsFileError(f"jobs file {path}: {size} bytes; the limit is {MAX_JOBS_BYTES}")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # an editor's byte-order mark is not part of line 1
     except (OSError, UnicodeDecodeError) as err:
         raise JobsFileError(f"jobs file {path}: cannot read it as UTF-8 text ({err})") from None
     jobs: list[Job] = []
@@ -204,11 +209,11 @@ def _parse_line(text: str, number: int, path: Path) -> Job:
     unknown = [k for k in obj if k not in JOB_FIELDS and k not in _OTHER_KEYS]
     if unknown:
         known = ", ".join([*_OTHER_KEYS, *JOB_FIELDS])
-        raise JobsFileError(f"{where}: unknown key {unknown[0]!r} (keys: {known}; other inputs go in "
+        raise JobsFileError(f"{where}: unknown key {_shown(unknown[0])} (keys: {known}; other inputs go in "
                             "\"set\": [\"NODE.INPUT=VALUE\"])")
     job_id = obj.get("id")
     if job_id is not None and (not isinstance(job_id, str) or not ID_PATTERN.fullmatch(job_id)):
-        raise JobsFileError(f"{where}: id {job_id!r} must be 1-64 letters, digits, '.', '_' or '-' "
+        raise JobsFileError(f"{where}: id {_shown(job_id)} must be 1-64 letters, digits, '.', '_' or '-' "
                             "(it becomes part of file names)")
     sets = obj.get("set", [])
     if isinstance(sets, str):

@@ -116,7 +116,8 @@ def _image_digest(image: Any) -> str:
 
 
 class ResultCache:
-    """The newest results, keyed by prompt, image pixels, duration, task, backend and model."""
+    """The newest results, keyed by prompt, image pixels, duration, task, backend, model and sampling
+    (all greedy settings are one: a seed changes nothing at temperature 0)."""
 
     def __init__(self, size: int = 32):
         self.size = size
@@ -127,7 +128,8 @@ class ResultCache:
     @staticmethod
     def key(request: RewriteRequest, backend: Backend, sampling: Sampling) -> str:
         parts = [instructions.VERSION, request.prompt, request.task, f"{float(request.duration):g}",
-                 _image_digest(request.image), backend.name, repr(backend.identity()), repr(sampling)]
+                 _image_digest(request.image), backend.name, repr(backend.identity()),
+                 "greedy" if sampling.greedy else repr(sampling)]  # greedy: the seed (and top_p) change nothing
         return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
     def get(self, key: str) -> RewriteResult | None:
