@@ -30,7 +30,8 @@ from .components import REFINER, TRANSFORMER
 from .latents import dit_to_vae, vae_to_dit
 from .parallel import stage as parallel_stage
 from .parallel.cfg import ParallelGuidance
-from .placement.door import effective_mode, installed_mode, oom_fallback, release, stage
+from .placement.door import effective_mode, installed_mode, note_geometry, oom_fallback, release, stage
+from .placement.estimate import Geometry
 from .prompt import PromptEmbeds
 from .sampling.guidance import Guidance, StepCallback, pin_first_frames, sample
 from .sampling.sigmas import compute_refiner_sigmas
@@ -145,7 +146,7 @@ def encode_prompt(
 
     def encode() -> Conditioning:
         nonlocal picture
-        with stage(handle, "text_encoder", "processor") as device:
+        with stage(handle, "text_encoder", "processor", phase="text") as device:
             encoder, processor = handle.component("text_encoder"), handle.component("processor")
             if image is not None and picture is None:
                 picture = image_ops.vision_image(pixels, image_ops.vision_patch_size(encoder, processor))
@@ -304,7 +305,7 @@ def denoise(
     latents, cond_latent = _starting_latents(shape, g, latents, cond_latent, image_cond)
     needs = (transformer, "scheduler") if method.uses_scheduler else (transformer,)
     parallel_stage.shard_for_stage(handle, transformer)  # FSDP layouts only
-    with stage(handle, *needs) as device:
+    with stage(handle, *needs, phase="refine" if transformer == REFINER else "denoise") as device:
         cond_latent = _on(cond_latent, device)
         latents = pin_first_frames(latents.to(device=device, dtype=torch.float32), cond_latent)
         run = method.start(steps=steps, shift=shift, sigmas=sigmas, device=device, generator=g,
@@ -313,6 +314,7 @@ def denoise(
         if trace is not None:
             trace["run"] = run
         batch = _batch_cfg(handle, cfg_batch, guidance_scale > 1.0, height=height, width=width, num_frames=num_frames)
+        note_geometry(handle, Geometry(height, width, num_frames, cfg=guidance_scale > 1.0, cfg_batch=batch))
         guidance = _guidance(handle, transformer, cond, guidance_scale, device, batch)
         guidance.cache = _step_cache(handle, step_cache, transformer=transformer, method=method, steps=steps,
                                      run_steps=len(run), shift=shift, sigmas=sigmas, guidance_scale=guidance_scale)
@@ -414,7 +416,8 @@ def decode(handle, latents: torch.Tensor, *, tiling: dict | bool | None = None) 
     _check_decode_input(handle, latents)
     if not parallel_stage.is_leader(handle):  # rank 0 decodes and saves; the others hold a placeholder
         return parallel_stage.placeholder_frames(*checks.decode_output_shape(latents))
-    with stage(handle, "vae") as device:
+    frames, height, width = checks.decode_output_shape(latents)
+    with stage(handle, "vae", phase="decode", geometry=Geometry(height, width, frames, vae_tiling=bool(tiling))) as device:
         vae = handle.component("vae")
         z = dit_to_vae(latents.to(device), vae.config).to(dtype=torch.float32)
         z = z.contiguous(memory_format=torch.channels_last_3d)

@@ -5,12 +5,19 @@ a LoRA change under `none` without a host round trip, and the measured peak next
 
 from __future__ import annotations
 
+import json
+import logging
+import math
+from dataclasses import replace
+
+import pytest
 import torch
 from fake_accelerator import FakeCuda
 
+from lingbot_core import offload
 from lingbot_core.handle import PipelineHandle
-from lingbot_core.memory import Geometry, GiB, ModelSizes, host_bytes
-from lingbot_core.placement import door, estimate
+from lingbot_core.memory import Geometry, GiB, ModelSizes, host_bytes, memory_report
+from lingbot_core.placement import calibration, door, estimate
 from lingbot_core.placement.modes.group import pin_in_place
 
 CUDA = torch.device("cuda")
@@ -115,3 +122,96 @@ def test_pin_in_place_pins_each_tensor_once_so_diffusers_copies_nothing(monkeypa
 
     for p in block.parameters():
         assert ModuleGroup._to_cpu(p, False).data_ptr() == p.data_ptr()  # no second copy
+
+
+# -- measured peaks and the calibration file ------------------------------------------------------------
+
+@pytest.fixture
+def calibration_file(tmp_path, monkeypatch):
+    path = tmp_path / "cache" / "calibration.json"
+    monkeypatch.setenv(calibration.ENV, str(path))
+    calibration.clear_measured()
+    return path
+
+
+def test_every_stage_on_cuda_records_its_peak_next_to_the_estimate(fixtures_root, monkeypatch, calibration_file,
+                                                                   caplog):
+    """The device is a label (the stage runs on the CPU) and torch.cuda's counters are the fake's."""
+    fake = FakeCuda(allocated=1 << 20, reserved=1 << 21).install(monkeypatch)
+    monkeypatch.setattr(calibration, "device_name", lambda device: fake.name)
+    handle = _open(fixtures_root)
+    geometry = Geometry(32, 32, 5)
+    with caplog.at_level(logging.INFO, logger="lingbot_core.offload"):
+        with offload.stage(handle, "vae", phase="decode", geometry=geometry):
+            fake.peak_allocated, fake.peak_reserved = 64 << 20, 96 << 20  # what the stage's work reached
+    assert fake.resets == 1
+    expected = estimate.estimate_peak("none", ModelSizes.from_handle(handle), geometry, ("decode",))
+    peak = calibration.measured_peaks()[-1]
+    assert (peak.stage, peak.device, peak.mode) == ("vae", fake.name, "none")
+    assert (peak.estimate_bytes, peak.allocated_bytes, peak.reserved_bytes) == (expected, 64 << 20, 96 << 20)
+    assert peak.ratio == (64 << 20) / expected > 1
+    report = str(memory_report(handle))
+    assert f"measured {peak.line()}" in report and "estimate 0.03 GiB" in peak.line()
+    assert f"measured {peak.line()}" in caplog.text
+    # filed: later estimates on this device and mode are never below the measurement
+    assert calibration.load()[fake.name]["none"] == peak.ratio
+
+
+def test_a_stage_on_the_cpu_measures_nothing(fixtures_root, calibration_file):
+    handle = _open(fixtures_root)
+    with offload.stage(handle, "vae", phase="decode", geometry=Geometry(32, 32, 5)):
+        pass
+    assert calibration.measured_peaks() == [] and not calibration_file.exists()
+    assert "measured" not in str(memory_report(handle))
+
+
+def test_calibration_keeps_the_largest_ratio_per_device_and_mode(calibration_file):
+    assert calibration.factor("GPU A", "none") == 1.0  # no file yet
+    calibration.record("GPU A", "none", 100, 120)
+    calibration.record("GPU A", "none", 100, 110)  # smaller: kept as it was
+    calibration.record("GPU A", "model", 100, 80)  # below the estimate: filed, but the factor stays 1
+    assert calibration.factor("GPU A", "none") == pytest.approx(1.2)
+    assert calibration.factor("GPU A", "model") == 1.0 and calibration.factor("GPU B", "none") == 1.0
+    assert calibration.factor(None, "none") == 1.0
+    assert json.loads(calibration_file.read_text())["devices"]["GPU A"]["none"] == pytest.approx(1.2)
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"\xff\xfe", b"[1, 2]", b'{"format": 99, "devices": {}}',
+                                     b'{"format": 1, "devices": {"GPU A": {"none": 1e999, "model": "x"}}}',
+                                     b" " * (calibration.MAX_FILE_BYTES + 1)])
+def test_a_corrupt_calibration_file_counts_as_empty_and_is_rewritten(calibration_file, content, caplog):
+    calibration_file.parent.mkdir(parents=True)
+    calibration_file.write_bytes(content)
+    assert calibration.factor("GPU A", "none") == 1.0
+    calibration.record("GPU A", "none", 100, 150)
+    assert calibration.factor("GPU A", "none") == pytest.approx(1.5)
+
+
+def test_calibration_can_be_turned_off(monkeypatch, tmp_path):
+    monkeypatch.setenv(calibration.ENV, "off")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert calibration.calibration_path() is None
+    calibration.record("GPU A", "none", 100, 150)
+    assert calibration.factor("GPU A", "none") == 1.0 and not any(tmp_path.iterdir())
+    monkeypatch.delenv(calibration.ENV)
+    assert calibration.calibration_path() == tmp_path / "lingbot" / "calibration.json"
+
+
+def test_auto_and_the_fit_check_plan_with_the_device_calibration(fixtures_root, monkeypatch, calibration_file):
+    fake = FakeCuda(free=64 * GiB).install(monkeypatch)
+    handle = _open(fixtures_root)
+    settings = handle.with_offload("auto", height=32, width=32, num_frames=5).offload
+    _concrete, plain = door.resolve(handle.shared, settings, CUDA)
+    calibration.record(fake.name, "none", 100, 150)
+    calibration.record("another GPU", "model", 100, 300)
+    _concrete, calibrated = door.resolve(handle.shared, settings, CUDA)
+    assert calibrated.estimates["none"] == math.ceil(plain.estimates["none"] * 1.5)
+    assert calibrated.estimates["model"] == plain.estimates["model"]  # another device's ratio does not apply
+    # outside the door's planning (no device) the estimate is the plain arithmetic
+    sizes, geometry = ModelSizes.from_handle(handle), Geometry(32, 32, 5)
+    raw = estimate.estimate_peak("none", sizes, geometry)
+    with calibration.on_device(fake.name):
+        assert estimate.estimate_peak("none", sizes, geometry) == math.ceil(raw * 1.5)
+    view = handle.with_device("cuda").with_offload("none")  # a label: nothing moves in a check
+    verdict = door.check_handle(view, replace(geometry, ffn_chunk=None), vram_free=64 * GiB, host_free=None)
+    assert verdict.vram_needed == math.ceil(raw * 1.5)

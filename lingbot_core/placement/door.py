@@ -56,7 +56,7 @@ import torch
 from .. import hooks
 from ..interrupt import checkpoints
 from ..weights.state import Models
-from . import estimate, fit
+from . import calibration, estimate, fit
 from .modes import MODE_ORDER
 from .report import MemoryReport, build_report
 from .settings import MODULE_COMPONENTS, OffloadSettings, same_device
@@ -137,6 +137,12 @@ def resolve(shared: SharedComponents, requested: OffloadSettings,
     `layout`: 'none', the one mode that runs on several processes, estimated per GPU)."""
     if requested.mode != "auto":
         return requested, None
+    with calibration.on_device(calibration.device_name(device)):  # never below what this device measured
+        return _resolve_auto(shared, requested, device, layout)
+
+
+def _resolve_auto(shared: SharedComponents, requested: OffloadSettings, device: torch.device,
+                  layout: Any) -> tuple[OffloadSettings, fit.AutoChoice | None]:
     budget = requested.option("budget_bytes")
     if layout is not None:
         choice = _parallel_choice(shared, requested, device, layout, budget)
@@ -320,13 +326,48 @@ def _settle(shared: SharedComponents, used: tuple[str, ...] = ()) -> None:
         torch.cuda.empty_cache()
 
 
+def note_geometry(handle: PipelineHandle, geometry: estimate.Geometry) -> None:
+    """Inside a stage: the request it runs, as far as memory is concerned, once the stage knows it (e.g.
+    whether CFG runs batched); the stage's measured peak is set against the estimate for it."""
+    handle.shared.placement.stage_geometry = geometry
+
+
+def _stage_estimate(handle: PipelineHandle, components: tuple[str, ...], phase: str | None,
+                    geometry: estimate.Geometry | None) -> int | None:
+    """The estimate of one stage's peak under the installed mode (None: no phase, or no sizes to go on)."""
+    from dataclasses import replace
+
+    placement = handle.shared.placement
+    mode = installed_mode(handle)
+    geometry = placement.stage_geometry or geometry
+    if phase is None or mode is None:
+        return None
+    if geometry is None:  # the text phases do not depend on the video's size
+        geometry = estimate.Geometry(16, 16, 1)
+    dit = next((n for n in components if n in placement.ffn_chunks), None)
+    if dit is not None and not isinstance(geometry.ffn_chunk, int):  # the FFN/MoE chunk the run used
+        geometry = replace(geometry, ffn_chunk=placement.ffn_chunks[dit][0])
+    try:
+        sizes = (estimate.ModelSizes.from_handle(handle) if handle.shared.info is not None
+                 else estimate.ModelSizes.from_modules(handle.shared.loaded))
+    except (KeyError, AttributeError, ValueError, TypeError):  # in-memory components without a DiT
+        return None
+    return estimate.estimate_peak(mode, sizes, geometry, (phase,))
+
+
 @contextmanager
-def stage(handle: PipelineHandle, *components: str, label: str | None = None) -> Iterator[torch.device]:
-    """Acquire `components` for one stage and yield the execution device; restore the clean state after."""
+def stage(handle: PipelineHandle, *components: str, label: str | None = None, phase: str | None = None,
+          geometry: estimate.Geometry | None = None) -> Iterator[torch.device]:
+    """Acquire `components` for one stage and yield the execution device; restore the clean state after.
+
+    On CUDA the stage's peak is measured (`calibration`): with `phase` (a name of `estimate.activation_bytes`)
+    and the request's `geometry`, next to its estimate under the installed mode."""
     shared = handle.shared
     placement = shared.placement
     label = label or "+".join(components)
     with shared.lock:
+        measuring = calibration.start(handle.device)
+        placement.stage_geometry = None
         plan = _plan(handle)  # decided before loading: how a DiT loads depends on where it will live
         _load(handle, components, plan)
         _apply_view_states(handle)
@@ -343,6 +384,10 @@ def stage(handle: PipelineHandle, *components: str, label: str | None = None) ->
                 execution_device(handle, name)
             with checkpoints({name: shared.loaded.get(name) for name in components}):
                 yield device
+            if measuring is not None:  # a stage that finished: its peak and its estimate
+                placement.measured[label] = calibration.finish(
+                    measuring, handle.device, label, placement.mode.name,
+                    _stage_estimate(handle, components, phase, geometry))
         finally:
             for name in components:
                 if name in MODULE_COMPONENTS:
@@ -389,6 +434,7 @@ def memory_report(handle: PipelineHandle) -> MemoryReport:
         generation = (tokens, estimate.generation_bytes(shape["text_kv_bytes_per_token"], shape["text_vocab"], tokens))
     report = build_report(handle.shared.loaded, handle.device, mode, handle.shared.placement.ffn_chunks, generation,
                           states=handle.shared.states)
+    report.measured = list(handle.shared.placement.measured.values())
     from ..parallel.stage import active_layout
 
     layout = active_layout(handle)
@@ -519,7 +565,9 @@ def check_handle(handle: object, geometry: estimate.Geometry, *, mode: str | Non
         host_free = estimate.available_host_bytes()
     pinned = device.type == "cuda" and not (mode == settings.mode and (not settings.option("use_stream", True)
                                                                     or settings.option("low_cpu_mem_usage", False)))
-    verdict = fit.check(sizes, geometry, mode, offload_to, vram_free=vram_free, host_free=host_free, pinned=pinned)
+    with calibration.on_device(calibration.device_name(device)):
+        verdict = fit.check(sizes, geometry, mode, offload_to, vram_free=vram_free, host_free=host_free,
+                            pinned=pinned)
     if verdict.ok:
         log.info("offload '%s': %s", mode, verdict.line())
     else:

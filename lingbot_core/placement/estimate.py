@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from ..components import DITS, REFINER, TRANSFORMER
+from . import calibration
 from .modes import MODE_CLASSES
 from .tensors import module_tensors, stored_bytes, unique_storages
 
@@ -397,7 +398,9 @@ def estimate_peak(mode: str, sizes: ModelSizes, geometry: Geometry, phases: tupl
     activations = activation_bytes(sizes, geometry)
     if phases is not None:
         activations = {k: v for k, v in activations.items() if k in phases}
-    return MODE_CLASSES[mode].estimate(sizes, geometry, activations)
+    # on a device with a calibration file entry (the door plans inside `calibration.on_device`): never
+    # below the ratio measured there
+    return calibration.scaled(mode, MODE_CLASSES[mode].estimate(sizes, geometry, activations))
 
 
 def cfg_batch_fits(mode: str, sizes: ModelSizes, geometry: Geometry, budget_bytes: int) -> bool:

@@ -103,6 +103,11 @@ class MemoryReport:
     # (`estimate.generation_bytes`: kv_cache, prefill, logits), held on the execution device while it ran
     generation: tuple[int, dict[str, int]] | None = None
     parallel: str | None = None  # a parallel run: the layout (the bytes above are this rank's)
+    # on CUDA: each stage's last measured peak with its estimate (`calibration.MeasuredPeak`)
+    measured: list[Any] = field(default_factory=list)
+
+    def measured_lines(self) -> list[str]:
+        return [f"measured {peak.line()}" for peak in self.measured]
 
     def parallel_line(self) -> list[str]:
         if self.parallel is None:
@@ -124,7 +129,8 @@ class MemoryReport:
 
     def one_line(self) -> str:
         parts = [f"{c.name}: {c.where}" + (f" ({c.format})" if c.format else "") for c in self.components]
-        return "; ".join(parts + self.chunk_lines() + self.generation_line() + self.parallel_line())
+        return "; ".join(parts + self.chunk_lines() + self.generation_line() + self.parallel_line()
+                         + self.measured_lines())
 
     def totals(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -138,7 +144,8 @@ class MemoryReport:
         rows += [f"  {c.name:<13} {c.where}" + (f"  [{c.format}]" if c.format else "") for c in self.components]
         summary = ", ".join(f"{place} {n / GiB:.2f} GiB" for place, n in sorted(self.totals().items()))
         rows.append(f"  {'total':<13} {summary or 'nothing loaded'}")
-        rows += [f"  {line}" for line in self.chunk_lines() + self.generation_line() + self.parallel_line()]
+        rows += [f"  {line}" for line in self.chunk_lines() + self.generation_line() + self.parallel_line()
+                 + self.measured_lines()]
         return "\n".join(rows)
 
 

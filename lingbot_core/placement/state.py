@@ -40,6 +40,9 @@ class Placement:
         self.ffn_chunks: dict[str, tuple[int | None, str]] = {}  # DiT -> (FFN/MoE chunk of its last run, why)
         # the text encoder's last generation (a rewrite): (prompt tokens, new tokens); the report counts it
         self.generation: tuple[int, int] | None = None
+        # on CUDA: each stage's last measured peak next to its estimate, by stage label (`calibration`)
+        self.measured: dict[str, Any] = {}
+        self.stage_geometry: Any = None  # the running stage's request (`door.note_geometry`), if it told
         # the host's listeners on this handle (all its views), never process-wide: see door.add_listeners
         self.memory_listeners: list[Callable[[str, Any, torch.device, int], None]] = []
         self.settle_listeners: list[Callable[[Any, torch.device], None]] = []
