@@ -1,5 +1,9 @@
-"""The error types of loading, in a leaf module every layer may import.
+"""The error types of refused inputs and of loading, in a leaf module every layer may import.
 
+`RefusedInput`: an input this pack refuses (a size, an option, a file): the user fixes it by changing
+what they passed, and a command exits 2 for it. `is_refused_input` tells such an error from a
+`ValueError` some library raised while running (torch.distributed's "default process group has not
+been initialized", a tokenizer's, numpy's...): that one is a failure of the run, never a bad input.
 `CheckpointError`: a checkpoint (a folder, or a single weights file) that cannot be loaded; the
 message names the file and the fix. `WeightsError`: weights that cannot be used as asked (a format,
 a tensor, a quantization mode); a `CheckpointError`, so callers catching that see both.
@@ -9,8 +13,39 @@ They are re-exported where they used to live (`checkpoint`, `weights.checks`, `w
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 
-class CheckpointError(ValueError):
+
+class RefusedInput(ValueError):
+    """An input this pack refuses before (or instead of) running; the message says what to change.
+    A `ValueError`, so callers that catch those see it too."""
+
+
+#: the folders of this pack's own code (its `raise ValueError(...)` statements are refused inputs)
+_OWN_CODE = tuple({str(root / name) + os.sep for root in (Path(os.path.abspath(__file__)).parents[1],
+                                                           Path(__file__).resolve().parents[1])
+                   for name in ("lingbot_core", "nodes")})
+
+
+def is_refused_input(exc: BaseException) -> bool:
+    """True for a refused input: a `RefusedInput`, or a plain `ValueError` raised by this pack's own
+    code (its older refusals are plain `ValueError`s). A `ValueError` whose innermost frame is in a
+    library (torch, the standard library, ...) is a failure while running, not a refused input."""
+    if isinstance(exc, RefusedInput):
+        return True
+    if not isinstance(exc, ValueError):
+        return False
+    tb = exc.__traceback__
+    if tb is None:  # never raised (built to be returned): the code that made it decides; ours makes ours
+        return True
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    where = tb.tb_frame.f_code.co_filename
+    return os.path.abspath(where).startswith(_OWN_CODE) or os.path.realpath(where).startswith(_OWN_CODE)
+
+
+class CheckpointError(RefusedInput):
     """A checkpoint that cannot be loaded; the message names the file and the fix."""
 
 

@@ -6,12 +6,16 @@
          an unusable output folder -- anything the user fixes by changing what they passed
     130  interrupted (Ctrl-C), as a shell reports SIGINT
 
-Our own code raises `ValueError` for bad input (sizes, prompts, checkpoints; see `stages` and
-`checkpoint`), and the workflow engine raises `WorkflowError` for a bad graph, so the code follows
-the exception type. A node that fails while running is unwrapped to the exception it raised.
+Our own code refuses bad input (sizes, prompts, checkpoints; see `stages` and `checkpoint`) with
+`errors.RefusedInput` or a plain `ValueError` of its own (`errors.is_refused_input`: a `ValueError`
+a library raised while running is a failure, exit 1), and the workflow engine raises `WorkflowError`
+for a bad graph, so the code follows the exception. A node that fails while running is unwrapped to
+the exception it raised.
 """
 
 from __future__ import annotations
+
+from .errors import is_refused_input
 
 OK = 0
 FAILED = 1
@@ -39,7 +43,7 @@ def exit_code(exc: BaseException) -> int:
     cause = root_cause(exc)
     if isinstance(cause, KeyboardInterrupt) or is_interrupt(cause):
         return INTERRUPTED
-    if isinstance(cause, (ValueError, *_BAD_PATHS)):
+    if isinstance(cause, _BAD_PATHS) or is_refused_input(cause):
         return BAD_INPUT
     if isinstance(cause, WorkflowError) and not isinstance(cause, NodeExecutionError):
         return BAD_INPUT

@@ -25,12 +25,15 @@ default). Two cases:
 NCCL (not run here, there is no GPU on the machine this was written on): a peer's process ending
 does not reliably end a collective waiting on it on the GPU, and gloo's `abort` does not end a
 pending collective (measured with torch 2.14), so on CUDA devices each rank watches the store
-while it samples (`FailureWatch`, a thread polling a few times a second) and aborts its own
-communicators (`torch.distributed.distributed_c10d._abort_process_group`, ncclCommAbort) when
-another rank published a failure; its pending collectives then raise and it reports `GroupBroken`
-like a gloo rank. The failing rank aborts its own communicators right after publishing. LingBot
-Parallel's rank 0 runs inside ComfyUI, so its pool sets `TORCH_NCCL_ASYNC_ERROR_HANDLING=2`
-(abort the communicators on a timeout, never end the process) unless the user set it. Not
+while it samples (`FailureWatch`, a thread polling a few times a second) and aborts the
+communicators of its layout's own groups (`layout_groups`: the video's group and its meshes' groups,
+never another video's; `ProcessGroup.abort`, ncclCommAbort) when another rank published a failure;
+its pending collectives then raise and it reports `GroupBroken` like a gloo rank. The failing rank
+aborts them right after publishing. `StepStatus` takes this rank's number, the store and the groups
+when it is made: once aborted, torch may no longer answer for them. LingBot Parallel's rank 0 runs
+inside ComfyUI, so its pool sets `TORCH_NCCL_ASYNC_ERROR_HANDLING=2` (abort the communicators on a
+timeout, never end the process) unless the user set it, before its workers start (they inherit
+it). The CUDA branch is tested on the CPU with gloo and a "cuda" device label. Not
 covered: a rank killed without a chance to publish (SIGKILL, the kernel's OOM killer): its peers
 then report their own connection error (gloo) or wait for NCCL's timeout; torchrun and LingBot
 Parallel name the process that died.
@@ -142,14 +145,16 @@ def _is_interrupt(err: BaseException) -> bool:
 
 
 def publish_failure(err: BaseException, *, where: str, device: torch.device | str = "cpu", key: str | None = None,
-                    store: Any = None) -> Failure | None:
+                    store: Any = None, rank: int | None = None) -> Failure | None:
     """Record `err` as the group's first failure unless another rank's came first; returns the first.
+    `rank`: this process's global rank (default: asked of torch.distributed now).
 
     A `GroupBroken` (this rank stopped because of another's failure) is not recorded again. None when
     the store cannot be reached (its host ended): which rank failed first is unknown here then."""
     if isinstance(err, GroupBroken):
         return err.failure
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank is None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
     mine = Failure(rank, str(device), _error_text(err), where, _is_interrupt(err))
     try:
         store = store if store is not None else _store()
@@ -178,16 +183,45 @@ def failure_in(err: BaseException | None) -> Failure | None:
     return None
 
 
-def abort_own_group() -> None:
-    """End this process's pending collectives by aborting its process groups (NCCL's communicators;
-    gloo's abort leaves a pending collective waiting). Nothing when no group is initialised."""
+def layout_groups(layout: Any) -> list[Any]:
+    """The process groups of `layout`'s own video: its video group (the default group when the whole world
+    is one video) and the groups of its meshes (cfg, ulysses, FSDP's). Never another video's groups."""
     from torch.distributed import distributed_c10d
 
+    groups: list[Any] = []
+    for mesh in (getattr(layout, "mesh", None), getattr(layout, "_world", None)):
+        if mesh is not None:
+            try:
+                groups += list(mesh.get_all_groups())
+            except Exception:  # a mesh whose groups are gone
+                pass
+    video = getattr(layout, "group", None)
+    if video is None:
+        try:
+            video = distributed_c10d._get_default_group()
+        except Exception:  # no default group (any more)
+            video = None
+    if video is not None:
+        groups.append(video)
+    unique: dict[int, Any] = {}
+    for group in groups:
+        unique.setdefault(id(group), group)
+    return list(unique.values())
+
+
+def _abort_group(group: Any) -> None:
+    """End `group`'s pending collectives (NCCL: ncclCommAbort on its communicators). The group stays
+    registered, so this process still knows its rank and leaves the group as usual afterwards."""
     try:
-        if dist.is_initialized():
-            distributed_c10d._abort_process_group()
-    except Exception:  # already aborted by the watch, or a backend without abort
+        group.abort()
+    except Exception:  # already aborted (by the watch), or a backend without abort
         pass
+
+
+def abort_groups(groups: list[Any]) -> None:
+    """Abort each of `groups` (`layout_groups`), the last made first, as torch aborts a whole world."""
+    for group in reversed(groups):
+        _abort_group(group)
 
 
 class FailureWatch:
@@ -243,6 +277,14 @@ class StepStatus:
         self.group = layout.group  # the video's own group (None: the whole world is one video)
         self.world = layout.world_size
         self.key = failure_key(layout)
+        # what a failure needs, taken now: after an abort torch may no longer answer (an aborted default
+        # group is no group, and asking it for the rank raises)
+        self.rank = dist.get_rank()
+        try:
+            self.store: Any = _store()
+        except Exception:  # no store to publish in: the failing rank's own log names it
+            self.store = None
+        self.groups = layout_groups(layout) if self.device.type == "cuda" else []
 
     def _exchange(self, err: BaseException | None) -> list[torch.Tensor]:
         row = torch.zeros(1 + MESSAGE_BYTES, dtype=torch.uint8)
@@ -278,19 +320,22 @@ class StepStatus:
         The caller then leaves the group (its process ends, or LingBot Parallel ends its workers)."""
         if isinstance(err, GroupBroken):
             return err
-        first = publish_failure(err, where=where or f"in the DiT forward of step {step}", device=self.device,
-                                key=self.key)
-        if self.device.type == "cuda":
-            abort_own_group()
-        me = dist.get_rank()
-        if first is not None and first.rank == me and first.interrupted:
+        first = None
+        if self.store is not None:
+            first = publish_failure(err, where=where or f"in the DiT forward of step {step}", device=self.device,
+                                    key=self.key, store=self.store, rank=self.rank)
+        abort_groups(self.groups)  # CUDA only (gloo: a rank that leaves ends the collectives waiting on it)
+        if first is not None and first.rank == self.rank and first.interrupted:
             return err
-        return GroupBroken(first, me, lost=_error_text(err))
+        return GroupBroken(first, self.rank, lost=_error_text(err))
 
     @contextmanager
     def watching(self) -> Iterator[None]:
         if self.device.type != "cuda":
             yield  # gloo: a rank that leaves ends the collectives waiting on it (no thread needed)
             return
-        with FailureWatch(self.key, lambda failure: abort_own_group()):
+        if self.store is None:  # nothing to watch: the collectives end at the backend's timeout
+            yield
+            return
+        with FailureWatch(self.key, lambda failure: abort_groups(self.groups), store=self.store, rank=self.rank):
             yield

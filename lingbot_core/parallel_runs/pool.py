@@ -10,8 +10,10 @@ JSON header and tensors, both with `dist.broadcast`; nothing is pickled -- and t
 here too, on the pool's parallel view of the caller's handle: every rank runs the same stage with
 the same inputs, and rank 0 keeps the result.
 
-Interrupts: after every step rank 0 broadcasts one flag; when its own step callback raised (ComfyUI's
-interrupt, Ctrl-C), the flag tells the workers to drop the call, so they stop within one step.
+Interrupts: after every step every rank takes part in the sampling loop's status exchange
+(`parallel.abort.StepStatus`); when rank 0's step callback raised (ComfyUI's interrupt, Ctrl-C), or
+its step failed, the workers hear it there (`PeerFailed`) and drop the call within that step, in step
+with rank 0, so the pool stays usable.
 
 Failures: a worker that failed (inside a DiT forward too: an out-of-memory error on its GPU), a
 worker that died, or a call that failed on rank 0 for any reason but an interrupt or a refused
@@ -45,8 +47,9 @@ import torch
 import torch.distributed as dist
 
 from ..components import DITS, TRANSFORMER
+from ..errors import is_refused_input
 from ..interrupt import interrupt_checker
-from ..parallel.abort import Failure, failure_in, failure_key, publish_failure, published_failure
+from ..parallel.abort import Failure, PeerFailed, failure_in, failure_key, publish_failure, published_failure
 from ..parallel.launch import free_loopback_port
 from ..parallel.layout import CFG_DEGREES, ParallelLayout, pooled_offload_refusal
 
@@ -72,10 +75,6 @@ MAX_HEADER_BYTES = 1 << 20
 
 class PoolError(RuntimeError):
     """The pool cannot run this call (a worker died, a worker failed to start, rank 0 failed)."""
-
-
-class _Dropped(Exception):
-    """Worker side: rank 0 dropped the call (an interrupt); wait for the next one."""
 
 
 # -- what the workers need: devices, degrees and the checkpoint as plain data --------------------------------
@@ -234,12 +233,6 @@ def _broadcast_message(device: torch.device, kind: str | None = None, fields: di
         dist.broadcast(t, 0)
         got[name] = tensors[name] if leader else t.cpu()
     return header["kind"], header["fields"], got
-
-
-def _step_flag(device: torch.device, stop: bool | None = None) -> bool:
-    flag = torch.tensor([1 if stop else 0], dtype=torch.int64, device=device)
-    dist.broadcast(flag, 0)
-    return bool(flag.item())
 
 
 # -- the stages a pool runs: each packs its inputs on rank 0 and unpacks them on the workers ---------------
@@ -515,17 +508,15 @@ class WorkerPool:
         if self._own is not None:
             _drop_dits(self._own, release)
         device = self.device
-        flagged = []
+        flagged = []  # rank 0 stopped between two steps (the workers heard it in the status exchange)
 
         def on_step(step: int, total: int, latents: Any) -> None:
             try:
                 if callback is not None:
                     callback(step, total, latents)
             except BaseException:
-                _step_flag(device, True)
                 flagged.append(step)
                 raise
-            _step_flag(device, False)
 
         try:
             _broadcast_message(device, stage, fields, tensors)
@@ -536,11 +527,13 @@ class WorkerPool:
                 return execute(view, {k: v for k, v in kwargs.items() if k != "trace"}, on_step)
         except BaseException as err:
             failure = failure_in(err)  # the group broke: the first rank that failed, as it published it
-            if failure is None and not _is_interrupt(err) and not isinstance(err, ValueError):
+            refused = is_refused_input(err)
+            if failure is None and not _is_interrupt(err) and not refused:
                 failure = published_failure(failure_key(self.layout))  # a worker that failed outside the loop
             dead = [] if failure is not None and failure.rank != 0 else self._dead_after(err)
-            if failure is None and not dead and (flagged or isinstance(err, ValueError)):
-                raise  # every rank stopped the same way (the interrupt flag, or the same refused input)
+            in_step = flagged and (_is_interrupt(err) or refused)
+            if failure is None and not dead and (in_step or refused):
+                raise  # every rank stopped the same way (an interrupt between two steps, or the same refused input)
             self._abandon(grace=0)  # the workers left, or wait in a collective that will not complete
             error = self._failure_error(stage, err, failure, dead)
             if error is err:
@@ -557,7 +550,8 @@ class WorkerPool:
             self._own = open_described(self.spec.checkpoint, handle.device)
         return _with_loras(self._own.with_parallel(self.layout), loras, self._own_loras)
 
-    def _failure_error(self, stage: str, err: BaseException, failure: Failure | None, dead: list[Any]) -> BaseException:
+    def _failure_error(self, stage: str, err: BaseException, failure: Failure | None,
+                       dead: list[tuple[int, Any]]) -> BaseException:
         """What a failed call raises: the worker that failed (its device, rank and error), else a worker
         that died, else rank 0's own error (an interrupt as it is)."""
         after = ("; the workers were stopped. The pipe without LingBot Parallel works on this device; running "
@@ -568,9 +562,9 @@ class WorkerPool:
             return PoolError(f"LingBot Parallel: the worker for {device} (rank {failure.rank}) {what} during "
                              f"{stage}{after}")
         if dead:
-            rank = self._rank_of(dead[0])
+            rank, proc = dead[0]
             return PoolError(f"LingBot Parallel: the worker for {self.spec.devices[rank]} (rank {rank}) died during "
-                             f"{stage} (exit code {dead[0].exitcode}){after}")
+                             f"{stage} (exit code {proc.exitcode}){after}")
         if isinstance(err, PoolError) or _is_interrupt(err):
             return err
         own = failure.error if failure is not None else f"{type(err).__name__}: {err}"
@@ -578,16 +572,18 @@ class WorkerPool:
         return PoolError(f"LingBot Parallel: {stage} failed on rank 0 ({self.spec.devices[0]}){where} ({own}); the "
                          "workers were stopped and the next run starts new ones")
 
-    def _rank_of(self, proc: Any) -> int | None:
-        return next((i for i, p in enumerate(self._procs, start=1) if p is proc), None)
+    def _dead_after(self, err: BaseException) -> list[tuple[int, Any]]:
+        """(rank, process) of the workers found dead after `err` (a collective error can come a moment before
+        the exit is seen), taken now: `_abandon` empties the list of workers. A worker that left by itself
+        (exit code 0: it followed another rank's failure) is not one that died."""
+        def dead() -> list[tuple[int, Any]]:
+            return [(rank, p) for rank, p in enumerate(self._procs, start=1) if not p.is_alive() and p.exitcode != 0]
 
-    def _dead_after(self, err: BaseException) -> list[Any]:
-        """Workers found dead after `err` (a collective error can come a moment before the exit is seen)."""
-        dead = [p for p in self._procs if not p.is_alive()]
-        if not dead and not _is_interrupt(err) and not isinstance(err, ValueError):
+        found = dead()
+        if not found and not _is_interrupt(err) and not is_refused_input(err):
             time.sleep(0.5)
-            dead = [p for p in self._procs if not p.is_alive()]
-        return dead
+            found = dead()
+        return found
 
 
 @contextmanager
@@ -825,10 +821,6 @@ def _serve(handle: Any, layout: ParallelLayout, device: torch.device) -> None:
     spec_device = str(handle.device)
     lora_files: dict[str, Any] = {}  # path -> LoraFile, the files of rank 0's current LoRA stack
 
-    def on_step(step: int, total: int, latents: Any) -> None:
-        if _step_flag(device):
-            raise _Dropped
-
     while True:
         try:
             kind, fields, tensors = _broadcast_message(device)
@@ -846,13 +838,13 @@ def _serve(handle: Any, layout: ParallelLayout, device: torch.device) -> None:
             _drop_dits(handle, fields.pop("release", []))  # as rank 0 dropped them (Refine's release_base)
             call_view, call_kwargs = _with_loras(view, fields.pop("loras", []), lora_files), unpack(fields, tensors)
             where = f"in {kind}"
-            execute(call_view, call_kwargs, on_step)
-        except _Dropped:
+            execute(call_view, call_kwargs, None)
+        except PeerFailed:  # rank 0 (or another worker) stopped between two steps: every rank stopped there
             continue
         except Exception as err:
             print(f"lingbot parallel worker rank {layout.rank}: {kind} failed: {type(err).__name__}: {err}",
                   file=sys.stderr, flush=True)
-            if isinstance(err, ValueError) and where == f"in {kind}":
+            if is_refused_input(err) and where == f"in {kind}":
                 continue  # a refused input: rank 0 refuses the same (same inputs, same checks) and keeps the pool
             # anything else leaves this call out of step with the others: publish it for rank 0 (a failure
             # inside the forward already is) and leave, which ends every collective waiting on this process

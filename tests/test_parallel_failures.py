@@ -1,0 +1,163 @@
+"""The failure path of a parallel run on CUDA devices, tested on the CPU (issue 30, item 2): a one-rank
+gloo world, the device only a label ("cuda"), so `StepStatus` takes its CUDA branch (abort the
+communicators) with no GPU; and which `ValueError`s are refused inputs (exit code 2) and which are
+failures of the run (exit code 1)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lingbot_core import exit_codes
+from lingbot_core.errors import RefusedInput, is_refused_input
+from lingbot_core.parallel import abort
+from lingbot_core.parallel.abort import Failure, GroupBroken, StepStatus, failure_key
+
+
+@pytest.fixture
+def one_rank_world():
+    """A gloo world of this process alone (an in-memory store); left afterwards whatever the test did."""
+    if dist.is_initialized():
+        pytest.skip("this process already belongs to a process group")
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield store
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _whole_world_layout():
+    return SimpleNamespace(group=None, world_size=1, leader_rank=0, mesh=None)
+
+
+def test_a_cuda_rank_failing_inside_a_forward_gets_group_broken_naming_it(one_rank_world):
+    """The reproduction: on a CUDA device `broken` aborted every group (clearing the default one) and then
+    asked torch for the rank, which raised torch's own ValueError (exit code 2, the failure recorded as
+    rank 0's, LingBot Parallel keeping the broken pool). Now: `GroupBroken` naming this rank, exit 1."""
+    status = StepStatus(_whole_world_layout(), device="cuda")
+    got = status.broken(3, RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert isinstance(got, GroupBroken), repr(got)
+    assert got.failure == Failure(0, "cuda", "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB",
+                                  "in the DiT forward of step 3")
+    assert "rank 0 (cuda) failed in the DiT forward of step 3" in str(got)
+    assert exit_codes.exit_code(got) == exit_codes.FAILED and got.stops_group
+    assert dist.get_rank() == 0  # the process group is still this process's to destroy (the caller leaves it)
+
+
+def test_group_broken_names_the_first_failing_rank_not_this_one(one_rank_world):
+    """Another rank published its failure first (in the group's store): this rank's collective error is
+    reported as that failure, with this rank's number as the one that stopped with it."""
+    layout = _whole_world_layout()
+    first = Failure(1, "cuda:1", "RuntimeError: out of memory", "in the DiT forward of step 2")
+    abort.publish_failure(RuntimeError("out of memory"), where=first.where, device=first.device, rank=1,
+                          key=failure_key(layout))
+    status = StepStatus(layout, device="cuda")
+    got = status.broken(2, RuntimeError("NCCL communicator was aborted on rank 0"))
+    assert isinstance(got, GroupBroken) and got.failure == first, repr(got)
+    assert "rank 1 (cuda:1) failed in the DiT forward of step 2" in str(got) and "rank 0 stopped with it" in str(got)
+
+
+def test_only_the_layouts_own_groups_are_aborted(one_rank_world, monkeypatch):
+    """The layout's video group (the default group for a whole-world layout) and its mesh's groups are
+    aborted; a group of the same process that is not the layout's is left alone."""
+    from torch.distributed import distributed_c10d
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("cfg", "ulysses"))
+    layout = SimpleNamespace(group=None, world_size=1, leader_rank=0, mesh=mesh)
+    other = dist.new_group([0])
+    aborted = []
+    monkeypatch.setattr(abort, "_abort_group", aborted.append)
+    StepStatus(layout, device="cuda").broken(1, RuntimeError("boom"))
+    own = {id(g) for g in mesh.get_all_groups()} | {id(distributed_c10d._get_default_group())}
+    assert {id(g) for g in aborted} == own and id(other) not in {id(g) for g in aborted}
+    StepStatus(layout, device="cpu").broken(1, RuntimeError("boom"))  # gloo: a rank that leaves ends them
+    assert len(aborted) == len(own)
+
+
+def _torch_value_error() -> ValueError:
+    try:
+        dist.get_rank(group=object())  # torch refuses this group: its ValueError, raised in its own code
+    except ValueError as err:
+        return err
+    raise AssertionError("torch accepted a group it cannot know")
+
+
+def test_a_librarys_value_error_is_a_failure_and_ours_is_a_refused_input():
+    """Exit code 2 is for what the user passed; a ValueError raised inside a library while running
+    (torch.distributed's, here) is a failure of the run: exit code 1."""
+    from lingbot_core.parallel_runs.pool import parse_devices
+
+    library = _torch_value_error()
+    assert not is_refused_input(library) and exit_codes.exit_code(library) == exit_codes.FAILED
+    with pytest.raises(ValueError) as ours:
+        parse_devices("tpu")  # a plain ValueError raised by our own code
+    assert is_refused_input(ours.value) and exit_codes.exit_code(ours.value) == exit_codes.BAD_INPUT
+    try:
+        raise RefusedInput("steps: 0; give 1 or more")
+    except RefusedInput as err:
+        assert is_refused_input(err) and exit_codes.exit_code(err) == exit_codes.BAD_INPUT
+    assert not is_refused_input(RuntimeError("x")) and exit_codes.exit_code(torch.cuda.OutOfMemoryError()) == 1
+
+
+def _cond(handle):
+    """Random prompt embeddings of the DiT's text width (the text encoder is not what is tested)."""
+    from lingbot_core.prompt import PromptEmbeds
+    from lingbot_core.stages import Conditioning
+
+    g = torch.Generator().manual_seed(4)
+    width = handle.info.transformer_config["text_dim"]
+    embeds = PromptEmbeds(torch.randn(1, 7, width, generator=g), torch.ones(1, 7, dtype=torch.int64),
+                          torch.zeros(1, 7, dtype=torch.int64))
+    return Conditioning(embeds, embeds)
+
+
+def test_a_pool_call_failing_on_rank_0_or_losing_a_worker_stops_the_pool_with_pool_error(fixtures_root, monkeypatch):
+    """LingBot Parallel (this process rank 0, one forked worker, cfg=2): (1) a library's ValueError on
+    rank 0 in the middle of a call (here json's, from a sampler step) is a failure, not a refused input:
+    the pool stops with PoolError naming rank 0 and its error (it was kept, with its worker gone);
+    (2) a worker killed in the middle of a call gives PoolError naming its rank and device (it was a
+    raw TypeError: the worker list was emptied before the dead worker's rank was looked up)."""
+    import json
+    import os
+    import signal
+
+    from lingbot_core.handle import PipelineHandle
+    from lingbot_core.parallel_runs import pool as pool_module
+    from lingbot_core.parallel_runs.pool import PoolError, PoolSpec, WorkerPool, run_stage, tag
+    from lingbot_core.sampling import guidance
+
+    monkeypatch.setattr(pool_module, "START_METHOD", "fork")
+    kw = dict(height=32, width=32, num_frames=5, steps=2, guidance_scale=3.0, shift=3.0, seed=7)
+    handle = PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu")
+    cond = _cond(handle)
+    pool = WorkerPool(PoolSpec.make(handle, "cpu,cpu", 2))
+    pipe = tag(handle, pool)
+    pool.start()
+    try:
+        real_pin = guidance.pin_first_frames
+
+        def pin_failing_here(latents, cond_latent):  # after the step, on rank 0 only (the worker is forked before)
+            json.loads("{not json")
+            return real_pin(latents, cond_latent)
+
+        monkeypatch.setattr(guidance, "pin_first_frames", pin_failing_here)
+        with pytest.raises(PoolError, match=r"denoise failed on rank 0 \(cpu\).*JSONDecodeError"):
+            run_stage("denoise", pipe, cond, **kw)
+        assert not pool.started
+        monkeypatch.setattr(guidance, "pin_first_frames", real_pin)
+
+        def kill_the_worker(step, total, latents):
+            if step == 1:
+                os.kill(pool.worker_pids()[0], signal.SIGKILL)
+
+        with pytest.raises(PoolError, match=r"the worker for cpu \(rank 1\) died during denoise"):
+            run_stage("denoise", pipe, cond, callback=kill_the_worker, **kw)
+        assert not pool.started and pool.starts == 2
+    finally:
+        pool.release()
