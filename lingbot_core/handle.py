@@ -219,6 +219,7 @@ class PipelineHandle:
             except ValueError:
                 names = ", ".join(b.value for b in AttentionBackendName)
                 raise ValueError(f"unknown attention backend {attention_backend!r}; choose one of {names}") from None
+            check_attention(attention_backend, device, chosen.get(TRANSFORMER))
         shared = SharedComponents(info.folder, info=info, dtypes=chosen, text_attn=text_attn,
                                   attention_backend=attention_backend, weights=weights, compile=compile,
                                   ffn_chunk=ffn_chunk, fp8_matmul=fp8_matmul, decoder=decoder)
@@ -353,6 +354,23 @@ def check_fp8_matmul(value: Any, device: torch.device) -> str:
             raise ValueError(f"fp8_matmul scaled_mm cannot run here: {problem}; choose auto (fp8 tensor cores where "
                              "the GPU runs them, else decode) or decode")
     return value
+
+
+def check_attention(backend: str, device: torch.device, dtype: torch.dtype | None) -> None:
+    """Refuse, before anything loads, an attention backend chosen explicitly that a small trial on the
+    device cannot run (`kernels.probe`, in the DiTs' dtype; bf16 where they keep their stored one on
+    CUDA), with the backend's reason. SDPA is the plain path and is never refused."""
+    from . import kernels
+    from .models.transformer import SDPA_BACKENDS
+
+    if backend in SDPA_BACKENDS:
+        return
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    trial = kernels.probe(f"attention/{backend}", device, dtype)
+    if trial["verdict"] != kernels.FAST:
+        raise ValueError(f"attention '{backend}' cannot run on {device} in {str(dtype).replace('torch.', '')}: "
+                         f"{trial['reason']} ({trial['verdict']}); choose default (PyTorch SDPA)")
 
 
 def ffn_chunk_setting(choice: Any) -> int | str | None:

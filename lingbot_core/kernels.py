@@ -67,6 +67,9 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
     Kernel("scaled_mm", "torch._scaled_mm: fp8 linears on fp8 tensor cores, activations quantized per row",
            "the fp8 weight decoded to the compute dtype, then a plain matmul", "decoding fp8 weights for their matmuls",
            "its first rows against the decoded matmul's (relative error)", "lingbot_core.weights.fp8"),
+    Kernel("attention", "an attention backend of diffusers' dispatcher other than PyTorch SDPA, per backend, "
+           "with and without a key mask", "PyTorch SDPA (diffusers' `native` backend)", "using SDPA",
+           "its first query rows against SDPA's (relative error)", "lingbot_core.models.transformer"),
     Kernel("compiled_decoder", "one torch.compile'd kernel per packed weight format (fp8, GGUF types)",
            "the eager decoder", "decoding eagerly", "every value, bit for bit, against the eager decoder",
            "lingbot_core.weights.decode"),

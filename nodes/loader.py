@@ -18,8 +18,10 @@ TINY = {"tiny (built-in dense)": "dense", "tiny (built-in moe)": "moe",
         "tiny (built-in moe dmd student)": "moe-dmd"}  # lingbot_core.tiny.TINY_VARIANTS
 DTYPES = {"auto": None, "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 WEIGHTS = ["auto", "fp8_e4m3"]
+# diffusers' backend names; new ones go last (a saved workflow keeps its choice); any but SDPA is tried on its
+# first call and SDPA serves where it fails (lingbot_core.kernels), a masked call included
 ATTENTION = ["default", "native", "_native_math", "_native_flash", "_native_efficient", "flash", "sage",
-             "xformers"]
+             "xformers", "_flash_3", "_native_cudnn"]
 
 
 def _attention_choice(value: object) -> str | None:
@@ -125,8 +127,11 @@ class LingBotLoader(io.ComfyNode):
                        tooltip="auto: the DiT as stored (bf16 for the published checkpoints); text "
                                "encoder bf16 on GPU, fp32 on CPU (the VAE stays fp32)"),
                 Choice("attention", options=ATTENTION, default="default",
-                       tooltip="Attention kernel of the DiT. default: PyTorch SDPA; flash/sage/xformers "
-                               "need their package installed"),
+                       tooltip="Attention kernel of the DiT. default: PyTorch SDPA; flash/sage/xformers/_flash_3 "
+                               "need their package installed. Any other than SDPA is tried when the Loader opens "
+                               "(refused there if it cannot run) and on its first call (SDPA from then on, with "
+                               "one warning, where it fails or differs); calls with a mask (padded prompts) go to "
+                               "SDPA on backends that take none"),
                 io.String.Input("path", default="", optional=True,
                                 tooltip="A checkpoint folder; overrides the combo when not empty. In ComfyUI it "
                                         "must lie under its model folders (LINGBOT_ALLOW_ANY_MODEL_PATH=1 lifts that)"),

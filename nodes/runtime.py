@@ -120,8 +120,9 @@ def node_work(total_steps: int = 0, label: str = "lingbot",
 
 # -- devices, dtypes and attention kernels ---------------------------------------------------------
 
-_CUDA_ONLY_ATTENTION = {"flash", "sage", "xformers", "_native_flash", "_native_efficient", "_native_cudnn"}
-_ATTENTION_PACKAGES = {"flash": "flash_attn", "sage": "sageattention", "xformers": "xformers"}
+_CUDA_ONLY_ATTENTION = {"flash", "sage", "xformers", "_native_flash", "_native_efficient", "_native_cudnn", "_flash_3"}
+_ATTENTION_PACKAGES = {"flash": "flash_attn", "sage": "sageattention", "xformers": "xformers",
+                       "_flash_3": "flash_attn_interface"}
 
 
 def execution_device(choice: str = "auto"):

@@ -261,3 +261,122 @@ def test_the_handle_refuses_an_explicit_scaled_mm_that_cannot_run_when_it_opens(
     monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: _refuse())
     with pytest.raises(ValueError, match="scaled_mm cannot run here: torch._scaled_mm refused: RuntimeError: no kernel"):
         PipelineHandle.open(tmp_path / "missing", device="cpu", fp8_matmul="scaled_mm")
+
+
+# -- attention backends ---------------------------------------------------------------------------------
+
+def _padded_inputs():
+    x, t, text = _inputs(b=2)
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 5:] = 0  # the second prompt is shorter: one masked attention call per block
+    return x, t, text, mask
+
+
+def _fake_flash(monkeypatch, *, masks: bool = False, off_by: float = 0.0):
+    """diffusers' `flash` on the CPU: SDPA's values (times `off_by` more), refusing a mask as flash-attn
+    2 does unless `masks`; returns the backends each call asked for."""
+    from lingbot_core.models import transformer as tr
+
+    real = tr.dispatch_attention_fn
+    asked = []
+
+    def dispatch(q, k, v, attn_mask=None, backend=None, **kwargs):
+        asked.append((backend, attn_mask is not None))
+        if backend != "flash":
+            return real(q, k, v, attn_mask=attn_mask, backend=backend, **kwargs)
+        if attn_mask is not None and not masks:
+            raise ValueError("`attn_mask` is not supported for flash-attn 2.")
+        return real(q, k, v, attn_mask=attn_mask, backend="native", **kwargs) * (1 + off_by)
+
+    monkeypatch.setattr(tr, "dispatch_attention_fn", dispatch)
+    return asked
+
+
+def test_a_masked_call_on_a_backend_that_takes_no_mask_goes_to_sdpa(monkeypatch, caplog):
+    model = random_dit(TINY_MOE)
+    x, t, text, mask = _padded_inputs()
+    with torch.no_grad():
+        want_masked = model(x, t, text, mask).sample
+        want_plain = model(x, t, text).sample
+        asked = _fake_flash(monkeypatch)
+        model.set_attention_backend("flash")
+        with caplog.at_level(logging.WARNING):
+            got_masked = [model(x, t, text, mask).sample for _ in range(2)]
+            got_plain = model(x, t, text).sample
+    assert all(torch.equal(g, want_masked) for g in got_masked) and torch.equal(got_plain, want_plain)
+    rows = {r["kernel"]: r["verdict"] for r in kernels.verdicts()}
+    assert rows == {"attention/flash+mask": kernels.REFUSED, "attention/flash": kernels.FAST}
+    assert ("flash", False) in asked  # unmasked calls keep the fast backend
+    assert asked.count(("flash", True)) == 1  # tried once, then straight to SDPA
+    said = _warnings(caplog)
+    assert len(said) == 1 and "attention/flash+mask" in said[0] and "not supported for flash-attn 2" in said[0]
+
+
+def test_a_backend_diffusers_passes_no_mask_to_is_not_even_tried_with_one(monkeypatch):
+    from lingbot_core.models import transformer as tr
+
+    model = random_dit(TINY_MOE)
+    x, t, text, mask = _padded_inputs()
+    with torch.no_grad():
+        want = model(x, t, text, mask).sample
+        asked = _fake_flash(monkeypatch, masks=True)
+        monkeypatch.setattr(tr, "_takes_mask", lambda name: False)  # it would drop the mask silently
+        model.set_attention_backend("flash")
+        assert torch.equal(model(x, t, text, mask).sample, want)
+    assert ("flash", True) not in asked and kernels.verdicts() == []
+
+
+def test_a_differing_attention_backend_gives_sdpa_output(monkeypatch, caplog):
+    model = random_dit(TINY_MOE)
+    x, t, text = _inputs()
+    with torch.no_grad():
+        want = model(x, t, text).sample
+        _fake_flash(monkeypatch, off_by=0.5)
+        model.set_attention_backend("flash")
+        with caplog.at_level(logging.WARNING):
+            got = [model(x, t, text).sample for _ in range(2)]
+    assert all(torch.equal(g, want) for g in got)
+    assert [r["verdict"] for r in kernels.verdicts()] == [kernels.MISMATCH] and len(_warnings(caplog)) == 1
+
+
+def test_sdpa_backends_are_the_plain_path_and_never_tried(monkeypatch):
+    from lingbot_core.models.transformer import SDPA_BACKENDS
+
+    model = random_dit(TINY_MOE)
+    for backend in (None, *SDPA_BACKENDS):
+        model.set_attention_backend(backend)
+        with torch.no_grad():
+            model(*_padded_inputs())
+    assert kernels.verdicts() == []
+
+
+def test_the_handle_refuses_an_attention_backend_that_cannot_run_when_it_opens(monkeypatch, fixtures_root):
+    import importlib.util
+
+    from lingbot_core.handle import PipelineHandle
+
+    folder = fixtures_root / "models" / "tiny-dense"
+    if importlib.util.find_spec("flash_attn") is None:
+        with pytest.raises(ValueError, match="attention 'flash' cannot run on cpu in float32: .*flash"):
+            PipelineHandle.open(folder, device="cpu", attention_backend="flash")
+        kernels.reset()  # the process remembers the refusal; the fakes below install a working "flash"
+    from diffusers.models import attention_dispatch
+
+    monkeypatch.setattr(attention_dispatch, "_check_attention_backend_requirements", lambda backend: None)
+    _fake_flash(monkeypatch)  # installed, and refusing masks: unmasked trial passes, so the handle opens
+    handle = PipelineHandle.open(folder, device="cpu", attention_backend="flash")
+    assert handle.shared.attention_backend == "flash" and kernels.verdicts() == []
+    _fake_flash(monkeypatch, off_by=1.0)
+    with pytest.raises(ValueError, match="attention 'flash' cannot run.*relative error.*mismatch"):
+        PipelineHandle.open(folder, device="cpu", attention_backend="flash")
+    assert PipelineHandle.open(folder, device="cpu", attention_backend="_native_math").shared.attention_backend
+
+
+def test_probing_a_masked_variant_reports_the_refusal():
+    from diffusers.models import attention_dispatch
+
+    if not hasattr(attention_dispatch, "_check_attention_backend_requirements"):
+        pytest.skip("an older diffusers")
+    assert kernels.probe("attention/_native_math", "cpu", torch.float32)["verdict"] == kernels.FAST
+    row = kernels.probe("attention/_native_flash+mask", "cpu", torch.float32)  # SDPA's flash kernel takes no mask
+    assert row["kernel"] == "attention/_native_flash+mask" and row["verdict"] == kernels.REFUSED, row

@@ -11,6 +11,13 @@ Where we part from the reference without changing an output:
   dispatcher (plain SDPA works) instead of a packed FlashAttention-3 path; pads never reach a real
   token;
 - inputs are cast to the weights' dtype here, so a bf16 model also runs without autocast.
+
+Attention goes through `attend`: PyTorch SDPA (diffusers' `native`, the default) directly; any other
+backend (flash, flash 3, sage, xformers, cuDNN...) is the `attention/<backend>` kernel of
+`lingbot_core.kernels`, tried on its first call, its first query rows compared with SDPA's, and SDPA
+serves where it refuses or differs. Masked calls (padded prompts in one batch, Ulysses padding) are
+tried as `attention/<backend>+mask`: flash and sage take no mask (diffusers refuses it), so those
+calls go to SDPA while unmasked calls keep the fast backend.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from diffusers.models.embeddings import TimestepEmbedding, Timesteps
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.modeling_utils import ModelMixin
 
-from .. import hooks
+from .. import hooks, kernels
 from . import precision
 from .compile import COMPILED_REGION, run_compiled
 from .config import DiTConfig
@@ -35,7 +42,16 @@ from .layers import CaptionProjection, RMSNorm, SwiGLU
 from .moe import SparseMoE
 from .rotary import AxialRotary, joint_positions, rotate_pairs
 
-__all__ = ["BlockRunner", "DiTConfig", "JointBlock", "LingBotVideoTransformer3DModel"]
+__all__ = ["BlockRunner", "DiTConfig", "JointBlock", "LingBotVideoTransformer3DModel", "attend"]
+
+#: diffusers attention backends that are PyTorch SDPA choosing its own kernel: the plain path, never tried
+SDPA_BACKENDS = ("native", "_native_math")
+#: query rows of a fast backend's first result compared with SDPA's (`kernels.run`'s check)
+CHECK_QUERIES = 64
+#: how far (relative error) a backend's first result may be from SDPA's: both round to the half-precision
+#: dtype in another order; backends that quantize queries and keys (sage: int8) get the wider one
+ATTENTION_TOLERANCE = 2e-2
+QUANTIZED_ATTENTION_TOLERANCE = 0.1
 
 #: runs the block stack: (blocks, x, temb6, rotations, key_mask) -> x
 BlockRunner = Callable[[nn.ModuleList, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -60,8 +76,84 @@ class SelfAttention(nn.Module):
         q = rotate_pairs(self.norm_q(self.to_q(x).unflatten(-1, self.heads)), rotations)
         k = rotate_pairs(self.norm_k(self.to_k(x).unflatten(-1, self.heads)), rotations)
         v = self.to_v(x).unflatten(-1, self.heads)
-        mixed = dispatch_attention_fn(q, k, v, attn_mask=key_mask, backend=self.backend)
+        mixed = attend(q, k, v, key_mask, self.backend)
         return self.to_out(mixed.flatten(-2).type_as(x))
+
+
+def _backend_name(backend: str | None) -> str:
+    """The diffusers backend a call with `backend` uses: None is diffusers' active default (`native`
+    unless DIFFUSERS_ATTN_BACKEND or its `attention_backend` context says otherwise)."""
+    if backend is not None:
+        return str(backend)
+    from diffusers.models import attention_dispatch
+
+    registry = getattr(attention_dispatch, "_AttentionBackendRegistry", None)
+    active = getattr(registry, "_active_backend", "native")
+    return str(getattr(active, "value", active))
+
+
+def _takes_mask(name: str) -> bool:
+    """Whether diffusers passes an `attn_mask` to backend `name` at all (one without the argument would
+    drop the mask silently); where the registry cannot say, the trial decides."""
+    from diffusers.models import attention_dispatch
+
+    registry = getattr(attention_dispatch, "_AttentionBackendRegistry", None)
+    names = getattr(registry, "_supported_arg_names", {})
+    for key, args in names.items():
+        if str(getattr(key, "value", key)) == name:
+            return "attn_mask" in args
+    return True
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
+           backend: str | None) -> torch.Tensor:
+    """Attention over (B, S, H, D) q, k, v with an optional (B, 1, 1, S) boolean key mask, through
+    diffusers' dispatcher: SDPA directly, any other backend by trial (`lingbot_core.kernels`, kernel
+    `attention/<backend>`, `+mask` for a masked call), SDPA where it refuses or differs."""
+    name = _backend_name(backend)
+    if name in SDPA_BACKENDS:
+        return dispatch_attention_fn(q, k, v, attn_mask=key_mask, backend=backend)
+
+    def sdpa(queries: torch.Tensor = q) -> torch.Tensor:
+        return dispatch_attention_fn(queries, k, v, attn_mask=key_mask, backend="native")
+
+    if key_mask is not None and not _takes_mask(name):
+        return sdpa()
+    tolerance = QUANTIZED_ATTENTION_TOLERANCE if name.lstrip("_").startswith("sage") else ATTENTION_TOLERANCE
+
+    def against_sdpa(out: torch.Tensor) -> str | None:
+        return kernels.differs(out[:, :CHECK_QUERIES], sdpa(q[:, :CHECK_QUERIES]), tolerance)
+
+    kernel = f"attention/{name}" + ("+mask" if key_mask is not None else "")
+    return kernels.run(kernel, lambda: dispatch_attention_fn(q, k, v, attn_mask=key_mask, backend=backend), sdpa,
+                       device=q.device, dtype=q.dtype, check=against_sdpa)
+
+
+@kernels.trial_for("attention")
+def _attention_trial(device: torch.device, dtype: torch.dtype, variant: str = "") -> str | None:
+    """`kernels.probe`'s small trial of backend `variant` (`flash`, `sage+mask`, ...): 2 heads of 64 over
+    32 tokens in `dtype` on `device` through `attend`; why it cannot be tried at all, or None."""
+    name, masked = variant.removesuffix("+mask"), variant.endswith("+mask")
+    if not name or name in SDPA_BACKENDS:
+        return None  # SDPA is the plain path itself
+    from diffusers.models import attention_dispatch
+
+    try:
+        backend = attention_dispatch.AttentionBackendName(name)
+    except ValueError:
+        return f"unknown attention backend {name!r}"
+    check = getattr(attention_dispatch, "_check_attention_backend_requirements", None)
+    if check is not None:
+        check(backend)  # a missing package raises with diffusers' own message
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 32, 2, 64, generator=g).to(device=device, dtype=dtype) for _ in range(3))
+    mask = None
+    if masked:
+        mask = torch.ones(1, 1, 1, 32, dtype=torch.bool)
+        mask[..., 24:] = False
+        mask = mask.to(device)
+    attend(q, k, v, mask, name)
+    return None
 
 
 class JointBlock(nn.Module):

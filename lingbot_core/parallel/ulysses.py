@@ -30,11 +30,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from diffusers.models.attention_dispatch import dispatch_attention_fn
 
 from .. import hooks
 from ..models.rotary import rotate_pairs
-from ..models.transformer import LingBotVideoTransformer3DModel, SelfAttention
+from ..models.transformer import LingBotVideoTransformer3DModel, SelfAttention, attend
 from .layout import ParallelLayout
 
 __all__ = ["ATTENTION_HOOK", "DIT_HOOK", "disable_sequence_parallel", "enable_sequence_parallel",
@@ -83,7 +82,7 @@ class _AttentionHook(hooks.Hook):
         k = rotate_pairs(module.norm_k(module.to_k(x).unflatten(-1, module.heads)), rotations)
         v = module.to_v(x).unflatten(-1, module.heads)
         q, k, v = (sequence_to_heads(t, self.degree, self.group) for t in (q, k, v))
-        mixed = dispatch_attention_fn(q, k, v, attn_mask=key_mask, backend=module.backend)
+        mixed = attend(q, k, v, key_mask, module.backend)  # a fast backend by trial (models/transformer.py)
         mixed = heads_to_sequence(mixed, self.degree, self.group)
         return module.to_out(mixed.flatten(-2).type_as(x))
 
