@@ -380,3 +380,22 @@ def test_probing_a_masked_variant_reports_the_refusal():
     assert kernels.probe("attention/_native_math", "cpu", torch.float32)["verdict"] == kernels.FAST
     row = kernels.probe("attention/_native_flash+mask", "cpu", torch.float32)  # SDPA's flash kernel takes no mask
     assert row["kernel"] == "attention/_native_flash+mask" and row["verdict"] == kernels.REFUSED, row
+
+
+# -- the Memory Report ------------------------------------------------------------------------------
+
+def test_the_memory_report_shows_each_tried_kernel_with_its_verdict(monkeypatch, fixtures_root):
+    from lingbot_core.handle import PipelineHandle
+    from lingbot_core.memory import memory_report
+
+    handle = PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu")
+    assert "fast kernel" not in str(memory_report(handle))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
+    kernels.run("grouped_mm", lambda: _refuse(), lambda: None, device="cuda", dtype=torch.bfloat16)
+    kernels.run("attention/flash", lambda: None, lambda: None, device="cpu", dtype=torch.float32)
+    report = memory_report(handle)
+    text, line = str(report), report.one_line()
+    for shown in (text, line):
+        assert ("fast kernel grouped_mm on cuda 8.6, bfloat16: refused (RuntimeError: no kernel image is available "
+                "for execution on the device)") in shown
+        assert "fast kernel attention/flash on cpu, float32: fast" in shown

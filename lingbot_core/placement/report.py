@@ -105,6 +105,11 @@ class MemoryReport:
     parallel: str | None = None  # a parallel run: the layout (the bytes above are this rank's)
     # on CUDA: each stage's last measured peak with its estimate (`calibration.MeasuredPeak`)
     measured: list[Any] = field(default_factory=list)
+    # each optional fast kernel this process tried, with its verdict (`lingbot_core.kernels.summary_lines`)
+    kernels: list[str] = field(default_factory=list)
+
+    def kernel_lines(self) -> list[str]:
+        return [f"fast kernel {line}" for line in self.kernels]
 
     def measured_lines(self) -> list[str]:
         return [f"measured {peak.line()}" for peak in self.measured]
@@ -130,7 +135,7 @@ class MemoryReport:
     def one_line(self) -> str:
         parts = [f"{c.name}: {c.where}" + (f" ({c.format})" if c.format else "") for c in self.components]
         return "; ".join(parts + self.chunk_lines() + self.generation_line() + self.parallel_line()
-                         + self.measured_lines())
+                         + self.measured_lines() + self.kernel_lines())
 
     def totals(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -145,7 +150,7 @@ class MemoryReport:
         summary = ", ".join(f"{place} {n / GiB:.2f} GiB" for place, n in sorted(self.totals().items()))
         rows.append(f"  {'total':<13} {summary or 'nothing loaded'}")
         rows += [f"  {line}" for line in self.chunk_lines() + self.generation_line() + self.parallel_line()
-                 + self.measured_lines()]
+                 + self.measured_lines() + self.kernel_lines()]
         return "\n".join(rows)
 
 
@@ -169,6 +174,8 @@ def build_report(loaded: Mapping[str, Any], device: torch.device, mode: str,
                  generation: tuple[int, dict[str, int]] | None = None, *,
                  states: Mapping[str, Any] | None = None) -> MemoryReport:
     """`states`: the components' `weights.state.ModelState`s (which weights live only in their file)."""
+    from .. import kernels
+
     states = states or {}
     return MemoryReport([component_memory(n, loaded.get(n), states.get(n)) for n in REPORTED], str(device), mode,
-                        dict(ffn_chunks or {}), generation)
+                        dict(ffn_chunks or {}), generation, kernels=kernels.summary_lines())
