@@ -215,3 +215,42 @@ def test_auto_and_the_fit_check_plan_with_the_device_calibration(fixtures_root, 
     view = handle.with_device("cuda").with_offload("none")  # a label: nothing moves in a check
     verdict = door.check_handle(view, replace(geometry, ffn_chunk=None), vram_free=64 * GiB, host_free=None)
     assert verdict.vram_needed == math.ceil(raw * 1.5)
+
+
+# -- a LoRA change under `none` ----------------------------------------------------------------------------
+
+RUN = dict(height=32, width=32, num_frames=5, steps=2, guidance_scale=1.0, seed=5)
+
+
+def test_a_lora_change_under_none_merges_where_the_weights_are(fixtures_root, monkeypatch):
+    """Under `none` a LoRA change used to suspend the mode: every tensor of the DiT to host RAM and back
+    (~60 GB each way for the MoE), and the slots given back the parameter objects captured at install,
+    which, after FSDP swapped them for its shards, rebound the unsharded originals. Now nothing is
+    suspended: the parameters stay the objects (and on the device) they are, and the result is the same."""
+    from lingbot_core import lora as lora_ops
+    from lingbot_core import stages
+    from lingbot_core.offload import configure_offload
+    from lingbot_core.placement.modes.none import NoneMode
+    from lingbot_core.placement.tensors import Homes
+
+    lora = lora_ops.load_lora_file(fixtures_root.parent / "lingbot-lora" / "cases" / "lora-lightx2v-mixed-moe"
+                                   / "lora.safetensors")
+    handle = _open(fixtures_root, "tiny-moe")
+    view = configure_offload(handle, "none")
+    cond = stages.encode_prompt(view, "a red boat", None)
+    stages.denoise(view, cond, **RUN)  # the DiT is resident now
+    attn = handle.shared.loaded["transformer"].blocks[0].attn
+    attn.to_q.weight = torch.nn.Parameter(attn.to_q.weight.detach().clone())  # what FSDP's fully_shard does
+    swapped = attn.to_q.weight
+    trips = []
+    for cls, method in ((NoneMode, "uninstall"), (NoneMode, "install"), (Homes, "restore")):
+        real = getattr(cls, method)
+        monkeypatch.setattr(cls, method, lambda self, *a, _real=real, _m=method: (trips.append(_m), _real(self, *a))[1])
+    merged = stages.denoise(lora_ops.with_lora(view, lora, 0.8), cond, **RUN)
+    back = stages.denoise(view, cond, **RUN)  # and off again
+    assert trips == []  # nothing suspended: no tensor went home and back
+    assert attn.to_q.weight is swapped  # the parameter FSDP would have put there, merged in place
+    monkeypatch.undo()
+    fresh = configure_offload(_open(fixtures_root, "tiny-moe"), "none")
+    assert torch.equal(merged, stages.denoise(lora_ops.with_lora(fresh, lora, 0.8), cond, **RUN))
+    assert torch.equal(back, stages.denoise(fresh, cond, **RUN))

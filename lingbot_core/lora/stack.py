@@ -4,8 +4,10 @@ A LoRA travels on a pipe *view*, like offload settings: `with_lora(handle, file,
 a view whose `LoraStack` the stage door applies to the shared DiTs when a stage enters (and takes
 off again when a view with another stack enters). So two branches with different LoRAs on one
 handle are each exact, in any order. The door hands `apply` and `remove` plain modules (offload
-suspended, every tensor in its CPU home) with the owner of their state (`weights.state.Models`), so
-the merge is the same computation under every offload mode, `sequential`'s meta weights included.
+suspended, every tensor in its CPU home; under `none`, where they are: on the device) with the owner
+of their state (`weights.state.Models`). The merge's arithmetic runs on the CPU from the pristine
+copies whatever the weights' device, so it is the same computation under every offload mode,
+`sequential`'s meta weights included, and under `none` only the changed parameters travel.
 """
 
 from __future__ import annotations

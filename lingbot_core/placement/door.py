@@ -24,7 +24,9 @@ differs, or a component was (re)loaded since, it suspends the offload installati
 every tensor back in its CPU home: plain modules), calls `remove` of the old state and `apply` of
 the new one on the loaded module components (`text_encoder`, `transformer`, `refiner`, `vae`), and
 installs the offload mode again, so hooks see the modules as the state left them (added LoRA
-layers included). This runs under the shared lock, before anything is acquired.
+layers included). Under `none` the modules are plain already and nothing is suspended: the states
+change them where they are (on the device; FSDP's shards as they are). This runs under the shared
+lock, before anything is acquired.
 
 Modes and their clean state (what may stay on the accelerator between stages):
 

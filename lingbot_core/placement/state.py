@@ -86,10 +86,16 @@ class Placement:
 
     @contextmanager
     def suspended(self, loaded: Mapping[str, Any], names: list[str]) -> Iterator[None]:
-        """The named components as plain modules on the CPU for the body (hooks off, tensors home);
-        the installed mode takes them over again afterwards. Components not installed yet are
-        left alone (the next install takes them)."""
+        """The named components as plain modules for the body: under an offloading mode, hooks off and
+        every tensor in its CPU home, the mode taking them over again afterwards. Under `none` (a mode that
+        keeps components resident) they are plain modules already: they stay where they are, so a LoRA
+        change merges on the device (no round trip of the whole DiT through host RAM) and FSDP's sharded
+        parameters stay the objects FSDP put there. Components not installed yet are left alone (the next
+        install takes them)."""
         mode = self.mode
+        if mode is not None and mode.keeps_resident:
+            yield
+            return
         held = [n for n in names if mode is not None and n in mode.homes]
         for name in held:
             mode.uninstall(name, loaded.get(name))
