@@ -127,12 +127,13 @@ def _worker(rank: int, args: argparse.Namespace, store_port: int, out: str) -> N
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    import torch.distributed as dist
     import torch.multiprocessing as mp
+
+    from lingbot_core.parallel.launch import loopback_store
 
     method = args.start_method or ("spawn" if args.device == "cuda" or torch.cuda.is_initialized() else "fork")
     ctx = mp.get_context(method)
-    store = dist.TCPStore("127.0.0.1", 0, args.processes, True, wait_for_workers=False)  # torchrun's agent's part
+    store = loopback_store(0, args.processes, server=True)  # torchrun's agent's part
     with tempfile.TemporaryDirectory() as out:
         procs = [ctx.Process(target=_worker, args=(r, args, store.port, out), daemon=True)
                  for r in range(args.processes)]

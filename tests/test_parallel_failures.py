@@ -5,6 +5,7 @@ failures of the run (exit code 1)."""
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -161,3 +162,108 @@ def test_a_pool_call_failing_on_rank_0_or_losing_a_worker_stops_the_pool_with_po
         assert not pool.started and pool.starts == 2
     finally:
         pool.release()
+
+
+def test_the_pool_sets_nccl_error_handling_before_its_workers_start(monkeypatch):
+    """The workers inherit the environment as it is when they start: TORCH_NCCL_ASYNC_ERROR_HANDLING=2
+    (abort the communicators on an error, never end the process) must be set by then (it was set only
+    after the workers started). A value the user set is kept. No process starts here."""
+    import torch.multiprocessing as mp
+
+    from lingbot_core.parallel_runs import pool as pool_module
+    from lingbot_core.parallel_runs.pool import PoolSpec, WorkerPool
+
+    seen = []
+
+    class Started(Exception):
+        pass
+
+    class Process:
+        def __init__(self, **kwargs):
+            pass
+
+        def start(self):
+            seen.append(pool_module.os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"))
+            raise Started
+
+    ctx = SimpleNamespace(Array=lambda kind, values: list(values), Process=Process)
+    monkeypatch.setattr(mp, "get_context", lambda method: ctx)
+    spec = PoolSpec(("cuda:0", "cuda:1"), 2, 1, {})
+    for preset, expected in ((None, "2"), ("1", "1")):
+        environ = {k: v for k, v in os.environ.items() if k != "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
+        if preset is not None:
+            environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = preset
+        monkeypatch.setattr(pool_module.os, "environ", environ)
+        with pytest.raises(Started):
+            WorkerPool(spec).start()
+        assert seen[-1] == expected
+
+
+def _listening(pids: list[int]) -> set[str]:
+    """The local addresses ("ip:port") of the TCP sockets in LISTEN state that processes `pids` hold
+    (/proc/net/tcp and tcp6, matched to the processes' socket inodes)."""
+    import ipaddress
+
+    inodes = set()
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:["):-1])
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            rows = [line.split() for line in f.read().splitlines()[1:]]
+        for row in rows:
+            if row[3] != "0A" or row[9] not in inodes:  # 0A: LISTEN
+                continue
+            hex_ip, hex_port = row[1].split(":")
+            raw = bytes.fromhex(hex_ip)
+            # the kernel writes each 32-bit word of the address in host (little-endian) order
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            found.add(f"{ipaddress.ip_address(raw)}:{int(hex_port, 16)}")
+    return found
+
+
+def _loopback(address: str) -> bool:
+    import ipaddress
+
+    ip = ipaddress.ip_address(address.rsplit(":", 1)[0])
+    ip = ip.ipv4_mapped or ip if ip.version == 6 else ip
+    return ip.is_loopback
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd") or not os.path.exists("/proc/net/tcp"),
+                    reason="reads the sockets from /proc (Linux)")
+def test_nothing_the_pool_or_a_loopback_group_listens_on_is_beyond_loopback(fixtures_root, monkeypatch):
+    """LingBot Parallel's rendezvous store and gloo's connections: every socket this process and its
+    workers listen on after the pool started is on a loopback address (torch's own TCPStore server
+    bound every address: reachable from the network for the pool's lifetime). The same for the
+    groups `parallel.launch.init_loopback_group` starts (tests, benches)."""
+    from lingbot_core.handle import PipelineHandle
+    from lingbot_core.parallel.launch import free_loopback_port, init_loopback_group
+    from lingbot_core.parallel_runs import pool as pool_module
+    from lingbot_core.parallel_runs.pool import PoolSpec, WorkerPool
+
+    monkeypatch.setattr(pool_module, "START_METHOD", "fork")
+    before = _listening([os.getpid()])
+    handle = PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu")
+    pool = WorkerPool(PoolSpec.make(handle, "cpu,cpu", 2))
+    pool.start()
+    try:
+        opened = _listening([os.getpid(), *pool.worker_pids()]) - before
+    finally:
+        pool.release()
+    assert opened and all(_loopback(a) for a in opened), opened
+
+    if dist.is_initialized():
+        pytest.skip("this process already belongs to a process group")
+    init_loopback_group(0, 1, free_loopback_port())
+    try:
+        opened = _listening([os.getpid()]) - before
+    finally:
+        dist.destroy_process_group()
+    assert opened and all(_loopback(a) for a in opened), opened

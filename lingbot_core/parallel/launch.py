@@ -1,20 +1,22 @@
 """Starting a process group on this machine only (tests, benches, a later ComfyUI worker pool).
 
-The rendezvous is torch's TCP store on 127.0.0.1 and gloo is told to use the loopback interface,
-so nothing listens on or talks to another address.
+The rendezvous is torch's TCP store on 127.0.0.1 (`loopback_store`: its server is handed a socket
+bound to 127.0.0.1, since the server torch makes by itself listens on every address) and gloo is told
+to use the loopback interface, so nothing listens on or talks to another address.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from .layout import ParallelLayout, parse_degrees
 
-__all__ = ["free_loopback_port", "init_from_env", "init_loopback_group", "join_world"]
+__all__ = ["free_loopback_port", "init_from_env", "init_loopback_group", "join_world", "loopback_store"]
 
 
 def free_loopback_port() -> int:
@@ -24,11 +26,35 @@ def free_loopback_port() -> int:
         return int(s.getsockname()[1])
 
 
-def init_loopback_group(rank: int, world_size: int, port: int, backend: str = "gloo") -> None:
-    """`init_process_group` with a rendezvous on 127.0.0.1:`port` (gloo pinned to the loopback device)."""
+def loopback_store(port: int, world_size: int, *, server: bool,
+                   timeout: timedelta = timedelta(minutes=30)) -> dist.TCPStore:
+    """The rendezvous store on 127.0.0.1:`port`: the server (rank 0) listens on the loopback address only,
+    the clients connect to it (and wait for it up to `timeout`). torch's TCPStore server binds every
+    address when it makes its socket itself, so it is given one bound here (`master_listen_fd`)."""
+    if not server:
+        return dist.TCPStore("127.0.0.1", port, world_size, False, timeout)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen(socket.SOMAXCONN)
+        store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], world_size, True, timeout,
+                              wait_for_workers=False, master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store's server owns (and closes) the socket now
+    return store
+
+
+def init_loopback_group(rank: int, world_size: int, port: int, backend: str = "gloo",
+                        timeout: timedelta = timedelta(minutes=30)) -> None:
+    """`init_process_group` with a rendezvous on 127.0.0.1:`port` (`loopback_store`; rank 0 holds it) and
+    gloo pinned to the loopback device. `timeout`: the collectives' (and the rendezvous')."""
     if backend == "gloo":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    store = loopback_store(port, world_size, server=rank == 0, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def join_world() -> bool:

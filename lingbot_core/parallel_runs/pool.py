@@ -2,8 +2,9 @@
 
 ComfyUI runs every node in one process, but torch.distributed needs one process per rank. A
 `WorkerPool` therefore starts one process per extra device (torch.multiprocessing, spawn) that joins
-a process group with the caller: the rendezvous is torch's TCP store on 127.0.0.1 (nothing listens
-on another address), gloo on CPUs, NCCL on CUDA devices. Each worker opens its own lazy handle from
+a process group with the caller: the rendezvous is torch's TCP store, its server held by rank 0 on a
+socket bound to 127.0.0.1 (`parallel.launch.loopback_store`: nothing listens on another address),
+gloo on CPUs, NCCL on CUDA devices. Each worker opens its own lazy handle from
 `describe_handle` (paths and settings, never pickled modules), so it loads its DiT on the first call
 and keeps it across calls. A call (`WorkerPool.run`) sends the stage's inputs to every worker -- a
 JSON header and tensors, both with `dist.broadcast`; nothing is pickled -- and then runs the stage
@@ -50,7 +51,7 @@ from ..components import DITS, TRANSFORMER
 from ..errors import is_refused_input
 from ..interrupt import interrupt_checker
 from ..parallel.abort import Failure, PeerFailed, failure_in, failure_key, publish_failure, published_failure
-from ..parallel.launch import free_loopback_port
+from ..parallel.launch import free_loopback_port, init_loopback_group
 from ..parallel.layout import CFG_DEGREES, ParallelLayout, pooled_offload_refusal
 
 log = logging.getLogger("lingbot_core.parallel")
@@ -391,6 +392,11 @@ class WorkerPool:
         world, port = self.spec.world_size, free_loopback_port()
         self._status = ctx.Array("i", [_STARTING] * world)
         self._procs = []
+        # the workers inherit the environment as it is now
+        if self.spec.backend == "gloo":
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        else:  # on an NCCL error or timeout: abort the communicators and raise, never end ComfyUI's process
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         with _main_module_hidden(), _fork_safe():
             for rank in range(1, world):
                 proc = ctx.Process(target=_worker_main, args=(rank, self.spec, port, self._status), daemon=True,
@@ -399,12 +405,7 @@ class WorkerPool:
                 self._procs.append(proc)
         try:
             self._wait_ready()
-            if self.spec.backend == "gloo":
-                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-            else:  # on an NCCL error or timeout: abort the communicators and raise, never end ComfyUI's process
-                os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-            dist.init_process_group(self.spec.backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                                    world_size=world, timeout=COLLECTIVE_TIMEOUT)
+            init_loopback_group(0, world, port, self.spec.backend, timeout=COLLECTIVE_TIMEOUT)
             self.layout = ParallelLayout.create(self.spec.cfg, self.spec.ulysses, fsdp=self.spec.fsdp,
                                                 device_type="cuda" if self.spec.backend == "nccl" else "cpu")
         except BaseException:
@@ -802,10 +803,7 @@ def _worker_main(rank: int, spec: PoolSpec, port: int, status: Any) -> None:
         status[rank] = _FAILED
         raise
     status[rank] = _READY
-    if spec.backend == "gloo":
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(spec.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=spec.world_size, timeout=COLLECTIVE_TIMEOUT)
+    init_loopback_group(rank, spec.world_size, port, spec.backend, timeout=COLLECTIVE_TIMEOUT)
     try:
         layout = ParallelLayout.create(spec.cfg, spec.ulysses, device_type=device.type, fsdp=spec.fsdp)
         _serve(handle, layout, device if spec.backend == "nccl" else torch.device("cpu"))
