@@ -14,8 +14,8 @@ attempt) may also be cancelled at a random moment. Each case ends in one outcome
 - ``crash``: any other exception;
 - ``hang``: no return within the case's bound (attempts x timeout + backoff + 2 s, or 1.5 s after
   a cancel);
-- ``silent``: returned wrong without a word: a result that fails the caption check, a message that
-  holds the API key (or 8+ characters of it), or one longer than 4,000 characters.
+- ``silent``: returned wrong without a word: a result that fails the caption check, a message or a
+  result that holds the API key (or 8+ characters of it), or a message longer than 4,000 characters.
 
 Prints a JSON summary (counts, slowest case, the first few bad cases). Keep --cases x the slow
 share (about 1 in 6 cases waits up to --timeout) within the time you have: 400 cases take about a
@@ -89,6 +89,7 @@ def make_case(rng: random.Random) -> dict[str, Any]:
         lambda: '{"choices": ' + "[" * rng.choice([900, 3000]) + "]" * 3000 + "}",
         lambda: "ECHO",  # the request's headers, as text
         lambda: "ECHO-JSON",  # the request's headers, in a JSON error object
+        lambda: "ECHO-CONTENT",  # a chat reply whose text is the request's headers
         lambda: "x" * rng.choice([10, 300, 5 << 20]),
         lambda: "\xff\xfe" + "".join(chr(rng.randrange(0x20, 0x7f)) for _ in range(50)),
         lambda: json.dumps(_chat(caption))[: rng.randrange(1, 200)],
@@ -144,6 +145,8 @@ class Server:
         headers = dict(handler.headers)
         if body == "ECHO":
             body = "you sent: " + "\n".join(f"{k}: {v}" for k, v in headers.items())
+        elif body == "ECHO-CONTENT":
+            body = json.dumps(_chat("Here is what you sent: " + json.dumps(headers)))
         elif body == "ECHO-JSON":
             body = json.dumps({"error": {"message": "denied", "headers": headers}})
         data = body.encode("utf-8", "surrogatepass")
@@ -216,6 +219,8 @@ def run_case(server: Server, case: dict[str, Any], timeout: float) -> tuple[str,
         if isinstance(result, (rw.EndpointError, rw.RewriteError)) or isinstance(result, Cancelled):
             return "refused", type(result).__name__
         return "crash", f"{type(result).__name__}: {text[:200]}"
+    if any(KEY[i:i + 8] in result.caption + result.expanded for i in range(len(KEY) - 7)):
+        return "silent", "the API key in the caption or the expanded text"
     problems = caption_problems(result.document, 5.0)
     if problems:
         return "silent", f"a caption with problems: {problems[:3]}"

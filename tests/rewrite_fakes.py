@@ -171,7 +171,8 @@ class HostileServer:
 
     Modes: ``echo-400`` / ``echo-500`` / ``echo-200-text`` (the request's headers as text, with that
     status), ``echo-200-json`` / ``echo-400-json`` (as a JSON object), ``echo-400-cut`` (the echo after
-    padding that puts the key at byte 290, so a 300-byte excerpt would cut it); ``drip-body`` / ``drip-headers`` (one
+    padding that puts the key at byte 290, so a 300-byte excerpt would cut it), ``echo-content`` (a chat reply
+    whose text is the headers); ``drip-body`` / ``drip-headers`` (one
     byte every 0.2 s), ``silent`` (no answer), ``status-503``; ``nested-reply`` (200 KB of ``[``),
     ``nested-choices`` (a reply nested 900 deep), ``nested-content`` (a chat reply whose text nests
     5,000 deep); ``content:<text>`` a chat reply with that text."""
@@ -235,6 +236,8 @@ class HostileServer:
         if mode in ("echo-400", "echo-500", "echo-200-text"):
             self._send(handler, int(mode.split("-")[1]) if mode != "echo-200-text" else 200,
                        f"bad request; you sent:\n{echo}".encode(), "text/plain")
+        elif mode == "echo-content":
+            self._send(handler, 200, json.dumps(reply(f"Your request:\n{echo}")).encode())
         elif mode == "echo-400-cut":
             at = echo.find("Bearer ") + len("Bearer ")  # the key's first byte lands at byte 290 of the body
             self._send(handler, 400, ("x" * max(0, 290 - at) + echo).encode(), "text/plain")

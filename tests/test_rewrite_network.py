@@ -68,6 +68,18 @@ def test_an_endpoint_that_echoes_the_request_headers_never_gets_the_key_into_a_m
         assert "[redacted]" in text
 
 
+def test_a_key_echoed_inside_the_models_answer_goes_no_further(monkeypatch):
+    """200 with a chat reply whose text is the request's headers: the rewriter shows what the model
+    produced when it cannot make a caption of it, so the key must be gone from the text itself."""
+    monkeypatch.setenv(rw.API_KEY_ENV, KEY)
+    with HostileServer("echo-content") as server:
+        with pytest.raises(rw.RewriteError) as caught:
+            rw.rewrite(REQUEST, _backend(server.url), cache=None)
+    assert server.seen_key == f"Bearer {KEY}"
+    text = str(caught.value) + caught.value.produced
+    assert "Bearer [redacted]" in text and not any(KEY[i:i + 6] in text for i in range(len(KEY) - 5))
+
+
 def test_redaction_covers_spellings_field_values_and_a_cut_key():
     for echoed in (KEY, KEY.upper(), f'"authorization": "Token {KEY}"', ob.base64.b64encode(KEY.encode()).decode(),
                    f"x-api-key={KEY[:20]}", "Authorization: Basic abcdefgh", "cookie: session=abcdef12345"):

@@ -7,7 +7,8 @@ address nobody allowed). The API key comes from the environment only (:data:`API
 from a workflow, and never appears in a message: whatever an endpoint echoes back is redacted
 (:func:`redact`). Which endpoints a host may call is decided by the caller (:func:`endpoint_allowed`
 against the operator's list); an endpoint's path is decoded and must have no dot segments, so the
-path compared is the path requested.
+path compared is the path requested. The environment's proxy settings are not used: the request goes to the
+listed address itself.
 
 Each attempt has one deadline for everything (connect, send, the whole reply: an endpoint that
 sends a byte every few seconds cannot hold a call longer), :data:`TIMEOUT_ENV` seconds (default
@@ -156,17 +157,25 @@ def _forms(secret: str) -> list[str]:
     return sorted((f for f in forms if len(f) >= 4), key=len, reverse=True)
 
 
-def redact(text: str, secrets: list[str]) -> str:
-    """`text` with every spelling of each of `secrets` (`_forms`), any value after an
-    authorization / API key / cookie field name and any ``Bearer`` token replaced by ``[redacted]``;
-    a secret's beginning at the very end (the text was cut inside it) too."""
+def hide_secrets(text: str, secrets: list[str], *, cut: bool = False) -> str:
+    """`text` with every spelling of each of `secrets` (`_forms`) replaced by ``[redacted]``; `cut`: also
+    a secret's beginning (4 characters or more) at the very end (the text was cut inside it)."""
     for secret in secrets:
         for form in _forms(secret):
             text = re.sub(re.escape(form), REDACTED, text, flags=re.IGNORECASE)
-            for cut in range(len(form) - 1, 3, -1):
-                if text.lower().endswith(form[:cut].lower()):
-                    text = text[: len(text) - cut] + REDACTED
-                    break
+            if cut:
+                tail = text[-len(form):].lower()
+                for size in range(len(form) - 1, 3, -1):
+                    if tail.endswith(form[:size].lower()):
+                        text = text[: len(text) - size] + REDACTED
+                        break
+    return text
+
+
+def redact(text: str, secrets: list[str]) -> str:
+    """An error text made safe to show: `hide_secrets` (a cut tail included), any value after an
+    authorization / API key / cookie field name and any ``Bearer`` / ``Basic`` token blanked."""
+    text = hide_secrets(text, secrets, cut=True)
     text = _SECRET_FIELD.sub(lambda m: m.group(1) + m.group(2) + (REDACTED if m.group(3).strip() else ""), text)
     return _BEARER.sub(lambda m: m.group(1) + m.group(2) + REDACTED, text)
 
@@ -369,6 +378,9 @@ class OpenAIBackend:
                                 f"choices[0].message: {shown(redact(seen, [key] if key else []), 200)}") from None
         if not isinstance(text, str):
             raise EndpointError(f"the rewrite endpoint {self.endpoint} sent a non-text message content")
+        key = os.environ.get(API_KEY_ENV, "").strip()
+        if key:  # an endpoint that writes the request's headers into its answer: the key goes no further
+            text = hide_secrets(text, [key])
         usage = reply.get("usage") if isinstance(reply, dict) else None
         tokens = usage.get("completion_tokens", 0) if isinstance(usage, dict) else 0
         tokens = tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else 0
