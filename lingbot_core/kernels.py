@@ -73,6 +73,9 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
     Kernel("compiled_decoder", "one torch.compile'd kernel per packed weight format (fp8, GGUF types)",
            "the eager decoder", "decoding eagerly", "every value, bit for bit, against the eager decoder",
            "lingbot_core.weights.decode"),
+    Kernel("compiled_blocks", "regional torch.compile of the DiT blocks (compile=blocks)",
+           "the eager block", "running the blocks eagerly", "its first block's output against the eager block's "
+           "(relative error)", "lingbot_core.models.compile"),
 )}
 
 
@@ -135,9 +138,13 @@ def usable(name: str, device: torch.device | str, dtype: torch.dtype | None) -> 
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    first = text.splitlines()[0][:200] if text else ""
-    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    """"Type: first line" of `exc`; a first line that only announces the next ("backend='inductor'
+    raised:", as the compiler wraps an error) takes the next line with it."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    first = lines[0] if lines else ""
+    if first.endswith(":") and len(lines) > 1:
+        first = f"{first} {lines[1]}"
+    return f"{type(exc).__name__}: {first[:200]}" if first else type(exc).__name__
 
 
 def _passes_through(exc: BaseException) -> bool:

@@ -399,3 +399,35 @@ def test_the_memory_report_shows_each_tried_kernel_with_its_verdict(monkeypatch,
         assert ("fast kernel grouped_mm on cuda 8.6, bfloat16: refused (RuntimeError: no kernel image is available "
                 "for execution on the device)") in shown
         assert "fast kernel attention/flash on cpu, float32: fast" in shown
+
+
+# -- compiled regions -------------------------------------------------------------------------------
+
+def test_a_compiler_that_fails_leaves_the_blocks_eager_with_one_warning(caplog):
+    from lingbot_core.models import compile as regional
+
+    def too_old(graph, example_inputs):
+        raise RuntimeError("Found NVIDIA GeForce GTX 1080 which is too old to be supported by the triton GPU compiler")
+
+    model = random_dit(TINY_MOE)
+    with torch.no_grad():
+        want = model(*_inputs()).sample
+        assert regional.compile_blocks(model, backend=too_old) == len(model.blocks)
+        with caplog.at_level(logging.WARNING):
+            got = [model(*_inputs()).sample for _ in range(2)]
+    assert all(torch.equal(g, want) for g in got)
+    said = _warnings(caplog)
+    assert len(said) == 1 and "compiled_blocks" in said[0] and "too old" in said[0]
+    assert [(r["kernel"], r["verdict"]) for r in kernels.verdicts()] == [("compiled_blocks", kernels.REFUSED)]
+
+
+def test_a_compiled_block_that_differs_is_not_trusted(monkeypatch):
+    from lingbot_core.models import compile as regional
+
+    model = random_dit(TINY_MOE)
+    with torch.no_grad():
+        want = model(*_inputs()).sample
+        regional.compile_blocks(model, backend="eager")
+        monkeypatch.setattr(regional, "_through", lambda block, compute, inside, *args: block.compute(*args) * 1.5)
+        assert torch.equal(model(*_inputs()).sample, want)
+    assert [r["verdict"] for r in kernels.verdicts()] == [kernels.MISMATCH]

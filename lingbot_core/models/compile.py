@@ -24,7 +24,10 @@ block (the block is an argument; its parameters are graph inputs, not constants)
   first (the block's weights come in, as under `group`; the sequential estimate already counts a
   block), the compiled computation runs on the plain modules (their hook-wrapped `forward`s set
   aside), then the post-forwards send the weights back. Any other hook inside (a torch hook, a
-  hook of unknown kind) and the block runs eagerly, as before, never half-compiled.
+  hook of unknown kind) and the block runs eagerly, as before, never half-compiled;
+- the compiled region is a fast kernel of `lingbot_core.kernels` (`compiled_blocks`): where its first
+  call fails to compile (an old GPU triton has no code for, a missing compiler) or differs from the
+  eager block, the blocks run eagerly for the rest of the process, with one warning.
 """
 
 from __future__ import annotations
@@ -35,10 +38,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .. import hooks
+from .. import hooks, kernels
 
 __all__ = ["COMPILED_REGION", "COMPILE_CHOICES", "WEIGHT_MOVERS", "CompiledRegion", "compile_blocks", "compile_problem",
            "compiled_blocks", "run_compiled", "uncompile_blocks"]
+
+#: how far (relative error) a compiled block's first output may be from the eager block's: the compiler
+#: fuses and reorders float ops (bf16 rounds between them)
+COMPILE_TOLERANCE = 2e-2
 
 COMPILE_CHOICES = ("off", "blocks")
 """`off`: eager. `blocks`: regional compile of the repeated blocks (inductor, dynamic shapes)."""
@@ -85,10 +92,27 @@ def hooks_inside(block: nn.Module) -> list[tuple[nn.Module, list[Any]]] | None:
 
 def run_compiled(block: nn.Module, compute: Any, *args: Any) -> Any:
     """One call of `block` through `compute`, its compiled computation, weight-moving hooks inside it run
-    around the call (see the module docstring); eagerly when a hook inside cannot be moved out."""
+    around the call (see the module docstring); eagerly when a hook inside cannot be moved out.
+
+    The compiled region is the `compiled_blocks` kernel of `lingbot_core.kernels`: its first call per
+    device, dtype and torch compiles and is compared with the eager block; a compiler failure (no
+    triton for this GPU, an op it cannot lower) or a mismatch runs the blocks eagerly from then on, with
+    one warning, and that call gives the eager output."""
     inside = hooks_inside(block)
     if inside is None:
         return block.compute(*args)
+    x = args[0]
+    dtype = block.compute_dtype() if hasattr(block, "compute_dtype") else x.dtype
+
+    def against_eager(out: torch.Tensor) -> str | None:
+        return kernels.differs(out, block.compute(*args), COMPILE_TOLERANCE)
+
+    return kernels.run("compiled_blocks", lambda: _through(block, compute, inside, *args), lambda: block.compute(*args),
+                       device=x.device, dtype=dtype, check=against_eager)
+
+
+def _through(block: nn.Module, compute: Any, inside: list[tuple[nn.Module, list[Any]]], *args: Any) -> Any:
+    """`compute(block, *args)` with the weight-moving hooks `inside` the block run around it."""
     if not inside:
         return compute(block, *args)
     entered: list[tuple[nn.Module, Any]] = []
@@ -156,3 +180,10 @@ def uncompile_blocks(model: nn.Module) -> None:
 def compiled_blocks(model: nn.Module) -> int:
     """How many blocks of `model` run through a compiled computation."""
     return sum(1 for _module, _hook in hooks.hooks_named(model, COMPILED_REGION))
+
+
+@kernels.trial_for("compiled_blocks")
+def _compiled_blocks_trial(device: torch.device, dtype: torch.dtype, variant: str = "") -> str | None:
+    """`kernels.probe`'s trial: why the compiler cannot build for `device` (`compile_problem`), or None.
+    Compiling a real block takes a minute: the first real call is the trial that runs one."""
+    return compile_problem(device)
