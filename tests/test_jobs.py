@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from jobs_worker import finish_share, run_parallel_cli, run_share, sigterm_in_jobs
+from jobs_worker import claim_share, finish_share, run_parallel_cli, run_share, sigterm_in_jobs
 
 from lingbot_core.parallel.jobs import (
     DONE,
@@ -485,3 +485,22 @@ def test_a_huge_value_is_not_echoed_whole_and_a_byte_order_mark_is_fine(tmp_path
     path = tmp_path / "bom.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"seed": 1}).encode() + b"\r\n")
     assert [j.values for j in read_jobs(path)] == [{"seed": 1}]
+
+
+def test_two_processes_on_one_jobs_file_run_each_job_once(tmp_path):
+    """The claims are file locks between processes: two processes started together on one jobs file and
+    manifest run every job exactly once between them, and the manifest has every job done."""
+    import multiprocessing
+
+    _write(tmp_path / "jobs.jsonl", [{"id": f"j{i}", "seed": i} for i in range(12)])
+    context = multiprocessing.get_context("fork")
+    children = [context.Process(target=claim_share, args=(str(tmp_path), name)) for name in ("a", "b")]
+    for child in children:
+        child.start()
+    for child in children:
+        child.join(30)
+    assert [c.exitcode for c in children] == [0, 0]
+    ran = [line for name in ("a", "b") if (tmp_path / f"ran-{name}.txt").exists()
+           for line in (tmp_path / f"ran-{name}.txt").read_text().split()]
+    assert sorted(ran) == sorted(f"j{i}" for i in range(12))  # none twice, none left out
+    assert sorted(e["id"] for e in Manifest(tmp_path / "m.jsonl").entries() if e["status"] == DONE) == sorted(ran)
