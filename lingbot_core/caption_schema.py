@@ -14,8 +14,11 @@ instructions and its check of what a model wrote) and the tests. A caption file 
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
+
+from .errors import surrogate_problem
 
 __all__ = ["CAMERA_FIELDS", "CAMERA_DEFAULTS", "TIMESTAMP_PATTERN", "caption_problems", "parse_timestamp",
            "timestamp"]
@@ -70,6 +73,9 @@ def caption_problems(document: Any, duration: float | None) -> list[str]:
     video = bool(duration) and float(duration) > 0
     if not isinstance(document, dict):
         return [f"the output must be a JSON object, got {type(document).__name__}"]
+    surrogate = surrogate_problem(json.dumps(document, ensure_ascii=False, default=str), "the caption")
+    if surrogate:  # a tokenizer refuses it late with a raw TypeError; a file or metadata write after the video
+        return [surrogate]
     caption = document.get("caption", document)
     if not isinstance(caption, dict):
         return ["'caption' must be a JSON object"]

@@ -8,13 +8,17 @@ been initialized", a tokenizer's, numpy's...): that one is a failure of the run,
 message names the file and the fix. `WeightsError`: weights that cannot be used as asked (a format,
 a tensor, a quantization mode); a `CheckpointError`, so callers catching that see both.
 They are re-exported where they used to live (`checkpoint`, `weights.checks`, `weights.sources`).
-`quoted` is how a refused input value is shown in a message.
+`quoted` is how a refused input value is shown in a message; `surrogate_problem` finds the lone
+UTF-16 surrogates that no UTF-8 encoder (tokenizer, file system, metadata writer) accepts.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class RefusedInput(ValueError):
@@ -59,3 +63,17 @@ def quoted(value: object) -> str:
     if isinstance(value, (str, int, float, bool)) or value is None:
         return repr(value)[:40]
     return type(value).__name__
+
+
+def surrogate_problem(text: object, what: str) -> str | None:
+    """One line when `text` (a prompt, caption, filename prefix) holds a lone UTF-16 surrogate (U+D800 to
+    U+DFFF, e.g. from a JSON "\\ud83d" escape missing its pair): it passes as a Python string but fails
+    late in the tokenizer or in a file name. None when `text` is clean (or not text)."""
+    if not isinstance(text, str):
+        return None
+    found = _SURROGATE.search(text)
+    if found is None:
+        return None
+    return (f"{what} holds a lone UTF-16 surrogate (U+{ord(found.group()):04X} at character {found.start()}), which "
+            "is not text any encoder accepts; remove it (a broken emoji or an unpaired \\u escape, often from a "
+            "copy-paste)")

@@ -50,6 +50,33 @@ def check_interrupt() -> None:
         check()
 
 
+@contextmanager
+def interruptible_build() -> Iterator[list[BaseException]]:
+    """Cancellation points while a model's skeleton is built (`from_config` on meta, before any weight is
+    read): the checker runs at every parameter the build registers (thousands per second), so a big
+    skeleton stops within a second of a cancel. Yields a list that holds the cancel's exception when
+    one was raised, so a caller that wraps the library's own build errors can let a cancel through."""
+    from torch.nn.modules.module import register_module_parameter_registration_hook
+
+    raised: list[BaseException] = []
+    check = _CHECKER.get()
+
+    def hook(module: torch.nn.Module, name: str, param: object) -> None:
+        if check is not None and _CHECKER.get() is check:  # this build's thread and checker only
+            try:
+                check()
+            except BaseException as err:
+                raised.append(err)
+                raise
+
+    handle = register_module_parameter_registration_hook(hook) if check is not None else None
+    try:
+        yield raised
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
 def _work_units(name: str, module: torch.nn.Module) -> list[torch.nn.Module]:
     if name in DITS:
         return list(getattr(module, "blocks", []))

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .errors import surrogate_problem
+
 if TYPE_CHECKING:
     from PIL import Image
     from transformers import BatchFeature
@@ -133,6 +135,9 @@ def caption_to_text(prompt: str | dict | list) -> str:
     unchanged. Only positive prompts should go through here; negatives are encoded verbatim.
     """
     if isinstance(prompt, str):
+        problem = surrogate_problem(prompt, "the prompt")
+        if problem:
+            raise ValueError(problem)
         if not prompt.lstrip().startswith(("{", "[")):
             return prompt
         prompt = _parse_json_prompt(prompt)
@@ -151,7 +156,10 @@ def caption_to_text(prompt: str | dict | list) -> str:
     else:
         caption = {key: value for key, value in prompt.items() if key not in RUNTIME_KEYS}
     if isinstance(caption, (dict, list)):
-        return _compact(caption)
+        caption = _compact(caption)
+    problem = surrogate_problem(caption, "the prompt's caption")  # JSON escapes ("\\ud83d") make them too
+    if problem:
+        raise ValueError(problem)
     if not isinstance(caption, str):
         # str(None) would encode the word "None"; a number or bool is no caption either.
         raise ValueError(f"the prompt's 'caption' must be text or a JSON object, got {'null' if caption is None else type(caption).__name__}")

@@ -20,31 +20,38 @@ leaves nothing behind and can be run again. Bad arguments are refused before any
 
 from __future__ import annotations
 
+import os
+import sys
+
+if __name__ == "__main__":  # Ctrl-C while the imports below run (torch takes seconds) is one line too
+    import signal
+
+    def _interrupted_while_importing(signum: int, frame: object) -> None:
+        sys.stderr.write("\nquantize: interrupted.\n")
+        sys.stderr.flush()
+        os._exit(130)
+
+    signal.signal(signal.SIGINT, _interrupted_while_importing)
+
 import argparse
 import functools
 import json
-import os
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+import torch
+
+from .checkpoint import CheckpointError, inspect_checkpoint
 from .components import DITS
+from .weights.fp8 import quantize_fp8, require_fp8
+from .weights.loader import quantizable
+from .weights.sources import FORMAT_KEY, SCALE_SUFFIX, SafetensorsSource, per_expert_key
 
-try:  # torch takes seconds to import: Ctrl-C then is one line too, as later (exit 130)
-    import numpy as np
-    import torch
-
-    from .checkpoint import CheckpointError, inspect_checkpoint
-    from .weights.fp8 import quantize_fp8, require_fp8
-    from .weights.loader import quantizable
-    from .weights.sources import FORMAT_KEY, SCALE_SUFFIX, SafetensorsSource, per_expert_key
-except KeyboardInterrupt:
-    if __name__ != "__main__":
-        raise
-    print("\nquantize: interrupted.", file=sys.stderr)
-    sys.exit(130)
+if __name__ == "__main__":  # imported: from here on Ctrl-C is a KeyboardInterrupt, which `main` reports
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 TARGETS = ("fp8", "gguf-q8_0", "gguf-q4_0")
 DIT_FOLDERS = DITS

@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import surrogate_problem
+
 MAX_PREFIX_CHARS = 1024
 _DATE_TOKEN = re.compile(r"d{1,2}|M{1,2}|h{1,2}|m{1,2}|s{1,2}|y{2,4}")
 _DATE_FIELD = re.compile(r"%date:([^%]*)%")
@@ -82,6 +84,9 @@ def split_prefix(prefix: str) -> tuple[list[str], str]:
     shown = prefix if len(prefix) <= 80 else prefix[:80] + "..."
     if len(prefix) > MAX_PREFIX_CHARS:
         raise UnsafePrefix(f"filename_prefix is {len(prefix)} characters; at most {MAX_PREFIX_CHARS}")
+    surrogate = surrogate_problem(prefix, "filename_prefix")
+    if surrogate:
+        raise UnsafePrefix(surrogate)
     if any(ord(c) < 32 or c == "\x7f" for c in prefix):
         raise UnsafePrefix(f"filename_prefix {shown!r} contains control characters")
     if "\\" in prefix:

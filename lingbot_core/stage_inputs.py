@@ -25,6 +25,7 @@ from PIL import Image
 
 from . import sampling
 from .components import REFINER
+from .errors import surrogate_problem
 from .latents import SIZE_MULTIPLE, VAE_TEMPORAL, latent_shape
 from .sampling.guidance import CFG_BATCH
 from .sampling.sigmas import check_shift
@@ -55,6 +56,9 @@ def check_negative_prompt(negative_prompt: Any) -> None:
     if negative_prompt is not None and not isinstance(negative_prompt, str):
         raise ValueError("negative_prompt must be a string ('' for the default negative, None for none), "
                          f"got {type(negative_prompt).__name__}")
+    problem = surrogate_problem(negative_prompt, "negative_prompt")
+    if problem:
+        raise ValueError(problem)
 
 
 def check_finite_number(name: str, value: Any, *, low: float | None = None, high: float | None = None,

@@ -25,11 +25,13 @@ from .loader import (
     DTYPES,
     TINY,
     WEIGHTS,
+    attention_problem_at_run,
     checkpoint_choices,
     compile_input,
     ffn_chunk_input,
     fp8_matmul_input,
     resolve_checkpoint,
+    validate_attention,
 )
 from .types import CATEGORY, Choice, Pipe
 from .v3 import io
@@ -119,8 +121,11 @@ def comfy_tokenizer_folder() -> Path | None:
 def resolve_processor(choice: str, path: str, checkpoint: Path | None) -> Path | None:
     """The processor folder: a typed folder, else the checkpoint's, else ComfyUI's Qwen tokenizer."""
     if path and path.strip():
-        return paths.checkpoint_path(path)
+        folder = paths.checkpoint_path(path)
+        paths.check_folder_files_inside(folder, "processor_path")
+        return folder
     if checkpoint is not None:
+        paths.check_folder_files_inside(checkpoint, "checkpoint", ("processor", "tokenizer"))  # read as the processor
         return None  # the checkpoint's processor/
     found = comfy_tokenizer_folder()
     if found is None:
@@ -186,8 +191,7 @@ class LingBotLoaderFiles(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, attention=None):
-        problem = runtime.attention_problem(attention) if isinstance(attention, str) else None
-        return {"attention": problem} if problem else True
+        return validate_attention(attention)  # the Loader's check, shared
 
     @classmethod
     def execute(cls, dit, vae, text_encoder, checkpoint, refiner=FROM_CHECKPOINT, dtype="auto", attention="default",
@@ -199,7 +203,7 @@ class LingBotLoaderFiles(io.ComfyNode):
 
         chunk = ffn_chunk_setting(ffn_chunk)  # refused here, before any file is opened
 
-        problem = runtime.device_problem(device) or runtime.attention_problem(attention, device)
+        problem = attention_problem_at_run(attention, device)
         if problem:
             raise ValueError(problem)
         folder = None

@@ -31,6 +31,21 @@ def _attention_choice(value: object) -> str | None:
     return f"attention must be one of {', '.join(ATTENTION)}; got {quoted(value)}"
 
 
+def validate_attention(attention: object = None) -> object:
+    """Both Loaders' `validate_inputs` for `attention`: one of the options (ComfyUI skips its own combo
+    check for an input a validator takes) whose kernel package is there; None is what a validator
+    receives for a linked input (a constant null is refused in execute, `attention_problem_at_run`)."""
+    problem = _attention_choice(attention) if attention is not None else None
+    problem = problem or (runtime.attention_problem(attention) if isinstance(attention, str) else None)
+    return problems_or_true({"attention": problem} if problem else {})
+
+
+def attention_problem_at_run(attention: object, device: str) -> str | None:
+    """What execute refuses before anything opens: a bad attention value, a bad device, a missing kernel."""
+    return (_attention_choice(attention) or runtime.device_problem(device)
+            or runtime.attention_problem(attention, device))
+
+
 def ffn_chunk_input() -> Choice:
     """The Loaders' `ffn_chunk` widget (`placement.estimate.FFN_CHUNK_CHOICES`, auto first)."""
     from lingbot_core.placement.estimate import FFN_CHUNK_CHOICES as choices
@@ -156,11 +171,7 @@ class LingBotLoader(io.ComfyNode):
     def validate_inputs(cls, attention=None):
         """Is the attention kernel's package there? (One input per validator: ComfyUI attaches the
         message to every input a validator names.) The device is checked first thing in execute."""
-        # ComfyUI skips its own combo check for an input its validator takes, so the options are checked
-        # here; None is what a validator receives for a linked input (a constant null is refused in execute)
-        problem = _attention_choice(attention) if attention is not None else None
-        problem = problem or (runtime.attention_problem(attention) if isinstance(attention, str) else None)
-        return problems_or_true({"attention": problem} if problem else {})
+        return validate_attention(attention)
 
     @classmethod
     def execute(cls, checkpoint, variant, dtype, attention, path="", device="auto", weights="auto",
@@ -170,8 +181,7 @@ class LingBotLoader(io.ComfyNode):
         from lingbot_core.handle import PipelineHandle, ffn_chunk_setting
 
         chunk = ffn_chunk_setting(ffn_chunk)  # refused here, before the checkpoint is even opened
-        problem = (_attention_choice(attention) or runtime.device_problem(device)
-                   or runtime.attention_problem(attention, device))
+        problem = attention_problem_at_run(attention, device)
         if problem:
             raise ValueError(problem)
         folder = resolve_checkpoint(checkpoint, path)

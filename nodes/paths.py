@@ -180,5 +180,30 @@ def checkpoint_path(path: str) -> Path:
     return candidate
 
 
-__all__ = ["ANY_MODEL_PATH_ENV", "check_save_prefix", "checkpoint_path", "image_path", "input_images",
+PROCESSOR_SUBFOLDERS = ("", "processor", "tokenizer")
+"""Where the processor's files are read from, under a processor folder (`processor_files.resolve_processor_folder`)."""
+
+
+def check_folder_files_inside(folder: Path, what: str, subs: tuple[str, ...] = PROCESSOR_SUBFOLDERS) -> None:
+    """Inside ComfyUI (restricted), refuse a folder whose files (its own, and those of its processor/ and
+    tokenizer/ sub-folders: what the processor reads) resolve outside the model folders: a symlinked
+    `tokenizer.json` would read any file on the server. Headless, or with the override, any is fine."""
+    if _folder_paths() is None or os.environ.get(ANY_MODEL_PATH_ENV) == "1":
+        return
+    roots = model_folders()
+    for sub in subs:
+        where = folder / sub if sub else folder
+        try:
+            names = sorted(os.listdir(where))[:10000] if where.is_dir() else []
+        except OSError:
+            continue
+        for name in names:
+            candidate = where / name
+            if not any(is_inside(root, candidate) for root in roots):
+                raise ValueError(f"{what}: {(Path(sub) / name).as_posix()!r} in {folder.name!r} links outside "
+                                 "ComfyUI's model folders; copy the file into the folder (or start ComfyUI "
+                                 f"with {ANY_MODEL_PATH_ENV}=1 on a single-user machine)")
+
+
+__all__ = ["ANY_MODEL_PATH_ENV", "check_folder_files_inside", "check_save_prefix", "checkpoint_path", "image_path", "input_images",
            "model_folders", "save_target"]

@@ -277,7 +277,7 @@ def test_a_directory_fifo_and_device_are_refused_without_blocking(tmp_path):
     link = tmp_path / "zero.gguf"
     link.symlink_to("/dev/zero")
     _refused(link, r"is a device")
-    _refused(tmp_path / "missing.gguf", r"cannot be read")
+    _refused(tmp_path / "missing.gguf", r"does not exist")
 
 
 def test_the_gguf_source_reports_a_malformed_file_as_a_weights_error(tmp_path):
@@ -293,13 +293,18 @@ def test_the_gguf_source_reports_a_malformed_file_as_a_weights_error(tmp_path):
     assert source.packed("a").tolist() == np.frombuffer(_f32(2, 8, 0), np.uint8).reshape(2, 32).tolist()
 
 
-def test_a_recorded_shape_that_splits_blocks_is_refused(tmp_path):
-    # Q8_0 [2, 32] recorded as [4, 16]: rows of 16 values cannot be read from 32-value blocks
+def test_a_recorded_shape_that_splits_blocks_is_decoded_whole(tmp_path):
+    """Issue 34 item 12: ComfyUI-GGUF packs a tensor whose rows are not whole blocks (Q8_0 [4, 16]) as
+    whole-block rows ([2, 32]) and records the shape; it is decoded at load, as ComfyUI-GGUF does."""
     kvs = [_kv("comfy.gguf.orig_shape.w", V.ARRAY, _u32(V.INT32) + _u64(2) + struct.pack("<2i", 4, 16))]
-    raw = _gguf(kvs, [_info("w", (32, 2), T.Q8_0, 0)], bytes(68) + bytes(28))
-    with pytest.raises(WeightsError, match=r"'w' is recorded .* as \[4, 16\], whose rows of 16 values are not "
-                                           r"whole Q8_0 blocks"):
-        GGUFSource(_write(tmp_path, raw))
+    values = np.arange(-32, 32, dtype=np.int8)
+    blocks = b"".join(np.float16(0.5).tobytes() + values[i * 32:(i + 1) * 32].tobytes() for i in range(2))
+    raw = _gguf(kvs, [_info("w", (32, 2), T.Q8_0, 0)], blocks + bytes(28))
+    source = GGUFSource(_write(tmp_path, raw))
+    entry = source.entries["w"]
+    assert entry.shape == (4, 16) and entry.kind == "plain" and not entry.quantized
+    expected = (values.astype(np.float32) * 0.5).reshape(4, 16)
+    np.testing.assert_array_equal(source.plain("w").numpy(), expected)
 
 
 # -- fuzz: mutated headers end in our error or load and decode --------------------------------------

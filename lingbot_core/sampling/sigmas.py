@@ -32,10 +32,17 @@ def warp_sigmas(sigmas: Any, shift: float) -> Any:
     return shift * sigmas / (1 + (shift - 1) * sigmas)
 
 
+SHIFT_RANGE = (0.01, 100.0)
+"""The time shifts accepted (the published schedules use 1 to 12); past 100 the schedule is a step at
+sigma 1 and 1e308 overflows to NaN, so a shift outside is refused where it is given (node, call, config)."""
+
+
 def check_shift(shift: Any) -> None:
-    """A time shift is a finite number above 0."""
-    if isinstance(shift, bool) or not isinstance(shift, (int, float)) or not math.isfinite(shift) or shift <= 0:
-        raise ValueError(f"shift must be a positive number, got {shift!r}")
+    """A time shift is a finite number in `SHIFT_RANGE`."""
+    low, high = SHIFT_RANGE
+    if (isinstance(shift, bool) or not isinstance(shift, (int, float)) or not math.isfinite(shift)
+            or not low <= shift <= high):
+        raise ValueError(f"shift must be a positive number in [{low:g}, {high:g}], got {str(shift)[:40]}")
 
 
 def sigma_array(sigmas: SigmaList) -> np.ndarray:
@@ -154,6 +161,6 @@ def transformer_timestep(timestep: torch.Tensor, transformer_dtype: torch.dtype)
 
 
 __all__ = [
-    "SIGMA_TOLERANCE", "TIMESTEP_SCALE", "SigmaList", "as_sigma_array", "check_shift", "check_sigmas",
+    "SHIFT_RANGE", "SIGMA_TOLERANCE", "TIMESTEP_SCALE", "SigmaList", "as_sigma_array", "check_shift", "check_sigmas",
     "compute_refiner_sigmas", "positive_whole", "sigma_array", "transformer_timestep", "warp_sigmas",
 ]

@@ -69,6 +69,14 @@ CONFIG_LIMITS: dict[str, dict[str, int]] = {
 """Upper bounds of config values, per component: no published or plausible model exceeds them, and a
 config past one (a corrupt or hostile `"depth": 1000000`) is refused before any module is built
 (building its skeleton would take minutes and gigabytes). A `_len` entry bounds a list's length."""
+FLOAT_RANGES: dict[str, tuple[float, float]] = {
+    # published: norm_eps 1e-6, rope_theta 256 (DiT) / 5e6 (Qwen3-VL), routed_scaling_factor 1.0 / 2.5, shift 1-12
+    "norm_eps": (1e-12, 1e-2), "rms_norm_eps": (1e-12, 1e-2), "rope_theta": (1.0, 1e9),
+    "routed_scaling_factor": (1e-3, 100.0),
+}
+"""Bounds of config floats: `rope_theta 1e-300`, `norm_eps 1e300` or `routed_scaling_factor 1e308` are
+finite and positive but give NaN or silently wrong frames; a value outside is refused at open.
+The scheduler's `shift` uses `sampling.sigmas.SHIFT_RANGE` (the same range as the sampling inputs)."""
 LATENT_MEAN_LIMIT = 1e3
 """|latents_mean| bound (Wan 2.1: within 1.6); latents are shifted by it, so 1e308 makes NaN frames."""
 LATENT_STD_RANGE = (1e-3, 1e3)
@@ -135,6 +143,16 @@ def _pos_float(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
 
+def _in_range(low: float, high: float):
+    return lambda v: _pos_float(v) and low <= v <= high
+
+
+def _ranged_float(config: Mapping[str, Any], key: str, where: str, bounds: tuple[float, float] | None = None) -> Any:
+    """`config[key]` (optional): a number in `FLOAT_RANGES[key]` (or `bounds`)."""
+    low, high = bounds or FLOAT_RANGES[key]
+    return _need(config, key, where, _in_range(low, high), f"a number in [{low:g}, {high:g}]", optional=True)
+
+
 def _bool(v: Any) -> bool:
     return isinstance(v, bool)
 
@@ -155,7 +173,7 @@ def check_transformer_config(config: Mapping[str, Any], where: str) -> None:
                           "the config is corrupt, re-download it.")
     _bounded_list(config, TRANSFORMER, "axes_lens", where, 3)
     for key in ("norm_eps", "rope_theta"):
-        _need(config, key, where, _pos_float, "a positive finite number", optional=True)
+        _ranged_float(config, key, where)
     for key in ("qkv_bias", "out_bias", "patch_embed_bias", "timestep_mlp_bias"):
         _need(config, key, where, _bool, "true or false", optional=True)
     experts = _bounded(config, TRANSFORMER, "num_experts", where, low=0, default=0, optional=True) or 0
@@ -173,7 +191,7 @@ def check_transformer_config(config: Mapping[str, Any], where: str) -> None:
         if groups and groups > 1:
             _need(config, "topk_group", where, lambda v: _pos_int(v) and v <= groups,
                   f"an integer in [1, n_group={groups}]")
-        _need(config, "routed_scaling_factor", where, _pos_float, "a positive finite number", optional=True)
+        _ranged_float(config, "routed_scaling_factor", where)
     layers = config.get("mlp_only_layers", [])
     if layers is not None and not (isinstance(layers, list) and len(layers) <= config["depth"]
                                    and all(_nonneg_int(x) and x < config["depth"] for x in layers)):
@@ -211,7 +229,9 @@ def check_vae_config(config: Mapping[str, Any], where: str) -> None:
 
 def check_scheduler_config(config: Mapping[str, Any], where: str) -> None:
     _bounded(config, "scheduler", "num_train_timesteps", where, default=1000)
-    _need(config, "shift", where, _pos_float, "a positive finite number", optional=True)
+    from ..sampling.sigmas import SHIFT_RANGE
+
+    _ranged_float(config, "shift", where, SHIFT_RANGE)
     _need(config, "solver_order", where, lambda v: _pos_int(v) and v <= 3, "1, 2 or 3", optional=True)
     from ..scheduler import UniPCSettings
 
@@ -230,6 +250,7 @@ def check_text_encoder_config(config: Mapping[str, Any], where: str, text_dim: i
     for key in CONFIG_LIMITS["text_encoder"]:
         if key != "hidden_size":
             _bounded(text, "text_encoder", key, f"{where} (text_config)", optional=True)
+    _ranged_float(text, "rms_norm_eps", f"{where} (text_config)")
     vision = config.get("vision_config")
     if vision is not None:
         if not isinstance(vision, dict):
@@ -307,12 +328,18 @@ def _memo(kind: str, config: Mapping[str, Any], build) -> dict[str, tuple[int, .
 
 
 def _skeleton_shapes(make, where: str) -> dict[str, tuple[int, ...]]:
-    try:
-        with torch.device("meta"):
-            module = make()
-    except Exception as err:  # the library's own error about a config it cannot build
-        raise CheckFailed(f"{where}: the config cannot build the model ({type(err).__name__}: {str(err)[:300]}). "
-                          "Re-download the checkpoint.") from err
+    from ..interrupt import check_interrupt, interruptible_build
+
+    check_interrupt()
+    with interruptible_build() as cancelled:
+        try:
+            with torch.device("meta"):
+                module = make()
+        except Exception as err:  # the library's own error about a config it cannot build
+            if cancelled:
+                raise
+            raise CheckFailed(f"{where}: the config cannot build the model ({type(err).__name__}: "
+                              f"{str(err)[:300]}). Re-download the checkpoint.") from err
     return {k: tuple(v.shape) for k, v in module.state_dict().items()}
 
 
@@ -376,14 +403,28 @@ def tensor_set_problems(stored: Mapping[str, Any], expected: Mapping[str, Any], 
     wrong = sorted(k for k in set(stored) & set(expected) if tuple(stored[k]) != tuple(expected[k]))
     problems = []
     if missing:
-        problems.append(f"{len(missing)} missing tensors (e.g. {', '.join(missing[:3])})")
+        problems.append(f"{len(missing)} missing tensors (e.g. {', '.join(map(shown_name, missing[:3]))})")
     if unexpected:
-        problems.append(f"{len(unexpected)} unexpected tensors (e.g. {', '.join(unexpected[:3])})")
+        problems.append(f"{len(unexpected)} unexpected tensors (e.g. {', '.join(map(shown_name, unexpected[:3]))})")
     if wrong:
         k = wrong[0]
-        problems.append(f"{len(wrong)} tensors with the wrong shape (e.g. {k}: stored {list(stored[k])}, "
-                        f"config implies {list(expected[k])})")
+        problems.append(f"{len(wrong)} tensors with the wrong shape (e.g. {shown_name(k)}: stored "
+                        f"{_shown_shape(stored[k])}, config implies {list(expected[k])})")
     return problems
+
+
+SHOWN_NAME = 120
+"""Characters of a tensor name a message shows (a file may name a tensor with 20 MB)."""
+
+
+def shown_name(name: str) -> str:
+    """A tensor name as a message shows it: clipped to `SHOWN_NAME` characters."""
+    return name if len(name) <= SHOWN_NAME else f"{name[:SHOWN_NAME - 3]}..."
+
+
+def _shown_shape(shape: Any) -> str:
+    text = str(list(shape))
+    return text if len(text) <= 80 else text[:77] + "...]"
 
 
 # -- weights after loading -------------------------------------------------------------------------

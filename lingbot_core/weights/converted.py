@@ -158,7 +158,7 @@ def _header(plan: Sequence[Planned], digest: str) -> bytes:
 def _spans(path: Path, header: bytes, plan: Sequence[Planned], lease: Lease | None) -> dict[str, FileSpan]:
     base, spans, offset = len(header), {}, 0
     for p in plan:
-        spans[p.name] = CachedSpan(str(path), base + offset, p.nbytes, p.dtype, tuple(p.shape), lease)
+        spans[p.name] = CachedSpan(str(path), base + offset, p.nbytes, p.dtype, tuple(p.shape), lease=lease)
         offset += p.nbytes
     return spans
 

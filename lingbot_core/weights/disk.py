@@ -36,6 +36,8 @@ import torch
 import torch.nn as nn
 
 from .. import hooks
+from ..errors import WeightsError
+from .fileio import Identity, check_same_file, open_regular, pread_into
 from .state import ModelState
 
 _TRANSIENT_MIN = 1 << 16  # smaller tensors come from the heap (a mapping per norm weight is waste)
@@ -71,6 +73,7 @@ class FileSpan:
     nbytes: int
     dtype: torch.dtype
     shape: tuple[int, ...]
+    identity: Identity | None = None  # the file its header was checked in: a reopen must find the same one
 
     def read(self, device: torch.device, *, transient: bool = False) -> torch.Tensor:
         """The tensor, read from the file into fresh memory (then moved to `device`).
@@ -96,15 +99,14 @@ class FileSpan:
         return out
 
     def _fill(self, out: torch.Tensor) -> None:
-        with open(self.path, "rb", buffering=0) as fh:
-            fh.seek(self.offset)
-            view = memoryview(out.numpy())
-            got = 0
-            while got < self.nbytes:
-                n = fh.readinto(view[got:])
-                if not n:
-                    raise OSError(f"{self.path} ended early: expected {self.nbytes} bytes at offset {self.offset}")
-                got += n
+        """pread into `out` from the file, after checking it is still the file the header was read from
+        (disk offload reopens it at every step: a file replaced meanwhile would mix two models)."""
+        fd, _info = open_regular(self.path, WeightsError)
+        try:
+            check_same_file(self.path, fd, self.identity, WeightsError)
+            pread_into(fd, memoryview(out.numpy()).cast("B"), self.offset, self.path, WeightsError)
+        finally:
+            os.close(fd)
 
 
 def check_mappable(spans: dict[str, FileSpan]) -> None:

@@ -171,9 +171,12 @@ def _match(shapes: dict[str, tuple[int, ...]], path: Path) -> dict[str, Any]:
 
 def dit_file_source(path: str | Path, component: str = TRANSFORMER) -> ComponentSource:
     """Resolve a single DiT file: its format, headers (read once), names and config (inferred)."""
+    from .fileio import regular_file_problem
+
     path = Path(path).expanduser()
-    if not path.is_file():
-        raise CheckpointError(f"{component}: the DiT file {path} does not exist. {FIX}")
+    problem = regular_file_problem(path)
+    if problem is not None:
+        raise CheckpointError(f"{component}: the DiT file {path} {problem}. {FIX}")
     fmt = format_of(path)
     headers = fmt.read([path])
     stored, architecture = _stored_shapes(fmt.name, headers)

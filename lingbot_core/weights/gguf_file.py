@@ -22,9 +22,7 @@ misaligned and gapped tensors, and a tensor whose declared type or shape does no
 
 from __future__ import annotations
 
-import mmap
 import os
-import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +32,9 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from ..errors import WeightsError
+from ..interrupt import check_interrupt
+from .fileio import Identity, open_regular
+from .safetensors_header import MAX_INDEX_DIGITS, MAX_TENSORS, long_index
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -105,6 +106,7 @@ class GGUFHeader:
     data_start: int
     metadata: dict[str, Any] = field(repr=False)
     tensors: dict[str, TensorInfo] = field(repr=False)
+    identity: Identity | None = None  # the file as it was when its header was checked (`fileio`)
 
     @property
     def architecture(self) -> str | None:
@@ -135,16 +137,53 @@ def _product(dims: list[int]) -> int:
     return n
 
 
+def _c(name: str) -> str:
+    """A name as a message shows it (a name may be 64 KB long)."""
+    return name if len(name) <= 120 else name[:117] + "..."
+
+
 def _short(value: Any) -> str:
     text = repr(value.tolist() if isinstance(value, np.ndarray) else value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
 class _Walk:
-    """A cursor over the mapped file; every read is checked against the bytes left first."""
+    """A cursor over the file; every read is checked against the bytes left first.
 
-    def __init__(self, path: Path, data: mmap.mmap, size: int):
-        self.path, self.data, self.size, self.at = path, data, size, 0
+    The bytes come with `pread` into a buffer that grows as the walk goes (never a mapping: a file
+    truncated while its header is walked would kill the process with SIGBUS); a read that comes back
+    short means the file shrank since it was opened, and is refused."""
+
+    _STEP = 1 << 20
+
+    def __init__(self, path: Path, fd: int, size: int):
+        self.path, self.fd, self.size, self.at = path, fd, size, 0
+        self.data = bytearray()
+        self._ticks = 0
+
+    def fill(self, end: int) -> None:
+        """The first `end` bytes of the file are in `data` (callers have checked `end <= size`)."""
+        have = len(self.data)
+        if end <= have:
+            return
+        want = min(self.size, max(end, have + self._STEP, 2 * have))
+        while len(self.data) < end:
+            try:
+                chunk = os.pread(self.fd, want - len(self.data), len(self.data))
+            except OSError as err:
+                raise GGUFError(f"GGUF file {self.path} cannot be read ({err.strerror or err}).") from None
+            if not chunk:
+                raise GGUFError(f"{self.path} changed while its header was read (it ends at byte {len(self.data)}, "
+                                f"it had {self.size}); it is being written or was replaced. Wait for the copy to "
+                                "finish, then run again.")
+            self.data += chunk
+        self.tick()
+
+    def tick(self) -> None:
+        """A cancellation point every few thousand items (a header walk may take seconds)."""
+        self._ticks += 1
+        if self._ticks % 1024 == 0:
+            check_interrupt()
 
     def fail(self, problem: str) -> GGUFError:
         return GGUFError(f"{self.path} is not a valid GGUF file: {problem}. Re-download or re-convert it.")
@@ -160,6 +199,7 @@ class _Walk:
     def scalar(self, fmt: str, what: str) -> Any:
         n = struct.calcsize(fmt)
         self.need(n, what)
+        self.fill(self.at + n)
         (value,) = struct.unpack_from(fmt, self.data, self.at)
         self.at += n
         return value
@@ -177,6 +217,7 @@ class _Walk:
         if limit is not None and n > limit:
             raise self.fail(f"{what} is {n} bytes long (at most {limit})")
         self.need(n, what)
+        self.fill(self.at + n)
         raw = self.data[self.at:self.at + n]
         self.at += n
         try:
@@ -200,7 +241,8 @@ class _Walk:
         n = self.count(f"{what} (array)", _MIN_BYTES[item])
         if item in _SCALARS:  # one step, whatever the count: the bytes are there
             dtype = np.dtype(_SCALARS[item][1])
-            raw = self.data[self.at:self.at + n * dtype.itemsize]
+            self.fill(self.at + n * dtype.itemsize)
+            raw = bytes(self.data[self.at:self.at + n * dtype.itemsize])
             self.at += n * dtype.itemsize
             arr = np.frombuffer(raw, dtype=dtype).astype(dtype.newbyteorder("="))
             return arr.astype(bool) if item == GGUFValueType.BOOL else arr
@@ -210,17 +252,22 @@ class _Walk:
 
     def _strings(self, n: int, what: str) -> list[str]:
         """`n` strings in a row (a tokenizer's vocabulary: 10^5 of them), each length checked first."""
-        data, size, at, out = self.data, self.size, self.at, []
+        size, at, out = self.size, self.at, []
         length = _U64.unpack_from
         for i in range(n):
             if at + 8 > size:
                 self.at = at
                 self.need(8, f"{what} entry {i} length")
-            (k,) = length(data, at)
+            if at + 8 > len(self.data):
+                self.fill(at + 8)
+            (k,) = length(self.data, at)
             at += 8
             if k > size - at:
                 self.at = at
                 self.need(k, f"{what} entry {i}")
+            if at + k > len(self.data):
+                self.fill(at + k)
+            data = self.data
             try:
                 out.append(data[at:at + k].decode("utf-8"))
             except UnicodeDecodeError:
@@ -230,50 +277,26 @@ class _Walk:
         return out
 
 
-def _regular_file(path: Path) -> int:
-    """An open read-only descriptor of `path`, refused unless it is a regular file (a directory, FIFO,
-    socket or device such as /dev/zero never gets opened, and the open itself never blocks)."""
-    try:
-        info = os.stat(path)
-    except OSError as err:
-        raise GGUFError(f"GGUF file {path} cannot be read ({err.strerror or err}).") from None
-    if not stat.S_ISREG(info.st_mode):
-        kind = ("a directory" if stat.S_ISDIR(info.st_mode) else "a FIFO" if stat.S_ISFIFO(info.st_mode)
-                else "a device" if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode) else "not a regular file")
-        raise GGUFError(f"{path} is {kind}, not a GGUF file; point at the .gguf file itself.")
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    except OSError as err:
-        raise GGUFError(f"GGUF file {path} cannot be opened ({err.strerror or err}).") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced between the stat and the open
-        os.close(fd)
-        raise GGUFError(f"{path} is not a regular file; point at the .gguf file itself.")
-    return fd
-
-
 def read_header(path: str | os.PathLike) -> GGUFHeader:
-    """The header of the GGUF file at `path`, checked against its size; `GGUFError` for anything malformed."""
+    """The header of the GGUF file at `path`, checked against its size; `GGUFError` for anything malformed
+    (a directory, FIFO or device is refused by what it is; a FIFO is never waited on)."""
     path = Path(path)
-    fd = _regular_file(path)
+    fd, info = open_regular(path, GGUFError)
     try:
-        size = os.fstat(fd).st_size
+        size = info.st_size
         if size < _FIXED_PART:
             raise GGUFError(f"{path} is not a valid GGUF file: truncated header ({size} bytes; a GGUF header "
                             f"has at least {_FIXED_PART}). Re-download or re-convert it.")
-        try:
-            data = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
-        except (OSError, ValueError) as err:
-            raise GGUFError(f"GGUF file {path} cannot be mapped ({err}).") from None
+        header = _walk(_Walk(path, fd, size))
     finally:
         os.close(fd)
-    try:
-        return _walk(_Walk(path, data, size))
-    finally:
-        data.close()
+    return GGUFHeader(header.path, header.size, header.version, header.alignment, header.data_start,
+                      header.metadata, header.tensors, Identity.of(info))
 
 
 def _walk(w: _Walk) -> GGUFHeader:
-    magic = w.data[0:4]
+    w.fill(4)
+    magic = bytes(w.data[0:4])
     if magic != MAGIC:
         raise w.fail(f"bad magic {magic!r} (a GGUF file starts with b'GGUF')")
     w.at = 4
@@ -283,14 +306,17 @@ def _walk(w: _Walk) -> GGUFHeader:
             raise w.fail("it is big-endian; lingbot-nodes reads little-endian GGUF files (the usual kind)")
         raise w.fail(f"unsupported version {version} (it reads versions {', '.join(map(str, VERSIONS))})")
     n_tensors = w.scalar("<Q", "tensor count")
+    if n_tensors > MAX_TENSORS:
+        raise w.fail(f"tensor count claims {n_tensors} tensors (at most {MAX_TENSORS})")
     n_kv = w.count("metadata", _MIN_KV)
     metadata: dict[str, Any] = {}
     for i in range(n_kv):
         key = w.string(f"metadata key {i}", MAX_NAME_BYTES)
         if key in metadata:
-            raise w.fail(f"metadata key {key!r} appears twice")
-        vtype = w.scalar("<I", f"type of metadata {key!r}")
-        metadata[key] = w.value(vtype, f"metadata {key!r}")
+            raise w.fail(f"metadata key {_c(key)!r} appears twice")
+        vtype = w.scalar("<I", f"type of metadata {_c(key)!r}")
+        metadata[key] = w.value(vtype, f"metadata {_c(key)!r}")
+        w.tick()
     if n_tensors * _MIN_TENSOR > w.left:
         raise w.fail(f"tensor count claims {n_tensors} tensors ({w.left} bytes left)")
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
@@ -304,20 +330,20 @@ def _walk(w: _Walk) -> GGUFHeader:
     previous: TensorInfo | None = None
     for name, qtype, dims, offset in records:
         if name in tensors:
-            raise w.fail(f"tensor {name!r} appears twice")
+            raise w.fail(f"tensor {_c(name)!r} appears twice")
         block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
         kind = GGMLQuantizationType(qtype).name
         if dims and dims[0] % block:
-            raise w.fail(f"tensor {name!r}: a {kind} row holds a multiple of {block} values, not {dims[0]}")
+            raise w.fail(f"tensor {_c(name)!r}: a {kind} row holds a multiple of {block} values, not {dims[0]}")
         info = TensorInfo(name, qtype, dims, data_start + offset, _product(list(dims)) // block * type_size)
-        what = f"tensor {name!r} ({kind} {list(info.shape)}, {info.nbytes} bytes)"
+        what = f"tensor {_c(name)!r} ({kind} {list(info.shape)}, {info.nbytes} bytes)"
         if offset % alignment:
             raise w.fail(f"{what} starts at data offset {offset}, not a multiple of the alignment {alignment}")
         if offset < expected and previous is not None:
-            raise w.fail(f"{what} starts at data offset {offset}, inside {previous.name!r} (which ends at "
+            raise w.fail(f"{what} starts at data offset {offset}, inside {_c(previous.name)!r} (which ends at "
                          f"{previous.offset - data_start + previous.nbytes}): tensors overlap")
         if offset != expected:
-            after = f"after {previous.name!r}" if previous is not None else "at the start of the data"
+            after = f"after {_c(previous.name)!r}" if previous is not None else "at the start of the data"
             raise w.fail(f"{what} starts at data offset {offset}, but {expected} is where it belongs {after}: "
                          "a declared type or shape does not match the bytes stored")
         if info.offset + info.nbytes > w.size:
@@ -327,7 +353,7 @@ def _walk(w: _Walk) -> GGUFHeader:
         expected = offset + -(-info.nbytes // alignment) * alignment
     end = data_start + expected
     if tensors and w.size > end:
-        raise w.fail(f"{w.size - end} bytes follow the last tensor {previous.name!r}: its declared type or shape "
+        raise w.fail(f"{w.size - end} bytes follow the last tensor {_c(previous.name)!r}: its declared type or shape "
                      "does not match the bytes stored")
     if not tensors and w.size > data_start + alignment:
         raise w.fail(f"it declares no tensors but holds {w.size - data_start} bytes of data")
@@ -336,16 +362,20 @@ def _walk(w: _Walk) -> GGUFHeader:
 
 def _tensor_record(w: _Walk, i: int) -> tuple[str, int, tuple[int, ...], int]:
     name = w.string(f"tensor {i} name", MAX_NAME_BYTES)
-    n_dims = w.scalar("<I", f"tensor {name!r} dimension count")
+    w.tick()
+    if long_index(name):
+        raise w.fail(f"tensor {_c(name)!r} holds an index of more than {MAX_INDEX_DIGITS} digits")
+    n_dims = w.scalar("<I", f"tensor {_c(name)!r} dimension count")
     if n_dims > MAX_DIMS:
-        raise w.fail(f"tensor {name!r} has {n_dims} dimensions (at most {MAX_DIMS})")
-    w.need(8 * n_dims, f"tensor {name!r} sizes")
+        raise w.fail(f"tensor {_c(name)!r} has {n_dims} dimensions (at most {MAX_DIMS})")
+    w.need(8 * n_dims, f"tensor {_c(name)!r} sizes")
+    w.fill(w.at + 8 * n_dims)
     dims = struct.unpack_from(f"<{n_dims}Q", w.data, w.at)
     w.at += 8 * n_dims
     if any(d == 0 for d in dims) or _product(list(dims)) > MAX_ELEMENTS:
-        raise w.fail(f"tensor {name!r} has sizes {list(dims)} (each at least 1, at most 2^62 values in all)")
-    qtype = w.scalar("<I", f"tensor {name!r} type")
+        raise w.fail(f"tensor {_c(name)!r} has sizes {list(dims)} (each at least 1, at most 2^62 values in all)")
+    qtype = w.scalar("<I", f"tensor {_c(name)!r} type")
     if qtype not in {int(t) for t in GGML_QUANT_SIZES}:
-        raise w.fail(f"tensor {name!r} has unknown tensor type {qtype}")
-    offset = w.scalar("<Q", f"tensor {name!r} offset")
+        raise w.fail(f"tensor {_c(name)!r} has unknown tensor type {qtype}")
+    offset = w.scalar("<Q", f"tensor {_c(name)!r} offset")
     return name, qtype, dims, offset

@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from ..components import DITS, TRANSFORMER
 from . import gguf_codec
-from .checks import tensor_set_problems
+from .checks import shown_name, tensor_set_problems
 from .converted import Planned
 from .disk import note_exact
 from .fp8 import require_fp8
@@ -51,7 +51,7 @@ def _auto_compute_dtype(entries: dict[str, Entry]) -> torch.dtype:
     probe = entries.get("patch_embedder.weight")
     if probe is None or probe.quantized:
         return torch.bfloat16
-    if probe.kind == "plain":
+    if probe.kind == "plain" and not probe.decode:
         return probe.dtype if probe.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.bfloat16
     return torch.float32 if probe.gguf_type == 0 else torch.bfloat16
 
@@ -59,6 +59,13 @@ def _auto_compute_dtype(entries: dict[str, Entry]) -> torch.dtype:
 def check_entries(component: str, where: Path, entries: dict[str, Entry], expected: dict[str, tuple[int, ...]]) -> None:
     """Names and logical shapes of the stored tensors against the config; raise naming the tensor."""
     problems = tensor_set_problems({k: e.shape for k, e in entries.items()}, expected)
+    integer = sorted(k for k, e in entries.items() if e.kind == "plain" and not e.dtype.is_floating_point)
+    if integer:  # a weight stored as integers would be cast and run: silently wrong frames
+        k = integer[0]
+        raise WeightsError(f"{component}: weight {shown_name(k)} in {where} is stored as "
+                           f"{str(entries[k].dtype).replace('torch.', '')} ({len(integer)} integer tensors in all); "
+                           "DiT weights are floats (F32/F16/BF16, F8_E4M3 with scales, or GGUF). The file is corrupt "
+                           "or not a LingBot-Video DiT.")
     if problems:
         raise WeightsError(f"{component}: the weights in {where} do not match its config.json: {'; '.join(problems)}. "
                            "The file is incomplete or from another model; re-download or re-create it.")
@@ -95,15 +102,15 @@ class _Loader:
         if self.dtype is not None:
             return self.dtype
         entry = self.entries[key]
-        if entry.kind == "plain" and entry.dtype.is_floating_point:
+        if entry.kind == "plain" and entry.dtype.is_floating_point and not entry.decode:
             return entry.dtype
         return self.compute
 
     def _stored_as(self, key: str, dtype: torch.dtype) -> bool:
         """Is `key` stored exactly as `dtype` (so its bytes in the file are the tensor)?"""
         entry = self.entries[key]
-        if entry.kind == "plain":
-            return entry.dtype == dtype and not entry.parts  # a stack stored per expert is not one span
+        if entry.kind == "plain":  # a stack stored per expert is not one span; a decoded GGUF tensor not either
+            return entry.dtype == dtype and not entry.parts and not entry.decode
         return (entry.kind == "gguf" and not entry.parts and gguf_codec.is_plain(entry.gguf_type)
                 and GGUFSource._plain_dtype(entry) == dtype)
 

@@ -8,6 +8,7 @@ types against the config first and fail before heavy work.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,7 @@ class Entry:
     dtype: torch.dtype | None = None  # plain tensors
     gguf_type: int = 0
     parts: tuple[str, ...] = ()  # a stack stored per expert: the file's tensor names, in expert order
+    decode: bool = False  # plain, but stored GGUF-packed in another shape: decoded when read (`GGUFSource`)
 
     @property
     def quantized(self) -> bool:
@@ -92,6 +94,10 @@ def group_experts(entries: dict[str, Entry], path: Path) -> None:
         first = entries[names[0]]
         for name in names:
             entry = entries[name]
+            if entry.decode:
+                raise WeightsError(f"{path}: per-expert tensor {name!r} is recorded (comfy.gguf.orig_shape) in rows "
+                                   "that are not whole quant blocks; expert stacks must be stored in whole blocks. "
+                                   "Re-convert the model.")
             if len(entry.shape) != 2:
                 raise WeightsError(f"{path}: per-expert tensor {name!r} is {list(entry.shape)}; each expert of "
                                    f"{stack!r} must be one 2-D [out, in] matrix.")
@@ -125,6 +131,7 @@ class SafetensorsSource:
         raw: dict[str, tuple[str, tuple[int, ...]]] = {}
         self.metadata: dict[str, str] = {}
         self._spans: dict[str, tuple[Path, int, int]] = {}  # key -> (file, byte offset, byte count)
+        self._identity = {h.path: h.identity for h in headers}
         rename = rename or {}  # stored name -> the checkpoint's own name (a single file's conventions)
         for i, header in enumerate(headers):
             self.metadata.update(header.metadata)
@@ -164,7 +171,7 @@ class SafetensorsSource:
     def span(self, key: str, dtype: torch.dtype, shape: tuple[int, ...]) -> FileSpan:
         """Where `key`'s bytes sit in its file (read as `dtype`/`shape`): a disk home for offload."""
         path, offset, nbytes = self._spans[key]
-        return FileSpan(str(path), offset, nbytes, dtype, tuple(shape))
+        return FileSpan(str(path), offset, nbytes, dtype, tuple(shape), self._identity.get(path))
 
     # Tensors are read with plain file reads into memory of their own: mapping the file and copying
     # out of the mapping would also leave every page mapped in this process (RSS twice the model).
@@ -223,21 +230,23 @@ class GGUFSource:
             except ValueError as err:
                 raise WeightsError(f"{path}: {err}") from None
             shape = self.header.orig_shape(stored) or t.shape
-            if shape[-1] % gguf_codec.block_values(t.qtype):  # only a recorded shape can split a block
-                raise WeightsError(f"{path}: tensor {stored!r} is recorded (comfy.gguf.orig_shape) as {list(shape)}, "
-                                   f"whose rows of {shape[-1]} values are not whole {t.type_name} blocks; "
-                                   "lingbot-nodes keeps GGUF rows packed and cannot read it. Re-convert the model.")
             name = mapping.get(stored, stored)
             if name in self._tensors:
                 raise WeightsError(f"{path}: tensor {name!r} is stored twice ({stored!r}); the file is corrupt "
                                    "or mixes two naming conventions.")
             self._tensors[name] = t
-            self.entries[name] = Entry("gguf", shape, gguf_type=t.qtype)
+            if shape[-1] % gguf_codec.block_values(t.qtype):
+                # Only a recorded shape splits a block: ComfyUI-GGUF's converter packs a tensor whose rows
+                # are not whole blocks (a 2048x64 patch embedder) as whole-block rows of another shape. Such
+                # tensors are small: decoded whole when read, as ComfyUI-GGUF does, not kept packed.
+                self.entries[name] = Entry("plain", shape, torch.float32, gguf_type=t.qtype, decode=True)
+            else:
+                self.entries[name] = Entry("gguf", shape, gguf_type=t.qtype)
         group_experts(self.entries, path)
 
     def span(self, key: str, dtype: torch.dtype, shape: tuple[int, ...]) -> FileSpan:
         t = self._tensors[key]
-        return FileSpan(str(self.files[0]), t.offset, t.nbytes, dtype, tuple(shape))
+        return FileSpan(str(self.files[0]), t.offset, t.nbytes, dtype, tuple(shape), self.header.identity)
 
     def packed(self, key: str, mapped: bool = False) -> torch.Tensor:
         """The stored bytes of `key` as uint8 [..., bytes per row]: read into memory of their own, or
@@ -258,6 +267,13 @@ class GGUFSource:
         if not mapped:
             return self.span(key, torch.uint8, shape).read(_CPU)
         if self._map is None:  # copy-on-write map: writable views, no copy
+            from .fileio import check_same_file, open_regular
+
+            fd, _info = open_regular(self.files[0], WeightsError)  # the file the header was read from, still
+            try:
+                check_same_file(self.files[0], fd, self.header.identity, WeightsError)
+            finally:
+                os.close(fd)
             self._map = np.memmap(self.files[0], dtype=np.uint8, mode="c", shape=(self.header.size,))
         return torch.from_numpy(self._map[t.offset:t.offset + t.nbytes]).view(shape)
 
@@ -265,6 +281,10 @@ class GGUFSource:
         """A tensor decoded to `dtype` (float32 by default), in memory of its own."""
         entry = self.entries[key]
         dtype = dtype or torch.float32
+        if entry.decode:  # packed in its stored shape (whole-block rows), decoded, then given its recorded shape
+            t = self._tensors[key]
+            return gguf_codec.dequantize(self._packed(key, t.shape, t.qtype, False), t.qtype, t.shape,
+                                         dtype).reshape(entry.shape)
         if entry.parts:  # decoded expert by expert into the stack (as SafetensorsSource._stack)
             out = torch.empty(entry.shape, dtype=dtype)
             for e, part in enumerate(entry.parts):

@@ -35,7 +35,15 @@ from typing import Any
 
 import torch
 
-from .checks import CheckpointError, StoredTensor, read_safetensors_entries, tensor_set_problems
+from ..json_text import parse_json_text
+from .checks import (
+    CheckpointError,
+    check_text_encoder_config,
+    read_safetensors_file,
+    tensor_set_problems,
+)
+from .fileio import regular_file_problem
+from .safetensors_header import SafetensorsHeader, TensorReader
 from .state import ModelState
 
 CONFIG_FILE = Path(__file__).resolve().parent.parent / "configs" / "qwen3-vl-4b.text_encoder.json"
@@ -82,6 +90,7 @@ class TextEncoderFile:
     names: dict[str, str]  # transformers name -> the file's tensor name
     scales: dict[str, str] = field(default_factory=dict)  # transformers weight name -> the file's scale tensor
     values: int = 0  # values the loaded model holds (an empty vision tower too; lm_head is tied, not counted)
+    header: SafetensorsHeader | None = None  # the checked header (the load reads through it: `TensorReader`)
 
     @property
     def nbytes(self) -> int:
@@ -99,6 +108,23 @@ def known_configs() -> list[tuple[str, dict[str, Any]]]:
     from ..tiny import tiny_text_encoder_config
 
     return [("Qwen3-VL-4B", shipped_config()), ("tiny", tiny_text_encoder_config())]
+
+
+# The tensors whose sizes make the config, and the rank each must have (checked before any is indexed).
+_RANKS = {"model.language_model.embed_tokens.weight": 2, "model.language_model.layers.0.self_attn.q_norm.weight": 1,
+          "model.language_model.layers.0.mlp.gate_proj.weight": 2,
+          "model.language_model.layers.0.self_attn.q_proj.weight": 2,
+          "model.language_model.layers.0.self_attn.k_proj.weight": 2, "model.visual.patch_embed.proj.weight": 5,
+          "model.visual.blocks.0.mlp.linear_fc1.weight": 2, "model.visual.merger.linear_fc2.weight": 2,
+          "model.visual.pos_embed.weight": 2}
+
+
+def _check_ranks(shapes: Mapping[str, tuple[int, ...]], path: Path) -> None:
+    for name, rank in _RANKS.items():
+        shape = shapes.get(name)
+        if shape is not None and (len(shape) != rank or not all(shape)):
+            raise CheckpointError(f"{path}: tensor {name} has shape {list(shape)}; in a Qwen3-VL text encoder it is "
+                                  f"{rank}-D with no empty dimension. The file is corrupt. {FIX}")
 
 
 def _pick_base(shapes: Mapping[str, tuple[int, ...]], text_only: bool) -> dict[str, Any]:
@@ -154,6 +180,8 @@ def _infer_config(shapes: Mapping[str, tuple[int, ...]], base: dict[str, Any], t
     text = dict(base["text_config"])
     vocab, hidden = shape("model.language_model.embed_tokens.weight")
     head_dim = shape("model.language_model.layers.0.self_attn.q_norm.weight")[0]
+    if head_dim <= 0:  # (ranks and empty dimensions are refused before: `_check_ranks`)
+        raise CheckpointError(f"{path}: q_norm is empty, so the head size is 0; the file is corrupt. {FIX}")
     text.update(vocab_size=vocab, hidden_size=hidden, head_dim=head_dim,
                 num_hidden_layers=count(r"^model\.language_model\.layers\.(\d+)\."),
                 intermediate_size=shape("model.language_model.layers.0.mlp.gate_proj.weight")[0],
@@ -180,33 +208,41 @@ def _infer_config(shapes: Mapping[str, tuple[int, ...]], base: dict[str, Any], t
     return {**base, "text_config": text, "vision_config": vision}
 
 
-def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+def _expected_shapes(config: dict[str, Any], where: str = "text encoder") -> dict[str, tuple[int, ...]]:
     from accelerate import init_empty_weights
 
-    model = _skeleton(config, torch.float32, "sdpa", init_empty_weights)
+    model = _skeleton(config, torch.float32, "sdpa", init_empty_weights, where)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
-def _skeleton(config: dict[str, Any], dtype: torch.dtype, attn: str, empty: Any) -> Any:
+def _skeleton(config: dict[str, Any], dtype: torch.dtype, attn: str, empty: Any, where: str = "text encoder") -> Any:
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
+    from ..interrupt import check_interrupt, interruptible_build
+
     clean = {k: v for k, v in config.items() if k not in ("architectures", "transformers_version", "auto_map")}
-    hf_config = Qwen3VLConfig(**clean)
-    with empty(include_buffers=False):
-        return Qwen3VLForConditionalGeneration._from_config(hf_config, dtype=dtype, attn_implementation=attn)
+    check_interrupt()
+    with interruptible_build() as cancelled:
+        try:
+            hf_config = Qwen3VLConfig(**clean)
+            with empty(include_buffers=False):
+                return Qwen3VLForConditionalGeneration._from_config(hf_config, dtype=dtype, attn_implementation=attn)
+        except Exception as err:  # transformers' own error about a config it cannot build
+            if cancelled:
+                raise
+            raise CheckpointError(f"{where}: the config cannot build Qwen3-VL ({type(err).__name__}: "
+                                  f"{str(err)[:200]}). {FIX}") from None
 
 
-def _read_comfy_quant(path: Path, name: str) -> dict[str, Any]:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt", device="cpu") as fh:
-        raw = fh.get_slice(name)
-        if len(raw.get_shape()) != 1 or raw.get_shape()[0] > _MAX_QUANT_JSON:
-            raise CheckpointError(f"{path}: {name} is not a short JSON byte string; the file is corrupt.")
-        data = bytes(fh.get_tensor(name).to(torch.uint8).tolist())
+def _read_comfy_quant(header: SafetensorsHeader, name: str) -> dict[str, Any]:
+    path, entry = header.path, header.tensors[name]
+    if len(entry.shape) != 1 or entry.shape[0] > _MAX_QUANT_JSON or entry.dtype not in ("U8", "I8"):
+        raise CheckpointError(f"{path}: {name} is not a short JSON byte string; the file is corrupt.")
+    with TensorReader(header) as fh:
+        data = bytes(fh.get(name).view(torch.uint8).tolist())
     try:
-        value = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        value = parse_json_text(data.decode("utf-8"), f"{path}: {name}")
+    except (UnicodeDecodeError, CheckpointError):
         raise CheckpointError(f"{path}: {name} does not hold JSON; the file is corrupt.") from None
     if not isinstance(value, dict):
         raise CheckpointError(f"{path}: {name} does not hold a JSON object; the file is corrupt.")
@@ -217,15 +253,17 @@ def inspect_text_encoder_file(path: str | Path, *, config: dict[str, Any] | None
     """Check a single-file text encoder from its header (and its `.comfy_quant` entries): naming,
     quantization, config, every shape. `config`: a checkpoint folder's text_encoder config.json."""
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"text encoder file {path} does not exist. {FIX}")
+    problem = regular_file_problem(path)
+    if problem is not None:
+        raise CheckpointError(f"text encoder file {path} {problem}. {FIX}")
     if _is_gguf(path) or path.suffix.lower() == ".gguf":
         raise CheckpointError(f"{path.name} is a GGUF text encoder (llama.cpp layout: the text tower only, the "
                               "vision tower is in a separate mmproj file); lingbot-nodes reads the text encoder "
                               f"from .safetensors only. {FIX}")
     if path.suffix.lower() != ".safetensors":
         raise CheckpointError(f"{path}: a text encoder file must be .safetensors (got {path.suffix or 'no extension'}). {FIX}")
-    entries = read_safetensors_entries(path)
+    header = read_safetensors_file(path)
+    entries = header.tensors
     names = set(entries)
     weights = {n for n in names if n != SCALED_FP8_MARKER and not n.endswith(_AUX_SUFFIXES)}
     canonical = {canonical_name(n): n for n in weights}
@@ -238,11 +276,16 @@ def inspect_text_encoder_file(path: str | Path, *, config: dict[str, Any] | None
     bare = [_OUTER_PREFIX.sub("", n) for n in weights]
     naming = "comfyui" if any(n.startswith(("model.layers.", "model.embed_tokens.")) for n in bare) else "transformers"
     text_only = not any(n.startswith("model.visual.") for n in canonical)
-    quantization, scales = _quantization(path, entries, canonical)
+    quantization, scales = _quantization(header, canonical)
     shapes = {k: entries[v].shape for k, v in canonical.items()}
+    _check_ranks(shapes, path)
     base = config if config is not None else _pick_base(shapes, text_only)
     full = _infer_config(shapes, base, text_only, path)
-    expected = _expected_shapes(full)
+    try:  # bounded before the skeleton is built (as a folder's config is)
+        check_text_encoder_config(full, f"{path} (the config its tensors imply)", None)
+    except CheckpointError as err:
+        raise CheckpointError(f"{err} {FIX}") from None
+    expected = _expected_shapes(full, str(path))
     ignore = ["lm_head.weight"] + ([k for k in expected if k.startswith("model.visual.")] if text_only else [])
     problems = tensor_set_problems(shapes, expected, ignore_missing=ignore)
     if problems:
@@ -254,12 +297,12 @@ def inspect_text_encoder_file(path: str | Path, *, config: dict[str, Any] | None
         raise CheckpointError(f"{path}: tensors stored as {bad[0]} without a scale; expected F32/F16/BF16, or fp8 "
                               f"with ComfyUI's scaled_fp8 or comfy_quant scales. {FIX}")
     values = sum(math.prod(shape) for name, shape in expected.items() if name != "lm_head.weight")
-    return TextEncoderFile(path, naming, quantization, full, text_only, canonical, scales, values)
+    return TextEncoderFile(path, naming, quantization, full, text_only, canonical, scales, values, header)
 
 
-def _quantization(path: Path, entries: Mapping[str, StoredTensor],
-                  canonical: Mapping[str, str]) -> tuple[str, dict[str, str]]:
+def _quantization(header: SafetensorsHeader, canonical: Mapping[str, str]) -> tuple[str, dict[str, str]]:
     """Which fp8 layout the file uses and, per fp8 weight, the tensor holding its scale."""
+    path, entries = header.path, header.tensors
     scales: dict[str, str] = {}
     kind = "none"
     for new, old in canonical.items():
@@ -269,7 +312,7 @@ def _quantization(path: Path, entries: Mapping[str, StoredTensor],
         quant = f"{layer}.comfy_quant"
         if quant in entries:
             kind = "comfy_quant"
-            spec = _read_comfy_quant(path, quant)
+            spec = _read_comfy_quant(header, quant)
             fmt = spec.get("format")
             if fmt not in COMFY_QUANT_FORMATS:
                 raise CheckpointError(f"{path}: {layer} is stored as comfy_quant format {str(fmt)[:40]!r}; "
@@ -306,18 +349,18 @@ def load_text_encoder_file(source: str | Path | TextEncoderFile, *, dtype: torch
     (fp8 files are decoded into it). A text-only file gets an empty vision tower, and its name is
     noted as `state.text_only` (the model's `weights.state.ModelState`)."""
     from accelerate import init_empty_weights
-    from safetensors import safe_open
 
     info = source if isinstance(source, TextEncoderFile) else inspect_text_encoder_file(source, config=config)
+    header = info.header if info.header is not None else read_safetensors_file(info.path)
     dtype = dtype or torch.float32
     with torch.inference_mode(False):
-        model = _skeleton(info.config, dtype, attn_implementation, init_empty_weights)
+        model = _skeleton(info.config, dtype, attn_implementation, init_empty_weights, str(info.path))
         tensors: dict[str, torch.Tensor] = {}
-        with safe_open(str(info.path), framework="pt", device="cpu") as fh:
+        with TensorReader(header) as fh:  # the checked file itself (pread; a replaced file is refused)
             for new, old in info.names.items():
-                tensor = fh.get_tensor(old)
+                tensor = fh.get(old)
                 if new in info.scales:
-                    tensor = _dequantize(tensor, fh.get_tensor(info.scales[new]), dtype)
+                    tensor = _dequantize(tensor, fh.get(info.scales[new]), dtype)
                 tensors[new] = tensor.to(dtype)
         # Only hidden states are used (never logits): the head is tied to the embedding, stored or not.
         tensors.pop("lm_head.weight", None)

@@ -32,7 +32,9 @@ from typing import Any
 
 import torch
 
-from .checks import CheckpointError, StoredTensor, read_safetensors_entries, vae_shapes
+from .checks import CheckpointError, StoredTensor, check_vae_config, read_safetensors_file, vae_shapes
+from .fileio import regular_file_problem
+from .safetensors_header import SafetensorsHeader, TensorReader
 
 CONFIG_FILE = Path(__file__).resolve().parent.parent / "configs" / "wan2.1.vae.json"
 # Keys of the latent statistics and of the structure we infer; everything else in the shipped
@@ -61,6 +63,7 @@ class VAEFile:
     stored_dtypes: tuple[str, ...]
     names: dict[str, str]  # diffusers name -> the file's tensor name
     values: int = 0  # weight values the loaded model holds (the memory estimate scales them to its dtype)
+    header: SafetensorsHeader | None = None  # the checked header (the load reads through it: `TensorReader`)
 
     @property
     def nbytes(self) -> int:
@@ -152,6 +155,10 @@ def _infer_structure(shapes: Mapping[str, tuple[int, ...]], path: Path) -> dict[
         return shapes[name]
 
     conv_in = shape("encoder.conv_in.weight")
+    for name, rank in (("encoder.conv_in.weight", 5), ("post_quant_conv.weight", 5), ("decoder.conv_out.weight", 5)):
+        if len(shape(name)) != rank:
+            raise CheckpointError(f"{path}: tensor {name} has shape {list(shape(name))}, not the {rank}-D convolution "
+                                  f"weight of a Wan 2.1 VAE. {FIX}")
     base = conv_in[0]
     stages = len({m.group(1) for n in shapes if (m := re.match(r"^decoder\.up_blocks\.(\d+)\.", n))})
     resnets = {int(m.group(1)) for n in shapes if (m := re.match(r"^decoder\.up_blocks\.0\.resnets\.(\d+)\.", n))}
@@ -161,8 +168,9 @@ def _infer_structure(shapes: Mapping[str, tuple[int, ...]], path: Path) -> dict[
     per_stage = num_res_blocks + 1  # encoder: residual blocks, then a resampler
     dim_mult, temporal = [], []
     for stage in range(stages):
-        out = shape(f"encoder.down_blocks.{stage * per_stage}.conv1.weight")[0]
-        if out % base:
+        conv = shape(f"encoder.down_blocks.{stage * per_stage}.conv1.weight")
+        out = conv[0] if conv else 0
+        if out % base or not out:
             raise CheckpointError(f"{path}: encoder stage {stage} has {out} channels, not a multiple of the base "
                                   f"width {base}; not a Wan 2.1 VAE. {FIX}")
         dim_mult.append(out // base)
@@ -178,9 +186,11 @@ def inspect_vae_file(path: str | Path) -> VAEFile:
     path = Path(path)
     if path.suffix.lower() != ".safetensors":
         raise CheckpointError(f"{path}: a VAE file must be .safetensors (got {path.suffix or 'no extension'}). {FIX}")
-    if not path.is_file():
-        raise CheckpointError(f"VAE file {path} does not exist. {FIX}")
-    entries = read_safetensors_entries(path)
+    problem = regular_file_problem(path)
+    if problem is not None:
+        raise CheckpointError(f"VAE file {path} {problem}. {FIX}")
+    header = read_safetensors_file(path)
+    entries = header.tensors
     if not entries:
         raise CheckpointError(f"{path} holds no tensors. {FIX}")
     other = _other_vae(path, entries)
@@ -198,7 +208,11 @@ def inspect_vae_file(path: str | Path) -> VAEFile:
         what = other or "not a Wan 2.1 VAE (none of its tensors is named like one)"
         raise CheckpointError(f"{path.name} is {what}, not the Wan 2.1 VAE LingBot-Video uses. {FIX}")
     if naming == "wan":
-        names = _rename_original(list(entries))
+        try:
+            names = _rename_original(list(entries))
+        except (KeyError, IndexError, ValueError, TypeError) as err:  # diffusers' converter on odd names
+            raise CheckpointError(f"{path}: its tensor names cannot be read as the Wan 2.1 VAE's ({type(err).__name__}: "
+                                  f"{str(err)[:120]}). {FIX}") from None
     else:
         names = {n: n for n in entries}
     shapes = {new: entries[old].shape for new, old in names.items()}
@@ -207,13 +221,17 @@ def inspect_vae_file(path: str | Path) -> VAEFile:
     if bad:
         raise CheckpointError(f"{path}: tensors stored as {bad[0]}; a VAE file is read in F32, F16 or BF16 only. {FIX}")
     config = {**shipped_config(), **_infer_structure(shapes, path)}
+    try:  # bounded before the skeleton is built (a 100,000-block decoder would take minutes and gigabytes)
+        check_vae_config(config, f"{path} (the structure its tensors imply)")
+    except CheckpointError as err:
+        raise CheckpointError(f"{err} {FIX}") from None
     expected = vae_shapes(config, str(path))
     from .checks import tensor_set_problems
 
     problems = tensor_set_problems(shapes, expected)
     if problems:
         raise CheckpointError(f"{path}: not a complete Wan 2.1 VAE ({'; '.join(problems)}). {FIX}")
-    return VAEFile(path, naming, config, tuple(dtypes), names, _count(expected.values()))
+    return VAEFile(path, naming, config, tuple(dtypes), names, _count(expected.values()), header)
 
 
 def _count(shapes: Any) -> int:
@@ -227,16 +245,18 @@ def load_vae_file(source: str | Path | VAEFile, *, dtype: torch.dtype | None = N
     """An `AutoencoderKLWan` (CPU, eval, no grad) from a single file; dtype None: float32."""
     from accelerate import init_empty_weights
     from diffusers import AutoencoderKLWan
-    from safetensors import safe_open
+
+    from ..interrupt import interruptible_build
 
     info = source if isinstance(source, VAEFile) else inspect_vae_file(source)
+    header = info.header if info.header is not None else read_safetensors_file(info.path)
     dtype = dtype or torch.float32
     with torch.inference_mode(False):
-        with init_empty_weights(include_buffers=False):
+        with interruptible_build(), init_empty_weights(include_buffers=False):
             model = AutoencoderKLWan.from_config({k: v for k, v in info.config.items() if not k.startswith("_")})
         state: dict[str, torch.Tensor] = {}
-        with safe_open(str(info.path), framework="pt", device="cpu") as handle:
+        with TensorReader(header) as handle:  # the checked file itself (pread; a replaced file is refused)
             for new, old in info.names.items():
-                state[new] = handle.get_tensor(old).to(dtype)
+                state[new] = handle.get(old).to(dtype)
         model.load_state_dict(state, strict=True, assign=True)
     return model.eval().requires_grad_(False)
