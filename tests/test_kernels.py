@@ -431,3 +431,25 @@ def test_a_compiled_block_that_differs_is_not_trusted(monkeypatch):
         monkeypatch.setattr(regional, "_through", lambda block, compute, inside, *args: block.compute(*args) * 1.5)
         assert torch.equal(model(*_inputs()).sample, want)
     assert [r["verdict"] for r in kernels.verdicts()] == [kernels.MISMATCH]
+
+
+@pytest.mark.parametrize("class_type", ["LingBotLoader", "LingBotLoaderFiles"])
+def test_both_loaders_refuse_an_explicit_kernel_that_cannot_run_when_they_open(monkeypatch, class_type):
+    """Not mid-run: the Loader's execute raises with the kernel's reason, before any model loads."""
+    from diffusers.models import attention_dispatch
+
+    from lingbot_nodes import NODE_CLASS_MAPPINGS, runtime
+
+    loader = NODE_CLASS_MAPPINGS[class_type]
+    args = (("tiny (built-in dense)", "auto", "auto") if class_type == "LingBotLoader"
+            else ("(from checkpoint)", "(from checkpoint)", "(from checkpoint)", "tiny (built-in dense)", "(from checkpoint)",
+                  "auto"))
+    _on_a_fake_gpu(monkeypatch)
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: _refuse())
+    with pytest.raises(ValueError, match="scaled_mm cannot run here: torch._scaled_mm refused: RuntimeError: no kernel"):
+        loader.execute(*args, attention="default", device="cpu", weights="fp8_e4m3", fp8_matmul="scaled_mm")
+    monkeypatch.setattr(runtime, "attention_problem", lambda *a, **k: None)  # the package is there, say
+    monkeypatch.setattr(attention_dispatch, "_check_attention_backend_requirements", lambda backend: None)
+    _fake_flash(monkeypatch, off_by=1.0)
+    with pytest.raises(ValueError, match="attention 'flash' cannot run on cpu in float32: relative error"):
+        loader.execute(*args, attention="flash", device="cpu")
