@@ -368,3 +368,34 @@ def test_rewrite_node_auto_negative(monkeypatch):
     negative = out.args[2]
     assert "cartoon" not in negative and negative == DEFAULT_NEGATIVE_PROMPT_IMAGE.replace('"cartoon", ', "")
     assert "removed cartoon" in out.ui.as_dict()["text"][0]
+
+
+def test_cancel_stops_a_rewrite_waiting_on_a_silent_endpoint(comfy, monkeypatch):
+    """ComfyUI's Cancel (its interrupt flag) while the Rewrite waits on an endpoint that never answers,
+    the operator's deadline 60 s: the node raises ComfyUI's interrupt within a poll (it waited for the
+    socket's timeout before: up to 120 s per attempt, three attempts)."""
+    import threading
+
+    from rewrite_fakes import HostileServer
+
+    from lingbot_core.rewrite import ENDPOINTS_ENV
+    from lingbot_core.rewrite.openai_backend import TIMEOUT_ENV
+
+    monkeypatch.setenv(TIMEOUT_ENV, "60")
+    outcome = []
+
+    def run():
+        try:
+            _run_rewrite(server.url)
+        except BaseException as exc:  # noqa: BLE001 - judged below
+            outcome.append(exc)
+
+    with HostileServer("silent") as server:
+        monkeypatch.setenv(ENDPOINTS_ENV, server.url)
+        worker = threading.Thread(target=run, daemon=True)
+        worker.start()
+        threading.Timer(0.3, lambda: setattr(comfy, "interrupt", True)).start()
+        worker.join(5)
+        assert not worker.is_alive(), "the Rewrite still waits after Cancel"
+    assert len(outcome) == 1 and isinstance(outcome[0], InterruptProcessingException), outcome
+    assert server.requests == 1
