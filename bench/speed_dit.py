@@ -493,7 +493,8 @@ def measure_spans(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def measure_fp8_matmul(args: argparse.Namespace) -> dict[str, Any]:
-    """The fp8 matmul path `auto` picks here; the scaled fp8 matmul itself needs a CUDA GPU (sm90+)."""
+    """The fp8 matmul path `auto` picks here; the scaled fp8 matmul itself needs a CUDA GPU whose torch runs
+    it (tried on its first call, `lingbot_core.kernels`: where it refuses, the timed layer decodes)."""
     from lingbot_core.weights.fp8 import choose_fp8_matmul, scaled_mm_problem
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

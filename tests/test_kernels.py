@@ -147,6 +147,7 @@ def test_relative_error_tells_nan_positions_apart():
 
 
 def test_every_kernel_family_registers_a_probe_trial():
+    assert [row["name"] for row in kernels.describe()] == list(kernels.KERNELS)
     for name in kernels.KERNELS:
         row = kernels.probe(name, "meta", torch.bfloat16)
         assert row["kernel"] == name and "no trial is registered" not in row["reason"], row

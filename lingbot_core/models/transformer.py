@@ -92,17 +92,20 @@ def _backend_name(backend: str | None) -> str:
     return str(getattr(active, "value", active))
 
 
+_TAKES_MASK: dict[str, bool] = {}
+
+
 def _takes_mask(name: str) -> bool:
     """Whether diffusers passes an `attn_mask` to backend `name` at all (one without the argument would
-    drop the mask silently); where the registry cannot say, the trial decides."""
-    from diffusers.models import attention_dispatch
+    drop the mask silently); where the registry cannot say, the trial decides. Read once per backend."""
+    if name not in _TAKES_MASK:
+        from diffusers.models import attention_dispatch
 
-    registry = getattr(attention_dispatch, "_AttentionBackendRegistry", None)
-    names = getattr(registry, "_supported_arg_names", {})
-    for key, args in names.items():
-        if str(getattr(key, "value", key)) == name:
-            return "attn_mask" in args
-    return True
+        registry = getattr(attention_dispatch, "_AttentionBackendRegistry", None)
+        names = getattr(registry, "_supported_arg_names", {})
+        found = [args for key, args in names.items() if str(getattr(key, "value", key)) == name]
+        _TAKES_MASK[name] = not found or "attn_mask" in found[0]
+    return _TAKES_MASK[name]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
