@@ -579,14 +579,17 @@ def _stop_parallel(layout) -> None:
 
 
 def _pick_local_device() -> None:
-    """Under torchrun on GPUs, each process takes the GPU of its LOCAL_RANK ("cuda" then means that one)."""
-    local = os.environ.get("LOCAL_RANK")
-    if local is None or not local.isdigit():
+    """Under torchrun on GPUs, each process takes the GPU of its LOCAL_RANK ("cuda" then means that one);
+    more processes on the node than GPUs is refused (`parallel.launch.local_gpu`)."""
+    if os.environ.get("LOCAL_RANK") is None:
         return
-    import torch
+    from lingbot_core.parallel.launch import local_gpu
 
-    if torch.cuda.is_available() and torch.cuda.device_count() > int(local):
-        torch.cuda.set_device(int(local))
+    gpu = local_gpu()
+    if gpu is not None:
+        import torch
+
+        torch.cuda.set_device(gpu)
 
 
 if __name__ == "__main__":

@@ -379,7 +379,7 @@ class PoolStandIn(ResidentStandIn):
         return 0
 
     def model_unload(self, memory_to_free=None, unpatch_weights=True) -> bool:
-        if memory_to_free is not None and memory_to_free < UNLOAD_ALL_BYTES:
+        if not _unloads_everything(memory_to_free):
             return False
         pool = self._pool()
         if pool is not None:
@@ -388,6 +388,24 @@ class PoolStandIn(ResidentStandIn):
 
 
 UNLOAD_ALL_BYTES = 1e20  # ComfyUI's unload_all_models asks for 1e30 bytes
+
+
+def _unloads_everything(memory_to_free) -> bool:
+    """Whether ComfyUI's request to free memory is "Unload models" (`unload_all_models`). With smart memory
+    on, the amount says it. With `--disable-smart-memory`, ComfyUI asks every model for all its memory at
+    every model load (None, or 1e32 in newer releases), so the amount says nothing: the request is an
+    unload-all only when `unload_all_models` made it (looked up on the call stack, a few frames up)."""
+    mm = _comfy("comfy.model_management")
+    if mm is None or not getattr(mm, "DISABLE_SMART_MEMORY", False):
+        return memory_to_free is None or memory_to_free >= UNLOAD_ALL_BYTES
+    frame = sys._getframe(1)
+    for _ in range(16):
+        if frame is None:
+            break
+        if frame.f_code.co_name == "unload_all_models" and frame.f_globals.get("__name__") == mm.__name__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def track_pool(pool) -> None:

@@ -267,3 +267,108 @@ def test_nothing_the_pool_or_a_loopback_group_listens_on_is_beyond_loopback(fixt
     finally:
         dist.destroy_process_group()
     assert opened and all(_loopback(a) for a in opened), opened
+
+
+def test_fewer_gpus_than_local_ranks_is_refused_in_one_line(monkeypatch):
+    """torchrun started more processes on this node than it has GPUs: refused (it fell back to gloo with
+    several ranks on cuda:0, or put several --jobs ranks on one GPU). No GPU at all: the CPU, as before.
+    The GPUs are faked (count, set_device); no group starts."""
+    from lingbot_core.parallel.launch import init_from_env
+    from lingbot_nodes import cli
+
+    picked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", picked.append)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    for run in (lambda: init_from_env("cfg=2"), cli._pick_local_device):
+        with pytest.raises(RefusedInput) as refused:
+            run()
+        message = str(refused.value)
+        assert "\n" not in message and "2 processes" in message and "1 GPU" in message, message
+        assert exit_codes.exit_code(refused.value) == exit_codes.BAD_INPUT
+    assert picked == [] and not dist.is_initialized()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one process per GPU: it takes its own
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    cli._pick_local_device()
+    assert picked == [0]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    cli._pick_local_device()  # no GPU: every rank on the CPU
+    assert picked == [0]
+
+
+def test_a_local_rewrite_seeds_only_what_it_samples_on(fixtures_root, monkeypatch):
+    """A sampled local Rewrite seeds the generator of its own device (and the CPU's, restored after):
+    it used `torch.manual_seed`, which reseeds every GPU of the process (the other GPUs' random state,
+    LingBot Parallel's rank 0 or another node's sampling, changed by a caption). The all-GPU seeding
+    is recorded here (no GPU); the same seed still gives the same caption."""
+    from lingbot_core import rewrite as rw
+    from lingbot_core.handle import PipelineHandle
+
+    every_gpu = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", every_gpu.append)
+    handle = PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu")
+    sampling = rw.Sampling(temperature=1.0, seed=11)
+    state = torch.get_rng_state()
+    first = rw.generate_text(handle, "system", "user", max_new_tokens=5, sampling=sampling)
+    assert torch.equal(torch.get_rng_state(), state)  # the process's own CPU random state is untouched
+    assert rw.generate_text(handle, "system", "user", max_new_tokens=5, sampling=sampling).text == first.text
+    assert every_gpu == []
+    from contextlib import contextmanager
+
+    from lingbot_core.rewrite import local_backend
+
+    seeded = []
+
+    @contextmanager
+    def on(device):
+        seeded.append(str(device))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "device", on)
+    monkeypatch.setattr(torch.cuda, "manual_seed", seeded.append)
+    local_backend._seed_here(5, torch.device("cuda:1"))  # the CUDA branch, on a device label
+    assert seeded == ["cuda:1", 5] and every_gpu == []
+
+
+def test_disable_smart_memory_does_not_stop_the_pools_workers_on_every_model_load(monkeypatch):
+    """ComfyUI with --disable-smart-memory unloads every listed model at every model load, asking each
+    for all its memory (None in older ComfyUI, 1e32 in newer): LingBot Parallel's workers, listed so that
+    "Unload models" stops them, were stopped each time (a reload of every worker's DiT). Now only
+    ComfyUI's unload_all_models stops them. A stand-in `comfy.model_management` speaks both protocols."""
+    import sys
+    import types
+
+    from lingbot_nodes import runtime
+
+    mm = types.ModuleType("comfy.model_management")
+    mm.current_loaded_models, mm.DISABLE_SMART_MEMORY = [], True
+    mm.get_torch_device = lambda: torch.device("cpu")
+    # ComfyUI's functions, defined in the stand-in module (as ComfyUI's own are, in theirs)
+    exec("def free_memory(memory_required, device, to_free=None):\n"
+         "    return [m for m in list(current_loaded_models) if m.model_unload(to_free)]\n"
+         "def load_models_gpu(to_free):\n"
+         "    return free_memory(3 << 30, get_torch_device(), to_free)\n"
+         "def unload_all_models(to_free):\n"
+         "    return free_memory(1e30, get_torch_device(), to_free)\n", mm.__dict__)
+    monkeypatch.setitem(sys.modules, "comfy", types.ModuleType("comfy"))
+    monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
+    released = []
+
+    class Pool:
+        on_start: list = []
+
+        def release(self):
+            released.append(1)
+
+    pool = Pool()
+    runtime.track_pool(pool)
+    for to_free in (None, 1e32):
+        assert mm.load_models_gpu(to_free) == [] and released == []
+    assert len(mm.unload_all_models(1e32)) == 1 and released == [1]
+    mm.DISABLE_SMART_MEMORY = False  # smart memory: the amount asked for says it (as before)
+    assert mm.load_models_gpu(2 << 30) == [] and len(mm.load_models_gpu(1e30)) == 1 and released == [1, 1]

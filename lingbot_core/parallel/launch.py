@@ -14,9 +14,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..errors import RefusedInput
 from .layout import ParallelLayout, parse_degrees
 
-__all__ = ["free_loopback_port", "init_from_env", "init_loopback_group", "join_world", "loopback_store"]
+__all__ = ["free_loopback_port", "init_from_env", "init_loopback_group", "join_world", "local_gpu", "loopback_store"]
 
 
 def free_loopback_port() -> int:
@@ -57,6 +58,26 @@ def init_loopback_group(rank: int, world_size: int, port: int, backend: str = "g
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
+def local_gpu(default_local_world: int = 1) -> int | None:
+    """The GPU of this torchrun process (its LOCAL_RANK), or None when there is no GPU (the CPU). More
+    processes on this node (LOCAL_WORLD_SIZE, else `default_local_world`) than GPUs is refused: each
+    process needs one of its own."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        return None
+    try:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(default_local_world)))
+    except ValueError:
+        raise RefusedInput("LOCAL_RANK and LOCAL_WORLD_SIZE must be whole numbers (as torchrun sets them)") from None
+    count = torch.cuda.device_count()
+    if max(local_world, local + 1) > count:
+        raise RefusedInput(f"{max(local_world, local + 1)} processes on this node but {count} GPU"
+                           f"{'s' if count != 1 else ''} visible: each process needs a GPU of its own; start "
+                           f"torchrun with --nproc-per-node {count}, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to "
+                           "run every process on the CPU")
+    return local
+
+
 def join_world() -> bool:
     """In a torchrun world of several processes (WORLD_SIZE > 1) with no process group yet: start one on
     gloo from torchrun's variables (env://), for what the processes say to each other outside any
@@ -72,7 +93,8 @@ def init_from_env(degrees: str = "", *, fsdp: bool = False, split: bool = False)
     MASTER_PORT in the environment: the operator's rendezvous, not an input of the workflow).
 
     `degrees` as `parse_degrees` takes them ("cfg=2,ulysses=4"; missing ones follow from the world).
-    One GPU per local rank (NCCL) when there are enough, else the CPU (gloo). A world of one gives the
+    One GPU per local rank (NCCL); no GPU: the CPU (gloo); fewer GPUs than local ranks: refused
+    (`local_gpu`). A world of one gives the
     one-process layout and starts nothing. `fsdp`: the layout shards the DiTs' blocks (parallel/fsdp.py).
     `split`: the degrees' product may divide the world, which then runs one video per group
     (`ParallelLayout.create`); a product of one gives the one-process layout too.
@@ -81,10 +103,10 @@ def init_from_env(degrees: str = "", *, fsdp: bool = False, split: bool = False)
     cfg, ulysses = parse_degrees(degrees, world, split=split)
     if world == 1 or cfg * ulysses == 1:
         return ParallelLayout.single()
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
+    gpu = local_gpu(world)
+    cuda = gpu is not None
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(gpu)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")  # env:// from torchrun's variables
     return ParallelLayout.create(cfg, ulysses, device_type="cuda" if cuda else "cpu", fsdp=fsdp, split=split)

@@ -127,6 +127,15 @@ def _picture(image: Any, encoder: Any, processor: Any):
     return picture.resize((width, height))
 
 
+def _seed_here(seed: int, device: torch.device) -> None:
+    """Seed the CPU's generator and `device`'s own, nothing else (`torch.manual_seed` reseeds every GPU of
+    the process); the caller's `fork_rng` gives both their state back afterwards."""
+    torch.random.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(seed)
+
+
 def generate_text(handle: Any, system: str, user: str, *, image: Any | None = None, max_new_tokens: int = 1024,
                   sampling: Sampling = GREEDY, stop_at_object: bool = False, stage_name: str = "expand",
                   on_token: TokenCallback | None = None) -> Generation:
@@ -164,7 +173,7 @@ def generate_text(handle: Any, system: str, user: str, *, image: Any | None = No
 
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), _following_head(encoder), torch.no_grad():
-            torch.manual_seed(sampling.seed)
+            _seed_here(sampling.seed, device)
             output = encoder.generate(**inputs, stopping_criteria=StoppingCriteriaList([watch]), **options)
         new = output[0, prompt_length:].to("cpu")
         handle.shared.placement.generation = (prompt_length, int(new.shape[0]))  # the memory report counts it
