@@ -494,3 +494,48 @@ def test_a_processor_file_linking_out_of_the_model_folders_is_refused(comfy_fold
     (processor / "tokenizer.json").symlink_to(secret)
     with pytest.raises(ValueError, match="'tokenizer.json' in 'lingbot-processor' links outside"):
         node_files.resolve_processor(node_files.AUTO, str(processor), None)
+
+
+# -- cancellable waits: skeleton builds and header walks check interrupts ---------------------------
+
+class _Cancelled(Exception):
+    pass
+
+
+def test_a_skeleton_build_stops_at_a_cancel_and_the_cancel_is_not_rewrapped():
+    from lingbot_core.interrupt import interrupt_checker
+    from lingbot_core.tiny import tiny_dit_config
+    from lingbot_core.weights.checks import dit_shapes
+
+    calls = []
+
+    def cancel():
+        calls.append(1)
+        if len(calls) > 5:
+            raise _Cancelled("cancelled")
+
+    config = {**tiny_dit_config("dense"), "depth": 7}  # not memoized by another test
+    with interrupt_checker(cancel), pytest.raises(_Cancelled):
+        dit_shapes(config, "cfg")
+    assert len(calls) == 6  # stopped at the sixth parameter, not after the whole build
+
+
+def test_a_gguf_header_walk_checks_interrupts(tmp_path):
+    import gguf
+
+    from lingbot_core.interrupt import interrupt_checker
+    from lingbot_core.weights.gguf_file import read_header
+
+    path = tmp_path / "many.gguf"
+    writer = gguf.GGUFWriter(str(path), "lingbot_video")
+    for i in range(5000):
+        writer.add_uint32(f"k.{i}", i)
+    writer.add_tensor("w", np.zeros((1, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    calls = []
+    with interrupt_checker(lambda: calls.append(1)):
+        read_header(path)
+    assert len(calls) >= 4

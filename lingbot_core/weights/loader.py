@@ -245,7 +245,9 @@ def load_dit(where: ComponentSource | str | os.PathLike, subfolder: str = TRANSF
     check_weights_mode_for(resolved, weights)
     config = (resolved.config if resolved.config is not None
               else LingBotVideoTransformer3DModel.load_config(resolved.config_dir))
-    with torch.device("meta"):
+    from ..interrupt import interruptible_build
+
+    with interruptible_build(), torch.device("meta"):  # a cancel stops a deep skeleton within a second
         model = LingBotVideoTransformer3DModel.from_config(config)
     source = resolved.open()
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
