@@ -30,6 +30,9 @@ RECIPES = (
     ("16 GB", "dense", 1280, 736, 121, None, True, "group"),
     ("24 GB", "moe", 832, 480, 121, (736, 1280), True, "group"),
 )
+# The DMD student's row (its DiT as one GGUF from `python -m lingbot_core.quantize`): the recipe of
+# `bench/recipes.py` for a 24 GB card with 64 GB of RAM (tests/test_dmd_student.py checks the README row)
+STUDENT_GPU, STUDENT_RAM_GB = "24 GB, DMD student", 64
 # llama.cpp's bits per weight of the types in a *_K_M file (the mix is mostly these; estimate)
 GGUF_BITS = {"Q3_K_M": 3.9, "Q4_K_M": 4.85}
 
@@ -66,6 +69,11 @@ def main() -> None:
         peak = memory.estimate_peak(mode, sizes, geometry)
         what = f"{variant} {width}x{height}x{frames}" + (f" + refine {refine[1]}x{refine[0]}" if refine else "")
         rows.append([gpu, what + (", tiled decode" if tiled else ""), mode, f"{peak / GiB:.1f}"])
+    from bench.recipes import student_recipe
+
+    cell = student_recipe(int(STUDENT_GPU.split()[0]), STUDENT_RAM_GB)
+    rows.append([STUDENT_GPU, f"student {cell.at}, no CFG, tiled decode; DiT {cell.weights}", cell.mode,
+                 f"{cell.peak_gib:.1f}"])
     print(table(["GPU", "recipe", "offload", "GPU GiB (estimate)"], rows))
 
 

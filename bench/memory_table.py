@@ -39,7 +39,8 @@ from lingbot_core.placement.modes import MODE_ORDER
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"dense": ROOT / "lingbot_core" / "configs" / "dense-1.3b.transformer.json",
            "moe": ROOT / "lingbot_core" / "configs" / "moe-30b-a3b.transformer.json"}
-REPOS = {"dense": "robbyant/lingbot-video-dense-1.3b", "moe": "robbyant/lingbot-video-moe-30b-a3b"}
+REPOS = {"dense": "robbyant/lingbot-video-dense-1.3b", "moe": "robbyant/lingbot-video-moe-30b-a3b",
+         "moe-dmd": "robbyant/lingbot-video-moe-dmd-30b-a3b"}  # the DMD student: the MoE's shapes, no refiner/
 # (height, width, frames, refine, tiled VAE decode) at the reference's default T2V size and its
 # 720p (736-based) size. The base decode is untiled by default (as in the reference); the refiner
 # pass always decodes tiled.

@@ -136,3 +136,13 @@ def few_step_notice(handle: Any, sampler: str, steps: int, cfg: float, shift: fl
             "40 steps at cfg 3. Pick the LightLingBot 4-step LoRA in LingBot LoRA (MoE), or raise steps and cfg; "
             f"on the DMD student ({STUDENT_RELEASE}) use {_recipe_text()}."))
     return None
+
+
+def cfg_batch_notice(cfg_batch: str, cfg: float) -> str | None:
+    """cfg_batch asked for where there is nothing to batch: at cfg <= 1 (a DMD student's or a few-step
+    LoRA's recipe) each step is one DiT pass, so the option changes nothing."""
+    if cfg_batch == "off" or cfg > 1.0:
+        return None
+    return _once(("cfg_batch", cfg_batch), (
+        f"cfg_batch '{cfg_batch}' does nothing at cfg {cfg:g}: without guidance each step is one DiT pass "
+        "(no negative branch to batch), as in the DMD student's recipe."))

@@ -300,7 +300,8 @@ def denoise(
         guidance_scale=guidance_scale, shift=shift, sigmas=sigmas, sampler=sampler, transformer=transformer,
         image_cond=image_cond, cond_latent=cond_latent, latents=latents, cfg_batch=cfg_batch,
         step_cache=step_cache)
-    parallel_stage.check_request(handle, cfg_batch=cfg_batch, step_cache=StepCacheSettings.of(step_cache).method)
+    parallel_stage.check_request(handle, cfg_batch=cfg_batch, step_cache=StepCacheSettings.of(step_cache).method,
+                                 guidance_scale=guidance_scale)
     g = _generator(seed, generator)
     latents, cond_latent = _starting_latents(shape, g, latents, cond_latent, image_cond)
     needs = (transformer, "scheduler") if method.uses_scheduler else (transformer,)
@@ -370,6 +371,8 @@ def _on(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | Non
 
 def _batch_cfg(handle, option: str, do_cfg: bool, **geometry: int) -> bool:
     """Whether this call runs CFG as one batch-2 forward (inside the stage: the mode is installed)."""
+    if not do_cfg and option != "off":
+        log.info("cfg_batch=%s: nothing to batch at cfg <= 1 (one DiT pass per step)", option)
     if not do_cfg or option == "off":
         return False
     layout = parallel_stage.active_layout(handle)

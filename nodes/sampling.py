@@ -121,7 +121,7 @@ class LingBotDenoise(io.ComfyNode):
         custom = parse_sigmas(sigmas)
         if custom is not None:
             steps = len(custom) - (custom[-1] == 0.0)
-        from lingbot_core.notices import few_step_notice
+        from lingbot_core.notices import cfg_batch_notice, few_step_notice
 
         notice = few_step_notice(pipe, sampler, int(steps), float(cfg), float(shift))  # before the DiT loads
         start = vae_to_dit(latent_in(latent), pipe.vae_config()) if latent is not None else None
@@ -132,7 +132,8 @@ class LingBotDenoise(io.ComfyNode):
                             sigmas=custom, cfg_batch=cfg_batch,
                             step_cache=cache_settings(step_cache, cache_threshold, cache_warmup_steps,
                                                       cache_max_skips))
-        return io.NodeOutput(latent_out(dit_to_vae(out, pipe.vae_config())), ui=on_node(notice))
+        return io.NodeOutput(latent_out(dit_to_vae(out, pipe.vae_config())),
+                             ui=on_node(notice, cfg_batch_notice(cfg_batch, float(cfg))))
 
 
 class LingBotRefine(io.ComfyNode):

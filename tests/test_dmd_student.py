@@ -178,3 +178,237 @@ def test_the_shipped_student_workflows_run_the_recipe_on_the_tiny_root(name, sho
     finally:
         hook.remove()
     assert len(calls) == RECIPE["steps"]
+
+
+@pytest.mark.parametrize("to", ["gguf-q8_0", "gguf-q4_0", "fp8"])
+def test_the_quantized_student_root_runs_the_recipe(student, tmp_path, to):
+    """`python -m lingbot_core.quantize` on the release-layout root (no refiner/ to write): the copy
+    opens as a student root and runs the recipe; its GGUF DiT also runs as a single file in
+    models/diffusion_models with the root's VAE and text encoder (the files-table row)."""
+    from lingbot_core.quantize import main as quantize
+
+    out = tmp_path / f"student-{to}"
+    assert quantize([str(student), str(out), "--to", to, "--quiet"]) == 0
+    assert not (out / "refiner").exists()
+    handle = PipelineHandle.open(out, device="cpu")
+    assert not handle.has_refiner and handle.variant == "moe"
+    frames = run_recipe(handle)
+    reference = run_recipe(PipelineHandle.open(student, device="cpu"))
+    assert torch.isfinite(frames).all() and not torch.equal(frames, reference)
+    assert (frames - reference).abs().mean() < 0.25 * reference.abs().mean()  # the same model, quantized
+    if to.startswith("gguf"):
+        dit = tmp_path / "diffusion_models" / f"lingbot-video-moe-dmd-{to[5:]}.gguf"
+        dit.parent.mkdir()
+        (out / "transformer" / "diffusion_pytorch_model.gguf").rename(dit)
+        single, = NODE_CLASS_MAPPINGS["LingBotLoaderFiles"].execute(
+            node_files.FROM_CHECKPOINT, node_files.FROM_CHECKPOINT, node_files.FROM_CHECKPOINT, "none", device="cpu",
+            dit_path=str(dit), vae_path=str(student / "vae" / "diffusion_pytorch_model.safetensors"),
+            text_encoder_path=str(student / "text_encoder" / "model.safetensors"),
+            processor_path=str(student / "processor")).args
+        assert torch.equal(run_recipe(single), frames)
+
+
+# -- what composes with the student (each on the tiny release-layout root) ----------------------------------
+
+
+def test_student_with_every_offload_mode_is_bit_identical(student):
+    """Every registered offload mode (and disk streaming) gives the same frames, bit for bit."""
+    from lingbot_core.offload import configure_offload
+    from lingbot_core.placement.modes import MODE_ORDER
+
+    handle = PipelineHandle.open(student, device="cpu")
+    reference = run_recipe(handle)
+    runs = [(mode, "ram") for mode in MODE_ORDER] + [("sequential", "disk"), ("group", "disk")]
+    for mode, to in runs:
+        options = {"use_stream": False} if mode == "group" else {}
+        view = configure_offload(handle, mode, offload_to=to, **options)
+        assert torch.equal(run_recipe(view), reference), (mode, to)
+
+
+def test_student_with_ffn_chunk_is_the_same_math(student):
+    chunked = PipelineHandle.open(student, device="cpu", ffn_chunk=256)
+    whole = PipelineHandle.open(student, device="cpu", ffn_chunk=0)
+    assert torch.allclose(run_recipe(chunked), run_recipe(whole), atol=1e-5)
+
+
+def test_student_with_cfg_batch_is_a_no_op_at_cfg_1_and_says_so(student, caplog):
+    import logging
+
+    handle = PipelineHandle.open(student, device="cpu")
+    with caplog.at_level(logging.INFO, logger="lingbot_core"):
+        batched = run_recipe(handle, cfg_batch="on")
+    assert torch.equal(batched, run_recipe(handle))
+    assert "nothing to batch at cfg <= 1" in caplog.text
+    said = notices.cfg_batch_notice("on", RECIPE["guidance_scale"])
+    assert said and "does nothing at cfg 1" in said
+    assert notices.cfg_batch_notice("on", 3.0) is None and notices.cfg_batch_notice("off", 1.0) is None
+
+
+def test_student_with_a_lora_changes_the_run_and_comes_off(student, tmp_path):
+    from lingbot_core.lora import with_lora
+    from tests.test_parallel import write_moe_lora
+
+    path = tmp_path / "moe_lora.safetensors"
+    write_moe_lora(path)
+    handle = PipelineHandle.open(student, device="cpu")
+    plain = run_recipe(handle)
+    with_it = run_recipe(with_lora(handle, str(path), 0.8))
+    assert not torch.equal(with_it, plain)
+    assert torch.equal(run_recipe(handle), plain)  # the plain view is untouched after the LoRA run
+
+
+def test_student_with_compiled_blocks_matches_eager(student):
+    """compile="blocks" runs the student's blocks compiled (dynamo with the eager backend here: the
+    same graph capture without inductor's minutes) and gives the eager frames."""
+    from lingbot_core.models import compile as regional
+    from lingbot_core.models.compile import compile_problem
+    from lingbot_core.models.transformer import JointBlock
+
+    if compile_problem("cpu") is not None:
+        pytest.skip(compile_problem("cpu"))
+    calls = [0]
+    inner = torch.compile(JointBlock.compute, backend="eager", dynamic=True)
+
+    def counted(*args):
+        calls[0] += 1
+        return inner(*args)
+
+    torch._dynamo.reset()
+    regional._COMPILED.clear()
+    regional._COMPILED[("inductor", True)] = counted
+    try:
+        compiled = PipelineHandle.open(student, device="cpu", compile="blocks")
+        frames = run_recipe(compiled)
+    finally:
+        regional._COMPILED.clear()
+    depth = json.loads((student / "transformer" / "config.json").read_text())["depth"]
+    assert calls[0] == RECIPE["steps"] * depth  # every block of every step ran compiled
+    assert torch.allclose(frames, run_recipe(PipelineHandle.open(student, device="cpu")), atol=1e-5)
+
+
+def test_student_step_cache_stays_refused_with_its_message(student):
+    handle = PipelineHandle.open(student, device="cpu")
+    for method in ("first_block", "magcache"):
+        with pytest.raises(ValueError, match="dmd_student"):
+            run_recipe(handle, step_cache=method)
+    assert "transformer" not in handle.shared.loaded  # refused before the DiT loads
+
+
+def test_refining_after_the_student_keeps_flow_unipc(student):
+    """The base MoE root with transformer_path at the student root: the student's 8-step base pass,
+    then the refiner with its own flow_unipc (the student's sampler refuses the refiner)."""
+    from lingbot_core import sampling
+    from lingbot_core.stages import generate
+
+    moe = ensure_tiny_checkpoint("moe")
+    handle = PipelineHandle.open(moe, device="cpu", transformer_folder=student)
+    result = generate(handle, "a red boat", steps=RECIPE["steps"], guidance_scale=RECIPE["guidance_scale"],
+                      shift=RECIPE["shift"], sampler=RECIPE["sampler"], seed=3, **SMALL, refine_output=True,
+                      refine_options=dict(height=128, width=128, steps=2))
+    assert result.refined is not None and tuple(result.refined.shape[1:3]) == (128, 128)
+    assert torch.equal(result.frames, run_recipe(PipelineHandle.open(student, device="cpu")))
+    with pytest.raises(ValueError, match="Refine with flow_unipc"):
+        sampling.get_sampler("dmd_student").check(steps=8, shift=3.0, refine=True)
+
+
+def _parallel_worker(rank: int, world: int, port: int, out: str, student: str) -> None:
+    """Two gloo processes: the student recipe on a ulysses=2 view against one process, a cfg=2 view at
+    cfg 1 (refused in one line), and `lingbot-run moe-dmd8 --parallel ulysses=2` as torchrun starts it."""
+    import contextlib
+    import io
+    import os
+
+    from lingbot_core.parallel import ParallelLayout
+    from lingbot_core.parallel.launch import init_loopback_group
+    from lingbot_nodes.cli import main
+
+    torch.set_num_threads(1)
+    init_loopback_group(rank, world, port)
+    try:
+        handle = PipelineHandle.open(student, device="cpu")
+        shared = run_recipe(handle.with_parallel(ParallelLayout.create(1, 2)))
+        found = {"shape": list(shared.shape)}
+        if rank == 0:
+            found["diff"] = float((shared - run_recipe(handle)).abs().max())
+        try:
+            run_recipe(handle.with_parallel(ParallelLayout.create(2, 1)))
+            found["cfg2"] = None
+        except ValueError as err:
+            found["cfg2"] = str(err)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            found["cli"] = main(["moe-dmd8", "--parallel", "ulysses=2", "--output", str(Path(out, "cli")), "-q"])
+        found["printed"] = printed.getvalue().split()
+        Path(out, f"rank{rank}.json").write_text(json.dumps(found))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def test_student_on_two_processes_with_ulysses_and_cfg_parallel_refused(student, tmp_path):
+    import torch.multiprocessing as mp
+
+    from lingbot_core.parallel.launch import free_loopback_port
+
+    method = "spawn" if torch.cuda.is_initialized() else "fork"
+    mp.start_processes(_parallel_worker, args=(2, free_loopback_port(), str(tmp_path), str(student)), nprocs=2,
+                       join=True, start_method=method)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["diff"] <= 1e-5, ranks[0]  # ulysses=2 gives the one-process frames
+    for rank, found in enumerate(ranks):
+        assert found["cfg2"] and "cfg=2" in found["cfg2"] and "ulysses" in found["cfg2"], (rank, found)
+        assert "\n" not in found["cfg2"]  # one line
+        assert found["cli"] == 0, (rank, found)
+    assert len(ranks[0]["printed"]) == 1 and ranks[0]["printed"][0].endswith(".mp4") and not ranks[1]["printed"]
+
+
+# -- the README's few-step section: recipes and files row from the estimator ----------------------------------
+
+
+def test_readme_student_recipes_are_what_the_estimator_gives():
+    """The student's recipe table and 24 GB line are bench/recipes.py's output; each cell fits the fit
+    check for its machine; the 'none is published' line is gone; SGLang's defaults are named as not
+    the recipe."""
+    from bench import recipes
+    from lingbot_core.memory import Geometry
+    from lingbot_core.placement import fit
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert recipes.readme_block(readme, recipes.STUDENT_START, recipes.STUDENT_END) == recipes.student_table()
+    assert "none is published** so far" not in readme and notices.STUDENT_RELEASE in readme
+    from bench.memory_table import REPOS
+
+    assert REPOS[STUDENT_VARIANT] == notices.STUDENT_RELEASE  # the README's download command is checked against it
+    assert "cfg 6, 16 fps, 480x480, 81 frames) are not the upstream recipe" in readme
+    for vram_gb in recipes.VRAM_GB:
+        cell = recipes.student_recipe(vram_gb, 64)
+        fmt = cell.weights.split(" (")[0]
+        w, h, frames = map(int, cell.at.split("x"))
+        verdict = fit.check(recipes.student_sizes(fmt), Geometry(h, w, frames, cfg=False, vae_tiling=True),
+                            cell.mode, cell.offload_to, vram_free=int((vram_gb - recipes.DESKTOP_GIB) * fit.GiB),
+                            host_free=int((64 - recipes.SYSTEM_GIB) * fit.GiB))
+        assert verdict.ok, (vram_gb, verdict.line())
+    assert recipes.student_recipe(24, 64).at == "832x480x121"  # the recipe's own size fits a 24 GB card
+
+
+def test_readme_files_row_for_the_student_is_the_24gb_recipe():
+    from bench import files_table, recipes
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    (row,) = [line for line in readme.splitlines() if line.startswith(f"| {files_table.STUDENT_GPU} |")]
+    cell = recipes.student_recipe(int(files_table.STUDENT_GPU.split()[0]), files_table.STUDENT_RAM_GB)
+    fmt = cell.weights.split(" (")[0].replace("GGUF ", "")
+    assert row.rstrip(" |").endswith(f"{cell.peak_gib:.1f} GiB") and f"`{cell.mode}`" in row, row
+    assert fmt in row
+    assert "832x480x121" in row and "`dmd_student` 8 steps, cfg 1, shift 3" in row
+
+
+def test_the_quantize_time_bench_runs_and_extrapolates(tmp_path):
+    from bench import quantize_time
+
+    result = quantize_time.main(["--rows", "64", "--width", "64", "--targets", "gguf-q8_0", "--threads", "1",
+                                 "--json", str(tmp_path / "q.json")])
+    (row,) = result["rows"]
+    assert result["extrapolated"] and row["dit_values"] > 30e9 and row["dit_minutes_extrapolated"] > 0
+    assert json.loads((tmp_path / "q.json").read_text())["rows"][0]["target"] == "gguf-q8_0"

@@ -130,13 +130,17 @@ def check_heads(handle: Any, layout: ParallelLayout) -> None:
         layout.check_heads(int(count))
 
 
-def check_request(handle: Any, *, cfg_batch: str, step_cache: str = "off") -> None:
+def check_request(handle: Any, *, cfg_batch: str, step_cache: str = "off", guidance_scale: float | None = None) -> None:
     """Refuse denoise options that do not combine with the view's layout (before any model work).
-    `step_cache`: the step cache method asked for."""
+    `step_cache`: the step cache method asked for; `guidance_scale`: the run's (None: not known)."""
     layout = active_layout(handle)
     if layout is None:
         return
     check_heads(handle, layout)
+    if layout.cfg == 2 and guidance_scale is not None and guidance_scale <= 1.0:
+        raise ValueError(f"CFG parallel (cfg=2) splits the two guidance branches over the processes, and at cfg "
+                         f"{guidance_scale:g} there is only one (a DMD student runs cfg 1): use ulysses over all "
+                         "of them instead (--parallel ulysses=N, LingBot Parallel's cfg 1)")
     if step_cache == "magcache_calibrate":
         raise ValueError(f"MagCache calibration runs on one process (each cfg row would record only its own "
                          f"branch); calibrate without parallel {layout.describe()}, then use 'magcache' with it")
