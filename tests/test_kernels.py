@@ -454,3 +454,29 @@ def test_both_loaders_refuse_an_explicit_kernel_that_cannot_run_when_they_open(m
     _fake_flash(monkeypatch, off_by=1.0)
     with pytest.raises(ValueError, match="attention 'flash' cannot run on cpu in float32: relative error"):
         loader.execute(*args, attention="flash", device="cpu")
+
+
+@torch.library.custom_op("lingbot_test::refusing_grouped_mm", mutates_args=())
+def _refusing_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError(SM90_ONLY)
+
+
+@_refusing_grouped_mm.register_fake
+def _(a, b, offs):
+    return a.new_empty(a.shape[0], b.shape[-1])
+
+
+def test_a_kernel_refused_eagerly_is_left_out_of_compiled_blocks(monkeypatch):
+    """While the compiler traces nothing is tried: a kernel some trial refused takes its plain path in
+    the graph, so the compiled block does not fail on it."""
+    from lingbot_core.models import compile as regional
+
+    model = random_dit(TINY_MOE).to(torch.bfloat16)
+    monkeypatch.setattr(torch, "_grouped_mm", _refusing_grouped_mm)  # traces, refuses when it runs
+    with torch.no_grad():
+        want = model(*_inputs()).sample  # grouped_mm refused here, the loop from now on
+        regional.compile_blocks(model, backend="eager")
+        got = model(*_inputs()).sample
+    rows = {r["kernel"]: r["verdict"] for r in kernels.verdicts()}
+    assert rows == {"grouped_mm": kernels.REFUSED, "compiled_blocks": kernels.FAST}
+    assert kernels.relative_error(got.float(), want.float()) < 1e-2

@@ -134,10 +134,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Te
 
 @kernels.trial_for("attention")
 def _attention_trial(device: torch.device, dtype: torch.dtype, variant: str = "") -> str | None:
-    """`kernels.probe`'s small trial of backend `variant` (`flash`, `sage+mask`, ...): 2 heads of 64 over
-    32 tokens in `dtype` on `device` through `attend`; why it cannot be tried at all, or None."""
+    """`kernels.probe`'s small trial of backend `variant` (`flash`, `sage+mask`, ...; none: the backend
+    diffusers uses by default): 2 heads of 64 over 32 tokens in `dtype` on `device` through `attend`;
+    why it cannot be tried at all, or None."""
     name, masked = variant.removesuffix("+mask"), variant.endswith("+mask")
-    if not name or name in SDPA_BACKENDS:
+    name = name or _backend_name(None)
+    if name in SDPA_BACKENDS:
         return None  # SDPA is the plain path itself
     from diffusers.models import attention_dispatch
 
