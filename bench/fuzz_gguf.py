@@ -9,7 +9,7 @@ Q8_0, Q4_K, Q3_K, Q2_K, IQ4_NL and IQ4_XS tensors). Each case applies 1-4 random
 inside the header: a uint32/uint64 field overwritten with a boundary value (0, 1, 2^31, 2^62, 2^64-1,
 ...), a byte changed, bytes inserted, deleted or copied from elsewhere, the file cut. The case then
 goes through `GGUFSource` (the bounded header walk) and, when accepted, every tensor is decoded and
-viewed mapped. Outcomes are counted: read, refused with our error (`GGUFError`, other
+read as stored. Outcomes are counted: read, refused with our error (`GGUFError`, other
 `WeightsError`), or ESCAPED (any other exception: the count that must stay 0), plus cases over one
 second (a hang guard: SIGALRM after 10 s counts as an escape). `--keep` saves every escaping file.
 `--baseline` also opens each case the way `GGUFSource` did before (`gguf.GGUFReader`), counting its
@@ -124,7 +124,7 @@ def _alarm(signum, frame):
 
 
 def load_everything(path: Path) -> str:
-    """What the loader does with a file: open the source, decode and map every tensor. The outcome."""
+    """What the loader does with a file: open the source, decode and read every tensor. The outcome."""
     from lingbot_core.weights.gguf_file import GGUFError
     from lingbot_core.weights.sources import GGUFSource, WeightsError
 
@@ -138,7 +138,7 @@ def load_everything(path: Path) -> str:
         for key, entry in source.entries.items():
             source.plain(key)
             if not entry.parts:
-                source.packed(key, mapped=True)
+                source.packed(key)
     except WeightsError:
         return "refused while decoding: WeightsError"
     return "read"

@@ -8,12 +8,10 @@ types against the config first and fail before heavy work.
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ..errors import WeightsError
@@ -61,16 +59,6 @@ class Entry:
         if self.kind == "plain":
             return str(self.dtype).replace("torch.", "")
         return FP8 if self.kind == "fp8" else gguf_codec.type_name(self.gguf_type)
-
-
-def read_safetensors_header(path: Path) -> dict:
-    """The raw header of a safetensors file (validated first: bounded, ranges inside the file)."""
-    header = read_safetensors_file(Path(path))
-    raw: dict = {k: {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": list(t.offsets)}
-                 for k, t in header.tensors.items()}
-    if header.metadata:
-        raw["__metadata__"] = dict(header.metadata)
-    return raw
 
 
 def group_experts(entries: dict[str, Entry], path: Path) -> None:
@@ -196,26 +184,19 @@ class SafetensorsSource:
                 out[e].copy_(span.read(_CPU))
         return out
 
-    def fp8(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(uint8 fp8 bytes, int32 scale bits) as the quantized modules hold them."""
-        shape = self.entries[key].shape
-        return (self.span(key, torch.uint8, shape).read(_CPU),
-                self.span(key + SCALE_SUFFIX, torch.int32, shape[:-1]).read(_CPU))
-
     def close(self) -> None:
         pass
 
 
 class GGUFSource:
     """One GGUF file (the checkpoint's own state-dict names): its header read once by the bounded walk of
-    `gguf_file`, tensors read from their spans or (`mapped`) viewed in a copy-on-write map of the file."""
+    `gguf_file`, tensors read from their spans with plain file reads."""
 
     kind = "gguf"
 
     def __init__(self, path: Path, rename: dict[str, str] | None = None):
         self.files = [path]
         self.header = read_header(path)  # bounded walk: every malformed file ends in a GGUFError
-        self._map: np.memmap | None = None
         self.rename(rename or {})
 
     def rename(self, mapping: dict[str, str]) -> None:
@@ -248,34 +229,16 @@ class GGUFSource:
         t = self._tensors[key]
         return FileSpan(str(self.files[0]), t.offset, t.nbytes, dtype, tuple(shape), self.header.identity)
 
-    def packed(self, key: str, mapped: bool = False) -> torch.Tensor:
-        """The stored bytes of `key` as uint8 [..., bytes per row]: read into memory of their own, or
-        (`mapped`) a view of the mapped file. A stack stored per expert: see `packed_experts`."""
+    def packed(self, key: str) -> torch.Tensor:
+        """The stored bytes of `key` as uint8 [..., bytes per row], read into memory of their own."""
         entry = self.entries[key]
         if entry.parts:
-            raise ValueError(f"{key} is stored per expert; read it with packed_experts")
-        return self._packed(key, entry.shape, entry.gguf_type, mapped)
+            raise ValueError(f"{key} is stored per expert; its experts are read one by one")
+        return self._packed(key, entry.shape, entry.gguf_type)
 
-    def packed_experts(self, key: str, mapped: bool = False) -> list[torch.Tensor]:
-        """The stored bytes of each expert of a stack stored per expert (uint8 [rows, bytes per row] each)."""
-        entry = self.entries[key]
-        return [self._packed(part, entry.shape[1:], entry.gguf_type, mapped) for part in entry.parts]
-
-    def _packed(self, key: str, logical: tuple[int, ...], qtype: int, mapped: bool) -> torch.Tensor:
-        t = self._tensors[key]
+    def _packed(self, key: str, logical: tuple[int, ...], qtype: int) -> torch.Tensor:
         shape = (*logical[:-1], gguf_codec.bytes_per_row(qtype, logical[-1]))
-        if not mapped:
-            return self.span(key, torch.uint8, shape).read(_CPU)
-        if self._map is None:  # copy-on-write map: writable views, no copy
-            from .fileio import check_same_file, open_regular
-
-            fd, _info = open_regular(self.files[0], WeightsError)  # the file the header was read from, still
-            try:
-                check_same_file(self.files[0], fd, self.header.identity, WeightsError)
-            finally:
-                os.close(fd)
-            self._map = np.memmap(self.files[0], dtype=np.uint8, mode="c", shape=(self.header.size,))
-        return torch.from_numpy(self._map[t.offset:t.offset + t.nbytes]).view(shape)
+        return self.span(key, torch.uint8, shape).read(_CPU)
 
     def plain(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A tensor decoded to `dtype` (float32 by default), in memory of its own."""
@@ -283,12 +246,12 @@ class GGUFSource:
         dtype = dtype or torch.float32
         if entry.decode:  # packed in its stored shape (whole-block rows), decoded, then given its recorded shape
             t = self._tensors[key]
-            return gguf_codec.dequantize(self._packed(key, t.shape, t.qtype, False), t.qtype, t.shape,
+            return gguf_codec.dequantize(self._packed(key, t.shape, t.qtype), t.qtype, t.shape,
                                          dtype).reshape(entry.shape)
         if entry.parts:  # decoded expert by expert into the stack (as SafetensorsSource._stack)
             out = torch.empty(entry.shape, dtype=dtype)
             for e, part in enumerate(entry.parts):
-                out[e].copy_(gguf_codec.dequantize(self._packed(part, entry.shape[1:], entry.gguf_type, False),
+                out[e].copy_(gguf_codec.dequantize(self._packed(part, entry.shape[1:], entry.gguf_type),
                                                    entry.gguf_type, entry.shape[1:], dtype))
             return out
         return gguf_codec.dequantize(self.packed(key), entry.gguf_type, entry.shape, dtype)
@@ -299,4 +262,3 @@ class GGUFSource:
 
     def close(self) -> None:
         self._tensors.clear()
-        self._map = None
