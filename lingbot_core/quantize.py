@@ -1,6 +1,6 @@
 """Write a quantized copy of a LingBot-Video checkpoint folder.
 
-    python -m lingbot_core.quantize SRC DST --to fp8|gguf-q8_0|gguf-q4_0 [--per-expert] [--quiet]
+    python -m lingbot_core.quantize SRC DST --to fp8|gguf-q8_0|gguf-q4_0|gguf-q6_k|...|gguf-q2_k [--per-expert]
 
 Only `transformer/` and `refiner/` change; every other file is hard-linked (copied when linking is
 not possible; symlinked component folders are followed), and the command says so: a hard link shares
@@ -16,6 +16,8 @@ leaves nothing behind and can be run again. Bad arguments are refused before any
   tensors in their stored float type. `--per-expert` stores each MoE expert stack
   `blocks.{i}.ffn.experts.w1` ([E, I, D]) as E tensors `blocks.{i}.ffn.experts.w1.{e}` ([I, D]);
   the blocks are the same bytes, so both layouts load to bit-identical weights.
+- `gguf-q6_k`, `gguf-q5_k`, `gguf-q4_k`, `gguf-q3_k`, `gguf-q2_k`: K-quant blocks of 256 values
+  (`weights.kquants`, one-pass scales); rows whose length is not a multiple of 256 are written in Q8_0.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from .weights.sources import FORMAT_KEY, SCALE_SUFFIX, SafetensorsSource, per_ex
 if __name__ == "__main__":  # imported: from here on Ctrl-C is a KeyboardInterrupt, which `main` reports
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-TARGETS = ("fp8", "gguf-q8_0", "gguf-q4_0")
+TARGETS = ("fp8", "gguf-q8_0", "gguf-q4_0", "gguf-q6_k", "gguf-q5_k", "gguf-q4_k", "gguf-q3_k", "gguf-q2_k")
 DIT_FOLDERS = DITS
 WEIGHTS_STEM = "diffusion_pytorch_model"
 _ST_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
@@ -137,8 +139,12 @@ def write_gguf(source: SafetensorsSource, path: Path, qtype_name: str, per_exper
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
 
+    from .weights.kquants import K_TYPES
+    from .weights.kquants import encode as encode_k
+
     qtype = GGMLQuantizationType[qtype_name]
     block = GGML_QUANT_SIZES[qtype][0]
+    fallback = GGMLQuantizationType.Q8_0  # a K-quant's rows that are not a multiple of 256 values
     plain = {torch.float32: GGMLQuantizationType.F32, torch.float16: GGMLQuantizationType.F16,
              torch.bfloat16: GGMLQuantizationType.BF16}
     writer = GGUFWriter(path, arch="lingbot_video")
@@ -147,7 +153,12 @@ def write_gguf(source: SafetensorsSource, path: Path, qtype_name: str, per_exper
     for key, entry in source.entries.items():
         if entry.dtype not in plain:
             raise CheckpointError(f"{key} is stored as {entry.dtype}; only float tensors go into a GGUF DiT")
-        kind = qtype if quantizable(key, entry.shape) and entry.shape[-1] % block == 0 else plain[entry.dtype]
+        kind = plain[entry.dtype]
+        if quantizable(key, entry.shape):
+            if entry.shape[-1] % block == 0:
+                kind = qtype
+            elif qtype_name in K_TYPES and entry.shape[-1] % GGML_QUANT_SIZES[fallback][0] == 0:
+                kind = fallback
         chosen[key] = kind
         block_n, size = GGML_QUANT_SIZES[kind]
         for name, shape in _pieces(key, entry.shape, per_expert):
@@ -167,7 +178,8 @@ def write_gguf(source: SafetensorsSource, path: Path, qtype_name: str, per_exper
                 data = piece.contiguous().view(torch.uint8).numpy()
             else:  # blocks run along rows, so a stack and its experts quantize to the same bytes
                 rows = piece.reshape(-1, entry.shape[-1])
-                parts = [quantize(rows[i:i + 2048].float().numpy(), kind) for i in range(0, rows.shape[0], 2048)]
+                encoder = (lambda a, k: encode_k(a, k.name)) if kind.name in K_TYPES else quantize
+                parts = [encoder(rows[i:i + 2048].float().numpy(), kind) for i in range(0, rows.shape[0], 2048)]
                 data = np.concatenate(parts, axis=0)
             writer.write_tensor_data(data)
             del data
@@ -262,7 +274,7 @@ def check_arguments(src: str | os.PathLike, dst: str | os.PathLike, to: str, per
     if to not in TARGETS:
         raise ValueError(f"unknown target {to!r}; choose one of {', '.join(TARGETS)}")
     if per_expert and not to.startswith("gguf-"):
-        raise ValueError("--per-expert is for GGUF targets (gguf-q8_0, gguf-q4_0); fp8 files keep expert stacks")
+        raise ValueError("--per-expert is for the GGUF targets (gguf-*); fp8 files keep expert stacks")
     source = Path(src).expanduser()
     if source.is_file():
         kind = "a GGUF file" if source.suffix.lower() == ".gguf" else "a file"
