@@ -30,14 +30,18 @@ def moe(fixtures_root):
     return PipelineHandle.open(fixtures_root / "models" / "tiny-moe", device="cpu")
 
 
-def test_estimates_track_the_published_baseline():
-    """The reference's published peaks for TI2V 320x192x49 (none 14.3, model 9.9, sequential 1.78 GB)."""
-    published = {"none": 14.3e9, "model": 9.9e9, "sequential": 1.78e9}
-    for mode, peak in published.items():
-        estimate = estimate_peak(mode, DENSE, TI2V_SMALL)
-        # sequential moves our VAE as a whole (+0.5 GB), the reference streamed it per leaf
-        slack = 0.6e9 if mode == "sequential" else 0.0
-        assert abs(estimate - peak) <= 0.15 * peak + slack, (mode, estimate / 1e9)
+def test_estimates_against_the_one_gpu_measurement():
+    """The reference's peaks on an RTX PRO 4000 for TI2V 320x192x49 (MiB, as issue 30 quotes them);
+    docs/benchmarks.md sets the estimate against them term by term. The estimate (of max_memory_allocated)
+    is below them for none and model; with the fit check's reserve it plans at ~0.95-1.0 of them;
+    sequential is above (our VAE moves whole, the reference streamed it per leaf)."""
+    measured = {"none": 14330 * 2**20, "model": 9890 * 2**20, "sequential": 1780 * 2**20}
+    ratio = {mode: estimate_peak(mode, DENSE, TI2V_SMALL) / peak for mode, peak in measured.items()}
+    planned = {mode: (estimate_peak(mode, DENSE, TI2V_SMALL) + memory.RESERVE_BYTES) / peak
+               for mode, peak in measured.items()}
+    assert 0.9 < ratio["none"] < 1 and 0.85 < ratio["model"] < 1, ratio
+    assert 0.95 < planned["none"] < 1.05 and 0.9 < planned["model"] < 1.05, planned
+    assert 1 < ratio["sequential"] < 1.4, ratio
     order = [estimate_peak(m, DENSE, TI2V_SMALL) for m in MODE_ORDER]  # fastest first: largest first
     assert order == sorted(order, reverse=True)
 

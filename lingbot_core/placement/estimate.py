@@ -15,8 +15,10 @@ it is given one (the door reads the host's available memory when it plans for an
 The activation model (documented constants; the estimate is of `torch.cuda.max_memory_allocated`).
 Calibration: the published peaks of the reference (TI2V 192x320x49: none 14.3 GB, model 9.9 GB,
 sequential 1.78 GB; T2V 480x832x121: none 27.1 GiB with 2.4 GB of per-token modulation we do not
-spend) all give a VAE decode factor of 18.6-19.6 on top of the bf16 weights. The GPU check prints
-estimate against measured peak per mode.
+spend) all give a VAE decode factor of 18.6-19.6 on top of the bf16 weights. docs/benchmarks.md
+("The estimate against the one GPU measurement") sets the estimate against those figures term by term;
+on a real GPU every stage measures its peak and a per-device file (`calibration`) keeps later
+estimates on that device from being below what it measured.
 - DiT forward (batch 1; CFG runs two forwards one after the other, or with `cfg_batch` one batch-2
   forward whose hidden-state and routing terms are twice as large): ~`DIT_ACT_FACTOR` copies of the
   hidden state S x D in the compute dtype live at once (residual stream, modulated input, q/k/v,
@@ -60,6 +62,11 @@ VAE_DECODE_FACTOR = 19
 TEXT_TOKENS = 1024
 TEXT_ACT_BYTES_PER_TOKEN = 64 * 1024
 RESERVE_BYTES = int(0.8 * GiB)  # allocator slack and fragmentation, added when deciding what fits
+CUBLAS_WORKSPACE_BYTES = 32 * 2**20
+"""The cuBLAS workspace of the stream the matmuls run on: torch allocates it through its caching allocator
+(so `max_memory_allocated` counts it) and keeps it, 4096 KiB x 8 by default from compute capability 9.0 on
+and 4096 KiB x 2 + 16 KiB x 8 before (`CUBLAS_WORKSPACE_CONFIG`; aten/src/ATen/cuda/CublasHandlePool.cpp,
+cuBLASLt sharing it by default). The larger one is counted, in every phase."""
 MOE_REFINE_SIZE = (1088, 1920)
 TEXT_LAYERS_GUESS = 40  # Qwen3-VL-4B: 36 language layers + the vision tower's share
 QWEN3_VL_4B_TEXT = {"num_hidden_layers": 36, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
@@ -347,7 +354,7 @@ def activation_bytes(sizes: ModelSizes, geometry: Geometry) -> dict[str, int]:
     if geometry.rewrite_tokens > 0:
         phases["rewrite"] = sum(generation_bytes(sizes.text_kv_bytes_per_token, sizes.text_vocab,
                                                  geometry.rewrite_tokens).values())
-    return phases
+    return {phase: nbytes + CUBLAS_WORKSPACE_BYTES for phase, nbytes in phases.items()}
 
 
 @dataclass(frozen=True)
