@@ -302,6 +302,12 @@ def denoise(
         step_cache=step_cache)
     parallel_stage.check_request(handle, cfg_batch=cfg_batch, step_cache=StepCacheSettings.of(step_cache).method,
                                  guidance_scale=guidance_scale)
+    if parallel_stage.active_layout(handle) is not None:  # every rank runs the same job, or none does
+        parallel_stage.agree_on_job(handle, _job_fields(
+            cond, height=height, width=width, num_frames=num_frames, steps=steps, guidance_scale=guidance_scale,
+            shift=shift, seed=seed, generator=generator, cond_latent=cond_latent, latents=latents, sigmas=sigmas,
+            transformer=transformer, sampler=sampler, cfg_batch=cfg_batch, step_cache=step_cache,
+            image_cond=image_cond))
     g = _generator(seed, generator)
     latents, cond_latent = _starting_latents(shape, g, latents, cond_latent, image_cond)
     needs = (transformer, "scheduler") if method.uses_scheduler else (transformer,)
@@ -326,6 +332,22 @@ def denoise(
             latents = sample(run, guidance, latents, cond_latent=cond_latent, callback=callback,
                              status=parallel_stage.step_status(handle))
         return latents.cpu()
+
+
+def _job_fields(cond: Conditioning, *, seed: int | None, generator: torch.Generator | None, sigmas: Any,
+                sampler: Any, step_cache: Any, image_cond: ImageCondition | None, **plain: Any) -> dict[str, Any]:
+    """What a denoise runs, as the ranks of a parallel run compare it before they start
+    (`parallel.stage.agree_on_job`): the geometry, schedule and sampler, the seed (or the generator's
+    state), the prompts and the starting and first-frame latents."""
+    fields = dict(plain)
+    fields["seed"] = generator if generator is not None else seed
+    fields["sigmas"] = None if sigmas is None else torch.as_tensor(sigmas, dtype=torch.float32)  # as a pool sends it
+    fields["sampler"] = sampler if sampler is None or isinstance(sampler, str) else type(sampler).__name__
+    fields["step_cache"] = repr(StepCacheSettings.of(step_cache))
+    fields["prompt"] = [cond.prompt, cond.zero_negative, cond.with_image] + [
+        (e.embeds, e.mask) if e is not None else None for e in (cond.positive, cond.negative)]
+    fields["image"] = None if image_cond is None else (image_cond.latent_mean, image_cond.latent_std)
+    return fields
 
 
 @contextmanager

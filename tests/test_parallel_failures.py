@@ -372,3 +372,68 @@ def test_disable_smart_memory_does_not_stop_the_pools_workers_on_every_model_loa
     assert len(mm.unload_all_models(1e32)) == 1 and released == [1]
     mm.DISABLE_SMART_MEMORY = False  # smart memory: the amount asked for says it (as before)
     assert mm.load_models_gpu(2 << 30) == [] and len(mm.load_models_gpu(1e30)) == 1 and released == [1, 1]
+
+
+def _job_ranks(rank: int, world: int, port: int, out: str) -> None:
+    """Two gloo ranks: the same job passes; a seed given differently on rank 1 is refused on both, naming
+    it; then a whole parallel denoise (cfg=2) whose steps and size differ on rank 1 is refused on both
+    before its first forward (it mixed two schedules, or crashed in gloo)."""
+    import json
+    from pathlib import Path
+
+    from bench._common import random_dit
+    from lingbot_core.parallel.agree import check_same_job
+    from lingbot_core.parallel.launch import init_loopback_group
+    from lingbot_core.parallel.layout import ParallelLayout
+    from lingbot_core.parallel_runs.run import parallel_denoise
+    from lingbot_core.prompt import PromptEmbeds
+    from lingbot_core.stages import Conditioning
+
+    torch.set_num_threads(1)
+    init_loopback_group(rank, world, port)
+    got: dict = {}
+    try:
+        job = {"seed": 7, "steps": 20, "sampler": "unipc", "latents": torch.ones(1, 16, 2, 4, 4)}
+        check_same_job(job)
+        got["same"] = "passed"
+        try:
+            check_same_job({**job, "seed": 7 + rank})
+            got["seed"] = "passed"
+        except RefusedInput as err:
+            got["seed"] = str(err)
+        layout = ParallelLayout.create(2, 1)
+        g = torch.Generator().manual_seed(4)
+        embeds = PromptEmbeds(torch.randn(1, 7, 32, generator=g), torch.ones(1, 7, dtype=torch.int64),
+                              torch.zeros(1, 1, dtype=torch.int64))
+        dit = random_dit(dict(hidden_size=32, num_attention_heads=2, depth=1, intermediate_size=48, text_dim=32,
+                              freq_dim=32, axes_dims=(4, 6, 6), axes_lens=(64, 32, 32)), 0.05)
+        latents = torch.randn(1, 16, 2, 4 + 2 * rank, 6, generator=g)
+        try:
+            parallel_denoise(dit, layout, latents, Conditioning(embeds, embeds), steps=2 + rank, guidance_scale=3.0)
+            got["denoise"] = "passed"
+        except RefusedInput as err:
+            got["denoise"] = str(err)
+    finally:
+        Path(out, f"rank{rank}.json").write_text(json.dumps(got))
+        dist.destroy_process_group()
+
+
+def test_ranks_given_different_jobs_are_refused_on_every_rank_before_running(tmp_path):
+    """Issue 34 item 6: two torchrun ranks with different seeds wrote a wrong video with exit code 0."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from lingbot_core.parallel.launch import free_loopback_port
+
+    if torch.cuda.is_initialized():
+        pytest.skip("CUDA is initialised in this process: the ranks are forked")
+    mp.start_processes(_job_ranks, args=(2, free_loopback_port(), str(tmp_path)), nprocs=2, join=True,
+                       start_method="fork")
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for got in results:
+        assert got["same"] == "passed", got
+        assert "not given the same job: seed differs between rank 0 and rank 1" in got["seed"], got
+        assert "\n" not in got["seed"]
+        assert "steps" in got["denoise"] and "height" in got["denoise"] and "refused" in got["denoise"], got
+    assert results[0]["denoise"] == results[1]["denoise"]

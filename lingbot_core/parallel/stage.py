@@ -29,7 +29,7 @@ from ..components import DITS
 from .layout import ParallelLayout
 from .ulysses import disable_sequence_parallel, enable_sequence_parallel
 
-__all__ = ["active_layout", "check_heads", "process_layout", "use_process_layout", "broadcast_tensors", "offload_refusal", "shard_for_stage", "check_request", "check_view", "from_rank0", "is_leader",
+__all__ = ["active_layout", "agree_on_job", "check_heads", "process_layout", "use_process_layout", "broadcast_tensors", "offload_refusal", "shard_for_stage", "check_request", "check_view", "from_rank0", "is_leader",
            "placeholder_frames", "sequence_parallel", "step_status", "text_tensor", "tensor_text", "writes_outputs"]
 
 T = TypeVar("T")
@@ -147,6 +147,18 @@ def check_request(handle: Any, *, cfg_batch: str, step_cache: str = "off", guida
     if layout.cfg == 2 and cfg_batch == "on":
         raise ValueError("cfg_batch 'on' and CFG parallel (cfg=2) are two ways of running both guidance "
                          "branches at once; turn cfg_batch off for a cfg=2 layout")
+
+
+def agree_on_job(handle: Any, fields: dict[str, Any]) -> None:
+    """On a parallel view: refuse, on every rank, a job whose `fields` differ between the ranks of the
+    video (`agree.check_same_job`); nothing in a one-process run."""
+    layout = active_layout(handle)
+    if layout is None:
+        return
+    from .agree import check_same_job
+
+    check_same_job(fields, group=layout.group, device=collective_device(handle), world_size=layout.world_size,
+                   what=f"parallel run ({layout.describe().split(' (')[0]})")
 
 
 def share_step_cache(cache: Any, layout: ParallelLayout | None) -> None:
