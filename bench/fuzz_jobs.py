@@ -11,7 +11,8 @@ cut, invalid UTF-8, NUL bytes, a byte-order mark, CRLF line ends, a duplicate id
 2. when read, `job_overrides` on a workflow with every node class a key fills, and a run
    (`run_jobs`, a runner that fails about one job in five) into a fresh manifest;
 3. the file edited as people do (lines inserted, removed, moved, one job changed), read and run
-   again on the same manifest, then a third time by two runs at once (threads) on it.
+   again on the same manifest, then a third time by two runs at once (threads) on it (each waits
+   for the jobs the other holds, trying their claims every 0.01 s).
 
 A case is ``silent`` when an invariant breaks: ids not unique or not file-name safe; the rerun after
 the edit runs a job whose content was already done, or skips one that never ran (or failed); a job
@@ -186,7 +187,8 @@ def one(rng: random.Random, folder: Path) -> tuple[str, str]:
     # two runs at once on what is left: each job at most once, every job recorded
     ran.clear()
     fails = set()
-    threads = [threading.Thread(target=run_jobs, args=(edited, runner, Manifest(folder / "m.jsonl"))) for _ in range(2)]
+    threads = [threading.Thread(target=run_jobs, args=(edited, runner, Manifest(folder / "m.jsonl")),
+                                kwargs={"poll_s": 0.01}) for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:

@@ -459,12 +459,13 @@ def _run_jobs(args: argparse.Namespace, prompt, engine, reporter: Reporter, outp
     where = f" (rank {place.rank} of {place.world_size}, group {place.group} of {place.groups})" \
         if place.world_size > 1 else ""
     reporter.write(f"lingbot-run: {len(jobs)} jobs from {args.jobs}{where}; manifest {manifest.write_path}")
-    elsewhere = []  # jobs another run on this jobs file holds (Claims)
+    elsewhere = []  # jobs another run on this jobs file ran meanwhile (Claims)
 
     def skipped(job, why: str) -> None:
-        if why == "elsewhere":
+        if why == "waiting":
+            reporter.write(f"job {job.id} (line {job.line}) is running in another process; waiting for it")
+        elif why == "elsewhere":
             elsewhere.append(job.id)
-            reporter.write(f"job {job.id} (line {job.line}) is running in another process; skipped here")
 
     try:
         with _sigterm_interrupts(place.world_size > 1):
@@ -479,7 +480,7 @@ def _run_jobs(args: argparse.Namespace, prompt, engine, reporter: Reporter, outp
     failed = sum(e["status"] != DONE for e in results)
     mine = len(place.share(jobs))
     print(f"jobs: {len(results) - failed} done, {failed} failed, {mine - len(results) - len(elsewhere)} already done"
-          + (f", {len(elsewhere)} running in another process" if elsewhere else "")
+          + (f", {len(elsewhere)} by another process" if elsewhere else "")
           + f"{where}; manifest {manifest.write_path}", file=sys.stderr)
     # under torchrun every process leaves together, all with the world's exit code (finish_together says why)
     failed = finish_together(failed if place.leader else 0, say=reporter.write)

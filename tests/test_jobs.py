@@ -429,8 +429,9 @@ def test_manifest_lines_from_before_digests_still_resume(tmp_path):
 
 
 def test_two_runs_on_one_jobs_file_share_the_jobs(tmp_path):
-    """Run A holds j0 (blocked inside it) while run B goes through the file: B skips j0 (claimed) and
-    runs the rest; A, let go, finds the others done in the manifest. Every job ran once."""
+    """Run A holds j0 (blocked inside it) while run B goes through the file: B leaves j0 to A and runs
+    the rest, then waits for j0 (A is let go then); A finds the others done in the manifest. Every job
+    ran once, and B returned only once j0 was recorded."""
     import threading
 
     from lingbot_core.parallel.jobs import run_jobs
@@ -448,12 +449,18 @@ def test_two_runs_on_one_jobs_file_share_the_jobs(tmp_path):
     first = threading.Thread(target=run_jobs, args=(jobs, slow, Manifest(tmp_path / "m.jsonl")))
     first.start()
     assert inside.wait(10)
-    run_jobs(jobs, lambda job: ran.append(("B", job.id)) or [], Manifest(tmp_path / "m.jsonl"),
-             on_skip=lambda job, why: skipped.append((job.id, why)))
-    go.set()
+
+    def heard(job, why):
+        skipped.append((job.id, why))
+        if why == "waiting":
+            go.set()
+
+    run_jobs(jobs, lambda job: ran.append(("B", job.id)) or [], Manifest(tmp_path / "m.jsonl"), on_skip=heard,
+             poll_s=0.02)
+    assert ("j0", DONE) in {(e["id"], e["status"]) for e in Manifest(tmp_path / "m.jsonl").entries()}
     first.join(10)
     assert sorted(ran, key=lambda r: r[1]) == [("A", "j0"), ("B", "j1"), ("B", "j2")]
-    assert skipped == [("j0", "elsewhere")]
+    assert skipped == [("j0", "waiting"), ("j0", "elsewhere")]
     assert sorted(e["id"] for e in Manifest(tmp_path / "m.jsonl").entries()) == ["j0", "j1", "j2"]
     # the claims are let go at the end: a third run takes a failed or new job at once
     assert Manifest(tmp_path / "m.jsonl").claims_folder.is_dir()
@@ -504,3 +511,25 @@ def test_two_processes_on_one_jobs_file_run_each_job_once(tmp_path):
            for line in (tmp_path / f"ran-{name}.txt").read_text().split()]
     assert sorted(ran) == sorted(f"j{i}" for i in range(12))  # none twice, none left out
     assert sorted(e["id"] for e in Manifest(tmp_path / "m.jsonl").entries() if e["status"] == DONE) == sorted(ran)
+
+
+def test_a_job_dropped_by_a_run_that_died_is_run_by_the_one_waiting(tmp_path):
+    """Another process holds j0 and goes away without a manifest line (killed: its lock goes with it):
+    the run that waited for j0 runs it itself. One it recorded as failed meanwhile is not run again."""
+    from lingbot_core.parallel.jobs import Claims, run_jobs
+
+    jobs = read_jobs(_write(tmp_path / "jobs.jsonl", [{"id": f"j{i}", "seed": i} for i in range(3)]))
+    manifest = Manifest(tmp_path / "m.jsonl")
+    other = Claims(manifest.claims_folder)
+    assert other.take(jobs[0]) == (True, False) and other.take(jobs[2]) == (True, False)
+    ran = []
+
+    def heard(job, why):
+        if why == "waiting" and job.id == "j0":
+            other.release(jobs[0])  # dies with j0 undone
+        if why == "waiting" and job.id == "j2":
+            manifest.record({"id": "j2", "digest": jobs[2].digest, "status": FAILED})
+            other.release(jobs[2])
+
+    run_jobs(jobs, lambda job: ran.append(job.id) or [], manifest, on_skip=heard, poll_s=0.02)
+    assert ran == ["j1", "j0"]

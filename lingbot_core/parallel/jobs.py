@@ -31,9 +31,11 @@ Two runs on one jobs file at once (two terminals, two machines on a shared folde
 instead of doing it twice: before a job starts, its leader claims it with a lock on a file of its
 own in ``<manifest stem>.claims/`` beside the manifest (`Claims`: ``flock``, which Linux's NFS client
 turns into a lock the server arbitrates; the lock ends with the process holding it, so a killed run
-leaves no stale claim). A job another process holds is skipped here ("running elsewhere"); a job
-claimed after another run let it go is looked up in the manifest again first. In a group of
-several ranks only the leader claims, and tells the others what it decided (`group_agreement`).
+leaves no stale claim). A job another process holds is left to it; once the rest of its share is
+done, a run waits for such jobs and runs any that the other process dropped without a manifest
+line, so each run ends with its whole share recorded. A job claimed after another run let it go is
+looked up in the manifest again first. In a group of several ranks only the leader claims, and
+tells the others what it decided (`group_agreement`).
 
 The manifest is one file per writer: with several groups, group g's leader appends to
 ``<stem>.group<g><suffix>`` beside the named file (``jobs.manifest.group3.jsonl``), and a world of
@@ -335,18 +337,25 @@ class Manifest:
         """Ids of the jobs recorded as done (a later failure of the same id does not undo it)."""
         return {e["id"] for e in self.entries() if e.get("status") == DONE}
 
-    def done_keys(self) -> set[tuple[str, Any]]:
+    def tally(self) -> tuple[set[tuple[str, Any]], dict[tuple[str, Any], int]]:
         """What the jobs recorded as done match (`is_done`): (id, digest), or (id, line) for a line
-        written before digests were recorded."""
-        keys: set[tuple[str, Any]] = set()
+        written before digests were recorded; and how many failed lines each (id, digest) has."""
+        done: set[tuple[str, Any]] = set()
+        failures: dict[tuple[str, Any], int] = {}
         for e in self.entries():
+            digest, line = e.get("digest"), e.get("line")
             if e.get("status") != DONE:
-                continue
-            if isinstance(e.get("digest"), str):
-                keys.add((e["id"], e["digest"]))
-            elif isinstance(e.get("line"), int) and not isinstance(e.get("line"), bool):
-                keys.add((e["id"], e["line"]))
-        return keys
+                if isinstance(digest, str):
+                    failures[(e["id"], digest)] = failures.get((e["id"], digest), 0) + 1
+            elif isinstance(digest, str):
+                done.add((e["id"], digest))
+            elif isinstance(line, int) and not isinstance(line, bool):
+                done.add((e["id"], line))
+        return done, failures
+
+    def done_keys(self) -> set[tuple[str, Any]]:
+        """The first half of `tally`."""
+        return self.tally()[0]
 
     @staticmethod
     def is_done(job: Job, keys: set[tuple[str, Any]]) -> bool:
@@ -441,12 +450,12 @@ def _try_lock(fd: int) -> bool:
     return True
 
 
-RUN, SKIP, BROKE = 1, 0, 2  # what a group's leader decides for a job (`group_agreement` carries it)
+RUN, SKIP, BROKE, HELD, GONE = 1, 0, 2, 3, 4  # what a group's leader decides for a job (`group_agreement`)
 Agreement = Callable[[int], int]
 
 
 def group_agreement(layout: Any) -> Agreement | None:
-    """The leader's decision for each job (`RUN` / `SKIP` / `BROKE`) sent to every rank of its video
+    """The leader's decision for each job (`RUN`, `SKIP`, `HELD`, ...) sent to every rank of its video
     group (`layout`: a `ParallelLayout` of several ranks), so the ranks that make a video together run
     the same jobs whatever the manifest and the claims say by the time each reads them. None: a
     one-process group decides alone."""
@@ -532,7 +541,7 @@ JobRunner = Callable[[Job], list[str]]  # runs one job, returns the files it wro
 
 def run_jobs(jobs: Sequence[Job], run_one: JobRunner, manifest: Manifest, *, place: WorldPlace = WorldPlace(),
              on_result: Callable[[dict[str, Any]], None] | None = None, agree: Agreement | None = None,
-             on_skip: Callable[[Job, str], None] | None = None) -> list[dict[str, Any]]:
+             on_skip: Callable[[Job, str], None] | None = None, poll_s: float = 1.0) -> list[dict[str, Any]]:
     """Run this group's unfinished jobs with `run_one`, one manifest line each (leader only).
 
     A job's exception is recorded as failed and the next job runs; an interrupt (Ctrl-C, an
@@ -543,15 +552,15 @@ def run_jobs(jobs: Sequence[Job], run_one: JobRunner, manifest: Manifest, *, pla
     Returns the entries of the jobs run here (``on_result`` sees each as it is recorded).
 
     Each job is claimed first (`Claims`, leader only; `agree` hands the leader's decision to the
-    rest of a group of several ranks, `group_agreement`): a job another process holds is skipped,
-    and `on_skip` hears ``(job, "done")`` or ``(job, "elsewhere")`` for each job not run here.
+    rest of a group of several ranks, `group_agreement`). A job another process holds (a second run
+    on the same jobs file) is left to it, and after the rest of the share this process waits for it
+    (`_claimed`): so every run ends with its whole share recorded. `on_skip` hears ``(job, "done")``
+    (done before this run), ``(job, "waiting")`` and then ``(job, "elsewhere")`` (recorded by
+    another process meanwhile) for the jobs not run here.
     """
-    done = manifest.done_keys() if place.leader or agree is None else set()
     claims = Claims(manifest.claims_folder)
     results = []
-    for job in place.share(jobs):
-        if not _claim(job, manifest, claims, done, place, agree, on_skip):
-            continue
+    for job in _claimed(place.share(jobs), manifest, claims, place, agree, on_skip, poll_s):
         started = time.perf_counter()
         entry: dict[str, Any] = {"id": job.id, "line": job.line, "digest": job.digest}
         stop: Exception | None = None
@@ -578,13 +587,39 @@ def run_jobs(jobs: Sequence[Job], run_one: JobRunner, manifest: Manifest, *, pla
     return results
 
 
-def _claim(job: Job, manifest: Manifest, claims: Claims, done: set[tuple[str, Any]], place: WorldPlace,
-           agree: Agreement | None, on_skip: Callable[[Job, str], None] | None) -> bool:
-    """Should this process run `job`: the leader's decision (`_decide`), shared with its group."""
+def _claimed(jobs: Sequence[Job], manifest: Manifest, claims: Claims, place: WorldPlace, agree: Agreement | None,
+             on_skip: Callable[[Job, str], None] | None, poll_s: float) -> Iterator[Job]:
+    """The jobs of this share that this process runs, in order: first each job nobody else holds; then,
+    one at a time, those another process held: waited for (its claim tried every `poll_s` seconds)
+    and run here only if that process let it go without a manifest line (killed before the end)."""
+    seen = manifest.tally() if place.leader or agree is None else (set(), {})
+    held: list[Job] = []
+    for job in jobs:
+        decision = _agreed(job, manifest, claims, seen, place, agree)
+        if decision == RUN:
+            yield job
+        elif decision == HELD:
+            held.append(job)
+        elif on_skip is not None:
+            on_skip(job, "done")
+    for job in held:
+        if on_skip is not None:
+            on_skip(job, "waiting")
+        while (decision := _agreed(job, manifest, claims, seen, place, agree)) == HELD:
+            time.sleep(poll_s)
+        if decision == RUN:
+            yield job
+        elif on_skip is not None:
+            on_skip(job, "elsewhere")
+
+
+def _agreed(job: Job, manifest: Manifest, claims: Claims, seen: tuple[set, dict], place: WorldPlace,
+            agree: Agreement | None) -> int:
+    """What to do with `job`: the leader's decision (`_decide`), shared with its group."""
     decision = SKIP
     if place.leader or agree is None:
         try:
-            decision = _decide(job, manifest, claims, done)
+            decision = _decide(job, manifest, claims, seen)
         except OSError as err:
             if agree is not None:
                 agree(BROKE)
@@ -593,23 +628,24 @@ def _claim(job: Job, manifest: Manifest, claims: Claims, done: set[tuple[str, An
         decision = agree(decision)
         if decision == BROKE:
             raise JobsFileError(f"the leader of this group could not claim job {job.id} (its error says why)")
-    if decision == SKIP and on_skip is not None:
-        on_skip(job, "done" if Manifest.is_done(job, done) or not place.leader else "elsewhere")
-    return decision == RUN
+    return decision
 
 
-def _decide(job: Job, manifest: Manifest, claims: Claims, done: set[tuple[str, Any]]) -> int:
-    """RUN when `job` is not done and this process now holds its claim; SKIP otherwise."""
+def _decide(job: Job, manifest: Manifest, claims: Claims, seen: tuple[set, dict]) -> int:
+    """RUN when `job` is not done and this process now holds its claim; SKIP when the manifest said done
+    when this run began; HELD while another process holds it; GONE when another process recorded it
+    (done or failed) since this run read the manifest."""
+    done, failures = seen
     if Manifest.is_done(job, done):
         return SKIP
-    held, before = claims.take(job)
-    if not held:
-        return SKIP
+    taken, before = claims.take(job)
+    if not taken:
+        return HELD
     if before:  # another run had it: it may have finished it since this run read the manifest
-        done |= manifest.done_keys()
-        if Manifest.is_done(job, done):
+        done_now, failures_now = manifest.tally()
+        if Manifest.is_done(job, done_now) or failures_now.get(job.key, 0) > failures.get(job.key, 0):
             claims.release(job)
-            return SKIP
+            return GONE
     return RUN
 
 
