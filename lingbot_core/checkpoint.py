@@ -21,7 +21,6 @@ from .checkpoint_inspect import (  # noqa: F401 (re-exported: the names callers 
     FILE_ROUTES,
     CheckpointInfo,
     FileRoute,
-    check_safetensors,
     check_state_dict,
     check_values_and_shapes,
     default_dtypes,

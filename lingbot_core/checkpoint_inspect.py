@@ -84,11 +84,6 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
     return data
 
 
-def check_safetensors(path: Path) -> None:
-    """Verify a safetensors file's header (entries, dtypes, shapes, byte ranges) against the file (cheap)."""
-    checks.read_safetensors_entries(path)
-
-
 def _stored_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
     return {name: t.shape for name, t in checks.stored_tensors(files).items()}
 

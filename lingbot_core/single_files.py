@@ -9,7 +9,6 @@ is refused at open with a message naming the file, not in the middle of a run.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,8 +104,3 @@ def check_fit(dit_config: dict[str, Any] | None, vae_config: dict[str, Any] | No
             raise CheckpointError(f"{where.get('text_encoder', 'the text encoder')}: its hidden size is {width}, the "
                                   f"DiT ({where.get('transformer', 'transformer')}) reads text {text_dim} wide; use "
                                   "Qwen3-VL-4B (qwen3vl_4b_bf16.safetensors or qwen3vl_4b_fp8_scaled.safetensors).")
-
-
-def read_config(path: Path) -> dict[str, Any]:
-    """A component's config.json (for `check_fit` on a folder component)."""
-    return json.loads(Path(path).read_text(encoding="utf-8"))

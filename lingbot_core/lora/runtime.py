@@ -45,10 +45,6 @@ def remove_deltas(state: ModelState) -> None:
     state.runtime.clear()
 
 
-def delta_count(state: ModelState) -> int:
-    return len(state.runtime)
-
-
 def _runtime_delta(patch: Patch, coefficient: float):
     """`x -> coefficient * x @ (up @ down)^T` (or `x @ diff^T`), computed in float32 on x's device.
 

@@ -25,7 +25,6 @@ class WeightFormat:
     read: Callable[[list[Path]], Any]  # files -> header facts (read once per open)
     source: Callable[[list[Path], Any, dict[str, str] | None], Any]  # (files, facts, rename) -> a DiT source
     fp8_on_load: bool = True  # plain tensors may be quantized to fp8 while loading
-    single_file_only: bool = False  # one file per component (no shards)
 
 
 def _read_safetensors(files: list[Path]) -> Any:
@@ -54,7 +53,7 @@ def _gguf_source(files: list[Path], opened: Any, rename: dict[str, str] | None) 
 
 FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
     WeightFormat("safetensors", ".safetensors", _read_safetensors, _safetensors_source),
-    WeightFormat("gguf", ".gguf", _read_gguf, _gguf_source, fp8_on_load=False, single_file_only=True),
+    WeightFormat("gguf", ".gguf", _read_gguf, _gguf_source, fp8_on_load=False),
 )}
 
 # Files that are weights but never loaded: they unpickle (run code) when read.
