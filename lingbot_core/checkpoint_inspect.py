@@ -386,4 +386,11 @@ def inspect_student(folder: str | os.PathLike, base: CheckpointInfo) -> tuple[Pa
             f"in {base.folder / 'transformer'}); load it with its own base checkpoint")
     source = folder_source(root / sub, TRANSFORMER)
     check_dit_entries(source, checks.dit_shapes(config, str(root / sub / "config.json")))
+    if sub == TRANSFORMER and (root / "model_index.json").is_file():  # a whole root, such as the DMD student's
+        import logging
+
+        logging.getLogger("lingbot_core.checkpoint").info(
+            "transformer_path %s is a checkpoint root: its transformer/ runs in place of %s's; the base's text "
+            "encoder, VAE, processor%s are used, the root's own are not read", root, base.folder,
+            " and refiner" if base.has_refiner else "")
     return root, sub, source

@@ -158,8 +158,11 @@ class LingBotLoader(io.ComfyNode):
                                "fp8_e4m3: quantize the DiT's weights on load"),
                 io.String.Input("transformer_path", default="", optional=True,
                                 tooltip="A student DiT (e.g. DMD-distilled): a folder that differs from the checkpoint "
-                                        "only in transformer/, or that transformer folder. Inside ComfyUI it must "
-                                        "lie under models/lingbot_video. Empty: the checkpoint's own"),
+                                        "only in transformer/, or that transformer folder. A whole root works too "
+                                        "(the DMD student's: its transformer/ runs, the checkpoint's other parts "
+                                        "and refiner stay; to run the student alone, pick its root as the "
+                                        "checkpoint instead). Inside ComfyUI it must lie under "
+                                        "models/lingbot_video. Empty: the checkpoint's own"),
                 compile_input(),
                 ffn_chunk_input(),
                 fp8_matmul_input(),  # last: a workflow saved before it keeps its values in place

@@ -91,11 +91,16 @@ def test_the_files_loader_opens_the_student_dit_file_with_shared_vae_and_text_en
     assert torch.equal(run_recipe(over_base), run_recipe(PipelineHandle.open(student, device="cpu")))
 
 
-def test_the_base_transformer_path_takes_the_student_root(student):
+def test_the_base_transformer_path_takes_the_student_root(student, caplog):
     """The base MoE root with `transformer_path` at the student root: the root's transformer/ runs (the
-    other components stay the base's, which the release shares), and the refiner stays available."""
+    other components stay the base's, which the release shares; the log says so), and the refiner stays
+    available."""
+    import logging
+
     moe = ensure_tiny_checkpoint("moe")
-    swapped = PipelineHandle.open(moe, device="cpu", transformer_folder=student)
+    with caplog.at_level(logging.INFO, logger="lingbot_core.checkpoint"):
+        swapped = PipelineHandle.open(moe, device="cpu", transformer_folder=student)
+    assert "is a checkpoint root: its transformer/ runs" in caplog.text and "refiner" in caplog.text
     assert swapped.shared.transformer_source == (student, "transformer") and swapped.has_refiner
     assert torch.equal(run_recipe(swapped), run_recipe(PipelineHandle.open(student, device="cpu")))
     assert not torch.equal(run_recipe(swapped), run_recipe(PipelineHandle.open(moe, device="cpu")))
