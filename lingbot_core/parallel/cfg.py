@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..errors import RefusedInput
 from ..sampling.guidance import Guidance
 from .layout import ParallelLayout
 
@@ -31,9 +32,9 @@ class ParallelGuidance(Guidance):
     def __init__(self, dit: torch.nn.Module, positive: Any, negative: Any | None, scale: float, *,
                  layout: ParallelLayout, **kwargs: Any):
         if layout.cfg != 2:
-            raise ValueError(f"CFG parallel needs a layout with cfg=2 (got {layout.describe()})")
+            raise RefusedInput(f"CFG parallel needs a layout with cfg=2 (got {layout.describe()})")
         if kwargs.get("batch_cfg"):
-            raise ValueError("CFG parallel and batch_cfg are two ways of doing the same; pick one")
+            raise RefusedInput("CFG parallel and batch_cfg are two ways of doing the same; pick one")
         super().__init__(dit, positive, negative, scale, **kwargs)
         self.layout = layout
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..errors import RefusedInput
 from ..models.precision import stays_float32
 from .layout import ParallelLayout
 
@@ -62,7 +63,7 @@ def check_shardable(dit: torch.nn.Module) -> None:
     for block in dit.blocks:
         for name, p in block.named_parameters():
             if type(p.data) is not torch.Tensor and not stays_float32(name):
-                raise ValueError(f"FSDP cannot shard the packed weight {name} ({type(p.data).__name__}): load the "
+                raise RefusedInput(f"FSDP cannot shard the packed weight {name} ({type(p.data).__name__}): load the "
                                  "DiT with plain (bf16) weights for an FSDP run, or run without FSDP")
 
 

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..errors import RefusedInput
+
 __all__ = ["CFG_DEGREES", "ParallelLayout", "node_place", "parse_degrees", "video_groups"]
 
 #: the cfg degrees a layout accepts: no CFG split, or cond / uncond on two rank rows
@@ -45,17 +47,17 @@ def parse_degrees(text: str, world_size: int, *, split: bool = False) -> tuple[i
         name, sep, value = part.partition("=")
         name = name.strip()
         if not sep or name not in ("cfg", "ulysses") or not value.strip().isdigit():
-            raise ValueError(f"parallel degrees: {part!r} is not cfg=N or ulysses=N")
+            raise RefusedInput(f"parallel degrees: {part!r} is not cfg=N or ulysses=N")
         given[name] = int(value)
     cfg = given.get("cfg", 1)
     if cfg not in CFG_DEGREES:
-        raise ValueError(f"parallel degrees: cfg={cfg}; it must be one of {CFG_DEGREES}")
+        raise RefusedInput(f"parallel degrees: cfg={cfg}; it must be one of {CFG_DEGREES}")
     ulysses = given.get("ulysses", world_size // cfg if world_size % cfg == 0 else 0)
     if split and ulysses >= 1 and world_size % (cfg * ulysses) == 0:
         return cfg, ulysses
     if ulysses < 1 or cfg * ulysses != world_size:
         how = "divide" if split else "equal"
-        raise ValueError(f"parallel degrees: cfg={cfg} x ulysses={ulysses} must {how} the world size {world_size}")
+        raise RefusedInput(f"parallel degrees: cfg={cfg} x ulysses={ulysses} must {how} the world size {world_size}")
     return cfg, ulysses
 
 
@@ -77,7 +79,7 @@ def video_groups(places: Sequence[tuple[str, int]], size: int) -> list[list[int]
     order (the order torch gives the ranks of a subgroup), and the groups come in the order of their
     lowest rank. ValueError when `size` does not divide the world."""
     if size < 1 or len(places) % size:
-        raise ValueError(f"{size} ranks per video do not divide the world of {len(places)} processes")
+        raise RefusedInput(f"{size} ranks per video do not divide the world of {len(places)} processes")
     nodes: dict[str, list[tuple[int, int]]] = {}
     for rank, (node, local) in enumerate(places):
         nodes.setdefault(node, []).append((local, rank))
@@ -154,14 +156,14 @@ class ParallelLayout:
         ranks (`video_groups`: each inside one node where it can), each running its own videos (every
         group is made here, by every rank: they learn each other's node with one all-gather)."""
         if cfg not in CFG_DEGREES or ulysses < 1:
-            raise ValueError(f"parallel layout: cfg must be one of {CFG_DEGREES} and ulysses >= 1 (got {cfg}, {ulysses})")
+            raise RefusedInput(f"parallel layout: cfg must be one of {CFG_DEGREES} and ulysses >= 1 (got {cfg}, {ulysses})")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("parallel layout: torch.distributed is not initialised (init_process_group first)")
         world = dist.get_world_size()
         size = cfg * ulysses
         if world % size if split else size != world:
             how = "divide" if split else "equal"
-            raise ValueError(f"parallel layout: cfg={cfg} x ulysses={ulysses} must {how} the world size {world}")
+            raise RefusedInput(f"parallel layout: cfg={cfg} x ulysses={ulysses} must {how} the world size {world}")
         from torch.distributed.device_mesh import init_device_mesh
 
         rank = dist.get_rank()
@@ -198,7 +200,7 @@ class ParallelLayout:
     def check_heads(self, heads: int) -> None:
         """Refuse a ulysses degree that does not divide the DiT's attention heads."""
         if heads % self.ulysses:
-            raise ValueError(f"parallel layout: ulysses={self.ulysses} must divide the DiT's {heads} attention heads "
+            raise RefusedInput(f"parallel layout: ulysses={self.ulysses} must divide the DiT's {heads} attention heads "
                              f"(pick a divisor of {heads})")
 
     def describe(self) -> str:

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..components import DITS
+from ..errors import RefusedInput
 from .layout import ParallelLayout
 from .ulysses import disable_sequence_parallel, enable_sequence_parallel
 
@@ -76,11 +77,11 @@ def check_view(handle: Any, layout: ParallelLayout | None) -> ParallelLayout | N
     if not isinstance(layout, ParallelLayout):
         raise TypeError(f"with_parallel takes a ParallelLayout, got {type(layout).__name__}")
     if layout.mesh is None:
-        raise ValueError(f"parallel layout {layout.describe()} has no process groups: build it with "
+        raise RefusedInput(f"parallel layout {layout.describe()} has no process groups: build it with "
                          "ParallelLayout.create(cfg, ulysses) after init_process_group")
     mode = getattr(handle.offload, "mode", "none")
     if mode not in ("none", "auto"):  # auto resolves to 'none' on several processes (placement.door)
-        raise ValueError(offload_refusal(mode, layout))
+        raise RefusedInput(offload_refusal(mode, layout))
     check_heads(handle, layout)
     return layout
 
@@ -106,7 +107,7 @@ def shard_for_stage(handle: Any, name: str) -> None:
 
     mode = getattr(handle.offload, "mode", "none")
     if mode not in ("none", "auto"):
-        raise ValueError(offload_refusal(mode, layout))
+        raise RefusedInput(offload_refusal(mode, layout))
     dit = handle.component(name)
     state = handle.shared.states.get(name)
     if state is not None and state.pristine and not is_fsdp_sharded(dit):
@@ -138,14 +139,14 @@ def check_request(handle: Any, *, cfg_batch: str, step_cache: str = "off", guida
         return
     check_heads(handle, layout)
     if layout.cfg == 2 and guidance_scale is not None and guidance_scale <= 1.0:
-        raise ValueError(f"CFG parallel (cfg=2) splits the two guidance branches over the processes, and at cfg "
+        raise RefusedInput(f"CFG parallel (cfg=2) splits the two guidance branches over the processes, and at cfg "
                          f"{guidance_scale:g} there is only one (a DMD student runs cfg 1): use ulysses over all "
                          "of them instead (--parallel ulysses=N, LingBot Parallel's cfg 1)")
     if step_cache == "magcache_calibrate":
-        raise ValueError(f"MagCache calibration runs on one process (each cfg row would record only its own "
+        raise RefusedInput(f"MagCache calibration runs on one process (each cfg row would record only its own "
                          f"branch); calibrate without parallel {layout.describe()}, then use 'magcache' with it")
     if layout.cfg == 2 and cfg_batch == "on":
-        raise ValueError("cfg_batch 'on' and CFG parallel (cfg=2) are two ways of running both guidance "
+        raise RefusedInput("cfg_batch 'on' and CFG parallel (cfg=2) are two ways of running both guidance "
                          "branches at once; turn cfg_batch off for a cfg=2 layout")
 
 

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from ..components import DITS, TRANSFORMER
-from ..errors import is_refused_input
+from ..errors import RefusedInput, is_refused_input
 from ..interrupt import interrupt_checker
 from ..parallel.abort import Failure, PeerFailed, failure_in, failure_key, publish_failure, published_failure
 from ..parallel.launch import free_loopback_port, init_loopback_group
@@ -92,22 +92,22 @@ def parse_devices(text: str) -> tuple[str, ...]:
         try:
             device = torch.device(name)
         except (RuntimeError, ValueError):
-            raise ValueError(f"devices: {part!r} is not a device (cpu, cuda:N or a GPU index N)") from None
+            raise RefusedInput(f"devices: {part!r} is not a device (cpu, cuda:N or a GPU index N)") from None
         if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"devices: {part!r}; LingBot Parallel runs on cpu or cuda devices")
+            raise RefusedInput(f"devices: {part!r}; LingBot Parallel runs on cpu or cuda devices")
         if device.type == "cuda" and device.index is None:
-            raise ValueError(f"devices: {part!r}: name the GPU (cuda:0, cuda:1, ... or 0, 1, ...)")
+            raise RefusedInput(f"devices: {part!r}: name the GPU (cuda:0, cuda:1, ... or 0, 1, ...)")
         names.append(str(device))
     if len({torch.device(n).type for n in names}) > 1:
-        raise ValueError(f"devices: {text!r} mixes CPU and CUDA; one process group runs on one kind")
+        raise RefusedInput(f"devices: {text!r} mixes CPU and CUDA; one process group runs on one kind")
     cuda = [n for n in names if n.startswith("cuda")]
     if len(set(cuda)) != len(cuda):
-        raise ValueError(f"devices: {text!r} names a GPU twice; each rank needs its own")
+        raise RefusedInput(f"devices: {text!r} names a GPU twice; each rank needs its own")
     # A GPU can be named once; 'cpu' repeats, so a workflow could ask for any number of processes, each
     # loading a DiT: a bound (CPU ranks are for trying the node out).
     limit = max(MAX_CPU_RANKS, os.cpu_count() or 1)
     if len(names) - len(cuda) > limit:
-        raise ValueError(f"devices: {len(names) - len(cuda)} CPU processes asked for; at most {limit} here")
+        raise RefusedInput(f"devices: {len(names) - len(cuda)} CPU processes asked for; at most {limit} here")
     return tuple(names)
 
 
@@ -116,7 +116,7 @@ def describe_handle(handle: Any) -> dict[str, Any]:
     shared = handle.shared
     info = shared.info
     if info is None:
-        raise ValueError("LingBot Parallel needs a pipe opened from a checkpoint (a folder or files): the "
+        raise RefusedInput("LingBot Parallel needs a pipe opened from a checkpoint (a folder or files): the "
                          "workers load their own copy of the DiT from it")
     folder = shared.folder
     files = {}
@@ -126,7 +126,7 @@ def describe_handle(handle: Any) -> dict[str, Any]:
         inside = folder is not None and all(Path(folder) in p.parents for p in paths)
         if paths and not inside:
             if len(paths) != 1:
-                raise ValueError(f"LingBot Parallel: the {name} comes from {len(paths)} files outside the checkpoint "
+                raise RefusedInput(f"LingBot Parallel: the {name} comes from {len(paths)} files outside the checkpoint "
                                  "folder; give it as one file or a checkpoint folder")
             files[name] = str(paths[0])
     student = shared.transformer_source
@@ -179,27 +179,27 @@ class PoolSpec:
         """Checked against `handle` before any process starts: device 0 is the handle's, degrees fit."""
         names = parse_devices(devices) if isinstance(devices, str) else tuple(devices)
         if len(names) < 2:
-            raise ValueError(f"LingBot Parallel needs two or more devices (got {len(names)}); with one, use the "
+            raise RefusedInput(f"LingBot Parallel needs two or more devices (got {len(names)}); with one, use the "
                              "pipe directly")
         if not _same_device(names[0], handle.device):
-            raise ValueError(f"devices: the first device is this process's (rank 0), which runs the pipe on "
+            raise RefusedInput(f"devices: the first device is this process's (rank 0), which runs the pipe on "
                              f"{handle.device}; list {handle.device} first, then the workers' devices")
         if cfg not in CFG_DEGREES:
-            raise ValueError(f"cfg degree {cfg}: choose one of {CFG_DEGREES}")
+            raise RefusedInput(f"cfg degree {cfg}: choose one of {CFG_DEGREES}")
         world = len(names)
         ulysses = ulysses or world // cfg
         if cfg * ulysses != world:
-            raise ValueError(f"cfg={cfg} x ulysses={ulysses} must equal the {world} devices given")
+            raise RefusedInput(f"cfg={cfg} x ulysses={ulysses} must equal the {world} devices given")
         heads = (handle.info.transformer_config or {}).get("num_attention_heads") if handle.info else None
         if heads:
             ParallelLayout(cfg=cfg, ulysses=ulysses).check_heads(int(heads))
         pooled_loras(handle)  # LoRAs from files cross (the workers read them); other view states do not
         mode = getattr(handle.offload, "mode", "none")
         if mode not in ("none", None):
-            raise ValueError(f"LingBot Parallel: offload mode {mode!r} does not combine with several processes; "
+            raise RefusedInput(f"LingBot Parallel: offload mode {mode!r} does not combine with several processes; "
                              "connect a pipe with offload 'none' (each GPU holds its own DiT)")
         if fsdp and handle.shared.weights != "auto":
-            raise ValueError(f"LingBot Parallel: fsdp shards plain (bf16) DiT weights; this pipe loads them as "
+            raise RefusedInput(f"LingBot Parallel: fsdp shards plain (bf16) DiT weights; this pipe loads them as "
                              f"{handle.shared.weights!r}: load with weights 'auto' from a bf16 checkpoint, or turn fsdp off")
         return cls(names, cfg, ulysses, describe_handle(handle), bool(fsdp))
 
@@ -263,7 +263,7 @@ def _first_frame_drawn(kwargs: dict[str, Any]) -> dict[str, Any]:
 
     height, width = kwargs.get("height"), kwargs.get("width")
     if (image_cond.height, image_cond.width) != (height, width):
-        raise ValueError(f"the image condition was prepared for {image_cond.height}x{image_cond.width} but the "
+        raise RefusedInput(f"the image condition was prepared for {image_cond.height}x{image_cond.width} but the "
                          f"video is {height}x{width}; encode the image at the video size")
     if kwargs.get("cond_latent") is not None:
         return {**kwargs, "image_cond": None}  # the given latent wins, as in stages.denoise
@@ -280,13 +280,13 @@ def _pack_denoise(kwargs: dict[str, Any]) -> tuple[dict, dict]:
     kwargs = dict(kwargs)
     cond = kwargs.pop("cond")
     if kwargs.get("image_cond") is not None:
-        raise ValueError("an image condition reaches the workers as its drawn latent (`_first_frame_drawn`)")
+        raise RefusedInput("an image condition reaches the workers as its drawn latent (`_first_frame_drawn`)")
     cache = StepCacheSettings.of(kwargs.pop("step_cache", "off"))
     if cache.enabled:
         kwargs["step_cache"] = dataclasses.asdict(cache)
     generator = kwargs.pop("generator", None)
     if generator is not None and generator.device.type != "cpu":
-        raise ValueError("LingBot Parallel takes a CPU generator (the stages' own kind), or a seed")
+        raise RefusedInput("LingBot Parallel takes a CPU generator (the stages' own kind), or a seed")
     for unsupported in ("trace", "image_cond"):
         kwargs.pop(unsupported, None)
     tensors: dict[str, torch.Tensor] = {}
@@ -300,7 +300,7 @@ def _pack_denoise(kwargs: dict[str, Any]) -> tuple[dict, dict]:
             tensors[name] = torch.as_tensor(value, dtype=torch.float32) if name == "sigmas" else value
     sampler = kwargs.get("sampler")
     if sampler is not None and not isinstance(sampler, str):
-        raise ValueError("LingBot Parallel takes a sampler by name")
+        raise RefusedInput("LingBot Parallel takes a sampler by name")
     fields = {**kwargs, "cond": {"zero_negative": cond.zero_negative, "prompt": cond.prompt,
                                  "with_image": cond.with_image}}
     json.dumps(fields)  # only plain values cross (a TypeError here is a bug in the caller)
@@ -674,7 +674,7 @@ def check_pooled(handle: Any) -> None:
     offload mode other than none/auto, or per-view states other than LoRAs read from files."""
     mode = getattr(handle.offload, "mode", "none")
     if mode not in ("none", "auto", None):
-        raise ValueError(pooled_offload_refusal(mode))
+        raise RefusedInput(pooled_offload_refusal(mode))
     pooled_loras(handle)
 
 
@@ -683,7 +683,7 @@ def pooled_loras(handle: Any) -> list[list[Any]]:
     apply_to] per LoRA, in order. Other per-view states, and LoRAs not read from a file, are refused."""
     kinds = sorted({s.kind for s in handle.view_states} - {"lora"})
     if kinds:
-        raise ValueError(f"LingBot Parallel: the pipe carries {', '.join(kinds)}, which the workers do not have; "
+        raise RefusedInput(f"LingBot Parallel: the pipe carries {', '.join(kinds)}, which the workers do not have; "
                          "connect LingBot Parallel's pipe (or a LingBot Offload or LoRA view of it) to the stage")
     from ..lora.stack import lora_stack
 
@@ -691,7 +691,7 @@ def pooled_loras(handle: Any) -> list[list[Any]]:
     for item in lora_stack(handle).items:
         fingerprint = item.lora.fingerprint
         if fingerprint[0] != "file":
-            raise ValueError(f"LingBot Parallel: the LoRA {item.lora.name!r} was not read from a file, so the "
+            raise RefusedInput(f"LingBot Parallel: the LoRA {item.lora.name!r} was not read from a file, so the "
                              "workers cannot read it; load it with LingBot LoRA from the loras folder")
         rows.append([fingerprint[1], fingerprint[2], fingerprint[3], item.strength, item.apply_to])
     return rows
@@ -738,7 +738,7 @@ def run_refine(pipe: Any, frames: Any, cond: Any, *, callback: Callable | None =
         return stages.refine(pipe, frames, cond, callback=callback, **kwargs)
     check_pooled(pipe)  # what pool.run would refuse, refused before the base DiT is released
     if kwargs.get("sampler") is not None and not isinstance(kwargs["sampler"], str):
-        raise ValueError("LingBot Parallel takes a sampler by name")
+        raise RefusedInput("LingBot Parallel takes a sampler by name")
 
     release = [TRANSFORMER] if kwargs.get("release_base") else []  # the workers drop it too, as rank 0 does
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..components import TRANSFORMER
+from ..errors import RefusedInput
 from ..handle import PipelineHandle
 from ..latents import VAE_SPATIAL, VAE_TEMPORAL
 from ..parallel.layout import ParallelLayout
@@ -25,7 +26,7 @@ __all__ = ["geometry_of", "parallel_denoise", "wrap_dit"]
 def geometry_of(latents: torch.Tensor) -> tuple[int, int, int]:
     """(height, width, num_frames) of the video that DiT-space `latents` (1, C, T, h, w) stand for."""
     if latents.ndim != 5:
-        raise ValueError(f"latents must be shaped (1, C, T, h, w), got {tuple(latents.shape)}")
+        raise RefusedInput(f"latents must be shaped (1, C, T, h, w), got {tuple(latents.shape)}")
     t, h, w = latents.shape[2:]
     return int(h) * VAE_SPATIAL, int(w) * VAE_SPATIAL, (int(t) - 1) * VAE_TEMPORAL + 1
 
