@@ -1,0 +1,292 @@
+"""Fuzz single-file headers: the VAE, text encoder and DiT files of LingBot Loader (files), mutated and opened.
+
+    python -m bench.fuzz_single_files [--cases 600] [--seed 0] [--timeout 20] [--memory-mb 1500]
+                                      [--keep DIR] [--json OUT]
+
+Seeds are the tiny checkpoint's components written as the single files users keep (`lingbot_core.tiny`):
+the VAE with diffusers and with original Wan names, the text encoder with ComfyUI names (and a
+`comfy_quant` fp8 layer), the DiT as one safetensors file. Each case takes a seed and applies 1-3
+mutations to its header, most of them structural (the JSON parsed, changed, written back with the
+data): a tensor renamed to a huge or 5,000-digit block/layer index, zero-size tensors that claim
+100,000 blocks, layers or experts, a dimension set to 0, 1, 2^31 or 2^40, a dtype changed (integers,
+fp8, unknown), data offsets moved (gaps, overlaps, past the end), metadata made non-string, a
+`comfy_quant` entry filled with nested brackets or garbage, a name 1 MB long, a tensor dropped or
+copied; the rest are byte-level (a header byte changed, the file cut, bytes appended).
+
+Every case runs in a forked child with an address-space limit (`--memory-mb` above the child's
+start) and a `--timeout`: the child inspects the file as the Loader does (`inspect_vae_file`,
+`inspect_text_encoder_file`, `dit_file_source`) and, when accepted, loads it. Counted: `refused`
+(our `CheckpointError` at inspection), `refused late` (accepted at inspection, refused at load),
+`read`; and the three that must stay 0: CRASH (any other exception, or the child killed, e.g. by
+SIGBUS or the memory limit), HANG (no answer in time), SILENT (read although the safetensors library
+itself refuses the file: a load that would fail later, in a decode, without the file's name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import random
+import resource
+import struct
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+INTERESTING_DIMS = [0, 1, 2, 3, 15, 16, 17, 2**31, 2**40]
+HUGE_INDEX = ["100000", "999999", "1" + "0" * 9, "9" * 5000]
+
+
+def _tiny_folder() -> Path:
+    from lingbot_core.tiny import ensure_tiny_checkpoint
+
+    return Path(ensure_tiny_checkpoint("dense"))
+
+
+def seed_files(folder: Path) -> dict[str, tuple[str, bytes]]:
+    """name -> (kind, file bytes) of the seed files."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from tests.test_vae_file import write_original
+
+    tiny = _tiny_folder()
+    vae = load_file(str(tiny / "vae" / "diffusion_pytorch_model.safetensors"))
+    te = load_file(str(tiny / "text_encoder" / "model.safetensors"))
+    out: dict[str, tuple[str, bytes]] = {}
+    save_file(vae, str(folder / "vae_diffusers.safetensors"))
+    write_original(vae, folder / "vae_wan.safetensors", 1)
+    comfy = {k.replace("model.language_model.", "model.", 1): v for k, v in te.items()}
+    save_file(comfy, str(folder / "te_comfy.safetensors"))
+    quant = dict(comfy)
+    layer = "model.layers.0.mlp.gate_proj"
+    quant[f"{layer}.weight"] = quant[f"{layer}.weight"].to(torch.float8_e4m3fn)
+    quant[f"{layer}.weight_scale"] = torch.ones(1)
+    quant[f"{layer}.comfy_quant"] = torch.frombuffer(bytearray(b'{"format": "float8_e4m3fn"}'), dtype=torch.uint8)
+    save_file(quant, str(folder / "te_comfy_quant.safetensors"))
+    (folder / "dit.safetensors").write_bytes((tiny / "transformer" / "diffusion_pytorch_model.safetensors").read_bytes())
+    for name, kind in (("vae_diffusers", "vae"), ("vae_wan", "vae"), ("te_comfy", "text_encoder"),
+                       ("te_comfy_quant", "text_encoder"), ("dit", "dit")):
+        out[name] = (kind, (folder / f"{name}.safetensors").read_bytes())
+    return out
+
+
+def split(raw: bytes) -> tuple[dict, bytes]:
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def join(header: dict, data: bytes) -> bytes:
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + data
+
+
+def _structural_name(kind: str, rnd: random.Random) -> str:
+    index = rnd.choice(HUGE_INDEX)
+    return rnd.choice({
+        "vae": [f"decoder.up_blocks.0.resnets.{index}.norm1.gamma", f"decoder.up_blocks.{index}.resnets.0.norm1.gamma",
+                f"encoder.down_blocks.{index}.resample.1.weight", f"decoder.upsamples.{index}.residual.0.gamma"],
+        "text_encoder": [f"model.layers.{index}.mlp.up_proj.weight", f"model.visual.blocks.{index}.norm1.weight",
+                         f"model.visual.deepstack_merger_list.{index}.norm.weight"],
+        "dit": [f"blocks.{index}.norm1.weight", f"blocks.0.ffn.experts.w1.{index}", f"blocks.{index}.x"],
+    }[kind])
+
+
+def mutate(kind: str, raw: bytes, rnd: random.Random) -> bytes:
+    """1-3 mutations: mostly structural (header JSON), some byte-level."""
+    if rnd.random() < 0.15:
+        out = bytearray(raw)
+        (n,) = struct.unpack("<Q", raw[:8])
+        choice = rnd.choice(["byte", "cut", "append", "length"])
+        if choice == "byte":
+            at = rnd.randrange(8, 8 + n)
+            out[at] = rnd.randrange(256)
+        elif choice == "cut":
+            del out[rnd.randrange(0, len(out)):]
+        elif choice == "append":
+            out += bytes(rnd.randint(1, 64))
+        else:
+            out[:8] = struct.pack("<Q", rnd.choice([0, 1, n - 1, n + 1, 2**31, 2**63]))
+        return bytes(out)
+    header, data = split(raw)
+    names = [k for k in header if k != "__metadata__"]
+    for _ in range(rnd.randint(1, 3)):
+        what = rnd.choice(["rename", "zero_blocks", "dim", "dtype", "offsets", "metadata", "long_name", "drop",
+                           "copy", "comfy_quant", "rank"])
+        name = rnd.choice(names)
+        entry = header.get(name)
+        if entry is None:
+            continue
+        if what == "rename":
+            new = _structural_name(kind, rnd)
+            header[new] = header.pop(name)
+            names = [k for k in header if k != "__metadata__"]
+        elif what == "zero_blocks":  # zero-size tensors claiming many blocks (no data needed)
+            for _ in range(rnd.choice([1, 2, 50])):
+                header[_structural_name(kind, rnd)] = {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}
+        elif what == "dim" and entry["shape"]:
+            shape = list(entry["shape"])
+            shape[rnd.randrange(len(shape))] = rnd.choice(INTERESTING_DIMS)
+            entry["shape"] = shape
+            if rnd.random() < 0.5:  # keep the byte count consistent with the new shape when it is empty
+                if 0 in shape:
+                    entry["data_offsets"] = [entry["data_offsets"][0]] * 2
+        elif what == "dtype":
+            entry["dtype"] = rnd.choice(["I32", "I64", "U8", "BOOL", "F8_E4M3", "F64", "F16", "Q4", "F8_E8M0"])
+        elif what == "offsets":
+            a, b = entry["data_offsets"]
+            delta = rnd.choice([1, 4, 64, -4, len(data), 2**40])
+            entry["data_offsets"] = rnd.choice([[a + delta, b + delta], [a, b + delta], [a + delta, b]])
+        elif what == "metadata":
+            header["__metadata__"] = rnd.choice([{"format": 1}, [], "x", {"format": "pt", "k": None}, None])
+        elif what == "long_name":
+            header[name + "." + "x" * (1 << 20)] = header.pop(name)
+            names = [k for k in header if k != "__metadata__"]
+        elif what == "drop":
+            header.pop(name)
+            names = [k for k in header if k != "__metadata__"] or names
+        elif what == "copy":
+            header[_structural_name(kind, rnd) if rnd.random() < 0.5 else name + ".copy"] = dict(entry)
+        elif what == "comfy_quant":
+            quant = [k for k in names if k.endswith(".comfy_quant")]
+            if quant:
+                body = rnd.choice([b"[" * 4096, b"{" * 2000, b"\xff\xfe", b'{"format": 1e999}', b"[]", b'"x"'])
+                start = len(data)
+                data = data + body
+                header[quant[0]] = {"dtype": "U8", "shape": [len(body)], "data_offsets": [start, start + len(body)]}
+        elif what == "rank" and entry["shape"]:
+            entry["shape"] = rnd.choice([entry["shape"][:-1], entry["shape"] + [1], [int(x) for x in entry["shape"][::-1]]])
+    return join(header, data)
+
+
+def open_case(kind: str, path: Path) -> str:
+    """What the Loader does with the file: inspect, then (accepted) load. The outcome."""
+    from lingbot_core.errors import CheckpointError
+
+    try:
+        if kind == "vae":
+            from lingbot_core.weights.vae_file import inspect_vae_file as inspect
+            from lingbot_core.weights.vae_file import load_vae_file as load
+        elif kind == "text_encoder":
+            from lingbot_core.weights.text_encoder_file import inspect_text_encoder_file as inspect
+            from lingbot_core.weights.text_encoder_file import load_text_encoder_file as load
+        else:
+            from lingbot_core.weights.dit_file import dit_file_source as inspect
+            from lingbot_core.weights.loader import load_dit as load
+        info = inspect(path)
+    except CheckpointError:
+        return "refused"
+    try:
+        load(info)
+    except CheckpointError:
+        return "refused late"
+    return "read"
+
+
+def _library_refuses(path: Path) -> bool:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            for key in fh.keys():
+                fh.get_slice(key)
+    except Exception:  # the library's own SafetensorError (or an OSError)
+        return True
+    return False
+
+
+def _vm_bytes() -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _child(conn, kind: str, path: Path, memory: int) -> None:
+    limit = _vm_bytes() + memory
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    try:
+        conn.send(("ok", open_case(kind, path)))
+    except BaseException as err:  # the escapes this bench counts
+        conn.send(("CRASH", f"{type(err).__name__}: {str(err)[:300]}"))
+
+
+def run_case(kind: str, path: Path, timeout: float, memory: int) -> tuple[str, str]:
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(child, kind, path, memory))
+    proc.start()
+    child.close()
+    if not parent.poll(timeout):
+        proc.kill()
+        proc.join()
+        return "HANG", f"no answer in {timeout} s"
+    try:
+        status, detail = parent.recv()
+    except EOFError:
+        proc.join()
+        return "CRASH", f"child died (exit {proc.exitcode})"
+    proc.join()
+    return (detail, "") if status == "ok" else (status, detail)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", type=int, default=600)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=20.0)
+    ap.add_argument("--memory-mb", type=int, default=1500)
+    ap.add_argument("--keep", type=Path, help="save every crashing, hanging or silent file here")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    rnd = random.Random(args.seed)
+    outcomes: Counter[str] = Counter()
+    per_kind: dict[str, Counter[str]] = {}
+    examples: dict[str, str] = {}
+    kinds: Counter[str] = Counter()  # what crashed (the exception's type, or how the child died)
+    slowest = 0.0
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        seeds = seed_files(folder)
+        for name, (kind, raw) in seeds.items():  # warm the skeleton memo in the parent: children inherit it
+            (folder / "warm.safetensors").write_bytes(raw)
+            assert open_case(kind, folder / "warm.safetensors") == "read", name
+        order = sorted(seeds)
+        for i in range(args.cases):
+            name = order[i % len(order)]
+            kind, raw = seeds[name]
+            case = mutate(kind, raw, rnd)
+            path = folder / f"{name}-case.safetensors"
+            path.write_bytes(case)
+            start = time.perf_counter()
+            outcome, detail = run_case(kind, path, args.timeout, args.memory_mb << 20)
+            slowest = max(slowest, time.perf_counter() - start)
+            if outcome == "read" and _library_refuses(path):
+                outcome, detail = "SILENT", "read, but safetensors refuses the file"
+            outcomes[outcome] += 1
+            per_kind.setdefault(kind, Counter())[outcome] += 1
+            if outcome in ("CRASH", "HANG", "SILENT"):
+                kinds[f"{outcome} {detail.split(':')[0]}"] += 1
+                examples.setdefault(f"{outcome} {kind}", f"case {i} ({name}): {detail}")
+                if args.keep:
+                    args.keep.mkdir(parents=True, exist_ok=True)
+                    (args.keep / f"{outcome.lower()}-{i}-{name}.safetensors").write_bytes(case)
+    result = {"cases": args.cases, "seed": args.seed, "outcomes": dict(outcomes),
+              "per_kind": {k: dict(v) for k, v in per_kind.items()},
+              "crashes": outcomes["CRASH"], "hangs": outcomes["HANG"], "silent": outcomes["SILENT"],
+              "what_escaped": dict(kinds),
+              "examples": examples, "slowest_s": round(slowest, 2), "total_s": round(time.perf_counter() - started, 1),
+              "load_average": os.getloadavg()}
+    print(json.dumps(result, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
