@@ -143,9 +143,10 @@ def test_a_client_error_is_not_retried():
 
 def test_a_slow_endpoint_times_out_and_says_so():
     with FakeChatServer([("sleep", 1.0, reply("late"))] * 2) as server:
-        with pytest.raises(rw.EndpointError, match=r"no complete reply within 0.3 s"):
+        with pytest.raises(rw.EndpointError, match=r"after 2 attempt\(s\): no complete reply within 0.3 s"):
             rw.rewrite(REQUEST, _backend(server, timeout=0.3, retries=1), cache=None)
-    assert len(server.requests) == 2
+    # (not the server's count: the 0.3 s include connecting and sending, so on a busy machine an attempt
+    # may end before the server has read it)
 
 
 def test_a_redirect_is_refused():

@@ -193,6 +193,9 @@ def test_a_good_reply_still_passes_through_the_new_client():
     with FakeChatServer([reply("A boat drifts."), reply(caption)]) as server:
         result = rw.rewrite(REQUEST, _backend(server.url), cache=None)
     assert result.document == valid_caption(5.0) and server.requests[0]["path"] == "/v1/chat/completions"
+    with FakeChatServer([reply("A boat drifts."), reply(caption)]) as server:  # a path with an encoded space
+        rw.rewrite(REQUEST, _backend(server.url.replace("/v1", "/v%201")), cache=None)
+    assert server.requests[0]["path"] == "/v%201/chat/completions"
 
 
 # -- issue 37 item 4: the seed at temperature 0 --------------------------------------------------------

@@ -206,7 +206,8 @@ def _send(attempt: _Attempt, scheme: str, host: str, port: int, path: str, data:
     try:
         kind = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
         connection = attempt.connection = kind(host, port, timeout=timeout)
-        if attempt.abandoned:
+        connection.connect()
+        if attempt.abandoned:  # cancelled or past the deadline while connecting: send nothing
             return
         connection.request("POST", path, body=data, headers=headers)
         reply = connection.getresponse()
@@ -297,7 +298,8 @@ class OpenAIBackend:
         scheme, host, port, path = _parts(self.endpoint)
         attempt = _Attempt()
         worker = threading.Thread(target=_send, name="lingbot-rewrite-request", daemon=True,
-                                  args=(attempt, scheme, host, port, path + "/chat/completions", data, headers,
+                                  args=(attempt, scheme, host, port,
+                                        urllib.parse.quote(path, safe="/") + "/chat/completions", data, headers,
                                         self.timeout))
         deadline = time.monotonic() + self.timeout
         worker.start()
