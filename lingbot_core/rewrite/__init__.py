@@ -1,8 +1,9 @@
 """Prompt rewriter: prose (plus the first frame for TI2V) in, the structured caption LingBot-Video was
 trained on out, by a model in two stages (expand the request, map it onto the schema).
 
-Backends are a registry (:data:`BACKENDS`): ``local`` runs the checkpoint's own Qwen3-VL text
-encoder through the stage door; ``openai`` calls an OpenAI-compatible chat endpoint. Which
+Two backends: :class:`LocalBackend` runs the checkpoint's own Qwen3-VL text encoder through the
+stage door; :class:`OpenAIBackend` calls an OpenAI-compatible chat endpoint (the node and the CLI
+pick it when an endpoint is given). Which
 endpoints a host may call is the host's decision (:func:`endpoint_allowed` against
 :func:`allowed_endpoints`); API keys come from the environment only.
 """
@@ -36,10 +37,7 @@ from .openai_backend import (
 )
 from .scan import ObjectScanner, extract_object
 
-BACKENDS: dict[str, type] = {"local": LocalBackend, "openai": OpenAIBackend}
-"""Rewriter backends by name (what the node's and CLI's choices list)."""
-
-__all__ = ["API_KEY_ENV", "BACKENDS", "CACHE", "ENDPOINTS_ENV", "JSON_STAGES", "STAGES", "TASKS", "Backend",
+__all__ = ["API_KEY_ENV", "CACHE", "ENDPOINTS_ENV", "JSON_STAGES", "STAGES", "TASKS", "Backend",
            "CannotWrite", "check_writes_text",
            "EndpointError", "LocalBackend", "ObjectScanner", "OpenAIBackend", "ResultCache", "RewriteError",
            "RewriteRequest", "RewriteResult", "Sampling", "allowed_endpoints", "duration_for", "endpoint_allowed",

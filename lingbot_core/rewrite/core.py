@@ -56,7 +56,7 @@ GREEDY = Sampling()
 
 
 class Backend(Protocol):
-    """A text generator the rewriter drives. Backends live in :data:`lingbot_core.rewrite.BACKENDS`."""
+    """A text generator the rewriter drives (`LocalBackend`, `OpenAIBackend`)."""
 
     name: str
 
