@@ -1,4 +1,8 @@
-"""The offload issue's GPU check: TI2V at full model size under every offload mode, one table.
+"""The offload issue's GPU benchmark: TI2V at full model size under every offload mode, one table.
+
+The quick GPU check of a machine (every mode's peak against the estimate on a real-width DiT, kernels,
+bandwidth, disk, the recipe row) is `python -m lingbot_core.doctor`; run it first. This script is the
+longer end-to-end benchmark: the whole pipeline at full size against the published figures.
 
 Why: CPU runs prove offload is correct (identical frames, hooks in place) but not that it saves
 memory or time; that needs an accelerator and full-size weights. This script builds random-weight

@@ -1,172 +1,50 @@
 """The README's hardware recipes: for each GPU x RAM size, what to download and which settings fit.
 
-Every cell comes from the estimator `auto` and the fit check decide with (`lingbot_core.placement.
-estimate` / `fit`), on the real configurations built on `meta` (`bench/memory_table.py`): an
-ESTIMATE, not a measurement, until a GPU run confirms it. Nothing here runs a model.
+Every cell comes from `lingbot_core.placement.recipes.recipe_for` (the estimator `auto` and the fit
+check decide with, on the real configurations built on `meta`): an ESTIMATE, not a measurement, until a
+GPU run confirms it (`python -m lingbot_core.doctor` on a GPU prints the row for its machine, checked
+against measured peaks). Nothing here runs a model. How a cell is chosen: that module's docstring.
 
     python bench/recipes.py            # print the table
     python bench/recipes.py --write    # and put it into README.md (between the recipes markers)
 
 The machine: a card of N GB has N GiB, of which `DESKTOP_GIB` is taken by the driver and display;
-of the host RAM, `SYSTEM_GIB` is left to the OS and other programs. How a cell is chosen, in order:
-1. the model: the MoE when its base pass at 832x480x121 fits, else the dense model;
-2. the weights and where the offloaded DiT lives: bf16, then GGUF Q8_0, then Q4_0 with
-   `offload_to: ram` (fastest); else `offload_to: disk` with the largest format whose DiT file(s) the
-   page cache can still hold (else Q4_0, read from the disk every step);
-3. the fastest offload mode that fits, with Decode tiling;
-4. the largest base size (`fit.BASE_SIZES`: 1280x736 down to 576x320; 121 frames) and, for the MoE, the largest
-   refine size (1920x1088, 1280x736, 960x544) that fit under that setting.
+of the host RAM, `SYSTEM_GIB` is left to the OS and other programs.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-import json
 import re
 import sys
-from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/x.py` from a plain checkout
 
-import torch
+from lingbot_core.placement.recipes import (  # noqa: F401  (re-exported: the README tests read them here)
+    DESKTOP_GIB,
+    FORMATS,
+    FRAMES,
+    SYSTEM_GIB,
+    Recipe,
+    machine_budget,
+    model_facts,
+    recipe_for,
+    sizes_for,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 START, END = "<!-- recipes:start (python bench/recipes.py --write) -->", "<!-- recipes:end -->"
 VRAM_GB = (8, 12, 16, 24, 48, 80)
 RAM_GB = (32, 64, 128)
-DESKTOP_GIB = 0.5
-SYSTEM_GIB = 4.0
-FORMATS = ("bf16", "GGUF Q8_0", "GGUF Q4_0")
-FRAMES = 121
 GB, GiB = 1e9, 1024**3
 
 
-def _dit_bytes(variant: str) -> dict[str, int]:
-    """Bytes of one DiT per format, from the real configuration's tensors (quantizable ones packed
-    as `lingbot_core.quantize` writes them: Q8_0 34 bytes / 32 values, Q4_0 18 / 32)."""
-    from bench.memory_table import CONFIGS
-    from bench.offload_gpu import build_transformer
-    from lingbot_core.weights.loader import quantizable
-
-    dit = build_transformer(json.loads(CONFIGS[variant].read_text()), torch.device("meta"), torch.bfloat16, 0)
-    out = dict.fromkeys((*FORMATS, "fp8"), 0)
-    for key, t in dit.state_dict().items():
-        n, shape = t.numel(), tuple(t.shape)
-        packs = quantizable(key, shape) and shape[-1] % 32 == 0
-        out["bf16"] += 2 * n
-        out["GGUF Q8_0"] += n * 34 // 32 if packs else 2 * n
-        out["GGUF Q4_0"] += n * 18 // 32 if packs else 2 * n
-        out["fp8"] += n + 4 * (n // shape[-1]) if quantizable(key, shape) else 2 * n  # values + a row scale
-    return out
-
-
-@functools.cache
-def model_facts() -> dict[str, dict]:
-    """Per variant: ModelSizes in bf16 (as `auto` sees the published folder), DiT bytes per format,
-    and the download size with and without refiner/."""
-    from bench.memory_table import build
-    from lingbot_core import memory
-
-    facts = {}
-    for variant in ("dense", "moe"):
-        components = build(variant)
-        sizes = memory.sizes_from_modules(components)
-        disk = sum(sum(p.numel() for p in m.parameters()) * (4 if n == "vae" else 2) for n, m in components.items())
-        facts[variant] = dict(sizes=sizes, dit=_dit_bytes(variant), download=disk,
-                              refiner=sizes.refiner if variant == "moe" else 0)
-    return facts
-
-
-def sizes_for(variant: str, fmt: str):
-    """The variant's ModelSizes with its DiT(s) held in `fmt` (the block shrinks in proportion)."""
-    facts = model_facts()[variant]
-    sizes, dit = facts["sizes"], facts["dit"]
-    ratio = dit[fmt] / dit["bf16"]
-    # the pinned copies (group offload's) scale alike: the same tensors, each at its share of the format's bytes
-    return replace(sizes, transformer=int(sizes.transformer * ratio), refiner=int(sizes.refiner * ratio),
-                   largest_block=int(sizes.largest_block * ratio),
-                   pinned_transformer=int(sizes.pinned("transformer") * ratio),
-                   pinned_refiner=int(sizes.pinned("refiner") * ratio))
-
-
-@dataclass(frozen=True)
-class Recipe:
-    vram_gb: int
-    ram_gb: int
-    model: str = "—"
-    files: str = "—"
-    weights: str = "—"
-    mode: str = "—"
-    offload_to: str = "—"
-    base: str = "nothing fits"
-    refine: str = "—"
-
-    def row(self) -> list[str]:
-        return [f"{self.vram_gb} GB", f"{self.ram_gb} GB", self.model, self.files, self.weights,
-                f"`{self.mode}`" if self.mode != "—" else "—",
-                f"`{self.offload_to}`" if self.offload_to != "—" else "—", self.base, self.refine]
-
-
-def _best(sizes, geometry, to: str, vram: int, host: int) -> str | None:
-    from lingbot_core.placement.fit import _best_mode
-
-    return _best_mode(sizes, geometry, to, vram, host)
-
-
-def _plan(variant: str, fmt: str, to: str, vram: int, host: int) -> dict | None:
-    """What fits with these weights and home: the largest base size, the largest refine size (MoE),
-    and the fastest mode for the headline run (the refined run when one fits, else the largest base)."""
-    from lingbot_core.memory import Geometry, host_bytes
-    from lingbot_core.placement.fit import BASE_SIZES, REFINE_SIZES
-
-    sizes = sizes_for(variant, fmt)
-    if to == "disk":  # only worth it when the page cache can keep the DiT file(s) a step reads
-        mode = _best(sizes, Geometry(480, 832, FRAMES, vae_tiling=True), to, vram, host)
-        if mode is None or model_facts()[variant]["dit"][fmt] > host - host_bytes("sequential", sizes, to):
-            return None
-    bases = [(h, w) for h, w in BASE_SIZES if _best(sizes, Geometry(h, w, FRAMES, vae_tiling=True), to, vram, host)]
-    if not bases:
-        return None
-    refine, mode = None, None
-    if variant == "moe":
-        for size in REFINE_SIZES:
-            mode = _best(sizes, Geometry(480, 832, FRAMES, refine=size, vae_tiling=True, release_base=True),
-                         to, vram, host)
-            if mode:
-                refine = size
-                break
-    if mode is None:
-        mode = _best(sizes, Geometry(*bases[0], FRAMES, vae_tiling=True), to, vram, host)
-    return dict(base=bases[0], refine=refine, mode=mode)
-
-
 def recipe(vram_gb: int, ram_gb: int) -> Recipe:
-    vram = int((vram_gb - DESKTOP_GIB) * GiB)
-    host = int((ram_gb - SYSTEM_GIB) * GiB)
-    for variant in ("moe", "dense"):
-        facts = model_facts()[variant]
-        options = [(fmt, to, plan) for to in ("ram", "disk") for fmt in FORMATS
-                   if (plan := _plan(variant, fmt, to, vram, host)) is not None
-                   and (variant != "moe" or plan["base"][0] * plan["base"][1] >= 480 * 832)]  # rule 1
-        if not options:
-            continue
-        area = (lambda hw: hw[0] * hw[1] if hw else 0)  # noqa: E731
-        # the best output first (refine size, then base size), then bf16 over smaller formats, RAM over disk
-        fmt, to, plan = max(options, key=lambda o: (area(o[2]["refine"]), area(o[2]["base"]),
-                                                    -FORMATS.index(o[0]), o[1] == "ram"))
-        refine = plan["refine"]
-        download = facts["download"] - (facts["refiner"] if variant == "moe" and refine is None else 0)
-        files = f"{variant} folder, {download / GB:.1f} GB" + (" (no refiner/)" if variant == "moe" and
-                                                               refine is None else "")
-        weights = fmt if fmt == "bf16" else f"{fmt} (quantize: {facts['dit'][fmt] / GB:.1f} GB per DiT)"
-        base = plan["base"]
-        return Recipe(vram_gb, ram_gb, "MoE 30B-A3B" if variant == "moe" else "dense 1.3B", files, weights,
-                      plan["mode"], to, f"{base[1]}x{base[0]}x{FRAMES}",
-                      f"{refine[1]}x{refine[0]}" if refine else ("no" if variant == "moe" else "—"))
-    return Recipe(vram_gb, ram_gb)
+    """The README's cell for a card of `vram_gb` GB in a machine with `ram_gb` GB of RAM."""
+    vram, host = machine_budget(vram_gb, ram_gb)
+    return recipe_for(vram, host, vram_gb=vram_gb, ram_gb=ram_gb)
 
 
 # -- the DMD student (robbyant/lingbot-video-moe-dmd-30b-a3b) ----------------------------------------------

@@ -60,6 +60,8 @@ def test_bf16_model_runs_without_autocast_and_tracks_fp32():
     assert (half - ref).abs().max() < 0.05 * ref.abs().max()
 
 
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason=f"torch {torch.__version__} has no _grouped_mm "
+                    "(added in 2.8): the loop is the only path")
 def test_grouped_mm_path_matches_expert_loop_in_bf16(monkeypatch):
     model = random_dit(TINY_MOE).to(torch.bfloat16)
     x, t, text = _inputs()

@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     # the runners over the stages on several processes (`parallel_denoise`, LingBot Parallel's worker pool)
     ("stages", {"stages", "rewrite", "parallel_runs"}),
     # entry points
-    ("entry", {"__main__", "__init__"}),
+    ("entry", {"__main__", "__init__", "doctor"}),
 ]
 LEVEL = {unit: level for level, (_name, units) in enumerate(LAYERS) for unit in units}
 

@@ -156,3 +156,14 @@ def test_nodes_do_not_contain_model_logic():
         text = path.read_text()
         assert "torch.nn" not in text and ".forward(" not in text, path.name
     assert importlib.util.find_spec("lingbot_nodes") is not None
+
+
+def test_torch_floor_is_the_release_the_oldest_torch_script_tests():
+    """pyproject's torch floor is the torch `bench/oldest_torch.sh` runs the tests on (tested, not guessed)."""
+    from packaging.version import Version
+
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    floor = next(d for d in dependencies if re.match(r"torch\s*>=", d)).split(">=", 1)[1].strip()
+    script = (ROOT / "bench" / "oldest_torch.sh").read_text()
+    tested = re.search(r"^TORCH=(\S+)$", script, flags=re.M).group(1)
+    assert Version(tested) == Version(floor), (floor, tested)

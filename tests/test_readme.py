@@ -191,6 +191,10 @@ def test_every_readme_command_is_checked():
             _hf_download(argv)
         elif argv[:3] == ["python", "-m", "lingbot_core.quantize"]:
             _quantize(argv)
+        elif argv[:3] == ["python", "-m", "lingbot_core.doctor"]:
+            from lingbot_core.doctor import parse_args as doctor_args
+
+            doctor_args(argv[3:])
         elif argv[:3] == ["python", "-m", "lingbot_core"]:
             core_parser().parse_args(argv[3:])
         elif argv[0] == "lingbot-run":
