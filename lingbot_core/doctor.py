@@ -265,9 +265,23 @@ def _kernels_module() -> Any:
         else None
 
 
+ATTENTION_PROBES = ("flash", "_flash_3", "sage", "xformers", "_native_flash", "_native_efficient", "_native_cudnn")
+"""The attention backends the Loaders offer besides PyTorch SDPA itself (diffusers' names): each is probed
+with and without a key mask (`attention/<name>`, `attention/<name>+mask`)."""
+COMPILING_PROBES = ("compiled_decoder",)
+"""Kernels whose probe compiles (seconds to a minute): not probed with --quick."""
+
+
 def kernel_names(kernels: Any) -> list[str]:
-    """Every kernel the registry lists (`kernels.KERNELS`)."""
-    return list(getattr(kernels, "KERNELS", None) or ())
+    """What to probe: every kernel of the registry (`kernels.KERNELS`), the attention family once per
+    backend the Loaders offer, with and without a mask."""
+    names = []
+    for name in getattr(kernels, "KERNELS", None) or ():
+        if name == "attention":
+            names += [f"attention/{b}{mask}" for b in ATTENTION_PROBES for mask in ("", "+mask")]
+        else:
+            names.append(name)
+    return names
 
 
 def kernel_verdicts(doctor: Doctor) -> dict[str, Any]:
@@ -279,6 +293,10 @@ def kernel_verdicts(doctor: Doctor) -> dict[str, Any]:
     probes = []
     for name in kernel_names(kernels):
         for dtype in dtypes:
+            if doctor.settings.quick and name.split("/")[0] in COMPILING_PROBES:
+                probes.append({"kernel": name, "device": doctor.device.type, "dtype": str(dtype).replace("torch.", ""),
+                               "verdict": "not probed", "reason": "--quick skips probes that compile"})
+                continue
             try:
                 probes.append(dict(kernels.probe(name, doctor.device, dtype)))
             except Exception as err:  # a probe that cannot even run is a verdict too
@@ -287,7 +305,9 @@ def kernel_verdicts(doctor: Doctor) -> dict[str, Any]:
     rows = [dict(v) for v in kernels.verdicts()]
     seen = {(r.get("kernel"), str(r.get("device")), str(r.get("dtype"))) for r in rows}
     rows += [p for p in probes if (p.get("kernel"), str(p.get("device")), str(p.get("dtype"))) not in seen]
-    return {"status": "ran", "rows": rows}
+    return {"status": "ran", "rows": rows,
+            "note": "fast: used; refused: it raised, the plain path is used; mismatch: it differed from the plain "
+                    "path, which is used. A good probe is not kept: the first real call is the kernel's trial"}
 
 
 # -- a real-width DiT under every offload mode -------------------------------------------------------
@@ -341,7 +361,7 @@ def _inputs(settings: Settings, device: torch.device, dtype: torch.dtype, seed: 
     return latents.to(device), text.to(device, dtype), torch.tensor([500.0], device=device)
 
 
-def measure_mode(doctor: Doctor, handle: Any, mode: str) -> tuple[dict[str, Any], torch.Tensor]:
+def measure_mode(doctor: Doctor, handle: Any, mode: str, geometry: Any) -> tuple[dict[str, Any], torch.Tensor]:
     """`mode` installed on `handle`'s DiT: a warm-up call (on CUDA), then `steps` steps (two DiT forwards
     each, as CFG runs) inside one stage. The stage's times and peaks, and the last output (on the CPU)."""
     from .offload import configure_offload, stage
@@ -355,22 +375,27 @@ def measure_mode(doctor: Doctor, handle: Any, mode: str) -> tuple[dict[str, Any]
         model = view.shared.loaded["transformer"]
         return model(latents.to(dev), t.to(dev), text.to(dev)).sample
 
+    # the door measures each stage on CUDA itself and files measured/estimated in the calibration file
+    # (`placement.calibration`): the phase and geometry give it the same estimate as the row's
+    def entered() -> Any:
+        return stage(view, "transformer", label="doctor denoise", phase="denoise", geometry=geometry)
+
     if accel.measures:  # warm-up: kernel trials, cuBLAS and the allocator, the first transfer
-        with stage(view, "transformer") as dev:
+        with entered() as dev:
             forward(dev)
     accel.clear()
     row: dict[str, Any] = {"start_allocated_bytes": accel.allocated()}
     steps: list[float] = []
     out = None
     accel.synchronize()
-    entered = time.perf_counter()
-    with stage(view, "transformer") as dev:
-        row["enter_s"] = time.perf_counter() - entered
+    began = time.perf_counter()
+    with entered() as dev:
+        row["enter_s"] = time.perf_counter() - began
         for _ in range(settings.steps):
             step_s, out = _timed(lambda: (forward(dev), forward(dev))[1], accel)
             steps.append(step_s)
     accel.synchronize()
-    row.update(stage_s=time.perf_counter() - entered, step_s=statistics.median(steps),
+    row.update(stage_s=time.perf_counter() - began, step_s=statistics.median(steps),
                peak_bytes=accel.peak_allocated(), peak_reserved_bytes=accel.peak_reserved())
     return row, out.float().cpu()
 
@@ -381,6 +406,7 @@ def run_modes(doctor: Doctor, variant: str) -> list[dict[str, Any]]:
     from . import memory
     from .handle import PipelineHandle
     from .offload import configure_offload
+    from .placement import calibration
     from .placement.modes import MODE_ORDER
 
     settings = doctor.settings
@@ -397,7 +423,7 @@ def run_modes(doctor: Doctor, variant: str) -> list[dict[str, Any]]:
         row: dict[str, Any] = {**shape, "mode": mode,
                                "estimate_bytes": memory.estimate_peak(mode, sizes, geometry, ("denoise",))}
         try:
-            measured, out = measure_mode(doctor, handle, mode)
+            measured, out = measure_mode(doctor, handle, mode, geometry)
         except Exception as err:  # one mode's failure must not cost the others' rows
             row.update(status="failed", error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc(limit=6))
             rows.append(row)
@@ -407,6 +433,8 @@ def run_modes(doctor: Doctor, variant: str) -> list[dict[str, Any]]:
             row["measured_vs_estimate"] = row["peak_bytes"] / row["estimate_bytes"]
         reference = out if reference is None else reference
         row["max_abs_diff_vs_first_mode"] = float((out - reference).abs().max())
+        if doctor.accelerator.measures:  # what later estimates for this mode on this device are scaled by
+            row["calibration_factor"] = calibration.factor(calibration.device_name(settings.device), mode)
         rows.append(row)
     configure_offload(handle, MODE_ORDER[-1])  # the weights back in their CPU home before they are dropped
     return rows
@@ -428,7 +456,14 @@ def dit_modes(doctor: Doctor) -> dict[str, Any]:
     }
     if s.experts is not None:
         out["note"] += f"; {s.experts} experts per MoE block (the published model has more)"
-    if not doctor.accelerator.measures:
+    if doctor.accelerator.measures:
+        from .placement.calibration import calibration_path
+
+        path = calibration_path()
+        out["calibration_file"] = str(path) if path is not None else "off"
+        out["note"] += ("; as in any run, each stage's measured/estimated ratio is filed per device and mode in the "
+                        "calibration file, and later estimates here are scaled by it (calibration_factor)")
+    else:
         out["note"] += ("; on a CPU: no memory counters (peaks not measured) and a few dozen tokens, so the times "
                         "say little about a GPU")
     return out

@@ -72,11 +72,11 @@ def test_command_line_writes_the_report(tmp_path):
     """The module runs as a command (one subprocess, cheap sections) and says where the report went."""
     path = tmp_path / "report.json"
     done = subprocess.run([sys.executable, "-m", "lingbot_core.doctor", "--device", "cpu", "--json", str(path),
-                           "--quick", "--only", "disk,kernels,versions"], cwd=ROOT, capture_output=True, text=True,
+                           "--quick", "--only", "disk,versions"], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr
     report = json.loads(path.read_text())
-    assert list(report["sections"]) == ["versions", "kernels", "disk"]  # the registry's order
+    assert list(report["sections"]) == ["versions", "disk"]  # the registry's order
     assert "[disk] ran" in done.stdout and f"report written to {path}" in done.stdout
 
 
@@ -132,11 +132,31 @@ def test_kernels_section_probes_every_registered_kernel(monkeypatch):
     monkeypatch.setattr(doctor, "_kernels_module", lambda: fake)
     settings = doctor.Settings.make(torch.device("cpu"), quick=True, sections=("kernels",))
     rows = doctor.run(settings)["sections"]["kernels"]["rows"]
-    assert [p[0] for p in probed] == ["grouped_mm", "attention", "broken"]
+    attention = [f"attention/{b}{m}" for b in doctor.ATTENTION_PROBES for m in ("", "+mask")]
+    assert [p[0] for p in probed] == ["grouped_mm", *attention, "broken"]
     by_kernel = {r["kernel"]: r for r in rows}
     assert by_kernel["grouped_mm"]["verdict"] == "refused"  # the process's own verdict wins over a good probe
-    assert by_kernel["attention"]["verdict"] == "fast"
+    assert by_kernel["attention/flash+mask"]["verdict"] == "fast"
     assert by_kernel["broken"]["verdict"] == "refused" and "cannot even try" in by_kernel["broken"]["reason"]
+
+
+def test_kernels_section_of_this_build(cpu_report):
+    """Every kernel family of the registry has a verdict on the CPU (the quick run skips compiling probes)."""
+    from lingbot_core import kernels
+
+    section = cpu_report[1]["sections"]["kernels"]
+    assert section["status"] == "ran"
+    assert {r["kernel"].split("/")[0] for r in section["rows"]} == set(kernels.KERNELS)
+    assert {r["verdict"] for r in section["rows"]} <= {*kernels.VERDICTS, "not probed"}
+    grouped = [r for r in section["rows"] if r["kernel"] == "grouped_mm"]
+    assert grouped and all(r["verdict"] == kernels.REFUSED for r in grouped)  # float32 has no grouped path
+
+
+def test_attention_probes_are_the_loaders_other_backends():
+    from lingbot_core.models.transformer import SDPA_BACKENDS
+    from lingbot_nodes.loader import ATTENTION
+
+    assert set(doctor.ATTENTION_PROBES) == set(ATTENTION) - {"default", *SDPA_BACKENDS}
 
 
 def test_comfyui_version_is_read_without_importing_comfyui(tmp_path, monkeypatch):
@@ -232,6 +252,7 @@ def test_cuda_sections_run_through_a_fake_accelerator(fake_cuda):
         assert row["status"] == "ran", row.get("error")
         assert row["peak_bytes"] == int(row["estimate_bytes"] * 1.25)
         assert row["measured_vs_estimate"] == pytest.approx(1.25, rel=1e-6)
+        assert row["calibration_factor"] == 1.0  # no CUDA device name: nothing filed for it
     bandwidth = sections["bandwidth"]
     assert bandwidth["status"] == "ran" and bandwidth["pinned_GBps"] > 0 and bandwidth["pageable_GBps"] > 0
     assert fake_cuda.pinned == [True, False]
