@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/x.py` from a plain checkout
@@ -39,6 +40,13 @@ START, END = "<!-- recipes:start (python bench/recipes.py --write) -->", "<!-- r
 VRAM_GB = (8, 12, 16, 24, 48, 80)
 RAM_GB = (32, 64, 128)
 GB, GiB = 1e9, 1024**3
+
+
+def _best(sizes, geometry, to: str, vram: int, host: int) -> str | None:
+    """The fastest mode that fits (the rule `auto` and the recipes use)."""
+    from lingbot_core.placement.fit import _best_mode
+
+    return _best_mode(sizes, geometry, to, vram, host)
 
 
 def recipe(vram_gb: int, ram_gb: int) -> Recipe:
