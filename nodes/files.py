@@ -227,9 +227,14 @@ class LingBotLoaderFiles(io.ComfyNode):
         options = dict(device=runtime.execution_device(device), dtypes=dtypes, weights=weights,
                        attention_backend=None if attention == "default" else attention, ffn_chunk=chunk,
                        compile=compile, fp8_matmul=fp8_matmul)
-        if processor is None and not any(chosen.values()):  # everything from the checkpoint folder
-            return io.NodeOutput(runtime.install_memory_cooperation(PipelineHandle.open(folder, **options)))
-        from lingbot_core.components import ComponentFiles
+        from lingbot_core.interrupt import interrupt_checker
 
-        handle = PipelineHandle.open(folder, files=ComponentFiles(**chosen, processor=processor), **options)
+        # opening reads headers and builds shape skeletons: a cancel (ComfyUI's /interrupt) stops it
+        with interrupt_checker(runtime.interrupt_check()):
+            if processor is None and not any(chosen.values()):  # everything from the checkpoint folder
+                handle = PipelineHandle.open(folder, **options)
+            else:
+                from lingbot_core.components import ComponentFiles
+
+                handle = PipelineHandle.open(folder, files=ComponentFiles(**chosen, processor=processor), **options)
         return io.NodeOutput(runtime.install_memory_cooperation(handle))

@@ -539,3 +539,19 @@ def test_a_gguf_header_walk_checks_interrupts(tmp_path):
     with interrupt_checker(lambda: calls.append(1)):
         read_header(path)
     assert len(calls) >= 4
+
+
+def test_the_files_loader_opens_under_the_interrupt_checker(tmp_path, monkeypatch):
+    from lingbot_nodes import runtime
+    from tests.test_loader_files import single_files
+
+    files = single_files(tmp_path / "models")
+
+    def cancel():
+        raise _Cancelled("cancelled")
+
+    monkeypatch.setattr(runtime, "interrupt_check", lambda: cancel)
+    with pytest.raises(_Cancelled):  # was: the whole open ran, the cancel unseen
+        FILES_LOADER.execute(node_files.FROM_CHECKPOINT, node_files.FROM_CHECKPOINT, node_files.FROM_CHECKPOINT,
+                             "none", dit_path=str(files["dit"]), vae_path=str(files["vae"]),
+                             text_encoder_path=str(files["text_encoder"]), processor_path=str(files["processor"]))
