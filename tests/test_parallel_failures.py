@@ -437,3 +437,20 @@ def test_ranks_given_different_jobs_are_refused_on_every_rank_before_running(tmp
         assert "\n" not in got["seed"]
         assert "steps" in got["denoise"] and "height" in got["denoise"] and "refused" in got["denoise"], got
     assert results[0]["denoise"] == results[1]["denoise"]
+
+
+def test_lingbot_parallel_refuses_gpus_this_machine_does_not_have(monkeypatch):
+    """`devices` naming a GPU that is not here is refused in one line before any process starts (the
+    worker failed to start, its error only in the server log). The GPUs are faked (two)."""
+    from lingbot_core.parallel_runs.pool import PoolSpec
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    handle = SimpleNamespace(device=torch.device("cuda:0"))
+    with pytest.raises(RefusedInput, match=r"cuda:3.*2 GPUs \(cuda:0 to cuda:1\)") as refused:
+        PoolSpec.make(handle, "cuda:0, cuda:3", 2)
+    assert "\n" not in str(refused.value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(RefusedInput, match=r"cuda:0 is not on this machine, which has no GPU"):
+        PoolSpec.make(handle, "0,1", 2)

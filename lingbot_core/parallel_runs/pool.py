@@ -111,6 +111,20 @@ def parse_devices(text: str) -> tuple[str, ...]:
     return tuple(names)
 
 
+def _check_gpus_here(names: tuple[str, ...]) -> None:
+    """Refuse a GPU this machine does not have (before any worker starts and fails on it)."""
+    indices = [torch.device(n).index for n in names if n.startswith("cuda")]
+    if not indices:
+        return
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    missing = [i for i in indices if i is None or i >= count]
+    if missing:
+        here = ("no GPU" if not count else "1 GPU (cuda:0)" if count == 1
+                else f"{count} GPUs (cuda:0 to cuda:{count - 1})")
+        raise RefusedInput(f"devices: cuda:{missing[0]} is not on this machine, which has {here}; list the GPUs "
+                           "it has, or cpu")
+
+
 def describe_handle(handle: Any) -> dict[str, Any]:
     """How a worker opens the same DiTs as `handle`: folder, DiT files, dtypes and settings (JSON-able)."""
     shared = handle.shared
@@ -178,6 +192,7 @@ class PoolSpec:
              fsdp: bool = False) -> PoolSpec:
         """Checked against `handle` before any process starts: device 0 is the handle's, degrees fit."""
         names = parse_devices(devices) if isinstance(devices, str) else tuple(devices)
+        _check_gpus_here(names)
         if len(names) < 2:
             raise RefusedInput(f"LingBot Parallel needs two or more devices (got {len(names)}); with one, use the "
                              "pipe directly")
