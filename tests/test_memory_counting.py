@@ -87,15 +87,27 @@ def test_from_checkpoint_reads_the_pinned_sizes_from_the_headers(fixtures_root):
 
 
 def test_auto_does_not_pick_group_when_its_pinned_copies_do_not_fit_the_host():
+    from lingbot_core.placement.fit import choose_mode
+
     sizes = _sizes(pinned_transformer=4 * GiB, pinned_text_encoder=11 * GiB, pinned_refiner=0)
     geometry = Geometry(192, 320, 49)
     vram = estimate.estimate_peak("group", sizes, geometry) + estimate.RESERVE_BYTES  # group fits, model does not
-    host = host_bytes("group", sizes, pinned=False) + GiB  # the pageable weights fit, the pinned copies do not
-    from lingbot_core.placement.fit import choose_mode
+    travelling = host_bytes("group", sizes, pinned=None)  # pageable copies, the groups in flight pinned
+    assert host_bytes("group", sizes, pinned=False) < travelling < host_bytes("group", sizes)
+    choice = choose_mode(sizes, geometry, vram, host_budget=travelling + GiB)
+    assert choice.host[choice.mode] <= travelling + GiB
+    assert choice.mode == "sequential" and choice.offload_to == "ram"  # not group: its pinned copies do not fit
+    roomy = choose_mode(sizes, geometry, vram, host_budget=host_bytes("group", sizes))
+    assert (roomy.mode, roomy.offload_to) == ("group", "ram")
 
-    choice = choose_mode(sizes, geometry, vram, host_budget=host)
-    assert choice.host[choice.mode] <= host
-    assert (choice.mode, choice.offload_to) != ("group", "ram")
+
+def test_the_fit_check_counts_group_as_its_options_pin(fixtures_root):
+    handle = _open(fixtures_root).with_device("cuda")  # a label: nothing moves in a check
+    sizes, geometry = ModelSizes.from_handle(handle), Geometry(32, 32, 5, ffn_chunk=None)
+    for options, pinned in (({}, True), ({"use_stream": False}, False), ({"low_cpu_mem_usage": True}, None)):
+        verdict = door.check_handle(handle.with_offload("group", **options), geometry, vram_free=64 * GiB,
+                                    host_free=64 * GiB)
+        assert verdict.host_needed == host_bytes("group", sizes, pinned=pinned), options
 
 
 def test_pin_in_place_pins_each_tensor_once_so_diffusers_copies_nothing(monkeypatch):

@@ -565,8 +565,9 @@ def check_handle(handle: object, geometry: estimate.Geometry, *, mode: str | Non
         vram_free = _free_budget(handle.shared, device, estimate.estimate_peak(mode, sizes, geometry) + estimate.RESERVE_BYTES)
     if host_free is None:
         host_free = estimate.available_host_bytes()
-    pinned = device.type == "cuda" and not (mode == settings.mode and (not settings.option("use_stream", True)
-                                                                    or settings.option("low_cpu_mem_usage", False)))
+    pinned: bool | None = device.type == "cuda" and not (mode == settings.mode and not settings.option("use_stream", True))
+    if pinned and mode == settings.mode and settings.option("low_cpu_mem_usage", False):
+        pinned = None  # diffusers pins each group only as it travels
     with calibration.on_device(calibration.device_name(device)):
         verdict = fit.check(sizes, geometry, mode, offload_to, vram_free=vram_free, host_free=host_free,
                             pinned=pinned)

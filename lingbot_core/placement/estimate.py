@@ -451,13 +451,15 @@ def resolve_chunk(mode: str, sizes: ModelSizes, geometry: Geometry, budget_bytes
     return replace(geometry, ffn_chunk=chunk)
 
 
-def host_bytes(mode: str, sizes: ModelSizes, offload_to: str = "ram", *, pinned: bool = True) -> int:
+def host_bytes(mode: str, sizes: ModelSizes, offload_to: str = "ram", *, pinned: bool | None = True) -> int:
     """Host RAM the weights need under `mode` and `offload_to` at their peak (see the module docstring).
 
-    `pinned`: the mode pins its host copies where it can (`Mode.pins`: `group` with a prefetch stream,
-    what `auto` installs on CUDA). A pinned component takes `ModelSizes.pinned` bytes; it is pinned one
-    tensor at a time (`modes.group.pin_in_place`), so while it installs one tensor is held twice, at
-    most the largest of a DiT block and the text encoder's embedding."""
+    `pinned`, for a mode that pins its host copies (`Mode.pins`: `group` with a prefetch stream, what
+    `auto` installs on CUDA): True, a pinned copy of every grouped tensor (`ModelSizes.pinned` bytes), pinned
+    one tensor at a time (`modes.group.pin_in_place`) so one tensor is held twice while it installs, at most
+    the largest of a DiT block and the text encoder's embedding; None, pageable copies pinned group by group
+    as they travel (diffusers' `low_cpu_mem_usage`): the groups in flight, two, at most twice their bytes
+    each, stay in torch's pinned cache; False, nothing pinned (no stream)."""
     if mode not in MODE_CLASSES:
         raise ValueError(f"no estimate for mode {mode!r}")
     cls = MODE_CLASSES[mode]
@@ -465,14 +467,18 @@ def host_bytes(mode: str, sizes: ModelSizes, offload_to: str = "ram", *, pinned:
         return 0  # everything lives on the accelerator
     from .modes.disk import unit_bytes
 
-    pins = cls.pins if pinned else frozenset()
     dits = ("transformer", "refiner") if offload_to != "disk" else ()
     held = {"text_encoder": sizes.text_encoder, "vae": sizes.vae}
     held.update({n: getattr(sizes, n) for n in dits})
-    pinned_now = {n: sizes.pinned(n) for n in held if n in pins}
-    steady = sum(pinned_now.get(n, b) for n, b in held.items())
-    installing = max(sizes.largest_block, sizes.text_head) if pinned_now else 0
-    return steady + installing + (unit_bytes(mode, sizes) if offload_to == "disk" else 0)
+    grouped = [n for n in held if n in cls.pins]
+    disk = unit_bytes(mode, sizes) if offload_to == "disk" else 0
+    if not grouped or pinned is False:
+        return sum(held.values()) + disk
+    if pinned is None:
+        in_flight = 2 * PINNED_BOUND * max(sizes.largest_block, sizes.text_largest_layer)
+        return sum(held.values()) + disk + in_flight
+    steady = sum(sizes.pinned(n) if n in grouped else b for n, b in held.items())
+    return steady + max(sizes.largest_block, sizes.text_head) + disk
 
 
 PINNED_BOUND = 2

@@ -10,6 +10,10 @@ Policy, and why:
   with the line (`DoesNotFit`, a `ValueError`: bad input, exit code 2).
 - VRAM that does not fit ends in a catchable CUDA out-of-memory error (and `auto` falls back one
   mode), and the estimate is an estimate, so a VRAM shortfall is a loud warning, not a refusal.
+- `group` as `auto` installs it on CUDA keeps a pinned copy of every grouped tensor; where those do not
+  fit the host, `auto` moves on (`sequential`, or `offload_to="disk"`) rather than pin group by group as
+  they travel (diffusers' `low_cpu_mem_usage`): its published cost, +290 % for block-level offload
+  (diffusers PR #11106), is above `sequential`'s (+45-63 %; docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -161,10 +165,11 @@ def _advice(sizes: ModelSizes, g: Geometry, mode: str, offload_to: str, vram: in
 
 
 def check(sizes: ModelSizes, geometry: Geometry, mode: str, offload_to: str = "ram", *,
-          vram_free: int | None, host_free: int | None, pinned: bool = True) -> Fit:
+          vram_free: int | None, host_free: int | None, pinned: bool | None = True) -> Fit:
     """The fit of one explicit mode (not `auto`) with its advice when it does not fit. An `"auto"` FFN
     chunk is resolved against `vram_free` (`Fit.ffn_chunk`: the chunk the estimate counted). `pinned`:
-    the mode keeps pinned host copies (`estimate.host_bytes`; `group` without a stream does not)."""
+    how the mode keeps its host copies (`estimate.host_bytes`: True pinned copies, None pinned as they
+    travel, False pageable; `group` without a stream pins nothing)."""
     resolved = estimate.resolve_chunk(mode, sizes, geometry, vram_free)
     fit = Fit(mode, offload_to, geometry, estimate.estimate_peak(mode, sizes, resolved), vram_free,
               estimate.host_bytes(mode, sizes, offload_to, pinned=pinned), host_free,
