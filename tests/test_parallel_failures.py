@@ -36,7 +36,7 @@ def _whole_world_layout():
     return SimpleNamespace(group=None, world_size=1, leader_rank=0, mesh=None)
 
 
-def test_a_cuda_rank_failing_inside_a_forward_gets_group_broken_naming_it(one_rank_world):
+def test_a_cuda_rank_failing_inside_a_forward_gets_group_broken_naming_it(one_rank_world, tmp_path):
     """The reproduction: on a CUDA device `broken` aborted every group (clearing the default one) and then
     asked torch for the rank, which raised torch's own ValueError (exit code 2, the failure recorded as
     rank 0's, LingBot Parallel keeping the broken pool). Now: `GroupBroken` naming this rank, exit 1."""
@@ -48,6 +48,22 @@ def test_a_cuda_rank_failing_inside_a_forward_gets_group_broken_naming_it(one_ra
     assert "rank 0 (cuda) failed in the DiT forward of step 3" in str(got)
     assert exit_codes.exit_code(got) == exit_codes.FAILED and got.stops_group
     assert dist.get_rank() == 0  # the process group is still this process's to destroy (the caller leaves it)
+
+    # --jobs: the batch stops at the job that broke the group (it went on to the next job on the aborted group)
+    from lingbot_core.parallel.jobs import Job, Manifest, run_jobs
+    from lingbot_core.workflow.errors import NodeExecutionError
+
+    ran = []
+
+    def run_one(job):
+        ran.append(job.id)
+        if job.id == "j0":
+            raise NodeExecutionError("4", "LingBotDenoise", str(got)) from got  # as the engine wraps it
+        return []
+
+    with pytest.raises(NodeExecutionError):
+        run_jobs([Job("j0", 1), Job("j1", 2)], run_one, Manifest(tmp_path / "m.jsonl"))
+    assert ran == ["j0"]
 
 
 def test_group_broken_names_the_first_failing_rank_not_this_one(one_rank_world):
