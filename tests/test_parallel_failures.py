@@ -470,3 +470,20 @@ def test_lingbot_parallel_refuses_gpus_this_machine_does_not_have(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(RefusedInput, match=r"cuda:0 is not on this machine, which has no GPU"):
         PoolSpec.make(handle, "0,1", 2)
+
+
+def test_a_group_without_abort_is_aborted_through_its_nccl_backend():
+    """Older torch: ProcessGroup has no `abort`; its NCCL backend has (faked here)."""
+    calls = []
+
+    class Backend:
+        def abort(self):
+            calls.append("backend")
+
+    class OldGroup:
+        def _get_backend(self, device):
+            calls.append(str(device))
+            return Backend()
+
+    abort._abort_group(OldGroup())
+    assert calls == ["cuda", "backend"]

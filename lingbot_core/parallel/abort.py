@@ -214,7 +214,14 @@ def _abort_group(group: Any) -> None:
     registered, so this process still knows its rank and leaves the group as usual afterwards."""
     try:
         group.abort()
+        return
+    except AttributeError:  # an older torch: ProcessGroup has no abort, its NCCL backend has
+        pass
     except Exception:  # already aborted (by the watch), or a backend without abort
+        return
+    try:
+        group._get_backend(torch.device("cuda")).abort()
+    except Exception:
         pass
 
 
