@@ -162,7 +162,7 @@ class Placement:
     def drop(self, name: str, module: Any) -> None:
         """Let go of one component (a release): hooks off, tensors home, then forget it."""
         if self.mode is not None and name in self.mode.homes:
-            getattr(self.mode, "forget", self.mode.uninstall)(name, module)  # disk: no read-back
+            self.mode.uninstall(name, module)  # disk: hooks off, the streamed weights not read back
         elif isinstance(module, torch.nn.Module):
             from .. import hooks
             from ..weights.disk import on_disk

@@ -96,14 +96,14 @@ class Homes:
         self.tensors = list(unique.values())
         self.data = [t.data for t in self.tensors] if keep_data else None
 
-    def onload(self, device: torch.device, *, non_blocking: bool = False) -> None:
+    def onload(self, device: torch.device) -> None:
         """Bind every tensor to a copy of its home on `device` (the home itself when it is there)."""
         homes = self._homes()
         with torch.inference_mode(False), torch.no_grad():
             for t, home in zip(self.tensors, homes):
                 if same_device(t.device, device) and (not same_device(home.device, device) or _bound(t, home)):
                     continue
-                t.data = home.to(device, non_blocking=non_blocking and home.is_pinned())
+                t.data = home.to(device)
 
     def offload(self) -> None:
         """Bind every tensor back to its home (frees the device copies)."""

@@ -73,14 +73,6 @@ class DiskBacked:
         else:
             self.inner.uninstall(name, module)
 
-    def forget(self, name: str, module: Any) -> None:
-        """A release: hooks off without reading the weights back (the module is being dropped)."""
-        stream = self.streams.pop(name, None)
-        if stream is not None:
-            stream.remove(restore=False)
-        else:
-            self.inner.uninstall(name, module)
-
     def moves_whole(self, name: str) -> bool:
         return name not in self.streams and self.inner.moves_whole(name)
 
