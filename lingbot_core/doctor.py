@@ -353,12 +353,15 @@ def random_dit(config: dict[str, Any], dtype: torch.dtype, seed: int = 0) -> tor
     return model.eval().requires_grad_(False)
 
 
-def _inputs(settings: Settings, device: torch.device, dtype: torch.dtype, seed: int = 0):
+def _inputs(settings: Settings, config: Any, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Latents of the settings' video size (the Wan VAE's 4x time, 8x space), prompt embeddings of
+    `text_tokens` tokens and a mid-schedule timestep, on the device."""
     latent_frames = (settings.num_frames - 1) // 4 + 1
     g = torch.Generator().manual_seed(seed)
-    latents = torch.randn(1, 16, latent_frames, settings.height // 8, settings.width // 8, generator=g)
-    text = torch.randn(1, settings.text_tokens, 2560, generator=g)
-    return latents.to(device), text.to(device, dtype), torch.tensor([500.0], device=device)
+    latents = torch.randn(1, config.in_channels, latent_frames, settings.height // 8, settings.width // 8, generator=g)
+    text = torch.randn(1, settings.text_tokens, config.text_dim, generator=g)
+    device = settings.device
+    return latents.to(device), text.to(device, settings.dtype), torch.tensor([500.0], device=device)
 
 
 def measure_mode(doctor: Doctor, handle: Any, mode: str, geometry: Any) -> tuple[dict[str, Any], torch.Tensor]:
@@ -369,7 +372,7 @@ def measure_mode(doctor: Doctor, handle: Any, mode: str, geometry: Any) -> tuple
     settings, accel = doctor.settings, doctor.accelerator
     accel.clear()
     view = configure_offload(handle, mode)
-    latents, text, t = _inputs(settings, settings.device, settings.dtype)
+    latents, text, t = _inputs(settings, handle.shared.loaded["transformer"].config)
 
     def forward(dev: torch.device) -> torch.Tensor:
         model = view.shared.loaded["transformer"]

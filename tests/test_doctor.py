@@ -3,6 +3,7 @@ fake accelerator (CPU tensors, faked memory counters and device size)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -287,3 +288,17 @@ def test_a_cold_read_at_cache_speed_is_flagged(tmp_path, monkeypatch):
     section = doctor.disk_read(doctor.Doctor(settings, doctor.Accelerator(settings.device)))
     assert "not the disk's speed" in section["note"]
     assert not list(tmp_path.iterdir())  # the test file is gone
+
+
+def test_the_doctor_uses_lingbot_cores_public_names_only():
+    """What the doctor measures is what a user's run goes through: no private name of lingbot_core."""
+    tree = ast.parse(Path(doctor.__file__).read_text())
+    ours: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("lingbot_core")):
+            parts = (node.module or "").split(".") + [a.name for a in node.names]
+            assert not [p for p in parts if p.startswith("_") and p != "__future__"], ast.unparse(node)
+            ours.update(a.asname or a.name for a in node.names)
+    private = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+               and n.value.id in ours and n.attr.startswith("_")]
+    assert not private, private
