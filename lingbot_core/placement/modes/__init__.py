@@ -2,7 +2,8 @@
 
 A mode is a `Mode` subclass that sets `name`, in its own module here. Importing this package
 imports every module in the folder and registers each such class; nothing else lists modes. From
-the registry come, live (a mode registered later shows up in all of them):
+the registry come (kept in step by `register` and `unregister`, in place, so every importer sees a
+mode registered later):
 
 - `MODE_CLASSES`: name -> class (the door builds the installed mode from it);
 - `MODE_ORDER`: the concrete modes, fastest first (`Mode.speed`): what `auto` tries in turn and what
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -30,6 +31,17 @@ from ..settings import AUTO, AUTO_OPTIONS, OFFLOAD_TO, OffloadSettings
 from .base import Mode
 
 MODE_CLASSES: dict[str, type[Mode]] = {}
+MODE_ORDER: list[str] = []
+MODES: list[str] = [AUTO]
+OPTIONS: dict[str, frozenset[str]] = {AUTO: AUTO_OPTIONS}
+
+
+def _derive() -> None:
+    """Refresh the lists derived from `MODE_CLASSES` in place (importers hold these very objects)."""
+    MODE_ORDER[:] = sorted(MODE_CLASSES, key=lambda n: MODE_CLASSES[n].speed)
+    MODES[:] = [*MODE_ORDER, AUTO]
+    OPTIONS.clear()
+    OPTIONS.update({n: MODE_CLASSES[n].options for n in MODE_ORDER}, **{AUTO: AUTO_OPTIONS})
 
 
 def register(cls: type[Mode]) -> type[Mode]:
@@ -39,46 +51,13 @@ def register(cls: type[Mode]) -> type[Mode]:
     if MODE_CLASSES.get(cls.name, cls) is not cls:
         raise ValueError(f"offload mode {cls.name!r} is registered already ({MODE_CLASSES[cls.name].__name__})")
     MODE_CLASSES[cls.name] = cls
+    _derive()
     return cls
 
 
 def unregister(name: str) -> None:
     MODE_CLASSES.pop(name, None)
-
-
-class _Live(Sequence):
-    """A tuple computed from the registry each time it is read."""
-
-    def __init__(self, make: Callable[[], tuple[str, ...]]):
-        self._make = make
-
-    def __getitem__(self, index):
-        return self._make()[index]
-
-    def __len__(self) -> int:
-        return len(self._make())
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._make())
-
-    def __repr__(self) -> str:
-        return repr(self._make())
-
-
-class _LiveOptions(Mapping):
-    def __getitem__(self, mode: str) -> frozenset[str]:
-        return AUTO_OPTIONS if mode == AUTO else MODE_CLASSES[mode].options
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(MODES)
-
-    def __len__(self) -> int:
-        return len(MODES)
-
-
-MODE_ORDER: Sequence[str] = _Live(lambda: tuple(sorted(MODE_CLASSES, key=lambda n: MODE_CLASSES[n].speed)))
-MODES: Sequence[str] = _Live(lambda: (*MODE_ORDER, AUTO))
-OPTIONS: Mapping[str, frozenset[str]] = _LiveOptions()
+    _derive()
 
 
 def disk_unit(mode: str) -> str | None:
