@@ -153,7 +153,9 @@ def device_problem(choice: str) -> str | None:
 
 def attention_problem(name: str, device: str = "auto") -> str | None:
     """Why the Loader's `attention` kernel cannot run, or None: the package it needs is missing
-    (diffusers' own requirement check), or it needs a CUDA device the run will not have."""
+    (diffusers' own requirement check), or it needs a CUDA device the run will not have. The cheap
+    check validation can make; whether the backend runs on the device is tried when the handle opens
+    (`lingbot_core.kernels.probe`), and masked calls go to SDPA on backends that take no mask."""
     if name in ("default", None):
         return None
     try:
