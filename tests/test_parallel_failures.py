@@ -487,3 +487,23 @@ def test_a_group_without_abort_is_aborted_through_its_nccl_backend():
 
     abort._abort_group(OldGroup())
     assert calls == ["cuda", "backend"]
+
+
+def test_the_rendezvous_port_is_held_from_before_the_workers_start_until_the_store_listens():
+    """The pool picks its port by binding it (not by probing a free port and closing it, which another
+    process could take before rank 0's store listens); the store then listens on that very socket."""
+    import socket
+
+    from lingbot_core.parallel.launch import loopback_store, reserve_loopback_port
+
+    reserved = reserve_loopback_port()
+    port = reserved.getsockname()[1]
+    other = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    with other, pytest.raises(OSError):
+        other.bind(("127.0.0.1", port))  # taken: nobody else gets it in between
+    store = loopback_store(port, 1, server=True, reserved=reserved)
+    assert reserved.fileno() == -1  # the store's server owns the socket now
+    assert f"127.0.0.1:{port}" in _listening([os.getpid()])
+    store.set("k", "v")
+    client = dist.TCPStore("127.0.0.1", port, 1, False)
+    assert client.get("k") == b"v"

@@ -17,7 +17,8 @@ import torch.distributed as dist
 from ..errors import RefusedInput
 from .layout import ParallelLayout, parse_degrees
 
-__all__ = ["free_loopback_port", "init_from_env", "init_loopback_group", "join_world", "local_gpu", "loopback_store"]
+__all__ = ["free_loopback_port", "init_from_env", "init_loopback_group", "join_world", "local_gpu", "loopback_store",
+           "reserve_loopback_port"]
 
 
 def free_loopback_port() -> int:
@@ -27,17 +28,29 @@ def free_loopback_port() -> int:
         return int(s.getsockname()[1])
 
 
-def loopback_store(port: int, world_size: int, *, server: bool,
-                   timeout: timedelta = timedelta(minutes=30)) -> dist.TCPStore:
-    """The rendezvous store on 127.0.0.1:`port`: the server (rank 0) listens on the loopback address only,
-    the clients connect to it (and wait for it up to `timeout`). torch's TCPStore server binds every
-    address when it makes its socket itself, so it is given one bound here (`master_listen_fd`)."""
-    if not server:
-        return dist.TCPStore("127.0.0.1", port, world_size, False, timeout)
+def reserve_loopback_port(port: int = 0) -> socket.socket:
+    """A socket bound to 127.0.0.1:`port` (0: a free one), not listening yet: the port is this process's
+    until `loopback_store` listens on it (or the socket is closed)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def loopback_store(port: int, world_size: int, *, server: bool, timeout: timedelta = timedelta(minutes=30),
+                   reserved: socket.socket | None = None) -> dist.TCPStore:
+    """The rendezvous store on 127.0.0.1:`port`: the server (rank 0) listens on the loopback address only,
+    the clients connect to it (and wait for it up to `timeout`). torch's TCPStore server binds every
+    address when it makes its socket itself, so it is given one bound here (`master_listen_fd`):
+    `reserved` (from `reserve_loopback_port`), else one bound now."""
+    if not server:
+        return dist.TCPStore("127.0.0.1", port, world_size, False, timeout)
+    sock = reserved if reserved is not None else reserve_loopback_port(port)
+    try:
         sock.listen(socket.SOMAXCONN)
         store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], world_size, True, timeout,
                               wait_for_workers=False, master_listen_fd=sock.fileno())
@@ -49,12 +62,13 @@ def loopback_store(port: int, world_size: int, *, server: bool,
 
 
 def init_loopback_group(rank: int, world_size: int, port: int, backend: str = "gloo",
-                        timeout: timedelta = timedelta(minutes=30)) -> None:
-    """`init_process_group` with a rendezvous on 127.0.0.1:`port` (`loopback_store`; rank 0 holds it) and
-    gloo pinned to the loopback device. `timeout`: the collectives' (and the rendezvous')."""
+                        timeout: timedelta = timedelta(minutes=30), reserved: socket.socket | None = None) -> None:
+    """`init_process_group` with a rendezvous on 127.0.0.1:`port` (`loopback_store`; rank 0 holds it, on
+    `reserved` when given) and gloo pinned to the loopback device. `timeout`: the collectives' (and the
+    rendezvous')."""
     if backend == "gloo":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    store = loopback_store(port, world_size, server=rank == 0, timeout=timeout)
+    store = loopback_store(port, world_size, server=rank == 0, timeout=timeout, reserved=reserved)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 

@@ -51,7 +51,7 @@ from ..components import DITS, TRANSFORMER
 from ..errors import RefusedInput, is_refused_input
 from ..interrupt import interrupt_checker
 from ..parallel.abort import Failure, PeerFailed, failure_in, failure_key, publish_failure, published_failure
-from ..parallel.launch import free_loopback_port, init_loopback_group
+from ..parallel.launch import init_loopback_group, reserve_loopback_port
 from ..parallel.layout import CFG_DEGREES, ParallelLayout, pooled_offload_refusal
 
 log = logging.getLogger("lingbot_core.parallel")
@@ -404,7 +404,10 @@ class WorkerPool:
         import torch.multiprocessing as mp
 
         ctx = mp.get_context(START_METHOD)
-        world, port = self.spec.world_size, free_loopback_port()
+        # the rendezvous port is held from now on (bound, listening once the workers are up): no other
+        # process can take it in between
+        reserved = reserve_loopback_port()
+        world, port = self.spec.world_size, reserved.getsockname()[1]
         self._status = ctx.Array("i", [_STARTING] * world)
         self._procs = []
         # the workers inherit the environment as it is now
@@ -412,20 +415,22 @@ class WorkerPool:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         else:  # on an NCCL error or timeout: abort the communicators and raise, never end ComfyUI's process
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-        with _main_module_hidden(), _fork_safe():
-            for rank in range(1, world):
-                proc = ctx.Process(target=_worker_main, args=(rank, self.spec, port, self._status), daemon=True,
-                                   name=f"lingbot-parallel-{rank}")
-                proc.start()
-                self._procs.append(proc)
         try:
+            with _main_module_hidden(), _fork_safe():
+                for rank in range(1, world):
+                    proc = ctx.Process(target=_worker_main, args=(rank, self.spec, port, self._status), daemon=True,
+                                       name=f"lingbot-parallel-{rank}")
+                    proc.start()
+                    self._procs.append(proc)
             self._wait_ready()
-            init_loopback_group(0, world, port, self.spec.backend, timeout=COLLECTIVE_TIMEOUT)
+            init_loopback_group(0, world, port, self.spec.backend, timeout=COLLECTIVE_TIMEOUT, reserved=reserved)
             self.layout = ParallelLayout.create(self.spec.cfg, self.spec.ulysses, fsdp=self.spec.fsdp,
                                                 device_type="cuda" if self.spec.backend == "nccl" else "cpu")
         except BaseException:
             self._abandon()
             raise
+        finally:
+            reserved.close()  # nothing once the store took it
         self.starts += 1
         _LIVE.add(self)
         for hook in list(self.on_start):
