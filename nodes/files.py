@@ -90,7 +90,10 @@ def resolve_file(kind: str, name: str, path: str = "") -> Path | None:
     if path and path.strip():
         chosen = paths.checkpoint_path(path)
         if not chosen.is_file():
-            raise ValueError(f"{kind} file {str(path)[:200]!r} is not a file")
+            from lingbot_core.weights.fileio import regular_file_problem
+
+            problem = regular_file_problem(chosen) or "is not a file"  # what it is: a FIFO, a directory, ...
+            raise ValueError(f"{kind} file {str(path)[:200]!r} {problem}")
         return chosen
     if name in (FROM_CHECKPOINT, NONE, "", None):
         return None
@@ -125,8 +128,7 @@ def resolve_processor(choice: str, path: str, checkpoint: Path | None) -> Path |
         paths.check_folder_files_inside(folder, "processor_path")
         return folder
     if checkpoint is not None:
-        paths.check_folder_files_inside(checkpoint, "checkpoint", ("processor", "tokenizer"))  # read as the processor
-        return None  # the checkpoint's processor/
+        return None  # the checkpoint's processor/ (its files checked by resolve_checkpoint)
     found = comfy_tokenizer_folder()
     if found is None:
         raise ValueError("no processor: choose a checkpoint (its processor/ folder is used), or give processor_path "

@@ -100,15 +100,17 @@ def _offered(root: Path, folder: Path) -> bool:
 def resolve_checkpoint(choice: str, path: str = "") -> Path:
     from lingbot_core.tiny import ensure_tiny_checkpoint
 
-    if path.strip():
-        return paths.checkpoint_path(path)  # inside ComfyUI: only its model folders (see nodes/paths.py)
-    if choice in TINY:
+    if choice in TINY and not path.strip():
         return ensure_tiny_checkpoint(TINY[choice])
-    if not isinstance(choice, str) or Path(choice).name != choice or choice in ("", ".", ".."):
+    if path.strip():
+        folder = paths.checkpoint_path(path)  # inside ComfyUI: only its model folders (see nodes/paths.py)
+    elif not isinstance(choice, str) or Path(choice).name != choice or choice in ("", ".", ".."):
         raise ValueError(f"checkpoint {str(choice)[:80]!r} is not a checkpoint folder name")
-    for root in runtime.model_roots():
-        if _offered(root, root / choice):
-            return root / choice
+    else:
+        folder = next((root / choice for root in runtime.model_roots() if _offered(root, root / choice)), None)
+    if folder is not None:
+        paths.check_folder_files_inside(folder, "checkpoint", ("processor", "tokenizer"))  # the processor reads them
+        return folder
     raise ValueError(f"checkpoint {choice!r} not found under {', '.join(map(str, runtime.model_roots()))}")
 
 

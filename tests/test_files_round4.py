@@ -555,3 +555,33 @@ def test_the_files_loader_opens_under_the_interrupt_checker(tmp_path, monkeypatc
         FILES_LOADER.execute(node_files.FROM_CHECKPOINT, node_files.FROM_CHECKPOINT, node_files.FROM_CHECKPOINT,
                              "none", dit_path=str(files["dit"]), vae_path=str(files["vae"]),
                              text_encoder_path=str(files["text_encoder"]), processor_path=str(files["processor"]))
+
+
+def test_a_rewriter_prompt_with_a_lone_surrogate_is_refused_before_any_call():
+    from lingbot_core.rewrite.core import RewriteRequest
+
+    with pytest.raises(ValueError, match="the rewriter's prompt holds a lone UTF-16 surrogate"):
+        RewriteRequest("a red \ud83d boat", "t2v", 5.0).checked()
+
+
+def test_a_checkpoint_whose_processor_links_outside_is_refused(comfy_folders, tmp_path, monkeypatch):  # noqa: F811
+    from lingbot_nodes.loader import resolve_checkpoint
+
+    monkeypatch.delenv("LINGBOT_ALLOW_ANY_MODEL_PATH", raising=False)
+    folder = comfy_folders / "lingbot_video" / "mine"
+    shutil.copytree(TINY, folder)
+    assert resolve_checkpoint("mine") == folder
+    secret = tmp_path / "secret.json"
+    secret.write_text("{}")
+    (folder / "processor" / "tokenizer.json").unlink()
+    (folder / "processor" / "tokenizer.json").symlink_to(secret)
+    with pytest.raises(ValueError, match="'processor/tokenizer.json' in 'mine' links outside"):
+        resolve_checkpoint("mine")
+    assert resolve_checkpoint(next(iter(node_files.TINY)))  # the built-in tiny checkpoint lives in the cache
+
+
+def test_a_typed_file_path_that_is_a_fifo_says_so(tmp_path):
+    fifo = tmp_path / "dit.safetensors"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="is a FIFO"):
+        node_files.resolve_file("dit", node_files.FROM_CHECKPOINT, str(fifo))

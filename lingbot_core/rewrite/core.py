@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..caption_schema import caption_problems
+from ..errors import surrogate_problem
 from ..interrupt import check_interrupt
 from . import instructions
 from .scan import extract_object
@@ -78,6 +79,9 @@ class RewriteRequest:
     def checked(self) -> RewriteRequest:
         if not isinstance(self.prompt, str) or not self.prompt.strip():
             raise ValueError("the rewriter needs a prompt: describe the clip in a sentence or two")
+        surrogate = surrogate_problem(self.prompt, "the rewriter's prompt")
+        if surrogate:  # a local tokenizer fails late on it with a raw TypeError
+            raise ValueError(surrogate)
         if self.task not in instructions.TASKS:
             raise ValueError(f"task must be one of {', '.join(instructions.TASKS)}, got {self.task!r}")
         if self.task == "ti2v" and self.image is None:
