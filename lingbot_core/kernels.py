@@ -18,7 +18,8 @@ dtype, torch version), the `Trial` key:
 `probe(kernel, device, dtype)` runs a small trial now (the kernel's home module registers it with
 `@trial_for`): the handle refuses an explicit choice that cannot run when it opens, never mid-run,
 and the doctor lists each kernel's verdict. While `torch.compile` traces, nothing is tried (a trial
-cannot run inside a graph): a kernel runs there unless some trial already refused it in this process.
+cannot run inside a graph): a kernel runs there unless a trial of the same name (on any device or
+dtype) already refused it in this process.
 
 `KERNELS` is the registry: every kernel the pack may try, what it is and which plain path replaces
 it. A kernel with variants (a decoder per packed format, an attention backend with and without a
@@ -91,7 +92,7 @@ class Trial:
 
 
 _verdicts: dict[Trial, tuple[str, str]] = {}  # trial -> (verdict, reason)
-_demoted: dict[str, bool] = {}  # kernel name -> some trial refused it (read while compiling)
+_demoted: dict[str, bool] = {}  # kernel (or family/variant) -> some trial refused it (read while compiling)
 _probes: dict[str, Callable[[torch.device, torch.dtype, str], str | None]] = {}
 _lock = threading.RLock()
 _probing = threading.local()  # set while `probe` runs: its refusals are returned, not warned about
@@ -133,7 +134,7 @@ def verdict(name: str, device: torch.device | str, dtype: torch.dtype | None) ->
 def usable(name: str, device: torch.device | str, dtype: torch.dtype | None) -> bool:
     """False once a trial refused `name` here or found it differing; True before its trial and after a good one."""
     if torch.compiler.is_compiling():
-        return not _demoted.get(name.split("/", 1)[0], False)
+        return not _demoted.get(name, False)
     return verdict(name, device, dtype) in (None, FAST)
 
 
@@ -156,14 +157,14 @@ def _record(key: Trial, outcome: str, reason: str, label: str | None) -> None:
     _verdicts[key] = (outcome, reason)
     if outcome == FAST:
         return
-    _demoted[key.kernel.split("/", 1)[0]] = True
+    _demoted[key.kernel] = True
     entry = family(key.kernel)
     place = key.device if key.capability == "-" else f"{key.device} {key.capability}"
     label = label or f"{key.kernel} ({entry.what})"
     verb = "failed" if outcome == REFUSED else "differs from " + entry.plain
     say = log.info if getattr(_probing, "active", False) else log.warning
-    say("lingbot: %s %s on %s, %s, torch %s (%s); %s instead for the rest of this process", label, verb,
-                place, key.dtype, key.torch, reason, entry.fallback)
+    say("lingbot: %s %s on %s, %s, torch %s (%s); %s instead for the rest of this process", label, verb, place,
+        key.dtype, key.torch, reason, entry.fallback)
 
 
 def run(name: str, fast: Callable[[], T], plain: Callable[[], T], *, device: torch.device | str,
@@ -174,7 +175,7 @@ def run(name: str, fast: Callable[[], T], plain: Callable[[], T], *, device: tor
     which `check` computes cheaply), or None. `label` names the kernel in the warning (default: its
     registry entry). See the module docstring for the rule."""
     if torch.compiler.is_compiling():
-        return plain() if _demoted.get(name.split("/", 1)[0], False) else fast()
+        return plain() if _demoted.get(name, False) else fast()
     key = trial_key(name, device, dtype)
     found = _verdicts.get(key)
     if found is not None:
