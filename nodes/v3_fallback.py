@@ -135,7 +135,6 @@ class _Namespace:
     Boolean = _io_type("BOOLEAN", {**_WIDGET, "label_on": "label_on", "label_off": "label_off"})
     Combo = type("Combo", (), {"io_type": "COMBO", "Input": _ComboInput})
     Image = _io_type("IMAGE")
-    Mask = _io_type("MASK")
     Latent = _io_type("LATENT")
     Video = _io_type("VIDEO")
     AnyType = _io_type("*")
@@ -152,18 +151,6 @@ class Hidden(str, Enum):
     unique_id = "UNIQUE_ID"
     prompt = "PROMPT"
     extra_pnginfo = "EXTRA_PNGINFO"
-    dynprompt = "DYNPROMPT"
-
-
-class NumberDisplay(str, Enum):
-    number = "number"
-    slider = "slider"
-
-
-class FolderType(str, Enum):
-    input = "input"
-    output = "output"
-    temp = "temp"
 
 
 class HiddenHolder:
@@ -187,9 +174,6 @@ class Schema:
     description: str = ""
     is_input_list: bool = False
     is_output_node: bool = False
-    is_deprecated: bool = False
-    is_experimental: bool = False
-    is_api_node: bool = False
     not_idempotent: bool = False
     enable_expand: bool = False
 
@@ -306,7 +290,7 @@ class ComfyNode:
 
 
 # The `io` namespace exposes these under their comfy_api names (io.Schema, io.ComfyNode, ...).
-for _exported in (Schema, ComfyNode, NodeOutput, Hidden, HiddenHolder, NumberDisplay, FolderType):
+for _exported in (Schema, ComfyNode, NodeOutput, Hidden, HiddenHolder):
     setattr(io, _exported.__name__, _exported)
 
 
@@ -322,24 +306,6 @@ class ComfyExtension:
 
 
 class _UI:
-    class SavedResult(dict):
-        def __init__(self, filename: str, subfolder: str, type: FolderType) -> None:
-            super().__init__(filename=filename, subfolder=subfolder, type=FolderType(type).value)
-
-    class SavedImages:
-        def __init__(self, results: list[dict], is_animated: bool = False) -> None:
-            self.results, self.is_animated = results, is_animated
-
-        def as_dict(self) -> dict[str, Any]:
-            return {"images": self.results} | ({"animated": (True,)} if self.is_animated else {})
-
-    class PreviewVideo:
-        def __init__(self, values: list[dict], **_: Any) -> None:
-            self.values = values
-
-        def as_dict(self) -> dict[str, Any]:
-            return {"images": self.values, "animated": (True,)}
-
     class PreviewText:
         def __init__(self, value: str, **_: Any) -> None:
             self.value = value
