@@ -63,7 +63,7 @@ def test_the_folder_loader_opens_the_root_and_runs_the_recipe(student):
     assert handle.variant == "moe" and not handle.has_refiner
     frames = run_recipe(handle)
     assert frames.shape[0] == SMALL["num_frames"] and torch.isfinite(frames).all()
-    with pytest.raises(Exception, match="refiner"):  # no refiner/ in the release: Refine is refused at once
+    with pytest.raises(Exception, match="to refine after it, load the base MoE root with transformer_path"):
         from lingbot_core.offload import require_refiner
 
         require_refiner(handle, (128, 128))

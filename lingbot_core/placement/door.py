@@ -541,7 +541,8 @@ def require_refiner(handle: object, refine: object) -> None:
     if refine and info is not None and info.variant == "moe" and not info.has_refiner:
         raise ValueError(f"{info.folder} has no refiner/ folder, and this run refines: download it "
                          "(hf download <repo> --local-dir <the same folder> --include \"refiner/*\"), or remove "
-                         "the Refine node and turn plan_refine off")
+                         "the Refine node and turn plan_refine off. The DMD student's root has no refiner: to refine "
+                         "after it, load the base MoE root with transformer_path set to the student root")
 
 
 def check_handle(handle: object, geometry: estimate.Geometry, *, mode: str | None = None, offload_to: str | None = None,
