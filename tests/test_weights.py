@@ -579,6 +579,29 @@ def test_disk_release_reload_and_a_failed_forward_stay_exact(quantized, monkeypa
     assert reads.loads == 0 and handle.shared.load_count["transformer"] == 2
 
 
+def test_disk_offload_serves_a_file_it_could_not_map_and_refuses_a_missing_or_short_one(tmp_path, monkeypatch):
+    """Issue 31: streaming reads the file with plain reads, so the check before installing no longer maps it
+    (it refused a readable file that cannot be mapped); a gone or shortened file is still refused up front."""
+    import numpy as np
+
+    from lingbot_core.weights import disk
+
+    path = tmp_path / "w.bin"
+    path.write_bytes(bytes(range(64)))
+    span = disk.FileSpan(str(path), 0, 64, torch.uint8, (64,))
+
+    def no_map(*_a, **_k):
+        raise OSError("mapping not supported")
+
+    monkeypatch.setattr(np, "memmap", no_map)
+    disk.check_readable({"w": span})
+    assert span.read(torch.device("cpu")).tolist() == list(range(64))
+    with pytest.raises(ValueError, match="shorter than its header says"):
+        disk.check_readable({"w": disk.FileSpan(str(path), 32, 64, torch.uint8, (64,))})
+    with pytest.raises(ValueError, match="disk offload needs to read the checkpoint file.*does not exist"):
+        disk.check_readable({"w": disk.FileSpan(str(tmp_path / "gone.bin"), 0, 8, torch.uint8, (8,))})
+
+
 def test_failed_disk_install_after_a_streamed_load_leaves_the_handle_exact(quantized, monkeypatch):
     from lingbot_core.weights import disk
 
@@ -588,7 +611,7 @@ def test_failed_disk_install_after_a_streamed_load_leaves_the_handle_exact(quant
         expected = _run(ram.component("transformer"))
     handle = PipelineHandle.open(folder, device="cpu")
     on_disk = _disk_view(handle, "group")
-    monkeypatch.setattr(disk, "check_mappable", lambda spans: (_ for _ in ()).throw(ValueError("not mappable")))
+    monkeypatch.setattr(disk, "check_readable", lambda spans: (_ for _ in ()).throw(ValueError("not mappable")))
     with pytest.raises(ValueError, match="not mappable"), stage(on_disk, "transformer"):
         pass
     monkeypatch.undo()

@@ -31,7 +31,6 @@ import os
 import weakref
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn as nn
 
@@ -109,19 +108,20 @@ class FileSpan:
             os.close(fd)
 
 
-def check_mappable(spans: dict[str, FileSpan]) -> None:
-    """Refuse disk offload when a home file is gone, changed size, or cannot be mapped and read."""
+def check_readable(spans: dict[str, FileSpan]) -> None:
+    """Refuse disk offload when a home file is gone, is not a regular file, cannot be opened, or is
+    shorter than its header said: the checks the streaming reads make, done once before installing."""
     seen: dict[str, int] = {}
     for span in spans.values():
         if span.path in seen:
             continue
         try:
-            size = os.stat(span.path).st_size
-            np.memmap(span.path, dtype=np.uint8, mode="r", shape=(min(size, 8),))
-        except (OSError, ValueError) as err:
-            raise ValueError(f"disk offload needs the checkpoint file {span.path} to be mappable ({err}); use "
-                             "offload_to='ram', or copy the checkpoint to a local disk.") from None
-        seen[span.path] = size
+            fd, info = open_regular(span.path, WeightsError)
+        except WeightsError as err:
+            raise ValueError(f"disk offload needs to read the checkpoint file: {err} Use offload_to='ram', or "
+                             "copy the checkpoint to a local disk.") from None
+        os.close(fd)
+        seen[span.path] = info.st_size
     for name, span in spans.items():
         if span.offset + span.nbytes > seen[span.path]:
             raise ValueError(f"disk offload: {span.path} is shorter than its header says (tensor {name}); "
@@ -183,7 +183,7 @@ class DiskStreaming:
                 self.spans[full] = known[full]
             else:
                 self.homes[full] = tensor.data
-        check_mappable(self.spans)
+        check_readable(self.spans)
         for module, local, full in slots:
             if full in self.spans:
                 tensor = _slot(module, local)
@@ -319,7 +319,7 @@ def materialize(model: nn.Module, state: ModelState | None, names: set[str] | No
     todo = [slot for slot in _span_backed(model, state) if names is None or slot[2] in names]
     if not todo:
         return 0
-    check_mappable({full: state.spans[full] for _m, _l, full, _t in todo})
+    check_readable({full: state.spans[full] for _m, _l, full, _t in todo})
     cpu = torch.device("cpu")
     with torch.inference_mode(False), torch.no_grad():  # versioned tensors: see `note_exact`
         for module, local, full, _tensor in todo:
