@@ -83,6 +83,16 @@ def write_json(path: str | Path | None, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n", encoding="utf-8")
 
 
+def run_main(parse_args: Callable[[list[str] | None], Any], run: Callable[[Any], dict[str, Any]],
+             report: Callable[[dict[str, Any]], str], argv: list[str] | None = None) -> dict[str, Any]:
+    """A bench's `main`: parse the arguments, run, print the report, write `--json`; the result."""
+    args = parse_args(argv)
+    result = run(args)
+    print(report(result))
+    write_json(args.json, result)
+    return result
+
+
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """Largest absolute difference (inf on a shape mismatch, nan if either side has NaNs)."""
     if a.shape != b.shape:

@@ -28,7 +28,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/x.
 
 import torch
 
-from bench._common import cpu_peak_bytes, environment, fmt, fmt_bytes, max_abs_diff, table, write_json
+from bench._common import (
+    cpu_peak_bytes,
+    environment,
+    fmt,
+    fmt_bytes,
+    max_abs_diff,
+    run_main,
+    table,
+)
 from lingbot_core.models.rotary import joint_positions
 from lingbot_core.models.transformer import LingBotVideoTransformer3DModel
 
@@ -227,11 +235,7 @@ def report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    result = run(args)
-    print(report(result))
-    write_json(args.json, result)
-    return result
+    return run_main(parse_args, run, report, argv)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from bench._common import environment, fmt, table, write_json
+from bench._common import environment, fmt, run_main, table
 from bench.generate import PROMPT, build_mid_checkpoint
 
 RECIPES = {  # name -> (sampler, steps, cfg)
@@ -147,11 +147,7 @@ def report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    result = run(args)
-    print(report(result))
-    write_json(args.json, result)
-    return result
+    return run_main(parse_args, run, report, argv)
 
 
 if __name__ == "__main__":

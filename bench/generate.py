@@ -37,7 +37,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download: the checkpoints 
 
 import torch
 
-from bench._common import environment, fmt, max_abs_diff, table, write_json
+from bench._common import environment, fmt, max_abs_diff, run_main, table
 from lingbot_core.placement.modes import MODE_ORDER
 
 MODES = tuple(MODE_ORDER)  # every registered offload mode, fastest first
@@ -225,11 +225,7 @@ def report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    result = run(args)
-    print(report(result))
-    write_json(args.json, result)
-    return result
+    return run_main(parse_args, run, report, argv)
 
 
 if __name__ == "__main__":
