@@ -50,6 +50,7 @@ from .checkpoint import CheckpointError, inspect_checkpoint
 from .components import DITS
 from .weights.fp8 import quantize_fp8, require_fp8
 from .weights.loader import quantizable
+from .weights.safetensors_header import safetensors_dtype
 from .weights.sources import FORMAT_KEY, SCALE_SUFFIX, SafetensorsSource, per_expert_key
 
 if __name__ == "__main__":  # imported: from here on Ctrl-C is a KeyboardInterrupt, which `main` reports
@@ -58,10 +59,6 @@ if __name__ == "__main__":  # imported: from here on Ctrl-C is a KeyboardInterru
 TARGETS = ("fp8", "gguf-q8_0", "gguf-q4_0", "gguf-q6_k", "gguf-q5_k", "gguf-q4_k", "gguf-q3_k", "gguf-q2_k")
 DIT_FOLDERS = DITS
 WEIGHTS_STEM = "diffusion_pytorch_model"
-_ST_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
-             torch.int32: "I32", torch.uint8: "U8", torch.int8: "I8", torch.bool: "BOOL"}
-if hasattr(torch, "float8_e4m3fn"):
-    _ST_NAMES[torch.float8_e4m3fn] = "F8_E4M3"
 
 
 def _plain_source(folder: Path, files: list[Path]) -> SafetensorsSource:
@@ -86,7 +83,7 @@ def write_fp8(source: SafetensorsSource, path: Path, progress: Callable[[str, in
             plan.append((key, "F8_E4M3", entry.shape, numel))
             plan.append((key + SCALE_SUFFIX, "F32", entry.shape[:-1], 4 * (numel // entry.shape[-1])))
         else:
-            plan.append((key, _ST_NAMES[entry.dtype], entry.shape, numel * entry.dtype.itemsize))
+            plan.append((key, safetensors_dtype(entry.dtype), entry.shape, numel * entry.dtype.itemsize))
     header: dict = {"__metadata__": {"format": "pt", FORMAT_KEY: "fp8_e4m3"}}
     offset = 0
     for name, dtype, shape, nbytes in plan:

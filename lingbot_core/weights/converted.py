@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from .disk import FileSpan
+from .safetensors_header import safetensors_dtype
 
 try:
     import fcntl
@@ -59,8 +60,6 @@ HEAD_BYTES = 1 << 20
 the first tensors; a GGUF header and its metadata)..."""
 SAMPLES, SAMPLE_BYTES = 32, 1 << 14
 """...and this many blocks of this size spread evenly over the rest (0.5 MiB per file)."""
-_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.uint8: "U8",
-           torch.int32: "I32"}
 
 
 @dataclass(frozen=True)
@@ -139,7 +138,7 @@ def identity(files: Sequence[Path]) -> list[list]:
 
 def _digest(files: Sequence[Path], recipe: dict, plan: Sequence[Planned]) -> tuple[str, str]:
     key = {"version": FORMAT_VERSION, "files": identity(files), "recipe": recipe,
-           "tensors": [[p.name, _DTYPES[p.dtype], list(p.shape)] for p in plan]}
+           "tensors": [[p.name, safetensors_dtype(p.dtype), list(p.shape)] for p in plan]}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
     where = hashlib.sha256(json.dumps(key["files"][0][0]).encode()).hexdigest()[:12]
     return where, digest
@@ -149,7 +148,7 @@ def _header(plan: Sequence[Planned], digest: str) -> bytes:
     header: dict = {"__metadata__": {"format": "pt", DIGEST_KEY: digest}}
     offset = 0
     for p in plan:
-        header[p.name] = {"dtype": _DTYPES[p.dtype], "shape": list(p.shape), "data_offsets": [offset, offset + p.nbytes]}
+        header[p.name] = {"dtype": safetensors_dtype(p.dtype), "shape": list(p.shape), "data_offsets": [offset, offset + p.nbytes]}
         offset += p.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     return len(raw + b" " * (-len(raw) % 8)).to_bytes(8, "little") + raw + b" " * (-len(raw) % 8)

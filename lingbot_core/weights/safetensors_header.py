@@ -6,6 +6,7 @@ the estimates all build on what it returns, so each file's header is read once p
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -207,7 +208,10 @@ def stored_tensors(files: Iterable[Path] | Iterable[SafetensorsHeader]) -> dict[
     return out
 
 
-def _torch_dtypes() -> dict[str, Any]:
+@functools.cache
+def torch_dtypes() -> dict[str, Any]:
+    """The safetensors dtype names and their torch dtypes (the fp8 ones where this torch has them): the
+    one table every reader and writer of safetensors files uses."""
     import torch
 
     table = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -219,6 +223,12 @@ def _torch_dtypes() -> dict[str, Any]:
     return table
 
 
+@functools.cache
+def safetensors_dtype(dtype: Any) -> str:
+    """The safetensors name of a torch dtype ("BF16" for torch.bfloat16); KeyError if it has none."""
+    return {d: n for n, d in torch_dtypes().items()}[dtype]
+
+
 class TensorReader:
     """The tensors of a file whose header was checked (`read_safetensors_file`), read with `pread` into
     memory of their own: the file is opened once, must still be the file the header came from (same
@@ -228,7 +238,7 @@ class TensorReader:
     def __init__(self, header: SafetensorsHeader):
         self.header = header
         self._fd: int | None = None
-        self._dtypes = _torch_dtypes()
+        self._dtypes = torch_dtypes()
 
     def __enter__(self) -> TensorReader:
         from .fileio import check_same_file

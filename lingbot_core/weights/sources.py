@@ -19,7 +19,7 @@ from . import gguf_codec
 from .disk import FileSpan
 from .gguf_file import TensorInfo, read_header
 from .modules import FP8
-from .safetensors_header import SafetensorsHeader, read_safetensors_file
+from .safetensors_header import SafetensorsHeader, read_safetensors_file, torch_dtypes
 
 SCALE_SUFFIX = ".scale"
 _CPU = torch.device("cpu")
@@ -31,12 +31,6 @@ PER_EXPERT = re.compile(r"^(?P<stack>.+\.experts\.w[123])\.(?P<expert>\d+)$")
 
 def per_expert_key(stack: str, expert: int) -> str:
     return f"{stack}.{expert}"
-
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 
 
 @dataclass(frozen=True)
@@ -146,8 +140,8 @@ class SafetensorsSource:
                     raise WeightsError(f"{self._file(key)}: {key + SCALE_SUFFIX!r} is {scale[0]} {list(scale[1])}, "
                                        f"expected F32 {list(shape[:-1])} (one scale per row of {key!r}).")
                 self.entries[key] = Entry("fp8", shape)
-            elif dt in _SAFETENSORS_DTYPES:
-                self.entries[key] = Entry("plain", shape, _SAFETENSORS_DTYPES[dt])
+            elif dt in torch_dtypes() and not dt.startswith("F8_"):  # F8_E4M3 without a scale, F8_E5M2: refused
+                self.entries[key] = Entry("plain", shape, torch_dtypes()[dt])
             else:
                 raise WeightsError(f"{self._file(key)}: tensor {key!r} is stored as {dt}, which lingbot-nodes does "
                                    "not load (it reads F32/F16/BF16 and F8_E4M3 with scales).")
