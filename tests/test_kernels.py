@@ -16,6 +16,8 @@ TINY_MOE = dict(hidden_size=32, num_attention_heads=2, depth=2, intermediate_siz
                 axes_dims=(4, 6, 6), axes_lens=(64, 32, 32), num_experts=4, num_experts_per_tok=2,
                 moe_intermediate_size=16, n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5)
 SM90_ONLY = "torch._grouped_mm is only supported on CUDA devices with compute capability = 9.0"
+NEEDS_GROUPED_MM = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"),
+                                      reason=f"torch {torch.__version__} has no _grouped_mm (added in 2.8)")
 
 
 def _inputs(b=1, text=8):
@@ -38,7 +40,7 @@ def test_a_refusing_grouped_mm_falls_back_to_the_expert_loop(monkeypatch):
     def refuses(*args, **kwargs):
         raise RuntimeError(SM90_ONLY)
 
-    monkeypatch.setattr(torch, "_grouped_mm", refuses)
+    monkeypatch.setattr(torch, "_grouped_mm", refuses, raising=False)  # torch < 2.8 has none
     with torch.no_grad():
         got = model(x, t, text).sample
         _loop_only(model)
@@ -58,7 +60,7 @@ def test_the_refusal_is_warned_once_and_the_kernel_is_not_called_again(monkeypat
         calls.append(1)
         raise RuntimeError(SM90_ONLY + "\nmore detail")
 
-    monkeypatch.setattr(torch, "_grouped_mm", refuses)
+    monkeypatch.setattr(torch, "_grouped_mm", refuses, raising=False)  # torch < 2.8 has none
     with caplog.at_level(logging.WARNING), torch.no_grad():
         first = model(*_inputs()).sample
         second = model(*_inputs()).sample
@@ -71,6 +73,7 @@ def test_the_refusal_is_warned_once_and_the_kernel_is_not_called_again(monkeypat
     assert SM90_ONLY in row["reason"]
 
 
+@NEEDS_GROUPED_MM
 def test_a_differing_grouped_mm_gives_the_loop_output_with_one_warning(monkeypatch, caplog):
     model = random_dit(TINY_MOE).to(torch.bfloat16)
     real = torch._grouped_mm
@@ -85,6 +88,7 @@ def test_a_differing_grouped_mm_gives_the_loop_output_with_one_warning(monkeypat
     assert [r["verdict"] for r in kernels.verdicts()] == [kernels.MISMATCH]
 
 
+@NEEDS_GROUPED_MM
 def test_a_working_grouped_mm_is_trusted_after_its_first_call(monkeypatch):
     model = random_dit(TINY_MOE).to(torch.bfloat16)
     checks = []
@@ -157,7 +161,7 @@ def test_probing_grouped_mm_reports_a_refusal_and_keeps_no_good_verdict(monkeypa
     if hasattr(torch, "_grouped_mm"):
         good = kernels.probe("grouped_mm", "cpu", torch.bfloat16)
         assert good["verdict"] == kernels.FAST and kernels.verdicts() == []  # the first real call is the trial
-    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: _refuse())
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: _refuse(), raising=False)
     with caplog.at_level(logging.WARNING):
         bad = kernels.probe("grouped_mm", "cpu", torch.bfloat16)
     assert bad["verdict"] == kernels.REFUSED and "no kernel image" in bad["reason"]
@@ -472,7 +476,7 @@ def test_a_kernel_refused_eagerly_is_left_out_of_compiled_blocks(monkeypatch):
     from lingbot_core.models import compile as regional
 
     model = random_dit(TINY_MOE).to(torch.bfloat16)
-    monkeypatch.setattr(torch, "_grouped_mm", _refusing_grouped_mm)  # traces, refuses when it runs
+    monkeypatch.setattr(torch, "_grouped_mm", _refusing_grouped_mm, raising=False)  # traces, refuses when run
     with torch.no_grad():
         want = model(*_inputs()).sample  # grouped_mm refused here, the loop from now on
         regional.compile_blocks(model, backend="eager")
