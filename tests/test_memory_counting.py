@@ -18,7 +18,7 @@ from lingbot_core import offload
 from lingbot_core.handle import PipelineHandle
 from lingbot_core.memory import Geometry, GiB, ModelSizes, host_bytes, memory_report
 from lingbot_core.placement import calibration, door, estimate
-from lingbot_core.placement.modes.group import pin_in_place
+from lingbot_core.placement.modes.group import pin_in_place, unpin_in_place
 
 CUDA = torch.device("cuda")
 
@@ -110,22 +110,48 @@ def test_the_fit_check_counts_group_as_its_options_pin(fixtures_root):
         assert verdict.host_needed == host_bytes("group", sizes, pinned=pinned), options
 
 
-def test_pin_in_place_pins_each_tensor_once_so_diffusers_copies_nothing(monkeypatch):
-    """Pinned one tensor at a time before diffusers builds its groups: its `pin_memory()` then returns
-    the tensor itself, so the pageable and the pinned copy of a whole module never live side by side."""
+def _fake_pinning(monkeypatch) -> list:
     pinned: set[int] = set()
-    calls = []
+    calls, held = [], []  # held: the "pinned" copies stay alive, so no later tensor reuses their address
 
     def fake_pin(self, *args):
         if self.untyped_storage().data_ptr() in pinned:
             return self
         calls.append(self.shape)
         copy = self.clone()
+        held.append(copy)
         pinned.add(copy.untyped_storage().data_ptr())
         return copy
 
     monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a: self.untyped_storage().data_ptr() in pinned)
+    return calls
+
+
+def test_group_gives_its_pinned_copies_back_when_another_mode_takes_over(fixtures_root, monkeypatch):
+    """Pinned memory is rounded up: once `group` lets go (a switch, auto's fallback to `sequential`), the
+    weights go back to pageable copies, so the next mode holds what its host estimate counts."""
+    from lingbot_core.offload import configure_offload
+
+    _fake_pinning(monkeypatch)
+    handle = _open(fixtures_root)
+    handle.component("transformer")
+    view = configure_offload(handle, "group", use_stream=False)
+    dit = handle.shared.loaded["transformer"]
+    pin_in_place(dit)  # what the install does with a stream (a CPU has none)
+    assert all(p.is_pinned() for p in dit.parameters())
+    with handle.shared.lock:  # a suspension (a LoRA change) reinstalls group: the pinned copies stay
+        with handle.shared.placement.suspended(handle.shared.loaded, ["transformer"]):
+            pass
+    assert all(p.is_pinned() for p in dit.parameters())
+    configure_offload(view, "model")
+    assert not any(p.is_pinned() for p in dit.parameters())
+
+
+def test_pin_in_place_pins_each_tensor_once_so_diffusers_copies_nothing(monkeypatch):
+    """Pinned one tensor at a time before diffusers builds its groups: its `pin_memory()` then returns
+    the tensor itself, so the pageable and the pinned copy of a whole module never live side by side."""
+    calls = _fake_pinning(monkeypatch)
     block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     block[1].weight = block[0].weight  # tied: pinned once
     pin_in_place(block)
@@ -134,6 +160,10 @@ def test_pin_in_place_pins_each_tensor_once_so_diffusers_copies_nothing(monkeypa
 
     for p in block.parameters():
         assert ModuleGroup._to_cpu(p, False).data_ptr() == p.data_ptr()  # no second copy
+    values = [p.detach().clone() for p in block.parameters()]
+    unpin_in_place(block)  # when group lets the module go: pageable again, the same values, still tied
+    assert not any(p.is_pinned() for p in block.parameters()) and block[1].weight is block[0].weight
+    assert all(torch.equal(p, v) for p, v in zip(block.parameters(), values))
 
 
 # -- measured peaks and the calibration file ------------------------------------------------------------

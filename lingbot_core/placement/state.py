@@ -121,6 +121,7 @@ class Placement:
             for name in sorted(mode.installed()):
                 try:
                     mode.uninstall(name, loaded.get(name))
+                    mode.let_go(name, loaded.get(name))
                 except BaseException as err:  # noqa: PERF203 - every component must be tried
                     failure = failure or err
         self.mode, self.requested, self.auto = None, None, None

@@ -9,7 +9,7 @@ A mode is one small class. The door calls, per component:
 - `settle(name, module)` after every stage (success, error or cancel) and before the next: return
   to the mode's clean state, whatever a hooked forward that did not finish left on the device.
 - `uninstall(name, module)` when the mode lets go (a switch, a release): hooks removed, every
-  tensor back in its slot (ties included) and on the CPU.
+  tensor back in its slot (ties included) and on the CPU; `let_go(name, module)` after it on a switch.
 - `estimate(sizes, activations)` the peak accelerator bytes the mode needs for one request
   (pure arithmetic over `estimate.ModelSizes` and the per-phase activation bytes).
 - `check(settings, device, loaded, layout)` (a classmethod) refuses settings the mode cannot run with,
@@ -140,6 +140,10 @@ class Mode:
             if lost:
                 raise RuntimeError(f"{name}: {len(lost)} weights have no data after removing offload hooks "
                                    f"(e.g. {lost[0]})")
+
+    def let_go(self, name: str, module: Any) -> None:
+        """After `uninstall`, when another mode (or none) takes over: give back what only this mode needed
+        on the host (a `suspended` uninstall, which reinstalls the same mode, skips it)."""
 
     def moves_whole(self, name: str) -> bool:
         """Does `acquire` move this component onto the device as a whole (hosts free memory first)?"""

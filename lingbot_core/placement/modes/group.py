@@ -53,6 +53,20 @@ def pin_in_place(module: torch.nn.Module) -> None:
             t.data = t.data.pin_memory()
 
 
+def unpin_in_place(module: torch.nn.Module) -> None:
+    """Rebind every pinned CPU tensor of `module` to a pageable copy, one tensor at a time (undoes
+    `pin_in_place` when `group` lets the module go: the pinned blocks, rounded up to powers of two, go back
+    to torch's pinned cache once nothing holds them)."""
+    seen: set[int] = set()
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            if id(t) in seen or t.device.type != "cpu" or not t.is_pinned():
+                continue
+            seen.add(id(t))
+            data = t.data
+            t.data = torch.empty_strided(data.size(), data.stride(), dtype=data.dtype, device="cpu").copy_(data)
+
+
 def group_is_onloaded(group: Any) -> bool:
     """Does any tensor of the group live off its offload device?"""
     tensors = [*group.parameters, *group.buffers]
@@ -153,6 +167,10 @@ class GroupMode(Mode):
 
     def _before_strip(self, name: str, module: torch.nn.Module) -> None:
         self.settle(name, module)
+
+    def let_go(self, name: str, module: Any) -> None:
+        if isinstance(module, torch.nn.Module) and group_targets(name, module):
+            unpin_in_place(module)  # the next mode counts pageable host copies, not rounded pinned ones
 
     @staticmethod
     def estimate(sizes: Any, geometry: Any, activations: dict[str, int]) -> int:
