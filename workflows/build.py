@@ -39,10 +39,10 @@ NOTE = ("Runs as shipped on the built-in tiny random-weight model (its output is
 # checks them against it): (row of the memory table, offload mode) -> GiB.
 NOTE_FIGURES = {
     "dense_model": (("dense 832x480x121", "model"), 12.4),
-    "dense_tiled": (("dense 832x480x121, tiled decode", "group"), 8.2),
+    "dense_tiled": (("dense 832x480x121, tiled decode", "group"), 8.3),
     "dense_none": (("dense 832x480x121", "none"), 23.3),
     "moe_base": (("moe 832x480x121 (base only)", "group"), 12.4),
-    "moe_refine": (("moe 832x480x121 + refine 1920x1088", "sequential"), 36.2),
+    "moe_refine": (("moe 832x480x121 + refine 1920x1088", "sequential"), 36.3),
 }
 _F = {k: v[1] for k, v in NOTE_FIGURES.items()}
 DENSE_OFFLOAD = (f"Offload (estimates at 480x832x121): 'model' or 'group' need about {_F['dense_model']} GiB of VRAM "
