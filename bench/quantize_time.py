@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/x.
 
 import torch
 
-TARGETS = ("gguf-q8_0", "gguf-q4_0", "fp8")
+TARGETS = ("gguf-q8_0", "gguf-q4_0", "fp8")  # the default set; --targets takes any of quantize.TARGETS
 
 
 def dit_values(variant: str = "moe") -> int:
@@ -61,7 +61,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=6144, help="rows of the layer (default 6144)")
     parser.add_argument("--width", type=int, default=2048, help="the layer's width (default 2048, the MoE's)")
-    parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=TARGETS)
+    from lingbot_core.quantize import TARGETS as ALL
+
+    parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=ALL)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--json", type=Path, help="write the result here")
     args = parser.parse_args(argv)
