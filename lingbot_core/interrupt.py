@@ -144,15 +144,15 @@ def text_units(handle: object, forwards: int, image: bool) -> int:
     image, every vision block). Read from the loaded encoder, else its config, else Qwen3-VL-4B's."""
     import json
 
-    shared = getattr(handle, "shared", None)
-    module = getattr(shared, "loaded", {}).get("text_encoder") if shared is not None else None
+    shared = handle.shared
+    module = shared.loaded.get("text_encoder")
     if isinstance(module, torch.nn.Module):
         inner = getattr(module, "model", None)
         layers = len(getattr(getattr(inner, "language_model", None), "layers", []))
         vision = len(getattr(getattr(inner, "visual", None), "blocks", []))
     else:
         layers, vision = 36, 24
-        folder = getattr(shared, "folder", None)
+        folder = shared.folder
         try:
             config = json.loads((folder / "text_encoder" / "config.json").read_text()) if folder else {}
             layers = int(config.get("text_config", {}).get("num_hidden_layers", layers))

@@ -87,15 +87,15 @@ def few_step_notice(handle: Any, sampler: str, steps: int, cfg: float, shift: fl
     picks the sampler by hand, `--scheduler dmd_student`), so it takes the user's word: the Loader's
     `transformer_path` (a student DiT), or the sampler choice `dmd_student`. A MoE folder laid out like
     the student release (no refiner/) run on the base recipe gets a hint that names what was seen."""
-    shared = getattr(handle, "shared", None)
-    info = getattr(shared, "info", None)
+    shared = handle.shared
+    info = shared.info
     if info is None or not is_real_size(info):
         return None
     from .lora import lora_stack
 
     folder = str(getattr(info, "folder", ""))
     name = Path(folder).name if getattr(info, "folder", None) else "this checkpoint"
-    student_path = getattr(shared, "transformer_source", None) is not None
+    student_path = shared.transformer_source is not None
     recipe = student_recipe()
     if sampler == recipe["sampler"]:
         said = []

@@ -294,7 +294,7 @@ def check_request_fits(handle: Any, *, height: int, width: int, num_frames: int,
 
     from .placement.estimate import resolve_chunk
 
-    chunking = getattr(handle.shared, "ffn_chunk", "auto")
+    chunking = handle.shared.ffn_chunk
 
     def need(h: int, w: int, frames: int) -> int:
         geometry = memory.Geometry(height=h, width=w, num_frames=frames, cfg=cfg, refine=refine, ffn_chunk=chunking)
@@ -335,7 +335,7 @@ def ffn_chunk_for(handle: Any, mode: str, *, height: int, width: int, num_frames
     the budget is unknown."""
     from .placement.estimate import AUTO_CHUNK, Geometry, ffn_chunk_tokens
 
-    setting = getattr(handle.shared, "ffn_chunk", AUTO_CHUNK)
+    setting = handle.shared.ffn_chunk
     if setting != AUTO_CHUNK:
         return setting, "set on the Loader" if setting else "chunking off"
     sizes = _model_sizes(handle)

@@ -99,7 +99,7 @@ class LingBotLoRA(io.ComfyNode):
         if file is None:
             from lingbot_core.notices import is_real_size
 
-            info = getattr(getattr(pipe, "shared", None), "info", None)
+            info = pipe.shared.info
             notice = ("lora_name is 'none': the pipe passes on without a LoRA. A few-step workflow needs its LoRA "
                       "here (LightLingBot 4-step: lightlingbot_video_moe30b_4steps_rank128_v1.safetensors from "
                       "lightx2v/LightLingBot-Video in models/loras)") if is_real_size(info) else None

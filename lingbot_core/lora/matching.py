@@ -211,7 +211,7 @@ def dit_layout(handle: Any, component: str) -> dict[str, Any]:
     elif handle.folder is None:
         raise LoraError(f"the {component} is not loaded and this handle has no checkpoint folder to read it from")
     else:
-        source = getattr(handle.shared, "transformer_source", None) if component == TRANSFORMER else None
+        source = handle.shared.transformer_source if component == TRANSFORMER else None
         folder = source[0] / source[1] if source else handle.folder / component
         config = LingBotVideoTransformer3DModel.load_config(folder)
     with torch.device("meta"):

@@ -130,7 +130,7 @@ def with_lora(handle: Any, lora: LoraFile | str | os.PathLike, strength: float =
 
 def lora_stack(handle: Any) -> LoraStack:
     """The view's LoRA stack (empty when it has none)."""
-    return next((s for s in getattr(handle, "view_states", ()) if getattr(s, "kind", None) == "lora"), LoraStack())
+    return next((s for s in handle.view_states if getattr(s, "kind", None) == "lora"), LoraStack())
 
 
 def without_lora(handle: Any) -> Any:

@@ -52,7 +52,7 @@ def process_layout() -> ParallelLayout | None:
 
 def active_layout(handle: Any) -> ParallelLayout | None:
     """The handle view's layout (else the process layout) when it spans more than one process, else None."""
-    layout = getattr(handle, "parallel", None)
+    layout = handle.parallel
     if layout is None:
         layout = _PROCESS[0]
     return layout if layout is not None and layout.world_size > 1 else None
@@ -79,7 +79,7 @@ def check_view(handle: Any, layout: ParallelLayout | None) -> ParallelLayout | N
     if layout.mesh is None:
         raise RefusedInput(f"parallel layout {layout.describe()} has no process groups: build it with "
                          "ParallelLayout.create(cfg, ulysses) after init_process_group")
-    mode = getattr(handle.offload, "mode", "none")
+    mode = handle.offload.mode
     if mode not in ("none", "auto"):  # auto resolves to 'none' on several processes (placement.door)
         raise RefusedInput(offload_refusal(mode, layout))
     check_heads(handle, layout)
@@ -105,7 +105,7 @@ def shard_for_stage(handle: Any, name: str) -> None:
         return
     from .fsdp import describe, is_fsdp_sharded, shard_dit
 
-    mode = getattr(handle.offload, "mode", "none")
+    mode = handle.offload.mode
     if mode not in ("none", "auto"):
         raise RefusedInput(offload_refusal(mode, layout))
     dit = handle.component(name)
@@ -123,7 +123,7 @@ def shard_for_stage(handle: Any, name: str) -> None:
 def check_heads(handle: Any, layout: ParallelLayout) -> None:
     """Refuse a ulysses degree that does not divide the heads of the handle's DiTs (known from the
     checkpoint's config, or from a DiT in memory)."""
-    info = getattr(handle, "info", None)
+    info = handle.info
     heads = [(info.transformer_config or {}).get("num_attention_heads")] if info is not None else []
     heads += [m.spec.num_attention_heads for name, m in handle.shared.loaded.items()
               if name in DITS and hasattr(m, "spec")]

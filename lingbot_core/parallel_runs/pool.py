@@ -209,7 +209,7 @@ class PoolSpec:
         if heads:
             ParallelLayout(cfg=cfg, ulysses=ulysses).check_heads(int(heads))
         pooled_loras(handle)  # LoRAs from files cross (the workers read them); other view states do not
-        mode = getattr(handle.offload, "mode", "none")
+        mode = handle.offload.mode
         if mode not in ("none", None):
             raise RefusedInput(f"LingBot Parallel: offload mode {mode!r} does not combine with several processes; "
                              "connect a pipe with offload 'none' (each GPU holds its own DiT)")
@@ -692,7 +692,7 @@ def pool_of(pipe: Any) -> WorkerPool | None:
 def check_pooled(handle: Any) -> None:
     """Refuse, before anything is sent, a view of a pool's pipe that the workers would not follow: an
     offload mode other than none/auto, or per-view states other than LoRAs read from files."""
-    mode = getattr(handle.offload, "mode", "none")
+    mode = handle.offload.mode
     if mode not in ("none", "auto", None):
         raise RefusedInput(pooled_offload_refusal(mode))
     pooled_loras(handle)

@@ -51,7 +51,7 @@ import logging
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -62,12 +62,36 @@ from . import calibration, estimate, fit
 from .modes import MODE_ORDER
 from .report import MemoryReport, build_report
 from .settings import MODULE_COMPONENTS, OffloadSettings, same_device
+from .state import Placement
 from .tensors import stored_bytes
 
-PipelineHandle = Any
-"""A `lingbot_core.handle.PipelineHandle` view (not imported: the handle depends on placement)."""
-SharedComponents = Any
-"""Its `SharedComponents`: `.loaded`, `.states`, `.lock`, `.placement`, `.info`, `.dtypes`, `.folder`."""
+
+class SharedComponents(Protocol):
+    """What the door reads of a `lingbot_core.handle.SharedComponents` (not imported: the handle
+    depends on placement)."""
+
+    info: Any  # a CheckpointInfo, or None for a handle built from components
+    dtypes: dict[str, torch.dtype | None]
+    weights: str
+    ffn_chunk: Any
+    loaded: dict[str, Any]
+    states: dict[str, Any]
+    lock: Any
+    placement: Placement
+
+    def get(self, name: str, *, streamed: bool = False) -> Any: ...
+
+
+class PipelineHandle(Protocol):
+    """What the door reads of a `lingbot_core.handle.PipelineHandle` view."""
+
+    shared: SharedComponents
+    device: torch.device
+    offload: OffloadSettings
+    view_states: tuple[Any, ...]
+    parallel: Any
+
+    def with_device(self, device: str | torch.device) -> PipelineHandle: ...
 log = logging.getLogger("lingbot_core.offload")
 
 MemoryListener = Callable[[str, Any, torch.device, int], None]
@@ -151,10 +175,9 @@ def _resolve_auto(shared: SharedComponents, requested: OffloadSettings, device: 
     elif budget is None and device.type == "cpu":
         choice = fit.AutoChoice("none", {}, 0, "the execution device is the CPU, so offloading saves nothing")
     else:
-        sizes = estimate.ModelSizes.from_checkpoint(shared.info, shared.dtypes, shared.loaded,
-                                                    getattr(shared, "weights", "auto"))
+        sizes = estimate.ModelSizes.from_checkpoint(shared.info, shared.dtypes, shared.loaded, shared.weights)
         geometry = estimate.geometry_from(dict(requested.options), shared.info.variant if shared.info else "dense",
-                                          getattr(shared, "ffn_chunk", estimate.AUTO_CHUNK))
+                                          shared.ffn_chunk)
         host_budget = requested.option("host_budget_bytes")
         if budget is None:
             wanted = estimate.estimate_peak("none", sizes, geometry) + estimate.RESERVE_BYTES
@@ -179,8 +202,7 @@ def _parallel_choice(shared: SharedComponents, requested: OffloadSettings, devic
               + (" (the DiT blocks sharded by FSDP)" if share.fsdp else ""))
     if shared.info is None:
         return fit.AutoChoice("none", {}, int(budget or 0), reason)
-    sizes = estimate.ModelSizes.from_checkpoint(shared.info, shared.dtypes, shared.loaded,
-                                                getattr(shared, "weights", "auto"))
+    sizes = estimate.ModelSizes.from_checkpoint(shared.info, shared.dtypes, shared.loaded, shared.weights)
     geometry = estimate.geometry_from(dict(requested.options), shared.info.variant, None)
     need = share.peak(sizes, geometry)
     if budget is None and device.type == "cuda":
@@ -257,7 +279,7 @@ def _apply_view_states(handle: PipelineHandle) -> None:
     placement = shared.placement
     modules = Models({n: shared.loaded[n] for n in MODULE_COMPONENTS if isinstance(shared.loaded.get(n), torch.nn.Module)},
                      shared.states)
-    wanted = {state.kind: state for state in getattr(handle, "view_states", ())}
+    wanted = {state.kind: state for state in handle.view_states}
     plans, touched = [], set()
     for kind in sorted(set(wanted) | set(placement.view_states)):
         state = wanted.get(kind)
@@ -535,9 +557,9 @@ def oom_fallback(fn):
     return wrapper
 
 
-def require_refiner(handle: object, refine: object) -> None:
+def require_refiner(handle: PipelineHandle, refine: object) -> None:
     """A planned refine needs the MoE checkpoint's `refiner/`: refused now, not after the base pass."""
-    info = getattr(getattr(handle, "shared", None), "info", None)
+    info = handle.shared.info
     if refine and info is not None and info.variant == "moe" and not info.has_refiner:
         raise ValueError(f"{info.folder} has no refiner/ folder, and this run refines: download it "
                          "(hf download <repo> --local-dir <the same folder> --include \"refiner/*\"), or remove "
@@ -545,7 +567,7 @@ def require_refiner(handle: object, refine: object) -> None:
                          "after it, load the base MoE root with transformer_path set to the student root")
 
 
-def check_handle(handle: object, geometry: estimate.Geometry, *, mode: str | None = None, offload_to: str | None = None,
+def check_handle(handle: PipelineHandle, geometry: estimate.Geometry, *, mode: str | None = None, offload_to: str | None = None,
                  vram_free: int | None = None, host_free: int | None = None) -> fit.Fit | None:
     """The fit of a planned run under `handle`'s offload settings (or `mode`/`offload_to`), logged:
     a WARNING with what to change when it does not fit. None where nothing is checked: `auto`
@@ -554,11 +576,11 @@ def check_handle(handle: object, geometry: estimate.Geometry, *, mode: str | Non
     if geometry.ffn_chunk is None:  # the run chunks as the handle says ("auto": when the budget needs it)
         from dataclasses import replace
 
-        geometry = replace(geometry, ffn_chunk=getattr(handle.shared, "ffn_chunk", estimate.AUTO_CHUNK))  # type: ignore[attr-defined]
-    settings = handle.offload  # type: ignore[attr-defined]
+        geometry = replace(geometry, ffn_chunk=handle.shared.ffn_chunk)
+    settings = handle.offload
     mode = mode or settings.mode
     offload_to = offload_to or settings.offload_to
-    device = handle.device  # type: ignore[attr-defined]
+    device = handle.device
     if mode == "auto" or (device.type == "cpu" and vram_free is None):
         return None
     sizes = estimate.ModelSizes.from_handle(handle)

@@ -134,7 +134,7 @@ class ModelSizes:
     def from_handle(cls, handle: Any) -> ModelSizes:
         """Sizes for a handle opened from a checkpoint folder (nothing is loaded for this)."""
         shared = handle.shared
-        return cls.from_checkpoint(shared.info, shared.dtypes, shared.loaded, getattr(shared, "weights", "auto"))
+        return cls.from_checkpoint(shared.info, shared.dtypes, shared.loaded, shared.weights)
 
     @classmethod
     def from_checkpoint(cls, info: Any, dtypes: Mapping[str, torch.dtype | None],

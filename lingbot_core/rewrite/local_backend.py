@@ -41,7 +41,7 @@ def check_writes_text(handle: Any) -> None:
     rewrite would run to every stage's token limit (minutes on a CPU) and then fail on what it wrote."""
     from ..tiny import is_tiny_checkpoint
 
-    folder = getattr(handle, "folder", None)
+    folder = handle.folder
     if folder is not None and is_tiny_checkpoint(folder):
         raise CannotWrite(
             "the built-in tiny checkpoint has random weights: its text encoder cannot write a caption. Pick a real "
@@ -215,9 +215,9 @@ class LocalBackend:
         self.last: Generation | None = None
 
     def identity(self) -> tuple:
-        folder = getattr(self.handle, "folder", None)
+        folder = self.handle.folder
         where = str(folder) if folder is not None else f"in-memory:{id(self.handle.shared)}"
-        states = tuple(repr(s) for s in getattr(self.handle, "view_states", ()))
+        states = tuple(repr(s) for s in self.handle.view_states)
         return (where, states, tuple(sorted(self.max_new_tokens.items())))
 
     def complete(self, stage: str, system: str, user: str, *, image: Any | None, sampling: Sampling,

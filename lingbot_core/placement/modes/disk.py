@@ -24,7 +24,7 @@ from ..settings import CPU
 
 def streams_from_disk(settings: Any, name: str) -> bool:
     """Do `settings` (concrete: `auto` resolved) make `name`'s CPU home its checkpoint file?"""
-    if name not in DITS or getattr(settings, "offload_to", "ram") != "disk":
+    if name not in DITS or settings.offload_to != "disk":
         return False
     from . import disk_unit
 
