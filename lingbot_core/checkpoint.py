@@ -9,8 +9,6 @@ The open-time names (`inspect_checkpoint`, `CheckpointInfo`, ...) are re-exporte
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -151,39 +149,3 @@ def load_component(folder: Path, name: str, *, dtype: torch.dtype | None = None,
             return FlowUniPCScheduler()
         return FlowUniPCScheduler.from_pretrained(folder, subfolder="scheduler", local_files_only=True)
     raise ValueError(f"unknown component {name!r}; expected one of {COMPONENTS}")
-
-
-@dataclass
-class LoadedCheckpoint:
-    info: CheckpointInfo
-    components: dict[str, Any]
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self.__dict__["components"][name]
-        except KeyError:
-            raise AttributeError(name) from None
-
-
-def load_checkpoint(
-    folder: str | os.PathLike,
-    *,
-    device: torch.device | str = "cpu",
-    dtypes: dict[str, torch.dtype] | None = None,
-    components: Iterable[str] = COMPONENTS,
-    attn_implementation: str = "sdpa",
-) -> LoadedCheckpoint:
-    """Validate `folder`, then load the requested components on CPU in their per-device dtypes.
-
-    `device` only selects the dtype policy; placing components is the offload manager's job. The
-    refiner is never loaded here: call `load_refiner` when a refine stage needs it.
-    """
-    info = inspect_checkpoint(folder)
-    wanted = list(components)
-    for name in wanted:
-        if name not in COMPONENTS:
-            raise ValueError(f"unknown component {name!r}; expected some of {COMPONENTS}")
-    chosen = {**default_dtypes(device), **(dtypes or {})}
-    loaded = {name: load_component(info.folder, name, dtype=chosen.get(name), attn_implementation=attn_implementation,
-                                   source=info.sources.get(name)) for name in wanted}
-    return LoadedCheckpoint(info, loaded)
