@@ -19,7 +19,12 @@ start) and a `--timeout`: the child inspects the file as the Loader does (`inspe
 (our `CheckpointError` at inspection), `refused late` (accepted at inspection, refused at load),
 `read`; and the three that must stay 0: CRASH (any other exception, or the child killed, e.g. by
 SIGBUS or the memory limit), HANG (no answer in time), SILENT (read although the safetensors library
-itself refuses the file: a load that would fail later, in a decode, without the file's name).
+itself refuses the file: a load that would fail later, in a decode, without the file's name; or a
+refusal message over 4,000 characters).
+
+Before the mutated cases, the files of the round-4 report run the same way (`reproducers`: a VAE
+claiming 100,001 blocks, an empty q_norm, a 4,096-deep `comfy_quant`, a 5,000-digit block index,
+10^6 zero-size tensors, a gap in the data, a 20 MB tensor name); `--no-reproducers` leaves them out.
 """
 
 from __future__ import annotations
@@ -162,6 +167,76 @@ def mutate(kind: str, raw: bytes, rnd: random.Random) -> bytes:
     return join(header, data)
 
 
+def reproducers(seeds: dict[str, tuple[str, bytes]]) -> list[tuple[str, str, bytes]]:
+    """The round-4 report's files, run before the mutated cases: (label, kind, bytes)."""
+    out = []
+
+    def edited(seed: str, change) -> bytes:
+        header, data = split(seeds[seed][1])
+        data = change(header, data) or data
+        return join(header, data)
+
+    def zero(header: dict, name: str) -> None:
+        header[name] = {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}
+
+    def one_stage(header: dict, data: bytes) -> bytes:  # the report's file: one decoder stage, 100,001 blocks
+        kept, packed = {}, b""
+        for name, entry in sorted(((k, v) for k, v in header.items() if k != "__metadata__"),
+                                  key=lambda kv: kv[1]["data_offsets"][0]):
+            if name.startswith("decoder.up_blocks.") and not name.startswith("decoder.up_blocks.0."):
+                continue
+            a, b = entry["data_offsets"]
+            kept[name] = {**entry, "data_offsets": [len(packed), len(packed) + b - a]}
+            packed += data[a:b]
+        header.clear()
+        header.update(kept)
+        zero(header, "decoder.up_blocks.0.resnets.100000.norm1.gamma")
+        return packed
+
+    out.append(("VAE of one stage claiming 100,001 residual blocks (one zero-size tensor)", "vae",
+                edited("vae_diffusers", one_stage)))
+
+    def empty_q_norm(header: dict, data: bytes) -> None:
+        header["model.layers.0.self_attn.q_norm.weight"].update(shape=[0], data_offsets=[0, 0])
+
+    out.append(("text encoder with q_norm of shape [0]", "text_encoder", edited("te_comfy", empty_q_norm)))
+
+    def nested_quant(header: dict, data: bytes) -> bytes:
+        body = b"[" * 4096
+        header["model.layers.0.mlp.gate_proj.comfy_quant"] = {"dtype": "U8", "shape": [len(body)],
+                                                              "data_offsets": [len(data), len(data) + len(body)]}
+        return data + body
+
+    out.append(("comfy_quant entry of 4,096 '['", "text_encoder", edited("te_comfy_quant", nested_quant)))
+
+    def long_index(header: dict, data: bytes) -> None:
+        header["blocks." + "9" * 5000 + ".x"] = header.pop("blocks.0.norm1.weight")
+
+    out.append(("DiT tensor named blocks.<5,000 digits>.x", "dit", edited("dit", long_index)))
+
+    def many(header: dict, data: bytes) -> None:
+        for i in range(10**6):
+            zero(header, f"z{i}")
+
+    out.append(("DiT with 10^6 zero-size tensors", "dit", edited("dit", many)))
+
+    def gap(header: dict, data: bytes) -> bytes:
+        entries = sorted((e for e in header.values() if isinstance(e, dict) and "data_offsets" in e),
+                         key=lambda e: e["data_offsets"][0])
+        cut = entries[0]["data_offsets"][1]
+        for entry in entries[1:]:
+            entry["data_offsets"] = [x + 64 for x in entry["data_offsets"]]
+        return data[:cut] + bytes(64) + data[cut:]
+
+    out.append(("VAE with 64 unused bytes between two tensors", "vae", edited("vae_diffusers", gap)))
+
+    def long_name(header: dict, data: bytes) -> None:
+        header["decoder." + "y" * (20 << 20)] = header.pop("decoder.conv_out.bias")
+
+    out.append(("VAE with a 20 MB tensor name", "vae", edited("vae_diffusers", long_name)))
+    return out
+
+
 def open_case(kind: str, path: Path) -> str:
     """What the Loader does with the file: inspect, then (accepted) load. The outcome."""
     from lingbot_core.errors import CheckpointError
@@ -177,13 +252,22 @@ def open_case(kind: str, path: Path) -> str:
             from lingbot_core.weights.dit_file import dit_file_source as inspect
             from lingbot_core.weights.loader import load_dit as load
         info = inspect(path)
-    except CheckpointError:
-        return "refused"
+    except CheckpointError as err:
+        return _refusal("refused", err)
     try:
         load(info)
-    except CheckpointError:
-        return "refused late"
+    except CheckpointError as err:
+        return _refusal("refused late", err)
     return "read"
+
+
+MAX_MESSAGE = 4000
+
+
+def _refusal(outcome: str, err: Exception) -> str:
+    """A refusal counts when its message is one readable line (a 20 MB name once made a 20 MB message)."""
+    text = str(err)
+    return outcome if len(text) <= MAX_MESSAGE else f"SILENT: a refusal of {len(text)} characters"
 
 
 def _library_refuses(path: Path) -> bool:
@@ -210,7 +294,8 @@ def _child(conn, kind: str, path: Path, memory: int) -> None:
     limit = _vm_bytes() + memory
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     try:
-        conn.send(("ok", open_case(kind, path)))
+        outcome = open_case(kind, path)
+        conn.send(("SILENT", outcome[len("SILENT: "):]) if outcome.startswith("SILENT") else ("ok", outcome))
     except BaseException as err:  # the escapes this bench counts
         conn.send(("CRASH", f"{type(err).__name__}: {str(err)[:300]}"))
 
@@ -242,11 +327,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--memory-mb", type=int, default=1500)
     ap.add_argument("--keep", type=Path, help="save every crashing, hanging or silent file here")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--no-reproducers", action="store_true", help="only the mutated cases (not the report's files)")
     args = ap.parse_args(argv)
     rnd = random.Random(args.seed)
     outcomes: Counter[str] = Counter()
     per_kind: dict[str, Counter[str]] = {}
     examples: dict[str, str] = {}
+    found: dict[str, str] = {}  # reproducer -> its outcome
     kinds: Counter[str] = Counter()  # what crashed (the exception's type, or how the child died)
     slowest = 0.0
     started = time.perf_counter()
@@ -257,17 +344,23 @@ def main(argv: list[str] | None = None) -> dict:
             (folder / "warm.safetensors").write_bytes(raw)
             assert open_case(kind, folder / "warm.safetensors") == "read", name
         order = sorted(seeds)
-        for i in range(args.cases):
-            name = order[i % len(order)]
-            kind, raw = seeds[name]
-            case = mutate(kind, raw, rnd)
-            path = folder / f"{name}-case.safetensors"
+        fixed = reproducers(seeds) if not args.no_reproducers else []
+        for i in range(len(fixed) + args.cases):
+            if i < len(fixed):
+                name, kind, case = fixed[i]
+            else:
+                name = order[i % len(order)]
+                kind, raw = seeds[name]
+                case = mutate(kind, raw, rnd)
+            path = folder / "case.safetensors"
             path.write_bytes(case)
             start = time.perf_counter()
             outcome, detail = run_case(kind, path, args.timeout, args.memory_mb << 20)
             slowest = max(slowest, time.perf_counter() - start)
             if outcome == "read" and _library_refuses(path):
                 outcome, detail = "SILENT", "read, but safetensors refuses the file"
+            if i < len(fixed):
+                found[name] = f"{outcome} {detail[:160]}".strip()
             outcomes[outcome] += 1
             per_kind.setdefault(kind, Counter())[outcome] += 1
             if outcome in ("CRASH", "HANG", "SILENT"):
@@ -275,8 +368,8 @@ def main(argv: list[str] | None = None) -> dict:
                 examples.setdefault(f"{outcome} {kind}", f"case {i} ({name}): {detail}")
                 if args.keep:
                     args.keep.mkdir(parents=True, exist_ok=True)
-                    (args.keep / f"{outcome.lower()}-{i}-{name}.safetensors").write_bytes(case)
-    result = {"cases": args.cases, "seed": args.seed, "outcomes": dict(outcomes),
+                    (args.keep / f"{outcome.lower()}-{i}-{kind}.safetensors").write_bytes(case)
+    result = {"cases": args.cases, "reproducers": found, "seed": args.seed, "outcomes": dict(outcomes),
               "per_kind": {k: dict(v) for k, v in per_kind.items()},
               "crashes": outcomes["CRASH"], "hangs": outcomes["HANG"], "silent": outcomes["SILENT"],
               "what_escaped": dict(kinds),
