@@ -91,19 +91,3 @@ def save_frames(frames: torch.Tensor, path: str | os.PathLike, fps: float = 24.0
     if frames.ndim == 3 or frames.shape[0] == 1:
         return save_png(frames if frames.ndim == 3 else frames[0], path.with_suffix(".png"), metadata)
     return save_mp4(frames, path.with_suffix(".mp4"), fps, metadata=metadata)
-
-
-def read_video(path: str | os.PathLike) -> tuple[torch.Tensor, float]:
-    """Decode a video file to frames [F,H,W,3] float32 in [0,1] and its frame rate."""
-    import av
-
-    try:
-        with av.open(str(path)) as container:
-            stream = container.streams.video[0]
-            fps = float(stream.average_rate or 24)
-            frames = [f.to_ndarray(format="rgb24") for f in container.decode(stream)]
-    except (av.FFmpegError, IndexError, OSError) as err:
-        raise ValueError(f"cannot read video '{path}': {err}") from err
-    if not frames:
-        raise ValueError(f"cannot read video '{path}': it has no frames")
-    return torch.from_numpy(np.stack(frames)).float() / 255.0, fps

@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 import pytest
+from video_reader import read_video
 
-from lingbot_core.video import read_video
 from lingbot_nodes.cli import main
 
 

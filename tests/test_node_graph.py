@@ -229,7 +229,7 @@ def test_bad_widget_values_fail_validation_with_a_clear_message(override, messag
 
 
 def test_save_writes_mp4_and_png(tmp_path):
-    from lingbot_core.video import read_video
+    from video_reader import read_video
 
     for name, suffix in (("lingbot_t2v_dense", ".mp4"), ("lingbot_t2i_dense", ".png")):
         prompt = _load(name)
