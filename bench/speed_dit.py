@@ -503,9 +503,10 @@ def measure_fp8_matmul(args: argparse.Namespace) -> dict[str, Any]:
     rows = [{"device": str(device), "auto_picks": choose_fp8_matmul("auto", device, torch.bfloat16, width, width),
              "scaled_mm": "not run" if problem else "available", "why": problem or ""}]
     if problem is None:
-        from lingbot_core.weights.modules import QuantizedLinear
+        from lingbot_core.weights.modules import FP8, Packing, QuantizedLinear, pack_fp8
 
-        layer = QuantizedLinear.from_linear_fp8(torch.randn(4 * width, width) * 0.02, None, torch.bfloat16).to(device)
+        weight = torch.randn(4 * width, width) * 0.02
+        layer = QuantizedLinear(Packing(FP8, tuple(weight.shape)), *pack_fp8(weight), None, torch.bfloat16).to(device)
         x = torch.randn(args.tokens, width, device=device, dtype=torch.bfloat16)
         times = {}
         for path in ("decode", "scaled_mm"):

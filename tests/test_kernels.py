@@ -173,10 +173,10 @@ def test_probing_grouped_mm_reports_a_refusal_and_keeps_no_good_verdict(monkeypa
 # -- torch._scaled_mm (fp8 linears) ---------------------------------------------------------------------
 
 def _fp8_layer(wanted="scaled_mm"):
-    from lingbot_core.weights.modules import QuantizedLinear
+    from lingbot_core.weights.modules import FP8, Packing, QuantizedLinear, pack_fp8
 
-    layer = QuantizedLinear.from_linear_fp8(torch.randn(32, 64, generator=torch.Generator().manual_seed(2)) * 0.02,
-                                            torch.zeros(32), torch.bfloat16)
+    weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(2)) * 0.02
+    layer = QuantizedLinear(Packing(FP8, (32, 64)), *pack_fp8(weight), torch.zeros(32), torch.bfloat16)
     layer.fp8_matmul = wanted
     return layer
 

@@ -206,7 +206,7 @@ def test_fp8_matmul_choice_follows_the_device():
 def test_fp8_linear_on_cpu_decodes_whatever_is_asked_short_of_scaled_mm():
     from lingbot_core.weights.modules import QuantizedLinear, set_fp8_matmul
 
-    layer = QuantizedLinear.from_linear_fp8(torch.randn(32, 64) * 0.02, None, torch.bfloat16)
+    layer = QuantizedLinear(Packing(FP8, (32, 64)), *pack_fp8(torch.randn(32, 64) * 0.02), None, torch.bfloat16)
     x = torch.randn(3, 64).bfloat16()
     want = torch.nn.functional.linear(x, layer.dequantized_weight(torch.bfloat16))
     assert set_fp8_matmul(torch.nn.Sequential(layer), "auto") == 1

@@ -21,7 +21,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..errors import WeightsError
 from . import gguf_codec
 from .decode import check_decoder
 from .fp8 import FP8_MATMULS, choose_fp8_matmul, dequantize_fp8, quantize_fp8, tried_scaled_mm
@@ -116,14 +115,6 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"stored={self.packing.label}, compute={str(self.compute_dtype).replace('torch.', '')}")
-
-    @classmethod
-    def from_linear_fp8(cls, weight: torch.Tensor, bias: torch.Tensor | None,
-                        compute_dtype: torch.dtype) -> QuantizedLinear:
-        if weight.ndim != 2:
-            raise WeightsError(f"an fp8 linear weight is [out, in]; got shape {list(weight.shape)}")
-        data, scale = pack_fp8(weight)
-        return cls(Packing(FP8, tuple(weight.shape)), data, scale, bias, compute_dtype)
 
 
 class _ExpertView:
