@@ -9,6 +9,7 @@ import json
 import logging
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -296,3 +297,59 @@ def test_a_lora_change_under_none_merges_where_the_weights_are(fixtures_root, mo
     fresh = configure_offload(_open(fixtures_root, "tiny-moe"), "none")
     assert torch.equal(merged, stages.denoise(lora_ops.with_lora(fresh, lora, 0.8), cond, **RUN))
     assert torch.equal(back, stages.denoise(fresh, cond, **RUN))
+
+
+# -- available host RAM -------------------------------------------------------------------------------------
+
+def _host_files(tmp_path, monkeypatch, *, meminfo="MemAvailable:   67108864 kB\n", v2=None, v1=None):
+    import tempfile
+
+    tmp_path = Path(tempfile.mkdtemp(dir=tmp_path))  # a machine has one cgroup version: fresh files each time
+    (tmp_path / "meminfo").write_text(meminfo)
+    monkeypatch.setattr(estimate, "MEMINFO", str(tmp_path / "meminfo"))
+    files = []
+    for version, given in (("v2", v2), ("v1", v1)):
+        names = [str(tmp_path / f"{version}-{part}") for part in ("limit", "usage", "stat")]
+        if given is not None:
+            for name, text in zip(names, given):
+                Path(name).write_text(text)
+        files.append((*names, "inactive_file" if version == "v2" else "total_inactive_file"))
+    monkeypatch.setattr(estimate, "CGROUP_LIMITS", tuple(files))
+
+
+def test_available_host_ram_is_capped_by_the_containers_memory_limit(tmp_path, monkeypatch):
+    _host_files(tmp_path, monkeypatch)
+    assert estimate.available_host_bytes() == 64 * GiB  # no cgroup files: MemAvailable
+    _host_files(tmp_path, monkeypatch, v2=(f"{8 * GiB}\n", f"{6 * GiB}\n", f"anon 1\ninactive_file {GiB}\n"))
+    assert estimate.available_host_bytes() == 3 * GiB  # limit - usage + reclaimable cache
+    _host_files(tmp_path, monkeypatch, v2=("max\n", f"{6 * GiB}\n", ""))
+    assert estimate.available_host_bytes() == 64 * GiB  # no limit
+    _host_files(tmp_path, monkeypatch, v1=("9223372036854771712\n", "5\n", ""))
+    assert estimate.available_host_bytes() == 64 * GiB  # v1 "unlimited"
+    _host_files(tmp_path, monkeypatch, v1=(f"{4 * GiB}\n", f"{GiB}\n", f"total_inactive_file {GiB}\n"))
+    assert estimate.available_host_bytes() == 4 * GiB
+
+
+def test_available_host_ram_without_proc_meminfo_asks_psutil(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    _host_files(tmp_path, monkeypatch, meminfo="")
+    fake = types.SimpleNamespace(virtual_memory=lambda: types.SimpleNamespace(available=5 * GiB))
+    monkeypatch.setitem(sys.modules, "psutil", fake)
+    assert estimate.available_host_bytes() == 5 * GiB
+
+
+def test_auto_reads_the_host_ram_even_with_a_vram_budget_given(fixtures_root, monkeypatch):
+    """With `budget_bytes` set, `auto` used to skip the host check: a mode whose weights do not fit the host
+    RAM could be picked, and the kernel's OOM killer ends such a run without an error."""
+    from lingbot_core.placement.fit import DoesNotFit
+
+    handle = _open(fixtures_root)
+    settings = handle.with_offload("auto", budget_bytes=1, height=32, width=32, num_frames=5).offload
+    monkeypatch.setattr(estimate, "available_host_bytes", lambda: 1)
+    with pytest.raises(DoesNotFit, match="host RAM"):
+        door.resolve(handle.shared, settings, CUDA)
+    monkeypatch.setattr(estimate, "available_host_bytes", lambda: 64 * GiB)
+    _concrete, choice = door.resolve(handle.shared, settings, CUDA)
+    assert choice.host_budget == 64 * GiB

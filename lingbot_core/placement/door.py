@@ -179,11 +179,11 @@ def _resolve_auto(shared: SharedComponents, requested: OffloadSettings, device: 
         geometry = estimate.geometry_from(dict(requested.options), shared.info.variant if shared.info else "dense",
                                           shared.ffn_chunk)
         host_budget = requested.option("host_budget_bytes")
+        if host_budget is None:  # always read (a VRAM budget given or not): a host run out of RAM is killed
+            host_budget = estimate.available_host_bytes()
         if budget is None:
             wanted = estimate.estimate_peak("none", sizes, geometry) + estimate.RESERVE_BYTES
             budget = _free_budget(shared, device, wanted)
-            if host_budget is None:
-                host_budget = estimate.available_host_bytes()
         choice = fit.choose_mode(sizes, geometry, int(budget), host_budget=host_budget,
                                       offload_to=requested.offload_to)
     if choice.fits:

@@ -486,16 +486,69 @@ PINNED_BOUND = 2
 what `host_bytes` counts where the tensor sizes are unknown (a GGUF or single-file component)."""
 
 
-def available_host_bytes() -> int | None:
-    """The host's available memory (`MemAvailable`: free plus reclaimable cache), None where unknown."""
+MEMINFO = "/proc/meminfo"
+CGROUP_LIMITS = (  # (limit, usage, stat file, its reclaimable-cache key): cgroup v2, then v1
+    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory.stat", "inactive_file"),
+    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+     "/sys/fs/cgroup/memory/memory.stat", "total_inactive_file"),
+)
+UNLIMITED = 1 << 60  # a cgroup v1 limit at or above this is "no limit" (the kernel's page-rounded LONG_MAX)
+
+
+def _read_small(path: str) -> str | None:
     try:
-        with open("/proc/meminfo", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+        with open(path, encoding="ascii", errors="replace") as fh:
+            return fh.read(1 << 16)
     except OSError:
         return None
+
+
+def _cgroup_available() -> int | None:
+    """What the process's memory cgroup (a container's limit) still allows: limit - usage + its inactive
+    page cache (reclaimed before the cgroup's OOM killer runs); None without a limit."""
+    for limit_file, usage_file, stat_file, cache_key in CGROUP_LIMITS:
+        limit, usage = _read_small(limit_file), _read_small(usage_file)
+        if limit is None or usage is None:
+            continue
+        try:
+            limit_bytes, used = int(limit.strip()), int(usage.strip())
+        except ValueError:  # "max": no limit
+            return None
+        if limit_bytes >= UNLIMITED:
+            return None
+        cache = 0
+        for line in (_read_small(stat_file) or "").splitlines():
+            key, _, value = line.partition(" ")
+            if key == cache_key and value.strip().isdigit():
+                cache = int(value)
+        return max(limit_bytes - used + cache, 0)
     return None
+
+
+def available_host_bytes() -> int | None:
+    """The host RAM a run may still take, None where unknown: the kernel's `MemAvailable` (free plus
+    reclaimable cache; psutil's figure where there is no /proc/meminfo), capped by the memory cgroup's
+    limit when the process runs in one (a container: its limit, not the machine's RAM, decides when the
+    OOM killer ends the process)."""
+    found = None
+    for line in (_read_small(MEMINFO) or "").splitlines():
+        if line.startswith("MemAvailable:"):
+            try:
+                found = int(line.split()[1]) * 1024
+            except (IndexError, ValueError):
+                pass
+            break
+    if found is None:
+        try:
+            import psutil
+
+            found = int(psutil.virtual_memory().available)
+        except Exception:  # noqa: BLE001 - not installed, or no figure on this platform
+            found = None
+    capped = _cgroup_available()
+    if capped is not None:
+        return capped if found is None else min(found, capped)
+    return found
 
 
 def geometry_from(options: Mapping[str, Any], variant: str, ffn_chunk: int | str | None = AUTO_CHUNK) -> Geometry:
