@@ -96,9 +96,6 @@ class ImageCondition:
         noise = torch.randn(self.latent_mean.shape, generator=generator, dtype=torch.float32)
         return vae_to_dit(self.latent_mean + self.latent_std * noise, self.vae_config)
 
-    def mean_latent(self) -> torch.Tensor:
-        return vae_to_dit(self.latent_mean, self.vae_config)
-
 
 # -- shared helpers --------------------------------------------------------------------------------
 

@@ -113,7 +113,7 @@ def test_strength_zero_view_is_the_plain_model(moe, loras, reference):
     cond = stages.encode_prompt(moe, "a red boat", None)
     zero = lora_ops.with_lora(moe, loras[0], 0.0)
     assert torch.equal(_denoise(zero, cond), reference["plain"])
-    assert lora_ops.lora_stack(lora_ops.without_lora(_views(moe, loras)["both"])) == lora_ops.LoraStack()
+    assert lora_ops.lora_stack(_views(moe, loras)["both"].without_view_state("lora")) == lora_ops.LoraStack()
 
 
 def test_the_lora_node_chains_on_a_workflow(fixtures_root, tmp_path, monkeypatch):

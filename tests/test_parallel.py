@@ -106,10 +106,12 @@ def _t2v_checks(layout: ParallelLayout, tiny: str) -> dict:
     # the TI2V first frame on a parallel view: rank 0 runs the VAE, the others receive the posterior
     from PIL import Image
 
+    from lingbot_core.latents import vae_to_dit
+
     picture = Image.fromarray((torch.rand(40, 48, 3, generator=torch.Generator().manual_seed(6)) * 255).byte().numpy())
     image_cond = stages.encode_image(handle.with_parallel(layout), picture, 32, 32)
     found["vae_loaded"] = "vae" in handle.shared.loaded
-    found["image_latent"] = image_cond.mean_latent().sum().item()
+    found["image_latent"] = vae_to_dit(image_cond.latent_mean, image_cond.vae_config).sum().item()
     if layout.rank == 0:  # the one-process run, once
         alone = stages.denoise(handle, cond, **size, steps=3, guidance_scale=3.0, seed=7)
         frames_alone, frames_shared = stages.decode(handle, alone), stages.decode(handle, shared)

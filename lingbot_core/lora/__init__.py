@@ -14,8 +14,8 @@ from __future__ import annotations
 from .files import LoraError, LoraFile, load_lora_file
 from .matching import DIT_COMPONENTS, TARGETS, MatchReport, Patch, dit_layout, match
 from .merging import merge, pristine_copies, restore
-from .stack import LoraItem, LoraStack, lora_stack, plan, with_lora, without_lora
+from .stack import LoraItem, LoraStack, lora_stack, plan, with_lora
 
 __all__ = ["DIT_COMPONENTS", "TARGETS", "LoraError", "LoraFile", "LoraItem", "LoraStack", "MatchReport", "Patch",
            "dit_layout", "load_lora_file", "lora_stack", "match", "merge", "plan", "pristine_copies", "restore",
-           "with_lora", "without_lora"]
+           "with_lora"]

@@ -131,8 +131,3 @@ def with_lora(handle: Any, lora: LoraFile | str | os.PathLike, strength: float =
 def lora_stack(handle: Any) -> LoraStack:
     """The view's LoRA stack (empty when it has none)."""
     return next((s for s in handle.view_states if getattr(s, "kind", None) == "lora"), LoraStack())
-
-
-def without_lora(handle: Any) -> Any:
-    """A view of `handle` with no LoRAs."""
-    return handle.without_view_state("lora")
