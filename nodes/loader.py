@@ -195,12 +195,14 @@ class LingBotLoader(io.ComfyNode):
         if DTYPES[dtype] is not None:
             dt = getattr(torch, DTYPES[dtype])
             dtypes = {"transformer": dt, "refiner": dt, "text_encoder": dt}
+        from lingbot_core.interrupt import interrupt_checker
         from lingbot_core.notices import cpu_notice
 
-        handle = PipelineHandle.open(folder, device=runtime.execution_device(device), dtypes=dtypes, weights=weights,
-                                     attention_backend=None if attention == "default" else attention,
-                                     transformer_folder=resolve_student(transformer_path), compile=compile,
-                                     ffn_chunk=chunk, fp8_matmul=fp8_matmul)
+        with interrupt_checker(runtime.interrupt_check()):  # header reads and shape skeletons see /interrupt
+            handle = PipelineHandle.open(folder, device=runtime.execution_device(device), dtypes=dtypes,
+                                         weights=weights, attention_backend=None if attention == "default" else attention,
+                                         transformer_folder=resolve_student(transformer_path), compile=compile,
+                                         ffn_chunk=chunk, fp8_matmul=fp8_matmul)
         if variant != "auto" and handle.variant != variant:
             raise ValueError(f"{folder} is a {handle.variant} checkpoint, but the loader asks for {variant}")
         runtime.install_memory_cooperation(handle)

@@ -585,3 +585,14 @@ def test_a_typed_file_path_that_is_a_fifo_says_so(tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(ValueError, match="is a FIFO"):
         node_files.resolve_file("dit", node_files.FROM_CHECKPOINT, str(fifo))
+
+
+def test_the_loader_opens_under_the_interrupt_checker(monkeypatch):
+    from lingbot_nodes import runtime
+
+    def cancel():
+        raise _Cancelled("cancelled")
+
+    monkeypatch.setattr(runtime, "interrupt_check", lambda: cancel)
+    with pytest.raises(_Cancelled):
+        LOADER.execute(next(iter(node_files.TINY)), "auto", "auto", "default")

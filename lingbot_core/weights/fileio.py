@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import stat
 from dataclasses import dataclass
-from pathlib import Path
 
 from ..errors import CheckpointError
 
@@ -122,11 +121,3 @@ def check_same_file(path: str | os.PathLike, fd: int, expected: Identity | None,
                 else "was rewritten")
         raise error(f"{path} {what} since it was loaded; its weights would mix two files. Reload the model "
                     "(run the Loader again) after the file is final.")
-
-
-def identity_of(path: str | os.PathLike) -> Identity | None:
-    """The identity of the file at `path` now, or None when it cannot be looked at."""
-    try:
-        return Identity.of(os.stat(Path(path)))
-    except OSError:
-        return None
