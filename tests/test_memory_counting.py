@@ -180,7 +180,7 @@ def calibration_file(tmp_path, monkeypatch):
 def test_every_stage_on_cuda_records_its_peak_next_to_the_estimate(fixtures_root, monkeypatch, calibration_file,
                                                                    caplog):
     """The device is a label (the stage runs on the CPU) and torch.cuda's counters are the fake's."""
-    fake = FakeCuda(allocated=1 << 20, reserved=1 << 21).install(monkeypatch)
+    fake = FakeCuda().install(monkeypatch)  # nothing allocated when the stage starts
     monkeypatch.setattr(calibration, "device_name", lambda device: fake.name)
     handle = _open(fixtures_root)
     geometry = Geometry(32, 32, 5)
@@ -198,6 +198,20 @@ def test_every_stage_on_cuda_records_its_peak_next_to_the_estimate(fixtures_root
     assert f"measured {peak.line()}" in caplog.text
     # filed: later estimates on this device and mode are never below the measurement
     assert calibration.load()[fake.name]["none"] == peak.ratio
+
+
+def test_what_others_held_at_the_start_is_not_the_stages_peak(fixtures_root, monkeypatch, calibration_file):
+    """In ComfyUI the process's peak includes the host's own models: only the stage's part is set against
+    its estimate and filed (else one run next to a resident SDXL would inflate every later estimate)."""
+    fake = FakeCuda(allocated=5 * GiB, reserved=6 * GiB).install(monkeypatch)  # the host's models
+    monkeypatch.setattr(calibration, "device_name", lambda device: fake.name)
+    handle = _open(fixtures_root)
+    with offload.stage(handle, "vae", phase="decode", geometry=Geometry(32, 32, 5)):
+        fake.peak_allocated = 5 * GiB + (256 << 20)
+    peak = calibration.measured_peaks()[-1]
+    assert (peak.allocated_bytes, peak.foreign_bytes, peak.own_bytes) == (5 * GiB + (256 << 20), 5 * GiB, 256 << 20)
+    assert calibration.load()[fake.name]["none"] == peak.ratio == (256 << 20) / peak.estimate_bytes
+    assert "5.00 GiB of it held by others" in peak.line()
 
 
 def test_a_stage_on_the_cpu_measures_nothing(fixtures_root, calibration_file):

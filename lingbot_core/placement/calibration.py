@@ -12,8 +12,9 @@ under the user's cache folder; `LINGBOT_CALIBRATION=off` turns it off) holds, pe
 offload mode, the largest ratio measured / estimated seen there. `record` raises a stored ratio (never
 lowers it); `factor` reads it, at least 1. `estimate.estimate_peak` multiplies its result by the
 factor of the device the door plans for (`on_device`), so `auto` and the fit check never plan below a
-peak this machine has measured. The estimate is of `max_memory_allocated`, so that is the ratio's
-numerator; the allocator's extra (reserved minus allocated) stays the fit check's `RESERVE_BYTES`.
+peak this machine has measured. The estimate is of `max_memory_allocated`, so the ratio's numerator is
+the stage's own part of it: the peak less what others (a host's models, other nodes' tensors) held when
+the stage started; the allocator's extra (reserved minus allocated) stays the fit check's `RESERVE_BYTES`.
 
 The file is read bounded (`MAX_FILE_BYTES`) and a corrupt or foreign one counts as empty (with one
 warning): it is a cache, rewritten whole (write to a temporary file, then rename) on the next record.
@@ -58,15 +59,25 @@ class MeasuredPeak:
     estimate_bytes: int | None
     allocated_bytes: int  # torch.cuda.max_memory_allocated over the stage
     reserved_bytes: int  # torch.cuda.max_memory_reserved over the stage
+    # allocated at the stage's start by others than this handle's resident components (a host's own
+    # models, other nodes' tensors): part of the process's peak, not of this stage's
+    foreign_bytes: int = 0
+
+    @property
+    def own_bytes(self) -> int:
+        """The stage's own peak: the process's, less what others held when it started."""
+        return max(self.allocated_bytes - self.foreign_bytes, 0)
 
     @property
     def ratio(self) -> float | None:
-        """Measured (allocated) over estimated; None without an estimate."""
-        return self.allocated_bytes / self.estimate_bytes if self.estimate_bytes else None
+        """The stage's own measured peak over its estimate; None without an estimate."""
+        return self.own_bytes / self.estimate_bytes if self.estimate_bytes else None
 
     def line(self) -> str:
         gib = 1024**3
         measured = f"peak {self.allocated_bytes / gib:.2f} GiB allocated ({self.reserved_bytes / gib:.2f} GiB reserved)"
+        if self.foreign_bytes:
+            measured += f", {self.foreign_bytes / gib:.2f} GiB of it held by others"
         if self.estimate_bytes is None:
             return f"{self.stage}: {measured}, no estimate"
         return f"{self.stage}: {measured}, estimate {self.estimate_bytes / gib:.2f} GiB (x{self.ratio:.2f})"
@@ -104,23 +115,27 @@ def device_name(device: torch.device) -> str | None:
 
 # -- measuring a stage -----------------------------------------------------------------------------------
 
-def start(device: torch.device) -> str | None:
-    """Before a stage: reset the peak counters of a CUDA `device`; its name, or None (nothing measured)."""
+def start(device: torch.device, own_bytes: int = 0) -> tuple[str, int] | None:
+    """Before a stage: reset the peak counters of a CUDA `device`; (its name, the bytes allocated now by
+    others than the caller's `own_bytes`), or None (nothing measured)."""
     name = device_name(device)
-    if name is not None:
-        torch.cuda.reset_peak_memory_stats(device)
-    return name
+    if name is None:
+        return None
+    torch.cuda.reset_peak_memory_stats(device)
+    return name, max(int(torch.cuda.memory_allocated(device)) - own_bytes, 0)
 
 
-def finish(name: str, device: torch.device, stage: str, mode: str, estimate_bytes: int | None) -> MeasuredPeak:
+def finish(started: tuple[str, int], device: torch.device, stage: str, mode: str,
+           estimate_bytes: int | None) -> MeasuredPeak:
     """After a stage `start` measured: read the peaks, keep them, log both figures, record the ratio."""
+    name, foreign = started
     peak = MeasuredPeak(stage, name, mode, estimate_bytes, int(torch.cuda.max_memory_allocated(device)),
-                        int(torch.cuda.max_memory_reserved(device)))
+                        int(torch.cuda.max_memory_reserved(device)), foreign)
     with _LOCK:
         _PEAKS.append(peak)
     log.info("measured %s", peak.line())
     if estimate_bytes:
-        record(name, mode, estimate_bytes, peak.allocated_bytes)
+        record(name, mode, estimate_bytes, peak.own_bytes)
     return peak
 
 

@@ -390,7 +390,7 @@ def stage(handle: PipelineHandle, *components: str, label: str | None = None, ph
     placement = shared.placement
     label = label or "+".join(components)
     with shared.lock:
-        measuring = calibration.start(handle.device)
+        measuring = calibration.start(handle.device, resident_bytes(shared))
         placement.stage_geometry = None
         plan = _plan(handle)  # decided before loading: how a DiT loads depends on where it will live
         _load(handle, components, plan)
