@@ -27,7 +27,8 @@ does not reliably end a collective waiting on it on the GPU, and gloo's `abort` 
 pending collective (measured with torch 2.14), so on CUDA devices each rank watches the store
 while it samples (`FailureWatch`, a thread polling a few times a second) and aborts the
 communicators of its layout's own groups (`layout_groups`: the video's group and its meshes' groups,
-never another video's; `ProcessGroup.abort`, ncclCommAbort) when another rank published a failure;
+never another video's; `ProcessGroup.abort`, ncclCommAbort, or its NCCL backend's `abort` on a torch
+whose ProcessGroup has none) when another rank published a failure;
 its pending collectives then raise and it reports `GroupBroken` like a gloo rank. The failing rank
 aborts them right after publishing. `StepStatus` takes this rank's number, the store and the groups
 when it is made: once aborted, torch may no longer answer for them. LingBot Parallel's rank 0 runs

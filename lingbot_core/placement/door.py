@@ -16,8 +16,7 @@ tuple of objects, `handle.view_states`, each with:
     remove(components, names) -> None          # take it off again
 
 `components` is a `weights.state.Models`: the modules by name, and `components.state(n)`, the
-owner of component n's mutable state (where a LoRA keeps its pristine copies).
-
+owner of component n's mutable state (where a LoRA keeps its pristine copies). A state needs these three
 and value equality (a frozen dataclass is ideal: equal states are not re-applied). At stage
 entry the door compares the view's states with what the shared components carry; when a kind
 differs, or a component was (re)loaded since, it suspends the offload installation (hooks off,
@@ -41,6 +40,11 @@ Modes and their clean state (what may stay on the accelerator between stages):
 | `group`      | diffusers block-level group offloading (prefetch stream and | nothing                 |
 |              | pinned memory on CUDA) for the DiTs and the Qwen layer      |                         |
 |              | stacks; the VAE moves whole                                 |                         |
+
+`offload_to="disk"` (`modes/disk.py`) wraps a mode: the DiTs' CPU home is their checkpoint file,
+read one streaming unit at a time right before it computes (the mode's `disk_unit`: `model` reads
+the whole DiT per forward as a `model` unit, `group` a `block`, `sequential` a `layer`) and dropped
+after, so a DiT holds no host copy between stages either; every other component follows the mode.
 """
 
 from __future__ import annotations

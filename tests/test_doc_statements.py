@@ -1,0 +1,98 @@
+"""Statements in the README and the developer docs that the code can contradict, checked against it
+(issue 31 item 6: each of these had gone stale once)."""
+
+from __future__ import annotations
+
+import mmap
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def _paragraph(text: str, start: str) -> str:
+    """The paragraph of `text` that contains `start`, its lines joined."""
+    at = text.index(start)
+    begin = text.rfind("\n\n", 0, at) + 2
+    end = text.find("\n\n", at)
+    return " ".join(text[begin:end].split())
+
+
+def test_contributing_names_every_module_and_only_real_files():
+    """docs/contributing.md's one-line-per-module list names every top-level module and package of
+    lingbot_core, and every file it names exists (`weights/` lists its per-component readers)."""
+    text = (ROOT / "docs" / "contributing.md").read_text(encoding="utf-8")
+    section = text.split("## Packages and modules, one line each", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`([A-Za-z_][A-Za-z_0-9/.]*)`", section))
+    core = ROOT / "lingbot_core"
+    top = [p.name + "/" if p.is_dir() else p.name for p in core.iterdir()
+           if (p.suffix == ".py" and p.name != "__init__.py") or (p.is_dir() and (p / "__init__.py").is_file())]
+    assert [t for t in top if t not in named] == []
+    files = [n for n in named if n.endswith(".py")]
+    assert [f for f in files if not any(core.rglob(Path(f).name))] == []
+    weights = _paragraph(section, "- `weights/`")
+    for reader in ("dit_file.py", "vae_file.py", "text_encoder_file.py", "checks.py"):
+        assert (core / "weights" / reader).is_file() and f"`{reader}`" in weights
+
+
+def test_the_door_names_every_offload_mode_and_what_disk_offload_streams():
+    """placement/door.py's mode table has a row per registered mode, and its `offload_to="disk"`
+    paragraph names each mode's streaming unit (`Mode.disk_unit`)."""
+    from lingbot_core.placement import door
+    from lingbot_core.placement.modes import MODE_CLASSES, MODE_ORDER
+
+    doc = door.__doc__
+    rows = re.findall(r"^\| `(\w+)` ", doc, flags=re.M)
+    assert sorted(rows) == sorted(MODE_ORDER)
+    disk = _paragraph(doc, '`offload_to="disk"`')
+    for name in MODE_ORDER:
+        unit = MODE_CLASSES[name].disk_unit
+        if unit is not None:
+            assert re.search(rf"`{name}`[^`]*`{unit}`", disk), (name, unit)
+
+
+def test_gguf_weights_load_with_plain_reads_as_the_readme_says(tmp_path, monkeypatch):
+    """README (Weight formats): DiT tensors, GGUF included, are plain reads, not a mapping of the file:
+    a GGUF source reads every tensor with file mappings refused."""
+    import gguf
+    from gguf_fakes import write_gguf
+
+    from lingbot_core.weights.sources import GGUFSource
+
+    formats = _paragraph(README, "The DiTs (`transformer/`, `refiner/`) load tensor by tensor")
+    assert "plain reads, GGUF included" in formats and "mapping" not in formats
+    values = np.arange(64, dtype=np.float32).reshape(4, 16)
+    path = write_gguf(tmp_path / "w.gguf", {"w": (values, gguf.GGMLQuantizationType.F32)})
+
+    def refused(*_a, **_k):
+        raise AssertionError("a DiT load mapped its file")
+
+    monkeypatch.setattr(np, "memmap", refused)
+    monkeypatch.setattr(mmap, "mmap", refused)
+    source = GGUFSource(path)
+    assert torch.equal(source.plain("w"), torch.from_numpy(values))
+    assert source.packed("w").numel() == values.nbytes
+
+
+def test_a_step_cache_runs_on_several_processes_as_the_readme_says():
+    """README (--parallel): a step cache runs on a parallel view; MagCache calibration and `cfg_batch on`
+    with `cfg=2` are refused."""
+    from lingbot_core.parallel import ParallelLayout
+    from lingbot_core.parallel import stage as parallel_stage
+
+    said = _paragraph(README, "Rank 0 encodes the prompt, decodes and saves")
+    assert "A step cache runs" in said and "MagCache calibration, and `cfg_batch on` with `cfg=2`, are refused" in said
+    layout = ParallelLayout(cfg=2, ulysses=1, rank=0, mesh=object())
+    view = SimpleNamespace(parallel=layout, info=None, shared=SimpleNamespace(loaded={}))
+    for method in ("first_block", "magcache"):
+        parallel_stage.check_request(view, cfg_batch="off", step_cache=method)
+    with pytest.raises(ValueError, match="MagCache calibration runs on one process"):
+        parallel_stage.check_request(view, cfg_batch="off", step_cache="magcache_calibrate")
+    with pytest.raises(ValueError, match="cfg_batch 'on' and CFG parallel"):
+        parallel_stage.check_request(view, cfg_batch="on")
