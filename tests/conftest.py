@@ -33,6 +33,10 @@ def fixture_set(name: str) -> Path:
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# A GPU run of the suite neither reads nor writes the user's memory calibration file (a stage on CUDA
+# files its measured peak there, and a filed ratio scales later estimates); its tests set their own.
+os.environ.setdefault("LINGBOT_CALIBRATION", "off")
+
 # Tests build the tiny checkpoints in a throwaway folder, never in the user's cache; the folder
 # is removed when the session ends (only if this run created it).
 _TINY_DIR: str | None = None
