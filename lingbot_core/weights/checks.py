@@ -19,12 +19,9 @@ import torch
 
 from ..components import TRANSFORMER
 from ..errors import CheckpointError
-from ..json_text import MAX_JSON_NESTING, parse_json_text  # noqa: F401 (re-exported)
+from ..json_text import parse_json_text
 from .safetensors_header import (  # noqa: F401 (re-exported: the header checks live there)
-    MAX_HEADER_BYTES,
-    SAFETENSORS_ITEMSIZE,
     StoredTensor,
-    read_safetensors_entries,
     read_safetensors_file,
     stored_tensors,
 )

@@ -146,11 +146,6 @@ def _clip(name: str) -> str:
     return name if len(name) <= 120 else name[:117] + "..."
 
 
-def read_safetensors_entries(path: Path) -> dict[str, StoredTensor]:
-    """Each tensor's dtype and shape, from the validated header (`read_safetensors_file`)."""
-    return read_safetensors_file(path).tensors
-
-
 def long_index(name: str) -> bool:
     """Does the tensor name hold a number of more than `MAX_INDEX_DIGITS` digits?"""
     return _LONG_INDEX.search(name) is not None
