@@ -353,13 +353,9 @@ class Manifest:
                 done.add((e["id"], line))
         return done, failures
 
-    def done_keys(self) -> set[tuple[str, Any]]:
-        """The first half of `tally`."""
-        return self.tally()[0]
-
     @staticmethod
     def is_done(job: Job, keys: set[tuple[str, Any]]) -> bool:
-        """Is `job` among `keys` (`done_keys`)?"""
+        """Is `job` among `keys` (the first half of `tally`)?"""
         return job.key in keys or job.legacy_key in keys
 
     @property
