@@ -214,6 +214,24 @@ def test_what_others_held_at_the_start_is_not_the_stages_peak(fixtures_root, mon
     assert "5.00 GiB of it held by others" in peak.line()
 
 
+def test_a_refiner_stage_is_set_against_the_refine_phase(fixtures_root, monkeypatch, calibration_file):
+    """Denoise tells the door its request (`note_geometry`) without a refine size: the refiner's stage is
+    estimated at its own size (it raised, an empty phase list, before), and an unknown phase gives no estimate."""
+    fake = FakeCuda().install(monkeypatch)
+    monkeypatch.setattr(calibration, "device_name", lambda device: fake.name)
+    handle = _open(fixtures_root)
+    geometry = Geometry(32, 32, 5)
+    with offload.stage(handle, "transformer", phase="refine", label="refine"):
+        door.note_geometry(handle, geometry)
+    expected = estimate.estimate_peak("none", ModelSizes.from_handle(handle), replace(geometry, refine=(32, 32)),
+                                      ("refine",))
+    with offload.stage(handle, "vae", phase="no such phase", label="odd"):
+        pass
+    by_stage = {p.stage: p for p in calibration.measured_peaks()}
+    assert by_stage["refine"].estimate_bytes == expected
+    assert by_stage["odd"].estimate_bytes is None and "no estimate" in by_stage["odd"].line()
+
+
 def test_a_stage_on_the_cpu_measures_nothing(fixtures_root, calibration_file):
     handle = _open(fixtures_root)
     with offload.stage(handle, "vae", phase="decode", geometry=Geometry(32, 32, 5)):

@@ -375,12 +375,17 @@ def _stage_estimate(handle: PipelineHandle, components: tuple[str, ...], phase: 
     dit = next((n for n in components if n in placement.ffn_chunks), None)
     if dit is not None and not isinstance(geometry.ffn_chunk, int):  # the FFN/MoE chunk the run used
         geometry = replace(geometry, ffn_chunk=placement.ffn_chunks[dit][0])
+    if phase in ("refine", "refine_decode") and geometry.refine is None:  # a refiner pass at this size
+        geometry = replace(geometry, refine=(geometry.height, geometry.width))
     try:
         sizes = (estimate.ModelSizes.from_handle(handle) if handle.shared.info is not None
                  else estimate.ModelSizes.from_modules(handle.shared.loaded))
     except (KeyError, AttributeError, ValueError, TypeError):  # in-memory components without a DiT
         return None
-    return estimate.estimate_peak(mode, sizes, geometry, (phase,))
+    try:
+        return estimate.estimate_peak(mode, sizes, geometry, (phase,))
+    except ValueError:  # a phase this request does not have: nothing to set the peak against
+        return None
 
 
 @contextmanager
