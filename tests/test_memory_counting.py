@@ -385,3 +385,26 @@ def test_auto_reads_the_host_ram_even_with_a_vram_budget_given(fixtures_root, mo
     monkeypatch.setattr(estimate, "available_host_bytes", lambda: 64 * GiB)
     _concrete, choice = door.resolve(handle.shared, settings, CUDA)
     assert choice.host_budget == 64 * GiB
+
+
+def test_a_whole_run_on_a_measured_device_measures_every_stage(fixtures_root, monkeypatch, calibration_file):
+    """Encode, denoise, decode and a refine through the stage door on a fake CUDA device (its counters and
+    name; the tensors stay on the CPU): every stage measures, each with an estimate, and the run's output is
+    the unmeasured run's."""
+    from lingbot_core import stages
+
+    handle = _open(fixtures_root, "tiny-moe")
+    plain_cond = stages.encode_prompt(handle, "a red boat", None)
+    plain = stages.decode(handle, stages.denoise(handle, plain_cond, **RUN))
+    fake = FakeCuda().install(monkeypatch)
+    monkeypatch.setattr(calibration, "device_name", lambda device: fake.name)
+    cond = stages.encode_prompt(handle, "a red boat", None)
+    frames = stages.decode(handle, stages.denoise(handle, cond, **RUN))
+    assert torch.equal(frames, plain)
+    stages.refine(handle, frames, cond, height=32, width=32, steps=2, seed=1, decode_output=False)
+    peaks = calibration.measured_peaks()
+    assert {p.stage for p in peaks} >= {"text_encoder+processor", "transformer+scheduler", "vae", "refiner+scheduler"}
+    estimated = [p.stage for p in peaks if p.estimate_bytes]
+    # the decode has its phase; the refiner's VAE encode and the sigma stage have none to be set against
+    assert estimated == ["text_encoder+processor", "transformer+scheduler", "vae", "refiner+scheduler"], \
+        [p.line() for p in peaks]
