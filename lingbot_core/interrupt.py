@@ -9,6 +9,7 @@ the stage.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -22,6 +23,9 @@ Checker = Callable[[], None]
 _CHECKER: ContextVar[Checker | None] = ContextVar("lingbot_interrupt_checker", default=None)
 Ticker = Callable[[], None]
 _TICKER: ContextVar[Ticker | None] = ContextVar("lingbot_work_ticker", default=None)
+_IN_CHECK: ContextVar[bool] = ContextVar("lingbot_in_interrupt_check", default=False)
+BUILD_CHECK_EVERY = 0.25
+"""Seconds between two cancellation points inside a skeleton build (`interruptible_build`)."""
 
 
 @contextmanager
@@ -53,21 +57,33 @@ def check_interrupt() -> None:
 @contextmanager
 def interruptible_build() -> Iterator[list[BaseException]]:
     """Cancellation points while a model's skeleton is built (`from_config` on meta, before any weight is
-    read): the checker runs at every parameter the build registers (thousands per second), so a big
-    skeleton stops within a second of a cancel. Yields a list that holds the cancel's exception when
+    read): the checker runs when a parameter is registered and `BUILD_CHECK_EVERY` seconds have passed
+    since the build began or the last check (a build registers thousands per second), so a big
+    skeleton stops within a second of a cancel and a small one never calls the checker. Yields a list that holds the cancel's exception when
     one was raised, so a caller that wraps the library's own build errors can let a cancel through."""
     from torch.nn.modules.module import register_module_parameter_registration_hook
 
     raised: list[BaseException] = []
     check = _CHECKER.get()
+    last = [time.monotonic()]
 
     def hook(module: torch.nn.Module, name: str, param: object) -> None:
-        if check is not None and _CHECKER.get() is check:  # this build's thread and checker only
-            try:
-                check()
-            except BaseException as err:
-                raised.append(err)
-                raise
+        # this build's thread and checker only, and never from inside a check (a checker that itself
+        # loads a component would build a skeleton, and check again, without end)
+        if check is None or _CHECKER.get() is not check or _IN_CHECK.get():
+            return
+        now = time.monotonic()
+        if now - last[0] < BUILD_CHECK_EVERY:  # a small model builds in milliseconds and is never asked
+            return
+        last[0] = now
+        token = _IN_CHECK.set(True)
+        try:
+            check()
+        except BaseException as err:
+            raised.append(err)
+            raise
+        finally:
+            _IN_CHECK.reset(token)
 
     handle = register_module_parameter_registration_hook(hook) if check is not None else None
     try:
