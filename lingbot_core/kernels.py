@@ -73,7 +73,7 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
            "its first query rows against SDPA's (relative error)", "lingbot_core.models.transformer"),
     Kernel("compiled_decoder", "one torch.compile'd kernel per packed weight format (fp8, GGUF types)",
            "the eager decoder", "decoding eagerly", "every value, bit for bit, against the eager decoder",
-           "lingbot_core.weights.decode"),
+           "lingbot_core.weights.fp8"),
     Kernel("compiled_blocks", "regional torch.compile of the DiT blocks (compile=blocks)",
            "the eager block", "running the blocks eagerly", "its first block's output against the eager block's "
            "(relative error)", "lingbot_core.models.compile"),

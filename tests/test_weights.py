@@ -859,7 +859,7 @@ def test_bad_per_expert_files_are_refused_naming_the_tensor(per_expert, tmp_path
 
 
 def test_per_expert_is_refused_for_fp8(fixtures_root, tmp_path):
-    with pytest.raises(ValueError, match="--per-expert is for GGUF targets"):
+    with pytest.raises(ValueError, match="--per-expert is for the GGUF targets"):
         quantize_checkpoint(fixtures_root / "models" / "tiny-moe", tmp_path / "out", "fp8", per_expert=True)
     assert not (tmp_path / "out").exists()
 

@@ -216,16 +216,3 @@ def decode_rows(rows: torch.Tensor, per_row: int, fmt: PackedFormat, dtype: torc
         return out
     _eager_into(rows, extra, fmt, out)
     return out
-
-
-@kernels.trial_for("compiled_decoder")
-def _decoder_trial(device: torch.device, dtype: torch.dtype, variant: str = "") -> str | None:
-    """`kernels.probe`'s small trial: the compiled fp8 decoder (or the format `variant` names, where it is
-    fp8) over 4 rows of 64 values into `dtype` on `device`, judged by the trial rule."""
-    from .fp8 import FP8_ROWS, quantize_fp8
-
-    if variant and variant != FP8_ROWS.name:
-        return None  # nothing small to try for this format here: the first real decode is its trial
-    q, scale = quantize_fp8(torch.randn(4, 64, generator=torch.Generator().manual_seed(0)))
-    decode_rows(q.to(device), 64, FP8_ROWS, dtype, device, extra=scale.to(device), decoder="compiled")
-    return None

@@ -196,3 +196,15 @@ def _scaled_mm_trial(device: torch.device, dtype: torch.dtype, variant: str = ""
     x = torch.randn(32, 64, generator=g).to(device=device, dtype=dtype)
     tried_scaled_mm(x, q, scale, None, lambda: dequantize_fp8(q, scale, dtype, decoder="eager"))
     return None
+
+
+@kernels.trial_for("compiled_decoder")
+def _decoder_trial(device: torch.device, dtype: torch.dtype, variant: str = "") -> str | None:
+    """`kernels.probe`'s small trial of the compiled decoders: the compiled fp8 decoder (or the format
+    `variant` names, where it is fp8) over 4 rows of 64 values into `dtype` on `device`, judged by the
+    trial rule. It lives here, not in `decode` (which knows no format and must not import this module)."""
+    if variant and variant != FP8_ROWS.name:
+        return None  # nothing small to try for this format here: the first real decode is its trial
+    q, scale = quantize_fp8(torch.randn(4, 64, generator=torch.Generator().manual_seed(0)))
+    decode_rows(q.to(device), 64, FP8_ROWS, dtype, device, extra=scale.to(device), decoder="compiled")
+    return None
