@@ -611,8 +611,8 @@ def test_failed_disk_install_after_a_streamed_load_leaves_the_handle_exact(quant
         expected = _run(ram.component("transformer"))
     handle = PipelineHandle.open(folder, device="cpu")
     on_disk = _disk_view(handle, "group")
-    monkeypatch.setattr(disk, "check_readable", lambda spans: (_ for _ in ()).throw(ValueError("not mappable")))
-    with pytest.raises(ValueError, match="not mappable"), stage(on_disk, "transformer"):
+    monkeypatch.setattr(disk, "check_readable", lambda spans: (_ for _ in ()).throw(ValueError("not readable")))
+    with pytest.raises(ValueError, match="not readable"), stage(on_disk, "transformer"):
         pass
     monkeypatch.undo()
     dit = handle.shared.loaded["transformer"]
@@ -633,7 +633,7 @@ def test_disk_offload_on_a_file_that_is_gone_is_refused(quantized, tmp_path):
     handle = PipelineHandle.open(folder, device="cpu")
     handle.component("transformer")
     (folder / "transformer" / "diffusion_pytorch_model.gguf").unlink()
-    with pytest.raises(ValueError, match=r"disk offload needs the checkpoint file .*gguf to be mappable"):
+    with pytest.raises(ValueError, match=r"disk offload needs to read the checkpoint file: .*gguf does not exist"):
         configure_offload(handle, "sequential", offload_to="disk")
 
 
