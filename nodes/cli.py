@@ -243,12 +243,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def insert_rewrite(prompt, text: str, *, endpoint: str = "", model: str = "", map_model: str = "",
+REWRITE_FLAGS = {"--rewrite-endpoint": "rewrite_endpoint", "--rewrite-model": "rewrite_model",
+                 "--rewrite-map-model": "rewrite_map_model", "--rewrite-duration": "rewrite_duration"}
+
+
+def rewrite_settings(args: argparse.Namespace) -> list[str]:
+    """The --rewrite-* settings given on the command line (their flag names)."""
+    return [flag for flag, name in REWRITE_FLAGS.items() if getattr(args, name) not in (None, "")]
+
+
+def insert_rewrite(prompt, text: str | None, *, endpoint: str = "", model: str = "", map_model: str = "",
                    duration: float | None = None):
     """A LingBot Rewrite node feeding the prompt of every LingBot Text Encode in ``prompt`` (API format),
     with the encoder's pipe, task and (TI2V) the image behind its first frame. Where a Rewrite node
     already feeds it (the shipped rewrite workflows), that node gets ``text`` (and the endpoint
-    settings given) instead."""
+    settings given) instead; ``text`` None keeps such a node's saved prompt and inserts no node."""
     from lingbot_core.rewrite import duration_for
     from lingbot_core.workflow import WorkflowError
 
@@ -262,9 +271,12 @@ def insert_rewrite(prompt, text: str, *, endpoint: str = "", model: str = "", ma
         source = inputs.get("prompt")
         if isinstance(source, list) and nodes.get(str(source[0]), {}).get("class_type") == "LingBotRewrite":
             given = nodes[str(source[0])]["inputs"]
-            given["prompt"] = text
+            if text is not None:
+                given["prompt"] = text
             given.update({k: v for k, v in (("endpoint", endpoint), ("expand_model", model),
                                             ("map_model", map_model), ("duration", duration)) if v})
+            continue
+        if text is None:
             continue
         seconds = duration
         if seconds is None:
@@ -342,7 +354,14 @@ def _run(args: argparse.Namespace, reporter: Reporter) -> int:
             overrides += [f"{nid}.checkpoint=none" for nid in loaders]  # nothing from the workflow's own folder
     layout = _start_parallel(args, prompt, overrides, reporter)
     prompt = apply_overrides(prompt, overrides, NODE_CLASS_MAPPINGS)
-    if args.rewrite is not None:
+    settings = rewrite_settings(args)
+    if args.rewrite is None and settings:
+        has_rewrite = any(node["class_type"] == "LingBotRewrite" for node in prompt.nodes.values())
+        if not has_rewrite:  # else they set the workflow's own Rewrite node(s), its saved prompt kept
+            flags = ", ".join(settings)
+            raise WorkflowError(f"{flags} given without --rewrite, and {path.name} has no Rewrite node: add "
+                                "--rewrite \"the prompt in plain words\" (or run t2v-rewrite / ti2v-rewrite)")
+    if args.rewrite is not None or settings:
         prompt = insert_rewrite(prompt, args.rewrite, endpoint=args.rewrite_endpoint, model=args.rewrite_model,
                                 map_model=args.rewrite_map_model, duration=args.rewrite_duration)
     output = Path(args.output)
