@@ -9,6 +9,7 @@ leak a key. Headless, the person running the command is the operator: any endpoi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from . import runtime
@@ -70,6 +71,25 @@ def planned_rewrite_tokens(prompt: Any, pipe_source: Any) -> int:
             limit = limit if isinstance(limit, int) and not isinstance(limit, bool) else MAX_NEW_TOKENS
             longest = max(longest, context_tokens(local_limits(limit)))
     return longest
+
+
+PROGRESS_UPDATES = 50  # at most about this many progress updates per generation stage
+
+
+def token_progress(update: Callable[[int, int], None], most: int = PROGRESS_UPDATES) -> Callable[[str, int, int], None]:
+    """The rewriter's per-token callback, passing on at most ~`most` updates per stage (its first
+    token, every limit/`most` tokens, its last): a headless log gets a few lines per stage, not one
+    line per generated token."""
+    last: dict[str, int] = {}
+
+    def on_token(stage: str, tokens: int, limit: int) -> None:
+        every = max(1, limit // most)
+        shown = last.get(stage)
+        if shown is None or tokens >= limit or tokens // every != shown // every:
+            last[stage] = tokens
+            update(min(tokens, limit), limit)
+
+    return on_token
 
 
 def make_backend(pipe, endpoint: str, expand_model: str, map_model: str, max_new_tokens: int):
@@ -145,9 +165,7 @@ class LingBotRewrite(io.ComfyNode):
         backend = make_backend(pipe, endpoint or "", expand_model or "", map_model or "", max_new_tokens)
         sampling = rw.Sampling(temperature=float(temperature), seed=int(seed))
         bar = runtime.Progress(int(max_new_tokens), "rewrite")
-
-        def on_token(stage: str, tokens: int, limit: int) -> None:
-            bar.update(min(tokens, limit), limit)
+        on_token = token_progress(bar.update)
 
         try:
             with runtime.node_work(label="rewrite"):

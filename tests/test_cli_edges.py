@@ -48,3 +48,35 @@ def test_rewrite_settings_fill_a_rewrite_workflows_node_without_rewrite():
         now = prompt.nodes[nid]["inputs"]
         assert now["prompt"] == inputs["prompt"] and now["endpoint"] == "http://127.0.0.1:9/v1"
         assert now["expand_model"] == "expand-m"
+
+
+def test_a_local_rewrites_progress_is_rate_limited(monkeypatch):
+    """The local rewriter calls back once per generated token (thousands per prompt); the node passes on a
+    few dozen updates per stage, each stage's last token among them."""
+    from lingbot_core import rewrite as rw
+    from lingbot_nodes import NODE_CLASS_MAPPINGS, runtime
+    from lingbot_nodes.rewrite import PROGRESS_UPDATES
+
+    updates = []
+
+    class Recorded:
+        def __init__(self, total, label=""):
+            pass
+
+        def update(self, value, total=None, preview=None):
+            updates.append((value, total))
+
+        def close(self):
+            pass
+
+    def generating(request, backend, sampling=None, on_token=None, **_):
+        for stage, count in (("expand", 2048), ("map", 2048), ("repair", 1024)):
+            for token in range(1, count + 1):
+                on_token(stage, token, 2048)
+        return rw.RewriteResult(caption="{}", expanded="words", document={})
+
+    monkeypatch.setattr(runtime, "Progress", Recorded)
+    monkeypatch.setattr(rw, "rewrite", generating)
+    NODE_CLASS_MAPPINGS["LingBotRewrite"].execute("a boat", endpoint="http://127.0.0.1:9/v1", expand_model="m")
+    assert 3 <= len(updates) <= 3 * (PROGRESS_UPDATES + 2), len(updates)
+    assert (2048, 2048) in updates and 1024 - 2048 // PROGRESS_UPDATES < updates[-1][0] <= 1024
