@@ -258,3 +258,15 @@ def test_memory_report_shows_disk_homed_weights(moe):
     configure_offload(moe, "group", use_stream=False)
     dit = next(c for c in memory_report(moe).components if c.name == "transformer")
     assert "disk" not in dit.bytes_by_location and dit.bytes_by_location.get("CPU", 0) > 0
+
+
+def test_a_component_the_model_lacks_pins_nothing():
+    # a root without refiner/ (the DMD student) keeps the base's pinned figure only if something copies
+    # it along; group's host RAM must then count the transformer's pinned copy, not the refiner's too
+    from dataclasses import replace
+
+    with_refiner = replace(MOE, pinned_transformer=3 * GiB, pinned_refiner=3 * GiB)
+    student = replace(with_refiner, refiner=0)
+    assert student.pinned("refiner") == 0
+    assert memory.host_bytes("group", student, "ram") == \
+        memory.host_bytes("group", with_refiner, "ram") - 3 * GiB

@@ -126,9 +126,12 @@ class ModelSizes:
     pinned_text_encoder: int | None = None
 
     def pinned(self, name: str) -> int:
-        """Host bytes component `name` holds pinned (its pinned figure, else the bound: twice its bytes)."""
-        given = getattr(self, f"pinned_{name}")
-        return getattr(self, name) * PINNED_BOUND if given is None else given
+        """Host bytes component `name` holds pinned (its pinned figure, else the bound: twice its bytes);
+        0 for a component the model does not have (a root without refiner/), whatever its pinned figure."""
+        held, given = getattr(self, name), getattr(self, f"pinned_{name}")
+        if not held:
+            return 0
+        return held * PINNED_BOUND if given is None else given
 
     @classmethod
     def from_handle(cls, handle: Any) -> ModelSizes:
