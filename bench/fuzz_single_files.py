@@ -1,17 +1,20 @@
 """Fuzz single-file headers: the VAE, text encoder and DiT files of LingBot Loader (files), mutated and opened.
 
-    python -m bench.fuzz_single_files [--cases 600] [--seed 0] [--timeout 20] [--memory-mb 1500]
+    python -m bench.fuzz_single_files [--cases 650] [--seed 0] [--timeout 20] [--memory-mb 1500]
                                       [--keep DIR] [--json OUT]
 
 Seeds are the tiny checkpoint's components written as the single files users keep (`lingbot_core.tiny`):
 the VAE with diffusers and with original Wan names, the text encoder with ComfyUI names (and a
-`comfy_quant` fp8 layer), the DiT as one safetensors file. Each case takes a seed and applies 1-3
-mutations to its header, most of them structural (the JSON parsed, changed, written back with the
+`comfy_quant` fp8 layer), the DiT as one safetensors file and as two GGUF files (Q8_0 as `quantize`
+writes it; one with a Q4_K tensor recorded through `comfy.gguf.orig_shape`, decoded at load). Each
+case takes a seed and applies 1-3 mutations to its header, most of them structural (the JSON parsed, changed, written back with the
 data): a tensor renamed to a huge or 5,000-digit block/layer index, zero-size tensors that claim
 100,000 blocks, layers or experts, a dimension set to 0, 1, 2^31 or 2^40, a dtype changed (integers,
 fp8, unknown), data offsets moved (gaps, overlaps, past the end), metadata made non-string, a
 `comfy_quant` entry filled with nested brackets or garbage, a name 1 MB long, a tensor dropped or
-copied; the rest are byte-level (a header byte changed, the file cut, bytes appended).
+copied; the rest are byte-level (a header byte changed, the file cut, bytes appended). GGUF seeds get
+`bench.fuzz_gguf`'s mutations (header fields set to boundary values, bytes changed, inserted,
+deleted or copied, cuts) and go through `dit_file_source` (names, `orig_shape`, config matching).
 
 Every case runs in a forked child with an address-space limit (`--memory-mb` above the child's
 start) and a `--timeout`: the child inspects the file as the Loader does (`inspect_vae_file`,
@@ -40,6 +43,9 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+
+from bench.fuzz_gguf import header_end
+from bench.fuzz_gguf import mutate as mutate_gguf
 
 INTERESTING_DIMS = [0, 1, 2, 3, 15, 16, 17, 2**31, 2**40]
 HUGE_INDEX = ["100000", "999999", "1" + "0" * 9, "9" * 5000]
@@ -76,7 +82,46 @@ def seed_files(folder: Path) -> dict[str, tuple[str, bytes]]:
     for name, kind in (("vae_diffusers", "vae"), ("vae_wan", "vae"), ("te_comfy", "text_encoder"),
                        ("te_comfy_quant", "text_encoder"), ("dit", "dit")):
         out[name] = (kind, (folder / f"{name}.safetensors").read_bytes())
+    out.update(_gguf_seeds(folder))
     return out
+
+
+def _gguf_seeds(folder: Path) -> dict[str, tuple[str, bytes]]:
+    """The DiT as GGUF files: Q8_0 as `lingbot_core.quantize` writes it, and one holding a Q4_K tensor
+    that ComfyUI-GGUF's converter would record through `comfy.gguf.orig_shape` (rows not whole blocks)."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    from lingbot_core.quantize import write_gguf
+    from lingbot_core.weights.sources import SafetensorsSource
+
+    dit = folder / "dit.safetensors"
+    write_gguf(SafetensorsSource([dit]), folder / "dit_q8_0.gguf", "Q8_0")
+    reshaped = folder / "dit_q4_k_reshaped.gguf"
+    name = "blocks.0.ffn.down_proj.weight"  # [32, 64], packed as 8 whole Q4_K blocks
+    rng = np.random.default_rng(0)
+    blocks = b"".join(np.float16(0.01).tobytes() + np.float16(0.0).tobytes()
+                      + rng.integers(0, 64, 12, dtype=np.uint8).tobytes()
+                      + rng.integers(0, 256, 128, dtype=np.uint8).tobytes() for _ in range(8))
+    writer = gguf.GGUFWriter(str(reshaped), "lingbot_video")
+    writer.add_array(f"comfy.gguf.orig_shape.{name}", [32, 64])
+    for key, tensor in load_file(str(dit)).items():
+        if key == name:
+            writer.add_tensor(key, np.frombuffer(blocks, np.uint8).reshape(8, 144),
+                              raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+        else:
+            writer.add_tensor(key, tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return {"dit_q8_0.gguf": ("dit", (folder / "dit_q8_0.gguf").read_bytes()),
+            "dit_q4_k_reshaped.gguf": ("dit", reshaped.read_bytes())}
+
+
+def _suffix(name: str) -> str:
+    return ".gguf" if name.endswith(".gguf") else ".safetensors"
 
 
 def split(raw: bytes) -> tuple[dict, bytes]:
@@ -321,7 +366,7 @@ def run_case(kind: str, path: Path, timeout: float, memory: int) -> tuple[str, s
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", type=int, default=600)
+    ap.add_argument("--cases", type=int, default=650)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=20.0)
     ap.add_argument("--memory-mb", type=int, default=1500)
@@ -340,10 +385,14 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         seeds = seed_files(folder)
+        unread: list[str] = []
         for name, (kind, raw) in seeds.items():  # warm the skeleton memo in the parent: children inherit it
-            (folder / "warm.safetensors").write_bytes(raw)
-            assert open_case(kind, folder / "warm.safetensors") == "read", name
+            warm = folder / f"warm{_suffix(name)}"
+            warm.write_bytes(raw)
+            if open_case(kind, warm) != "read":  # (the code before this round refused the reshaped GGUF)
+                unread.append(name)
         order = sorted(seeds)
+        ends = {name: header_end(raw) for name, (_kind, raw) in seeds.items() if name.endswith(".gguf")}
         fixed = reproducers(seeds) if not args.no_reproducers else []
         for i in range(len(fixed) + args.cases):
             if i < len(fixed):
@@ -351,13 +400,13 @@ def main(argv: list[str] | None = None) -> dict:
             else:
                 name = order[i % len(order)]
                 kind, raw = seeds[name]
-                case = mutate(kind, raw, rnd)
-            path = folder / "case.safetensors"
+                case = mutate_gguf(raw, ends[name], rnd) if name in ends else mutate(kind, raw, rnd)
+            path = folder / f"case{_suffix(name)}"
             path.write_bytes(case)
             start = time.perf_counter()
             outcome, detail = run_case(kind, path, args.timeout, args.memory_mb << 20)
             slowest = max(slowest, time.perf_counter() - start)
-            if outcome == "read" and _library_refuses(path):
+            if outcome == "read" and path.suffix == ".safetensors" and _library_refuses(path):
                 outcome, detail = "SILENT", "read, but safetensors refuses the file"
             if i < len(fixed):
                 found[name] = f"{outcome} {detail[:160]}".strip()
@@ -369,7 +418,7 @@ def main(argv: list[str] | None = None) -> dict:
                 if args.keep:
                     args.keep.mkdir(parents=True, exist_ok=True)
                     (args.keep / f"{outcome.lower()}-{i}-{kind}.safetensors").write_bytes(case)
-    result = {"cases": args.cases, "reproducers": found, "seed": args.seed, "outcomes": dict(outcomes),
+    result = {"cases": args.cases, "seeds_not_read": unread, "reproducers": found, "seed": args.seed, "outcomes": dict(outcomes),
               "per_kind": {k: dict(v) for k, v in per_kind.items()},
               "crashes": outcomes["CRASH"], "hangs": outcomes["HANG"], "silent": outcomes["SILENT"],
               "what_escaped": dict(kinds),
