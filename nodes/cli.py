@@ -412,6 +412,7 @@ def _run_jobs(args: argparse.Namespace, prompt, engine, reporter: Reporter, outp
     """--jobs: every line of the jobs file checked first, then this process's share run on one engine.
     With a `layout` (--parallel) the ranks of each video group run their group's jobs together and
     the group's rank 0 writes the files and the manifest lines."""
+    from lingbot_core.errors import is_refused_input
     from lingbot_core.parallel.jobs import (
         DONE,
         Manifest,
@@ -445,7 +446,9 @@ def _run_jobs(args: argparse.Namespace, prompt, engine, reporter: Reporter, outp
             job_prompt = apply_overrides(prompt, job_overrides(prompt.nodes, job), NODE_CLASS_MAPPINGS)
             engine.validate(job_prompt)
             prompts[job.id] = job_prompt
-        except (ValueError, WorkflowError) as err:
+        except Exception as err:
+            if not (isinstance(err, WorkflowError) or is_refused_input(err)):
+                raise  # a failure of ours or of a library while checking, not a bad job
             refused[job.id] = err
             reporter.write(f"job {job.id} (line {job.line}) will be recorded as failed: {failure_text(err)}")
 

@@ -111,6 +111,19 @@ class LingBotDenoise(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, sigmas=None):
+        """A sigma list that cannot be read is refused with the graph (a jobs file's bad line before any job
+        runs), not when Denoise starts."""
+        if isinstance(sigmas, str):
+            from lingbot_core.sampling import parse_sigmas
+
+            try:
+                parse_sigmas(sigmas)
+            except ValueError as err:
+                return str(err)
+        return True
+
+    @classmethod
     def execute(cls, pipe, conditioning, width, height, frames, steps, cfg, shift, seed, image_cond=None,
                 latent=None, sampler="flow_unipc", sigmas="", cfg_batch="off", step_cache="off", cache_threshold=0.0,
                 cache_warmup_steps=-1, cache_max_skips=-1):

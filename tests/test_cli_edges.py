@@ -80,3 +80,40 @@ def test_a_local_rewrites_progress_is_rate_limited(monkeypatch):
     NODE_CLASS_MAPPINGS["LingBotRewrite"].execute("a boat", endpoint="http://127.0.0.1:9/v1", expand_model="m")
     assert 3 <= len(updates) <= 3 * (PROGRESS_UPDATES + 2), len(updates)
     assert (2048, 2048) in updates and 1024 - 2048 // PROGRESS_UPDATES < updates[-1][0] <= 1024
+
+
+def test_every_jobs_overrides_are_checked_before_any_model_work(tmp_path, capsys, no_model_work):
+    """A bad `set` or `size` deep in a jobs file is reported before the first job's models load (it used to
+    surface when its turn came, hours into a batch); here the first good job then meets the loader."""
+    import json
+
+    jobs = [{"id": "good", "seed": 1}] + [{"seed": i} for i in range(2, 40)] + [
+        {"id": "size", "size": "833x480"}, {"id": "sigmas", "set": ["Denoise.sigmas=abc"]},
+        {"id": "steps", "set": ["Denoise.steps=-1"]}, {"id": "node", "set": ["Nope.x=1"]}]
+    path = tmp_path / "jobs.jsonl"
+    path.write_text("\n".join(json.dumps(job) for job in jobs))
+    assert main(["t2i", "--jobs", str(path), "--output", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err.splitlines()
+    first_run = next(i for i, line in enumerate(err) if line.startswith("job good (line 1)"))
+    refused = [line for line in err[:first_run] if "will be recorded as failed" in line]
+    assert [line.split()[1] for line in refused] == ["size", "sigmas", "steps", "node"], err[:first_run]
+    assert "multiple of 16" in refused[0] and "custom sigmas must be numbers" in refused[1]
+
+
+def test_a_library_error_while_checking_jobs_is_not_a_bad_job(tmp_path, capsys, monkeypatch, no_model_work):
+    """Checking the jobs catches refused inputs only: a ValueError some library raised is a failure (exit 1),
+    not every job recorded as bad input."""
+    import json
+
+    from lingbot_core.parallel import jobs as jobs_module
+
+    def library_failure(*_a, **_k):
+        import numpy
+
+        numpy.zeros(-1)  # raises ValueError inside numpy
+
+    monkeypatch.setattr(jobs_module, "job_overrides", library_failure)
+    path = tmp_path / "jobs.jsonl"
+    path.write_text(json.dumps({"seed": 1}))
+    assert main(["t2i", "--jobs", str(path), "--output", str(tmp_path / "out")]) == 1
+    assert "will be recorded as failed" not in capsys.readouterr().err

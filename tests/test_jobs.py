@@ -46,7 +46,7 @@ def test_jobs_run_record_fail_alone_and_resume(tmp_path, capsys, fixtures_root):
         {"id": "bad", "set": ["Denoise.width=40"]},
         "# a comment line, then a blank one",
         "",
-        {"id": "boom", "set": ["Denoise.sigmas=abc"]},
+        {"id": "boom", "set": ["Denoise.sampler=dmd_student", "Denoise.sigmas=1.0, 0.5"]},  # refused by Denoise itself
         {"seed": 2, "size": [32, 48], "steps": 2},
     ])
     out = tmp_path / "out"
@@ -67,7 +67,7 @@ def test_jobs_run_record_fail_alone_and_resume(tmp_path, capsys, fixtures_root):
         ("a", 1, DONE), ("bad", 2, FAILED), ("boom", 5, FAILED), (last, 6, DONE)]
     assert entries[0]["outputs"] == [written[0]] and entries[0]["seconds"] > 0
     assert "multiple of 16" in entries[1]["error"]
-    assert "LingBotDenoise" in entries[2]["error"] and "sigmas" in entries[2]["error"]
+    assert "LingBotDenoise" in entries[2]["error"] and "fixed sigma grid" in entries[2]["error"]
     assert "error: job boom (line 5)" in captured.err
 
     assert main(args) == 1  # resume: the done jobs are skipped, the failed ones tried again
