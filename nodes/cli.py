@@ -372,8 +372,6 @@ def _run(args: argparse.Namespace, reporter: Reporter) -> int:
 
     os.environ["LINGBOT_OUTPUT_DIR"] = str(output)
     if args.jobs is not None:
-        if args.rewrite is not None:
-            raise WorkflowError("--rewrite and --jobs do not combine yet; put each job's prompt in the jobs file")
         from lingbot_core.parallel.launch import join_world
 
         joined = layout is None and join_world()  # plain --jobs under torchrun: a group for the jobs' end only
@@ -431,6 +429,12 @@ def _run_jobs(args: argparse.Namespace, prompt, engine, reporter: Reporter, outp
     from . import NODE_CLASS_MAPPINGS
 
     jobs = read_jobs(args.jobs)  # a bad line stops here, before any model work
+    rewrites = [job.line for job in jobs if "rewrite" in job.values]
+    if rewrites and not any(node["class_type"] == "LingBotRewrite" for node in prompt.nodes.values()):
+        lines = ", ".join(map(str, rewrites[:5])) + (", ..." if len(rewrites) > 5 else "")
+        raise WorkflowError(f"{args.jobs}: 'rewrite' on line(s) {lines}, but the workflow has no Rewrite node: add "
+                            "--rewrite \"a default prompt\" (the jobs without 'rewrite' use it) or run t2v-rewrite / "
+                            "ti2v-rewrite")
     place = world_place(layout=layout)
     check_file_names(prompt.nodes, place)  # before any model work: no two groups may pick one file name
     _pick_local_device()

@@ -117,3 +117,39 @@ def test_a_library_error_while_checking_jobs_is_not_a_bad_job(tmp_path, capsys, 
     path.write_text(json.dumps({"seed": 1}))
     assert main(["t2i", "--jobs", str(path), "--output", str(tmp_path / "out")]) == 1
     assert "will be recorded as failed" not in capsys.readouterr().err
+
+
+def test_batch_rewriting_with_rewrite_and_a_per_job_field(tmp_path, capsys, monkeypatch):
+    """--rewrite with --jobs: a Rewrite node before Text Encode, its prompt the job's `rewrite` field, or
+    --rewrite's text for a job without one."""
+    import json
+
+    from rewrite_fakes import FakeChatServer, reply, valid_caption
+
+    from lingbot_core import rewrite as rw
+
+    monkeypatch.delenv(rw.ENDPOINTS_ENV, raising=False)
+    document = json.dumps(valid_caption(0.5))
+    path = tmp_path / "jobs.jsonl"
+    path.write_text(json.dumps({"id": "own", "rewrite": "a green kite over a beach"}) + "\n"
+                    + json.dumps({"id": "default", "seed": 3}))
+    replies = [reply("A kite."), reply(document), reply("A boat."), reply(document)]
+    with FakeChatServer(replies) as server:
+        code = main(["t2v", "-q", "--output", str(tmp_path / "out"), "--jobs", str(path), "--set", "Denoise.steps=1",
+                     "--rewrite", "a red paper boat at dawn", "--rewrite-endpoint", server.url,
+                     "--rewrite-model", "base"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    asked = [r["body"]["messages"][1]["content"] for r in server.requests if r["body"]["model"] == "base"]
+    assert any("a green kite over a beach" in text for text in asked), asked
+    assert any("a red paper boat at dawn" in text for text in asked), asked
+
+
+def test_a_jobs_rewrite_field_without_a_rewrite_node_is_refused_before_work(tmp_path, capsys, no_model_work):
+    import json
+
+    path = tmp_path / "jobs.jsonl"
+    path.write_text(json.dumps({"seed": 1}) + "\n" + json.dumps({"rewrite": "a kite"}))
+    assert main(["t2v", "--jobs", str(path), "--output", str(tmp_path / "out")]) == 2
+    line = _last_error(capsys)
+    assert "'rewrite' on line(s) 2" in line and "--rewrite" in line, line

@@ -122,6 +122,8 @@ JOB_FIELDS: dict[str, JobField] = {f.key: f for f in (
     JobField("frames", ("LingBotDenoise",), ("frames",), int, "Denoise's frame count"),
     JobField("steps", ("LingBotDenoise",), ("steps",), int, "Denoise's step count"),
     JobField("cfg", ("LingBotDenoise",), ("cfg",), (int, float), "Denoise's guidance scale"),
+    JobField("rewrite", ("LingBotRewrite",), ("prompt",), str,
+             "the plain-words prompt of every Rewrite node (lingbot-run --rewrite, or a rewrite workflow)"),
 )}
 _OTHER_KEYS = ("id", "set")
 
