@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 __all__ = [
+    "cover_crop",
     "load_image",
     "prepare_image_pixels",
     "smart_resize",
@@ -105,12 +106,19 @@ def prepare_image_pixels(image: Image.Image, height: int, width: int) -> torch.T
     """
     if height <= 0 or width <= 0:
         raise ValueError(f"the conditioning image needs a positive target size, got {height}x{width}")
-    frame = _uint8_batch(image)
-    cover_h, cover_w = _covering_size(tuple(frame.shape[-2:]), (height, width))
-    scaled = F.interpolate(frame, size=(cover_h, cover_w), mode="bilinear", align_corners=False)
+    return cover_crop(_uint8_batch(image), height, width).float().div(255.0)[:, :, None]
+
+
+def cover_crop(frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """(N,3,h,w) uint8 -> (N,3,H,W) uint8: scaled (aspect kept) to cover H×W, then centre-cropped.
+
+    The one resize rule of the pack's inputs: a TI2V first frame and every frame of a loaded video
+    go through it, so a video's first frame matches that frame loaded as an image.
+    """
+    cover_h, cover_w = _covering_size(tuple(frames.shape[-2:]), (height, width))
+    scaled = F.interpolate(frames, size=(cover_h, cover_w), mode="bilinear", align_corners=False)
     top, left = _centred_start(cover_h, height), _centred_start(cover_w, width)
-    window = scaled[..., top : top + height, left : left + width]
-    return window.float().div(255.0)[:, :, None]
+    return scaled[..., top : top + height, left : left + width]
 
 
 def _snap(length: float, factor: int, rounding) -> int:

@@ -99,22 +99,23 @@ def _host_dir(kind: str) -> Path:
     return Path(getattr(folder_paths, getter)())
 
 
-def image_path(name: str) -> Path:
+def image_path(name: str, what: str = "image") -> Path:
     """The file a Load Image ``path`` names: inside ComfyUI, only in its input/output/temp folders.
 
     The same message answers a missing file and a path outside the folders, so a client cannot use
-    the node (or its validation) to learn what exists on the server.
+    the node (or its validation) to learn what exists on the server. `what` names the file in the
+    messages (Load Video reads its files by the same rules).
     """
     if not isinstance(name, str) or not name.strip():
-        raise ValueError("no image file given")
+        raise ValueError(f"no {what} file given")
     if _folder_paths() is None:
         path = Path(name).expanduser()
         if not path.is_file():
-            raise ValueError(f"image file not found: {name}")
+            raise ValueError(f"{what} file not found: {name}")
         return path
     relative, kind = _annotated(name.strip())
     base = _host_dir(kind or "input")
-    refusal = ValueError(f"image {name[:200]!r} is not a file in ComfyUI's {kind or 'input'} folder "
+    refusal = ValueError(f"{what} {name[:200]!r} is not a file in ComfyUI's {kind or 'input'} folder "
                          "(upload it there, or name it 'file.png [output]' for an output)")
     if "\x00" in relative or Path(relative).is_absolute() or "\\" in relative or ":" in relative:
         raise refusal

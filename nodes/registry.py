@@ -18,6 +18,7 @@ from .parallel import LingBotParallel
 from .rewrite import LingBotRewrite
 from .sampling import LingBotDenoise, LingBotRefine
 from .v3 import HAVE_COMFY_API, ComfyExtension
+from .video_input import LingBotLoadVideo
 
 NODES = [
     LingBotLoader,
@@ -33,6 +34,7 @@ NODES = [
     LingBotParallel,
     LingBotSaveVideo,
     LingBotLoadImage,
+    LingBotLoadVideo,
     LingBotMemoryReport,
     LingBotCaption,
     LingBotRewrite,

@@ -17,7 +17,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("base", {"errors", "components", "json_text", "caption_schema", "exit_codes", "hooks", "interrupt", "save_path",
               "workflow", "kernels"}),
     # pure computation over tensors: the DiT, the scheduler and samplers, image/video/latent prep
-    ("models", {"models", "scheduler", "sampling", "image", "video", "latents"}),
+    ("models", {"models", "scheduler", "sampling", "image", "video", "video_input", "latents"}),
     # files -> modules: checkpoints, weight formats, single files, the tiny checkpoint, quantizing, LoRA,
     # the text encoder's prompt encoding (it loads through `weights`)
     ("weights", {"weights", "checkpoint", "checkpoint_inspect", "single_files", "processor_files",

@@ -89,7 +89,7 @@ def test_node_contracts():
     from lingbot_nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
 
     expected = {"LingBotLoader", "LingBotOffload", "LingBotTextEncode", "LingBotImageEncode", "LingBotDenoise",
-                "LingBotRefine", "LingBotDecode", "LingBotRelease", "LingBotSaveVideo", "LingBotLoadImage",
+                "LingBotRefine", "LingBotDecode", "LingBotRelease", "LingBotSaveVideo", "LingBotLoadImage", "LingBotLoadVideo",
                 "LingBotMemoryReport", "LingBotCaption", "LingBotLoRA", "LingBotRewrite", "LingBotLoaderFiles",
                 "LingBotParallel"}
     assert set(NODE_CLASS_MAPPINGS) == expected == set(NODE_DISPLAY_NAME_MAPPINGS)

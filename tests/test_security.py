@@ -337,6 +337,21 @@ def test_load_image_inside_comfyui_reads_only_its_folders(comfy):
             node.execute(probe)
 
 
+def test_load_video_inside_comfyui_reads_only_its_folders(comfy):
+    from lingbot_core.video import save_mp4
+
+    node = NODE_CLASS_MAPPINGS["LingBotLoadVideo"]
+    save_mp4(torch.rand(5, 16, 16, 3), comfy.input / "clip.mp4")
+    secret = save_mp4(torch.rand(5, 16, 16, 3), comfy.tmp / "secret" / "private.mp4")
+    assert node.validate_inputs(path="clip.mp4") is True
+    assert node.execute("clip.mp4", 0, 5, 1, 0, 0).args[0].shape == (5, 16, 16, 3)
+    for probe in (str(secret), "../secret/private.mp4", "../secret/private.mp4 [output]"):
+        message = node.validate_inputs(path=probe)
+        assert message is not True and message.startswith("video ") and "not a file in ComfyUI's" in message
+        with pytest.raises(ValueError, match="not a file in ComfyUI's"):
+            node.execute(probe)
+
+
 def test_load_image_answers_alike_for_missing_and_existing_outside_files(comfy):
     node = NODE_CLASS_MAPPINGS["LingBotLoadImage"]
     _image(comfy.tmp / "exists.png")
