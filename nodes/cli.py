@@ -79,6 +79,8 @@ class Reporter:
         self.started = 0.0
         self.steps: tuple[float, float | None] | None = None
         self._bar = None
+        self.follower = False  # a rank above 0 of a parallel run: rank 0 speaks for the video
+        self.said: set[str] = set()  # notes already shown (a log line, a node's text): each shown once
 
     def label(self, node_id: str | None) -> str:
         return self.labels.get(node_id or "", f"node {node_id}")
@@ -134,8 +136,18 @@ class Reporter:
             self._bar = None
 
 
+NOTE_PREFIX = "lingbot: "  # how the nodes' one-time notes start in a log (ComfyUI's console)
+
+
+def note_key(text: str) -> str:
+    """What makes two notes the same: the text without the log prefix and outer spaces."""
+    text = str(text).strip()
+    return text[len(NOTE_PREFIX):] if text.startswith(NOTE_PREFIX) else text
+
+
 class _ReporterLog(logging.Handler):
-    """Our library's INFO lines (e.g. the mode `auto` picked), printed through the reporter."""
+    """Our library's and nodes' INFO and WARNING lines (the mode `auto` picked, a note), printed through
+    the reporter: nothing with --quiet or on a parallel run's ranks above 0, and a note once."""
 
     def __init__(self, reporter: Reporter) -> None:
         super().__init__(logging.INFO)
@@ -143,24 +155,35 @@ class _ReporterLog(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self.reporter.write(f"  {record.getMessage()}")
+            text = record.getMessage()
+            if record.levelno >= logging.WARNING:
+                key = note_key(text)
+                if key in self.reporter.said:
+                    return
+                self.reporter.said.add(key)
+                text = key
+            self.reporter.write(f"  {text}")
         except Exception:  # logging must never break the run
             self.handleError(record)
 
 
 @contextmanager
 def _library_log(reporter: Reporter) -> Iterator[None]:
-    logger = logging.getLogger("lingbot_core")
+    """Route the `lingbot_core` and `lingbot_nodes` loggers through `reporter` (without it, Python prints
+    their warnings on stderr itself: also under --quiet, and again after the node's own text)."""
     handler = _ReporterLog(reporter)
-    level = logger.level
-    logger.addHandler(handler)
-    if logger.getEffectiveLevel() > logging.INFO:
-        logger.setLevel(logging.INFO)
+    loggers = [logging.getLogger(name) for name in ("lingbot_core", "lingbot_nodes")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+    if loggers[0].getEffectiveLevel() > logging.INFO:  # the library's INFO lines; the nodes' notes (WARNING) only
+        loggers[0].setLevel(logging.INFO)
     try:
         yield
     finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.removeHandler(handler)
+            logger.setLevel(level)
 
 
 def node_labels(prompt, display_names) -> dict[str, str]:
@@ -175,15 +198,42 @@ def node_labels(prompt, display_names) -> dict[str, str]:
     return {nid: name if counts[name] == 1 else f"{name} #{nid}" for nid, name in names.items()}
 
 
-def report_texts(result, labels: dict[str, str]) -> list[str]:
-    """Texts that output nodes show in the editor (the Memory Report), as lines for the terminal."""
+def report_texts(result, labels: dict[str, str], reporter: Reporter | None = None,
+                 reports: set[str] | None = None) -> list[str]:
+    """Texts that nodes show in the editor (the Memory Report, a node's note), as lines for the terminal.
+
+    With a `reporter`: the texts of the `reports` nodes (output nodes: asked for by the graph) always,
+    others (notes) only when it is not quiet and only once (not again per job, nor after the same
+    note's log line); nothing on a parallel run's ranks above 0."""
     lines = []
+    if reporter is not None and reporter.follower:
+        return lines
     for nid, ui in result.ui.items():
         texts = (ui or {}).get("text") or []
         for text in texts if isinstance(texts, (list, tuple)) else [texts]:
+            if reporter is not None and (reports is None or nid not in reports):
+                key = note_key(text)
+                if not reporter.enabled or key in reporter.said:
+                    continue
+                reporter.said.add(key)
             lines.append(f"{labels.get(nid, f'node {nid}')}:")
             lines += [f"  {line}" for line in str(text).splitlines()]
     return lines
+
+
+def output_nodes(prompt, classes) -> set[str]:
+    """The ids of `prompt`'s output nodes (the Memory Report, Save): their texts are the graph's report."""
+    from lingbot_core.workflow.nodeinfo import NodeClassInfo
+
+    found = set()
+    for nid, node in prompt.nodes.items():
+        cls = classes.get(node.get("class_type"))
+        try:
+            if cls is not None and NodeClassInfo(node["class_type"], cls).output_node:
+                found.add(nid)
+        except Exception:  # an odd class: its texts count as notes
+            continue
+    return found
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -307,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     reporter = Reporter({}, enabled=not args.quiet)
     try:
-        return _run(args, reporter)
+        with _library_log(reporter):
+            return _run(args, reporter)
     except KeyboardInterrupt:
         reporter.close_bar()
         where = f" in {reporter.label(reporter.current)}" if reporter.current else ""
@@ -388,7 +439,7 @@ def _run(args: argparse.Namespace, reporter: Reporter) -> int:
                 dist.destroy_process_group()
     reporter.write(f"lingbot-run: {path}" + (f" on {layout.world_size} processes, {layout.describe()}"
                                              if layout is not None else ""))
-    with _library_log(reporter), watch_nodes(reporter.node_started):
+    with watch_nodes(reporter.node_started):
         try:
             result = engine.run(prompt, seed_order=args.shuffle, progress=reporter.progress)
         except BaseException as err:
@@ -398,7 +449,8 @@ def _run(args: argparse.Namespace, reporter: Reporter) -> int:
             reporter.close_bar()
             _stop_parallel(layout)
     reporter.finish()
-    for line in report_texts(result, reporter.labels):  # asked for by the graph: shown even with --quiet
+    # the output nodes' texts are asked for by the graph: shown even with --quiet
+    for line in report_texts(result, reporter.labels, reporter, output_nodes(prompt, NODE_CLASS_MAPPINGS)):
         print(line, file=sys.stderr)
     for ui in result.ui.values():
         for entry in (ui or {}).get("images", []):
@@ -445,6 +497,7 @@ def _run_jobs(args: argparse.Namespace, prompt, engine, reporter: Reporter, outp
                        f"{layout.world_size} does not fit the processes left on one node); its collectives "
                        "cross the network")
     prompts, refused = {}, {}
+    reports = output_nodes(prompt, NODE_CLASS_MAPPINGS)
     for job in place.share(jobs):  # each job's overrides and graph checked before the first one runs
         try:
             job_prompt = apply_overrides(prompt, job_overrides(prompt.nodes, job), NODE_CLASS_MAPPINGS)
@@ -460,7 +513,7 @@ def _run_jobs(args: argparse.Namespace, prompt, engine, reporter: Reporter, outp
         if job.id in refused:
             raise refused[job.id]
         reporter.write(f"job {job.id} (line {job.line})")
-        with _library_log(reporter), watch_nodes(reporter.node_started):
+        with watch_nodes(reporter.node_started):
             try:
                 result = engine.run(prompts[job.id], seed_order=args.shuffle, progress=reporter.progress)
             except Exception:
@@ -469,12 +522,14 @@ def _run_jobs(args: argparse.Namespace, prompt, engine, reporter: Reporter, outp
                 raise
         reporter.close_bar()
         reporter.finish()
-        for line in report_texts(result, reporter.labels):
+        for line in report_texts(result, reporter.labels, reporter, reports):
             print(line, file=sys.stderr)
         return [output / entry.get("subfolder", "") / entry["filename"]
                 for ui in result.ui.values() for entry in (ui or {}).get("images", [])]
 
     def shown(entry: dict) -> None:
+        if not place.leader:
+            return  # the group's leader speaks for its job: one line per job, not one per rank
         if entry["status"] == DONE:
             if place.leader:
                 for path in entry["outputs"]:
@@ -570,6 +625,7 @@ def _start_parallel(args: argparse.Namespace, prompt, overrides: list[str], repo
         overrides += [f"{nid}.mode=none" for nid in offloads]
     if layout.rank != 0:
         reporter.enabled = reporter.tty = False
+        reporter.follower = True
     return layout
 
 

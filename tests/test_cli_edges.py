@@ -153,3 +153,42 @@ def test_a_jobs_rewrite_field_without_a_rewrite_node_is_refused_before_work(tmp_
     assert main(["t2v", "--jobs", str(path), "--output", str(tmp_path / "out")]) == 2
     line = _last_error(capsys)
     assert "'rewrite' on line(s) 2" in line and "--rewrite" in line, line
+
+
+def _prose_run(tmp_path, monkeypatch, *extra: str) -> int:
+    from lingbot_nodes import conditioning
+
+    monkeypatch.setattr(conditioning, "_warned_prose", False)  # the once-per-process note fires again
+    return main(["t2i", *extra, "--set", "Prompt.prompt=a red paper boat on a canal", "--set", "Denoise.steps=1",
+                 "--output", str(tmp_path)])
+
+
+def test_quiet_prints_no_notes(tmp_path, capsys, monkeypatch):
+    assert _prose_run(tmp_path, monkeypatch, "-q") == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and captured.out.strip().endswith(".png")
+
+
+def test_a_note_is_printed_once_per_run_and_per_batch(tmp_path, capsys, monkeypatch):
+    from lingbot_nodes.conditioning import PROSE_NOTICE
+
+    assert _prose_run(tmp_path, monkeypatch) == 0
+    assert capsys.readouterr().err.count(PROSE_NOTICE) == 1  # the log line, not again as the node's text
+    import json
+
+    path = tmp_path / "jobs.jsonl"
+    path.write_text("\n".join(json.dumps({"seed": seed}) for seed in (1, 2, 3)))
+    assert _prose_run(tmp_path, monkeypatch, "--jobs", str(path)) == 0
+    assert capsys.readouterr().err.count(PROSE_NOTICE) == 1  # not once per job
+
+
+def test_a_parallel_followers_texts_are_not_printed():
+    from types import SimpleNamespace
+
+    from lingbot_nodes.cli import Reporter, report_texts
+
+    result = SimpleNamespace(ui={"7": {"text": ["LingBot memory (none offload)"]}})
+    reporter = Reporter({"7": "Memory"}, enabled=False)
+    assert report_texts(result, reporter.labels, reporter, {"7"}) == ["Memory:", "  LingBot memory (none offload)"]
+    reporter.follower = True
+    assert report_texts(result, reporter.labels, reporter, {"7"}) == []
