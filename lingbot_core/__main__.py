@@ -10,7 +10,6 @@ checkpoint), 130 interrupted.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -131,14 +130,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _check_writable(folder: Path) -> None:
-    """The output folder (or its nearest existing parent) must be a writable folder; checked first."""
-    probe = folder
-    while not probe.exists() and probe.parent != probe:
-        probe = probe.parent
-    if not probe.is_dir():
-        raise NotADirectoryError(f"--output {folder}: {probe} exists and is not a folder")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise PermissionError(f"--output {folder}: {probe} is not writable")
+    """The output folder (or its nearest existing parent) must be a folder we can write in; checked first."""
+    from .save_path import check_output_folder
+
+    check_output_folder(folder)
 
 
 def _say(quiet: bool, text: str) -> None:

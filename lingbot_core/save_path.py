@@ -156,3 +156,27 @@ def save_target(prefix: str, output_dir: str | os.PathLike[str], *, width: int =
 
 __all__ = ["SaveTarget", "UnsafePrefix", "check_prefix", "expand_prefix", "is_inside", "next_counter",
            "save_target", "split_prefix"]
+
+
+def check_output_folder(folder: Path, flag: str = "--output") -> None:
+    """Fail now, not after the generation, when `folder` cannot hold the outputs.
+
+    The folder (or its nearest existing parent) must be a folder this process can write in: a probe
+    file is written there and removed (permission bits do not say it: root passes `os.access` on a
+    read-only mount or a system folder such as /sys, and fails at the first file). Nothing is left.
+    """
+    import tempfile
+
+    folder = Path(folder)
+    probe = folder
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise NotADirectoryError(f"{flag} {folder}: {probe} exists and is not a folder")
+    try:
+        handle, name = tempfile.mkstemp(prefix=".lingbot-probe-", dir=probe)
+    except OSError as err:
+        raise PermissionError(f"{flag} {folder}: cannot write in {probe} ({err.strerror or type(err).__name__}); "
+                              "give a folder you can write in") from None
+    os.close(handle)
+    os.unlink(name)

@@ -48,19 +48,11 @@ def resolve_workflow(name: str) -> Path:
 
 
 def check_output_dir(folder: Path) -> None:
-    """Fail now, not after the generation, when `folder` cannot hold the outputs.
+    """Fail now, not after the generation, when `folder` cannot hold the outputs (a probe file is
+    written in it, or in its nearest existing parent, and removed)."""
+    from lingbot_core.save_path import check_output_folder
 
-    Nothing is created here: the folder (or its nearest existing parent) must be a writable folder.
-    """
-    probe = folder
-    while not probe.exists():
-        if probe.parent == probe:
-            break
-        probe = probe.parent
-    if not probe.is_dir():
-        raise NotADirectoryError(f"--output {folder}: {probe} exists and is not a folder")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise PermissionError(f"--output {folder}: {probe} is not writable")
+    check_output_folder(folder)
 
 
 class Reporter:

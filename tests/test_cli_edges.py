@@ -192,3 +192,44 @@ def test_a_parallel_followers_texts_are_not_printed():
     assert report_texts(result, reporter.labels, reporter, {"7"}) == ["Memory:", "  LingBot memory (none offload)"]
     reporter.follower = True
     assert report_texts(result, reporter.labels, reporter, {"7"}) == []
+
+
+def _unwritable_folder(tmp_path):
+    """A folder this process cannot write in though its permission bits may say so: a read-only folder
+    for a user, the kernel's /sys for root (`os.access` passes there as root)."""
+    import os
+    from pathlib import Path
+
+    if os.geteuid() != 0:
+        folder = tmp_path / "read-only"
+        folder.mkdir()
+        folder.chmod(0o555)
+        return folder
+    sys_folder = Path("/sys")
+    if not sys_folder.is_dir() or not os.access(sys_folder, os.W_OK):
+        pytest.skip("needs the kernel's /sys folder (read-only, yet writable by its permissions as root)")
+    return sys_folder
+
+
+def test_an_unwritable_output_folder_is_found_by_writing(tmp_path, capsys, no_model_work):
+    folder = _unwritable_folder(tmp_path)
+    assert main(["t2i", "--output", str(folder / "lingbot-out")]) == 2
+    line = _last_error(capsys)
+    assert line.startswith("error: --output") and "cannot write in" in line, line
+    assert not list(tmp_path.rglob(".lingbot-probe-*"))
+
+
+def test_the_output_probe_leaves_nothing_behind(tmp_path):
+    from lingbot_nodes.cli import check_output_dir
+
+    check_output_dir(tmp_path / "new" / "deeper")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_core_command_finds_an_unwritable_output_folder_too(tmp_path, capsys):
+    from lingbot_core.__main__ import main as core_main
+
+    folder = _unwritable_folder(tmp_path)
+    assert core_main(["--mode", "t2i", "--output", str(folder / "lingbot-out")]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("error: --output") and "cannot write in" in line, line
