@@ -407,6 +407,11 @@ def _run(args: argparse.Namespace, reporter: Reporter) -> int:
     if args.rewrite is not None or settings:
         prompt = insert_rewrite(prompt, args.rewrite, endpoint=args.rewrite_endpoint, model=args.rewrite_model,
                                 map_model=args.rewrite_map_model, duration=args.rewrite_duration)
+        for nid, node in prompt.nodes.items():
+            inputs = node["inputs"] if node["class_type"] == "LingBotRewrite" else {}
+            if isinstance(inputs.get("endpoint"), str) and inputs["endpoint"] and not inputs.get("expand_model"):
+                raise WorkflowError(f"the Rewrite node {nid} calls the endpoint {inputs['endpoint']} but no model is "
+                                    "named: add --rewrite-model NAME (the model the endpoint serves)")
     output = Path(args.output)
     check_output_dir(output)
     engine = Engine(NODE_CLASS_MAPPINGS)

@@ -233,3 +233,10 @@ def test_the_core_command_finds_an_unwritable_output_folder_too(tmp_path, capsys
     assert core_main(["--mode", "t2i", "--output", str(folder / "lingbot-out")]) == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("error: --output") and "cannot write in" in line, line
+
+
+def test_a_missing_rewrite_model_is_named_by_its_flag(tmp_path, capsys, no_model_work):
+    assert main(["t2v", "--rewrite", "a boat", "--rewrite-endpoint", "http://127.0.0.1:9/v1",
+                 "--output", str(tmp_path)]) == 2
+    line = _last_error(capsys)
+    assert "--rewrite-model" in line and "expand_model" not in line, line
