@@ -4,8 +4,10 @@ Why a script: the numbers in the README must be reproducible, not typed in. Noth
 model or needs a GPU. The components are built on the `meta` device from the real configurations
 (the DiTs from `lingbot_core/configs/`, Qwen3-VL-4B and the Wan 2.1 VAE from the geometry that
 `bench/offload_gpu.py` uses), so parameter counts are exact for those configurations and no memory
-is allocated. The accelerator column is `lingbot_core.memory.estimate_peak`, the same estimate
-the `auto` mode decides with: an ESTIMATE, not a measurement (no GPU run has confirmed it yet).
+is allocated. The accelerator columns are the fit check's figure (`lingbot_core.placement.recipes.
+vram_needed`: the estimate `auto` decides with plus its reserve) under the Loaders' default `ffn_chunk`
+("auto", read from `PipelineHandle.open`) on the smallest card that can run it, i.e. with the FFN/MoE at
+its smallest chunk where chunks help: an ESTIMATE, not a measurement (no GPU run has confirmed it yet).
 
     python bench/memory_table.py            # markdown tables
     python bench/memory_table.py --json out.json
@@ -17,6 +19,7 @@ import argparse
 import functools
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -86,22 +89,28 @@ def params(module: torch.nn.Module) -> int:
 
 
 def collect() -> dict[str, Any]:
+    from bench.recipes import run_chunk
     from lingbot_core import memory
+    from lingbot_core.placement import recipes
 
-    out: dict[str, Any] = {"disk": {}, "estimate": {}, "reserve_bytes": memory.RESERVE_BYTES}
+    out: dict[str, Any] = {"disk": {}, "estimate": {}, "reserve_bytes": memory.RESERVE_BYTES,
+                           "ffn_chunk": run_chunk()}
     for variant in ("dense", "moe"):
         components = build(variant)
         # bf16 on disk for the DiT(s) and text encoder, fp32 for the VAE: 2 and 4 bytes per parameter.
         disk = {name: params(m) * (4 if name == "vae" else 2) for name, m in components.items()}
         out["disk"][variant] = {"params": {n: params(m) for n, m in components.items()}, "bytes": disk}
-        sizes = memory.sizes_from_modules(components)
+        sizes = recipes.model_facts()[variant]["sizes"]
         for height, width, frames, refine, tiled in ROWS[variant]:
             geometry = memory.Geometry(height=height, width=width, num_frames=frames,
-                                       refine=REFINE if refine else None, vae_tiling=tiled)
+                                       refine=REFINE if refine else None, vae_tiling=tiled, ffn_chunk=run_chunk())
             key = f"{variant} {width}x{height}x{frames}"
             key += f" + refine {REFINE[1]}x{REFINE[0]}" if refine else (" (base only)" if variant == "moe" else "")
             key += ", tiled decode" if tiled else ""
-            out["estimate"][key] = {m: memory.estimate_peak(m, sizes, geometry) for m in MODES}
+            # Refine's release_base "auto" (its default): the base DiT is dropped unless the mode is `none`
+            out["estimate"][key] = {m: recipes.vram_needed(m, sizes, replace(geometry, release_base=bool(refine)
+                                                                             and m != "none"), 0)[0]
+                                    for m in MODES}
     return out
 
 
@@ -113,11 +122,16 @@ def report(data: dict[str, Any]) -> str:
         parts = ", ".join(f"{name} {p[name] / 1e9:.2f} B params = {b[name] / GB:.2f} GB" for name in b)
         rows.append([REPOS[variant], parts, f"{sum(b.values()) / GB:.1f} GB"])
     lines += [table(["checkpoint", "components", "total"], rows), ""]
-    lines += ["Peak accelerator memory per offload mode (ESTIMATE from lingbot_core.memory, GiB; "
-              f"`auto` also keeps {data['reserve_bytes'] / GiB:.1f} GiB spare):", ""]
-    rows = [[key, *(f"{est[m] / GiB:.1f}" for m in MODES)] for key, est in data["estimate"].items()]
-    lines.append(table(["model and size", *MODES], rows))
+    lines += ["The least VRAM each offload mode needs (the fit check's ESTIMATE, GiB, with its "
+              f"{data['reserve_bytes'] / GiB:.1f} GiB reserve, ffn_chunk {data['ffn_chunk']!r}):", ""]
+    lines.append(mode_table(data))
     return "\n".join(lines)
+
+
+def mode_table(data: dict[str, Any]) -> str:
+    """The README's per-mode table (`python bench/recipes.py --write` puts it there)."""
+    rows = [[key, *(f"{est[m] / GiB:.1f}" for m in MODES)] for key, est in data["estimate"].items()]
+    return table(["model and size (W x H x frames)", *MODES], rows)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -390,7 +390,8 @@ def test_readme_student_recipes_are_what_the_estimator_gives():
         cell = recipes.student_recipe(vram_gb, 64)
         fmt = cell.weights.split(" (")[0]
         w, h, frames = map(int, cell.at.split("x"))
-        verdict = fit.check(recipes.student_sizes(fmt), Geometry(h, w, frames, cfg=False, vae_tiling=True),
+        verdict = fit.check(recipes.student_sizes(fmt), Geometry(h, w, frames, cfg=False, vae_tiling=True,
+                                                                  ffn_chunk=recipes.run_chunk()),
                             cell.mode, cell.offload_to, vram_free=int((vram_gb - recipes.DESKTOP_GIB) * fit.GiB),
                             host_free=int((64 - recipes.SYSTEM_GIB) * fit.GiB))
         assert verdict.ok, (vram_gb, verdict.line())
@@ -404,7 +405,7 @@ def test_readme_files_row_for_the_student_is_the_24gb_recipe():
     (row,) = [line for line in readme.splitlines() if line.startswith(f"| {files_table.STUDENT_GPU} |")]
     cell = recipes.student_recipe(int(files_table.STUDENT_GPU.split()[0]), files_table.STUDENT_RAM_GB)
     fmt = cell.weights.split(" (")[0].replace("GGUF ", "")
-    assert row.rstrip(" |").endswith(f"{cell.peak_gib:.1f} GiB") and f"`{cell.mode}`" in row, row
+    assert row.rstrip(" |").endswith(recipes.need_cell(cell.peak_gib, cell.chunk)) and f"`{cell.mode}`" in row, row
     assert fmt in row
     assert "832x480x121" in row and "`dmd_student` 8 steps, cfg 1, shift 3" in row
 

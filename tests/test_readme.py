@@ -280,37 +280,31 @@ def test_recipes_table_is_what_the_estimator_gives():
     sizes = recipes.sizes_for("moe", fmt)
     w, h = map(int, cell.refine.split("x"))
     vram, host = int(23.5 * fit.GiB), int(60 * fit.GiB)
-    verdict = fit.check(sizes, Geometry(480, 832, 121, refine=(h, w), vae_tiling=True, release_base=True),
+    verdict = fit.check(sizes, Geometry(480, 832, 121, refine=(h, w), vae_tiling=True, release_base=True,
+                                        ffn_chunk=recipes.run_chunk()),
                         cell.mode, cell.offload_to, vram_free=vram, host_free=host)
     assert verdict.ok, verdict.line()
 
 
 def test_files_table_gpu_column_is_the_estimate_and_agrees_with_the_recipes():
-    """'Which files do I need?' (bench/files_table.py's recipes) shows the estimator's figure per GPU,
-    names the same size, fits the recipes' machine of that GPU, and where the recipes table picks the
-    same model its largest size and offload mode are the same (an 8 GB card: one answer, not two)."""
+    """'Which files do I need?' is bench/files_table.py's table; each dense row is the dense recipe of
+    `recipe_for` for that card (the settings the fit check accepts, its figure), and where the recipes
+    table picks the dense model too, the same size and mode (an 8 GB card: one answer, not two)."""
     from bench import files_table, recipes
-    from lingbot_core import memory
 
-    header = README.index("| GPU | DiT, in `models/diffusion_models`")
-    rows = {}
-    for line in README[header:].splitlines()[2:]:
-        if not line.startswith("|"):
-            break
-        rows[line.split("|")[1].strip()] = line
-    assert set(rows) == {gpu for gpu, *_ in files_table.RECIPES} | {files_table.STUDENT_GPU}  # student: its own test
-    for gpu, variant, w, h, frames, refine, tiled, mode in files_table.RECIPES:
-        sizes = recipes.model_facts()[variant]["sizes"]
-        peak = memory.estimate_peak(mode, sizes, memory.Geometry(height=h, width=w, num_frames=frames,
-                                                                 refine=refine, vae_tiling=tiled))
-        row = rows[gpu]
-        assert row.rstrip(" |").endswith(f"{peak / memory.GiB:.1f} GiB"), row
-        assert f"{w}x{h}" in row and str(frames) in row and f"`{mode}`" in row, row
-        vram_gb = int(gpu.split()[0])
-        assert peak <= (vram_gb - recipes.DESKTOP_GIB) * memory.GiB, row
-        cells = [recipes.recipe(vram_gb, ram) for ram in recipes.RAM_GB]
-        same = [c for c in cells if c.model.lower().startswith(variant) and refine is None]
-        assert all(c.base == f"{w}x{h}x{frames}" and c.mode == mode for c in same), (row, same)
+    assert recipes.readme_block(README, files_table.START, files_table.END) == files_table.gpu_table()
+    rows = {row[0]: row for row in _table_rows("| GPU | DiT, in `models/diffusion_models`")}
+    assert set(rows) == {f"{gb} GB" for gb in (*files_table.DENSE_GPUS, files_table.MOE_GPU)} | {files_table.STUDENT_GPU}
+    for gb in files_table.DENSE_GPUS:
+        vram, host = recipes.machine_budget(gb, files_table.FILES_RAM_GB)
+        dense = recipes.recipe_for(vram, host, variants=("dense",), ffn_chunk=recipes.run_chunk())
+        row = rows[f"{gb} GB"]
+        w, h, frames = dense.base.split("x")
+        assert f"{w}x{h}, {frames} frames" in row[4] and f"`{dense.mode}`" in row[4], row
+        assert row[5] == recipes.need_cell(dense.need_gib, dense.chunk), row
+        assert dense.need_gib <= gb - recipes.DESKTOP_GIB
+        same = [c for c in (recipes.recipe(gb, ram) for ram in recipes.RAM_GB) if c.model.startswith("dense")]
+        assert all(c.base == dense.base and c.mode == dense.mode for c in same), (row, same)
     assert any(c.model.startswith("dense") for c in [recipes.recipe(8, ram) for ram in recipes.RAM_GB])
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from bench.recipes import note_figures  # noqa: E402
 from lingbot_core.workflow.nodeinfo import InputSpec, NodeClassInfo  # noqa: E402
 from nodes import NODE_CLASS_MAPPINGS  # noqa: E402
 
@@ -35,25 +36,22 @@ IMAGE_PROMPT = ('{"comprehensive_description":{"scene_content_description":"The 
 NOTE = ("Runs as shipped on the built-in tiny random-weight model (its output is noise) at a small size. "
         "For real output pick your checkpoint folder under models/lingbot_video/ in the Loader, then use "
         "{size} and 40 steps. {offload}")
-# Estimated VRAM (GiB) the Notes quote, from the estimator (bench/memory_table.py; tests/test_workflows.py
-# checks them against it): (row of the memory table, offload mode) -> GiB.
-NOTE_FIGURES = {
-    "dense_model": (("dense 832x480x121", "model"), 12.4),
-    "dense_tiled": (("dense 832x480x121, tiled decode", "group"), 8.3),
-    "dense_none": (("dense 832x480x121", "none"), 23.3),
-    "moe_base": (("moe 832x480x121 (base only)", "group"), 12.4),
-    "moe_refine": (("moe 832x480x121 + refine 1920x1088", "sequential"), 36.3),
-}
-_F = {k: v[1] for k, v in NOTE_FIGURES.items()}
+# The VRAM (GiB) the Notes quote: the fit check's figures under the Loaders' default ffn_chunk, from the one
+# generator of every memory figure in the README (bench/recipes.py; tests/test_advice.py compares).
+NOTE_FIGURES = note_figures()
+_F = NOTE_FIGURES
+_R = _F["refine"]
+_REFINE_W, _REFINE_H = _R["size"].split("x")
 DENSE_OFFLOAD = (f"Offload (estimates at 480x832x121): 'model' or 'group' need about {_F['dense_model']} GiB of VRAM "
                  f"(about {_F['dense_tiled']} GiB with Decode tiling on), 'none' about {_F['dense_none']} GiB and is "
                  "the fastest; 'sequential' is the smallest and slowest. The Offload node checks the planned size "
                  "against your GPU and RAM and says what to change.")
 MOE_OFFLOAD = (f"Offload (estimates): the MoE base pass at 480x832x121 needs about {_F['moe_base']} GiB of VRAM under "
                f"'group' or 'sequential', with offload_to 'disk' unless you have about 130 GB of RAM ('model' and "
-               f"'none' hold a 60 GB DiT on the GPU); refining to 1088x1920 needs about {_F['moe_refine']} GiB, so "
-               "on a 24 GB card refine at 736x1280. 'auto' picks the mode and offload_to from the free memory and "
-               "says what to change when nothing fits.")
+               f"'none' hold a 60 GB DiT on the GPU). On a {_R['gpu_gb']} GB card with {_R['ram_gb']} GB of RAM the "
+               f"recipe refines to {_REFINE_H}x{_REFINE_W} (about {_R['gib']} GiB with the Loader's ffn_chunk auto) "
+               f"with {_R['weights']} DiTs under '{_R['mode']}', offload_to '{_R['offload_to']}'. 'auto' picks the "
+               "mode and offload_to from the free memory and says what to change when nothing fits.")
 
 PLAN = dict(plan_width=832, plan_height=480, plan_frames=121)
 

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from .estimate import Geometry, GiB, ModelSizes, host_bytes
+from . import fit as _fit
+from .estimate import AUTO_CHUNK, RESERVE_BYTES, Geometry, GiB, ModelSizes, host_bytes
 from .fit import BASE_SIZES, REFINE_SIZES, _best_mode
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -132,6 +133,8 @@ class Recipe:
     offload_to: str = NOTHING
     base: str = "nothing fits"
     refine: str = NOTHING
+    need_gib: float | None = None  # the fit check's VRAM figure for the headline run (refined when it refines)
+    chunk: int | None = None  # the FFN/MoE chunk `ffn_chunk: auto` resolves to for that run (None: whole)
 
     def settings(self) -> dict[str, str]:
         """What the recipe says to use (everything but the machine's labels)."""
@@ -146,44 +149,72 @@ class Recipe:
                 f"`{self.offload_to}`" if self.offload_to != NOTHING else NOTHING, self.base, self.refine]
 
 
-def _plan(sizes: ModelSizes, variant: str, dit_bytes: int, to: str, vram: int, host: int) -> dict | None:
+def vram_needed(mode: str, sizes: ModelSizes, geometry: Geometry, vram_bytes: int | None) -> tuple[int, int | None]:
+    """The VRAM the fit check says a run needs on a card with `vram_bytes` free (`fit.check`: the estimate,
+    an `"auto"` FFN chunk resolved against that card, plus `RESERVE_BYTES`), and that chunk (None: whole
+    sequences): the one figure every README table, example and workflow Note prints. `vram_bytes=0`
+    gives the least any card needs (`"auto"` at its smallest chunk where chunks help)."""
+    verdict = _fit.check(sizes, geometry, mode, vram_free=vram_bytes, host_free=None)
+    return verdict.vram_needed + RESERVE_BYTES, verdict.ffn_chunk
+
+
+def _plan(sizes: ModelSizes, variant: str, dit_bytes: int, to: str, vram: int, host: int,
+          ffn_chunk: int | str | None = AUTO_CHUNK) -> dict | None:
     """What fits with these weights and home: the largest base size, the largest refine size (MoE),
     and the fastest mode for the headline run (the refined run when one fits, else the largest base)."""
+    def geometry(h: int, w: int, **more: Any) -> Geometry:
+        return Geometry(h, w, FRAMES, vae_tiling=True, ffn_chunk=ffn_chunk, **more)
+
     if to == "disk":  # only worth it when the page cache can keep the DiT file(s) a step reads
-        mode = _best_mode(sizes, Geometry(480, 832, FRAMES, vae_tiling=True), to, vram, host)
+        mode = _best_mode(sizes, geometry(480, 832), to, vram, host)
         if mode is None or dit_bytes > host - host_bytes("sequential", sizes, to):
             return None
-    bases = [(h, w) for h, w in BASE_SIZES
-             if _best_mode(sizes, Geometry(h, w, FRAMES, vae_tiling=True), to, vram, host)]
+    bases = [(h, w) for h, w in BASE_SIZES if _best_mode(sizes, geometry(h, w), to, vram, host)]
     if not bases:
         return None
-    refine, mode = None, None
+    refine, mode, g = None, None, None
     if variant == "moe":
         for size in REFINE_SIZES:
-            mode = _best_mode(sizes, Geometry(480, 832, FRAMES, refine=size, vae_tiling=True, release_base=True),
-                              to, vram, host)
+            g = geometry(480, 832, refine=size, release_base=True)
+            mode = _best_mode(sizes, g, to, vram, host)
             if mode:
                 refine = size
                 break
     if mode is None:
-        mode = _best_mode(sizes, Geometry(*bases[0], FRAMES, vae_tiling=True), to, vram, host)
-    return dict(base=bases[0], refine=refine, mode=mode)
+        g = geometry(*bases[0])
+        mode = _best_mode(sizes, g, to, vram, host)
+    return dict(base=bases[0], refine=refine, mode=mode, geometry=g)
+
+
+def plan_for(variant: str, sizes: ModelSizes, dit_bytes: int, vram: int, host: int,
+             ffn_chunk: int | str | None = AUTO_CHUNK) -> tuple[str, dict] | None:
+    """(`offload_to`, plan) for one DiT format given by its `sizes` and file bytes (a format `FORMATS` does not
+    list, e.g. a community GGUF): RAM when it fits, else disk; None when neither does. The plan's keys:
+    `base`, `refine` (MoE; None when no refine size fits), `mode`, `geometry` (the headline run)."""
+    for to in ("ram", "disk"):
+        plan = _plan(sizes, variant, dit_bytes, to, vram, host, ffn_chunk)
+        if plan is not None:
+            return to, plan
+    return None
 
 
 def recipe_for(vram_bytes: int, host_bytes_free: int, *, vram_gb: float | None = None, ram_gb: float | None = None,
-               facts: dict[str, dict[str, Any]] | None = None) -> Recipe:
+               facts: dict[str, dict[str, Any]] | None = None, ffn_chunk: int | str | None = AUTO_CHUNK,
+               variants: tuple[str, ...] = VARIANTS) -> Recipe:
     """The recipe for `vram_bytes` of usable accelerator memory and `host_bytes_free` of usable host RAM
-    (labelled `vram_gb` / `ram_gb`; by default those bytes in GiB)."""
+    (labelled `vram_gb` / `ram_gb`; by default those bytes in GiB). `ffn_chunk`: the Loaders' FFN chunk
+    setting the runs use (their default, `"auto"`: chunked where the card needs it, as the fit check counts);
+    `variants`: the models to try, in order (the dense model alone: `("dense",)`)."""
     facts = facts or model_facts()
     label_v = vram_gb if vram_gb is not None else round(vram_bytes / GiB, 1)
     label_r = ram_gb if ram_gb is not None else round(host_bytes_free / GiB, 1)
-    for variant in VARIANTS:
+    for variant in variants:
         fact = facts[variant]
         options = []
         for to in ("ram", "disk"):
             for fmt in FORMATS:
                 plan = _plan(sizes_for(variant, fmt, facts), variant, fact["dit"][fmt], to, vram_bytes,
-                             host_bytes_free)
+                             host_bytes_free, ffn_chunk)
                 if plan is not None and (variant != "moe" or plan["base"][0] * plan["base"][1] >= 480 * 832):
                     options.append((fmt, to, plan))  # rule 1: the MoE only at 832x480 or more
         if not options:
@@ -201,9 +232,11 @@ def recipe_for(vram_bytes: int, host_bytes_free: int, *, vram_gb: float | None =
         files = f"{variant} folder, {download / 1e9:.1f} GB" + (" (no refiner/)" if moe and refine is None else "")
         weights = fmt if fmt == "bf16" else f"{fmt} (quantize: {fact['dit'][fmt] / 1e9:.1f} GB per DiT)"
         base = plan["base"]
+        sizes = sizes_for(variant, fmt, facts)
+        need, chunk = vram_needed(plan["mode"], sizes, plan["geometry"], vram_bytes)
         return Recipe(label_v, label_r, "MoE 30B-A3B" if moe else "dense 1.3B", files, weights, plan["mode"], to,
                       f"{base[1]}x{base[0]}x{FRAMES}",
-                      f"{refine[1]}x{refine[0]}" if refine else ("no" if moe else NOTHING))
+                      f"{refine[1]}x{refine[0]}" if refine else ("no" if moe else NOTHING), need / GiB, chunk)
     return Recipe(label_v, label_r)
 
 
