@@ -375,7 +375,8 @@ def note_figures() -> dict[str, Any]:
     cell = recipe(*NOTE_MACHINE)
     out["refine"] = dict(gpu_gb=NOTE_MACHINE[0], ram_gb=NOTE_MACHINE[1], size=cell.refine,
                          gib=round(cell.need_gib, 1), chunk=cell.chunk, mode=cell.mode,
-                         weights=cell.weights.split(" (")[0], offload_to=cell.offload_to)
+                         weights=cell.weights.split(" (")[0], offload_to=cell.offload_to,
+                         quantize=QUANTIZE_TO.get(cell.weights.split(" (")[0]))
     return out
 
 

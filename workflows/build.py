@@ -50,7 +50,9 @@ MOE_OFFLOAD = (f"Offload (estimates): the MoE base pass at 480x832x121 needs abo
                f"'group' or 'sequential', with offload_to 'disk' unless you have about 130 GB of RAM ('model' and "
                f"'none' hold a 60 GB DiT on the GPU). On a {_R['gpu_gb']} GB card with {_R['ram_gb']} GB of RAM the "
                f"recipe refines to {_REFINE_H}x{_REFINE_W} (about {_R['gib']} GiB with the Loader's ffn_chunk auto) "
-               f"with {_R['weights']} DiTs under '{_R['mode']}', offload_to '{_R['offload_to']}'. 'auto' picks the "
+               f"with {_R['weights']} DiTs"
+               + (f" (python -m lingbot_core.quantize SRC DST --to {_R['quantize']})" if _R["quantize"] else "")
+               + f" under '{_R['mode']}', offload_to '{_R['offload_to']}'. 'auto' picks the "
                "mode and offload_to from the free memory and says what to change when nothing fits.")
 
 PLAN = dict(plan_width=832, plan_height=480, plan_frames=121)
