@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import sys
 
-from lingbot_core.exit_codes import INTERRUPTED  # a light module (lingbot_core imports nothing heavy)
+# a light module (lingbot_core imports nothing heavy)
+from lingbot_core.exit_codes import interrupted_code, sigterm_interrupts
 
 
 def main() -> int:
-    try:
-        from lingbot_nodes.cli import main as run
+    with sigterm_interrupts() as terms:  # SIGTERM (a container stop) as Ctrl-C, from the first instant too
+        try:
+            from lingbot_nodes.cli import main as run
 
-        return run()
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return INTERRUPTED
+            return run()
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return interrupted_code(terms)
 
 
 if __name__ == "__main__":

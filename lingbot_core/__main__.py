@@ -114,19 +114,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .exit_codes import BAD_INPUT, INTERRUPTED, exit_code, one_line  # light: nothing heavy is imported
+    # light: nothing heavy is imported
+    from .exit_codes import BAD_INPUT, INTERRUPTED, exit_code, interrupted_code, one_line, sigterm_interrupts
 
     args = build_parser().parse_args(argv)
-    try:  # everything heavy (torch included) is imported inside: Ctrl-C is clean from the first instant
-        return _generate(args)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return INTERRUPTED
-    except Exception as err:
-        code = exit_code(err)
-        kind = "" if code == BAD_INPUT else f"{type(err).__name__}: "
-        print("interrupted" if code == INTERRUPTED else f"error: {kind}{one_line(err)}", file=sys.stderr)
-        return code
+    with sigterm_interrupts() as terms:  # SIGTERM (a container stop) ends the run as Ctrl-C does
+        try:  # everything heavy (torch included) is imported inside: Ctrl-C is clean from the first instant
+            return _generate(args)
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return interrupted_code(terms)
+        except Exception as err:
+            code = exit_code(err)
+            kind = "" if code == BAD_INPUT else f"{type(err).__name__}: "
+            print("interrupted" if code == INTERRUPTED else f"error: {kind}{one_line(err)}", file=sys.stderr)
+            return interrupted_code(terms) if code == INTERRUPTED else code
 
 
 def _check_writable(folder: Path) -> None:

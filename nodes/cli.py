@@ -5,7 +5,7 @@ mp4 under ./output/lingbot/. Written files are printed on stdout, one per line; 
 offload choice and Memory Report texts go to stderr.
 
 Exit codes: 0 done, 1 a failure while running, 2 bad input (arguments, workflow, override,
-checkpoint, output folder), 130 interrupted.
+checkpoint, output folder), 130 interrupted (Ctrl-C), 143 stopped by SIGTERM (handled as Ctrl-C).
 """
 
 from __future__ import annotations
@@ -344,31 +344,39 @@ def insert_rewrite(prompt, text: str | None, *, endpoint: str = "", model: str =
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lingbot_core.exit_codes import INTERRUPTED, exit_code, one_line, root_cause
+    from lingbot_core.exit_codes import INTERRUPTED, exit_code, interrupted_code, sigterm_interrupts
 
     args = build_parser().parse_args(argv)
     reporter = Reporter({}, enabled=not args.quiet)
-    try:
-        with _library_log(reporter):
-            return _run(args, reporter)
-    except KeyboardInterrupt:
-        reporter.close_bar()
-        where = f" in {reporter.label(reporter.current)}" if reporter.current else ""
-        print(f"interrupted{where}", file=sys.stderr)
-        return INTERRUPTED
-    except Exception as err:
-        reporter.close_bar()
-        code = exit_code(err)
-        if code == INTERRUPTED:
+    with sigterm_interrupts() as terms:  # SIGTERM (a container stop, a scheduler) ends the run as Ctrl-C does
+        try:
+            with _library_log(reporter):
+                return _run(args, reporter)
+        except KeyboardInterrupt:
+            reporter.close_bar()
+            where = f" in {reporter.label(reporter.current)}" if reporter.current else ""
+            print(f"interrupted{where}", file=sys.stderr)
+            return interrupted_code(terms)
+        except Exception as err:
+            reporter.close_bar()
+            code = exit_code(err)
+            if code != INTERRUPTED:
+                return _failed(err, code, reporter)
             where = f" in {reporter.label(err.node_id)}" if getattr(err, "node_id", None) else ""
             print(f"interrupted{where}", file=sys.stderr)
-            return code
-        cause = root_cause(err)
-        node_id = getattr(err, "node_id", None)
-        where = f"{reporter.label(node_id)} (node {node_id}, {err.class_type}): " if cause is not err else ""
-        kind = "" if code == 2 or isinstance(cause, (RuntimeError, OSError)) else f"{type(cause).__name__}: "
-        print(f"error: {where}{kind}{one_line(cause)}", file=sys.stderr)
-        return code
+            return interrupted_code(terms)
+
+
+def _failed(err: Exception, code: int, reporter: Reporter) -> int:
+    """One line for a failed run (an error of the run, or bad input); returns its exit code."""
+    from lingbot_core.exit_codes import one_line, root_cause
+
+    cause = root_cause(err)
+    node_id = getattr(err, "node_id", None)
+    where = f"{reporter.label(node_id)} (node {node_id}, {err.class_type}): " if cause is not err else ""
+    kind = "" if code == 2 or isinstance(cause, (RuntimeError, OSError)) else f"{type(cause).__name__}: "
+    print(f"error: {where}{kind}{one_line(cause)}", file=sys.stderr)
+    return code
 
 
 def _run(args: argparse.Namespace, reporter: Reporter) -> int:

@@ -240,3 +240,45 @@ def test_a_missing_rewrite_model_is_named_by_its_flag(tmp_path, capsys, no_model
                  "--output", str(tmp_path)]) == 2
     line = _last_error(capsys)
     assert "--rewrite-model" in line and "expand_model" not in line, line
+
+
+def test_sigterm_interrupts_like_ctrl_c_and_restores_the_handler():
+    import os
+    import signal
+
+    from lingbot_core.exit_codes import TERMINATED, interrupted_code, sigterm_interrupts
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt), sigterm_interrupts() as terms:
+        with sigterm_interrupts() as inner:  # nested: the outer one's handler and record
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert terms == [signal.SIGTERM] and inner is terms and interrupted_code(terms) == TERMINATED
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_sigterm_in_a_real_process(tmp_path):
+    """SIGTERM (a container stop) to `python -m lingbot_nodes` mid-run: the Ctrl-C path (one line, no
+    traceback, no partial file), exit code 143."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "lingbot_nodes", "--set", "Denoise.steps=200",
+                             "--output", str(tmp_path)], stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=env)
+    lines = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        lines.append(line)
+        if "Denoise: step 2/200" in line or not line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    _, rest = proc.communicate(timeout=60)
+    assert proc.returncode == 143, "".join(lines) + rest
+    assert rest.strip().splitlines()[-1] == "interrupted in Denoise", rest
+    assert "Traceback" not in rest and "KeyboardInterrupt" not in rest
+    assert not any(p.is_file() for p in tmp_path.rglob("*"))
