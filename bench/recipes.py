@@ -352,11 +352,12 @@ def choice_block() -> str:
 
 # -- the workflow Notes' figures (workflows/build.py writes them into the Notes) -------------------------------
 
-NOTE_RUNS = {  # name -> (variant, mode, tiled decode): the least VRAM of an 832x480x121 run, as the per-mode table
-    "dense_model": ("dense", "model", False),
-    "dense_tiled": ("dense", "group", True),
-    "dense_none": ("dense", "none", False),
-    "moe_base": ("moe", "group", False),
+NOTE_RUNS = {  # name -> (variant, mode, tiled decode, cfg): the least VRAM of an 832x480x121 run (per-mode table)
+    "dense_model": ("dense", "model", False, True),
+    "dense_tiled": ("dense", "group", True, True),
+    "dense_none": ("dense", "none", False, True),
+    "moe_base": ("moe", "group", False, True),
+    "moe_base_cfg1": ("moe", "group", False, False),  # the few-step profiles (LightLingBot, the DMD student): cfg 1
 }
 NOTE_MACHINE = MOE_MACHINE  # the refine advice in the MoE Notes: this machine's recipe
 
@@ -369,8 +370,8 @@ def note_figures() -> dict[str, Any]:
 
     facts = model_facts()
     out: dict[str, Any] = {}
-    for name, (variant, mode, tiled) in NOTE_RUNS.items():
-        g = Geometry(480, 832, FRAMES, vae_tiling=tiled, ffn_chunk=run_chunk())
+    for name, (variant, mode, tiled, cfg) in NOTE_RUNS.items():
+        g = Geometry(480, 832, FRAMES, cfg=cfg, vae_tiling=tiled, ffn_chunk=run_chunk())
         out[name] = round(vram_needed(mode, facts[variant]["sizes"], g, 0)[0] / GiB, 1)
     cell = recipe(*NOTE_MACHINE)
     out["refine"] = dict(gpu_gb=NOTE_MACHINE[0], ram_gb=NOTE_MACHINE[1], size=cell.refine,

@@ -107,7 +107,7 @@ STUDENT_HOW = (f"For real output download {STUDENT_RELEASE} (a complete model ro
                "holding the student, text_encoder/, processor/, vae/, scheduler/; no refiner/) into "
                "models/lingbot_video/ and pick it in the Loader, then use 480x832 (H x W), 121 frames and fps 24, "
                "the upstream recipe. The files do not mark a student: the sampler dmd_student is how the pack "
-               f"knows. Offload (estimate): its base pass needs about {_F['moe_base']} GiB of VRAM under 'group' "
+               f"knows. Offload (estimate): its base pass needs about {_F['moe_base_cfg1']} GiB of VRAM under 'group' "
                "or 'sequential'; the 60 GB student DiT lives in host RAM, or with offload_to 'disk' (or a GGUF "
                "copy from python -m lingbot_core.quantize, Q8_0 32 GB / Q4_0 17 GB) on less than about 70 GB of "
                "RAM. Refining after the student (not part of the upstream recipe): load the base MoE root (it "
@@ -257,7 +257,8 @@ WORKFLOWS = {
                           "lightlingbot_video_moe30b_4steps_rank128_v2.safetensors (from models/loras) in LoRA at "
                           "strength 1.0, then use 480x832 and 121 frames; the LoRA needs plain (bf16) DiT weights "
                           "to be merged (fp8/GGUF apply it at run time). sampler euler gives its training grid. "
-                          f"Offload (estimate): the MoE at 480x832x121 needs about {_F['moe_base']} GiB of VRAM "
+                          f"Offload (estimate): the MoE at 480x832x121 with cfg 1 needs about {_F['moe_base_cfg1']} "
+                          "GiB of VRAM "
                           "under 'group' or 'sequential', with offload_to 'disk' unless you have about 130 GB of "
                           "RAM."),
         nodes=[
