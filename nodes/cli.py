@@ -74,6 +74,11 @@ class Reporter:
         self.follower = False  # a rank above 0 of a parallel run: rank 0 speaks for the video
         self.said: set[str] = set()  # notes already shown (a log line, a node's text): each shown once
 
+    def already_said(self, text: str) -> bool:
+        """Every line of `text` was printed already (as a note, or inside a longer log line)."""
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        return all(line in self.said or any(line in said for said in self.said) for line in lines)
+
     def label(self, node_id: str | None) -> str:
         return self.labels.get(node_id or "", f"node {node_id}")
 
@@ -148,12 +153,12 @@ class _ReporterLog(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             text = record.getMessage()
+            key = note_key(text)
             if record.levelno >= logging.WARNING:
-                key = note_key(text)
                 if key in self.reporter.said:
                     return
-                self.reporter.said.add(key)
                 text = key
+            self.reporter.said.add(key)  # a node's text saying the same is not printed again at the end
             self.reporter.write(f"  {text}")
         except Exception:  # logging must never break the run
             self.handleError(record)
@@ -205,7 +210,7 @@ def report_texts(result, labels: dict[str, str], reporter: Reporter | None = Non
         for text in texts if isinstance(texts, (list, tuple)) else [texts]:
             if reporter is not None and (reports is None or nid not in reports):
                 key = note_key(text)
-                if not reporter.enabled or key in reporter.said:
+                if not reporter.enabled or reporter.already_said(key):
                     continue
                 reporter.said.add(key)
             lines.append(f"{labels.get(nid, f'node {nid}')}:")

@@ -281,7 +281,7 @@ class LingBotOffload(io.ComfyNode):
             if said and getattr(choice, "offload_to", None) not in (None, offload_to):
                 said = f"auto: '{choice.mode}' with offload_to '{choice.offload_to}': {said}"
             elif said:
-                said = f"auto: {said}"
+                said = f"auto offload: {said}"  # as the log line says it (a headless run prints that once)
         return io.NodeOutput(view, ui=on_node(said))
 
 

@@ -282,3 +282,13 @@ def test_sigterm_in_a_real_process(tmp_path):
     assert rest.strip().splitlines()[-1] == "interrupted in Denoise", rest
     assert "Traceback" not in rest and "KeyboardInterrupt" not in rest
     assert not any(p.is_file() for p in tmp_path.rglob("*"))
+
+
+def test_the_offload_choice_is_printed_once(tmp_path, capsys):
+    """`auto` logs its choice while running; the Offload node's text saying the same is not printed again."""
+    assert main(["t2i", "--set", "Offload.mode=auto", "--set", "Denoise.steps=1", "--output", str(tmp_path)]) == 0
+    err = capsys.readouterr().err.splitlines()
+    choice = [line for line in err if line.strip().startswith("auto offload:")]
+    assert len(choice) == 1, err
+    reason = choice[0].split("auto offload:", 1)[1].strip()
+    assert sum(reason in line for line in err) == 1, err
