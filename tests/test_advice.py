@@ -136,3 +136,18 @@ def test_the_12_16gb_choice_is_explained_once_and_pointed_to():
     block = recipes.readme_block(README, recipes.CHOICE_START, recipes.CHOICE_END)
     for word in ("download", "quantize", "quality", "step"):
         assert word in block, word
+
+
+def test_the_readmes_words_about_the_figures_name_the_real_constants():
+    """The prose around the tables states the reserve and the machine's shares: each is the constant the
+    generator uses (a changed constant makes the prose wrong: this fails)."""
+    from lingbot_core.placement.estimate import RESERVE_BYTES
+    from lingbot_core.placement.recipes import DESKTOP_GIB, SYSTEM_GIB, GiB
+
+    reserves = set(re.findall(r"(\d+(?:\.\d+)?) GiB reserve", README))
+    assert reserves == {f"{RESERVE_BYTES / GiB:g}"}, reserves
+    for share in re.findall(r"(\d+(?:\.\d+)?) GiB of the\s+card", README):
+        assert float(share) == DESKTOP_GIB, share
+    for share in re.findall(r"(\d+(?:\.\d+)?) GiB of RAM (?:are taken|left)", README):
+        assert float(share) == SYSTEM_GIB, share
+    assert re.search(r"\d GiB of the\s+card", README) and re.search(r"GiB of RAM (?:are taken|left)", README)
