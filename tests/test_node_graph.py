@@ -99,9 +99,13 @@ def test_rewrite_workflows_run_on_the_tiny_text_encoder(name, monkeypatch):
     ticks = []
     first = engine.run(base, seed_order=21, progress=lambda nid, value, total: ticks.append((nid, value, total)))
     caption, expanded = first.output(rewrite, 0), first.output(rewrite, 1)
-    # progress while generating: token counts per stage, up to each stage's limit
+    # progress while generating: token counts per stage, up to each stage's limit, passed on at most
+    # about PROGRESS_UPDATES times a stage (not once per token)
+    from lingbot_nodes.rewrite import PROGRESS_UPDATES
+
     counts = [value for nid, value, _total in ticks if nid == rewrite]
-    assert len(counts) > 20 and max(counts) > 20 and all(v <= t for nid, v, t in ticks if nid == rewrite)
+    assert len(counts) > 4 and max(counts) > 20 and all(v <= t for nid, v, t in ticks if nid == rewrite)
+    assert len(counts) <= 2 * (PROGRESS_UPDATES + 2) and len(counts) < max(counts)  # fewer updates than tokens
     assert json.loads(caption) == document and expanded == "A red boat drifts." and scripted.stages == ["expand", "map"]
     shown = first.ui[rewrite]["text"][0]
     assert caption in shown and expanded in shown  # the node text the editor shows (web/lingbot_text.js)
