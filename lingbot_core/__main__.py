@@ -149,6 +149,10 @@ def _generate(args: argparse.Namespace) -> int:
     from .sampling import get_sampler
     from .save_path import check_prefix
 
+    if args.mode == "ti2v" and not args.image:
+        from .errors import RefusedInput
+
+        raise RefusedInput("--mode ti2v starts from a first frame: add --image FILE (an image file)")
     output = Path(args.output)
     _check_writable(output)
     check_prefix(args.prefix, output)

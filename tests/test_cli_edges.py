@@ -292,3 +292,13 @@ def test_the_offload_choice_is_printed_once(tmp_path, capsys):
     assert len(choice) == 1, err
     reason = choice[0].split("auto offload:", 1)[1].strip()
     assert sum(reason in line for line in err) == 1, err
+
+
+def test_the_core_command_names_image_for_ti2v(tmp_path, capsys, monkeypatch):
+    from lingbot_core import handle
+    from lingbot_core.__main__ import main as core_main
+
+    monkeypatch.setattr(handle.PipelineHandle, "open", lambda *a, **k: pytest.fail("the checkpoint was opened"))
+    assert core_main(["--mode", "ti2v", "--output", str(tmp_path)]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("error: ") and "--image" in line, line
