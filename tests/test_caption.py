@@ -50,7 +50,7 @@ def test_caption_has_the_reference_shape_and_text_encode_reads_it():
     assert caption_to_text(text) == json.dumps(caption, ensure_ascii=False, separators=(",", ":"))
 
 
-@pytest.mark.skipif(not REF_CASES.is_dir(), reason="reference checkout not present")
+@pytest.mark.skipif(not REF_CASES.is_dir(), reason="needs the reference repository's example cases (set LINGBOT_REF_DIR to its checkout)")
 def test_caption_keys_match_the_reference_examples():
     example = json.loads(next(REF_CASES.glob("t2v/*/prompt.json")).read_text())
     ours = json.loads(LingBotCaption.execute(**_caption()).args[0])

@@ -33,7 +33,8 @@ def test_lingbot_set_is_in_the_repository():
 def test_repository_copy_matches_shared(name):
     """Where a shared fixtures folder sits beside the checkout, our copy of each set is byte-identical."""
     if not (SHARED / name).is_dir():
-        pytest.skip(f"no {SHARED / name} beside this checkout")
+        pytest.skip(f"no shared copy of the {name!r} fixture set beside this checkout to compare with "
+                    "(a developer machine has one)")
     assert _digests(FIXTURES_HOME / name) == _digests(SHARED / name)
 
 
