@@ -211,6 +211,16 @@ class FlowUniPCScheduler(SchedulerMixin, ConfigMixin):
         self._step_index: int | None = None
         self._begin_index: int | None = None
 
+    def _base_grid(self, steps: int) -> np.ndarray:
+        return np.linspace(self.sigma_max, self.sigma_min, steps + 1)[:-1]
+
+    def sigma_grid(self, steps: int, shift: float | None = None) -> np.ndarray:
+        """The float64 sigmas `set_timesteps(steps, shift=shift)` builds (no terminal value); passing a
+        tail of them as `sigmas` with shift 1.0 gives that run's own timesteps from there on."""
+        if int(steps) < 1:
+            raise ValueError(f"num_inference_steps must be >= 1, got {steps!r}")
+        return warp_sigmas(self._base_grid(int(steps)), float(self.config.shift if shift is None else shift))
+
     def set_timesteps(
         self,
         num_inference_steps: int | None = None,
@@ -233,7 +243,7 @@ class FlowUniPCScheduler(SchedulerMixin, ConfigMixin):
         if sigmas is None:
             if num_inference_steps is None or int(num_inference_steps) < 1:
                 raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps!r}")
-            grid = np.linspace(self.sigma_max, self.sigma_min, int(num_inference_steps) + 1)[:-1]
+            grid = self._base_grid(int(num_inference_steps))
         else:
             grid = sigma_array(sigmas)
             check_sigmas(grid)

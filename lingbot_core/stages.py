@@ -221,6 +221,18 @@ def _encode_posterior(vae, pixels: torch.Tensor, device: torch.device):
     return dist.mean.float(), dist.std.float()
 
 
+def encode_sample(vae, pixels: torch.Tensor, device: torch.device, generator: torch.Generator) -> torch.Tensor:
+    """A VAE posterior sample of (1,3,F,H,W) pixels in [0,1], in DiT space on the CPU (draws from `generator`)."""
+    mean, std = _encode_posterior(vae, pixels, device)
+    return vae_to_dit(mean.cpu() + std.cpu() * torch.randn(mean.shape, generator=generator), vae.config)
+
+
+def renoise(clean: torch.Tensor, noise: torch.Tensor, sigma: float) -> torch.Tensor:
+    """Clean latents moved to noise level `sigma` of the flow (SDEdit): the refiner's start at t_thresh,
+    video-to-video's at its strength's point of the schedule."""
+    return (1.0 - sigma) * clean + sigma * noise
+
+
 @oom_fallback
 def encode_image(handle, image: Any, height: int, width: int, *, tiling: dict | bool | None = None) -> ImageCondition:
     """TI2V first frame: reference pixel preparation, the vision-tower picture, and the VAE posterior."""
@@ -555,13 +567,11 @@ def prepare_refine(
         with stage(handle, "vae") as device:
             vae = handle.component("vae")
             with _vae_tiling(vae, tiling):
-                mean, std = _encode_posterior(vae, video, device)
-                x_up = vae_to_dit(mean.cpu() + std.cpu() * torch.randn(mean.shape, generator=g), vae.config)
+                x_up = encode_sample(vae, video, device, g)
                 if first_frame is not None:
                     pixels = refiner_first_frame(first_frame, height, width, int(frames.shape[1]),
                                                  int(frames.shape[2]))
-                    mean1, std1 = _encode_posterior(vae, pixels, device)
-                    clean = vae_to_dit(mean1.cpu() + std1.cpu() * torch.randn(mean1.shape, generator=g), vae.config)
+                    clean = encode_sample(vae, pixels, device, g)
                     cond_latent = clean[:, :, :1].contiguous()
                     x_up[:, :, :1] = cond_latent
         return x_up, cond_latent
@@ -577,7 +587,7 @@ def prepare_refine(
     if video is None:  # a rank that did not encode: the upscaled video's shape, no memory behind it
         video = torch.zeros(1, 1, 1, 1, 1).expand(1, 3, int(frames.shape[0]), height, width)
     noise = torch.randn(x_up.shape, generator=g, dtype=torch.float32)
-    initial = (1.0 - t_thresh) * x_up + t_thresh * noise
+    initial = renoise(x_up, noise, t_thresh)
     return RefineStart(video, x_up, noise, initial, sigmas, cond_latent, g, usable)
 
 

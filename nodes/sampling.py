@@ -106,6 +106,15 @@ class LingBotDenoise(io.ComfyNode):
                                         "dmd_student refuses one"),
                 Choice("cfg_batch", options=CFG_BATCH, default="off", optional=True, tooltip=CFG_BATCH_TIP),
                 *cache_inputs(),
+                io.Image.Input("video", optional=True,
+                               tooltip="Video-to-video: the input frames (LingBot Load Video), re-noised to "
+                                       "`denoise`; its first `frames` frames are used, resized to the video size "
+                                       "like a first frame"),
+                io.Float.Input("denoise", default=1.0, min=0.01, max=1.0, step=0.01, optional=True,
+                               tooltip="Video-to-video strength: how far the input (`video`, or `latent` as clean "
+                                       "latents) is re-noised along the schedule; runs that share of the steps "
+                                       "(0.6 of 40: the last 24). 1: from pure noise, the input unused. "
+                                       "flow_unipc and euler"),
             ],
             outputs=[io.Latent.Output(display_name="latent", tooltip="Raw Wan 2.1 VAE latents (1,16,T,H/8,W/8)")],
         )
@@ -126,7 +135,7 @@ class LingBotDenoise(io.ComfyNode):
     @classmethod
     def execute(cls, pipe, conditioning, width, height, frames, steps, cfg, shift, seed, image_cond=None,
                 latent=None, sampler="flow_unipc", sigmas="", cfg_batch="off", step_cache="off", cache_threshold=0.0,
-                cache_warmup_steps=-1, cache_max_skips=-1):
+                cache_warmup_steps=-1, cache_max_skips=-1, video=None, denoise=1.0):
         from lingbot_core.latents import dit_to_vae, vae_to_dit
         from lingbot_core.parallel_runs.pool import run_stage  # the pipe's pool (LingBot Parallel), or here
         from lingbot_core.sampling import parse_sigmas
@@ -138,6 +147,21 @@ class LingBotDenoise(io.ComfyNode):
 
         notice = few_step_notice(pipe, sampler, int(steps), float(cfg), float(shift))  # before the DiT loads
         start = vae_to_dit(latent_in(latent), pipe.vae_config()) if latent is not None else None
+        v2v_notice = None
+        if float(denoise) < 1.0:  # video-to-video: the input re-noised part-way, the schedule's tail sampled
+            from lingbot_core.video_to_video import prepare_video_start
+
+            if custom is not None:
+                raise ValueError("custom sigmas and denoise below 1 both choose the schedule: clear the sigmas, "
+                                 "or set denoise to 1")
+            begin = prepare_video_start(pipe, height=int(height), width=int(width), num_frames=int(frames),
+                                        steps=int(steps), shift=float(shift), strength=float(denoise),
+                                        seed=int(seed), video=video, latents=start, sampler=sampler,
+                                        image_cond=image_cond)
+            start, custom, steps = begin.initial, begin.sigmas, len(begin.sigmas)
+        elif video is not None:
+            v2v_notice = ("Denoise: denoise is 1, so the connected video is not used (pure noise, as text-to-"
+                          "video); lower denoise (0.5 to 0.8) to keep some of it.")
         with runtime.node_work(steps, "denoise", preview=True) as on_step:
             out = run_stage("denoise", pipe, conditioning, height=int(height), width=int(width),
                             num_frames=int(frames), steps=int(steps), guidance_scale=float(cfg), shift=float(shift),
@@ -146,7 +170,7 @@ class LingBotDenoise(io.ComfyNode):
                             step_cache=cache_settings(step_cache, cache_threshold, cache_warmup_steps,
                                                       cache_max_skips))
         return io.NodeOutput(latent_out(dit_to_vae(out, pipe.vae_config())),
-                             ui=on_node(notice, cfg_batch_notice(cfg_batch, float(cfg))))
+                             ui=on_node(notice, cfg_batch_notice(cfg_batch, float(cfg)), v2v_notice))
 
 
 class LingBotRefine(io.ComfyNode):

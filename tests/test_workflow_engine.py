@@ -204,6 +204,10 @@ def test_ui_conversion_decides_control_values_by_count() -> None:
     # A save from before the optional widget existed: the frontend keeps its default.
     api = ui_to_api(sampler_ui([9, "randomize", "fast", 4, "fixed"]), REGISTRY)
     assert api["2"]["inputs"]["strength"] == 1.0
+    # A save with its control values, as many values as the class has widgets now (it grew since): the
+    # values only fit their widgets with the control slots kept, so the layout keeps them.
+    api = ui_to_api(sampler_ui([9, "randomize", "fast", 4]), REGISTRY)
+    assert api["2"]["inputs"] == {"seed": 9, "mode": "fast", "steps": 4, "strength": 1.0, "value": ["1", 0]}
     with pytest.raises(WorkflowValidationError, match="node 2 .*8 widget values"):
         ui_to_api(sampler_ui([1, "fixed", "fast", 4, "fixed", 1.0, 99, 98]), REGISTRY)
 

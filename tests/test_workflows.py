@@ -121,7 +121,7 @@ def test_t2v_dense_converts_as_written_out_by_hand():
               "inputs": {"pipe": ["2", 0], "conditioning": ["3", 0], "width": 64, "height": 64, "frames": 9,
                          "steps": 4, "cfg": 3.0, "shift": 3.0, "seed": 42, "sampler": "flow_unipc", "sigmas": "",
                          "cfg_batch": "off", "step_cache": "off", "cache_threshold": 0.0, "cache_warmup_steps": -1,
-                         "cache_max_skips": -1}},
+                         "cache_max_skips": -1, "denoise": 1.0}},
         "5": {"class_type": "LingBotDecode", "_meta": {"title": "Decode"},
               "inputs": {"pipe": ["2", 0], "latent": ["4", 0], "tiling": False, "tile_height": 256,
                          "tile_width": 256, "stride_height": 192, "stride_width": 192, "fps": 24.0}},

@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from .sigmas import SigmaList, as_sigma_array, check_shift
@@ -62,6 +63,12 @@ class Sampler(ABC):
     def start(self, *, steps: int, shift: float, sigmas: SigmaList | None, device: torch.device,
               generator: torch.Generator | None, scheduler: Any = None, record: bool = False) -> SamplerRun:
         """A run of `steps` steps (or along `sigmas`, used as given: `shift` does not apply to them)."""
+
+    def grid(self, *, steps: int, shift: float, scheduler: Any = None) -> np.ndarray | None:
+        """The float64 sigmas (no terminal value) a `steps`-step run walks, so a run can start part-way
+        along them (video-to-video passes their tail as `sigmas`); None when the sampler cannot start
+        anywhere but its own first step."""
+        return None
 
     def options(self) -> dict[str, Any]:
         return {}

@@ -38,6 +38,9 @@ class EulerSampler(Sampler):
     name = "euler"
     recommended = None
 
+    def grid(self, *, steps: int, shift: float, scheduler: Any = None) -> np.ndarray:
+        return euler_sigmas(steps, shift)
+
     def start(self, *, steps: int, shift: float, sigmas: SigmaList | None, device: torch.device,
               generator: torch.Generator | None, scheduler: Any = None, record: bool = False) -> SamplerRun:
         grid = euler_sigmas(steps, shift) if sigmas is None else as_sigma_array(sigmas).astype(np.float64)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from .base import Sampler, SamplerRun
@@ -27,6 +28,11 @@ class _UniPCRun(SamplerRun):
 class FlowUniPCSampler(Sampler):
     name = "flow_unipc"
     uses_scheduler = True
+
+    def grid(self, *, steps: int, shift: float, scheduler: Any = None) -> np.ndarray:
+        if scheduler is None:
+            raise ValueError("flow_unipc samples with the checkpoint's scheduler; none was given")
+        return scheduler.sigma_grid(steps, shift)
 
     def start(self, *, steps: int, shift: float, sigmas: SigmaList | None, device: torch.device,
               generator: torch.Generator | None, scheduler: Any = None, record: bool = False) -> SamplerRun:

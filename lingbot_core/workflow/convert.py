@@ -59,6 +59,27 @@ class _WidgetSlot:
     spec: InputSpec | None  # None: a UI-only value (seed control, upload button), skipped
 
 
+_PLAIN_TYPES = {"INT": (int,), "FLOAT": (int, float), "STRING": (str,), "BOOLEAN": (bool,)}
+
+
+def _fits(layout: list[_WidgetSlot], values: list[Any]) -> bool:
+    """Whether each value could be its slot's widget value (combo choice, number, text, flag); UI-only
+    slots take anything. Only used to tell two layouts of the same length apart."""
+    for slot, value in zip(layout, values):
+        spec = slot.spec
+        if spec is None:
+            continue
+        choices = spec.combo_options
+        if choices is not None:
+            if value not in choices:
+                return False
+            continue
+        kinds = _PLAIN_TYPES.get(str(spec.type))
+        if kinds is not None and (not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)):
+            return False
+    return True
+
+
 def ui_to_api(
     ui: Mapping[str, Any],
     registry: Mapping[str, type],
@@ -270,7 +291,7 @@ class _Converter:
                     inputs[spec.name] = _coerce(spec, value)
             return inputs
         values = list(values or [])
-        layout = self._choose_layout(node_id, info, len(values))
+        layout = self._choose_layout(node_id, info, len(values), values)
         seen: set[str] = set()
         for slot, value in zip(layout, values):
             if slot.spec is not None:
@@ -283,7 +304,8 @@ class _Converter:
                     inputs[spec.name] = _coerce(spec, value)
         return inputs
 
-    def _choose_layout(self, node_id: str, info: NodeClassInfo, count: int) -> list[_WidgetSlot]:
+    def _choose_layout(self, node_id: str, info: NodeClassInfo, count: int,
+                       values: list[Any] | None = None) -> list[_WidgetSlot]:
         full: list[_WidgetSlot] = []
         bare: list[_WidgetSlot] = []
         legacy: list[_WidgetSlot] = []  # saves that kept a slot for forceInput inputs
@@ -299,6 +321,9 @@ class _Converter:
             for _ in range(extras):
                 full.append(_WidgetSlot(None))
                 legacy.append(_WidgetSlot(None))
+        if count < len(full) and count == len(bare) and values is not None \
+                and not _fits(bare, values) and _fits(full, values):
+            return full  # an older save with its seed control values, as many as the widgets are now
         for layout in (full, bare, legacy):
             if count == len(layout):
                 return layout
