@@ -26,6 +26,7 @@ WORKFLOW_DIRS = (HERE / "workflows", HERE.parent / "workflows")
 SHORT_NAMES = {"t2v": "lingbot_t2v_dense", "t2i": "lingbot_t2i_dense", "ti2v": "lingbot_ti2v_dense",
                "moe": "lingbot_t2v_moe_refine", "refine": "lingbot_t2v_moe_refine",
                "t2v-files": "lingbot_t2v_dense_files", "moe-gguf": "lingbot_t2v_moe_gguf_lightlingbot4",
+               "moe-gguf-refine": "lingbot_t2v_moe_gguf_refine",
                "t2v-rewrite": "lingbot_t2v_dense_rewrite", "ti2v-rewrite": "lingbot_ti2v_dense_rewrite",
                "moe-dmd8": "lingbot_t2v_moe_dmd8", "ti2v-moe-dmd8": "lingbot_ti2v_moe_dmd8"}
 # --flag -> the LingBot Loader (files) input it sets on every such node
@@ -404,7 +405,10 @@ def _run(args: argparse.Namespace, reporter: Reporter) -> int:
         if not loaders:
             flags = ", ".join("--" + f.replace("_", "-") for f in given)
             raise WorkflowError(f"{flags} given, but {path} has no LingBot Loader (files) node; run a files workflow "
-                                "(lingbot-run t2v-files, moe-gguf) or add that node")
+                                "(lingbot-run t2v-files, moe-gguf, moe-gguf-refine) or add that node")
+        if "refiner" in given and not any(node["class_type"] == "LingBotRefine" for node in prompt.nodes.values()):
+            raise WorkflowError(f"--refiner given, but {path.name} has no Refine node, so the refiner would never run; "
+                                "run moe-gguf-refine (single files with Refine) or leave --refiner out")
         overrides += [f"{nid}.{FILE_FLAGS[flag]}={value}" for nid in loaders for flag, value in given.items()]
         if not args.model and {"dit", "vae", "text_encoder"} <= set(given):
             overrides += [f"{nid}.checkpoint=none" for nid in loaders]  # nothing from the workflow's own folder

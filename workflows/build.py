@@ -312,6 +312,28 @@ WORKFLOWS = {
              {"images": (6, 0)}),
         ],
     ),
+    "lingbot_t2v_moe_gguf_refine": dict(
+        note=FILES_NOTE.format(dit="the MoE base DiT as a GGUF, e.g. a Q4_K_M or Q3_K_M file, models/diffusion_models",
+                               how="Pick the MoE refiner DiT as a second file in refiner (the same folder; a GGUF "
+                                   "from python -m lingbot_core.quantize of the MoE folder, or a community one). "
+                                   "Then use 480x832 (H x W), 121 frames and 40 steps, refined to 1088x1920. "
+                                   + MOE_OFFLOAD + " Refine drops the base DiT before the refiner loads; Memory "
+                                   "shows where everything lives."),
+        nodes=[
+            files_loader("tiny (built-in moe)"),
+            offload_node("auto", refine=True),
+            (3, "LingBotTextEncode", "Prompt", dict(prompt=PROMPT, negative_prompt="", task="t2v"), {"pipe": (2, 0)}),
+            (4, "LingBotDenoise", "Denoise (base)", dict(width=64, height=64, frames=9, steps=4, cfg=3.0, shift=3.0,
+                                                         seed=42), {"pipe": (2, 0), "conditioning": (3, 0)}),
+            (5, "LingBotRefine", "Refine", dict(width=128, height=128, steps=8, t_thresh=0.85, cfg=3.0, shift=3.0,
+                                                seed=42, tiling=True, release_base="on"),
+             {"pipe": (2, 0), "conditioning": (3, 0), "latent": (4, 0)}),
+            decode_node(6, 5, tiled=True),
+            (7, "LingBotMemoryReport", "Memory", dict(), {"pipe": (2, 0), "value": (6, 0)}),
+            (8, "LingBotSaveVideo", "Save", dict(fps=24.0, filename_prefix="lingbot/t2v_moe_gguf_refined"),
+             {"images": (7, 0)}),
+        ],
+    ),
     "lingbot_t2v_dense_rewrite": dict(
         note=REWRITE_NOTE.format(size="480x832 (H x W) and 121 frames", offload=DENSE_OFFLOAD),
         nodes=[
