@@ -521,7 +521,9 @@ def _run_jobs(args: argparse.Namespace, prompt, engine, reporter: Reporter, outp
             if not (isinstance(err, WorkflowError) or is_refused_input(err)):
                 raise  # a failure of ours or of a library while checking, not a bad job
             refused[job.id] = err
-            reporter.write(f"job {job.id} (line {job.line}) will be recorded as failed: {failure_text(err)}")
+            if place.leader:  # said once, here: not again when its turn comes, nor by each rank of its group
+                print(f"error: job {job.id} (line {job.line}): {failure_text(err)} (recorded as failed when its turn "
+                      "comes; the other jobs run)", file=sys.stderr, flush=True)
 
     def run_one(job) -> list[Path]:
         if job.id in refused:
@@ -548,7 +550,7 @@ def _run_jobs(args: argparse.Namespace, prompt, engine, reporter: Reporter, outp
             if place.leader:
                 for path in entry["outputs"]:
                     print(path, flush=True)
-        else:
+        elif entry["id"] not in refused:  # a refused job's line was printed before the first job ran
             print(f"error: job {entry['id']} (line {entry['line']}): {entry['error']}", file=sys.stderr, flush=True)
 
     where = f" (rank {place.rank} of {place.world_size}, group {place.group} of {place.groups})" \

@@ -95,9 +95,10 @@ def test_every_jobs_overrides_are_checked_before_any_model_work(tmp_path, capsys
     assert main(["t2i", "--jobs", str(path), "--output", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err.splitlines()
     first_run = next(i for i, line in enumerate(err) if line.startswith("job good (line 1)"))
-    refused = [line for line in err[:first_run] if "will be recorded as failed" in line]
-    assert [line.split()[1] for line in refused] == ["size", "sigmas", "steps", "node"], err[:first_run]
+    refused = [line for line in err[:first_run] if "recorded as failed" in line]
+    assert [line.split()[2] for line in refused] == ["size", "sigmas", "steps", "node"], err[:first_run]
     assert "multiple of 16" in refused[0] and "custom sigmas must be numbers" in refused[1]
+    assert sum("multiple of 16" in line for line in err) == 1, err  # not again when its turn comes
 
 
 def test_a_library_error_while_checking_jobs_is_not_a_bad_job(tmp_path, capsys, monkeypatch, no_model_work):
@@ -116,7 +117,7 @@ def test_a_library_error_while_checking_jobs_is_not_a_bad_job(tmp_path, capsys, 
     path = tmp_path / "jobs.jsonl"
     path.write_text(json.dumps({"seed": 1}))
     assert main(["t2i", "--jobs", str(path), "--output", str(tmp_path / "out")]) == 1
-    assert "will be recorded as failed" not in capsys.readouterr().err
+    assert "recorded as failed" not in capsys.readouterr().err
 
 
 def test_batch_rewriting_with_rewrite_and_a_per_job_field(tmp_path, capsys, monkeypatch):
