@@ -64,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
                         '"A small red paper boat drifts along a canal at dawn."}}')
     parser.add_argument("--negative-prompt", default="", help="empty: the reference default")
     parser.add_argument("--image", help="first frame for ti2v")
+    parser.add_argument("--video", help="video-to-video: an input video file (its first --frames frames, resized "
+                        "to the output size)")
+    parser.add_argument("--denoise", type=float, default=None,
+                        help="video-to-video strength in (0, 1]: the share of the steps run from the re-noised "
+                             "input (default 0.6 with --video; 1 is plain text-to-video)")
     parser.add_argument("--height", type=_positive(int))
     parser.add_argument("--width", type=_positive(int))
     parser.add_argument("--frames", type=_positive(int))
@@ -153,6 +158,19 @@ def _generate(args: argparse.Namespace) -> int:
         from .errors import RefusedInput
 
         raise RefusedInput("--mode ti2v starts from a first frame: add --image FILE (an image file)")
+    if args.denoise is not None and not args.video:
+        from .errors import RefusedInput
+
+        raise RefusedInput("--denoise is the video-to-video strength: add --video FILE (a video file)")
+    if args.video:
+        from .errors import RefusedInput
+
+        if args.mode == "t2i":
+            raise RefusedInput("--video makes a video from a video: use --mode t2v or ti2v")
+        if args.denoise is None:
+            args.denoise = 0.6
+        if not 0.0 < args.denoise <= 1.0:
+            raise RefusedInput(f"--denoise must be in (0, 1], got {args.denoise:g}")
     output = Path(args.output)
     _check_writable(output)
     check_prefix(args.prefix, output)
@@ -199,6 +217,15 @@ def _run(args: argparse.Namespace, output: Path) -> int:
     frames = args.frames or (1 if args.mode == "t2i" else small["frames"])
     steps = args.steps or small["steps"]
     validate_geometry(height, width, frames)
+    video = None
+    if args.video:  # read (bounded: only the frames used) and refused before any model loads
+        from .errors import RefusedInput
+        from .video_input import read_video_frames
+
+        try:
+            video, _fps = read_video_frames(args.video, frame_count=frames, width=width, height=height)
+        except ValueError as err:
+            raise RefusedInput(f"--video: {err}") from None
     refine = None
     if args.refine:
         refine = (args.refine_height or (2 * height if tiny else 1088), args.refine_width or (2 * width if tiny else 1920))
@@ -216,12 +243,16 @@ def _run(args: argparse.Namespace, output: Path) -> int:
     def on_step(index: int, total: int, _latents) -> None:
         _say(args.quiet, f"  step {index}/{total} ({time.perf_counter() - started:.1f}s)")
 
-    result = generate(handle, args.prompt, mode=args.mode, image=args.image, negative_prompt=args.negative_prompt,
-                      height=height, width=width, num_frames=frames, steps=steps,
-                      guidance_scale=args.cfg, shift=args.shift, seed=args.seed, refine_output=args.refine,
-                      refine_options=dict(height=refine[0], width=refine[1]) if refine else None,
-                      tiling=True if args.tiling else None, callback=on_step, sampler=args.sampler,
-                      cfg_batch=args.cfg_batch, step_cache=args.step_cache)
+    if video is not None:
+        result = _video_to_video(handle, args, video, height=height, width=width, frames=frames, steps=steps,
+                                 refine=refine, callback=on_step)
+    else:
+        result = generate(handle, args.prompt, mode=args.mode, image=args.image, negative_prompt=args.negative_prompt,
+                          height=height, width=width, num_frames=frames, steps=steps,
+                          guidance_scale=args.cfg, shift=args.shift, seed=args.seed, refine_output=args.refine,
+                          refine_options=dict(height=refine[0], width=refine[1]) if refine else None,
+                          tiling=True if args.tiling else None, callback=on_step, sampler=args.sampler,
+                          cfg_batch=args.cfg_batch, step_cache=args.step_cache)
     _say(args.quiet, f"lingbot: done in {time.perf_counter() - started:.1f}s")
     for frames_out, suffix in ((result.frames, ""), (result.refined, "_refined")):
         if frames_out is None:
@@ -229,6 +260,30 @@ def _run(args: argparse.Namespace, output: Path) -> int:
         target = save_target(args.prefix + suffix, output, width=int(frames_out.shape[2]), height=int(frames_out.shape[1]))
         print(save_frames(frames_out, target.path("mp4").with_suffix(""), args.fps))
     return 0
+
+
+def _video_to_video(handle, args: argparse.Namespace, video, *, height: int, width: int, frames: int, steps: int,
+                    refine: tuple[int, int] | None, callback):
+    """--video: the stages `generate` chains, with the input video re-noised to --denoise for the base pass."""
+    from . import stages
+    from .video_to_video import strength_sigmas, video_to_video
+
+    strength_sigmas(handle, steps=steps, shift=args.shift, strength=args.denoise, sampler=args.sampler)  # refusals first
+    tiling = True if args.tiling else None
+    image_cond = stages.encode_image(handle, args.image, height, width, tiling=tiling) if args.mode == "ti2v" else None
+    cond = stages.encode_prompt(handle, args.prompt, args.negative_prompt if args.cfg > 1.0 else None,
+                                image=image_cond, mode=args.mode)
+    latents = video_to_video(handle, cond, video=video, strength=args.denoise, height=height, width=width,
+                             num_frames=frames, steps=steps, shift=args.shift, seed=args.seed, sampler=args.sampler,
+                             image_cond=image_cond, callback=callback, guidance_scale=args.cfg,
+                             cfg_batch=args.cfg_batch, step_cache=args.step_cache)
+    frames_out = stages.decode(handle, latents, tiling=tiling)
+    refined = None
+    if refine:
+        text_cond = stages.encode_prompt(handle, args.prompt, None, mode=args.mode) if cond.with_image else cond
+        refined = stages.refine(handle, frames_out, text_cond, height=refine[0], width=refine[1], seed=args.seed,
+                                first_frame=args.image, callback=callback, cfg_batch=args.cfg_batch)
+    return stages.GenerateResult(frames_out, latents, refined)
 
 
 if __name__ == "__main__":

@@ -158,3 +158,26 @@ def test_ti2v_keeps_the_first_frame_pinned(dense):
     half = video_to_video(handle, cond, video=_video(), strength=0.5, image_cond=image_cond, **RUN)
     pinned = image_cond.sample_latent(torch.Generator().manual_seed(RUN["seed"]))
     assert torch.equal(half[:, :, :1], pinned) and not torch.equal(half, plain)
+
+
+# -- python -m lingbot_core --video / --denoise --------------------------------------------------------
+
+def test_core_command_video_to_video(tmp_path, capsys):
+    from lingbot_core.__main__ import main as core_main
+    from lingbot_core.video import save_mp4
+
+    clip = save_mp4(torch.rand(9, 64, 96, 3, generator=torch.Generator().manual_seed(2)), tmp_path / "in.mp4")
+    assert core_main(["--output", str(tmp_path / "out"), "--video", str(clip), "--denoise", "0.5",
+                      "--steps", "4", "--cfg", "1"]) == 0
+    run = capsys.readouterr()
+    assert run.out.strip().endswith(".mp4") and "step 2/2" in run.err and "step 3/" not in run.err
+    text = tmp_path / "notes.mp4"
+    text.write_text("not a video")
+    for argv, words in [(["--denoise", "0.5"], "add --video"),
+                        (["--video", str(text)], "--video: cannot read 'notes.mp4' as a video"),
+                        (["--video", str(clip), "--denoise", "1.5"], "--denoise must be in"),
+                        (["--video", str(clip), "--mode", "t2i"], "use --mode t2v or ti2v"),
+                        (["--video", str(clip), "--sampler", "dmd_student"], "cannot start part-way")]:
+        assert core_main(["--output", str(tmp_path / "out"), "--quiet", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert words in err and len(err.strip().splitlines()) == 1, (argv, err)
