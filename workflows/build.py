@@ -296,7 +296,8 @@ WORKFLOWS = {
                                                 "lightlingbot_video_moe30b_4steps_rank128_v2.safetensors (models/loras) "
                                                 "in LoRA at strength 1.0 (on GGUF weights it runs as a run-time delta), "
                                                 "then use 480x832 and 121 frames; offload_to disk when host RAM is "
-                                                "short.") + " " + MOE_OFFLOAD),
+                                                "short.") + " " + MOE_OFFLOAD + " This workflow has no Refine "
+                               "node: to refine with a refiner file, open lingbot_t2v_moe_gguf_refine."),
         nodes=[
             files_loader("tiny (built-in moe)"),
             offload_node("group"),
