@@ -55,7 +55,8 @@ def _open(path: str | os.PathLike):
     try:
         return av.open(os.fspath(path), mode="r")
     except Exception as exc:  # PyAV raises its own error classes, OSError, ... for a file FFmpeg cannot read
-        why = (str(exc).splitlines() or [type(exc).__name__])[0][:160]
+        why = (getattr(exc, "strerror", None) or str(exc)).splitlines() or [type(exc).__name__]
+        why = why[0][:160]
         raise ValueError(f"cannot read '{_name(path)}' as a video: {why}") from None
 
 

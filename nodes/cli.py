@@ -24,6 +24,7 @@ HERE = Path(__file__).resolve().parent
 # checkout (editable install, ComfyUI's custom_nodes) has them beside nodes/.
 WORKFLOW_DIRS = (HERE / "workflows", HERE.parent / "workflows")
 SHORT_NAMES = {"t2v": "lingbot_t2v_dense", "t2i": "lingbot_t2i_dense", "ti2v": "lingbot_ti2v_dense",
+               "v2v": "lingbot_v2v_dense",
                "moe": "lingbot_t2v_moe_refine", "refine": "lingbot_t2v_moe_refine",
                "t2v-files": "lingbot_t2v_dense_files", "moe-gguf": "lingbot_t2v_moe_gguf_lightlingbot4",
                "moe-gguf-refine": "lingbot_t2v_moe_gguf_refine",

@@ -154,5 +154,9 @@ def test_load_video_node_headless(tmp_path):
     path = _clip(tmp_path / "c.mp4")
     assert node.validate_inputs(path=str(path)) is True
     assert "video file not found" in node.validate_inputs(path=str(tmp_path / "nope.mp4"))
+    (tmp_path / "notes.mp4").write_text("not a video")
+    assert node.validate_inputs(path=str(tmp_path / "notes.mp4")).startswith("cannot read 'notes.mp4' as a video: ")
+    frames, count, fps = node.execute("", 0, 5, 1, 32, 48).args  # empty: the drifting test pattern
+    assert frames.shape == (5, 48, 32, 3) and count == 5 and not torch.equal(frames[0], frames[1])
     frames, count, fps = node.execute(str(path), 0, 5, 1, 32, 32).args
     assert frames.shape == (5, 32, 32, 3) and count == 5 and fps == pytest.approx(12.0)

@@ -181,3 +181,17 @@ def test_core_command_video_to_video(tmp_path, capsys):
         assert core_main(["--output", str(tmp_path / "out"), "--quiet", *argv]) == 2, argv
         err = capsys.readouterr().err
         assert words in err and len(err.strip().splitlines()) == 1, (argv, err)
+
+
+def test_shipped_v2v_workflow_runs_on_a_file(tmp_path, capsys):
+    from lingbot_core.video import save_mp4
+    from lingbot_nodes.cli import main
+
+    clip = save_mp4(torch.rand(12, 48, 80, 3, generator=torch.Generator().manual_seed(4)), tmp_path / "in.mp4")
+    assert main(["v2v", "--output", str(tmp_path / "out"), "--set", f"Load Video.path={clip}"]) == 0
+    run = capsys.readouterr()
+    assert run.out.strip().endswith("v2v_00001_.mp4") and "Denoise: done in" in run.err and "3/3 steps" in run.err
+    text = tmp_path / "notes.mp4"
+    text.write_text("not a video")
+    assert main(["v2v", "--output", str(tmp_path / "out"), "--set", f"Load Video.path={text}"]) == 2
+    assert "cannot read 'notes.mp4' as a video" in capsys.readouterr().err

@@ -207,6 +207,25 @@ WORKFLOWS = {
             (8, "LingBotSaveVideo", "Save", dict(fps=24.0, filename_prefix="lingbot/ti2v"), {"images": (7, 0)}),
         ],
     ),
+    "lingbot_v2v_dense": dict(
+        note=NOTE.format(size="480x832 (H x W) and 121 frames", offload=DENSE_OFFLOAD) +
+        " Video-to-video: put your clip in ComfyUI's input folder and name it in Load Video's path (empty: a "
+        "built-in drifting test pattern); set Load Video's frame_count to Denoise's frames. Denoise's denoise is "
+        "the share of the steps run from the re-noised clip (0.6 of 40: the last 24): lower keeps more of the "
+        "clip, 1 ignores it. Quality on the real weights is untested.",
+        nodes=[
+            loader(),
+            offload_node(),
+            (3, "LingBotLoadVideo", "Load Video", dict(path="", start_frame=0, frame_count=9, stride=1, width=64,
+                                                       height=64), {}),
+            (4, "LingBotTextEncode", "Prompt", dict(prompt=PROMPT, negative_prompt="", task="t2v"), {"pipe": (2, 0)}),
+            (5, "LingBotDenoise", "Denoise", dict(width=64, height=64, frames=9, steps=5, cfg=3.0, shift=3.0, seed=42,
+                                                  denoise=0.6),
+             {"pipe": (2, 0), "conditioning": (4, 0), "video": (3, 0)}),
+            decode_node(6, 5),
+            (7, "LingBotSaveVideo", "Save", dict(fps=24.0, filename_prefix="lingbot/v2v"), {"images": (6, 0)}),
+        ],
+    ),
     "lingbot_t2v_moe_refine": dict(
         note=NOTE.format(size="480x832 (H x W) and 121 frames, refined to 1088x1920,", offload=MOE_OFFLOAD) +
         " Refine drops the base DiT before the refiner loads (the text encoder and VAE stay shared); Memory shows "
