@@ -149,8 +149,28 @@ def _say(quiet: bool, text: str) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    """The run with the library's log lines on stderr (what auto picked, what loaded, the fit), from the
+    first check on; with --quiet none (a handler that drops them: else Python prints warnings itself)."""
     import logging
 
+    core = logging.getLogger("lingbot_core")
+    level = core.level
+    if args.quiet:
+        handler: logging.Handler = logging.NullHandler()
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("  %(message)s"))
+        core.setLevel(min(core.getEffectiveLevel(), logging.INFO))
+    core.addHandler(handler)
+    try:
+        return _checked_run(args)
+    finally:
+        core.removeHandler(handler)
+        core.setLevel(level)
+
+
+def _checked_run(args: argparse.Namespace) -> int:
+    """Every argument checked (before any load), then the run."""
     from .sampling import get_sampler
     from .save_path import check_prefix
 
@@ -183,18 +203,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     check_cfg_batch(args.cfg_batch)
     args.step_cache = StepCacheSettings(args.step_cache, threshold=args.cache_threshold)
-    core = logging.getLogger("lingbot_core")
-    level = core.level
-    handler = logging.StreamHandler(sys.stderr)  # the library's own lines: what auto picked, what loaded, the fit
-    handler.setFormatter(logging.Formatter("  %(message)s"))
-    if not args.quiet:
-        core.addHandler(handler)
-        core.setLevel(min(core.getEffectiveLevel(), logging.INFO))
-    try:
-        return _run(args, output)
-    finally:
-        core.removeHandler(handler)
-        core.setLevel(level)
+    return _run(args, output)
 
 
 def _run(args: argparse.Namespace, output: Path) -> int:
