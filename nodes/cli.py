@@ -220,11 +220,16 @@ def report_texts(result, labels: dict[str, str], reporter: Reporter | None = Non
     return lines
 
 
+#: nodes whose text is a result of the run, not a note: printed even with --quiet (the caption a Rewrite used)
+RESULT_TEXTS = ("LingBotRewrite",)
+
+
 def output_nodes(prompt, classes) -> set[str]:
-    """The ids of `prompt`'s output nodes (the Memory Report, Save): their texts are the graph's report."""
+    """The ids of `prompt`'s output nodes (the Memory Report, Save) and of the `RESULT_TEXTS` nodes: their
+    texts are the graph's report."""
     from lingbot_core.workflow.nodeinfo import NodeClassInfo
 
-    found = set()
+    found = {nid for nid, node in prompt.nodes.items() if node.get("class_type") in RESULT_TEXTS}
     for nid, node in prompt.nodes.items():
         cls = classes.get(node.get("class_type"))
         try:
