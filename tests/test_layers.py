@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("handle", {"handle"}),
     # stages: plain functions over a handle; the prompt rewriter (runs a text model through the door);
     # the runners over the stages on several processes (`parallel_denoise`, LingBot Parallel's worker pool)
-    ("stages", {"stages", "video_to_video", "rewrite", "parallel_runs"}),
+    ("stages", {"stages", "video_to_video", "extend", "rewrite", "parallel_runs"}),
     # entry points
     ("entry", {"__main__", "__init__", "doctor"}),
 ]
