@@ -52,6 +52,23 @@ def _chunk(text: str) -> str | int:
     return value
 
 
+def _sparse_settings(args: argparse.Namespace):
+    """The --sparse-* options as sparse attention's settings (None: its defaults); a bad one is refused."""
+    from .errors import RefusedInput
+    from .models.sparse_attention import SparseSettings
+
+    given = {name: value for name, value in (("tau", args.sparse_tau), ("density", args.sparse_density),
+                                             ("min_tokens", args.sparse_min_tokens)) if value is not None}
+    if not given:
+        return None
+    if args.attention != "sparse":
+        raise RefusedInput("--sparse-tau/--sparse-density/--sparse-min-tokens need --attention sparse")
+    try:
+        return SparseSettings(**given)
+    except ValueError as err:
+        raise RefusedInput(str(err)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command's options (the README's commands are parsed with this in the tests)."""
     from .weights.decode import DECODERS
@@ -111,6 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--decoder", default="auto", choices=DECODERS,
                         help="fp8/GGUF DiT weights: auto (default: a compiled decoder on the CPU for big weights, "
                              "checked against eager on first use; eager elsewhere or if it fails), eager or compiled")
+    parser.add_argument("--attention", default="default",
+                        help="DiT attention: default (PyTorch SDPA), a diffusers backend name (flash, sage, ...) "
+                             "or sparse (block-sparse, see docs/benchmarks.md)")
+    parser.add_argument("--sparse-tau", type=_non_negative, default=None,
+                        help="sparse attention: routing threshold in score deviations (default 1.0; higher: sparser)")
+    parser.add_argument("--sparse-density", type=_positive(float), default=None,
+                        help="sparse attention: fraction of key blocks computed exactly (instead of --sparse-tau)")
+    parser.add_argument("--sparse-min-tokens", type=int, default=None,
+                        help="sparse attention: sequences shorter than this run dense (default 12288)")
     parser.add_argument("--output", default="output", help="output folder (default ./output)")
     parser.add_argument("--prefix", default="lingbot/core",
                         help="file name prefix inside the output folder; files are numbered prefix_00001_.mp4")
@@ -239,7 +265,9 @@ def _run(args: argparse.Namespace, output: Path) -> int:
     if args.refine:
         refine = (args.refine_height or (2 * height if tiny else 1088), args.refine_width or (2 * width if tiny else 1920))
     handle = PipelineHandle.open(folder, device=args.device, weights=args.weights, ffn_chunk=args.ffn_chunk,
-                                 fp8_matmul=args.fp8_matmul, decoder=args.decoder)
+                                 fp8_matmul=args.fp8_matmul, decoder=args.decoder,
+                                 attention_backend=None if args.attention == "default" else args.attention,
+                                 sparse=_sparse_settings(args))
     require_refiner(handle, refine)
     handle = configure_offload(handle, args.offload, offload_to=args.offload_to,
                                **(dict(height=height, width=width, num_frames=frames, refine=refine,

@@ -51,7 +51,9 @@ class SharedComponents:
     def __init__(self, folder: str | os.PathLike | None, *, info: CheckpointInfo | None,
                  dtypes: dict[str, torch.dtype], text_attn: str, attention_backend: str | None,
                  preloaded: dict[str, Any] | None = None, weights: str = "auto", compile: str = "off",
-                 ffn_chunk: int | str | None = "auto", fp8_matmul: str = "decode", decoder: str = "auto"):
+                 ffn_chunk: int | str | None = "auto", fp8_matmul: str = "decode", decoder: str = "auto",
+                 sparse: Any = None):
+        self.sparse = sparse  # models.sparse_attention.SparseSettings for attention "sparse" (None: its defaults)
         self.folder = Path(folder) if folder is not None else None
         self.info = info
         self.dtypes = dtypes
@@ -99,7 +101,7 @@ class SharedComponents:
                                             state=state)
                 self.states[name] = state.bind(module)
                 if name in DITS:
-                    module.set_attention_backend(self.attention_backend)
+                    module.set_attention_backend(self.attention_backend, self.sparse)
                     if self.fp8_matmul != "decode":
                         from .weights.modules import set_fp8_matmul
 
@@ -154,6 +156,7 @@ class PipelineHandle:
         ffn_chunk: int | str | None = "auto",
         fp8_matmul: str = "decode",
         decoder: str = "auto",
+        sparse: Any = None,
     ) -> PipelineHandle:
         """Validate the checkpoint now (cheap); load components when a stage first needs them.
 
@@ -181,6 +184,8 @@ class PipelineHandle:
         first use; eager elsewhere, and for the rest of the process after a compile failure or a
         difference), "eager" (never compiled) or "compiled" (the compiled kernel on every device and
         size, with the same first-use check and fallback).
+        `attention_backend="sparse"`: block-sparse attention in the DiTs (`models/sparse_attention.py`);
+        `sparse` (a `SparseSettings`) sets its safeguards and density (default: its defaults).
         """
         from .models.compile import COMPILE_CHOICES, compile_problem
         from .weights.decode import check_decoder
@@ -211,18 +216,24 @@ class PipelineHandle:
 
         cpu_notice(info, device)  # a real checkpoint on the CPU: said once, with the likely reason
         chosen = {**default_dtypes(device), **(dtypes or {})}
-        if attention_backend is not None:
+        from .models.sparse_attention import SPARSE, SparseSettings
+
+        if sparse is not None and not isinstance(sparse, SparseSettings):
+            raise ValueError(f"sparse= takes a SparseSettings (lingbot_core.models.sparse_attention), not {sparse!r}")
+        if attention_backend == SPARSE:
+            check_attention(attention_backend, device, chosen.get(TRANSFORMER))
+        elif attention_backend is not None:
             from diffusers.models.attention_dispatch import AttentionBackendName
 
             try:
                 AttentionBackendName(attention_backend)
             except ValueError:
-                names = ", ".join(b.value for b in AttentionBackendName)
+                names = ", ".join([*(b.value for b in AttentionBackendName), SPARSE])
                 raise ValueError(f"unknown attention backend {attention_backend!r}; choose one of {names}") from None
             check_attention(attention_backend, device, chosen.get(TRANSFORMER))
         shared = SharedComponents(info.folder, info=info, dtypes=chosen, text_attn=text_attn,
                                   attention_backend=attention_backend, weights=weights, compile=compile,
-                                  ffn_chunk=ffn_chunk, fp8_matmul=fp8_matmul, decoder=decoder)
+                                  ffn_chunk=ffn_chunk, fp8_matmul=fp8_matmul, decoder=decoder, sparse=sparse)
         shared.transformer_source = student
         return cls(shared, device)
 
@@ -361,13 +372,14 @@ def check_attention(backend: str, device: torch.device, dtype: torch.dtype | Non
     device cannot run (`kernels.probe`, in the DiTs' dtype; bf16 where they keep their stored one on
     CUDA), with the backend's reason. SDPA is the plain path and is never refused."""
     from . import kernels
+    from .models.sparse_attention import SPARSE
     from .models.transformer import SDPA_BACKENDS
 
     if backend in SDPA_BACKENDS:
         return
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    trial = kernels.probe(f"attention/{backend}", device, dtype)
+    trial = kernels.probe("sparse_attention" if backend == SPARSE else f"attention/{backend}", device, dtype)
     if trial["verdict"] != kernels.FAST:
         raise ValueError(f"attention '{backend}' cannot run on {device} in {str(dtype).replace('torch.', '')}: "
                          f"{trial['reason']} ({trial['verdict']}); choose default (PyTorch SDPA)")

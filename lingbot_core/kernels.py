@@ -71,6 +71,10 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
     Kernel("attention", "an attention backend of diffusers' dispatcher other than PyTorch SDPA, per backend, "
            "with and without a key mask", "PyTorch SDPA (diffusers' `native` backend)", "using SDPA",
            "its first query rows against SDPA's (relative error)", "lingbot_core.models.transformer"),
+    Kernel("sparse_attention", "block-sparse self-attention (attention: sparse): comfy-kitchen's sol_attn CUDA kernel "
+           "where installed, else the eager block loop", "dense PyTorch SDPA", "using dense SDPA",
+           "its first query block: finite, inside the values' range, near dense SDPA's (a loose bound)",
+           "lingbot_core.models.sparse_attention"),
     Kernel("compiled_decoder", "one torch.compile'd kernel per packed weight format (fp8, GGUF types)",
            "the eager decoder", "decoding eagerly", "every value, bit for bit, against the eager decoder",
            "lingbot_core.weights.fp8"),

@@ -169,7 +169,7 @@ class LingBotLoaderFiles(io.ComfyNode):
                 Choice("dtype", options=list(DTYPES), default="auto", optional=True,
                        tooltip="auto: the DiT as stored; text encoder bf16 on GPU, fp32 on CPU (VAE fp32)"),
                 Choice("attention", options=ATTENTION, default="default", optional=True,
-                       tooltip="Attention kernel of the DiT"),
+                       tooltip="Attention kernel of the DiT (sparse: block-sparse for long videos, see the Loader)"),
                 Choice("device", options=["auto", "cuda", "cpu"], default="auto", optional=True,
                        tooltip="Execution device. auto: ComfyUI's device"),
                 Choice("weights", options=WEIGHTS, default="auto", optional=True,

@@ -19,9 +19,10 @@ TINY = {"tiny (built-in dense)": "dense", "tiny (built-in moe)": "moe",
 DTYPES = {"auto": None, "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 WEIGHTS = ["auto", "fp8_e4m3"]
 # diffusers' backend names; new ones go last (a saved workflow keeps its choice); any but SDPA is tried on its
-# first call and SDPA serves where it fails (lingbot_core.kernels), a masked call included
+# first call and SDPA serves where it fails (lingbot_core.kernels), a masked call included; `sparse` is ours:
+# block-sparse attention (lingbot_core.models.sparse_attention), dense SDPA where its safeguards say so
 ATTENTION = ["default", "native", "_native_math", "_native_flash", "_native_efficient", "flash", "sage",
-             "xformers", "_flash_3", "_native_cudnn"]
+             "xformers", "_flash_3", "_native_cudnn", "sparse"]
 
 
 def _attention_choice(value: object) -> str | None:
@@ -148,7 +149,10 @@ class LingBotLoader(io.ComfyNode):
                                "need their package installed. Any other than SDPA is tried when the Loader opens "
                                "(refused there if it cannot run) and on its first call (SDPA from then on, with "
                                "one warning, where it fails or differs); calls with a mask (padded prompts) go to "
-                               "SDPA on backends that take none"),
+                               "SDPA on backends that take none. sparse: block-sparse attention for long videos "
+                               "(12,288+ tokens, after the first 20 % of the schedule, not in block 0; else "
+                               "dense): less attention work, a small change to the output; comfy-kitchen's "
+                               "CUDA kernel when installed, else a slow eager path (not run on a GPU yet)"),
                 io.String.Input("path", default="", optional=True,
                                 tooltip="A checkpoint folder; overrides the combo when not empty. In ComfyUI it "
                                         "must lie under its model folders (LINGBOT_ALLOW_ANY_MODEL_PATH=1 lifts that)"),

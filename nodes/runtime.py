@@ -156,7 +156,7 @@ def attention_problem(name: str, device: str = "auto") -> str | None:
     (diffusers' own requirement check), or it needs a CUDA device the run will not have. The cheap
     check validation can make; whether the backend runs on the device is tried when the handle opens
     (`lingbot_core.kernels.probe`), and masked calls go to SDPA on backends that take no mask."""
-    if name in ("default", None):
+    if name in ("default", None, "sparse"):  # sparse: ours, its eager path runs anywhere (kernels' trial)
         return None
     try:
         from diffusers.models import attention_dispatch

@@ -157,7 +157,8 @@ def test_attention_probes_are_the_loaders_other_backends():
     from lingbot_core.models.transformer import SDPA_BACKENDS
     from lingbot_nodes.loader import ATTENTION
 
-    assert set(doctor.ATTENTION_PROBES) == set(ATTENTION) - {"default", *SDPA_BACKENDS}
+    # sparse is no diffusers backend: the doctor probes it as its own kernel family (`sparse_attention`)
+    assert set(doctor.ATTENTION_PROBES) == set(ATTENTION) - {"default", "sparse", *SDPA_BACKENDS}
 
 
 def test_comfyui_version_is_read_without_importing_comfyui(tmp_path, monkeypatch):

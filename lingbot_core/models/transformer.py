@@ -18,10 +18,13 @@ backend (flash, flash 3, sage, xformers, cuDNN...) is the `attention/<backend>` 
 serves where it refuses or differs. Masked calls (padded prompts in one batch, Ulysses padding) are
 tried as `attention/<backend>+mask`: flash and sage take no mask (diffusers refuses it), so those
 calls go to SDPA while unmasked calls keep the fast backend.
+`sparse` (not a diffusers backend) is block-sparse attention (`models/sparse_attention.py`), with
+its own safeguards and trial; its dense calls are SDPA.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -35,12 +38,13 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.modeling_utils import ModelMixin
 
 from .. import hooks, kernels
-from . import precision
+from . import precision, sparse_attention
 from .compile import COMPILED_REGION, run_compiled
 from .config import DiTConfig
 from .layers import CaptionProjection, RMSNorm, SwiGLU
 from .moe import SparseMoE
 from .rotary import AxialRotary, joint_positions, rotate_pairs
+from .sparse_attention import SPARSE, SparseSettings, attend_sparse, scope
 
 __all__ = ["BlockRunner", "DiTConfig", "JointBlock", "LingBotVideoTransformer3DModel", "attend"]
 
@@ -70,13 +74,14 @@ class SelfAttention(nn.Module):
         self.norm_q = RMSNorm(spec.head_dim, spec.norm_eps)
         self.norm_k = RMSNorm(spec.head_dim, spec.norm_eps)
         self.to_out = nn.Linear(width, width, bias=spec.out_bias)
-        self.backend: str | None = None  # diffusers attention backend name; None = its active default
+        self.backend: str | None = None  # diffusers attention backend name or `sparse`; None = diffusers' default
+        self.layer: int | None = None  # the block's index (sparse attention's dense_blocks)
 
     def forward(self, x: torch.Tensor, rotations: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
         q = rotate_pairs(self.norm_q(self.to_q(x).unflatten(-1, self.heads)), rotations)
         k = rotate_pairs(self.norm_k(self.to_k(x).unflatten(-1, self.heads)), rotations)
         v = self.to_v(x).unflatten(-1, self.heads)
-        mixed = attend(q, k, v, key_mask, self.backend)
+        mixed = attend(q, k, v, key_mask, self.backend, layer=self.layer)
         return self.to_out(mixed.flatten(-2).type_as(x))
 
 
@@ -109,10 +114,14 @@ def _takes_mask(name: str) -> bool:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
-           backend: str | None) -> torch.Tensor:
+           backend: str | None, layer: int | None = None) -> torch.Tensor:
     """Attention over (B, S, H, D) q, k, v with an optional (B, 1, 1, S) boolean key mask, through
     diffusers' dispatcher: SDPA directly, any other backend by trial (`lingbot_core.kernels`, kernel
-    `attention/<backend>`, `+mask` for a masked call), SDPA where it refuses or differs."""
+    `attention/<backend>`, `+mask` for a masked call), SDPA where it refuses or differs. `sparse`:
+    `sparse_attention.attend_sparse` (`layer`, the block index, for its dense blocks)."""
+    if backend == SPARSE:
+        return attend_sparse(q, k, v, key_mask, layer,
+                             lambda: dispatch_attention_fn(q, k, v, attn_mask=key_mask, backend="native"))
     name = _backend_name(backend)
     if name in SDPA_BACKENDS:
         return dispatch_attention_fn(q, k, v, attn_mask=key_mask, backend=backend)
@@ -174,6 +183,7 @@ class JointBlock(nn.Module):
         self.scale_shift_table = nn.Parameter(torch.zeros(1, 6 * width))
         self.norm1 = RMSNorm(width, spec.norm_eps)
         self.attn = SelfAttention(spec)
+        self.attn.layer = layer
         self.norm_post_attn = RMSNorm(width, spec.norm_eps)
         self.norm2 = RMSNorm(width, spec.norm_eps)
         if spec.moe.is_sparse(layer):
@@ -260,6 +270,7 @@ class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
         self.norm_out = nn.LayerNorm(width, elementwise_affine=False, eps=spec.norm_eps)
         self.norm_out_modulation = nn.Sequential(nn.SiLU(), nn.Linear(width, 2 * width))
         self.proj_out = nn.Linear(width, spec.patch_volume * spec.out_channels)
+        self.sparse_settings: SparseSettings | None = None  # set with `attention: sparse`
 
     # -- precision and backends ------------------------------------------------------------------
 
@@ -273,9 +284,11 @@ class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
             return placed
         return super().to(*args, **kwargs)
 
-    def set_attention_backend(self, backend: str | None) -> None:
-        """Send every attention call to this diffusers backend (None = diffusers' active default)."""
-        if backend is not None:
+    def set_attention_backend(self, backend: str | None, sparse: SparseSettings | None = None) -> None:
+        """Send every attention call to this diffusers backend (None = diffusers' active default), or
+        to block-sparse attention (`sparse`, with `sparse` settings; default `sparse_attention.DEFAULTS`)."""
+        self.sparse_settings = (sparse or sparse_attention.DEFAULTS) if backend == SPARSE else None
+        if backend is not None and backend != SPARSE:
             from diffusers.models.attention_dispatch import AttentionBackendName
 
             AttentionBackendName(backend)  # an unknown name raises ValueError here, not mid-run
@@ -368,11 +381,15 @@ class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
 
         t_emb = self._time_embedding(timestep, batch, device)
         temb6 = self.time_modulation(t_emb).float().unsqueeze(1)
-        if block_runner is not None:
-            x = block_runner(self.blocks, x, temb6, rotations, key_mask)
-        else:
-            for block in self.blocks:
-                x = block(x, temb6, rotations, key_mask)
+        sparse = contextlib.nullcontext()
+        if self.sparse_settings is not None:  # the earliest (noisiest) timestep of the batch decides
+            sparse = scope(self.sparse_settings, n_video, float(timestep.detach().float().max()))
+        with sparse:
+            if block_runner is not None:
+                x = block_runner(self.blocks, x, temb6, rotations, key_mask)
+            else:
+                for block in self.blocks:
+                    x = block(x, temb6, rotations, key_mask)
 
         shift, scale = self.norm_out_modulation(t_emb).float().unsqueeze(1).chunk(2, dim=-1)
         x = self.norm_out(x[:, :n_video]) * (1.0 + scale) + shift

@@ -82,7 +82,7 @@ class _AttentionHook(hooks.Hook):
         k = rotate_pairs(module.norm_k(module.to_k(x).unflatten(-1, module.heads)), rotations)
         v = module.to_v(x).unflatten(-1, module.heads)
         q, k, v = (sequence_to_heads(t, self.degree, self.group) for t in (q, k, v))
-        mixed = attend(q, k, v, key_mask, module.backend)  # a fast backend by trial (models/transformer.py)
+        mixed = attend(q, k, v, key_mask, module.backend, layer=module.layer)  # a fast backend by trial (models/transformer.py)
         mixed = heads_to_sequence(mixed, self.degree, self.group)
         return module.to_out(mixed.flatten(-2).type_as(x))
 

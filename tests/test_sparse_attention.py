@@ -1,0 +1,213 @@
+"""Sparse attention (`attention: sparse`, lingbot_core/models/sparse_attention.py): the eager path pinned
+to an independent dense reference at tiny sizes, its safeguards, its trial and fallback, and the
+shipped T2V workflow running it on the tiny model."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+from lingbot_core import kernels
+from lingbot_core.models import sparse_attention as sa
+from lingbot_core.models.sparse_attention import BLOCK, SparseSettings, eager_sparse_attention
+
+ALWAYS = SparseSettings(min_tokens=0, dense_first=0.0, dense_blocks=())
+
+
+def _qkv(tokens: int, heads: int = 2, dim: int = 16, seed: int = 0, batch: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(batch, tokens, heads, dim, generator=g) for _ in range(3))
+
+
+def _naive_routing(q, k, density: float, n_video: int | None):
+    """Which key blocks each query block computes exactly, by loops: the top `density` share of key
+    blocks by (query block mean) . (key block mean - mean of key block means), the diagonal and its
+    neighbours, and every text block (as keys and as queries)."""
+    b, s, h, d = q.shape
+    n = math.ceil(s / BLOCK)
+    exact = torch.zeros(b, h, n, n, dtype=torch.bool)
+    for bi in range(b):
+        for hi in range(h):
+            qm = [q[bi, i * BLOCK:(i + 1) * BLOCK, hi].mean(0) for i in range(n)]
+            km = [k[bi, j * BLOCK:(j + 1) * BLOCK, hi].mean(0) for j in range(n)]
+            centre = torch.stack(km).mean(0)
+            keep = max(1, min(n, round(density * n)))
+            for i in range(n):
+                scores = torch.tensor([float(qm[i] @ (km[j] - centre)) for j in range(n)])
+                for j in scores.argsort(descending=True)[:keep].tolist():
+                    exact[bi, hi, i, j] = True
+                for j in (i - 1, i, i + 1):
+                    if 0 <= j < n:
+                        exact[bi, hi, i, j] = True
+            if n_video is not None and n_video < s:
+                exact[bi, hi, n_video // BLOCK:, :] = True
+                exact[bi, hi, :, n_video // BLOCK:] = True
+    return exact
+
+
+def _reference(q, k, v, exact):
+    """Dense attention over the exact blocks' tokens plus one pooled column per other key block (its
+    mean key's score against the query block's mean query, weighted by its size, carrying its mean
+    value), all in one softmax; keys centred over the block means."""
+    b, s, h, d = q.shape
+    n = math.ceil(s / BLOCK)
+    out = torch.empty(b, s, h, d, dtype=torch.float64)
+    q, k, v = q.double(), k.double(), v.double()
+    for bi in range(b):
+        for hi in range(h):
+            size = torch.tensor([min(BLOCK, s - j * BLOCK) for j in range(n)], dtype=torch.float64)
+            km = torch.stack([k[bi, j * BLOCK:(j + 1) * BLOCK, hi].mean(0) for j in range(n)])
+            vm = torch.stack([v[bi, j * BLOCK:(j + 1) * BLOCK, hi].mean(0) for j in range(n)])
+            keys = k[bi, :, hi] - km.mean(0)
+            kmc = km - km.mean(0)
+            for t in range(s):
+                i = t // BLOCK
+                qi = q[bi, i * BLOCK:(i + 1) * BLOCK, hi].mean(0)
+                token_mask = exact[bi, hi, i].repeat_interleave(BLOCK)[:s]
+                tok = (keys @ q[bi, t, hi]) / math.sqrt(d)
+                tok[~token_mask] = -math.inf
+                pooled = (kmc @ qi) / math.sqrt(d) + size.log()
+                pooled[exact[bi, hi, i]] = -math.inf
+                weights = torch.softmax(torch.cat([tok, pooled]), dim=0)
+                out[bi, t, hi] = weights @ torch.cat([v[bi, :, hi], vm])
+    return out
+
+
+@pytest.mark.parametrize("tokens, n_video", [(5 * BLOCK, None), (5 * BLOCK + 17, 4 * BLOCK + 30)])
+def test_eager_path_matches_the_independent_reference(tokens, n_video):
+    q, k, v = _qkv(tokens, seed=tokens)
+    settings = SparseSettings(density=0.25, min_tokens=0)
+    exact = _naive_routing(q, k, 0.25, n_video)
+    assert not exact.all()  # something is pooled, or the test would only check dense attention
+    qh, kh = q.transpose(1, 2), k.transpose(1, 2)
+    k_mean = torch.stack([kh[:, :, j * BLOCK:(j + 1) * BLOCK].mean(2) for j in range(exact.shape[-1])], 2).mean(2, True)
+    routed, _ = sa.route(qh, kh - k_mean, settings, n_video)
+    assert torch.equal(routed, exact)
+    stats: dict[str, int] = {}
+    got = eager_sparse_attention(q, k, v, settings, n_video, stats=stats)
+    want = _reference(q, k, v, exact)
+    assert torch.allclose(got.double(), want, atol=1e-5, rtol=1e-4)
+    assert stats == {"computed": int(exact.sum()), "dense": exact.numel()}
+
+
+def test_tau_routing_is_the_spread_rule_and_the_output_follows_the_reference():
+    q, k, v = _qkv(6 * BLOCK, seed=3)
+    qh, kh = q.transpose(1, 2), k.transpose(1, 2)
+    n = 6
+    qm = torch.stack([qh[:, :, j * BLOCK:(j + 1) * BLOCK].mean(2) for j in range(n)], 2)
+    km = torch.stack([kh[:, :, j * BLOCK:(j + 1) * BLOCK].mean(2) for j in range(n)], 2)
+    kmc = km - km.mean(2, keepdim=True)
+    score = qm @ kmc.transpose(-1, -2)
+    spread = ((qm ** 2) * kmc.pow(2).mean(2, keepdim=True)).sum(-1, keepdim=True).sqrt()
+    want = score > 0.5 * spread
+    want |= (torch.arange(n)[:, None] - torch.arange(n)[None, :]).abs() <= 1
+    exact, _ = sa.route(qh, kh - km.mean(2, keepdim=True), SparseSettings(tau=0.5), None)
+    assert torch.equal(exact, want) and not exact.all()
+    got = eager_sparse_attention(q, k, v, SparseSettings(tau=0.5))
+    assert torch.allclose(got.double(), _reference(q, k, v, exact), atol=1e-5, rtol=1e-4)
+
+
+def test_every_block_exact_is_dense_attention():
+    q, k, v = _qkv(3 * BLOCK + 5, batch=2)
+    got = eager_sparse_attention(q, k, v, SparseSettings(density=1.0))
+    dense = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+    assert torch.allclose(got, dense, atol=1e-5)
+
+
+def test_safeguards_send_calls_dense():
+    s = SparseSettings()
+    assert not sa.should_run_sparse(s, s.min_tokens - 1, 5, 100.0, False)  # too short
+    assert not sa.should_run_sparse(s, s.min_tokens, 5, 900.0, False)  # first 20 % of the schedule
+    assert not sa.should_run_sparse(s, s.min_tokens, s.dense_blocks[0], 100.0, False)  # a dense block
+    assert not sa.should_run_sparse(s, s.min_tokens, 5, 100.0, True)  # a key mask
+    assert sa.should_run_sparse(s, s.min_tokens, 5, 100.0, False)
+
+
+@pytest.mark.parametrize("bad", [dict(tau=-1), dict(density=0), dict(density=1.5), dict(min_tokens=-1),
+                                 dict(dense_first=2), dict(tau=float("nan"))])
+def test_bad_settings_are_refused(bad):
+    with pytest.raises(ValueError, match="sparse attention's"):
+        SparseSettings(**bad)
+
+
+def _dense(q, k, v):
+    return lambda: torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+
+
+def test_a_broken_sparse_path_falls_back_to_dense_with_one_warning(monkeypatch, caplog):
+    q, k, v = _qkv(4 * BLOCK)
+    monkeypatch.setattr(sa, "eager_sparse_attention", lambda q, k, v, *a, **kw: torch.full_like(v, float("nan")))
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            out = sa.attend_sparse(q, k, v, None, None, _dense(q, k, v), ALWAYS)
+    assert torch.allclose(out, _dense(q, k, v)())
+    warned = [r for r in caplog.records if "sparse_attention" in r.getMessage()]
+    assert len(warned) == 1 and "not finite" in warned[0].getMessage()
+    assert kernels.verdict("sparse_attention/eager", "cpu", torch.float32) == kernels.MISMATCH
+
+
+def test_a_masked_call_is_dense_and_a_good_one_is_trusted():
+    q, k, v = _qkv(4 * BLOCK)
+    mask = torch.ones(1, 1, 1, 4 * BLOCK, dtype=torch.bool)
+    calls = []
+    sa.attend_sparse(q, k, v, mask, None, lambda: calls.append("dense") or _dense(q, k, v)(), ALWAYS)
+    assert calls == ["dense"] and kernels.verdict("sparse_attention/eager", "cpu", torch.float32) is None
+    out = sa.attend_sparse(q, k, v, None, None, _dense(q, k, v), ALWAYS)
+    assert torch.allclose(out, eager_sparse_attention(q, k, v, ALWAYS))
+    assert kernels.verdict("sparse_attention/eager", "cpu", torch.float32) == kernels.FAST
+
+
+def test_shipped_t2v_runs_sparse_on_the_tiny_model(monkeypatch, tmp_path):
+    """The shipped T2V workflow with `attention: sparse` (threshold lowered through the defaults, at
+    192x192 so the sequence has 8+ blocks): the sparse path runs, is trusted, and skips blocks."""
+    from pathlib import Path
+
+    from lingbot_core.workflow import Engine, apply_overrides, load_workflow
+    from lingbot_nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+
+    monkeypatch.setenv("LINGBOT_OUTPUT_DIR", str(tmp_path / "out"))
+    api = Path(__file__).resolve().parents[1] / "workflows" / "api" / "lingbot_t2v_dense.json"
+    prompt = load_workflow(api, NODE_CLASS_MAPPINGS, display_names=NODE_DISPLAY_NAME_MAPPINGS)
+    prompt = apply_overrides(prompt, ["Denoise.width=192", "Denoise.height=192", "Denoise.steps=2"], NODE_CLASS_MAPPINGS)
+    decode = next(nid for nid, n in prompt.nodes.items() if n["class_type"] == "LingBotDecode")
+    dense = Engine(NODE_CLASS_MAPPINGS).run(prompt).output(decode)
+    monkeypatch.setattr(sa, "DEFAULTS", SparseSettings(density=0.25, min_tokens=0, dense_first=0.0))
+    counted: dict[str, int] = {}
+    real = sa.eager_sparse_attention
+    monkeypatch.setattr(sa, "eager_sparse_attention",
+                        lambda q, k, v, s, n_video=None, stats=None: real(q, k, v, s, n_video, counted))
+    sparse = apply_overrides(prompt, ['Loader.attention="sparse"'], NODE_CLASS_MAPPINGS)
+    frames = Engine(NODE_CLASS_MAPPINGS).run(sparse).output(decode)
+    assert kernels.verdict("sparse_attention/eager", "cpu", torch.float32) == kernels.FAST
+    assert 0 < counted["computed"] < 0.9 * counted["dense"]
+    assert frames.shape == dense.shape and torch.isfinite(frames).all() and not torch.equal(frames, dense)
+
+
+def test_the_handle_and_the_core_command_take_sparse(tmp_path, capsys, monkeypatch):
+    from lingbot_core.__main__ import main as core_main
+    from lingbot_core.handle import PipelineHandle
+    from lingbot_core.tiny import build_tiny_checkpoint
+
+    folder = build_tiny_checkpoint(tmp_path / "tiny", "dense", seed=0)
+    settings = SparseSettings(density=0.5, min_tokens=0)
+    handle = PipelineHandle.open(folder, device="cpu", attention_backend="sparse", sparse=settings)
+    dit = handle.shared.get("transformer")
+    assert dit.sparse_settings == settings and {m.backend for m in dit.modules() if hasattr(m, "backend")} == {"sparse"}
+    with pytest.raises(ValueError, match="sparse= takes a SparseSettings"):
+        PipelineHandle.open(folder, device="cpu", attention_backend="sparse", sparse={"tau": 2})
+    with pytest.raises(ValueError, match="unknown attention backend 'sparce'.*sparse"):
+        PipelineHandle.open(folder, device="cpu", attention_backend="sparce")
+
+    calls = []
+    real = sa.eager_sparse_attention
+    monkeypatch.setattr(sa, "eager_sparse_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    args = ["--model", str(folder), "--mode", "t2i", "--steps", "2", "--width", "192", "--height", "192",
+            "--output", str(tmp_path / "out"), "-q"]
+    assert core_main([*args, "--attention", "sparse", "--sparse-min-tokens", "0", "--sparse-density", "0.5"]) == 0
+    assert calls
+    assert core_main([*args, "--sparse-tau", "2"]) == 2  # a sparse setting without --attention sparse
+    assert "need --attention sparse" in capsys.readouterr().err
