@@ -158,7 +158,7 @@ def extend_video(handle, video: torch.Tensor, conds: stages.Conditioning | Seque
                  segments: int, k: int = 1, num_frames: int = 121, steps: int = 40, guidance_scale: float = 3.0,
                  shift: float = 3.0, seed: int = 42, tiling: dict | bool | None = None,
                  folder: str | Path | None = None, callback: StepCallback | None = None,
-                 on_segment: Callable[[int, torch.Tensor, bool], None] | None = None,
+                 on_segment: Callable[[int, torch.Tensor, bool], None] | None = None, keep: bool = False,
                  **denoise_options: Any) -> torch.Tensor:
     """`video` [F,H,W,3] followed by `segments` new segments; returns the joined frames [F',H,W,3]
     (`extended_length` frames), at the input's size (a multiple of 16).
@@ -167,7 +167,9 @@ def extend_video(handle, video: torch.Tensor, conds: stages.Conditioning | Seque
     uses seed `seed + i`. Only one segment's latents and decode are alive at a time; the joined
     frames grow on the CPU. With `folder`, each finished segment is written there (8-bit .npy,
     named by a digest of the input, prompts and settings) and a rerun with the same ones loads it
-    instead of sampling it again. `on_segment(i, frames, reused)` hears each segment as it is done.
+    instead of sampling it again (an interrupted run loses only the segment it was in); the files are
+    removed once the whole extension is done, unless `keep`. `on_segment(i, frames, reused)` hears
+    each segment as it is done.
     """
     conds = [conds] if isinstance(conds, stages.Conditioning) else list(conds)
     if not isinstance(video, torch.Tensor) or video.ndim != 4:
@@ -187,12 +189,15 @@ def extend_video(handle, video: torch.Tensor, conds: stages.Conditioning | Seque
                     tiling=tiling, options=sorted((n, repr(v)) for n, v in denoise_options.items()))
     joined = to_8bit(video)
     new = num_frames - overlap_frames(k)
+    written = []
     for i in range(segments):
         cond = conds[min(i, len(conds) - 1)]
         digest = _digest(joined[-overlap_frames(k):], [cond], settings | {"segment": i})
         path = _segment_file(target, digest, i) if target is not None else None
         frames = _load_segment(path, (new, height, width, 3)) if path is not None and path.is_file() else None
         reused = frames is not None
+        if path is not None:
+            written.append(path)
         if frames is None:
             frames = segment_frames(handle, cond, joined, k=k, height=height, width=width, num_frames=num_frames,
                                     seed=seed + i, steps=steps, guidance_scale=guidance_scale, shift=shift,
@@ -203,5 +208,8 @@ def extend_video(handle, video: torch.Tensor, conds: stages.Conditioning | Seque
         if on_segment is not None:
             on_segment(i, frames, reused)
         del frames
+    if not keep:
+        for path in written:
+            path.unlink(missing_ok=True)
     return joined
 

@@ -24,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 # checkout (editable install, ComfyUI's custom_nodes) has them beside nodes/.
 WORKFLOW_DIRS = (HERE / "workflows", HERE.parent / "workflows")
 SHORT_NAMES = {"t2v": "lingbot_t2v_dense", "t2i": "lingbot_t2i_dense", "ti2v": "lingbot_ti2v_dense",
-               "v2v": "lingbot_v2v_dense",
+               "v2v": "lingbot_v2v_dense", "extend": "lingbot_extend_dense",
                "moe": "lingbot_t2v_moe_refine", "refine": "lingbot_t2v_moe_refine",
                "t2v-files": "lingbot_t2v_dense_files", "moe-gguf": "lingbot_t2v_moe_gguf_lightlingbot4",
                "moe-gguf-refine": "lingbot_t2v_moe_gguf_refine",
@@ -256,6 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
     files.add_argument("--text-encoder", metavar="FILE", help="Qwen3-VL-4B (.safetensors: bf16 or ComfyUI fp8)")
     files.add_argument("--processor", metavar="DIR", help="a processor folder (a checkpoint's processor/)")
     parser.add_argument("--output", default="output", help="output folder (default ./output)")
+    parser.add_argument("--video", metavar="FILE",
+                        help="the input video of every LingBot Load Video node (v2v, extend); with Extend Video "
+                             "the whole clip is loaded, to continue from its end")
+    parser.add_argument("--segments", type=int, metavar="N", help="segments every LingBot Extend Video node adds")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="NODE.INPUT=VALUE",
                         help=f"override an input, e.g. {OVERRIDE_EXAMPLE}; NODE is an id, a unique class type "
                              "or a title (repeatable)")
@@ -299,6 +303,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 REWRITE_FLAGS = {"--rewrite-endpoint": "rewrite_endpoint", "--rewrite-model": "rewrite_model",
                  "--rewrite-map-model": "rewrite_map_model", "--rewrite-duration": "rewrite_duration"}
+
+
+def video_overrides(prompt, path: Path, *, video: str | None, segments: int | None) -> list[str]:
+    """--video and --segments as overrides of the Load Video and Extend Video nodes (refused in one line
+    where the workflow has none)."""
+    from lingbot_core.workflow import WorkflowError
+
+    def ids(class_type: str, flag: str) -> list[str]:
+        found = [nid for nid, node in prompt.nodes.items() if node["class_type"] == class_type]
+        if not found:
+            raise WorkflowError(f"{flag} given, but {path.name} has no {class_type} node; run v2v or extend "
+                                f"(lingbot-run extend {flag} ...)")
+        return found
+
+    extending = any(node["class_type"] == "LingBotExtendVideo" for node in prompt.nodes.values())
+    overrides = []
+    if video is not None:
+        for nid in ids("LingBotLoadVideo", "--video"):
+            overrides.append(f"{nid}.path={video}")
+            if extending:
+                overrides.append(f"{nid}.frame_count=0")
+    if segments is not None:
+        overrides += [f"{nid}.segments={segments}" for nid in ids("LingBotExtendVideo", "--segments")]
+    return overrides
 
 
 def rewrite_settings(args: argparse.Namespace) -> list[str]:
@@ -405,6 +433,7 @@ def _run(args: argparse.Namespace, reporter: Reporter) -> int:
         if not loaders:
             raise WorkflowError(f"--model given, but {path} has no LingBot Loader node")
         overrides += [f"{nid}.{LOADERS[prompt.nodes[nid]['class_type']]}={args.model}" for nid in loaders]
+    overrides += video_overrides(prompt, path, video=args.video, segments=args.segments)
     given = {flag: getattr(args, flag) for flag in FILE_FLAGS if getattr(args, flag)}
     if given:
         loaders = [nid for nid, node in prompt.nodes.items() if node["class_type"] == "LingBotLoaderFiles"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .caption import LingBotCaption
 from .conditioning import LingBotImageEncode, LingBotTextEncode
+from .extend import LingBotExtendVideo
 from .files import LingBotLoaderFiles
 from .image_input import LingBotLoadImage
 from .loader import LingBotLoader, LingBotMemoryReport, LingBotOffload, LingBotRelease
@@ -35,6 +36,7 @@ NODES = [
     LingBotSaveVideo,
     LingBotLoadImage,
     LingBotLoadVideo,
+    LingBotExtendVideo,
     LingBotMemoryReport,
     LingBotCaption,
     LingBotRewrite,

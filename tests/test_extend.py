@@ -38,16 +38,38 @@ def test_three_segments_are_three_segments_frames_less_the_overlap(dense, tmp_pa
     assert out.shape == (3 * 9 - 2 * ext.overlap_frames(2), SIZE, SIZE, 3)
     assert heard == [(0, 4, False), (1, 4, False)]
     assert torch.equal(out[:9], first)  # the input kept as it was, nothing repeated after it
-    # a rerun continues from the written segments: nothing sampled, the same video
+    assert list(tmp_path.iterdir()) == []  # a finished extension leaves no segment files
+
+
+class Stop(Exception):
+    pass
+
+
+def test_an_interrupted_extension_keeps_its_segments_and_a_rerun_continues(dense, tmp_path):
+    handle, cond = dense
+    first = _video(9)
+    whole = ext.extend_video(handle, first, cond, segments=3, k=1, num_frames=9, **RUN)
     calls = []
-    again = ext.extend_video(handle, first, cond, segments=3, k=2, num_frames=9, folder=tmp_path,
+
+    def stop_in_the_third(step, total, latents):
+        calls.append(step)
+        if len(calls) > 2 * RUN["steps"]:
+            raise Stop
+
+    with pytest.raises(Stop):
+        ext.extend_video(handle, first, cond, segments=3, k=1, num_frames=9, folder=tmp_path,
+                         callback=stop_in_the_third, **RUN)
+    assert len(list(tmp_path.glob("*.npy"))) == 2
+    calls.clear()
+    again = ext.extend_video(handle, first, cond, segments=3, k=1, num_frames=9, folder=tmp_path,
                              callback=lambda *a: calls.append(a), **RUN)
-    assert torch.equal(again[:out.shape[0]], out) and again.shape[0] == out.shape[0] + 4
-    assert len(calls) == RUN["steps"]  # only the third segment ran
-    # another seed does not pick up those segments
-    other = ext.extend_video(handle, first, cond, segments=1, k=2, num_frames=9, folder=tmp_path,
-                             **{**RUN, "seed": 6})
-    assert not torch.equal(other, out[:13])
+    assert torch.equal(again, whole)  # the same video as an uninterrupted run
+    assert len(calls) == RUN["steps"]  # only the third segment was sampled
+    # another seed does not pick up saved segments
+    ext.extend_video(handle, first, cond, segments=1, k=1, num_frames=9, folder=tmp_path, keep=True, **RUN)
+    ext.extend_video(handle, first, cond, segments=1, k=1, num_frames=9, folder=tmp_path,
+                     callback=lambda *a: calls.append(a), **{**RUN, "seed": 6})
+    assert len(calls) == 2 * RUN["steps"]
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -91,3 +113,59 @@ def test_bad_inputs_are_refused_in_one_line(dense, change, message):
     with pytest.raises(ValueError) as err:
         ext.extend_video(handle, args.pop("video"), cond, **args, **RUN)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def _frames(path) -> int:
+    import av
+
+    with av.open(str(path)) as container:
+        return sum(1 for _ in container.decode(video=0))
+
+
+def test_shipped_extend_workflow_runs_and_continues_a_file(tmp_path, capsys):
+    from lingbot_core.video import save_mp4
+    from lingbot_nodes.cli import main
+
+    assert main(["extend", "--output", str(tmp_path / "out"), "--quiet"]) == 0
+    made = capsys.readouterr().out.strip().splitlines()[-1]
+    assert _frames(made) == ext.extended_length(9, 3, 9, 1)  # the shipped 9-frame pattern and 3 segments
+    clip = save_mp4(torch.rand(13, 64, 64, 3, generator=torch.Generator().manual_seed(4)), tmp_path / "in.mp4")
+    assert main(["extend", "--output", str(tmp_path / "out"), "--quiet", "--video", str(clip),
+                 "--segments", "1"]) == 0
+    assert _frames(capsys.readouterr().out.strip().splitlines()[-1]) == 13 + 8  # the whole clip, then one segment
+    assert not any((tmp_path / "out" / "lingbot" / "extend_segments").iterdir())
+
+
+def test_extend_flags_on_a_workflow_without_the_nodes_are_refused(tmp_path, capsys):
+    from lingbot_nodes.cli import main
+
+    assert main(["t2v", "--output", str(tmp_path), "--segments", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--segments given, but lingbot_t2v_dense.json has no LingBotExtendVideo node" in err
+    assert len(err.splitlines()) == 1
+    assert main(["extend", "--output", str(tmp_path), "--segments", "0"]) == 2
+    assert "segments" in capsys.readouterr().err
+
+
+def test_extend_node_refuses_more_prompt_lines_than_segments_and_mirrors_the_core_cap(dense):
+    from lingbot_nodes.extend import MAX_SEGMENTS, LingBotExtendVideo, segment_prompts
+
+    handle, cond = dense
+    assert MAX_SEGMENTS == ext.MAX_SEGMENTS
+    assert segment_prompts("a boat\n\n  a ship \n") == ["a boat", "a ship"]
+    with pytest.raises(ValueError, match="one line per segment"):
+        LingBotExtendVideo.execute(handle, cond, _video(9), 1, 1, 9, 2, 1.0, 3.0, 1, prompts="a\nb")
+
+
+def test_extend_node_encodes_one_prompt_per_segment(dense):
+    from lingbot_nodes.extend import LingBotExtendVideo
+
+    handle, cond = dense
+    out = LingBotExtendVideo.execute(handle, cond, _video(9), 2, 1, 9, 2, 1.0, 3.0, 1, prompts="a boat\na ship",
+                                     save_segments=False)
+    frames = out.result[0] if hasattr(out, "result") else out[0]
+    same = ext.extend_video(handle, _video(9), cond, segments=2, k=1, num_frames=9, steps=2,
+                            guidance_scale=1.0, shift=3.0, seed=1)
+    assert frames.shape == same.shape
+    assert torch.equal(frames[:17], same[:17])  # segment 0: "a boat" is the conditioning's prompt
+    assert not torch.equal(frames[17:], same[17:])  # segment 1: "a ship"

@@ -91,7 +91,7 @@ def test_node_contracts():
     expected = {"LingBotLoader", "LingBotOffload", "LingBotTextEncode", "LingBotImageEncode", "LingBotDenoise",
                 "LingBotRefine", "LingBotDecode", "LingBotRelease", "LingBotSaveVideo", "LingBotLoadImage", "LingBotLoadVideo",
                 "LingBotMemoryReport", "LingBotCaption", "LingBotLoRA", "LingBotRewrite", "LingBotLoaderFiles",
-                "LingBotParallel"}
+                "LingBotParallel", "LingBotExtendVideo"}
     assert set(NODE_CLASS_MAPPINGS) == expected == set(NODE_DISPLAY_NAME_MAPPINGS)
     for name, cls in NODE_CLASS_MAPPINGS.items():
         spec = cls.INPUT_TYPES()

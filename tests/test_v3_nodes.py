@@ -132,6 +132,7 @@ GRID_INPUTS = {
     ("LingBotImageEncode", "width"), ("LingBotImageEncode", "height"),
     ("LingBotTextEncode", "image_width"), ("LingBotTextEncode", "image_height"),
     ("LingBotOffload", "plan_width"), ("LingBotOffload", "plan_height"), ("LingBotOffload", "plan_frames"),
+    ("LingBotExtendVideo", "frames"),
 }
 
 

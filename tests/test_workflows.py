@@ -15,7 +15,8 @@ UI_FILES = sorted(ROOT.glob("lingbot_*.json"))
 EXPECTED = {"lingbot_t2v_dense", "lingbot_t2i_dense", "lingbot_ti2v_dense", "lingbot_t2v_moe_refine",
             "lingbot_t2v_dense_dmd8", "lingbot_t2v_moe_lightlingbot4", "lingbot_t2v_dense_files",
             "lingbot_t2v_moe_gguf_lightlingbot4", "lingbot_t2v_dense_rewrite", "lingbot_ti2v_dense_rewrite",
-            "lingbot_t2v_moe_dmd8", "lingbot_ti2v_moe_dmd8", "lingbot_t2v_moe_gguf_refine", "lingbot_v2v_dense"}
+            "lingbot_t2v_moe_dmd8", "lingbot_ti2v_moe_dmd8", "lingbot_t2v_moe_gguf_refine", "lingbot_v2v_dense",
+            "lingbot_extend_dense"}
 
 
 def test_every_shipped_workflow_has_both_formats():

@@ -226,6 +226,26 @@ WORKFLOWS = {
             (7, "LingBotSaveVideo", "Save", dict(fps=24.0, filename_prefix="lingbot/v2v"), {"images": (6, 0)}),
         ],
     ),
+    "lingbot_extend_dense": dict(
+        note=NOTE.format(size="480x832 (H x W) and 121 frames", offload=DENSE_OFFLOAD) +
+        " Extension: Load Video gives the clip to continue (empty path: a built-in drifting test pattern; set its "
+        "width and height to the video size). Extend Video adds `segments` segments of `frames` frames, each "
+        "conditioned on the last k latent frames (overlap k: the last 4(k-1)+1 frames) and joined without "
+        "repeating them; one line per segment in `prompts` changes the prompt along the way. Each segment costs "
+        "one Denoise and one Decode. Finished segments are saved and reused by a rerun. No end-frame "
+        "conditioning in this model; quality on the real weights is untested.",
+        nodes=[
+            loader(),
+            offload_node(),
+            (3, "LingBotLoadVideo", "Load Video", dict(path="", start_frame=0, frame_count=9, stride=1, width=64,
+                                                       height=64), {}),
+            (4, "LingBotTextEncode", "Prompt", dict(prompt=PROMPT, negative_prompt="", task="t2v"), {"pipe": (2, 0)}),
+            (5, "LingBotExtendVideo", "Extend Video", dict(segments=3, overlap=1, frames=9, steps=4, cfg=3.0,
+                                                          shift=3.0, seed=42),
+             {"pipe": (2, 0), "conditioning": (4, 0), "video": (3, 0)}),
+            (6, "LingBotSaveVideo", "Save", dict(fps=24.0, filename_prefix="lingbot/extend"), {"images": (5, 0)}),
+        ],
+    ),
     "lingbot_t2v_moe_refine": dict(
         note=NOTE.format(size="480x832 (H x W) and 121 frames, refined to 1088x1920,", offload=MOE_OFFLOAD) +
         " Refine drops the base DiT before the refiner loads (the text encoder and VAE stay shared); Memory shows "
