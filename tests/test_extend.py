@@ -169,3 +169,19 @@ def test_extend_node_encodes_one_prompt_per_segment(dense):
     assert frames.shape == same.shape
     assert torch.equal(frames[:17], same[:17])  # segment 0: "a boat" is the conditioning's prompt
     assert not torch.equal(frames[17:], same[17:])  # segment 1: "a ship"
+
+
+def test_memory_bench_quick(capsys):
+    """bench/extend_memory.py at its smallest: the rows, their frame counts, and 3 segments' working
+    memory (peak less the joined output) no larger than 1 segment's."""
+    from bench import extend_memory
+
+    threads = torch.get_num_threads()
+    try:
+        result = extend_memory.main(["--quick", "--threads", "1", "--steps", "2"])
+    finally:
+        torch.set_num_threads(threads)
+    rows = {r["run"]: r for r in result["rows"]}
+    assert [r["frames"] for r in rows.values()] == [9, ext.extended_length(9, 1, 9, 1), ext.extended_length(9, 3, 9, 1)]
+    assert rows["extend 3"]["working"] <= rows["extend 1"]["working"] * 1.05
+    assert "peak - output" in capsys.readouterr().out
