@@ -185,3 +185,13 @@ def test_memory_bench_quick(capsys):
     assert [r["frames"] for r in rows.values()] == [9, ext.extended_length(9, 1, 9, 1), ext.extended_length(9, 3, 9, 1)]
     assert rows["extend 3"]["working"] <= rows["extend 1"]["working"] * 1.05
     assert "peak - output" in capsys.readouterr().out
+
+
+def test_extend_node_refuses_a_parallel_pipe_before_any_work(dense, monkeypatch):
+    from lingbot_core.parallel_runs import pool
+    from lingbot_nodes.extend import LingBotExtendVideo
+
+    handle, cond = dense
+    monkeypatch.setattr(pool, "pool_of", lambda pipe: object())
+    with pytest.raises(ValueError, match="from before LingBot Parallel"):
+        LingBotExtendVideo.execute(handle, cond, _video(9), 1, 1, 9, 2, 1.0, 3.0, 1)
