@@ -187,3 +187,11 @@ def test_cli_reports_a_malformed_workflow_with_exit_code_2(tmp_path, monkeypatch
     assert main([str(path), "--output", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert str(path) in err and "TypeError" not in err
+
+
+def test_a_path_of_any_length_gets_a_short_message():
+    # a workflow given as a string is a path; a 200,000-character one made a 400,000-character message
+    # (the path, then the OS error quoting it again)
+    with pytest.raises(WorkflowError) as err:
+        load_workflow("x" * 200_000, NODE_CLASS_MAPPINGS, display_names=NODE_DISPLAY_NAME_MAPPINGS)
+    assert len(str(err.value)) < 1000 and "cannot read workflow file" in str(err.value)

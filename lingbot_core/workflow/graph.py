@@ -104,32 +104,34 @@ def reading_guard(origin: str) -> Iterator[None]:
 
 
 def read_json(path: Path) -> Any:
-    """Parse a JSON file; every failure (encoding, syntax, size, nesting) names the file."""
+    """Parse a JSON file; every failure (encoding, syntax, size, nesting) names the file (its name
+    clipped: a path string can be any length, and an OS error quotes it again)."""
+    name = clip(str(path), 300)
     try:
         if path.stat().st_size > MAX_FILE_BYTES:
-            raise WorkflowError(f"{path}: the file is over {MAX_FILE_BYTES >> 20} MiB; not a workflow")
+            raise WorkflowError(f"{name}: the file is over {MAX_FILE_BYTES >> 20} MiB; not a workflow")
         raw = path.read_bytes()
     except FileNotFoundError:
-        raise WorkflowError(f"{path}: workflow file not found") from None
+        raise WorkflowError(f"{name}: workflow file not found") from None
     except IsADirectoryError:
-        raise WorkflowError(f"{path}: is a folder, not a workflow file") from None
+        raise WorkflowError(f"{name}: is a folder, not a workflow file") from None
     except OSError as exc:
-        raise WorkflowError(f"{path}: cannot read workflow file: {exc}") from exc
+        raise WorkflowError(f"{name}: cannot read workflow file: {exc.strerror or type(exc).__name__}") from exc
     try:
         text = raw.decode("utf-8-sig")  # a BOM, as some Windows editors write, is accepted
     except UnicodeDecodeError as exc:
-        raise WorkflowError(f"{path}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+        raise WorkflowError(f"{name}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
                             "save the workflow as UTF-8 JSON") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         # str(exc) is the decoder's whole sentence ("Unterminated string starting at: line 1 column 9
         # (char 8)"); exc.msg alone can end mid-phrase.
-        raise WorkflowError(f"{path}: not valid JSON: {exc}") from None
+        raise WorkflowError(f"{name}: not valid JSON: {exc}") from None
     except RecursionError:
-        raise WorkflowError(f"{path}: the JSON nests too deeply to read (a workflow uses a few levels)") from None
+        raise WorkflowError(f"{name}: the JSON nests too deeply to read (a workflow uses a few levels)") from None
     except ValueError as exc:  # e.g. an integer with more digits than Python converts
-        raise WorkflowError(f"{path}: cannot read a value in the JSON: {clip(str(exc), 200)}") from None
+        raise WorkflowError(f"{name}: cannot read a value in the JSON: {clip(str(exc), 200)}") from None
 
 
 def detect_format(data: Any, origin: str = "<dict>") -> str:
