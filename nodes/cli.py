@@ -258,7 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", default="output", help="output folder (default ./output)")
     parser.add_argument("--video", metavar="FILE",
                         help="the input video of every LingBot Load Video node (v2v, extend); with Extend Video "
-                             "the whole clip is loaded, to continue from its end")
+                             "the whole clip is loaded (up to Load Video's 1025-frame cap: set its start_frame for a longer "
+                             "clip), to continue from its end")
     parser.add_argument("--segments", type=int, metavar="N", help="segments every LingBot Extend Video node adds")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="NODE.INPUT=VALUE",
                         help=f"override an input, e.g. {OVERRIDE_EXAMPLE}; NODE is an id, a unique class type "
