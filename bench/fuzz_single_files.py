@@ -327,7 +327,7 @@ def _library_refuses(path: Path) -> bool:
     return False
 
 
-def _vm_bytes() -> int:
+def vm_bytes() -> int:
     with open("/proc/self/status") as fh:
         for line in fh:
             if line.startswith("VmSize:"):
@@ -336,7 +336,7 @@ def _vm_bytes() -> int:
 
 
 def _child(conn, kind: str, path: Path, memory: int) -> None:
-    limit = _vm_bytes() + memory
+    limit = vm_bytes() + memory
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     try:
         outcome = open_case(kind, path)

@@ -212,8 +212,10 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def test_ctrl_c_in_a_real_process(tmp_path):
-    """SIGINT to `python -m lingbot_nodes` mid-run: exit 130, one line, no traceback, no file."""
+@pytest.mark.parametrize("signame,code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_ctrl_c_in_a_real_process(tmp_path, signame, code):
+    """SIGINT to `python -m lingbot_nodes` mid-run: exit 130, one line, no traceback, no file. SIGTERM (a
+    container stop) takes the same path, with exit code 143."""
     import os
     import signal
     import time
@@ -229,9 +231,9 @@ def test_ctrl_c_in_a_real_process(tmp_path):
         lines.append(line)
         if "Denoise: step 2/200" in line or not line:
             break
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(getattr(signal, signame))
     _, rest = proc.communicate(timeout=60)
-    assert proc.returncode == 130, "".join(lines) + rest
+    assert proc.returncode == code, "".join(lines) + rest
     assert rest.strip().splitlines()[-1] == "interrupted in Denoise", rest
     assert "Traceback" not in rest and "KeyboardInterrupt" not in rest
     assert not any(p.is_file() for p in tmp_path.rglob("*"))

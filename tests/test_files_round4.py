@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from bench.fuzz_single_files import vm_bytes
 from lingbot_core.errors import CheckpointError, WeightsError
 from lingbot_nodes import NODE_CLASS_MAPPINGS
 from lingbot_nodes import files as node_files
@@ -53,17 +54,9 @@ def raw_safetensors(path: Path, tensors: dict[str, tuple[str, list[int], bytes]]
     return path
 
 
-def _vm_bytes() -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmSize:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def _child(conn, fn, args, memory):
     if memory:
-        limit = _vm_bytes() + memory
+        limit = vm_bytes() + memory
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     try:
         fn(*args)

@@ -6,22 +6,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from test_readme import _table_rows as _table
+
 from lingbot_nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
 from lingbot_nodes.cli import SHORT_NAMES
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _table(header: str) -> list[list[str]]:
-    """The rows (cells, stripped) of the README table whose header line starts with `header`."""
-    lines = (ROOT / "README.md").read_text().splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith(header))
-    rows = []
-    for line in lines[start + 2:]:
-        if not line.startswith("|"):
-            break
-        rows.append([cell.strip() for cell in line.strip("|").split("|")])
-    return rows
 
 
 def _code(cell: str) -> str:
