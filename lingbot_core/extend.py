@@ -123,6 +123,30 @@ def segment_frames(handle, cond: stages.Conditioning, previous: torch.Tensor, *,
 
 # -- segments written as they finish ------------------------------------------------------------
 
+def model_identity(handle) -> dict[str, Any]:
+    """What the DiT that samples a segment is, for a saved segment's name: its files (path, size, mtime;
+    the folder where the handle has no file list), how its weights are held and multiplied, and the
+    view's LoRA stack. A swapped DiT, a transformer_path, a quantized copy or a LoRA never reuses
+    segments another model sampled."""
+    from .lora import lora_stack
+
+    shared = handle.shared
+    info = handle.info
+    source = info.sources.get(stages.TRANSFORMER) if info is not None else None
+    files = []
+    for path in getattr(source, "files", None) or []:
+        try:
+            st = os.stat(path)
+            files.append((str(path), st.st_size, st.st_mtime_ns))
+        except OSError:
+            files.append((str(path), None, None))
+    return {"folder": str(handle.folder or ""), "files": files, "student": str(shared.transformer_source),
+            "weights": shared.weights, "dtype": str(shared.dtypes.get(stages.TRANSFORMER)),
+            "fp8_matmul": shared.fp8_matmul, "attention": str(shared.attention_backend),
+            "loras": [(repr(item.lora.fingerprint), item.strength, item.apply_to)
+                      for item in lora_stack(handle).items]}
+
+
 def _digest(video: torch.Tensor, conds: Sequence[stages.Conditioning], settings: dict) -> str:
     """What a saved segment depends on: the input frames (8-bit), the encoded prompts, the settings."""
     h = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
@@ -186,7 +210,8 @@ def extend_video(handle, video: torch.Tensor, conds: stages.Conditioning | Seque
     if target is not None:
         target.mkdir(parents=True, exist_ok=True)
     settings = dict(k=k, num_frames=num_frames, steps=steps, guidance_scale=guidance_scale, shift=shift, seed=seed,
-                    tiling=tiling, options=sorted((n, repr(v)) for n, v in denoise_options.items()))
+                    tiling=tiling, options=sorted((n, repr(v)) for n, v in denoise_options.items()),
+                    model=model_identity(handle))
     joined = to_8bit(video)
     new = num_frames - overlap_frames(k)
     written = []

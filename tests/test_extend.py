@@ -195,3 +195,25 @@ def test_extend_node_refuses_a_parallel_pipe_before_any_work(dense, monkeypatch)
     monkeypatch.setattr(pool, "pool_of", lambda pipe: object())
     with pytest.raises(ValueError, match="from before LingBot Parallel"):
         LingBotExtendVideo.execute(handle, cond, _video(9), 1, 1, 9, 2, 1.0, 3.0, 1)
+
+
+def test_saved_segments_belong_to_the_model_that_sampled_them(dense, tmp_path):
+    """A segment saved by one model is not reused by another: here the same DiT with a LoRA on the view."""
+    from lingbot_core import lora as lora_ops
+
+    handle, cond = dense
+    dit = handle.component("transformer")
+    target = next(n for n, m in dit.named_modules() if n.endswith("attn.to_v"))
+    width = dict(dit.named_modules())[target].weight.shape[0]
+    g = torch.Generator().manual_seed(1)
+    lora = lora_ops.LoraFile.from_state_dict({
+        f"diffusion_model.{target}.lora_down.weight": torch.randn(2, width, generator=g),
+        f"diffusion_model.{target}.lora_up.weight": torch.randn(width, 2, generator=g)}, name="t")
+    with_lora = lora_ops.with_lora(handle, lora)
+    assert ext.model_identity(with_lora) != ext.model_identity(handle)
+    calls = []
+    ext.extend_video(handle, _video(9), cond, segments=1, k=1, num_frames=9, folder=tmp_path, keep=True, **RUN)
+    ext.extend_video(with_lora, _video(9), cond, segments=1, k=1, num_frames=9, folder=tmp_path, keep=True,
+                     callback=lambda *a: calls.append(a), **RUN)
+    assert len(calls) == RUN["steps"]  # sampled again, not read from the plain model's file
+    assert len(list(tmp_path.glob("*.npy"))) == 2
