@@ -211,3 +211,74 @@ def test_the_handle_and_the_core_command_take_sparse(tmp_path, capsys, monkeypat
     assert calls
     assert core_main([*args, "--sparse-tau", "2"]) == 2  # a sparse setting without --attention sparse
     assert "need --attention sparse" in capsys.readouterr().err
+
+
+def test_sparse_composes_with_quantized_weights_offload_and_the_step_cache(monkeypatch, tmp_path):
+    """fp8 weights quantized on load, sequential offload and the first-block step cache together with
+    `attention: sparse`: the sparse path runs (its trial passes) and the video comes out."""
+    from pathlib import Path
+
+    from lingbot_core.workflow import Engine, apply_overrides, load_workflow
+    from lingbot_nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+
+    monkeypatch.setenv("LINGBOT_OUTPUT_DIR", str(tmp_path / "out"))
+    monkeypatch.setattr(sa, "DEFAULTS", SparseSettings(density=0.25, min_tokens=0, dense_first=0.0))
+    calls = []
+    real = sa.eager_sparse_attention
+    monkeypatch.setattr(sa, "eager_sparse_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    api = Path(__file__).resolve().parents[1] / "workflows" / "api" / "lingbot_t2v_dense.json"
+    prompt = load_workflow(api, NODE_CLASS_MAPPINGS, display_names=NODE_DISPLAY_NAME_MAPPINGS)
+    prompt = apply_overrides(prompt, ['Loader.attention="sparse"', 'Loader.weights="fp8_e4m3"',
+                                      'Offload.mode="sequential"', 'Denoise.step_cache="first_block"',
+                                      "Denoise.cache_threshold=0.5", "Denoise.width=128", "Denoise.height=128",
+                                      "Denoise.steps=9"], NODE_CLASS_MAPPINGS)
+    decode = next(nid for nid, n in prompt.nodes.items() if n["class_type"] == "LingBotDecode")
+    frames = Engine(NODE_CLASS_MAPPINGS).run(prompt).output(decode)
+    assert calls and torch.isfinite(frames).all()
+    assert kernels.verdict("sparse_attention/eager", "cpu", torch.float32) == kernels.FAST
+
+
+def test_the_bench_runs_and_counts_fewer_blocks(capsys):
+    from bench import sparse_attention as bench
+
+    assert bench.main(["--frames", "1", "--settings", "density 0.25", "--threads", "1"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("2072")]
+    assert len(rows) == 2 and float(rows[1][-1]) < 1.0 and 0 < float(rows[1][-2]) < 1.0
+
+
+def test_a_gpu_without_comfy_kitchen_says_so_once_and_runs_eager(monkeypatch, caplog):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_kitchen(name, *args, **kwargs):
+        if name == "comfy_kitchen":
+            raise ImportError("no comfy_kitchen")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_kitchen)
+    monkeypatch.setattr(sa, "_said", set())
+    with caplog.at_level(logging.WARNING):
+        assert sa._kitchen(torch.device("cuda", 0)) is None and sa._kitchen(torch.device("cuda", 0)) is None
+        assert sa._kitchen(torch.device("cpu")) is None
+    said = [r.getMessage() for r in caplog.records if "comfy-kitchen" in r.getMessage()]
+    assert len(said) == 1 and "not installed" in said[0] and "eager path" in said[0]
+
+
+def test_comfy_kitchen_is_used_on_a_gpu_where_it_says_it_runs(monkeypatch):
+    """Through a fake comfy_kitchen module: its kernel is chosen on a CUDA device, and our settings and
+    the text tokens reach it as its tau / topk_ratio / sink blocks."""
+    import sys
+    import types
+
+    seen = {}
+    fake = types.SimpleNamespace(sol_attn_is_available=lambda device: True,
+                                 sol_attn=lambda q, k, v, **kw: seen.update(kw) or v)
+    monkeypatch.setitem(sys.modules, "comfy_kitchen", fake)
+    kernel = sa._kitchen(torch.device("cuda", 0))
+    assert kernel is fake.sol_attn
+    q, k, v = _qkv(5 * BLOCK)
+    sa._kitchen_call(kernel, q, k, v, SparseSettings(tau=0.7, density=0.3), n_video=4 * BLOCK + 10)
+    assert seen == {"tau": 0.7, "topk_ratio": 0.3, "sink_blocks": [4, 5], "sink_q": [4, 5]}
+    sa._kitchen_call(kernel, q, k, v, SparseSettings(), n_video=None)
+    assert seen["sink_blocks"] == [0, 0] and seen["topk_ratio"] == 0.0

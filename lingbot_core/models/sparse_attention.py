@@ -18,7 +18,7 @@ attend every key exactly.
 
 Two paths, one rule (`lingbot_core.kernels`, kernel `sparse_attention/<path>`): comfy-kitchen's
 `sol_attn` CUDA kernel where the optional `comfy-kitchen` package is installed and reports the
-device usable (`pip install lingbot-nodes[sparse]`), else our eager path (plain torch, block by
+device usable (the package's `sparse` extra), else our eager path (plain torch, block by
 block: it computes only the routed blocks, so its count of computed blocks is the real work, but it
 is a Python loop over query blocks and heads, not a fast kernel). Either one is tried on its first
 call, its first query block's rows checked (finite, inside the range of the values, since attention
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import kernels
+
+log = logging.getLogger("lingbot_core.kernels")
 
 __all__ = ["BLOCK", "DEFAULTS", "SPARSE", "SparseSettings", "attend_sparse", "eager_sparse_attention", "route", "scope"]
 
@@ -208,18 +211,27 @@ def eager_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, se
 
 # -- the two paths, by trial ------------------------------------------------------------------------
 
+_said: set[str] = set()
+
+
 def _kitchen(device: torch.device) -> Callable | None:
-    """comfy-kitchen's `sol_attn` where the package is installed and says it runs on `device`, else None."""
+    """comfy-kitchen's `sol_attn` where the package is installed and says it runs on `device`, else None
+    (on a GPU, said once: the eager path is slow there)."""
     if device.type != "cuda":
         return None
     try:
         import comfy_kitchen
     except ImportError:
-        return None
-    usable = getattr(comfy_kitchen, "sol_attn_is_available", None)
-    if usable is None or not usable(device):
-        return None
-    return comfy_kitchen.sol_attn
+        why = "comfy-kitchen is not installed (install it for the CUDA kernel)"
+    else:
+        usable = getattr(comfy_kitchen, "sol_attn_is_available", None)
+        if usable is not None and usable(device):
+            return comfy_kitchen.sol_attn
+        why = f"comfy-kitchen {getattr(comfy_kitchen, '__version__', '')} has no sol_attn kernel for this GPU"
+    if why not in _said:
+        _said.add(why)
+        log.warning("lingbot: sparse attention: %s; running its eager path (slow, same routing)", why)
+    return None
 
 
 def _kitchen_call(fn: Callable, q, k, v, settings: SparseSettings, n_video: int | None) -> torch.Tensor:
