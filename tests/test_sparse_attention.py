@@ -282,3 +282,30 @@ def test_comfy_kitchen_is_used_on_a_gpu_where_it_says_it_runs(monkeypatch):
     assert seen == {"tau": 0.7, "topk_ratio": 0.3, "sink_blocks": [4, 5], "sink_q": [4, 5]}
     sa._kitchen_call(kernel, q, k, v, SparseSettings(), n_video=None)
     assert seen["sink_blocks"] == [0, 0] and seen["topk_ratio"] == 0.0
+
+
+def test_sparse_composes_with_a_lora_on_the_moe(fixtures_root, monkeypatch):
+    """A LoRA view of a sparse-attention handle (tiny MoE): the sparse path runs under the merged
+    weights, and the LoRA still changes the result as it does with dense attention."""
+    from lingbot_core import lora as lora_ops
+    from lingbot_core import stages
+    from lingbot_core.handle import PipelineHandle
+
+    g = torch.Generator().manual_seed(1)
+    lora = lora_ops.LoraFile.from_state_dict({
+        "diffusion_model.blocks.1.attn.to_v.lora_down.weight": torch.randn(2, 32, generator=g) * 0.3,
+        "diffusion_model.blocks.1.attn.to_v.lora_up.weight": torch.randn(32, 2, generator=g) * 0.3,
+    }, name="to_v")
+    calls = []
+    real = sa.eager_sparse_attention
+    monkeypatch.setattr(sa, "eager_sparse_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    handle = PipelineHandle.open(fixtures_root / "models" / "tiny-moe", device="cpu", attention_backend="sparse",
+                                 sparse=SparseSettings(density=0.25, min_tokens=0, dense_first=0.0))
+    cond = stages.encode_prompt(handle, "a red boat", None)
+    calls.clear()  # the open's probe ran it once
+    run = dict(height=192, width=192, num_frames=5, steps=2, guidance_scale=1.0, seed=5)
+    plain = stages.denoise(handle, cond, **run)
+    before = len(calls)
+    merged = stages.denoise(lora_ops.with_lora(handle, lora, 1.0), cond, **run)
+    assert before > 0 and len(calls) == 2 * before
+    assert torch.isfinite(merged).all() and not torch.equal(merged, plain)
