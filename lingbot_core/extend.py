@@ -143,6 +143,7 @@ def model_identity(handle) -> dict[str, Any]:
     return {"folder": str(handle.folder or ""), "files": files, "student": str(shared.transformer_source),
             "weights": shared.weights, "dtype": str(shared.dtypes.get(stages.TRANSFORMER)),
             "fp8_matmul": shared.fp8_matmul, "attention": str(shared.attention_backend),
+            "sparse": repr(shared.sparse) if shared.attention_backend == "sparse" else None,
             "loras": [(repr(item.lora.fingerprint), item.strength, item.apply_to)
                       for item in lora_stack(handle).items]}
 

@@ -309,3 +309,15 @@ def test_sparse_composes_with_a_lora_on_the_moe(fixtures_root, monkeypatch):
     merged = stages.denoise(lora_ops.with_lora(handle, lora, 1.0), cond, **run)
     assert before > 0 and len(calls) == 2 * before
     assert torch.isfinite(merged).all() and not torch.equal(merged, plain)
+
+
+def test_extension_segments_know_the_sparse_settings(tmp_path):
+    """Saved extension segments are reused only by the same model: sparse settings are part of it."""
+    from lingbot_core import extend
+    from lingbot_core.handle import PipelineHandle
+    from lingbot_core.tiny import build_tiny_checkpoint
+
+    folder = build_tiny_checkpoint(tmp_path / "tiny", "dense", seed=0)
+    ids = [extend.model_identity(PipelineHandle.open(folder, device="cpu", attention_backend=a, sparse=s))
+           for a, s in (("sparse", SparseSettings(tau=1.0)), ("sparse", SparseSettings(tau=2.0)), (None, None))]
+    assert len({repr(i) for i in ids}) == 3
