@@ -321,3 +321,53 @@ def test_extension_segments_know_the_sparse_settings(tmp_path):
     ids = [extend.model_identity(PipelineHandle.open(folder, device="cpu", attention_backend=a, sparse=s))
            for a, s in (("sparse", SparseSettings(tau=1.0)), ("sparse", SparseSettings(tau=2.0)), (None, None))]
     assert len({repr(i) for i in ids}) == 3
+
+
+UL_DIT = dict(hidden_size=64, num_attention_heads=4, depth=2, intermediate_size=96, text_dim=32, freq_dim=32,
+              axes_dims=(4, 6, 6), axes_lens=(64, 32, 32))
+
+
+def _ulysses_worker(rank: int, port: int, out: str) -> None:
+    import json
+    from pathlib import Path
+
+    from bench._common import random_dit
+    from lingbot_core.parallel import ParallelLayout, enable_sequence_parallel
+    from lingbot_core.parallel.launch import init_loopback_group
+
+    torch.set_num_threads(1)
+    init_loopback_group(rank, 2, port)
+    try:
+        model = random_dit(UL_DIT, 0.05)
+        model.set_attention_backend("sparse", SparseSettings(density=0.25, min_tokens=0, dense_first=0.0))
+        g = torch.Generator().manual_seed(1)
+        x, text = torch.randn(1, 16, 3, 16, 16, generator=g), torch.randn(1, 8, 32, generator=g)  # 192 + 8 tokens
+        t = torch.tensor([500.0])
+        calls = []
+        real = sa.eager_sparse_attention
+        sa.eager_sparse_attention = lambda *a, **kw: calls.append(a[0].shape[2]) or real(*a, **kw)
+        with torch.no_grad():
+            alone = model(x, t, text, None, return_dict=False)[0]
+            enable_sequence_parallel(model, ParallelLayout.create(1, 2))
+            shared = model(x, t, text, None, return_dict=False)[0]
+        diff = float((shared - alone).norm() / alone.norm())
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"diff": diff, "heads": calls}))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_ulysses_routes_each_ranks_heads_as_one_process_does(tmp_path):
+    """Two gloo processes sharing the sequence (Ulysses): each runs sparse attention over its half of
+    the heads and the DiT's output equals the one-process sparse output."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from lingbot_core.parallel.launch import free_loopback_port
+
+    mp.start_processes(_ulysses_worker, args=(free_loopback_port(), str(tmp_path)), nprocs=2, join=True,
+                       start_method="fork")
+    for rank in range(2):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["diff"] < 1e-5, (rank, got)
+        assert got["heads"] == [4, 2], (rank, got)  # block 1 alone (4 heads), then under Ulysses (2 heads each)
