@@ -371,3 +371,47 @@ def test_ulysses_routes_each_ranks_heads_as_one_process_does(tmp_path):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert got["diff"] < 1e-5, (rank, got)
         assert got["heads"] == [4, 2], (rank, got)  # block 1 alone (4 heads), then under Ulysses (2 heads each)
+
+
+def test_compiled_blocks_call_the_sparse_path_eagerly(tmp_path, monkeypatch):
+    """compile="blocks" (dynamo with the eager backend here: the same graph capture without inductor's
+    time) with sparse attention: the sparse call runs outside the graph, every block ran compiled, and
+    the result equals the eager blocks'."""
+    from lingbot_core import stages
+    from lingbot_core.handle import PipelineHandle
+    from lingbot_core.models import compile as regional
+    from lingbot_core.models.compile import compile_problem
+    from lingbot_core.models.transformer import JointBlock
+    from lingbot_core.tiny import build_tiny_checkpoint
+
+    if compile_problem("cpu") is not None:
+        pytest.skip(compile_problem("cpu"))
+    folder = build_tiny_checkpoint(tmp_path / "tiny", "dense", seed=0)
+    settings = SparseSettings(density=0.25, min_tokens=0, dense_first=0.0)
+    run = dict(height=192, width=192, num_frames=5, steps=2, guidance_scale=1.0, seed=5)
+    handle = PipelineHandle.open(folder, device="cpu", attention_backend="sparse", sparse=settings)
+    cond = stages.encode_prompt(handle, "a red boat", None)
+    eager = stages.denoise(handle, cond, **run)
+    sparse_calls = []
+    real = sa.eager_sparse_attention
+    monkeypatch.setattr(sa, "eager_sparse_attention", lambda *a, **kw: sparse_calls.append(1) or real(*a, **kw))
+    calls = [0]
+    inner = torch.compile(JointBlock.compute, backend="eager", dynamic=True)
+
+    def counted(*args):
+        calls[0] += 1
+        return inner(*args)
+
+    torch._dynamo.reset()
+    regional._COMPILED.clear()
+    regional._COMPILED[("inductor", True)] = counted
+    try:
+        compiled = PipelineHandle.open(folder, device="cpu", attention_backend="sparse", sparse=settings,
+                                       compile="blocks")
+        sparse_calls.clear()  # the open's probe
+        frames = stages.denoise(compiled, cond, **run)
+    finally:
+        regional._COMPILED.clear()
+    depth = len(compiled.shared.get("transformer").blocks)
+    assert calls[0] == run["steps"] * depth and len(sparse_calls) == run["steps"] * (depth - 1)  # block 0 dense
+    assert torch.allclose(frames, eager, atol=1e-5)
