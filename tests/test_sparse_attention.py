@@ -415,3 +415,20 @@ def test_compiled_blocks_call_the_sparse_path_eagerly(tmp_path, monkeypatch):
     depth = len(compiled.shared.get("transformer").blocks)
     assert calls[0] == run["steps"] * depth and len(sparse_calls) == run["steps"] * (depth - 1)  # block 0 dense
     assert torch.allclose(frames, eager, atol=1e-5)
+
+
+def test_the_refiner_runs_sparse_too(fixtures_root, monkeypatch):
+    """The MoE refiner (where the tokens are most) gets the same attention choice and settings."""
+    from lingbot_core import stages
+    from lingbot_core.handle import PipelineHandle
+
+    handle = PipelineHandle.open(fixtures_root / "models" / "tiny-moe", device="cpu", attention_backend="sparse",
+                                 sparse=SparseSettings(density=0.25, min_tokens=0, dense_first=0.0))
+    cond = stages.encode_prompt(handle, "a boat", None)
+    calls = []
+    real = sa.eager_sparse_attention
+    monkeypatch.setattr(sa, "eager_sparse_attention", lambda *a, **kw: calls.append(a[0].shape[1]) or real(*a, **kw))
+    frames = torch.rand(5, 96, 96, 3, generator=torch.Generator().manual_seed(0))
+    out = stages.refine(handle, frames, cond, height=192, width=192, steps=2, seed=1)
+    assert calls and torch.isfinite(out).all()
+    assert handle.shared.get("refiner").sparse_settings == handle.shared.sparse
