@@ -3,6 +3,8 @@ offload mode, a LoRA view, quantized weights, the step cache and compiled blocks
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -128,3 +130,41 @@ def test_compiled_blocks_match_eager(fixtures_root, reference):
     assert calls[0] > 0
     assert torch.allclose(got[0], reference[0], atol=1e-5)
     assert (got[1].float() - reference[1].float()).abs().max() <= 1 / 255 + 1e-6  # 8-bit frames
+
+
+# -- lingbot-run --jobs: each job its own input video ----------------------------------------------------
+
+def test_jobs_give_each_v2v_its_own_video(tmp_path, capsys, monkeypatch):
+    import json
+
+    from lingbot_core import video as video_files
+    from lingbot_core.parallel.jobs import job_overrides, read_jobs
+    from lingbot_nodes.cli import main
+
+    clips = [video_files.save_mp4(torch.rand(9, 64, 64, 3, generator=torch.Generator().manual_seed(s)),
+                                  tmp_path / f"in{s}.mp4") for s in (1, 2)]
+    saved = {}  # the frames each written file got (x264 under load may encode one input two ways)
+    real = video_files.save_mp4
+
+    def recording(frames, path, *args, **kwargs):
+        saved[Path(path).name] = frames.clone()
+        return real(frames, path, *args, **kwargs)
+
+    monkeypatch.setattr(video_files, "save_mp4", recording)
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text("\n".join(json.dumps(j) for j in [
+        {"id": "one", "video": str(clips[0])}, {"id": "two", "video": str(clips[1])},
+        {"id": "gone", "video": str(tmp_path / "missing.mp4")}]) + "\n")
+    assert main(["v2v", "--output", str(tmp_path / "out"), "-q", "--jobs", str(jobs)]) == 1  # "gone" failed
+    made = [Path(p).name for p in capsys.readouterr().out.split()]
+    assert [name.split("_")[1] for name in made] == ["one", "two"]
+    manifest = [json.loads(line) for line in (tmp_path / "out" / "jobs.manifest.jsonl").read_text().splitlines()]
+    assert [e["status"] for e in manifest] == ["done", "done", "failed"]
+    assert "missing.mp4" in manifest[2]["error"] and "\n" not in manifest[2]["error"]
+    # each job's video is the one that ran: the same as --video with that file alone
+    assert main(["v2v", "--output", str(tmp_path / "alone"), "-q", "--video", str(clips[1])]) == 0
+    alone = Path(capsys.readouterr().out.split()[-1]).name
+    assert torch.equal(saved[made[1]], saved[alone]) and not torch.equal(saved[made[0]], saved[made[1]])
+    # on an extension the video key, like --video, takes the whole clip
+    nodes = {"3": {"class_type": "LingBotLoadVideo", "inputs": {}}, "9": {"class_type": "LingBotExtendVideo"}}
+    assert job_overrides(nodes, read_jobs(jobs)[0])[-1] == "3.frame_count=0"

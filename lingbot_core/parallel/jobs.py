@@ -124,6 +124,8 @@ JOB_FIELDS: dict[str, JobField] = {f.key: f for f in (
     JobField("cfg", ("LingBotDenoise",), ("cfg",), (int, float), "Denoise's guidance scale"),
     JobField("rewrite", ("LingBotRewrite",), ("prompt",), str,
              "the plain-words prompt of every Rewrite node (lingbot-run --rewrite, or a rewrite workflow)"),
+    JobField("video", ("LingBotLoadVideo",), ("path",), str,
+             "the input video file of every Load Video (v2v, extend; as --video, an extension takes the whole clip)"),
 )}
 _OTHER_KEYS = ("id", "set")
 
@@ -257,6 +259,8 @@ def job_overrides(nodes: dict[str, dict[str, Any]], job: Job) -> list[str]:
             raise ValueError(f"'{key}' sets {' / '.join(spec.classes)}, but the workflow has no such node")
         for nid in targets:
             out += [f"{nid}.{name}={json.dumps(v)}" for name, v in zip(spec.inputs, spec.values(value), strict=True)]
+            if key == "video" and any(n.get("class_type") == "LingBotExtendVideo" for n in nodes.values()):
+                out.append(f"{nid}.frame_count=0")  # as --video: an extension continues the whole clip
     return out + list(job.sets)
 
 
