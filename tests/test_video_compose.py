@@ -168,3 +168,34 @@ def test_jobs_give_each_v2v_its_own_video(tmp_path, capsys, monkeypatch):
     # on an extension the video key, like --video, takes the whole clip
     nodes = {"3": {"class_type": "LingBotLoadVideo", "inputs": {}}, "9": {"class_type": "LingBotExtendVideo"}}
     assert job_overrides(nodes, read_jobs(jobs)[0])[-1] == "3.frame_count=0"
+
+
+# -- the fit check counts the input video's VAE encode ---------------------------------------------------
+
+def test_the_fit_check_refuses_an_encode_that_cannot_fit(fixtures_root, monkeypatch):
+    """A budget the text and denoise phases fit but one VAE pass over the input does not: V2V and
+    the extension are refused in one line before the VAE (or anything else) loads."""
+    from lingbot_core import memory, stage_inputs
+
+    handle = _open(fixtures_root)
+    cond = stages.encode_prompt(handle, "a boat", "")
+    sizes = stage_inputs._model_sizes(handle)
+    size, frames, k = 64, 5, 1
+
+    def vae_pass(n: int) -> int:  # what one VAE pass over n frames needs: the estimator's VAE term
+        return sizes.vae + memory.activation_bytes(sizes, memory.Geometry(height=size, width=size,
+                                                                          num_frames=n))["decode"]
+
+    geometry = memory.Geometry(height=size, width=size, num_frames=frames, cfg=True)
+    sampling = memory.estimate_peak("sequential", sizes, geometry, phases=("text", "denoise"))
+    budget = min(vae_pass(frames), vae_pass(ext.overlap_frames(k))) - 1
+    assert sampling <= budget  # only the encode does not fit
+    monkeypatch.setattr(stage_inputs, "device_capacity", lambda _device: budget)
+    assert "vae" not in handle.shared.loaded
+    clip = torch.rand(frames, size, size, 3, generator=torch.Generator().manual_seed(3))
+    with pytest.raises(ValueError, match="encoding the input video .* even with sequential offload") as err:
+        video_to_video(handle, cond, video=clip, **{**V2V, "height": size, "width": size})
+    assert "\n" not in str(err.value) and "vae" not in handle.shared.loaded
+    with pytest.raises(ValueError, match="one extension segment .* even with sequential offload") as err:
+        ext.extend_video(handle, ext.to_8bit(clip), cond, **{**EXTEND, "k": k})
+    assert "\n" not in str(err.value) and not {"vae", "transformer"} & set(handle.shared.loaded)
