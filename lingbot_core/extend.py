@@ -32,6 +32,8 @@ import torch
 from . import image as image_ops
 from . import stage_inputs as checks
 from . import stages
+from .errors import RefusedInput
+from .parallel import stage as parallel_stage
 from .placement.door import stage
 from .sampling.guidance import StepCallback
 
@@ -197,6 +199,10 @@ def extend_video(handle, video: torch.Tensor, conds: stages.Conditioning | Seque
     each segment as it is done.
     """
     conds = [conds] if isinstance(conds, stages.Conditioning) else list(conds)
+    if parallel_stage.active_layout(handle) is not None:  # only rank 0 decodes: the others would
+        # condition the next segment on placeholder frames
+        raise RefusedInput("extending a video runs in one process: run it without --parallel / torchrun "
+                           "(or connect the pipe from before LingBot Parallel)")
     if not isinstance(video, torch.Tensor) or video.ndim != 4:
         check_extend_request(video, segments=segments, k=k, num_frames=num_frames, height=16, width=16)
     height, width = int(video.shape[1]), int(video.shape[2])

@@ -199,3 +199,55 @@ def test_the_fit_check_refuses_an_encode_that_cannot_fit(fixtures_root, monkeypa
     with pytest.raises(ValueError, match="one extension segment .* even with sequential offload") as err:
         ext.extend_video(handle, ext.to_8bit(clip), cond, **{**EXTEND, "k": k})
     assert "\n" not in str(err.value) and not {"vae", "transformer"} & set(handle.shared.loaded)
+
+
+# -- a parallel view (--parallel / torchrun): V2V on two gloo processes, extension refused ---------------
+
+def _parallel_worker(rank: int, world: int, port: int, out: str, tiny: str) -> None:
+    import json
+
+    from lingbot_core.parallel import ParallelLayout
+    from lingbot_core.parallel.launch import init_loopback_group
+
+    torch.set_num_threads(1)
+    init_loopback_group(rank, world, port)
+    try:
+        handle = PipelineHandle.open(tiny, device="cpu")
+        view = handle.with_parallel(ParallelLayout.create(2, 1))  # one CFG branch per process
+        cond = stages.encode_prompt(view, "a boat", "")
+        shared = video_to_video(view, cond, video=_clip().float(), **V2V)
+        every = [torch.empty_like(shared) for _ in range(world)]
+        torch.distributed.all_gather(every, shared)
+        found = {"same": all(torch.equal(e, shared) for e in every), "vae_loaded": "vae" in handle.shared.loaded}
+        try:
+            ext.extend_video(view, _clip(), cond, **EXTEND)
+            found["extend"] = "ran"
+        except ValueError as err:
+            found["extend"] = str(err)
+        if rank == 0:
+            alone = video_to_video(handle, stages.encode_prompt(handle, "a boat", ""), video=_clip().float(), **V2V)
+            found["diff"] = ((shared - alone).abs().max() / alone.abs().max()).item()
+        Path(out, f"rank{rank}.json").write_text(json.dumps(found))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def test_v2v_on_a_parallel_view_matches_one_process_and_extension_is_refused(tmp_path):
+    import json
+
+    import torch.multiprocessing as mp
+
+    from lingbot_core.parallel.launch import free_loopback_port
+    from lingbot_core.tiny import ensure_tiny_checkpoint
+
+    tiny = str(ensure_tiny_checkpoint("dense"))
+    method = "spawn" if torch.cuda.is_initialized() else "fork"
+    mp.start_processes(_parallel_worker, args=(2, free_loopback_port(), str(tmp_path), tiny), nprocs=2, join=True,
+                       start_method=method)
+    found = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert found[0]["diff"] <= 1e-5, found  # the CFG-parallel V2V is the one-process V2V
+    for rank, got in enumerate(found):
+        assert got["same"], rank
+        assert got["vae_loaded"] is (rank == 0), rank  # rank 0 encoded the input video; the other received it
+        assert "runs in one process" in got["extend"] and "\n" not in got["extend"], got
