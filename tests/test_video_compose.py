@@ -251,3 +251,27 @@ def test_v2v_on_a_parallel_view_matches_one_process_and_extension_is_refused(tmp
         assert got["same"], rank
         assert got["vae_loaded"] is (rank == 0), rank  # rank 0 encoded the input video; the other received it
         assert "runs in one process" in got["extend"] and "\n" not in got["extend"], got
+
+
+def test_v2v_through_lingbot_parallel_matches_one_device(fixtures_root, monkeypatch):
+    """The Denoise node with a video and denoise below 1 on a LingBot Parallel pipe (this process
+    rank 0, one forked worker, CFG parallel): the same latents as on the plain pipe."""
+    from lingbot_core.parallel_runs import pool as pool_module
+    from lingbot_core.parallel_runs.pool import PoolSpec, WorkerPool, tag
+    from lingbot_nodes import NODE_CLASS_MAPPINGS
+
+    monkeypatch.setattr(pool_module, "START_METHOD", "fork")
+    handle = _open(fixtures_root)
+    cond = stages.encode_prompt(handle, "a boat", "")
+    node = NODE_CLASS_MAPPINGS["LingBotDenoise"]
+    args = dict(width=32, height=32, frames=5, steps=4, cfg=3.0, shift=3.0, seed=7, video=_clip().float(), denoise=0.5)
+    expected = node.execute(handle, cond, **args)[0]["samples"]
+    pool = WorkerPool(PoolSpec.make(handle, "cpu,cpu", 2))
+    try:
+        got = node.execute(tag(handle, pool), cond, **args)[0]["samples"]
+        assert pool.started  # the denoise ran on the pool
+    finally:
+        pool.release()
+    assert float((got - expected).abs().max() / expected.abs().max()) <= 1e-5
+    plain = node.execute(handle, cond, **{**args, "denoise": 1.0})[0]["samples"]
+    assert not torch.equal(plain, expected)  # the video was used
