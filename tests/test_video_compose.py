@@ -275,3 +275,36 @@ def test_v2v_through_lingbot_parallel_matches_one_device(fixtures_root, monkeypa
     assert float((got - expected).abs().max() / expected.abs().max()) <= 1e-5
     plain = node.execute(handle, cond, **{**args, "denoise": 1.0})[0]["samples"]
     assert not torch.equal(plain, expected)  # the video was used
+
+
+def test_lingbot_run_v2v_jobs_under_parallel_and_extend_refused(tmp_path, fixtures_root, capfd):
+    """`lingbot-run v2v --parallel cfg=2,ulysses=1 --jobs` on two gloo ranks (torchrun's environment):
+    rank 0 writes the job's video from its own input; `extend --parallel` is refused in one line."""
+    import json
+
+    import torch.multiprocessing as mp
+    from jobs_worker import run_parallel_cli
+
+    from lingbot_core import video as video_files
+    from lingbot_core.parallel.launch import free_loopback_port
+
+    clip = video_files.save_mp4(torch.rand(9, 64, 64, 3, generator=torch.Generator().manual_seed(1)),
+                                tmp_path / "in.mp4")
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text(json.dumps({"id": "one", "video": str(clip), "steps": 3}) + "\n")
+    model = ["--model", str(fixtures_root / "models" / "tiny-dense")]  # built already, not raced by two ranks
+    runs = [["v2v", *model, "--parallel", "cfg=2,ulysses=1", "-q", "--jobs", str(jobs), "--output", str(tmp_path / "out")],
+            ["extend", *model, "--parallel", "cfg=2,ulysses=1", "-q", "--video", str(clip), "--segments", "1",
+             "--output", str(tmp_path / "ext")]]
+    ports = [free_loopback_port() for _ in runs]
+    method = "spawn" if torch.cuda.is_initialized() else "fork"
+    mp.start_processes(run_parallel_cli, args=(2, ports, str(tmp_path), runs, 1), nprocs=2, join=True,
+                       start_method=method)
+    found = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    v2v = [runs_of_rank[0] for runs_of_rank in found]
+    assert [r["code"] for r in v2v] == [0, 0], v2v
+    assert [Path(p).name for p in v2v[0]["printed"]] == ["v2v_one_00001_.mp4"] and v2v[1]["printed"] == []
+    manifest = [json.loads(line) for line in (tmp_path / "out" / "jobs.manifest.jsonl").read_text().splitlines()]
+    assert [(e["id"], e["status"]) for e in manifest] == [("one", "done")]
+    assert all(runs_of_rank[1]["code"] != 0 for runs_of_rank in found), found
+    assert "extending a video runs in one process" in capfd.readouterr().err
