@@ -4,12 +4,18 @@ One home for the schema facts, read by the Caption node (its widgets), the promp
 instructions and its check of what a model wrote) and the tests. A caption file is
 ``{"caption": {...}, "duration": seconds}``; the caption holds
 
-* ``comprehensive_description``: ``scene_content_description`` and, for video,
-  ``camera_movement_description``;
-* ``camera_info``: the seven categorical fields of :data:`CAMERA_FIELDS`;
+* ``comprehensive_description``: for video an object with ``scene_content_description`` and
+  ``camera_movement_description``; for a still image (the model's image shape) one string;
+* ``camera_info``: the seven categorical fields of :data:`CAMERA_FIELDS` (video) or
+  :data:`IMAGE_CAMERA_FIELDS` (image), each with its own value list;
 * ``world_knowledge``: a list of strings;
 * ``prominent_elements``: objects with ``name``, ``description`` and, for video, ``actions``
   (``timestamp`` written ``"[0.0s - 0.5s]"``, ``action``), every action within the duration.
+
+Two levels of checking: ``strict`` (the rewriter's own output, and the Caption node) keeps the value
+lists; a caption a user brings (``strict=False``) is judged on its shape only, and values outside the
+lists come back from :func:`caption_notes` as notes (the reference's own example captions use such
+values, e.g. ``Macro`` or ``Studio lighting``).
 """
 
 from __future__ import annotations
@@ -20,8 +26,8 @@ from typing import Any
 
 from .errors import surrogate_problem
 
-__all__ = ["CAMERA_FIELDS", "CAMERA_DEFAULTS", "TIMESTAMP_PATTERN", "caption_problems", "parse_timestamp",
-           "timestamp"]
+__all__ = ["CAMERA_FIELDS", "CAMERA_DEFAULTS", "IMAGE_CAMERA_FIELDS", "IMAGE_CAMERA_DEFAULTS", "RELATIVE_SIZES",
+           "TIMESTAMP_PATTERN", "camera_fields", "caption_notes", "caption_problems", "parse_timestamp", "timestamp"]
 
 CAMERA_FIELDS: dict[str, list[str]] = {
     "color": ["Warm", "Cool", "Mixed", "Saturated", "Desaturated", "Black and White", "Red", "Orange", "Yellow",
@@ -41,6 +47,29 @@ CAMERA_FIELDS: dict[str, list[str]] = {
 CAMERA_DEFAULTS: dict[str, str] = {
     "color": "Warm", "frame_size": "Medium", "shot_type_angle": "Eye level", "lens_size": "Medium",
     "composition": "Center", "lighting": "Soft light", "lighting_type": "Daylight"}
+
+IMAGE_CAMERA_FIELDS: dict[str, list[str]] = {
+    "color": ["Warm", "Cool", "Mixed", "Saturated", "Desaturated", "White", "Green", "Blue", "Red", "Cyan"],
+    "frame_size": ["Extreme Close Up", "Close Up", "Medium Close Up", "Medium", "Medium Wide", "Wide", "Extreme Wide"],
+    "shot_type_angle": ["Eye level", "Low angle", "High angle", "Overhead", "Aerial"],
+    "lens_size": ["Ultra Wide / Fisheye", "Wide", "Medium", "Long Lens", "Telephoto"],
+    "composition": ["Center", "Balanced", "Symmetrical", "Left heavy", "Right heavy"],
+    "lighting": ["Soft light", "Hard light", "Top light", "Underlight", "Backlight"],
+    "lighting_type": ["Daylight", "Artificial light"],
+}
+"""camera_info fields and the values the reference's image (t2i) rewriter lists for them: a list of its
+own, not a subset of the video one (``White`` is an image colour only)."""
+
+IMAGE_CAMERA_DEFAULTS: dict[str, str] = {field: CAMERA_DEFAULTS[field] for field in IMAGE_CAMERA_FIELDS}
+
+RELATIVE_SIZES = ["dominant", "large", "medium", "small"]
+"""``relative_size`` of an image caption's element (the reference's image rewriter asks for one of these)."""
+
+
+def camera_fields(video: bool) -> dict[str, list[str]]:
+    """The camera_info value lists for a video or a still-image caption."""
+    return CAMERA_FIELDS if video else IMAGE_CAMERA_FIELDS
+
 
 TIMESTAMP_PATTERN = re.compile(r"^\[(\d+(?:\.\d+)?)s - (\d+(?:\.\d+)?)s\]$")
 """An action's timestamp, e.g. ``[0.0s - 0.5s]`` (seconds, one space either side of the dash)."""
@@ -63,39 +92,68 @@ def _text(value: Any) -> bool:
     return isinstance(value, str) and bool(value.strip())
 
 
-def caption_problems(document: Any, duration: float | None) -> list[str]:
+def caption_problems(document: Any, duration: float | None, *, strict: bool = True) -> list[str]:
     """Everything wrong with a caption file for a clip of ``duration`` seconds (0 or None: a still
     image), one plain sentence each; an empty list means the caption is valid.
 
     ``document`` is the parsed ``{"caption": {...}, "duration": ...}`` (a bare caption object is
-    accepted too). For video, the last action must end at the duration.
+    accepted too). For video, the last action must end at the duration. ``strict`` (the rewriter's
+    own output) also holds camera_info to its value lists, a still image to the string description
+    and every action to a text; without it those are :func:`caption_notes`.
     """
+    return _review(document, duration, strict)[0]
+
+
+def caption_notes(document: Any, duration: float | None) -> list[str]:
+    """What a caption a user brings does differently from the value lists (values outside a list, an
+    image description written as an object, an empty camera movement, an action without text): worth a note, not a refusal."""
+    return _review(document, duration, False)[1]
+
+
+def _review(document: Any, duration: float | None, strict: bool) -> tuple[list[str], list[str]]:
+    """(problems, notes): with ``strict`` every note is a problem too."""
     video = bool(duration) and float(duration) > 0
     if not isinstance(document, dict):
-        return [f"the output must be a JSON object, got {type(document).__name__}"]
+        return [f"the output must be a JSON object, got {type(document).__name__}"], []
     surrogate = surrogate_problem(json.dumps(document, ensure_ascii=False, default=str), "the caption")
     if surrogate:  # a tokenizer refuses it late with a raw TypeError; a file or metadata write after the video
-        return [surrogate]
+        return [surrogate], []
     caption = document.get("caption", document)
     if not isinstance(caption, dict):
-        return ["'caption' must be a JSON object"]
+        return ["'caption' must be a JSON object"], []
     problems: list[str] = []
+    notes: list[str] = []
+    soft = problems if strict else notes  # off the lists: a problem for our own output, a note for a user's
     description = caption.get("comprehensive_description")
-    if not isinstance(description, dict):
-        problems.append("'comprehensive_description' is missing or not an object")
-    else:
+    if video:
+        if not isinstance(description, dict):
+            problems.append("'comprehensive_description' is missing or not an object (a video caption holds "
+                            "scene_content_description and camera_movement_description)")
+        else:
+            if not _text(description.get("scene_content_description")):
+                problems.append("'comprehensive_description.scene_content_description' is missing or empty")
+            movement = description.get("camera_movement_description")
+            if not isinstance(movement, str):
+                problems.append("'comprehensive_description.camera_movement_description' is missing")
+            elif not movement.strip():  # the reference's own examples leave it empty for a still camera
+                soft.append("'comprehensive_description.camera_movement_description' is empty")
+    elif isinstance(description, dict):
         if not _text(description.get("scene_content_description")):
             problems.append("'comprehensive_description.scene_content_description' is missing or empty")
-        if video and not _text(description.get("camera_movement_description")):
-            problems.append("'comprehensive_description.camera_movement_description' is missing or empty")
+        soft.append("'comprehensive_description' is an object; an image caption writes it as one string")
+    elif not _text(description):
+        problems.append("'comprehensive_description' is missing or empty (an image caption writes it as one "
+                        "string)")
     camera = caption.get("camera_info")
     if not isinstance(camera, dict):
         problems.append("'camera_info' is missing or not an object")
     else:
-        for field, allowed in CAMERA_FIELDS.items():
+        for field, allowed in camera_fields(video).items():
             value = camera.get(field)
-            if value not in allowed:
+            if not _text(value):
                 problems.append(f"'camera_info.{field}' is {value!r}; use one of: {', '.join(allowed)}")
+            elif value not in allowed:
+                soft.append(f"'camera_info.{field}' is {value!r}, outside its list: {', '.join(allowed)}")
     knowledge = caption.get("world_knowledge")
     if not isinstance(knowledge, list) or not all(isinstance(k, str) for k in knowledge):
         problems.append("'world_knowledge' must be a list of strings (it may be empty)")
@@ -122,9 +180,11 @@ def caption_problems(document: Any, duration: float | None) -> list[str]:
             continue
         for j, action in enumerate(actions):
             spot = f"{where}.actions[{j}]"
-            if not isinstance(action, dict) or not _text(action.get("action")):
-                problems.append(f"{spot} needs a non-empty 'action' text")
+            if not isinstance(action, dict):
+                problems.append(f"{spot} must be an object with a timestamp and an action text")
                 continue
+            if not _text(action.get("action")):
+                soft.append(f"{spot} has no 'action' text")
             span = parse_timestamp(action.get("timestamp"))
             if span is None:
                 problems.append(f"{spot}.timestamp is {action.get('timestamp')!r}; write it like '[0.0s - 2.5s]'")
@@ -142,4 +202,4 @@ def caption_problems(document: Any, duration: float | None) -> list[str]:
     if "caption" in document and video and (not isinstance(declared, (int, float)) or
                                             abs(float(declared) - float(duration)) > END_TOLERANCE):
         problems.append(f"'duration' is {declared!r}; it must be {float(duration):g}")
-    return problems
+    return problems, notes

@@ -1,10 +1,11 @@
 """LingBot Caption: builds the structured JSON caption LingBot-Video was trained on, from widgets.
 
 The shape is the reference's prompt file, ``{"caption": {...}, "duration": seconds}``, where the
-caption holds ``comprehensive_description`` (scene, camera movement), ``camera_info`` (seven
-categorical fields), ``world_knowledge`` and ``prominent_elements`` (name, description and, for
-video, actions with ``"[a.as - b.bs]"`` timestamps that must lie within the duration). Text Encode
-takes the result as it is.
+caption holds ``comprehensive_description`` (for video the scene and the camera movement; for a
+still image, duration 0, one string, the model's image shape), ``camera_info`` (seven categorical
+fields, from the video or the image value lists), ``world_knowledge`` and ``prominent_elements``
+(name, description and, for video, actions with ``"[a.as - b.bs]"`` timestamps that must lie within
+the duration). Text Encode takes the result as it is.
 
 Elements are written one per paragraph in a small text format (or as a JSON list)::
 
@@ -21,7 +22,7 @@ import re
 from typing import Any
 
 from lingbot_core.caption_schema import CAMERA_DEFAULTS as DEFAULTS
-from lingbot_core.caption_schema import CAMERA_FIELDS, timestamp
+from lingbot_core.caption_schema import CAMERA_FIELDS, IMAGE_CAMERA_FIELDS, camera_fields, timestamp
 
 from .types import CATEGORY, Choice, InputProblems
 from .v3 import io
@@ -33,6 +34,12 @@ _ACTION = re.compile(r"^\s*\[?\s*(\d+(?:\.\d+)?)\s*s?\s*-\s*(\d+(?:\.\d+)?)\s*s?
 EXAMPLE_ELEMENTS = ("paper boat: A small folded red paper boat.\n"
                     "  0-3: floats forward with the current\n"
                     "  3-5: turns slowly toward the stone bridge")
+
+
+CAMERA_CHOICES: dict[str, list[str]] = {
+    field: values + [v for v in IMAGE_CAMERA_FIELDS.get(field, []) if v not in values]
+    for field, values in CAMERA_FIELDS.items()}
+"""Each camera widget's options: the video list, then the values only the image list has (White)."""
 
 
 def frames_for(duration: float, fps: int) -> int:
@@ -96,13 +103,21 @@ def _last_end(elements: list[dict[str, Any]]) -> float:
     return max(ends)
 
 
-def caption_problems(elements: str, duration: float, scene: str | None = None) -> dict[str, str]:
-    """One message per wrong input: the elements text, the duration against the last action."""
+def caption_problems(elements: str, duration: float, scene: str | None = None,
+                     camera: dict[str, str] | None = None) -> dict[str, str]:
+    """One message per wrong input: the elements text, the duration against the last action, a
+    camera value outside the list of the caption's kind (video, or a still image at duration 0)."""
     problems: dict[str, str] = {}
     if scene is not None and not scene.strip():
         problems["scene_description"] = "describe the scene (it is the core of the caption)"
     if duration is None or elements is None:
         return problems
+    video = float(duration) > 0
+    for field, value in (camera or {}).items():
+        allowed = camera_fields(video).get(field)
+        if allowed is not None and value not in allowed:
+            kind = "a video" if video else "a still image (duration 0)"
+            problems[field] = f"{value!r} is not a {field} value for {kind}; use one of: {', '.join(allowed)}"
     try:
         parsed = parse_elements(elements, video=float(duration) > 0)
     except ValueError as exc:
@@ -122,9 +137,10 @@ def build_caption(scene: str, camera_movement: str, camera: dict[str, str], elem
     for element in parsed:
         for action in element.get("actions") or []:
             action.pop("_end", None)
-    description = {"scene_content_description": scene.strip()}
+    description: Any = scene.strip()  # a still image: one string, the model's image shape
     if video:
-        description["camera_movement_description"] = camera_movement.strip() or "Static camera."
+        description = {"scene_content_description": scene.strip(),
+                       "camera_movement_description": camera_movement.strip() or "Static camera."}
     caption = {"comprehensive_description": description, "camera_info": dict(camera), "world_knowledge": [],
                "prominent_elements": parsed}
     duration_value: float | int | None = None
@@ -139,8 +155,10 @@ class LingBotCaption(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         camera = [Choice(name, options=options, default=DEFAULTS[name],
-                         tooltip=f"camera_info.{name} of the caption")
-                  for name, options in CAMERA_FIELDS.items()]
+                         tooltip=f"camera_info.{name} of the caption"
+                                 + ("" if options == IMAGE_CAMERA_FIELDS[name] == CAMERA_FIELDS[name] else
+                                    f" (a still image takes: {', '.join(IMAGE_CAMERA_FIELDS[name])})"))
+                  for name, options in CAMERA_CHOICES.items()]
         return io.Schema(
             node_id="LingBotCaption",
             display_name="LingBot Caption",
@@ -188,11 +206,11 @@ class LingBotCaption(io.ComfyNode):
     @classmethod
     def execute(cls, scene_description, camera_movement, color, frame_size, shot_type_angle, lens_size,
                 composition, lighting, lighting_type, elements, duration, fps):
-        problems = caption_problems(elements, duration, scene_description)
-        if problems:
-            raise ValueError(str(InputProblems(problems)))
         camera = dict(color=color, frame_size=frame_size, shot_type_angle=shot_type_angle, lens_size=lens_size,
                       composition=composition, lighting=lighting, lighting_type=lighting_type)
+        problems = caption_problems(elements, duration, scene_description, camera)
+        if problems:
+            raise ValueError(str(InputProblems(problems)))
         caption = build_caption(scene_description, camera_movement, camera, elements, float(duration))
         text = json.dumps(caption, ensure_ascii=False, separators=(",", ":"))
         return io.NodeOutput(text, frames_for(float(duration), int(fps)))

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from lingbot_core.caption_schema import CAMERA_DEFAULTS, timestamp
+from lingbot_core.caption_schema import CAMERA_DEFAULTS, IMAGE_CAMERA_DEFAULTS, timestamp
 
 
 def valid_caption(duration: float = 5.0, video: bool = True) -> dict[str, Any]:
@@ -19,10 +19,12 @@ def valid_caption(duration: float = 5.0, video: bool = True) -> dict[str, Any]:
     if video:
         element["actions"] = [{"timestamp": timestamp(0, duration / 2), "action": "drifts forward"},
                               {"timestamp": timestamp(duration / 2, duration), "action": "turns to the bridge"}]
-    description = {"scene_content_description": "A canal at dawn with mist over the water."}
+    scene = "A canal at dawn with mist over the water."
+    description: Any = scene  # a still image's description is one string (the model's image shape)
     if video:
-        description["camera_movement_description"] = "The camera tracks right."
-    caption = {"comprehensive_description": description, "camera_info": dict(CAMERA_DEFAULTS),
+        description = {"scene_content_description": scene, "camera_movement_description": "The camera tracks right."}
+    caption = {"comprehensive_description": description,
+               "camera_info": dict(CAMERA_DEFAULTS if video else IMAGE_CAMERA_DEFAULTS),
                "world_knowledge": [], "prominent_elements": [element]}
     return {"caption": caption, "duration": duration if video else None}
 

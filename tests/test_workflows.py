@@ -129,7 +129,7 @@ def test_t2v_dense_converts_as_written_out_by_hand():
         "6": {"class_type": "LingBotSaveVideo", "_meta": {"title": "Save"},
               "inputs": {"images": ["5", 0], "fps": 24.0, "filename_prefix": "lingbot/t2v"}},
     }
-    assert _ui_prompt_text().startswith('{"comprehensive_description"')
+    assert _ui_prompt_text().startswith('{"caption":{"comprehensive_description"')
     ui = json.loads((ROOT / "lingbot_t2v_dense.json").read_text())
     assert ui_to_api(ui, NODE_CLASS_MAPPINGS, display_names=NODE_DISPLAY_NAME_MAPPINGS) == expected
     assert json.loads((ROOT / "api" / "lingbot_t2v_dense.json").read_text()) == expected

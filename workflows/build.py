@@ -22,16 +22,28 @@ from bench.recipes import note_figures  # noqa: E402
 from lingbot_core.workflow.nodeinfo import InputSpec, NodeClassInfo  # noqa: E402
 from nodes import NODE_CLASS_MAPPINGS  # noqa: E402
 
-PROMPT = ('{"comprehensive_description":{"scene_content_description":"A small red paper boat drifts along a '
-          'narrow canal at dawn. Soft mist hangs over the water and a stone bridge arches in the background.",'
+# The shipped example captions, each in the reference's prompt-file shape ({"caption": ..., "duration": ...}) and
+# passing the pack's caption check (tests/test_caption_shapes.py): video for T2V/V2V, the model's image shape
+# (comprehensive_description one string, the image camera lists) for T2I, video from a first frame for TI2V.
+_CAMERA = ('"camera_info":{"color":"Warm","frame_size":"Medium","shot_type_angle":"Eye level","lens_size":"Medium",'
+           '"composition":"Center","lighting":"Soft light","lighting_type":"Daylight"}')
+_STILL_CAMERA = ('"camera_info":{"color":"Warm","frame_size":"Close Up","shot_type_angle":"High angle",'
+                 '"lens_size":"Medium","composition":"Center","lighting":"Soft light","lighting_type":"Daylight"}')
+PROMPT = ('{"caption":{"comprehensive_description":{"scene_content_description":"A small red paper boat drifts along '
+          'a narrow canal at dawn. Soft mist hangs over the water and a stone bridge arches in the background.",'
           '"camera_movement_description":"The camera tracks slowly to the right, keeping the boat centered."},'
-          '"camera_info":{"color":"Warm","frame_size":"Medium Shot","lighting":"Soft light"},'
-          '"world_knowledge":[],"prominent_elements":[{"name":"paper boat","description":"A folded red paper boat.",'
-          '"actions":[{"timestamp":"[0.0s - 5.0s]","action":"Floats forward with the current."}]}]}')
-IMAGE_PROMPT = ('{"comprehensive_description":{"scene_content_description":"The teapot on a wooden table, '
-                'a gentle curl of steam rising from its spout.","camera_movement_description":"Static camera."},'
-                '"camera_info":{"color":"Natural","frame_size":"Close Up","lighting":"Window light"},'
-                '"world_knowledge":[],"prominent_elements":[{"name":"teapot","description":"Round, blue glaze."}]}')
+          + _CAMERA + ',"world_knowledge":[],"prominent_elements":[{"name":"paper boat","description":"A folded red '
+          'paper boat.","actions":[{"timestamp":"[0.0s - 5.0s]","action":"Floats forward with the current."}]}]},'
+          '"duration":5}')
+IMAGE_PROMPT = ('{"caption":{"comprehensive_description":"A round teapot with a blue glaze stands on a wooden table '
+                'by a window, a gentle curl of steam rising from its spout.",' + _STILL_CAMERA +
+                ',"world_knowledge":[],"prominent_elements":[{"name":"teapot","description":"Round, blue glaze.",'
+                '"location":"center of the frame","relative_size":"large"}]},"duration":null}')
+FRAME_PROMPT = ('{"caption":{"comprehensive_description":{"scene_content_description":"The teapot on a wooden '
+                'table, a gentle curl of steam rising from its spout.","camera_movement_description":"Static '
+                'camera."},' + _STILL_CAMERA + ',"world_knowledge":[],"prominent_elements":[{"name":"teapot",'
+                '"description":"Round, blue glaze.","actions":[{"timestamp":"[0.0s - 5.0s]","action":"Steam '
+                'curls up from the spout."}]}]},"duration":5}')
 
 NOTE = ("Runs as shipped on the built-in tiny random-weight model (its output is noise) at a small size. "
         "For real output pick your checkpoint folder under models/lingbot_video/ in the Loader, then use "
@@ -118,7 +130,7 @@ STUDENT_HOW = (f"For real output download {STUDENT_RELEASE} (a complete model ro
 
 def student_nodes(task: str, prefix: str) -> list:
     """The DMD student's graph on the tiny root laid out like the release: T2V, or TI2V with a first frame."""
-    prompt = PROMPT if task == "t2v" else IMAGE_PROMPT
+    prompt = PROMPT if task == "t2v" else FRAME_PROMPT
     denoise = dict(width=64, height=64, frames=9, seed=42, **PROFILES["DMD 8-step"])
     if task == "t2v":
         return [
@@ -199,7 +211,7 @@ WORKFLOWS = {
             offload_node(),
             (3, "LingBotLoadImage", "Load Image", dict(path=""), {}),
             (4, "LingBotImageEncode", "First frame", dict(width=64, height=64), {"pipe": (2, 0), "image": (3, 0)}),
-            (5, "LingBotTextEncode", "Prompt", dict(prompt=IMAGE_PROMPT, negative_prompt="", task="ti2v"),
+            (5, "LingBotTextEncode", "Prompt", dict(prompt=FRAME_PROMPT, negative_prompt="", task="ti2v"),
              {"pipe": (2, 0), "image_cond": (4, 0)}),
             (6, "LingBotDenoise", "Denoise", dict(width=64, height=64, frames=9, steps=4, cfg=3.0, shift=3.0, seed=42),
              {"pipe": (2, 0), "conditioning": (5, 0), "image_cond": (4, 0)}),

@@ -8,8 +8,9 @@ Change :data:`VERSION` whenever a text here changes: it is part of the cache key
 from __future__ import annotations
 
 import json
+from typing import Any
 
-from ..caption_schema import CAMERA_DEFAULTS, CAMERA_FIELDS, timestamp
+from ..caption_schema import CAMERA_DEFAULTS, IMAGE_CAMERA_DEFAULTS, RELATIVE_SIZES, camera_fields, timestamp
 
 VERSION = "1"
 TASKS = ("t2v", "ti2v", "t2i")
@@ -40,16 +41,21 @@ def expand_messages(prompt: str, task: str, duration: float) -> tuple[str, str]:
 
 
 def _example(task: str, duration: float) -> str:
+    """The caption's shape with placeholders: the video shape, or the model's image shape (the
+    description one string, elements placed and sized in the frame)."""
     video = task != "t2i"
     half = round(duration / 2, 1)
-    element = {"name": "<short name>", "description": "<look, colour, material, place in the frame>"}
+    element: dict = {"name": "<short name>", "description": "<look, colour, material>"}
     if video:
         element["actions"] = [{"timestamp": timestamp(0.0, half), "action": "<what it does>"},
                               {"timestamp": timestamp(half, duration), "action": "<what it does next>"}]
-    description = {"scene_content_description": "<the scene: subjects, setting, light, atmosphere>"}
-    if video:
-        description["camera_movement_description"] = "<how the camera moves over the clip>"
-    caption = {"comprehensive_description": description, "camera_info": dict(CAMERA_DEFAULTS),
+        description: Any = {"scene_content_description": "<the scene: subjects, setting, light, atmosphere>",
+                            "camera_movement_description": "<how the camera moves over the clip>"}
+    else:
+        element.update(location="<where it sits in the frame>", relative_size=RELATIVE_SIZES[2])
+        description = "<one paragraph on the whole picture: subjects, their look and arrangement, setting, light>"
+    caption = {"comprehensive_description": description,
+               "camera_info": dict(CAMERA_DEFAULTS if video else IMAGE_CAMERA_DEFAULTS),
                "world_knowledge": ["<a fact the picture relies on, or none>"], "prominent_elements": [element]}
     return json.dumps({"caption": caption, "duration": duration if video else None}, ensure_ascii=False)
 
@@ -57,7 +63,7 @@ def _example(task: str, duration: float) -> str:
 def map_messages(detail: str, task: str, duration: float) -> tuple[str, str]:
     """(system, user) for stage 2: the detailed text as one caption JSON object."""
     video = task != "t2i"
-    vocabulary = "\n".join(f"- {field}: {' | '.join(values)}" for field, values in CAMERA_FIELDS.items())
+    vocabulary = "\n".join(f"- {field}: {' | '.join(values)}" for field, values in camera_fields(video).items())
     rules = [
         "Reply with one JSON object and nothing else: no code fence, no comment before or after it.",
         "Take every fact from the description; where it is silent about a camera_info field, choose the value "
@@ -74,7 +80,10 @@ def map_messages(detail: str, task: str, duration: float) -> tuple[str, str]:
             f"duration is {duration:g}.",
         ]
     else:
-        rules += ["This is a still image: no camera_movement_description, no actions, duration null."]
+        rules += ["This is a still image: comprehensive_description is one string (not an object), no camera "
+                  "movement, no actions, duration null.",
+                  "Each element also has a location in the frame and a relative_size, one of: "
+                  + " | ".join(RELATIVE_SIZES) + "."]
     system = ("You write structured captions for a " + ("video" if video else "image") + " generator. "
               "Turn the description you are given into the caption JSON shown below.\n\nShape:\n"
               + _example(task, duration) + "\n\nRules:\n" + "\n".join(f"{i}. {r}" for i, r in enumerate(rules, 1)))
