@@ -74,17 +74,19 @@ def test_every_offload_mode_equals_none(fixtures_root, reference, lora_reference
 
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory, fixtures_root):
+    """The tiny dense checkpoint as fp8 and as GGUF Q8_0, quantized once."""
     from lingbot_core.quantize import quantize_checkpoint
 
-    return quantize_checkpoint(fixtures_root / "models" / "tiny-dense", tmp_path_factory.mktemp("compose") / "fp8",
-                               "fp8")
+    root = tmp_path_factory.mktemp("compose")
+    return {t: quantize_checkpoint(fixtures_root / "models" / "tiny-dense", root / t, t) for t in ("fp8", "gguf-q8_0")}
 
 
+@pytest.mark.parametrize("target", ["fp8", "gguf-q8_0"])
 @pytest.mark.parametrize("mode", ["none", MODES[-1]])
-def test_quantized_weights_under_offload(quantized, reference, mode):
-    plain = _both(PipelineHandle.open(quantized, device="cpu"))
-    assert not torch.equal(plain[0], reference[0])  # the fp8 weights are what ran
-    handle = PipelineHandle.open(quantized, device="cpu")
+def test_quantized_weights_under_offload(quantized, reference, mode, target):
+    plain = _both(PipelineHandle.open(quantized[target], device="cpu"))
+    assert not torch.equal(plain[0], reference[0])  # the quantized weights are what ran
+    handle = PipelineHandle.open(quantized[target], device="cpu")
     configure_offload(handle, mode, **OPTS.get(mode, {}))
     got = _both(handle)
     assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
@@ -101,8 +103,11 @@ def test_step_cache(fixtures_root):
     skipping = _both(handle, **many, step_cache=StepCacheSettings("first_block", threshold=1e9, warmup_steps=2,
                                                                    max_skips=3))
     assert not torch.equal(skipping[0], off[0]) and not torch.equal(skipping[1], off[1])
+    cond = stages.encode_prompt(handle, "a boat", "")
     with pytest.raises(ValueError, match="step_cache to off"):
-        _both(handle, step_cache="first_block")
+        video_to_video(handle, cond, video=_clip().float(), **V2V, step_cache="first_block")
+    with pytest.raises(ValueError, match="step_cache to off"):
+        ext.extend_video(handle, _clip(), cond, **EXTEND, step_cache="first_block")
 
 
 def test_compiled_blocks_match_eager(fixtures_root, reference):
