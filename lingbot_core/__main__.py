@@ -39,19 +39,6 @@ def _non_negative(text: str) -> float:
     return value
 
 
-def _chunk(text: str) -> str | int:
-    """`auto`, or a number of tokens >= 0 (0: never chunk)."""
-    if text == "auto":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected auto or a number of tokens, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 (never chunk) or more, got {text}")
-    return value
-
-
 def _sparse_settings(args: argparse.Namespace):
     """The --sparse-* options as sparse attention's settings (None: its defaults); a bad one is refused."""
     from .errors import RefusedInput
@@ -71,8 +58,7 @@ def _sparse_settings(args: argparse.Namespace):
 
 def build_parser() -> argparse.ArgumentParser:
     """The command's options (the README's commands are parsed with this in the tests)."""
-    from .weights.decode import DECODERS
-    from .weights.fp8 import FP8_MATMULS
+    from .handle import settings_flags
 
     parser = argparse.ArgumentParser(prog="python -m lingbot_core", description=__doc__)
     parser.add_argument("--model", help="checkpoint folder (default: the tiny built-in checkpoint)")
@@ -104,8 +90,6 @@ def build_parser() -> argparse.ArgumentParser:
                              "to fit; on the CPU: none)")
     parser.add_argument("--offload-to", choices=("ram", "disk"), default="ram",
                         help="the offloaded DiT's home: ram, or disk (streamed from its file)")
-    parser.add_argument("--weights", choices=("auto", "fp8_e4m3"), default="auto",
-                        help="auto: the DiT as stored (bf16, fp8 or GGUF); fp8_e4m3: quantize it on load")
     parser.add_argument("--tiling", action="store_true", help="tiled VAE decode (much less memory)")
     parser.add_argument("--sampler", default=None,
                         help="flow_unipc (default), euler or dmd_student (a DMD student checkpoint such as "
@@ -119,18 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "(after one run with magcache_calibrate); more than 8 steps only")
     parser.add_argument("--cache-threshold", type=_non_negative, default=None,
                         help="the step cache's threshold (default: the method's)")
-    parser.add_argument("--ffn-chunk", type=_chunk, default="auto",
-                        help="tokens per FFN/MoE pass: auto (default: chunks only when the memory estimate needs "
-                             "them), 0 (never), or a number")
-    parser.add_argument("--fp8-matmul", default="decode", choices=FP8_MATMULS,
-                        help="fp8 DiT weights: decode (default, exact), auto (fp8 tensor cores on GPUs of compute "
-                             "capability 9.0+, else decode) or scaled_mm")
-    parser.add_argument("--decoder", default="auto", choices=DECODERS,
-                        help="fp8/GGUF DiT weights: auto (default: a compiled decoder on the CPU for big weights, "
-                             "checked against eager on first use; eager elsewhere or if it fails), eager or compiled")
-    parser.add_argument("--attention", default="default",
-                        help="DiT attention: default (PyTorch SDPA), a diffusers backend name (flash, sage, ...) "
-                             "or sparse (block-sparse, see docs/benchmarks.md)")
+    for flag, options in settings_flags():  # the handle's settings (lingbot_core.handle.HandleSettings)
+        parser.add_argument(flag, **options)
     parser.add_argument("--sparse-tau", type=_non_negative, default=None,
                         help="sparse attention: routing threshold in score deviations (default 1.0; higher: sparser)")
     parser.add_argument("--sparse-density", type=_positive(float), default=None,
@@ -235,7 +209,7 @@ def _checked_run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, output: Path) -> int:
     import time
 
-    from .handle import PipelineHandle
+    from .handle import PipelineHandle, settings_from_flags
     from .memory import Geometry
     from .offload import check_handle, configure_offload, require_refiner
     from .save_path import save_target
@@ -264,9 +238,7 @@ def _run(args: argparse.Namespace, output: Path) -> int:
     refine = None
     if args.refine:
         refine = (args.refine_height or (2 * height if tiny else 1088), args.refine_width or (2 * width if tiny else 1920))
-    handle = PipelineHandle.open(folder, device=args.device, weights=args.weights, ffn_chunk=args.ffn_chunk,
-                                 fp8_matmul=args.fp8_matmul, decoder=args.decoder,
-                                 attention_backend=None if args.attention == "default" else args.attention,
+    handle = PipelineHandle.open(folder, device=args.device, **settings_from_flags(args),
                                  sparse=_sparse_settings(args))
     require_refiner(handle, refine)
     handle = configure_offload(handle, args.offload, offload_to=args.offload_to,

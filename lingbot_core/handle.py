@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,34 +42,282 @@ from .weights.state import ModelState
 
 log = logging.getLogger("lingbot_core.weights")
 ALL_COMPONENTS = ALL  # the component table's names (components.TABLE)
-__all__ = ["ALL_COMPONENTS", "OffloadSettings", "PipelineHandle", "SharedComponents", "default_device"]
+__all__ = ["ALL_COMPONENTS", "HandleSettings", "OffloadSettings", "PipelineHandle", "SharedComponents", "default_device"]
+
+
+def _fp8_matmuls() -> list[str]:
+    from .weights.fp8 import FP8_MATMULS
+
+    return list(FP8_MATMULS)
+
+
+def _decoders() -> list[str]:
+    from .weights.decode import DECODERS
+
+    return list(DECODERS)
+
+
+def _compile_choices() -> list[str]:
+    from .models.compile import COMPILE_CHOICES
+
+    return list(COMPILE_CHOICES)
+
+
+def _chunk_choices() -> list[str]:
+    from .placement.estimate import FFN_CHUNK_CHOICES
+
+    return list(FFN_CHUNK_CHOICES)
+
+
+def _chunk_flag(text: str) -> str | int:
+    """`--ffn-chunk`: `auto`, or a number of tokens >= 0 (0: never chunk)."""
+    import argparse
+
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a number of tokens, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (never chunk) or more, got {text}")
+    return value
+
+
+def _attention_value(choice: str) -> str | None:
+    """The CLI's/Loaders' attention choice as the setting: "default" is PyTorch SDPA (None)."""
+    return None if choice == "default" else choice
+
+
+def _dtypes_json(dtypes: Any) -> dict[str, str | None]:
+    # LingBot Parallel's workers load only the DiTs; the encoders keep their device defaults there
+    return {k: (None if v is None else str(v).replace("torch.", "")) for k, v in dtypes.items() if k in DITS}
+
+
+def _dtypes_from_json(value: dict[str, str | None]) -> dict[str, torch.dtype | None]:
+    names = {"bfloat16", "float16", "float32", "float64"}
+    out: dict[str, torch.dtype | None] = {}
+    for k, v in value.items():
+        if v is not None and v not in names:
+            raise ValueError(f"unknown dtype {v!r} for {k}")
+        out[k] = None if v is None else getattr(torch, v)
+    return out
+
+
+def _sparse_json(value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    from dataclasses import asdict
+
+    return {**asdict(value), "dense_blocks": list(value.dense_blocks)}
+
+
+def _sparse_from_json(value: dict[str, Any] | None) -> Any:
+    if value is None:
+        return None
+    from .models.sparse_attention import SparseSettings
+
+    return SparseSettings(**{**value, "dense_blocks": tuple(value.get("dense_blocks", (0,)))})
+
+
+def knob(default: Any = None, *, default_factory: Any = None, cli: str | None = None, widget: str | None = None,
+         choices: Any = None, widget_choices: Any = None, parse: Any = None, value: Any = None,
+         cli_default: Any = None, help: str = "", tooltip: str = "", to_json: Any = None, from_json: Any = None,
+         surface: str = "") -> Any:
+    """A field of `HandleSettings` with how it shows: `cli` (its flag on `python -m lingbot_core`, generated
+    when `choices` or `parse` says how to read it), `widget` (its name on both Loaders; generated from
+    `widget_choices` or `choices` and `tooltip`), `value` (the flag's/widget's value as the setting),
+    `to_json`/`from_json` (LingBot Parallel's description; plain values cross as they are) and `surface`
+    (where a field that is no plain flag or widget is set, for the test that every field shows)."""
+    meta = dict(cli=cli, widget=widget, choices=choices, widget_choices=widget_choices, parse=parse, value=value,
+                cli_default=cli_default, help=help, tooltip=tooltip, to_json=to_json, from_json=from_json,
+                surface=surface)
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class HandleSettings:
+    """Every setting of a handle's shared components, validated once (`checked` / `check_attention`) by
+    `PipelineHandle.open`. A new knob is one field here (with its flag and widget in the metadata) and
+    its one consumer; the CLI, both Loaders and LingBot Parallel's workers follow from the field."""
+
+    dtypes: dict[str, Any] = knob(default_factory=dict, to_json=_dtypes_json, from_json=_dtypes_from_json,
+                                  widget="dtype", surface="the Loaders' dtype widget (bf16/fp16/fp32 for all)")
+    weights: str = knob("auto", cli="--weights", widget="weights", choices=lambda: ["auto", "fp8_e4m3"],
+                        help="auto: the DiT as stored (bf16, fp8 or GGUF); fp8_e4m3: quantize it on load",
+                        tooltip="auto: as stored (bf16, pre-quantized fp8, or a transformer/*.gguf); "
+                                "fp8_e4m3: quantize the DiT's weights on load")
+    attention_backend: str | None = knob(None, cli="--attention", widget="attention", value=_attention_value,
+                                         parse=str, cli_default="default",
+                                         help="DiT attention: default (PyTorch SDPA), a diffusers backend name "
+                                              "(flash, sage, ...) or sparse (block-sparse, see docs/benchmarks.md)")
+    text_attn: str = knob("sdpa", surface="Python only (PipelineHandle.open(text_attn=...))")
+    compile: str = knob("off", cli="--compile", widget="compile", choices=_compile_choices,
+                        help="off (default) or blocks: torch.compile each DiT block (the first run compiles)",
+                        tooltip="blocks: torch.compile each DiT block (the first run compiles for a minute or more, "
+                                "then each step runs faster; needs triton on CUDA or a C++ compiler on CPU). Every "
+                                "offload mode runs the compiled blocks (the offload hooks stay outside them)")
+    ffn_chunk: int | str | None = knob("auto", cli="--ffn-chunk", widget="ffn_chunk", parse=_chunk_flag,
+                                       widget_choices=_chunk_choices,
+                                       help="tokens per FFN/MoE pass: auto (default: chunks only when the memory "
+                                            "estimate needs them), 0 (never), or a number",
+                                       tooltip="Tokens per FFN/MoE pass in the DiTs: the same math per token, with "
+                                               "the FFN's and the MoE routing's memory bounded to one chunk. auto: "
+                                               "whole sequences when the memory estimate fits the free GPU memory, "
+                                               "else the largest chunk that fits (the Memory Report says which); "
+                                               "off: never chunk; a number: always that many tokens (smaller: less "
+                                               "memory, a little slower). Changing it opens the checkpoint again: "
+                                               "the next run reloads the models")
+    fp8_matmul: str = knob("decode", cli="--fp8-matmul", widget="fp8_matmul", choices=_fp8_matmuls,
+                           help="fp8 DiT weights: decode (default, exact), auto (fp8 tensor cores on GPUs of compute "
+                                "capability 9.0+, else decode) or scaled_mm",
+                           tooltip="fp8 DiT weights only. decode: each layer's weight is decoded to bf16 for its "
+                                   "matmul (exact, every device); auto: fp8 tensor cores (torch._scaled_mm, the "
+                                   "activations quantized per row: faster, not bit-equal) for bf16 on GPUs of compute "
+                                   "capability 8.9+, else decode; scaled_mm: the tensor cores (refused when the Loader "
+                                   "opens if a trial on the GPU fails). Where the first fp8 matmul fails or differs, "
+                                   "the layers decode (one warning)")
+    decoder: str = knob("auto", cli="--decoder", choices=_decoders,
+                        help="fp8/GGUF DiT weights: auto (default: a compiled decoder on the CPU for big weights, "
+                             "checked against eager on first use; eager elsewhere or if it fails), eager or compiled")
+    sparse: Any = knob(None, to_json=_sparse_json, from_json=_sparse_from_json,
+                       surface="--sparse-tau/--sparse-density/--sparse-min-tokens")  # a SparseSettings (None: defaults)
+
+    def checked(self, device: torch.device) -> HandleSettings:
+        """These settings checked before anything opens (the ones that need no checkpoint), normalised."""
+        from .models.compile import COMPILE_CHOICES, compile_problem
+        from .models.sparse_attention import SparseSettings
+        from .weights.decode import check_decoder
+        from .weights.loader import check_weights_mode
+
+        check_weights_mode(self.weights)
+        check_decoder(self.decoder)
+        chunk = check_ffn_chunk(self.ffn_chunk)
+        check_fp8_matmul(self.fp8_matmul, device)
+        if self.compile not in COMPILE_CHOICES:
+            raise ValueError(f"unknown compile setting {self.compile!r}; choose one of {', '.join(COMPILE_CHOICES)}")
+        if self.compile != "off" and (problem := compile_problem(device)):
+            raise ValueError(problem)
+        if self.sparse is not None and not isinstance(self.sparse, SparseSettings):
+            raise ValueError(f"sparse= takes a SparseSettings (lingbot_core.models.sparse_attention), not {self.sparse!r}")
+        return replace(self, ffn_chunk=chunk)
+
+    def check_attention(self, device: torch.device) -> None:
+        """Refuse an attention backend that is unknown or cannot run on `device` (in the DiT's dtype)."""
+        from .models.sparse_attention import SPARSE
+
+        backend = self.attention_backend
+        if backend is None:
+            return
+        if backend != SPARSE:
+            from diffusers.models.attention_dispatch import AttentionBackendName
+
+            try:
+                AttentionBackendName(backend)
+            except ValueError:
+                names = ", ".join([*(b.value for b in AttentionBackendName), SPARSE])
+                raise ValueError(f"unknown attention backend {backend!r}; choose one of {names}") from None
+        check_attention(backend, device, self.dtypes.get(TRANSFORMER))
+
+    def to_json(self) -> dict[str, Any]:
+        """These settings as JSON-able values (LingBot Parallel's workers open their handle from them)."""
+        out = {}
+        for f in fields(self):
+            convert = f.metadata.get("to_json")
+            out[f.name] = convert(getattr(self, f.name)) if convert else getattr(self, f.name)
+        return out
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any]) -> HandleSettings:
+        known = {f.name: f for f in fields(cls)}
+        unknown = set(value) - set(known)
+        if unknown:
+            raise ValueError(f"unknown handle settings {sorted(unknown)}")
+        given = {}
+        for name, v in value.items():
+            convert = known[name].metadata.get("from_json")
+            given[name] = convert(v) if convert else v
+        return cls(**given)
+
+    def open_kwargs(self) -> dict[str, Any]:
+        """These settings as `PipelineHandle.open`'s keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def settings_flags() -> list[tuple[str, dict[str, Any]]]:
+    """`python -m lingbot_core`'s flags of the settings' plain fields: (flag, argparse keywords) each."""
+    flags = []
+    for f in fields(HandleSettings):
+        meta = f.metadata
+        if not meta.get("cli") or not (meta.get("choices") or meta.get("parse")):
+            continue
+        options: dict[str, Any] = {"default": meta["cli_default"] if meta.get("cli_default") is not None else f.default,
+                                   "help": meta["help"]}
+        if meta.get("choices"):
+            options["choices"] = meta["choices"]()
+        if meta.get("parse"):
+            options["type"] = meta["parse"]
+        flags.append((meta["cli"], options))
+    return flags
+
+
+def settings_from_flags(args: Any) -> dict[str, Any]:
+    """The parsed flags of `settings_flags` as `PipelineHandle.open`'s keyword arguments."""
+    out = {}
+    for f in fields(HandleSettings):
+        meta = f.metadata
+        if meta.get("cli") and (meta.get("choices") or meta.get("parse")):
+            value = getattr(args, meta["cli"].lstrip("-").replace("-", "_"))
+            out[f.name] = meta["value"](value) if meta.get("value") else value
+    return out
+
+
+def setting_widget(name: str) -> dict[str, Any]:
+    """A Loader's plain widget for the settings field whose widget is `name`: options, default, tooltip."""
+    for f in fields(HandleSettings):
+        meta = f.metadata
+        if meta.get("widget") == name:
+            choices = (meta.get("widget_choices") or meta["choices"])()
+            return {"options": choices, "default": choices[0], "tooltip": meta["tooltip"]}
+    raise KeyError(f"no handle setting has the widget {name!r}")
 
 
 class SharedComponents:
     """Components of one checkpoint, loaded on demand and shared by every view of it."""
 
     def __init__(self, folder: str | os.PathLike | None, *, info: CheckpointInfo | None,
-                 dtypes: dict[str, torch.dtype], text_attn: str, attention_backend: str | None,
-                 preloaded: dict[str, Any] | None = None, weights: str = "auto", compile: str = "off",
-                 ffn_chunk: int | str | None = "auto", fp8_matmul: str = "decode", decoder: str = "auto",
-                 sparse: Any = None):
-        self.sparse = sparse  # models.sparse_attention.SparseSettings for attention "sparse" (None: its defaults)
+                 settings: HandleSettings | None = None, preloaded: dict[str, Any] | None = None, **knobs: Any):
+        """`settings` (or its fields as keywords, `knobs`): how the components load and run."""
+        if settings is None:
+            settings = HandleSettings(**knobs)
+        elif knobs:
+            settings = replace(settings, **knobs)
+        self.settings = replace(settings, ffn_chunk=check_ffn_chunk(settings.ffn_chunk))
         self.folder = Path(folder) if folder is not None else None
         self.info = info
-        self.dtypes = dtypes
-        self.weights = weights  # how the DiTs' weights are held: "auto" (as stored) or "fp8_e4m3"
-        self.text_attn = text_attn
-        self.attention_backend = attention_backend
-        self.compile = compile  # "off" or "blocks": regional compile of the DiTs' blocks (models/compile.py)
-        self.ffn_chunk = check_ffn_chunk(ffn_chunk)  # "auto", or tokens per FFN/MoE pass (None: never chunk)
-        self.fp8_matmul = fp8_matmul  # how fp8 layers multiply: weights.fp8.FP8_MATMULS (set on each DiT as it loads)
-        self.decoder = decoder  # how packed weights decode: weights.decode.DECODERS (set on each DiT as it loads)
         self.loaded: dict[str, Any] = dict(preloaded or {})
         self.lock = threading.RLock()
         self.states: dict[str, ModelState] = {}  # each loaded model's mutable state (weights/state.py)
         self.placement = Placement(self.states)  # what is installed and resident (placement/door.py acts on it)
         self.load_count: dict[str, int] = {}
         self.transformer_source: tuple[Path, str] | None = None  # (root, subfolder) of a student DiT
+
+    # each setting read (and, for tests, set) as an attribute, as before the settings were one object
+    dtypes = property(lambda self: self.settings.dtypes, lambda self, v: self._set(dtypes=v))
+    weights = property(lambda self: self.settings.weights, lambda self, v: self._set(weights=v))
+    attention_backend = property(lambda self: self.settings.attention_backend,
+                                 lambda self, v: self._set(attention_backend=v))
+    text_attn = property(lambda self: self.settings.text_attn, lambda self, v: self._set(text_attn=v))
+    compile = property(lambda self: self.settings.compile, lambda self, v: self._set(compile=v))
+    ffn_chunk = property(lambda self: self.settings.ffn_chunk, lambda self, v: self._set(ffn_chunk=v))
+    fp8_matmul = property(lambda self: self.settings.fp8_matmul, lambda self, v: self._set(fp8_matmul=v))
+    decoder = property(lambda self: self.settings.decoder, lambda self, v: self._set(decoder=v))
+    sparse = property(lambda self: self.settings.sparse, lambda self, v: self._set(sparse=v))
+
+    def _set(self, **change: Any) -> None:
+        self.settings = replace(self.settings, **change)
 
     def get(self, name: str, *, streamed: bool = False) -> Any:
         """The component, loaded now if it is not. `streamed` (the DiTs; the stage door passes it when
@@ -157,6 +405,7 @@ class PipelineHandle:
         fp8_matmul: str = "decode",
         decoder: str = "auto",
         sparse: Any = None,
+        settings: HandleSettings | None = None,
     ) -> PipelineHandle:
         """Validate the checkpoint now (cheap); load components when a stage first needs them.
 
@@ -186,20 +435,15 @@ class PipelineHandle:
         size, with the same first-use check and fallback).
         `attention_backend="sparse"`: block-sparse attention in the DiTs (`models/sparse_attention.py`);
         `sparse` (a `SparseSettings`) sets its safeguards and density (default: its defaults).
+        `settings`: all of the above at once (a `HandleSettings`; the keywords are then left out).
         """
-        from .models.compile import COMPILE_CHOICES, compile_problem
-        from .weights.decode import check_decoder
-        from .weights.loader import check_weights_mode
-
-        check_weights_mode(weights)
-        check_decoder(decoder)
-        check_ffn_chunk(ffn_chunk)
         device = torch.device(device) if device is not None else default_device()
-        check_fp8_matmul(fp8_matmul, device)
-        if compile not in COMPILE_CHOICES:
-            raise ValueError(f"unknown compile setting {compile!r}; choose one of {', '.join(COMPILE_CHOICES)}")
-        if compile != "off" and (problem := compile_problem(device)):
-            raise ValueError(problem)
+        given = HandleSettings(dtypes=dict(dtypes or {}), weights=weights, attention_backend=attention_backend,
+                               text_attn=text_attn, compile=compile, ffn_chunk=ffn_chunk, fp8_matmul=fp8_matmul,
+                               decoder=decoder, sparse=sparse)
+        if settings is not None and given != HandleSettings():
+            raise ValueError("PipelineHandle.open takes settings= or the settings' keywords, not both")
+        settings = (settings or given).checked(device)
         if folder is None or not str(folder).strip():
             if files is None:
                 raise ValueError("PipelineHandle.open needs a checkpoint folder, files=ComponentFiles(...), or both")
@@ -211,29 +455,13 @@ class PipelineHandle:
             root, sub, source = inspect_student(transformer_folder, info)
             student = (root, sub)
             info = replace(info, sources={**info.sources, TRANSFORMER: source})
-        info.check_weights_mode(weights)  # fp8 on load of a GGUF DiT: refused now, before any stage
+        info.check_weights_mode(settings.weights)  # fp8 on load of a GGUF DiT: refused now, before any stage
         from .notices import cpu_notice
 
         cpu_notice(info, device)  # a real checkpoint on the CPU: said once, with the likely reason
-        chosen = {**default_dtypes(device), **(dtypes or {})}
-        from .models.sparse_attention import SPARSE, SparseSettings
-
-        if sparse is not None and not isinstance(sparse, SparseSettings):
-            raise ValueError(f"sparse= takes a SparseSettings (lingbot_core.models.sparse_attention), not {sparse!r}")
-        if attention_backend == SPARSE:
-            check_attention(attention_backend, device, chosen.get(TRANSFORMER))
-        elif attention_backend is not None:
-            from diffusers.models.attention_dispatch import AttentionBackendName
-
-            try:
-                AttentionBackendName(attention_backend)
-            except ValueError:
-                names = ", ".join([*(b.value for b in AttentionBackendName), SPARSE])
-                raise ValueError(f"unknown attention backend {attention_backend!r}; choose one of {names}") from None
-            check_attention(attention_backend, device, chosen.get(TRANSFORMER))
-        shared = SharedComponents(info.folder, info=info, dtypes=chosen, text_attn=text_attn,
-                                  attention_backend=attention_backend, weights=weights, compile=compile,
-                                  ffn_chunk=ffn_chunk, fp8_matmul=fp8_matmul, decoder=decoder, sparse=sparse)
+        settings = replace(settings, dtypes={**default_dtypes(device), **settings.dtypes})
+        settings.check_attention(device)
+        shared = SharedComponents(info.folder, info=info, settings=settings)
         shared.transformer_source = student
         return cls(shared, device)
 
@@ -243,8 +471,8 @@ class PipelineHandle:
         """Wrap components that are already in memory (tests, Python users)."""
         device = torch.device(device)
         info = inspect_checkpoint(folder) if folder is not None else None
-        shared = SharedComponents(folder, info=info, dtypes=default_dtypes(device), text_attn="sdpa",
-                                  attention_backend=None, preloaded=components)
+        shared = SharedComponents(folder, info=info, settings=HandleSettings(dtypes=default_dtypes(device)),
+                                  preloaded=components)
         return cls(shared, device)
 
     # -- views ----------------------------------------------------------------------------------

@@ -24,13 +24,13 @@ from .loader import (
     ATTENTION,
     DTYPES,
     TINY,
-    WEIGHTS,
     attention_problem_at_run,
     checkpoint_choices,
     compile_input,
     ffn_chunk_input,
     fp8_matmul_input,
     resolve_checkpoint,
+    setting_input,
     validate_attention,
 )
 from .types import CATEGORY, Choice, Pipe
@@ -172,8 +172,7 @@ class LingBotLoaderFiles(io.ComfyNode):
                        tooltip="Attention kernel of the DiT (sparse: block-sparse for long videos, see the Loader)"),
                 Choice("device", options=["auto", "cuda", "cpu"], default="auto", optional=True,
                        tooltip="Execution device. auto: ComfyUI's device"),
-                Choice("weights", options=WEIGHTS, default="auto", optional=True,
-                       tooltip="auto: as stored (bf16, fp8 or GGUF); fp8_e4m3: quantize the DiT on load"),
+                setting_input("weights"),
                 io.String.Input("processor_path", default="", optional=True,
                                 tooltip="A processor folder (a checkpoint's processor/). Empty: the checkpoint's, "
                                         "else ComfyUI's Qwen tokenizer files (unverified; see the README)"),

@@ -6,7 +6,6 @@ import os
 from pathlib import Path
 
 from lingbot_core.errors import quoted
-from lingbot_core.models.compile import COMPILE_CHOICES
 from lingbot_core.save_path import is_inside
 
 from . import paths, runtime
@@ -47,36 +46,28 @@ def attention_problem_at_run(attention: object, device: str) -> str | None:
             or runtime.attention_problem(attention, device))
 
 
+def setting_input(name: str) -> Choice:
+    """The Loaders' widget `name` of a plain handle setting, from its field (`handle.HandleSettings`): its
+    choices (the first is the default) and tooltip. A new one goes last on both Loaders (a saved
+    workflow keeps its values in place)."""
+    from lingbot_core.handle import setting_widget
+
+    return Choice(name, optional=True, **setting_widget(name))
+
+
 def ffn_chunk_input() -> Choice:
     """The Loaders' `ffn_chunk` widget (`placement.estimate.FFN_CHUNK_CHOICES`, auto first)."""
-    from lingbot_core.placement.estimate import FFN_CHUNK_CHOICES as choices
-
-    return Choice("ffn_chunk", options=list(choices), default=choices[0], optional=True,
-                  tooltip="Tokens per FFN/MoE pass in the DiTs: the same math per token, with the FFN's and the "
-                          "MoE routing's memory bounded to one chunk. auto: whole sequences when the memory "
-                          "estimate fits the free GPU memory, else the largest chunk that fits (the Memory Report "
-                          "says which); off: never chunk; a number: always that many tokens (smaller: less "
-                          "memory, a little slower). Changing it opens the checkpoint again: the next run reloads the models")
+    return setting_input("ffn_chunk")
 
 
 def compile_input() -> Choice:
     """The Loaders' `compile` widget (regional torch.compile of the DiTs' blocks)."""
-    return Choice("compile", options=list(COMPILE_CHOICES), default="off", optional=True,
-                  tooltip="blocks: torch.compile each DiT block (the first run compiles for a minute or more, "
-                          "then each step runs faster; needs triton on CUDA or a C++ compiler on CPU). Every "
-                          "offload mode runs the compiled blocks (the offload hooks stay outside them)")
+    return setting_input("compile")
 
 
 def fp8_matmul_input() -> Choice:
     """The Loaders' `fp8_matmul` widget: how the DiTs' fp8 layers multiply (`weights.fp8.FP8_MATMULS`)."""
-    from lingbot_core.weights.fp8 import FP8_MATMULS
-
-    return Choice("fp8_matmul", options=list(FP8_MATMULS), default="decode", optional=True,
-                  tooltip="fp8 DiT weights only. decode: each layer's weight is decoded to bf16 for its matmul "
-                          "(exact, every device); auto: fp8 tensor cores (torch._scaled_mm, the activations "
-                          "quantized per row: faster, not bit-equal) for bf16 on GPUs of compute capability 8.9+, "
-                          "else decode; scaled_mm: the tensor cores (refused when the Loader opens if a trial on "
-                          "the GPU fails). Where the first fp8 matmul fails or differs, the layers decode (one warning)")
+    return setting_input("fp8_matmul")
 
 
 def checkpoint_choices() -> list[str]:
@@ -159,9 +150,7 @@ class LingBotLoader(io.ComfyNode):
                 Choice("device", options=["auto", "cuda", "cpu"], default="auto", optional=True,
                        tooltip="Execution device. auto: ComfyUI's device inside ComfyUI (honours --cpu "
                                "and --cuda-device), else CUDA when available"),
-                Choice("weights", options=WEIGHTS, default="auto", optional=True,
-                       tooltip="auto: as stored (bf16, pre-quantized fp8, or a transformer/*.gguf); "
-                               "fp8_e4m3: quantize the DiT's weights on load"),
+                setting_input("weights"),
                 io.String.Input("transformer_path", default="", optional=True,
                                 tooltip="A student DiT (e.g. DMD-distilled): a folder that differs from the checkpoint "
                                         "only in transformer/, or that transformer folder. A whole root works too "

@@ -146,24 +146,19 @@ def describe_handle(handle: Any) -> dict[str, Any]:
     student = shared.transformer_source
     return {"folder": str(folder) if folder is not None else None, "files": files,
             "transformer_folder": str(student[0] / student[1]) if student is not None else None,
-            "dtypes": {k: (None if v is None else _DTYPE_NAMES.get(v, str(v))) for k, v in shared.dtypes.items()
-                       if k in ("transformer", "refiner")},
-            "attention_backend": shared.attention_backend, "weights": shared.weights, "compile": shared.compile,
-            "ffn_chunk": shared.ffn_chunk, "fp8_matmul": shared.fp8_matmul, "decoder": shared.decoder}
+            **shared.settings.to_json()}  # every field of handle.HandleSettings, by its name
 
 
 def open_described(description: dict[str, Any], device: str | torch.device) -> Any:
     """A lazy handle on `device` from `describe_handle`'s description (nothing loads until a stage runs)."""
     from ..components import ComponentFiles
-    from ..handle import PipelineHandle
+    from ..handle import HandleSettings, PipelineHandle
 
     d = description
     files = ComponentFiles(**d["files"]) if d["files"] else None
-    dtypes = {k: (None if v is None else _DTYPES[v]) for k, v in d["dtypes"].items()}
-    return PipelineHandle.open(d["folder"], files=files, device=device, dtypes=dtypes,
-                               attention_backend=d["attention_backend"], weights=d["weights"], compile=d["compile"],
-                               transformer_folder=d["transformer_folder"], ffn_chunk=d["ffn_chunk"],
-                               fp8_matmul=d["fp8_matmul"], decoder=d["decoder"])
+    settings = HandleSettings.from_json({name: d[name] for name in HandleSettings.__dataclass_fields__})
+    return PipelineHandle.open(d["folder"], files=files, device=device, transformer_folder=d["transformer_folder"],
+                               settings=settings)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,96 @@
+"""One settings object for a handle (`handle.HandleSettings`): a knob is one field, and the CLI, both
+Loaders and LingBot Parallel's workers follow from it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from lingbot_core.handle import HandleSettings, PipelineHandle, settings_flags
+from lingbot_core.models.sparse_attention import SparseSettings
+
+FIELDS = [f for f in dataclasses.fields(HandleSettings)]
+
+
+def _loader_inputs(cls) -> list[str]:
+    spec = cls.INPUT_TYPES()
+    return [*spec.get("required", {}), *spec.get("optional", {})]
+
+
+def test_every_field_is_a_cli_flag_or_says_where_it_is_set():
+    from lingbot_core.__main__ import build_parser
+
+    flags = {opt for action in build_parser()._actions for opt in action.option_strings}
+    generated = {flag for flag, _options in settings_flags()}
+    for f in FIELDS:
+        cli, surface = f.metadata.get("cli"), f.metadata.get("surface")
+        assert cli or surface, f"HandleSettings.{f.name}: give it a flag (cli=) or say where it is set (surface=)"
+        if cli:
+            assert cli in flags and cli in generated, f"{cli} ({f.name}) is not a flag of python -m lingbot_core"
+    # the flags' defaults are the fields' defaults: no flag given opens the handle as PipelineHandle.open does
+    from lingbot_core.handle import settings_from_flags
+
+    args = build_parser().parse_args([])
+    defaults = HandleSettings()
+    for name, value in settings_from_flags(args).items():
+        assert value == getattr(defaults, name), name
+
+
+def test_every_field_crosses_to_the_pools_workers(fixtures_root):
+    from lingbot_core.parallel_runs.pool import describe_handle, open_described
+
+    # a value other than the default for every field a worker can open with on the CPU
+    changed = dict(weights="fp8_e4m3", attention_backend="sparse", text_attn="eager", ffn_chunk=64,
+                   fp8_matmul="auto", decoder="eager", sparse=SparseSettings(tau=2.0, dense_blocks=(0, 1)),
+                   dtypes={"transformer": torch.float16})
+    missing = {f.name for f in FIELDS} - set(changed) - {"compile"}  # compile=blocks needs a compiler here
+    assert not missing, f"give the round trip a non-default value for {sorted(missing)}"
+    handle = PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu", **changed)
+    description = describe_handle(handle)
+    assert description == json.loads(json.dumps(description))  # JSON-able
+    worker = open_described(description, "cpu")
+    assert worker.shared.settings == handle.shared.settings and not worker.shared.loaded
+    assert worker.shared.sparse == changed["sparse"] and worker.shared.dtypes["transformer"] == torch.float16
+
+
+def test_every_widget_field_is_on_both_loaders_in_place():
+    from lingbot_nodes.files import LingBotLoaderFiles
+    from lingbot_nodes.loader import LingBotLoader
+
+    for cls in (LingBotLoader, LingBotLoaderFiles):
+        names = _loader_inputs(cls)
+        for f in FIELDS:
+            widget = f.metadata.get("widget")
+            if widget:
+                assert widget in names, f"{cls.__name__} lacks the widget {widget!r} of HandleSettings.{f.name}"
+        spec = {**cls.INPUT_TYPES().get("required", {}), **cls.INPUT_TYPES().get("optional", {})}
+        for f in FIELDS:  # a generated widget offers the field's choices, the first as default
+            meta = f.metadata
+            if meta.get("widget") and (meta.get("widget_choices") or meta.get("choices")):
+                kind, options = spec[meta["widget"]]
+                choices = (meta.get("widget_choices") or meta["choices"])()
+                assert list(kind if isinstance(kind, list) else options.get("options", kind)) == choices
+                assert options["default"] == choices[0] and options["tooltip"] == meta["tooltip"]
+
+
+def test_settings_are_checked_once_and_readable_as_before(fixtures_root):
+    handle = PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu", ffn_chunk=0)
+    shared = handle.shared
+    assert shared.ffn_chunk is None and shared.settings.ffn_chunk is None  # 0: never chunk, normalised
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        shared.settings.weights = "fp8_e4m3"
+    shared.ffn_chunk = 32  # tests set an attribute as before: the settings object follows
+    assert shared.settings.ffn_chunk == 32
+    for bad, match in ((dict(fp8_matmul="fast"), "fp8_matmul"), (dict(decoder="x"), "decoder"),
+                       (dict(ffn_chunk=-1), "ffn_chunk"), (dict(compile="all"), "compile"),
+                       (dict(attention_backend="nope"), "attention backend"), (dict(sparse=1), "SparseSettings")):
+        with pytest.raises(ValueError, match=match):
+            PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu", **bad)
+    with pytest.raises(ValueError, match="not both"):
+        PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu", decoder="eager",
+                            settings=HandleSettings())
+    with pytest.raises(ValueError, match="unknown handle settings"):
+        HandleSettings.from_json({"warp_drive": True})
