@@ -241,10 +241,6 @@ class HandleSettings:
             given[name] = convert(v) if convert else v
         return cls(**given)
 
-    def open_kwargs(self) -> dict[str, Any]:
-        """These settings as `PipelineHandle.open`'s keyword arguments."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
 
 def settings_flags() -> list[tuple[str, dict[str, Any]]]:
     """`python -m lingbot_core`'s flags of the settings' plain fields: (flag, argparse keywords) each."""
