@@ -30,6 +30,30 @@ def warn_if_prose(prompt: str) -> bool:
     return prose
 
 
+def caption_note(prompt: str, task: str) -> str | None:
+    """A note when a JSON caption uses values outside the lists the model's rewriter keeps (the
+    reference's own example captions do; the caption is encoded as written, this only says so)."""
+    import json
+
+    from lingbot_core.caption_schema import caption_notes
+
+    if not isinstance(prompt, str) or not prompt.lstrip().startswith("{"):
+        return None
+    try:
+        document = json.loads(prompt)
+    except ValueError:
+        return None
+    declared = document.get("duration") if isinstance(document, dict) else None
+    video = task != "t2i"
+    duration = (declared if isinstance(declared, (int, float)) and declared > 0 else 1.0) if video else None
+    notes = caption_notes(document, duration)
+    if not notes:
+        return None
+    more = f" (and {len(notes) - 2} more)" if len(notes) > 2 else ""
+    return ("The caption is used as written; it differs from the values the " + ("video" if video else "image")
+            + " rewriter keeps: " + "; ".join(notes[:2]) + more + ".")
+
+
 class LingBotTextEncode(io.ComfyNode):
     """Prompt (structured JSON caption or prose) and negative -> cached conditioning (CPU)."""
 
@@ -96,7 +120,7 @@ class LingBotTextEncode(io.ComfyNode):
         with runtime.node_work(label="text encode", units=text_units(pipe, forwards, image_cond is not None)):
             cond = stages.encode_prompt(pipe, prompt, negative_prompt if encode_negative else None, image=image_cond,
                                         mode=task if image_cond is None else "ti2v")
-        return io.NodeOutput(cond, ui=on_node(PROSE_NOTICE if prose else None))
+        return io.NodeOutput(cond, ui=on_node(PROSE_NOTICE if prose else caption_note(prompt, task)))
 
 
 class LingBotImageEncode(io.ComfyNode):

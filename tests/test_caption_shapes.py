@@ -140,3 +140,18 @@ def test_every_reference_example_caption_is_accepted():
         document = json.loads(path.read_text())
         task = path.parent.parent.name
         assert caption_problems(document, _duration(document, task), strict=False) == [], path
+
+
+def test_text_encode_reads_a_users_caption_as_written_with_a_note_at_most(fixtures_root):
+    from lingbot_core.handle import PipelineHandle
+    from lingbot_nodes.conditioning import LingBotTextEncode, caption_note
+
+    handle = PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu")
+    off_list = json.dumps(UPSTREAM["ti2v/example_4"])  # 'Natural', 'Bright sunlight': the reference's own values
+    out = LingBotTextEncode.execute(handle, off_list, encode_negative=False)
+    (text,) = out.ui.as_dict()["text"]
+    assert "used as written" in text and "'Natural'" in text and "'Bright sunlight'" in text
+    for _, task, document in _shipped_captions():
+        assert caption_note(json.dumps(document), task) is None
+    assert caption_note(json.dumps(UPSTREAM["t2i/example_1"]), "t2i") is None
+    assert caption_note("a boat on a canal", "t2v") is None and caption_note("{not json", "t2v") is None
