@@ -240,11 +240,20 @@ def output_nodes(prompt, classes) -> set[str]:
     return found
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Help lines wrapped at spaces only: argparse breaks at hyphens too, which cut shipped names such as
+    `ti2v-moe-dmd8` in two across lines."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        import textwrap
+
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from lingbot_core.workflow.runner import OVERRIDE_EXAMPLE
 
-    parser = argparse.ArgumentParser(prog="lingbot-run", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="lingbot-run", description=__doc__, formatter_class=_HelpFormatter)
     parser.add_argument("workflow", nargs="?", default="t2v",
                         help="workflow file, or a shipped one: " + ", ".join(SHORT_NAMES) + "; default t2v")
     parser.add_argument("--model", help="checkpoint folder for every LingBot Loader (default: as saved)")

@@ -310,3 +310,10 @@ def test_quiet_drops_the_librarys_warnings_too(tmp_path, command, args):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stderr == "" and done.stdout.strip()
+
+
+def test_help_never_cuts_a_shipped_name_across_lines():
+    from lingbot_nodes.cli import SHORT_NAMES, build_parser
+
+    words = set(build_parser().format_help().split())
+    assert all(any(short in w for w in words) for short in SHORT_NAMES)
