@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from compile_fakes import counted_eager_blocks
 
 from lingbot_core import notices
 from lingbot_core.handle import PipelineHandle
@@ -265,27 +266,10 @@ def test_student_with_a_lora_changes_the_run_and_comes_off(student, tmp_path):
 def test_student_with_compiled_blocks_matches_eager(student):
     """compile="blocks" runs the student's blocks compiled (dynamo with the eager backend here: the
     same graph capture without inductor's minutes) and gives the eager frames."""
-    from lingbot_core.models import compile as regional
-    from lingbot_core.models.compile import compile_problem
-    from lingbot_core.models.transformer import JointBlock
 
-    if compile_problem("cpu") is not None:
-        pytest.skip(compile_problem("cpu"))
-    calls = [0]
-    inner = torch.compile(JointBlock.compute, backend="eager", dynamic=True)
-
-    def counted(*args):
-        calls[0] += 1
-        return inner(*args)
-
-    torch._dynamo.reset()
-    regional._COMPILED.clear()
-    regional._COMPILED[("inductor", True)] = counted
-    try:
+    with counted_eager_blocks() as calls:
         compiled = PipelineHandle.open(student, device="cpu", compile="blocks")
         frames = run_recipe(compiled)
-    finally:
-        regional._COMPILED.clear()
     depth = json.loads((student / "transformer" / "config.json").read_text())["depth"]
     assert calls[0] == RECIPE["steps"] * depth  # every block of every step ran compiled
     assert torch.allclose(frames, run_recipe(PipelineHandle.open(student, device="cpu")), atol=1e-5)

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from compile_fakes import counted_eager_blocks
 
 from lingbot_core import kernels
 from lingbot_core.models import sparse_attention as sa
@@ -379,9 +380,7 @@ def test_compiled_blocks_call_the_sparse_path_eagerly(tmp_path, monkeypatch):
     the result equals the eager blocks'."""
     from lingbot_core import stages
     from lingbot_core.handle import PipelineHandle
-    from lingbot_core.models import compile as regional
     from lingbot_core.models.compile import compile_problem
-    from lingbot_core.models.transformer import JointBlock
     from lingbot_core.tiny import build_tiny_checkpoint
 
     if compile_problem("cpu") is not None:
@@ -395,23 +394,11 @@ def test_compiled_blocks_call_the_sparse_path_eagerly(tmp_path, monkeypatch):
     sparse_calls = []
     real = sa.eager_sparse_attention
     monkeypatch.setattr(sa, "eager_sparse_attention", lambda *a, **kw: sparse_calls.append(1) or real(*a, **kw))
-    calls = [0]
-    inner = torch.compile(JointBlock.compute, backend="eager", dynamic=True)
-
-    def counted(*args):
-        calls[0] += 1
-        return inner(*args)
-
-    torch._dynamo.reset()
-    regional._COMPILED.clear()
-    regional._COMPILED[("inductor", True)] = counted
-    try:
+    with counted_eager_blocks() as calls:
         compiled = PipelineHandle.open(folder, device="cpu", attention_backend="sparse", sparse=settings,
                                        compile="blocks")
         sparse_calls.clear()  # the open's probe
         frames = stages.denoise(compiled, cond, **run)
-    finally:
-        regional._COMPILED.clear()
     depth = len(compiled.shared.get("transformer").blocks)
     assert calls[0] == run["steps"] * depth and len(sparse_calls) == run["steps"] * (depth - 1)  # block 0 dense
     assert torch.allclose(frames, eager, atol=1e-5)

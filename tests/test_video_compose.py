@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from compile_fakes import counted_eager_blocks
 
 from lingbot_core import extend as ext
 from lingbot_core import lora as lora_ops
@@ -112,26 +113,9 @@ def test_step_cache(fixtures_root):
 
 def test_compiled_blocks_match_eager(fixtures_root, reference):
     """compile="blocks" (dynamo with the eager backend here) runs both through the compiled blocks."""
-    from lingbot_core.models import compile as regional
-    from lingbot_core.models.compile import compile_problem
-    from lingbot_core.models.transformer import JointBlock
 
-    if compile_problem("cpu") is not None:
-        pytest.skip(compile_problem("cpu"))
-    calls = [0]
-    inner = torch.compile(JointBlock.compute, backend="eager", dynamic=True)
-
-    def counted(*args):
-        calls[0] += 1
-        return inner(*args)
-
-    torch._dynamo.reset()
-    regional._COMPILED.clear()
-    regional._COMPILED[("inductor", True)] = counted
-    try:
+    with counted_eager_blocks() as calls:
         got = _both(PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu", compile="blocks"))
-    finally:
-        regional._COMPILED.clear()
     assert calls[0] > 0
     assert torch.allclose(got[0], reference[0], atol=1e-5)
     assert (got[1].float() - reference[1].float()).abs().max() <= 1 / 255 + 1e-6  # 8-bit frames
