@@ -122,3 +122,55 @@ def random_dit(config: dict[str, Any], weight_scale: float = 0.02) -> Any:
         for name, p in model.named_parameters():
             p.copy_(torch.randn_like(p) * (weight_scale if p.ndim > 1 else 0.1) + (1.0 if "norm" in name else 0.0))
     return model
+
+
+def vm_bytes() -> int:
+    """This process's virtual address space in bytes (Linux `VmSize`; 0 where /proc is absent)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _limited_child(conn, fn: Callable[..., Any], args: tuple, memory: int) -> None:
+    if memory:
+        import resource
+
+        limit = vm_bytes() + memory
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    try:
+        conn.send(("ok", fn(*args)))
+    except BaseException as err:  # whatever the call raised goes back as text: the caller judges it
+        conn.send(("raised", (type(err).__name__, str(err)[:4000])))
+
+
+def run_limited(fn: Callable[..., Any], *args: Any, seconds: float, memory: int) -> tuple[str, Any]:
+    """Run `fn(*args)` in a forked child allowed `memory` bytes of address space beyond its start and
+    `seconds` of wall time. Returns ("ok", return value), ("raised", (exception type, message)),
+    ("hang", None) when it gave no answer in time (it is killed), or ("died", exit code) when the child
+    ended without answering (a signal, the kernel's OOM killer, a hard crash in native code).
+
+    One runner for the fuzzers in `bench/` and the tests that replay their findings.
+    """
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_limited_child, args=(child, fn, args, memory))
+    proc.start()
+    child.close()
+    try:
+        if not parent.poll(seconds):
+            proc.kill()
+            return "hang", None
+        try:
+            return parent.recv()
+        except EOFError:
+            proc.join()
+            return "died", proc.exitcode
+    finally:
+        proc.join()

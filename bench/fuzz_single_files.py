@@ -34,16 +34,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import random
-import resource
 import struct
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
+from bench._common import run_limited
 from bench.fuzz_gguf import header_end
 from bench.fuzz_gguf import mutate as mutate_gguf
 
@@ -327,41 +326,16 @@ def _library_refuses(path: Path) -> bool:
     return False
 
 
-def vm_bytes() -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmSize:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _child(conn, kind: str, path: Path, memory: int) -> None:
-    limit = vm_bytes() + memory
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    try:
-        outcome = open_case(kind, path)
-        conn.send(("SILENT", outcome[len("SILENT: "):]) if outcome.startswith("SILENT") else ("ok", outcome))
-    except BaseException as err:  # the escapes this bench counts
-        conn.send(("CRASH", f"{type(err).__name__}: {str(err)[:300]}"))
-
-
 def run_case(kind: str, path: Path, timeout: float, memory: int) -> tuple[str, str]:
-    ctx = multiprocessing.get_context("fork")
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(child, kind, path, memory))
-    proc.start()
-    child.close()
-    if not parent.poll(timeout):
-        proc.kill()
-        proc.join()
+    status, value = run_limited(open_case, kind, path, seconds=timeout, memory=memory)
+    if status == "ok":
+        return ("SILENT", value[len("SILENT: "):]) if value.startswith("SILENT") else (value, "")
+    if status == "raised":
+        name, message = value
+        return "CRASH", f"{name}: {message[:300]}"
+    if status == "hang":
         return "HANG", f"no answer in {timeout} s"
-    try:
-        status, detail = parent.recv()
-    except EOFError:
-        proc.join()
-        return "CRASH", f"child died (exit {proc.exitcode})"
-    proc.join()
-    return (detail, "") if status == "ok" else (status, detail)
+    return "CRASH", f"child died (exit {value})"
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -5,9 +5,7 @@ files Loader's attention check, and the smaller holes. Hangs and kills run forke
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
-import resource
 import shutil
 import signal
 import struct
@@ -22,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from bench.fuzz_single_files import vm_bytes
+from bench._common import run_limited
 from lingbot_core.errors import CheckpointError, WeightsError
 from lingbot_nodes import NODE_CLASS_MAPPINGS
 from lingbot_nodes import files as node_files
@@ -54,36 +52,13 @@ def raw_safetensors(path: Path, tensors: dict[str, tuple[str, list[int], bytes]]
     return path
 
 
-def _child(conn, fn, args, memory):
-    if memory:
-        limit = vm_bytes() + memory
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    try:
-        fn(*args)
-        conn.send(("ok", ""))
-    except BaseException as err:  # what the call raised, as text (the parent checks it)
-        conn.send((type(err).__name__, str(err)[:4000]))
-
-
 def limited(fn, *args, seconds: float = 20, memory: int = 1 << 30) -> tuple[str, str]:
-    """Run `fn(*args)` in a forked child with `memory` bytes of address space beyond what it starts
-    with and `seconds` of time: ("ok", ""), (exception type, message), ("hang", "") or ("killed", signal)."""
-    ctx = multiprocessing.get_context("fork")
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(child, fn, args, memory))
-    proc.start()
-    child.close()
-    if not parent.poll(seconds):
-        proc.kill()
-        proc.join()
-        return ("hang", "") if proc.exitcode == -signal.SIGKILL else ("killed", str(proc.exitcode))
-    try:
-        result = parent.recv()
-    except EOFError:
-        proc.join()
-        return "killed", str(proc.exitcode)
-    proc.join()
-    return result
+    """`fn(*args)` in a memory- and time-limited child: ("ok", ""), (exception type, message), ("hang", "")
+    or ("killed", exit code)."""
+    status, value = run_limited(lambda: fn(*args) and None, seconds=seconds, memory=memory)  # the value stays in the child
+    if status == "raised":
+        return value
+    return {"ok": ("ok", ""), "hang": ("hang", ""), "died": ("killed", str(value))}[status]
 
 
 # -- item 10: the files Loader validates attention as the Loader does ---------------------------------
