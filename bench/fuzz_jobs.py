@@ -126,7 +126,7 @@ def _edit(rng: random.Random, lines: list[str]) -> list[str]:
 
 
 def one(rng: random.Random, folder: Path) -> tuple[str, str]:
-    from lingbot_core.parallel.jobs import (
+    from lingbot_nodes.jobs import (
         DONE,
         ID_PATTERN,
         JobsFileError,

@@ -74,7 +74,7 @@ class Checks:
 
 
 def _free_port() -> int:
-    from lingbot_core.parallel.launch import free_loopback_port
+    from lingbot_core.distributed.launch import free_loopback_port
 
     return free_loopback_port()
 
@@ -169,8 +169,8 @@ def run_scenario(scenario: Scenario, model: str, folder: Path, alone: dict[str, 
     import numpy as np
     from PIL import Image
 
-    from lingbot_core.parallel.jobs import DONE, FAILED, Manifest
-    from lingbot_core.parallel.layout import video_groups
+    from lingbot_core.distributed.layout import video_groups
+    from lingbot_nodes.jobs import DONE, FAILED, Manifest
 
     print(f"\n== {scenario.name}: 2 nodes x {scenario.nproc} processes, {scenario.rendezvous} rendezvous, "
           f"--parallel {scenario.parallel or '(none)'}, {'shared' if scenario.shared_output else 'per-node'} output",

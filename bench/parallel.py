@@ -111,8 +111,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, cfg: int
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from lingbot_core.parallel import ParallelGuidance, ParallelLayout, enable_sequence_parallel
-    from lingbot_core.parallel.launch import init_loopback_group
+    from lingbot_core.distributed import ParallelGuidance, ParallelLayout, enable_sequence_parallel
+    from lingbot_core.distributed.launch import init_loopback_group
     from lingbot_core.sampling.guidance import Guidance
 
     torch.set_num_threads(args.threads)
@@ -124,7 +124,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, cfg: int
         layout = ParallelLayout.create(cfg, ulysses, device_type=device.type, fsdp=fsdp)
         model, latents, (pos, neg) = _setup(args, device)
         if fsdp:
-            from lingbot_core.parallel.fsdp import shard_dit
+            from lingbot_core.distributed.fsdp import shard_dit
 
             shard_dit(model, layout)
         enable_sequence_parallel(model, layout)
@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch.multiprocessing as mp
     from safetensors.torch import load_file
 
-    from lingbot_core.parallel.launch import free_loopback_port
+    from lingbot_core.distributed.launch import free_loopback_port
     from lingbot_core.sampling.guidance import Guidance
 
     torch.set_num_threads(args.threads)

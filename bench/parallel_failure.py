@@ -1,7 +1,7 @@
 """One rank raising inside a DiT forward: how long until every rank of the group stopped, and what each said.
 
 Why: issue 24 asks that a failing rank gives a clear error instead of leaving the others waiting in
-a collective until the process group's timeout (minutes). `lingbot_core.parallel.abort` makes the
+a collective until the process group's timeout (minutes). `lingbot_core.distributed.abort` makes the
 failing rank publish its error in the group's store and leave; the others' collectives then fail
 (gloo) or are aborted by their watch thread (NCCL), and each raises `GroupBroken` naming the first
 failure. This script runs `parallel_denoise` over a random-weight DiT on N spawned processes, with
@@ -88,10 +88,10 @@ def _inject(rank: int, call: int, marks: dict[str, float]) -> None:
 def _worker(rank: int, args: argparse.Namespace, store_port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from lingbot_core.parallel import ParallelLayout
-    from lingbot_core.parallel_runs.run import parallel_denoise, wrap_dit
+    from lingbot_core.distributed import ParallelLayout
     from lingbot_core.prompt import PromptEmbeds
     from lingbot_core.stages import Conditioning
+    from lingbot_core.worker_pool.run import parallel_denoise, wrap_dit
 
     torch.set_num_threads(1)
     if args.nccl_error_handling is not None:
@@ -129,7 +129,7 @@ def _worker(rank: int, args: argparse.Namespace, store_port: int, out: str) -> N
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
-    from lingbot_core.parallel.launch import loopback_store
+    from lingbot_core.distributed.launch import loopback_store
 
     method = args.start_method or ("spawn" if args.device == "cuda" or torch.cuda.is_initialized() else "fork")
     ctx = mp.get_context(method)

@@ -32,8 +32,8 @@ import torch
 from . import image as image_ops
 from . import stage_inputs as checks
 from . import stages
+from .distributed import stage as parallel_stage
 from .errors import RefusedInput
-from .parallel import stage as parallel_stage
 from .placement.door import stage
 from .sampling.guidance import StepCallback
 

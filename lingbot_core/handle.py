@@ -381,7 +381,7 @@ class PipelineHandle:
     offload: OffloadSettings = field(default_factory=OffloadSettings)
     view_states: tuple[Any, ...] = ()
     parallel: Any = None  # a `parallel.ParallelLayout` when this view runs on several processes (`with_parallel`)
-    # LingBot Parallel's `parallel_runs.pool.WorkerPool` for this view and the views made from it (`pool.tag`)
+    # LingBot Parallel's `worker_pool.pool.WorkerPool` for this view and the views made from it (`pool.tag`)
     pool: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
@@ -475,11 +475,11 @@ class PipelineHandle:
     def with_offload(self, mode: str, *, offload_to: str = "ram", **options: Any) -> PipelineHandle:
         """A view over the same components with other offload settings (validated here, installed at
         the next stage or by `configure_offload`)."""
-        from .parallel.stage import active_layout
+        from .distributed.stage import active_layout
 
         settings = OffloadSettings.make(mode, offload_to, **options)
         if self.pool is not None and settings.mode not in ("none", AUTO):
-            from .parallel.layout import pooled_offload_refusal
+            from .distributed.layout import pooled_offload_refusal
 
             raise ValueError(pooled_offload_refusal(settings.mode))
         check_guards(settings, self.device, self.shared.loaded, active_layout(self))
@@ -503,8 +503,8 @@ class PipelineHandle:
     def with_parallel(self, layout: Any) -> PipelineHandle:
         """A view whose stages run on the processes of `layout` (a `parallel.ParallelLayout`; None or a
         one-process layout: this process alone). Every rank must then call the same stages with the same
-        inputs; see `lingbot_core.parallel.stage` for what each stage does on which rank."""
-        from .parallel.stage import check_view
+        inputs; see `lingbot_core.distributed.stage` for what each stage does on which rank."""
+        from .distributed.stage import check_view
 
         return replace(self, parallel=check_view(self, layout))
 

@@ -27,9 +27,9 @@ from . import prompt as prompt_ops
 from . import sampling
 from . import stage_inputs as checks
 from .components import REFINER, TRANSFORMER
+from .distributed import stage as parallel_stage
+from .distributed.cfg import ParallelGuidance
 from .latents import dit_to_vae, vae_to_dit
-from .parallel import stage as parallel_stage
-from .parallel.cfg import ParallelGuidance
 from .placement.door import effective_mode, installed_mode, note_geometry, oom_fallback, release, stage
 from .placement.estimate import Geometry
 from .prompt import PromptEmbeds
@@ -346,7 +346,7 @@ def denoise(
 def _job_fields(cond: Conditioning, *, seed: int | None, generator: torch.Generator | None, sigmas: Any,
                 sampler: Any, step_cache: Any, image_cond: ImageCondition | None, **plain: Any) -> dict[str, Any]:
     """What a denoise runs, as the ranks of a parallel run compare it before they start
-    (`parallel.stage.agree_on_job`): the geometry, schedule and sampler, the seed (or the generator's
+    (`distributed.stage.agree_on_job`): the geometry, schedule and sampler, the seed (or the generator's
     state), the prompts and the starting and first-frame latents."""
     fields = dict(plain)
     fields["seed"] = generator if generator is not None else seed
@@ -622,7 +622,7 @@ def refine(
     whenever the offload mode is not `none`. A later stage that needs the base reloads it.
     `cfg_batch` and `step_cache` as for `denoise` (caching needs a refiner list of more than 8 steps).
     `sample_with` runs the refiner's sampling in place of `denoise` (same arguments): LingBot
-    Parallel's pool (`parallel_runs.pool.run_refine`) sends it to its workers.
+    Parallel's pool (`worker_pool.pool.run_refine`) sends it to its workers.
     """
     # Everything that can refuse the request runs before the base DiT is released (it would be lost).
     checks.check_refine_request(handle, frames, height=height, width=width, steps=steps, shift=shift,

@@ -26,8 +26,8 @@ import torch
 from . import image as image_ops
 from . import sampling, stages
 from . import stage_inputs as checks
+from .distributed import stage as parallel_stage
 from .latents import latent_shape, vae_to_dit
-from .parallel import stage as parallel_stage
 from .placement.door import stage
 from .sampling.guidance import StepCallback
 

@@ -285,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fsdp", action="store_true",
                         help="with --parallel: shard the DiT's blocks over the processes (FSDP2) so each holds a "
                              "part of their weights; float32 norms, modulation and router stay whole")
-    from lingbot_core.parallel.jobs import JOB_FIELDS
+    from .jobs import JOB_FIELDS
 
     jobs = parser.add_argument_group(
         "many videos (a jobs file; under torchrun each process takes its share)",
@@ -482,7 +482,7 @@ def _run(args: argparse.Namespace, reporter: Reporter) -> int:
 
     os.environ["LINGBOT_OUTPUT_DIR"] = str(output)
     if args.jobs is not None:
-        from lingbot_core.parallel.launch import join_world
+        from lingbot_core.distributed.launch import join_world
 
         joined = layout is None and join_world()  # plain --jobs under torchrun: a group for the jobs' end only
         try:
@@ -522,7 +522,11 @@ def _run_jobs(args: argparse.Namespace, prompt, engine, reporter: Reporter, outp
     With a `layout` (--parallel) the ranks of each video group run their group's jobs together and
     the group's rank 0 writes the files and the manifest lines."""
     from lingbot_core.errors import is_refused_input
-    from lingbot_core.parallel.jobs import (
+    from lingbot_core.workflow import WorkflowError, apply_overrides
+    from lingbot_core.workflow.context import watch_nodes
+
+    from . import NODE_CLASS_MAPPINGS
+    from .jobs import (
         DONE,
         Manifest,
         check_file_names,
@@ -534,10 +538,6 @@ def _run_jobs(args: argparse.Namespace, prompt, engine, reporter: Reporter, outp
         run_jobs,
         world_place,
     )
-    from lingbot_core.workflow import WorkflowError, apply_overrides
-    from lingbot_core.workflow.context import watch_nodes
-
-    from . import NODE_CLASS_MAPPINGS
 
     jobs = read_jobs(args.jobs)  # a bad line stops here, before any model work
     rewrites = [job.line for job in jobs if "rewrite" in job.values]
@@ -656,7 +656,7 @@ def _sigterm_interrupts(under_torchrun: bool) -> Iterator[None]:
 
 def _start_parallel(args: argparse.Namespace, prompt, overrides: list[str], reporter: Reporter):
     """Join the torchrun world when asked (`--parallel`, or a world of several processes without
-    `--jobs`), make its layout every handle's (`parallel.stage.use_process_layout`), set the Offload
+    `--jobs`), make its layout every handle's (`distributed.stage.use_process_layout`), set the Offload
     nodes to 'none' (no other mode runs on several processes) and quiet the ranks above 0.
     Returns the layout, or None for a one-process run."""
     from lingbot_core.workflow import WorkflowError
@@ -667,8 +667,8 @@ def _start_parallel(args: argparse.Namespace, prompt, overrides: list[str], repo
             raise WorkflowError("--fsdp shards the DiT over the processes of a parallel run: start it with "
                                 "torchrun and --parallel")
         return None
-    from lingbot_core.parallel.launch import init_from_env
-    from lingbot_core.parallel.stage import use_process_layout
+    from lingbot_core.distributed.launch import init_from_env
+    from lingbot_core.distributed.stage import use_process_layout
 
     # with --jobs the world splits into groups of cfg x ulysses ranks, each running its share of the jobs
     layout = init_from_env(args.parallel or "", fsdp=args.fsdp, split=args.jobs is not None)
@@ -692,15 +692,15 @@ def _start_parallel(args: argparse.Namespace, prompt, overrides: list[str], repo
 
 def _publish_failure(layout, err: BaseException) -> None:
     """A parallel run that failed on this rank: its error goes to the group's store before the rank leaves
-    (`parallel.abort`), so the ranks whose collectives then fail name this rank and its error (a failure
+    (`distributed.abort`), so the ranks whose collectives then fail name this rank and its error (a failure
     inside a DiT forward already is there; the first one published wins)."""
     if layout is None:
         return
     import torch
     import torch.distributed as dist
 
+    from lingbot_core.distributed.abort import failure_key, publish_failure
     from lingbot_core.exit_codes import root_cause
-    from lingbot_core.parallel.abort import failure_key, publish_failure
 
     node = getattr(err, "node_id", None)
     where = f"in node {node} ({err.class_type})" if node is not None else "in its run"
@@ -715,7 +715,7 @@ def _stop_parallel(layout) -> None:
         return
     import torch.distributed as dist
 
-    from lingbot_core.parallel.stage import use_process_layout
+    from lingbot_core.distributed.stage import use_process_layout
 
     use_process_layout(None)
     if dist.is_initialized():
@@ -724,10 +724,10 @@ def _stop_parallel(layout) -> None:
 
 def _pick_local_device() -> None:
     """Under torchrun on GPUs, each process takes the GPU of its LOCAL_RANK ("cuda" then means that one);
-    more processes on the node than GPUs is refused (`parallel.launch.local_gpu`)."""
+    more processes on the node than GPUs is refused (`distributed.launch.local_gpu`)."""
     if os.environ.get("LOCAL_RANK") is None:
         return
-    from lingbot_core.parallel.launch import local_gpu
+    from lingbot_core.distributed.launch import local_gpu
 
     gpu = local_gpu()
     if gpu is not None:

@@ -68,7 +68,7 @@ class LingBotExtendVideo(io.ComfyNode):
                 sampler="flow_unipc", save_segments=True):
         from lingbot_core import extend, stages
         from lingbot_core.errors import RefusedInput
-        from lingbot_core.parallel_runs.pool import pool_of
+        from lingbot_core.worker_pool.pool import pool_of
 
         if pool_of(pipe) is not None:
             raise RefusedInput("LingBot Extend Video runs in this process: connect the pipe from before LingBot "

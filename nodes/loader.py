@@ -335,7 +335,7 @@ class LingBotRelease(io.ComfyNode):
                  "text encoder": ["text_encoder"]}[what]
         release(pipe, names)
         if what != "text encoder":
-            from lingbot_core.parallel_runs.pool import release_pool_of
+            from lingbot_core.worker_pool.pool import release_pool_of
 
             release_pool_of(pipe)  # a LingBot Parallel pipe: its workers stop too (and restart when next used)
         return io.NodeOutput(value)

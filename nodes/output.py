@@ -97,7 +97,7 @@ class LingBotSaveVideo(io.ComfyNode):
     def execute(cls, images, fps, filename_prefix):
         import json
 
-        from lingbot_core.parallel.stage import writes_outputs
+        from lingbot_core.distributed.stage import writes_outputs
         from lingbot_core.video import save_frames
 
         if not writes_outputs():  # a parallel run: rank 0 saves, the other ranks hold placeholder frames

@@ -1,7 +1,7 @@
 """LingBot Parallel: one pipe on several devices, through persistent worker processes.
 
 Type translation only; the workers, the process group and the calls are
-`lingbot_core.parallel_runs.pool`.
+`lingbot_core.worker_pool.pool`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ class LingBotParallel(io.ComfyNode):
 
     @classmethod
     def define_schema(cls):
-        from lingbot_core.parallel.layout import CFG_DEGREES  # the degrees the layout accepts
+        from lingbot_core.distributed.layout import CFG_DEGREES  # the degrees the layout accepts
 
         return io.Schema(
             node_id="LingBotParallel",
@@ -56,7 +56,7 @@ class LingBotParallel(io.ComfyNode):
 
     @classmethod
     def execute(cls, pipe, devices, cfg="1", ulysses=0, fsdp="off"):
-        from lingbot_core.parallel_runs.pool import PoolSpec, pool_for, tag
+        from lingbot_core.worker_pool.pool import PoolSpec, pool_for, tag
 
         if fsdp not in ("off", "on"):
             raise ValueError(f"fsdp must be 'off' or 'on', got {fsdp!r}")

@@ -72,7 +72,7 @@ class Previewer:
         """Headless: the step's preview as a PNG under LINGBOT_PREVIEW_DIR."""
         if self._folder is None or not isinstance(latents, torch.Tensor) or latents.ndim != 5:
             return None
-        from lingbot_core.parallel.stage import writes_outputs
+        from lingbot_core.distributed.stage import writes_outputs
 
         if not writes_outputs():  # a parallel run's other ranks write nothing
             return None

@@ -137,8 +137,8 @@ class LingBotDenoise(io.ComfyNode):
                 latent=None, sampler="flow_unipc", sigmas="", cfg_batch="off", step_cache="off", cache_threshold=0.0,
                 cache_warmup_steps=-1, cache_max_skips=-1, video=None, denoise=1.0):
         from lingbot_core.latents import dit_to_vae, vae_to_dit
-        from lingbot_core.parallel_runs.pool import run_stage  # the pipe's pool (LingBot Parallel), or here
         from lingbot_core.sampling import parse_sigmas
+        from lingbot_core.worker_pool.pool import run_stage  # the pipe's pool (LingBot Parallel), or here
 
         custom = parse_sigmas(sigmas)
         if custom is not None:
@@ -218,7 +218,7 @@ class LingBotRefine(io.ComfyNode):
                 cache_threshold=0.0, cache_warmup_steps=-1, cache_max_skips=-1):
         from lingbot_core import stages
         from lingbot_core.latents import dit_to_vae
-        from lingbot_core.parallel_runs.pool import run_refine  # refiner sampling on the pipe's pool, or here
+        from lingbot_core.worker_pool.pool import run_refine  # refiner sampling on the pipe's pool, or here
 
         if (latent is None) == (images is None):
             raise ValueError("connect exactly one of `latent` or `images` as the base video")

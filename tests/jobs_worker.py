@@ -1,5 +1,5 @@
 """The spawned side of tests/test_jobs.py, in a module of its own so each spawned process imports
-only this, lingbot_core.parallel.jobs and torch.distributed (not the node pack)."""
+only this, lingbot_nodes.jobs and torch.distributed (not the node classes)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from lingbot_core.parallel.jobs import Job, Manifest, read_jobs, run_jobs, world_place
-from lingbot_core.parallel.launch import init_loopback_group
+from lingbot_core.distributed.launch import init_loopback_group
+from lingbot_nodes.jobs import Job, Manifest, read_jobs, run_jobs, world_place
 
 
 def run_share(rank: int, world: int, port: int, folder: str) -> None:
@@ -34,7 +34,7 @@ def finish_share(rank: int, world: int, port: int, folder: str) -> None:
     """`finish_together` on a gloo world: the last rank stops early (`stopped`), the others finish with
     one failed job each; what each returned goes to `folder`/finish<N>.txt. (Rank 0 holds the store
     here, as torchrun's agent does there, so it must not be the one that leaves.)"""
-    from lingbot_core.parallel.jobs import finish_together
+    from lingbot_nodes.jobs import finish_together
 
     init_loopback_group(rank, world, port)
     try:

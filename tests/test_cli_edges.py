@@ -106,7 +106,7 @@ def test_a_library_error_while_checking_jobs_is_not_a_bad_job(tmp_path, capsys, 
     not every job recorded as bad input."""
     import json
 
-    from lingbot_core.parallel import jobs as jobs_module
+    from lingbot_nodes import jobs as jobs_module
 
     def library_failure(*_a, **_k):
         import numpy

@@ -307,8 +307,8 @@ def _parallel_worker(rank: int, world: int, port: int, out: str, student: str) -
     import io
     import os
 
-    from lingbot_core.parallel import ParallelLayout
-    from lingbot_core.parallel.launch import init_loopback_group
+    from lingbot_core.distributed import ParallelLayout
+    from lingbot_core.distributed.launch import init_loopback_group
     from lingbot_nodes.cli import main
 
     torch.set_num_threads(1)
@@ -338,7 +338,7 @@ def _parallel_worker(rank: int, world: int, port: int, out: str, student: str) -
 def test_student_on_two_processes_with_ulysses_and_cfg_parallel_refused(student, tmp_path):
     import torch.multiprocessing as mp
 
-    from lingbot_core.parallel.launch import free_loopback_port
+    from lingbot_core.distributed.launch import free_loopback_port
 
     method = "spawn" if torch.cuda.is_initialized() else "fork"
     mp.start_processes(_parallel_worker, args=(2, free_loopback_port(), str(tmp_path), str(student)), nprocs=2,

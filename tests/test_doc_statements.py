@@ -83,8 +83,8 @@ def test_gguf_weights_load_with_plain_reads_as_the_readme_says(tmp_path, monkeyp
 def test_a_step_cache_runs_on_several_processes_as_the_readme_says():
     """README (--parallel): a step cache runs on a parallel view; MagCache calibration and `cfg_batch on`
     with `cfg=2` are refused."""
-    from lingbot_core.parallel import ParallelLayout
-    from lingbot_core.parallel import stage as parallel_stage
+    from lingbot_core.distributed import ParallelLayout
+    from lingbot_core.distributed import stage as parallel_stage
 
     said = _paragraph(README, "Rank 0 encodes the prompt, decodes and saves")
     assert "A step cache runs" in said and "MagCache calibration, and `cfg_batch on` with `cfg=2`, are refused" in said

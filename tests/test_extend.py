@@ -188,7 +188,7 @@ def test_memory_bench_quick(capsys):
 
 
 def test_extend_node_refuses_a_parallel_pipe_before_any_work(dense, monkeypatch):
-    from lingbot_core.parallel_runs import pool
+    from lingbot_core.worker_pool import pool
     from lingbot_nodes.extend import LingBotExtendVideo
 
     handle, cond = dense

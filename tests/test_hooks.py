@@ -102,9 +102,9 @@ def _dit():
 
 
 def test_compiled_regions_and_sequence_parallel_are_registry_hooks():
+    from lingbot_core.distributed import ParallelLayout, disable_sequence_parallel, enable_sequence_parallel
+    from lingbot_core.distributed.ulysses import ATTENTION_HOOK, DIT_HOOK
     from lingbot_core.models import compile as regional
-    from lingbot_core.parallel import ParallelLayout, disable_sequence_parallel, enable_sequence_parallel
-    from lingbot_core.parallel.ulysses import ATTENTION_HOOK, DIT_HOOK
 
     model = _dit()
     clean = {path: set(vars(m)) for path, m in model.named_modules()}

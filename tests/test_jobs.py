@@ -11,7 +11,11 @@ import torch
 import torch.multiprocessing as mp
 from jobs_worker import claim_share, finish_share, run_parallel_cli, run_share, sigterm_in_jobs
 
-from lingbot_core.parallel.jobs import (
+from lingbot_core.distributed.launch import free_loopback_port
+from lingbot_core.distributed.layout import video_groups
+from lingbot_core.workflow.errors import WorkflowError
+from lingbot_nodes.cli import main
+from lingbot_nodes.jobs import (
     DONE,
     FAILED,
     JOB_FIELDS,
@@ -23,10 +27,6 @@ from lingbot_core.parallel.jobs import (
     read_jobs,
     world_place,
 )
-from lingbot_core.parallel.launch import free_loopback_port
-from lingbot_core.parallel.layout import video_groups
-from lingbot_core.workflow.errors import WorkflowError
-from lingbot_nodes.cli import main
 
 
 def _write(path: Path, lines: list) -> Path:
@@ -96,7 +96,7 @@ def test_a_bad_line_stops_everything_before_work_and_names_the_line(tmp_path, ca
 
 
 def test_job_fields_fill_their_inputs():
-    from lingbot_core.parallel.jobs import job_overrides
+    from lingbot_nodes.jobs import job_overrides
 
     nodes = {"1": {"class_type": "LingBotDenoise", "inputs": {}}, "2": {"class_type": "LingBotRefine", "inputs": {}},
              "3": {"class_type": "LingBotSaveVideo", "inputs": {"filename_prefix": "clips/x"}}}
@@ -200,9 +200,9 @@ def test_a_job_that_broke_the_group_is_recorded_and_stops_the_batch(tmp_path):
     """A job whose run broke the group's collectives (one rank failed inside a DiT forward: every rank
     raises GroupBroken) gets its manifest line, and the batch stops there instead of running the next
     job on a group that is out of step; a rerun resumes after the jobs done."""
-    from lingbot_core.parallel.abort import Failure, GroupBroken
-    from lingbot_core.parallel.jobs import Manifest, run_jobs
+    from lingbot_core.distributed.abort import Failure, GroupBroken
     from lingbot_core.workflow.errors import NodeExecutionError
+    from lingbot_nodes.jobs import Manifest, run_jobs
 
     jobs = [Job(f"j{i}", i + 1) for i in range(4)]
     ran, healed = [], []
@@ -393,7 +393,7 @@ def test_the_readme_jobs_example_reads(tmp_path):
 # --- issue 34 item 3: a job is its content, not its line; two runs at once split the work ---
 
 def _ran(jobs_path: Path, manifest: Manifest, **kw) -> list[tuple[str, int]]:
-    from lingbot_core.parallel.jobs import run_jobs
+    from lingbot_nodes.jobs import run_jobs
 
     ran = []
     run_jobs(read_jobs(jobs_path), lambda job: ran.append((job.values.get("seed"), job.line)) or [], manifest, **kw)
@@ -434,7 +434,7 @@ def test_two_runs_on_one_jobs_file_share_the_jobs(tmp_path):
     ran once, and B returned only once j0 was recorded."""
     import threading
 
-    from lingbot_core.parallel.jobs import run_jobs
+    from lingbot_nodes.jobs import run_jobs
 
     jobs = read_jobs(_write(tmp_path / "jobs.jsonl", [{"id": f"j{i}", "seed": i} for i in range(3)]))
     inside, go, ran, skipped = threading.Event(), threading.Event(), [], []
@@ -470,7 +470,7 @@ def test_two_runs_on_one_jobs_file_share_the_jobs(tmp_path):
 def test_a_group_runs_what_its_leader_decided(tmp_path):
     """The ranks of one video group follow the leader's decision (group_agreement), not their own
     reading of the manifest: a member whose manifest says done still runs the job the leader runs."""
-    from lingbot_core.parallel.jobs import RUN, SKIP, run_jobs
+    from lingbot_nodes.jobs import RUN, SKIP, run_jobs
 
     jobs = read_jobs(_write(tmp_path / "jobs.jsonl", [{"id": "a", "seed": 1}, {"id": "b", "seed": 2}]))
     (tmp_path / "m.jsonl").write_text(json.dumps({"id": "a", "digest": jobs[0].digest, "status": DONE}) + "\n")
@@ -516,7 +516,7 @@ def test_two_processes_on_one_jobs_file_run_each_job_once(tmp_path):
 def test_a_job_dropped_by_a_run_that_died_is_run_by_the_one_waiting(tmp_path):
     """Another process holds j0 and goes away without a manifest line (killed: its lock goes with it):
     the run that waited for j0 runs it itself. One it recorded as failed meanwhile is not run again."""
-    from lingbot_core.parallel.jobs import Claims, run_jobs
+    from lingbot_nodes.jobs import Claims, run_jobs
 
     jobs = read_jobs(_write(tmp_path / "jobs.jsonl", [{"id": f"j{i}", "seed": i} for i in range(3)]))
     manifest = Manifest(tmp_path / "m.jsonl")

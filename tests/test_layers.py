@@ -23,14 +23,14 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("weights", {"weights", "checkpoint", "checkpoint_inspect", "single_files", "processor_files",
                  "tiny", "quantize", "lora", "prompt"}),
     # where weights live while stages run, on one device or several
-    ("placement", {"placement", "offload", "memory", "parallel"}),
+    ("placement", {"placement", "offload", "memory", "distributed"}),
     # what a stage accepts (checked against the memory estimate), what a run says before it starts
     ("requests", {"stage_inputs", "notices"}),
     # the lazy handle over one checkpoint
     ("handle", {"handle"}),
     # stages: plain functions over a handle; the prompt rewriter (runs a text model through the door);
     # the runners over the stages on several processes (`parallel_denoise`, LingBot Parallel's worker pool)
-    ("stages", {"stages", "video_to_video", "extend", "rewrite", "parallel_runs"}),
+    ("stages", {"stages", "video_to_video", "extend", "rewrite", "worker_pool"}),
     # entry points
     ("entry", {"__main__", "__init__", "doctor"}),
 ]

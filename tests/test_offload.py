@@ -378,8 +378,8 @@ def test_guards(moe, monkeypatch):
         configure_offload(moe, "group", use_stream=True)
     with pytest.raises(ValueError, match="num_blocks_per_group"):
         configure_offload(moe, "group", use_stream=False, num_blocks_per_group=0)
-    from lingbot_core.parallel import stage as parallel_stage
-    from lingbot_core.parallel.layout import ParallelLayout
+    from lingbot_core.distributed import stage as parallel_stage
+    from lingbot_core.distributed.layout import ParallelLayout
 
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a: 2)

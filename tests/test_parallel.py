@@ -19,14 +19,14 @@ import torch
 import torch.multiprocessing as mp
 
 from bench._common import random_dit
-from lingbot_core.models.transformer import LingBotVideoTransformer3DModel
-from lingbot_core.parallel import (
+from lingbot_core.distributed import (
     ParallelLayout,
     disable_sequence_parallel,
     enable_sequence_parallel,
     parse_degrees,
 )
-from lingbot_core.parallel.launch import free_loopback_port, init_loopback_group
+from lingbot_core.distributed.launch import free_loopback_port, init_loopback_group
+from lingbot_core.models.transformer import LingBotVideoTransformer3DModel
 
 #: float32 tolerance against the one-process output, relative to its largest magnitude
 TOLERANCE = 1e-6  # measured: 0 dense, 1.3e-7 MoE with a padded prompt batch
@@ -69,7 +69,7 @@ def _ulysses_checks(layout: ParallelLayout) -> dict:
 
 
 def _cfg_checks(layout: ParallelLayout) -> dict:
-    from lingbot_core.parallel import ParallelGuidance
+    from lingbot_core.distributed import ParallelGuidance
     from lingbot_core.sampling.guidance import Guidance
 
     model = random_dit(MOE, 0.05)
@@ -91,7 +91,7 @@ def _t2v_checks(layout: ParallelLayout, tiny: str) -> dict:
     from lingbot_core import stages
     from lingbot_core.handle import PipelineHandle
     from lingbot_core.latents import latent_shape
-    from lingbot_core.parallel_runs.run import parallel_denoise
+    from lingbot_core.worker_pool.run import parallel_denoise
 
     handle = PipelineHandle.open(tiny, device="cpu")
     size = dict(height=32, width=32, num_frames=5)
@@ -124,8 +124,8 @@ def _refine_checks(layout: ParallelLayout, tiny_moe: str) -> dict:
     """The MoE refiner on a parallel view of the handle: rank 0 encodes the prompt and the frames (the
     others are handed placeholder frames, which they must not need), every rank samples, rank 0 decodes."""
     from lingbot_core import stages
+    from lingbot_core.distributed.stage import placeholder_frames
     from lingbot_core.handle import PipelineHandle
-    from lingbot_core.parallel.stage import placeholder_frames
 
     handle = PipelineHandle.open(tiny_moe, device="cpu")
     view = handle.with_parallel(layout)
@@ -147,10 +147,10 @@ def _fsdp_checks(layout: ParallelLayout) -> dict:
     `parallel_denoise` on a bare DiT, against the same DiT in one process."""
     import dataclasses
 
-    from lingbot_core.parallel.fsdp import is_fsdp_sharded, shard_plan
-    from lingbot_core.parallel_runs.run import parallel_denoise
+    from lingbot_core.distributed.fsdp import is_fsdp_sharded, shard_plan
     from lingbot_core.prompt import PromptEmbeds
     from lingbot_core.stages import Conditioning
+    from lingbot_core.worker_pool.run import parallel_denoise
 
     g = torch.Generator().manual_seed(4)
     ids = torch.zeros(1, 1, dtype=torch.int64)
@@ -206,7 +206,7 @@ def _lora_checks(layout: ParallelLayout, tiny: str, lora_path: str) -> dict:
     from lingbot_core.handle import PipelineHandle
     from lingbot_core.latents import latent_shape
     from lingbot_core.lora import with_lora
-    from lingbot_core.parallel_runs.run import parallel_denoise
+    from lingbot_core.worker_pool.run import parallel_denoise
 
     handle = PipelineHandle.open(tiny, device="cpu")
     size = dict(height=32, width=32, num_frames=5)
@@ -236,10 +236,10 @@ def _lora_fsdp_checks(layout: ParallelLayout, tiny: str, lora_path: str) -> dict
     from torch.distributed.tensor import DTensor
 
     from lingbot_core import stages
+    from lingbot_core.distributed.fsdp import is_fsdp_sharded
     from lingbot_core.handle import PipelineHandle
     from lingbot_core.latents import latent_shape
     from lingbot_core.lora import with_lora
-    from lingbot_core.parallel.fsdp import is_fsdp_sharded
 
     def local(p: torch.Tensor) -> torch.Tensor:
         return p.to_local() if isinstance(p, DTensor) else p
@@ -274,8 +274,8 @@ def _step_cache_checks(layout: ParallelLayout, tiny: str) -> dict:
     from lingbot_core import stages
     from lingbot_core.handle import PipelineHandle
     from lingbot_core.latents import latent_shape
-    from lingbot_core.parallel_runs.run import parallel_denoise
     from lingbot_core.sampling import step_cache
+    from lingbot_core.worker_pool.run import parallel_denoise
 
     figures: list[float] = []
     real = step_cache._rel_l1
@@ -327,9 +327,9 @@ def _failure_checks(layout: ParallelLayout) -> dict:
     their step-3 collectives until the group's timeout (30 minutes)."""
     import time
 
-    from lingbot_core.parallel_runs.run import parallel_denoise
     from lingbot_core.prompt import PromptEmbeds
     from lingbot_core.stages import Conditioning
+    from lingbot_core.worker_pool.run import parallel_denoise
 
     g = torch.Generator().manual_seed(4)
     embeds = PromptEmbeds(torch.randn(1, 7, 32, generator=g), torch.ones(1, 7, dtype=torch.int64),
@@ -361,9 +361,9 @@ def _forward_failure_checks(rank: int, world: int, store_port: int) -> dict:
 
     from parallel_fakes import fail_inside_forward
 
-    from lingbot_core.parallel_runs.run import parallel_denoise
     from lingbot_core.prompt import PromptEmbeds
     from lingbot_core.stages import Conditioning
+    from lingbot_core.worker_pool.run import parallel_denoise
 
     store = torch.distributed.TCPStore("127.0.0.1", store_port, world, False, timedelta(seconds=60))
     torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=world)
@@ -513,7 +513,7 @@ def test_one_process_layout_installs_nothing():
 def test_sequence_parallel_runs_a_step_cache_runner_on_its_share():
     """The sharding runner wraps a step cache's runner (attached after it, so it runs first); the
     cache's own hook refuses to replace a sharding runner (the other order would lose the sharding)."""
-    from lingbot_core.parallel.ulysses import _ShardingHook
+    from lingbot_core.distributed.ulysses import _ShardingHook
     from lingbot_core.sampling.step_cache import StepCache, StepCacheSettings, _RunnerHook
 
     hook = _ShardingHook(ParallelLayout(cfg=1, ulysses=2))
@@ -547,8 +547,8 @@ def _fake_layout(cfg: int, ulysses: int, rank: int = 0, fsdp: bool = False) -> P
 
 
 def test_parallel_view_refuses_what_cannot_run_on_several_processes():
+    from lingbot_core.distributed import stage as parallel_stage
     from lingbot_core.handle import PipelineHandle
-    from lingbot_core.parallel import stage as parallel_stage
 
     handle = PipelineHandle.from_components({"transformer": random_dit(DENSE, 0.05)})  # 4 heads
     with pytest.raises(ValueError, match="offload mode 'model' cannot run on several processes"):
@@ -569,7 +569,7 @@ def test_parallel_view_refuses_what_cannot_run_on_several_processes():
 
 
 def test_process_layout_decides_who_writes():
-    from lingbot_core.parallel import stage as parallel_stage
+    from lingbot_core.distributed import stage as parallel_stage
 
     assert parallel_stage.writes_outputs()
     try:
@@ -595,9 +595,9 @@ def test_degrees_with_jobs_may_divide_the_world():
 
 
 def test_fsdp_plan_shards_bulk_weights_and_keeps_the_float32_set_whole():
+    from lingbot_core.distributed.fsdp import shard_plan
     from lingbot_core.handle import PipelineHandle
     from lingbot_core.models.precision import stays_float32
-    from lingbot_core.parallel.fsdp import shard_plan
 
     model = random_dit(MOE, 0.05)
     plan = shard_plan(model)
@@ -794,7 +794,7 @@ def test_failure_watch_acts_once_on_another_ranks_failure_only():
     own failure does not. The first failure published stays the one every rank reads."""
     import time
 
-    from lingbot_core.parallel.abort import FailureWatch, GroupBroken, publish_failure, published_failure
+    from lingbot_core.distributed.abort import FailureWatch, GroupBroken, publish_failure, published_failure
 
     store = torch.distributed.HashStore()
     seen: dict[int, list] = {0: [], 1: []}

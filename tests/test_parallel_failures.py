@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 from lingbot_core import exit_codes
+from lingbot_core.distributed import abort
+from lingbot_core.distributed.abort import Failure, GroupBroken, StepStatus, failure_key
 from lingbot_core.errors import RefusedInput, is_refused_input
-from lingbot_core.parallel import abort
-from lingbot_core.parallel.abort import Failure, GroupBroken, StepStatus, failure_key
 
 
 @pytest.fixture
@@ -50,8 +50,8 @@ def test_a_cuda_rank_failing_inside_a_forward_gets_group_broken_naming_it(one_ra
     assert dist.get_rank() == 0  # the process group is still this process's to destroy (the caller leaves it)
 
     # --jobs: the batch stops at the job that broke the group (it went on to the next job on the aborted group)
-    from lingbot_core.parallel.jobs import Job, Manifest, run_jobs
     from lingbot_core.workflow.errors import NodeExecutionError
+    from lingbot_nodes.jobs import Job, Manifest, run_jobs
 
     ran = []
 
@@ -108,7 +108,7 @@ def _torch_value_error() -> ValueError:
 def test_a_librarys_value_error_is_a_failure_and_ours_is_a_refused_input():
     """Exit code 2 is for what the user passed; a ValueError raised inside a library while running
     (torch.distributed's, here) is a failure of the run: exit code 1."""
-    from lingbot_core.parallel_runs.pool import parse_devices
+    from lingbot_core.worker_pool.pool import parse_devices
 
     library = _torch_value_error()
     assert not is_refused_input(library) and exit_codes.exit_code(library) == exit_codes.FAILED
@@ -145,9 +145,9 @@ def test_a_pool_call_failing_on_rank_0_or_losing_a_worker_stops_the_pool_with_po
     import signal
 
     from lingbot_core.handle import PipelineHandle
-    from lingbot_core.parallel_runs import pool as pool_module
-    from lingbot_core.parallel_runs.pool import PoolError, PoolSpec, WorkerPool, run_stage, tag
     from lingbot_core.sampling import guidance
+    from lingbot_core.worker_pool import pool as pool_module
+    from lingbot_core.worker_pool.pool import PoolError, PoolSpec, WorkerPool, run_stage, tag
 
     monkeypatch.setattr(pool_module, "START_METHOD", "fork")
     kw = dict(height=32, width=32, num_frames=5, steps=2, guidance_scale=3.0, shift=3.0, seed=7)
@@ -186,8 +186,8 @@ def test_the_pool_sets_nccl_error_handling_before_its_workers_start(monkeypatch)
     after the workers started). A value the user set is kept. No process starts here."""
     import torch.multiprocessing as mp
 
-    from lingbot_core.parallel_runs import pool as pool_module
-    from lingbot_core.parallel_runs.pool import PoolSpec, WorkerPool
+    from lingbot_core.worker_pool import pool as pool_module
+    from lingbot_core.worker_pool.pool import PoolSpec, WorkerPool
 
     seen = []
 
@@ -258,11 +258,11 @@ def test_nothing_the_pool_or_a_loopback_group_listens_on_is_beyond_loopback(fixt
     """LingBot Parallel's rendezvous store and gloo's connections: every socket this process and its
     workers listen on after the pool started is on a loopback address (torch's own TCPStore server
     bound every address: reachable from the network for the pool's lifetime). The same for the
-    groups `parallel.launch.init_loopback_group` starts (tests, benches)."""
+    groups `distributed.launch.init_loopback_group` starts (tests, benches)."""
+    from lingbot_core.distributed.launch import free_loopback_port, init_loopback_group
     from lingbot_core.handle import PipelineHandle
-    from lingbot_core.parallel.launch import free_loopback_port, init_loopback_group
-    from lingbot_core.parallel_runs import pool as pool_module
-    from lingbot_core.parallel_runs.pool import PoolSpec, WorkerPool
+    from lingbot_core.worker_pool import pool as pool_module
+    from lingbot_core.worker_pool.pool import PoolSpec, WorkerPool
 
     monkeypatch.setattr(pool_module, "START_METHOD", "fork")
     before = _listening([os.getpid()])
@@ -289,7 +289,7 @@ def test_fewer_gpus_than_local_ranks_is_refused_in_one_line(monkeypatch):
     """torchrun started more processes on this node than it has GPUs: refused (it fell back to gloo with
     several ranks on cuda:0, or put several --jobs ranks on one GPU). No GPU at all: the CPU, as before.
     The GPUs are faked (count, set_device); no group starts."""
-    from lingbot_core.parallel.launch import init_from_env
+    from lingbot_core.distributed.launch import init_from_env
     from lingbot_nodes import cli
 
     picked = []
@@ -398,12 +398,12 @@ def _job_ranks(rank: int, world: int, port: int, out: str) -> None:
     from pathlib import Path
 
     from bench._common import random_dit
-    from lingbot_core.parallel.agree import check_same_job
-    from lingbot_core.parallel.launch import init_loopback_group
-    from lingbot_core.parallel.layout import ParallelLayout
-    from lingbot_core.parallel_runs.run import parallel_denoise
+    from lingbot_core.distributed.agree import check_same_job
+    from lingbot_core.distributed.launch import init_loopback_group
+    from lingbot_core.distributed.layout import ParallelLayout
     from lingbot_core.prompt import PromptEmbeds
     from lingbot_core.stages import Conditioning
+    from lingbot_core.worker_pool.run import parallel_denoise
 
     torch.set_num_threads(1)
     init_loopback_group(rank, world, port)
@@ -440,7 +440,7 @@ def test_ranks_given_different_jobs_are_refused_on_every_rank_before_running(tmp
 
     import torch.multiprocessing as mp
 
-    from lingbot_core.parallel.launch import free_loopback_port
+    from lingbot_core.distributed.launch import free_loopback_port
 
     if torch.cuda.is_initialized():
         pytest.skip("CUDA is initialised in this process: the ranks are forked")
@@ -458,7 +458,7 @@ def test_ranks_given_different_jobs_are_refused_on_every_rank_before_running(tmp
 def test_lingbot_parallel_refuses_gpus_this_machine_does_not_have(monkeypatch):
     """`devices` naming a GPU that is not here is refused in one line before any process starts (the
     worker failed to start, its error only in the server log). The GPUs are faked (two)."""
-    from lingbot_core.parallel_runs.pool import PoolSpec
+    from lingbot_core.worker_pool.pool import PoolSpec
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -494,7 +494,7 @@ def test_the_rendezvous_port_is_held_from_before_the_workers_start_until_the_sto
     process could take before rank 0's store listens); the store then listens on that very socket."""
     import socket
 
-    from lingbot_core.parallel.launch import loopback_store, reserve_loopback_port
+    from lingbot_core.distributed.launch import loopback_store, reserve_loopback_port
 
     reserved = reserve_loopback_port()
     port = reserved.getsockname()[1]

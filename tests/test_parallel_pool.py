@@ -21,8 +21,8 @@ from parallel_fakes import fail_inside_forward
 from lingbot_core import lora as lora_ops
 from lingbot_core import stages
 from lingbot_core.handle import PipelineHandle
-from lingbot_core.parallel_runs import pool as pool_module
-from lingbot_core.parallel_runs.pool import PoolError, PoolSpec, parse_devices, pool_of, run_stage
+from lingbot_core.worker_pool import pool as pool_module
+from lingbot_core.worker_pool.pool import PoolError, PoolSpec, parse_devices, pool_of, run_stage
 from lingbot_nodes import NODE_CLASS_MAPPINGS
 
 KW = dict(height=32, width=32, num_frames=5, steps=3, guidance_scale=3.0, shift=3.0, seed=7)
@@ -45,7 +45,7 @@ def _gone(pid: int, within: float = 10.0) -> bool:
 
 
 def test_pool_start_reuse_interrupt_release_restart_and_a_dead_worker(fixtures_root, monkeypatch, tmp_path):
-    from lingbot_core.parallel_runs import pool as pool_module
+    from lingbot_core.worker_pool import pool as pool_module
 
     monkeypatch.setattr(pool_module, "START_METHOD", "fork")  # ComfyUI spawns; fork saves the interpreter start
     handle = PipelineHandle.open(fixtures_root / "models" / "tiny-moe", device="cpu")  # it has a refiner
@@ -142,7 +142,7 @@ def test_a_rank_failing_inside_a_forward_stops_the_call_at_once_and_is_named(fix
     its forward, where rank 0 already waits."""
     monkeypatch.setattr(pool_module, "START_METHOD", "fork")
     assert pool_module.COLLECTIVE_TIMEOUT.total_seconds() >= 600
-    from lingbot_core.parallel_runs.pool import WorkerPool, tag
+    from lingbot_core.worker_pool.pool import WorkerPool, tag
 
     handle = PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu")
     cond = stages.encode_prompt(handle, "a red paper boat on a canal")
@@ -189,8 +189,8 @@ def test_an_fsdp_pool_shards_its_own_copy_and_matches_one_device(fixtures_root, 
     its whole DiT (the pipe without LingBot Parallel runs as before); fp8 weights are refused up front."""
     from torch.distributed.tensor import DTensor
 
+    from lingbot_core.distributed.fsdp import is_fsdp_sharded
     from lingbot_core.latents import dit_to_vae
-    from lingbot_core.parallel.fsdp import is_fsdp_sharded
 
     monkeypatch.setattr(pool_module, "START_METHOD", "fork")
     handle = PipelineHandle.open(fixtures_root / "models" / "tiny-moe", device="cpu")
@@ -233,8 +233,8 @@ def test_views_of_a_parallel_pipe_keep_the_pool_or_are_refused(fixtures_root, tm
     from dataclasses import replace
 
     from lingbot_core.lora import LoraFile, with_lora
-    from lingbot_core.parallel_runs.pool import WorkerPool, pooled_loras, tag
     from lingbot_core.placement.settings import OffloadSettings
+    from lingbot_core.worker_pool.pool import WorkerPool, pooled_loras, tag
 
     handle = PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu")
     pool = WorkerPool(PoolSpec.make(handle, "cpu,cpu", 1))
@@ -304,7 +304,7 @@ def test_unload_models_stops_a_pool_and_a_memory_request_does_not(monkeypatch):
 def test_a_pool_restarted_after_unload_models_is_listed_again(monkeypatch):
     """ComfyUI serves a LingBot Parallel node from its cache after "Unload models" stopped its pool, and
     the next Denoise restarts the same pool: the restart lists it again, so the next unload stops it too."""
-    from lingbot_core.parallel_runs.pool import WorkerPool
+    from lingbot_core.worker_pool.pool import WorkerPool
     from lingbot_nodes import runtime
 
     mm = types.ModuleType("comfy.model_management")
@@ -347,7 +347,7 @@ def test_devices_and_degrees_are_checked_before_any_process_starts(fixtures_root
 
 def test_workers_open_their_handle_with_the_pipes_decoder_and_fp8_matmul(fixtures_root):
     """The description a worker opens its handle from carries the settings of the Loader's handle."""
-    from lingbot_core.parallel_runs.pool import describe_handle, open_described
+    from lingbot_core.worker_pool.pool import describe_handle, open_described
 
     handle = PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu", decoder="eager",
                                  fp8_matmul="auto")
@@ -359,7 +359,7 @@ def test_workers_open_their_handle_with_the_pipes_decoder_and_fp8_matmul(fixture
 
 def test_spawned_workers_do_not_rerun_the_main_script(monkeypatch):
     """ComfyUI's main.py works at import; a spawned child would import it again unless it is hidden."""
-    from lingbot_core.parallel_runs.pool import _main_module_hidden
+    from lingbot_core.worker_pool.pool import _main_module_hidden
 
     main = types.ModuleType("__main__")
     main.__file__, main.__spec__ = "comfy/main.py", object()

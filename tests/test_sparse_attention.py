@@ -333,8 +333,8 @@ def _ulysses_worker(rank: int, port: int, out: str) -> None:
     from pathlib import Path
 
     from bench._common import random_dit
-    from lingbot_core.parallel import ParallelLayout, enable_sequence_parallel
-    from lingbot_core.parallel.launch import init_loopback_group
+    from lingbot_core.distributed import ParallelLayout, enable_sequence_parallel
+    from lingbot_core.distributed.launch import init_loopback_group
 
     torch.set_num_threads(1)
     init_loopback_group(rank, 2, port)
@@ -364,7 +364,7 @@ def test_ulysses_routes_each_ranks_heads_as_one_process_does(tmp_path):
 
     import torch.multiprocessing as mp
 
-    from lingbot_core.parallel.launch import free_loopback_port
+    from lingbot_core.distributed.launch import free_loopback_port
 
     mp.start_processes(_ulysses_worker, args=(free_loopback_port(), str(tmp_path)), nprocs=2, join=True,
                        start_method="fork")

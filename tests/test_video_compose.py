@@ -127,8 +127,8 @@ def test_jobs_give_each_v2v_its_own_video(tmp_path, capsys, monkeypatch):
     import json
 
     from lingbot_core import video as video_files
-    from lingbot_core.parallel.jobs import job_overrides, read_jobs
     from lingbot_nodes.cli import main
+    from lingbot_nodes.jobs import job_overrides, read_jobs
 
     clips = [video_files.save_mp4(torch.rand(9, 64, 64, 3, generator=torch.Generator().manual_seed(s)),
                                   tmp_path / f"in{s}.mp4") for s in (1, 2)]
@@ -195,8 +195,8 @@ def test_the_fit_check_refuses_an_encode_that_cannot_fit(fixtures_root, monkeypa
 def _parallel_worker(rank: int, world: int, port: int, out: str, tiny: str) -> None:
     import json
 
-    from lingbot_core.parallel import ParallelLayout
-    from lingbot_core.parallel.launch import init_loopback_group
+    from lingbot_core.distributed import ParallelLayout
+    from lingbot_core.distributed.launch import init_loopback_group
 
     torch.set_num_threads(1)
     init_loopback_group(rank, world, port)
@@ -227,7 +227,7 @@ def test_v2v_on_a_parallel_view_matches_one_process_and_extension_is_refused(tmp
 
     import torch.multiprocessing as mp
 
-    from lingbot_core.parallel.launch import free_loopback_port
+    from lingbot_core.distributed.launch import free_loopback_port
     from lingbot_core.tiny import ensure_tiny_checkpoint
 
     tiny = str(ensure_tiny_checkpoint("dense"))
@@ -245,8 +245,8 @@ def test_v2v_on_a_parallel_view_matches_one_process_and_extension_is_refused(tmp
 def test_v2v_through_lingbot_parallel_matches_one_device(fixtures_root, monkeypatch):
     """The Denoise node with a video and denoise below 1 on a LingBot Parallel pipe (this process
     rank 0, one forked worker, CFG parallel): the same latents as on the plain pipe."""
-    from lingbot_core.parallel_runs import pool as pool_module
-    from lingbot_core.parallel_runs.pool import PoolSpec, WorkerPool, tag
+    from lingbot_core.worker_pool import pool as pool_module
+    from lingbot_core.worker_pool.pool import PoolSpec, WorkerPool, tag
     from lingbot_nodes import NODE_CLASS_MAPPINGS
 
     monkeypatch.setattr(pool_module, "START_METHOD", "fork")
@@ -275,7 +275,7 @@ def test_lingbot_run_v2v_jobs_under_parallel_and_extend_refused(tmp_path, fixtur
     from jobs_worker import run_parallel_cli
 
     from lingbot_core import video as video_files
-    from lingbot_core.parallel.launch import free_loopback_port
+    from lingbot_core.distributed.launch import free_loopback_port
 
     clip = video_files.save_mp4(torch.rand(9, 64, 64, 3, generator=torch.Generator().manual_seed(1)),
                                 tmp_path / "in.mp4")

@@ -10,7 +10,7 @@ parameters) on the model's `ModelState`; every application starts from that copy
 copies it back, so removing a LoRA or changing its strength restores the weights bit for bit.
 Patches on quantized layers become runtime deltas instead (`runtime.py`).
 
-FSDP (`parallel/fsdp.py`): a sharded parameter is a DTensor whose rank holds some rows. The pristine
+FSDP (`distributed/fsdp.py`): a sharded parameter is a DTensor whose rank holds some rows. The pristine
 copy is then this rank's rows only, and the merge adds this rank's rows of the delta (the whole delta
 is formed on every rank from the LoRA file, which each rank reads, then cut by the parameter's own
 placement: no communication), so merging costs each rank its share and comes off bit for bit too.

@@ -229,7 +229,7 @@ def _plan(handle: PipelineHandle) -> Plan:
     placement = handle.shared.placement
     if placement.matches(handle.offload, handle.device):
         return None
-    from ..parallel.stage import active_layout
+    from ..distributed.stage import active_layout
 
     return resolve(handle.shared, handle.offload, handle.device, active_layout(handle))
 
@@ -468,7 +468,7 @@ def memory_report(handle: PipelineHandle) -> MemoryReport:
     report = build_report(handle.shared.loaded, handle.device, mode, handle.shared.placement.ffn_chunks, generation,
                           states=handle.shared.states)
     report.measured = list(handle.shared.placement.measured.values())
-    from ..parallel.stage import active_layout
+    from ..distributed.stage import active_layout
 
     layout = active_layout(handle)
     report.parallel = layout.describe() if layout is not None else None

@@ -362,7 +362,7 @@ def activation_bytes(sizes: ModelSizes, geometry: Geometry) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class ParallelShare:
-    """How a parallel layout (`lingbot_core.parallel.ParallelLayout`) divides one request per GPU.
+    """How a parallel layout (`lingbot_core.distributed.ParallelLayout`) divides one request per GPU.
 
     Ulysses divides the DiT's per-token activations by its degree (each rank's blocks hold a chunk
     of the sequence; the whole output is gathered once at the end). CFG parallel runs one branch per

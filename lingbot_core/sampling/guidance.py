@@ -111,7 +111,7 @@ def sample(run: SamplerRun, guidance: Guidance, latents: torch.Tensor, *, cond_l
 
     A step cache (`guidance.cache`) is attached to the DiT for this loop only, and finished
     (calibration written) only when the loop completes. `status` (on several processes:
-    `parallel.abort.StepStatus`) hears after every step, outside the forward, whether this rank
+    `distributed.abort.StepStatus`) hears after every step, outside the forward, whether this rank
     finished it (`passed`) or raised (`failed`), so a failing rank stops the others; an error inside
     the forward (the others wait in its collectives) becomes what `status.broken` returns."""
     total = len(run.timesteps)

@@ -223,7 +223,7 @@ class StepCache:
         self.skipped = 0  # blocks skipped
         self.calibration_path = calibration_file(settings, self.identity)
         self.ratios: dict[str, list[float]] = {}
-        # sums partial sums over a sequence-parallel group (`parallel.stage.share_step_cache`); None: one process
+        # sums partial sums over a sequence-parallel group (`distributed.stage.share_step_cache`); None: one process
         self.reduce: Reduce | None = None
         if self.method == "magcache":
             self.ratios = read_calibration(self.calibration_path, self.identity)

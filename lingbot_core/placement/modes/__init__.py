@@ -68,7 +68,7 @@ def disk_unit(mode: str) -> str | None:
 def check_guards(settings: OffloadSettings, device: torch.device, loaded: Mapping[str, Any],
                  layout: Any = None) -> None:
     """Refuse settings that cannot work, before anything is touched: the generic checks, then the mode's own.
-    `layout`: the view's parallel layout (`parallel.stage.active_layout`), None for one process."""
+    `layout`: the view's parallel layout (`distributed.stage.active_layout`), None for one process."""
     mode = settings.mode
     if mode not in MODES:
         raise ValueError(f"unknown offload mode {mode!r}; choose one of {', '.join(MODES)}")

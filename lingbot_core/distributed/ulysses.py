@@ -105,7 +105,7 @@ class _ShardingHook(hooks.Hook):
     def run(self, blocks: torch.nn.ModuleList, x: torch.Tensor, temb6: torch.Tensor, rotations: torch.Tensor,
             key_mask: torch.Tensor | None, inner: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
         """Shard the joint sequence, run the blocks on this rank's share (through `inner`, a step cache's
-        runner, when given: it must decide alike on every rank, see `parallel.stage.share_step_cache`),
+        runner, when given: it must decide alike on every rank, see `distributed.stage.share_step_cache`),
         gather it back."""
         batch, seq = x.shape[:2]
         pad = -seq % self.degree

@@ -95,7 +95,7 @@ def local_gpu(default_local_world: int = 1) -> int | None:
 def join_world() -> bool:
     """In a torchrun world of several processes (WORLD_SIZE > 1) with no process group yet: start one on
     gloo from torchrun's variables (env://), for what the processes say to each other outside any
-    model (the jobs' end: `jobs.finish_together`). True when it started one (the caller ends it)."""
+    model (the jobs' end: `lingbot_nodes.jobs.finish_together`). True when it started one (the caller ends it)."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
         return False
     dist.init_process_group("gloo")
@@ -109,7 +109,7 @@ def init_from_env(degrees: str = "", *, fsdp: bool = False, split: bool = False)
     `degrees` as `parse_degrees` takes them ("cfg=2,ulysses=4"; missing ones follow from the world).
     One GPU per local rank (NCCL); no GPU: the CPU (gloo); fewer GPUs than local ranks: refused
     (`local_gpu`). A world of one gives the
-    one-process layout and starts nothing. `fsdp`: the layout shards the DiTs' blocks (parallel/fsdp.py).
+    one-process layout and starts nothing. `fsdp`: the layout shards the DiTs' blocks (distributed/fsdp.py).
     `split`: the degrees' product may divide the world, which then runs one video per group
     (`ParallelLayout.create`); a product of one gives the one-process layout too.
     """

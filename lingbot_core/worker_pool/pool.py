@@ -3,7 +3,7 @@
 ComfyUI runs every node in one process, but torch.distributed needs one process per rank. A
 `WorkerPool` therefore starts one process per extra device (torch.multiprocessing, spawn) that joins
 a process group with the caller: the rendezvous is torch's TCP store, its server held by rank 0 on a
-socket bound to 127.0.0.1 (`parallel.launch.loopback_store`: nothing listens on another address),
+socket bound to 127.0.0.1 (`distributed.launch.loopback_store`: nothing listens on another address),
 gloo on CPUs, NCCL on CUDA devices. Each worker opens its own lazy handle from
 `describe_handle` (paths and settings, never pickled modules), so it loads its DiT on the first call
 and keeps it across calls. A call (`WorkerPool.run`) sends the stage's inputs to every worker -- a
@@ -12,7 +12,7 @@ here too, on the pool's parallel view of the caller's handle: every rank runs th
 the same inputs, and rank 0 keeps the result.
 
 Interrupts: after every step every rank takes part in the sampling loop's status exchange
-(`parallel.abort.StepStatus`); when rank 0's step callback raised (ComfyUI's interrupt, Ctrl-C), or
+(`distributed.abort.StepStatus`); when rank 0's step callback raised (ComfyUI's interrupt, Ctrl-C), or
 its step failed, the workers hear it there (`PeerFailed`) and drop the call within that step, in step
 with rank 0, so the pool stays usable.
 
@@ -22,7 +22,7 @@ input stops the whole pool with one clear `PoolError` naming the rank and device
 its error; the caller's handle is untouched (its single-device stages work as before) and the next
 call on the pool starts fresh workers. A failing worker publishes its error in the group's store and
 ends its process, so the collectives rank 0 (and every other worker) waits in fail at once instead
-of at the backend's timeout; rank 0 reads the error there (`parallel/abort.py` has the details, NCCL's
+of at the backend's timeout; rank 0 reads the error there (`distributed/abort.py` has the details, NCCL's
 included). `release` stops the workers (they also stop when this process exits: they are daemons, an
 atexit hook releases them, and a worker whose collectives fail because rank 0 is gone exits).
 """
@@ -48,13 +48,20 @@ import torch
 import torch.distributed as dist
 
 from ..components import DITS, TRANSFORMER
+from ..distributed.abort import (
+    Failure,
+    PeerFailed,
+    failure_in,
+    failure_key,
+    publish_failure,
+    published_failure,
+)
+from ..distributed.launch import init_loopback_group, reserve_loopback_port
+from ..distributed.layout import CFG_DEGREES, ParallelLayout, pooled_offload_refusal
 from ..errors import RefusedInput, is_refused_input
 from ..interrupt import interrupt_checker
-from ..parallel.abort import Failure, PeerFailed, failure_in, failure_key, publish_failure, published_failure
-from ..parallel.launch import init_loopback_group, reserve_loopback_port
-from ..parallel.layout import CFG_DEGREES, ParallelLayout, pooled_offload_refusal
 
-log = logging.getLogger("lingbot_core.parallel")
+log = logging.getLogger("lingbot_core.distributed")
 
 __all__ = ["HANDLERS", "PoolError", "PoolSpec", "WorkerPool", "check_pooled", "describe_handle", "open_described",
            "parse_devices", "pool_for", "pool_of", "pooled_loras", "pooled_offload_refusal", "release_pool_of",
@@ -169,7 +176,7 @@ class PoolSpec:
     cfg: int
     ulysses: int
     checkpoint: dict[str, Any] = field(hash=False, compare=True)
-    #: shard the DiTs' blocks over every rank (FSDP2, `parallel/fsdp.py`): each device holds 1/N of them.
+    #: shard the DiTs' blocks over every rank (FSDP2, `distributed/fsdp.py`): each device holds 1/N of them.
     #: Rank 0 then runs on a handle of its own (the same checkpoint, opened lazily), since sharding is
     #: one-way and the Loader's handle must stay whole for the pipe without LingBot Parallel
     fsdp: bool = False
@@ -284,7 +291,7 @@ def _first_frame_drawn(kwargs: dict[str, Any]) -> dict[str, Any]:
 def _pack_denoise(kwargs: dict[str, Any]) -> tuple[dict, dict]:
     """Denoise's keyword arguments -> (JSON fields, tensors). A generator crosses as its state (the
     workers draw what rank 0 draws); a step cache as its settings (each rank keeps its own cache, which
-    decides as its peers do: `parallel.stage.share_step_cache`)."""
+    decides as its peers do: `distributed.stage.share_step_cache`)."""
     from ..sampling.step_cache import StepCacheSettings
 
     kwargs = dict(kwargs)

@@ -2,6 +2,6 @@
 
 `run.parallel_denoise` runs one denoise on every rank of a layout; `pool` is LingBot Parallel's
 persistent worker processes, with the calling process as rank 0. The groundwork they stand on
-(layouts, CFG and Ulysses parallel, FSDP, failure reporting, launch helpers) is `parallel/`, a lower
+(layouts, CFG and Ulysses parallel, FSDP, failure reporting, launch helpers) is `distributed/`, a lower
 layer that the stages themselves use.
 """

@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 
 from ..components import TRANSFORMER
+from ..distributed.layout import ParallelLayout
 from ..errors import RefusedInput
 from ..handle import PipelineHandle
 from ..latents import VAE_SPATIAL, VAE_TEMPORAL
-from ..parallel.layout import ParallelLayout
 from ..sampling.guidance import StepCallback
 from ..sampling.step_cache import StepCacheSettings
 from ..stages import Conditioning, denoise

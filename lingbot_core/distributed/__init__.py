@@ -1,13 +1,14 @@
-"""One video on several processes, on torch.distributed: CFG parallel x Ulysses sequence parallel;
-many videos over data-parallel groups (`jobs`).
+"""One video on several processes, in-process torch.distributed pieces: CFG parallel x Ulysses
+sequence parallel, FSDP, failure reporting, launch helpers, the data-parallel groups a jobs batch
+(`lingbot_nodes.jobs`) runs on.
 
 `ParallelLayout` says which rank does what and holds the process groups; `enable_sequence_parallel`
 makes a DiT share its sequence over the layout's ulysses group; `ParallelGuidance` runs the two CFG
 branches on the two cfg rows. `launch` has the loopback helpers tests and benches spawn with.
 The runners over the stages (`parallel_denoise`, LingBot Parallel's worker pool) sit above them, in
-`parallel_runs`.
+`worker_pool`.
 
-The names are imported on first use, so `lingbot_core.parallel.jobs` and `.launch` stay light for
+The names are imported on first use, so `.launch` and `.abort` stay light for
 spawned processes and the CLI (the sequence-parallel hooks import diffusers).
 """
 

@@ -60,8 +60,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from ..exit_codes import INTERRUPTED, exit_code, root_cause
-from ..workflow.errors import WorkflowError, clip
+from lingbot_core.exit_codes import INTERRUPTED, exit_code, root_cause
+from lingbot_core.workflow.errors import WorkflowError, clip
 
 __all__ = ["DONE", "FAILED", "JOB_FIELDS", "Claims", "Job", "JobField", "JobsFileError", "Manifest", "WorldPlace",
            "check_file_names", "failure_text", "finish_together", "group_agreement", "job_digest", "job_overrides",
@@ -549,7 +549,7 @@ def run_jobs(jobs: Sequence[Job], run_one: JobRunner, manifest: Manifest, *, pla
     A job's exception is recorded as failed and the next job runs; an interrupt (Ctrl-C, an
     interrupt exception) stops the batch and propagates, the jobs already recorded staying done. So
     does, after its manifest line, a failure that broke the group's collectives (an error marked
-    `stops_group`: `parallel.abort.GroupBroken`, one rank failing inside a DiT forward): the group
+    `stops_group`: `distributed.abort.GroupBroken`, one rank failing inside a DiT forward): the group
     cannot run another job, and a rerun resumes after the jobs recorded as done.
     Returns the entries of the jobs run here (``on_result`` sees each as it is recorded).
 

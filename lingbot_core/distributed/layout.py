@@ -111,7 +111,7 @@ class ParallelLayout:
     ulysses: int = 1
     rank: int = 0
     mesh: Any = field(default=None, repr=False)
-    fsdp: bool = False  # shard the DiTs' blocks over every rank of the video group (parallel/fsdp.py)
+    fsdp: bool = False  # shard the DiTs' blocks over every rank of the video group (distributed/fsdp.py)
     group: Any = field(default=None, repr=False, compare=False)
     leader_rank: int = 0
     video: int = 0  # which video group this rank is in (split layouts), of `videos`
