@@ -287,13 +287,13 @@ def open_case(kind: str, path: Path) -> str:
 
     try:
         if kind == "vae":
-            from lingbot_core.weights.vae_file import inspect_vae_file as inspect
-            from lingbot_core.weights.vae_file import load_vae_file as load
+            from lingbot_core.checkpoints.vae_file import inspect_vae_file as inspect
+            from lingbot_core.checkpoints.vae_file import load_vae_file as load
         elif kind == "text_encoder":
-            from lingbot_core.weights.text_encoder_file import inspect_text_encoder_file as inspect
-            from lingbot_core.weights.text_encoder_file import load_text_encoder_file as load
+            from lingbot_core.checkpoints.text_encoder_file import inspect_text_encoder_file as inspect
+            from lingbot_core.checkpoints.text_encoder_file import load_text_encoder_file as load
         else:
-            from lingbot_core.weights.dit_file import dit_file_source as inspect
+            from lingbot_core.checkpoints.dit_file import dit_file_source as inspect
             from lingbot_core.weights.loader import load_dit as load
         info = inspect(path)
     except CheckpointError as err:

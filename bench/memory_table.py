@@ -62,7 +62,7 @@ GiB = 1024**3
 @functools.cache
 def build(variant: str) -> dict[str, Any]:
     """(Cached: the README tests build each variant once.) Meta-device components in the load dtypes on a GPU: bf16 DiT(s) and text encoder, fp32 VAE."""
-    from lingbot_core.checkpoint import load_component
+    from lingbot_core.checkpoints.loading import load_component
     from lingbot_core.tiny import ensure_tiny_checkpoint
 
     tokenizer = load_component(ensure_tiny_checkpoint("dense"), "processor").tokenizer  # special-token ids only

@@ -234,7 +234,7 @@ def build_components(tiny: Path, *, full: bool, device: torch.device, seed: int,
 
     On the `meta` device nothing is allocated: that is the dry run (sizes and config checks only).
     """
-    from lingbot_core.checkpoint import load_component
+    from lingbot_core.checkpoints.loading import load_component
 
     info: dict[str, Any] = {"dtypes": {k: str(v).replace("torch.", "") for k, v in dtypes.items()}}
     processor = load_component(tiny, "processor")
@@ -442,7 +442,7 @@ def write_format(plain: Path, fmt: str, folder: Path) -> Path:
 def load_format(folder: Path, dtype: torch.dtype, *, streamed: bool = False) -> tuple[torch.nn.Module, Any]:
     """The DiT of a `write_format` folder, loaded as the handle would (`checkpoint.load_transformer`), and
     its `ModelState` (disk homes and the like)."""
-    from lingbot_core.checkpoint import load_transformer
+    from lingbot_core.checkpoints.loading import load_transformer
     from lingbot_core.weights.state import ModelState
 
     state = ModelState()
@@ -593,7 +593,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from transformers.utils import logging as t_logging
 
     from lingbot_core import stages
-    from lingbot_core.checkpoint import default_dtypes
+    from lingbot_core.checkpoints.loading import default_dtypes
     from lingbot_core.handle import PipelineHandle
     from lingbot_core.offload import configure_offload
     from lingbot_core.tiny import build_tiny_checkpoint

@@ -26,7 +26,7 @@ then one DiT forward with disk-backed `group` and `sequential` offload, printing
 
 A format name ending in `-file` (`bf16-file`, `gguf-q4_0-file`, ...) is that format's weights rewritten
 as one ComfyUI-style file (`model.diffusion_model.` names, experts one tensor each as `NAME.E.weight`)
-and loaded through single-file loading (`weights.dit_file`), so its rows compare with the folder's.
+and loaded through single-file loading (`checkpoints.dit_file`), so its rows compare with the folder's.
 `--depth N`: real-width blocks, N of them (one MoE block is 1.42 GB bf16 / 512 MB Q4_0: a load row of
 realistic size; `--quick` models are a few MB, where the load ratio is the ~2 MB of imports and
 header parsing, not the weights). `--load-only`: only the load column.
@@ -218,11 +218,11 @@ def build_single_file(src: Path, dst: Path, config: dict[str, Any]) -> Path:
 
 def _dit_target(path: str) -> Any:
     """What the loader takes for a bench checkpoint: a folder (`folder/transformer`), or a single file
-    resolved by `weights.dit_file` (its shape registered from the bench config beside it)."""
+    resolved by `checkpoints.dit_file` (its shape registered from the bench config beside it)."""
     target = Path(path)
     if not target.is_file():
         return path
-    from lingbot_core.weights.dit_file import dit_file_source, register_config
+    from lingbot_core.checkpoints.dit_file import dit_file_source, register_config
 
     register_config("bench", json.loads((target.parent / "bench-config.json").read_text()))
     return dit_file_source(target)
@@ -309,7 +309,7 @@ def _bench_handle(folder: str):
 
     target = _dit_target(folder)
     if not isinstance(target, str):  # a single file: a handle without a folder, its transformer that file
-        from lingbot_core.checkpoint import CheckpointInfo
+        from lingbot_core.checkpoints.loading import CheckpointInfo
 
         info = CheckpointInfo(None, "moe" if target.config.get("num_experts") else "dense", False, target.config,
                               {"transformer": target})

@@ -8,7 +8,7 @@ file and the stem of its weights files), what `model_index.json` may call it, wh
 may be stored quantized (fp8 / GGUF: the DiTs only), whether disk-backed offload may leave it in its
 file, the prefix a LoRA file uses to name it, and which single files can stand in for it
 (`PipelineHandle.open(files=...)`, `resolve`). `loader` is the role a loading function is
-registered under (`checkpoint.LOADERS`).
+registered under (`checkpoints.inspection.FILE_ROUTES`).
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ class ComponentFiles:
 
     With a checkpoint folder, each file given overrides that folder's component; without one, every
     component a run needs must be given. `transformer` / `refiner`: a DiT `.safetensors` or `.gguf`
-    (`weights.dit_file`). `vae`, `text_encoder`: single files, resolved by the route registered for
-    their role in `checkpoint.FILE_ROUTES` (one row each). `processor`: a folder holding the
+    (`checkpoints.dit_file`). `vae`, `text_encoder`: single files, resolved by the route registered for
+    their role in `checkpoints.inspection.FILE_ROUTES` (one row each). `processor`: a folder holding the
     tokenizer and processor configs.
     """
 

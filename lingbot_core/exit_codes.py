@@ -8,7 +8,7 @@
     143  stopped by SIGTERM (a container stop, a scheduler, `kill`): handled as Ctrl-C is, the code a
          shell reports for SIGTERM
 
-Our own code refuses bad input (sizes, prompts, checkpoints; see `stages` and `checkpoint`) with
+Our own code refuses bad input (sizes, prompts, checkpoints; see `stages` and `checkpoints/`) with
 `errors.RefusedInput` or a plain `ValueError` of its own (`errors.is_refused_input`: a `ValueError`
 a library raised while running is a failure, exit 1), and the workflow engine raises `WorkflowError`
 for a bad graph, so the code follows the exception. A node that fails while running is unwrapped to

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .checkpoint import (
+from .checkpoints.loading import (
     CheckpointInfo,
     default_dtypes,
     inspect_checkpoint,
@@ -411,8 +411,8 @@ class PipelineHandle:
         `files` (`components.ComponentFiles`): single files per component. With a folder they override
         that folder's components; without one (`folder` None) every component a run needs must be a
         file. A DiT file (`.safetensors` / `.gguf`, any community naming) is read by
-        `weights.dit_file`; the VAE and text-encoder slots load through the routes registered in
-        `checkpoint.FILE_ROUTES` (one row each); `processor` is a folder with the tokenizer files.
+        `checkpoints.dit_file`; the VAE and text-encoder slots load through the routes registered in
+        `checkpoints.inspection.FILE_ROUTES` (one row each); `processor` is a folder with the tokenizer files.
         `dtypes` maps a component to a dtype; None for a DiT keeps its stored dtype. `weights`:
         "auto" (as stored: plain, fp8 or GGUF) or "fp8_e4m3" (quantize the DiTs on load).
         `compile`: "off" or "blocks" (regional torch.compile of the DiTs' repeated blocks, see

@@ -273,7 +273,7 @@ def encode_text(
     was loaded without a vision tower).
     """
     if image is not None:
-        from .weights.text_encoder_file import require_vision
+        from .checkpoints.text_encoder_file import require_vision
 
         require_vision(state)
     inputs = build_text_inputs(processor, text, image)

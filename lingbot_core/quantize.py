@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoint import CheckpointError, inspect_checkpoint
+from .checkpoints.loading import CheckpointError, inspect_checkpoint
 from .components import DITS
 from .weights.fp8 import quantize_fp8, require_fp8
 from .weights.loader import quantizable

@@ -137,7 +137,7 @@ def encode_prompt(
         if picture is None:  # raw pixels: checked here, before the encoder loads
             checks.check_first_frame_pixels(pixels)
         if handle.info is not None:  # a text-only encoder file: refused from its header, before it loads
-            from .weights.text_encoder_file import require_vision_file
+            from .checkpoints.text_encoder_file import require_vision_file
 
             require_vision_file(handle.info.file_sources.get("text_encoder"))
 

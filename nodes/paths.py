@@ -182,7 +182,7 @@ def checkpoint_path(path: str) -> Path:
 
 
 PROCESSOR_SUBFOLDERS = ("", "processor", "tokenizer")
-"""Where the processor's files are read from, under a processor folder (`processor_files.resolve_processor_folder`)."""
+"""Where the processor's files are read from, under a processor folder (`checkpoints.processor_files.resolve_processor_folder`)."""
 
 
 def check_folder_files_inside(folder: Path, what: str, subs: tuple[str, ...] = PROCESSOR_SUBFOLDERS) -> None:

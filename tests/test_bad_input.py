@@ -326,7 +326,7 @@ def test_refine_frames_must_be_pixels(moe_handle):
 
 
 def test_an_over_long_caption_is_cut_with_a_warning(fixtures_root, caplog):
-    from lingbot_core.checkpoint import load_component
+    from lingbot_core.checkpoints.loading import load_component
     from lingbot_core.prompt import MAX_TEXT_TOKENS, build_text_inputs
 
     processor = load_component(fixtures_root / "models" / "tiny-dense", "processor")

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lingbot_core import checkpoint as ckpt
-from lingbot_core.checkpoint import CheckpointError, inspect_checkpoint, load_refiner
+from lingbot_core.checkpoints import loading as ckpt
+from lingbot_core.checkpoints.loading import CheckpointError, inspect_checkpoint, load_refiner
 
 
 def load_checkpoint(folder: Path, components: tuple[str, ...] = ckpt.COMPONENTS) -> SimpleNamespace:

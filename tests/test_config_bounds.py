@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from lingbot_core.checkpoint import CheckpointError, check_values_and_shapes, inspect_checkpoint
+from lingbot_core.checkpoints.loading import CheckpointError, check_values_and_shapes, inspect_checkpoint
 from lingbot_core.weights import checks
 
 PUBLISHED = Path(checks.__file__).parents[1] / "configs"  # lingbot_core/configs

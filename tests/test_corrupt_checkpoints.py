@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lingbot_core.checkpoint import CheckpointError, inspect_checkpoint, load_component, load_refiner
+from lingbot_core.checkpoints.loading import CheckpointError, inspect_checkpoint, load_component, load_refiner
 
 
 @pytest.fixture

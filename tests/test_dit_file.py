@@ -13,11 +13,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lingbot_core import stages
+from lingbot_core.checkpoints.dit_file import PREFIXES, dit_file_source
 from lingbot_core.components import ComponentFiles
 from lingbot_core.errors import CheckpointError
 from lingbot_core.handle import PipelineHandle
 from lingbot_core.quantize import quantize_checkpoint
-from lingbot_core.weights.dit_file import PREFIXES, dit_file_source
 from lingbot_core.weights.loader import load_dit
 from tests.gguf_fakes import write_gguf
 

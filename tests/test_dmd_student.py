@@ -99,7 +99,7 @@ def test_the_base_transformer_path_takes_the_student_root(student, caplog):
     import logging
 
     moe = ensure_tiny_checkpoint("moe")
-    with caplog.at_level(logging.INFO, logger="lingbot_core.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="lingbot_core.checkpoints.inspection"):
         swapped = PipelineHandle.open(moe, device="cpu", transformer_folder=student)
     assert "is a checkpoint root: its transformer/ runs" in caplog.text and "refiner" in caplog.text
     assert swapped.shared.transformer_source == (student, "transformer") and swapped.has_refiner

@@ -26,7 +26,8 @@ def _paragraph(text: str, start: str) -> str:
 
 def test_contributing_names_every_module_and_only_real_files():
     """docs/contributing.md's one-line-per-module list names every top-level module and package of
-    lingbot_core, and every file it names exists (`weights/` lists its per-component readers)."""
+    lingbot_core, and every file it names exists (`checkpoints/` lists its per-component readers,
+    `weights/` its checks)."""
     text = (ROOT / "docs" / "contributing.md").read_text(encoding="utf-8")
     section = text.split("## Packages and modules, one line each", 1)[1].split("\n## ", 1)[0]
     named = set(re.findall(r"`([A-Za-z_][A-Za-z_0-9/.]*)`", section))
@@ -36,9 +37,11 @@ def test_contributing_names_every_module_and_only_real_files():
     assert [t for t in top if t not in named] == []
     files = [n for n in named if n.endswith(".py")]
     assert [f for f in files if not any(core.rglob(Path(f).name))] == []
-    weights = _paragraph(section, "- `weights/`")
-    for reader in ("dit_file.py", "vae_file.py", "text_encoder_file.py", "checks.py"):
-        assert (core / "weights" / reader).is_file() and f"`{reader}`" in weights
+    checkpoints = _paragraph(section, "- `checkpoints/`")
+    for reader in ("inspection.py", "loading.py", "dit_file.py", "vae_file.py", "text_encoder_file.py",
+                   "single_files.py", "processor_files.py"):
+        assert (core / "checkpoints" / reader).is_file() and f"`{reader}`" in checkpoints
+    assert (core / "weights" / "checks.py").is_file() and "`checks.py`" in _paragraph(section, "- `weights/`")
 
 
 def test_the_door_names_every_offload_mode_and_what_disk_offload_streams():

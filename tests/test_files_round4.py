@@ -94,7 +94,7 @@ def _hostile_vae(path: Path) -> Path:
 
 
 def _inspect_vae(path: Path) -> None:
-    from lingbot_core.weights.vae_file import inspect_vae_file
+    from lingbot_core.checkpoints.vae_file import inspect_vae_file
 
     inspect_vae_file(path)
 
@@ -114,7 +114,7 @@ def _tiny_te(tmp_path: Path, change) -> Path:
 
 
 def test_a_text_encoder_with_an_empty_q_norm_is_refused_not_a_zero_division(tmp_path):
-    from lingbot_core.weights.text_encoder_file import inspect_text_encoder_file
+    from lingbot_core.checkpoints.text_encoder_file import inspect_text_encoder_file
 
     path = _tiny_te(tmp_path, lambda s: s.__setitem__("model.language_model.layers.0.self_attn.q_norm.weight",
                                                        torch.zeros(0)))
@@ -123,7 +123,7 @@ def test_a_text_encoder_with_an_empty_q_norm_is_refused_not_a_zero_division(tmp_
 
 
 def test_a_text_encoder_with_too_many_layers_is_refused_by_its_bounds(tmp_path):
-    from lingbot_core.weights.text_encoder_file import inspect_text_encoder_file
+    from lingbot_core.checkpoints.text_encoder_file import inspect_text_encoder_file
 
     def deep(state):
         for i in range(300):
@@ -134,7 +134,7 @@ def test_a_text_encoder_with_too_many_layers_is_refused_by_its_bounds(tmp_path):
 
 
 def test_a_comfy_quant_entry_nested_4096_deep_is_a_checkpoint_error(tmp_path):
-    from lingbot_core.weights.text_encoder_file import inspect_text_encoder_file
+    from lingbot_core.checkpoints.text_encoder_file import inspect_text_encoder_file
 
     def nested(state):
         name = "model.language_model.layers.0.mlp.gate_proj"
@@ -147,7 +147,7 @@ def test_a_comfy_quant_entry_nested_4096_deep_is_a_checkpoint_error(tmp_path):
 
 
 def test_a_dit_tensor_with_a_5000_digit_index_is_refused_in_one_line(tmp_path):
-    from lingbot_core.weights.dit_file import dit_file_source
+    from lingbot_core.checkpoints.dit_file import dit_file_source
 
     path = tmp_path / "dit.safetensors"
     shutil.copy(TINY / "transformer" / "diffusion_pytorch_model.safetensors", path)
@@ -192,7 +192,7 @@ def test_header_check_refuses_what_safe_open_refuses(tmp_path, layout):
 
 
 def test_a_vae_file_with_a_gap_is_refused_at_inspection_naming_it(tmp_path):
-    from lingbot_core.weights.vae_file import inspect_vae_file
+    from lingbot_core.checkpoints.vae_file import inspect_vae_file
 
     state = load_file(str(TINY / "vae" / "diffusion_pytorch_model.safetensors"))
     tensors = {k: (("F32", list(v.shape), v.float().contiguous().numpy().tobytes())) for k, v in state.items()}
@@ -287,7 +287,7 @@ def test_a_dit_gguf_with_a_reshaped_tensor_loads_it_decoded(tmp_path):
     import gguf
     from gguf import GGMLQuantizationType as T
 
-    from lingbot_core.weights.dit_file import dit_file_source
+    from lingbot_core.checkpoints.dit_file import dit_file_source
     from lingbot_core.weights.loader import load_dit
 
     state = load_file(str(TINY / "transformer" / "diffusion_pytorch_model.safetensors"))
@@ -327,7 +327,7 @@ def test_a_20mb_tensor_name_makes_a_short_message(tmp_path):
 
 
 def test_a_long_tensor_name_in_a_vae_file_makes_a_short_message(tmp_path):
-    from lingbot_core.weights.vae_file import inspect_vae_file
+    from lingbot_core.checkpoints.vae_file import inspect_vae_file
 
     state = load_file(str(TINY / "vae" / "diffusion_pytorch_model.safetensors"))
     state["decoder." + "y" * (2 << 20)] = torch.zeros(1)
@@ -339,7 +339,7 @@ def test_a_long_tensor_name_in_a_vae_file_makes_a_short_message(tmp_path):
 
 
 def test_an_integer_dit_weight_is_refused(tmp_path):
-    from lingbot_core.weights.dit_file import dit_file_source
+    from lingbot_core.checkpoints.dit_file import dit_file_source
     from lingbot_core.weights.loader import load_dit
 
     state = load_file(str(TINY / "transformer" / "diffusion_pytorch_model.safetensors"))
@@ -384,9 +384,9 @@ def test_routed_scaling_factor_and_shift_have_real_bounds():
 
 @pytest.mark.parametrize("kind", ["fifo", "directory", "device"])
 def test_a_fifo_directory_or_device_is_named_for_what_it_is(tmp_path, kind):
-    from lingbot_core.weights.dit_file import dit_file_source
-    from lingbot_core.weights.text_encoder_file import inspect_text_encoder_file
-    from lingbot_core.weights.vae_file import inspect_vae_file
+    from lingbot_core.checkpoints.dit_file import dit_file_source
+    from lingbot_core.checkpoints.text_encoder_file import inspect_text_encoder_file
+    from lingbot_core.checkpoints.vae_file import inspect_vae_file
 
     path = tmp_path / "model.safetensors"
     if kind == "fifo":

@@ -13,7 +13,7 @@ import gguf
 import numpy as np
 import pytest
 
-from lingbot_core.checkpoint import CheckpointError
+from lingbot_core.checkpoints.loading import CheckpointError
 from lingbot_core.weights.gguf_file import GGUFError, read_header
 from lingbot_core.weights.sources import GGUFSource, WeightsError
 

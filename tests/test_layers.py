@@ -18,10 +18,9 @@ LAYERS: list[tuple[str, set[str]]] = [
               "workflow", "kernels"}),
     # pure computation over tensors: the DiT, the scheduler and samplers, image/video/latent prep
     ("models", {"models", "scheduler", "sampling", "image", "video", "video_input", "latents"}),
-    # files -> modules: checkpoints, weight formats, single files, the tiny checkpoint, quantizing, LoRA,
-    # the text encoder's prompt encoding (it loads through `weights`)
-    ("weights", {"weights", "checkpoint", "checkpoint_inspect", "single_files", "processor_files",
-                 "tiny", "quantize", "lora", "prompt"}),
+    # files -> modules: opening checkpoints (folders and single files), weight formats, the tiny checkpoint,
+    # quantizing, LoRA, the text encoder's prompt encoding (it loads through `checkpoints`)
+    ("weights", {"weights", "checkpoints", "tiny", "quantize", "lora", "prompt"}),
     # where weights live while stages run, on one device or several
     ("placement", {"placement", "offload", "memory", "distributed"}),
     # what a stage accepts (checked against the memory estimate), what a run says before it starts

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from lingbot_core import lora as lora_ops
-from lingbot_core.checkpoint import load_transformer
+from lingbot_core.checkpoints.loading import load_transformer
 from lingbot_core.lora import LoraError, LoraItem, LoraStack
 from lingbot_core.weights.state import Models
 

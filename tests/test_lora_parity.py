@@ -14,7 +14,7 @@ import torch
 from parity_cases import discover
 
 from lingbot_core import lora as lora_ops
-from lingbot_core.checkpoint import load_transformer
+from lingbot_core.checkpoints.loading import load_transformer
 from lingbot_core.weights.state import Models
 
 CASES = discover({"transformer-lora"}, sets=("lingbot-lora",))

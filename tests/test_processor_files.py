@@ -13,8 +13,8 @@ import pytest
 import torch
 from PIL import Image
 
-from lingbot_core import processor_files as pf
-from lingbot_core.checkpoint import CheckpointError, load_component
+from lingbot_core.checkpoints import processor_files as pf
+from lingbot_core.checkpoints.loading import CheckpointError, load_component
 from lingbot_core.prompt import build_text_inputs
 
 TINY = Path(__file__).resolve().parent / "fixtures" / "lingbot" / "models" / "tiny-dense"
@@ -94,7 +94,7 @@ def test_processor_folders(tmp_path, reference, where):
 
 def test_comfy_tokenizer_folder_gives_the_checkpoint_ids(tmp_path, qwen_reference, caplog):
     folder = comfy_tokenizer_folder(tmp_path / "qwen25_tokenizer")
-    with caplog.at_level(logging.WARNING, logger="lingbot_core.processor_files"):
+    with caplog.at_level(logging.WARNING, logger="lingbot_core.checkpoints.processor_files"):
         ours = pf.load_processor(folder)
         pf.load_processor(folder)
     assert [r.getMessage() for r in caplog.records] == [pf.UNVERIFIED.format(folder=folder)]
@@ -120,7 +120,7 @@ def test_tokenizer_without_qwen_tokens_is_refused(tmp_path):
 
 
 def test_token_ids_are_held_to_the_text_encoder(reference):
-    from lingbot_core.weights.text_encoder_file import shipped_config
+    from lingbot_core.checkpoints.text_encoder_file import shipped_config
 
     with pytest.raises(CheckpointError, match="gives <\\|image_pad\\|> the id 5, but the text encoder expects 151655"):
         pf.check_token_ids(reference, shipped_config(), "tiny")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lingbot_core.checkpoint import CheckpointError, inspect_checkpoint, load_component
+from lingbot_core.checkpoints.loading import CheckpointError, inspect_checkpoint, load_component
 from lingbot_core.save_path import UnsafePrefix, expand_prefix, save_target
 from lingbot_core.workflow import Engine, NodeExecutionError
 from lingbot_nodes import NODE_CLASS_MAPPINGS

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lingbot_core import single_files as sf
-from lingbot_core.checkpoint import CheckpointError
-from lingbot_core.processor_files import check_token_ids
+from lingbot_core.checkpoints import single_files as sf
+from lingbot_core.checkpoints.loading import CheckpointError
+from lingbot_core.checkpoints.processor_files import check_token_ids
 
 TINY = Path(__file__).resolve().parent / "fixtures" / "lingbot" / "models" / "tiny-dense"
 
@@ -48,7 +48,7 @@ def test_unknown_component():
 
 def test_a_text_encoder_file_of_another_width_is_refused_when_the_checkpoint_opens():
     """The open-time check holds a single-file text encoder to the DiT's text width, as it does a folder's."""
-    from lingbot_core.checkpoint_inspect import check_values_and_shapes
+    from lingbot_core.checkpoints.inspection import check_values_and_shapes
 
     configs = {name: _config(name) for name in ("transformer", "vae", "text_encoder")}
     check_values_and_shapes(TINY, configs, {}, skip={"text_encoder"}, scheduler=False)  # the tiny parts fit
@@ -75,7 +75,7 @@ def _swapped_tokenizer(target: Path) -> Path:
 def test_a_processor_of_another_model_is_refused_when_the_handle_opens(tmp_path, monkeypatch, route):
     """A processor given apart from its checkpoint (an explicit folder, or ComfyUI's Qwen tokenizer files)
     is held to the text encoder's token ids at open: before any weights load."""
-    from lingbot_core import checkpoint
+    from lingbot_core.checkpoints import loading as checkpoint
     from lingbot_core.components import ComponentFiles
     from lingbot_core.handle import PipelineHandle
     from tests.test_processor_files import comfy_tokenizer_folder
@@ -107,7 +107,7 @@ def test_the_scheduler_without_a_folder_is_the_checkpoints(variant):
     """Single files only: the scheduler takes its defaults, which must be the scheduler_config.json the
     reference writes for the dense and the MoE checkpoint (the fixtures' copies; flow UniPC, shift 1.0 in
     the file, 3.0 passed at call time), key by key and in the sigmas it gives."""
-    from lingbot_core.checkpoint import load_component
+    from lingbot_core.checkpoints.loading import load_component
 
     folder = TINY.parent / f"tiny-{variant}"
     published = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lingbot_core import stage_inputs
-from lingbot_core.checkpoint import CheckpointError, inspect_checkpoint
+from lingbot_core.checkpoints.loading import CheckpointError, inspect_checkpoint
 from lingbot_core.errors import WeightsError
 from lingbot_core.save_path import UnsafePrefix
 from lingbot_core.weights.fp8 import dequantize_fp8, quantize_fp8

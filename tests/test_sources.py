@@ -81,12 +81,13 @@ def test_each_header_is_read_once_per_open(moe_gguf, moe_fp8, monkeypatch, fmt):
 
 
 def test_the_component_table_is_what_the_checkpoint_reads():
-    from lingbot_core import checkpoint, handle
+    from lingbot_core import handle
+    from lingbot_core.checkpoints import inspection
 
-    assert checkpoint.COMPONENTS == INDEXED
+    assert inspection.COMPONENTS == INDEXED
     assert set(handle.ALL_COMPONENTS) == set(TABLE)
     assert all(TABLE[n].quantizable and TABLE[n].may_stream for n in DITS)
-    assert set(checkpoint.default_dtypes("cuda")) == {n for n, c in TABLE.items() if c.weight_stem}
+    assert set(inspection.default_dtypes("cuda")) == {n for n, c in TABLE.items() if c.weight_stem}
 
 
 def test_a_format_is_found_by_its_row(tmp_path):

@@ -13,9 +13,9 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from lingbot_core.checkpoint import CheckpointError, load_component
+from lingbot_core.checkpoints import text_encoder_file as tef
+from lingbot_core.checkpoints.loading import CheckpointError, load_component
 from lingbot_core.prompt import encode_text
-from lingbot_core.weights import text_encoder_file as tef
 from lingbot_core.weights.state import ModelState
 
 TINY = Path(__file__).resolve().parent / "fixtures" / "lingbot" / "models" / "tiny-dense"

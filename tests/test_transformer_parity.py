@@ -6,7 +6,7 @@ import pytest
 import torch
 from parity_cases import discover
 
-from lingbot_core.checkpoint import load_transformer
+from lingbot_core.checkpoints.loading import load_transformer
 
 CASES = discover({"transformer"})
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lingbot_core.checkpoint import CheckpointError, load_component
-from lingbot_core.weights import vae_file
+from lingbot_core.checkpoints import vae_file
+from lingbot_core.checkpoints.loading import CheckpointError, load_component
 
 TINY = Path(__file__).resolve().parent / "fixtures" / "lingbot" / "models" / "tiny-dense"
 DIFFUSERS_FILE = TINY / "vae" / "diffusion_pytorch_model.safetensors"

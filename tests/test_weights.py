@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from lingbot_core.checkpoint import CheckpointError, inspect_checkpoint, load_transformer
+from lingbot_core.checkpoints.loading import CheckpointError, inspect_checkpoint, load_transformer
 from lingbot_core.handle import PipelineHandle
 from lingbot_core.models.precision import stays_float32 as keeps_fp32
 from lingbot_core.offload import configure_offload, stage
@@ -693,7 +693,7 @@ def _poke(path: Path, offset: int, data: bytes) -> None:
 
 
 def test_nan_in_an_fp8_file_is_refused_naming_the_tensor(quantized, tmp_path):
-    from lingbot_core.checkpoint import load_component
+    from lingbot_core.checkpoints.loading import load_component
     from lingbot_core.weights.sources import SafetensorsSource
 
     folder = _copy(quantized, tmp_path, "moe", "fp8")
@@ -718,7 +718,7 @@ def test_nan_in_an_fp8_file_is_refused_naming_the_tensor(quantized, tmp_path):
 def test_a_non_finite_gguf_block_scale_is_refused_naming_the_tensor(quantized, per_expert, tmp_path, target, tensor):
     import shutil
 
-    from lingbot_core.checkpoint import load_component
+    from lingbot_core.checkpoints.loading import load_component
 
     if target == "per-expert":
         folder = tmp_path / "split"

@@ -143,7 +143,7 @@ def generate_text(handle: Any, system: str, user: str, *, image: Any | None = No
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if image is not None:
-        from ..weights.text_encoder_file import require_vision
+        from ..checkpoints.text_encoder_file import require_vision
 
     with stage(handle, "text_encoder", "processor", label="rewrite") as device:
         encoder, processor = handle.component("text_encoder"), handle.component("processor")

@@ -1,8 +1,7 @@
 """How the DiTs' tensors are stored and loaded.
 
 - `resolve`: one `ComponentSource` per component (files, format, headers read once per open), from a
-  checkpoint folder; `dit_file`: the same from a single DiT file of any community naming;
-  `vae_file` / `text_encoder_file`: the VAE and text encoder from single files.
+  checkpoint folder (a single DiT file of any community naming: `checkpoints.dit_file`).
 - `formats`: the registry of weight formats (safetensors incl. pre-quantized fp8, GGUF): a new format
   is its source module plus one row. `sources`: the DiT weights sources the loader reads from;
   `safetensors_header` / `gguf_file`: the bounded header readers.

@@ -10,7 +10,7 @@ and never in module-global tables:
 - `exact`: which of those tensors hold exactly their file's bytes now (object and version as read);
 - `format`, `reads`: what the load read (e.g. 'gguf: Q4_0 x98') and how many tensors it read;
 - `text_only`: a text encoder loaded from a file without a vision tower: that file's name (a TI2V
-  encode is refused, `weights.text_encoder_file.require_vision`);
+  encode is refused, `checkpoints.text_encoder_file.require_vision`);
 - `pristine`: a LoRA merge's originals -- a CPU copy of every parameter the merge changed;
 - `runtime`: LoRA deltas added to quantized layers -- (layer, function) pairs to take off again.
 

@@ -36,15 +36,15 @@ from typing import Any
 import torch
 
 from ..json_text import parse_json_text
-from .checks import (
+from ..weights.checks import (
     CheckpointError,
     check_text_encoder_config,
     read_safetensors_file,
     tensor_set_problems,
 )
-from .fileio import regular_file_problem
-from .safetensors_header import SafetensorsHeader, TensorReader
-from .state import ModelState
+from ..weights.fileio import regular_file_problem
+from ..weights.safetensors_header import SafetensorsHeader, TensorReader
+from ..weights.state import ModelState
 
 CONFIG_FILE = Path(__file__).resolve().parent.parent / "configs" / "qwen3-vl-4b.text_encoder.json"
 WHERE = "models/text_encoders"

@@ -7,8 +7,8 @@ from the checkpoint (never `trust_remote_code`). Weights come from safetensors f
 GGUF, never pickles. `inspect_checkpoint` checks the whole layout (folders, configs, class names,
 weight headers and shapes, single files given in its place) so a broken download fails in a second
 with one message naming the file and the fix. Each component's weights are resolved once here
-(`weights.resolve`, `weights.dit_file`, and the routes of `FILE_ROUTES`): files, format, headers read
-once; the loaders (`checkpoint`) take those resolved sources.
+(`weights.resolve`, `dit_file`, and the routes of `FILE_ROUTES`): files, format, headers read
+once; the loaders (`loading`) take those resolved sources.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from .components import DITS, INDEXED, REFINER, TABLE, TRANSFORMER, ComponentFiles
-from .errors import CheckpointError
-from .weights import checks
-from .weights.resolve import ComponentSource, check_weights_mode_for, folder_source
+from ..components import DITS, INDEXED, REFINER, TABLE, TRANSFORMER, ComponentFiles
+from ..errors import CheckpointError
+from ..weights import checks
+from ..weights.resolve import ComponentSource, check_weights_mode_for, folder_source
 
 COMPONENTS = INDEXED  # what model_index.json lists (the refiner is found by its folder)
 
@@ -136,25 +136,25 @@ class FileRoute:
 
 def _load_dit_file(resolved: ComponentSource, *, dtype: torch.dtype | None = None, weights: str = "auto",
                    streamed: bool = False, state: Any = None, **_: Any) -> torch.nn.Module:
-    from .weights.loader import load_dit
+    from ..weights.loader import load_dit
 
     return load_dit(resolved, dtype=dtype, weights=weights, streamed=streamed, state=state)
 
 
 def _dit_file(path: Path, component: str, folder: Path | None = None) -> ComponentSource:
-    from .weights.dit_file import dit_file_source
+    from .dit_file import dit_file_source
 
     return dit_file_source(path, component)
 
 
 def _vae_file(path: Path, component: str, folder: Path | None = None) -> Any:
-    from .weights.vae_file import inspect_vae_file
+    from .vae_file import inspect_vae_file
 
     return inspect_vae_file(path)
 
 
 def _load_vae_file(resolved: Any, *, dtype: torch.dtype | None = None, **_: Any) -> torch.nn.Module:
-    from .weights.vae_file import load_vae_file
+    from .vae_file import load_vae_file
 
     return load_vae_file(resolved, dtype=dtype)
 
@@ -162,14 +162,14 @@ def _load_vae_file(resolved: Any, *, dtype: torch.dtype | None = None, **_: Any)
 def _text_encoder_file(path: Path, component: str, folder: Path | None = None) -> Any:
     """A checkpoint folder given with the file lends its text_encoder/config.json (when it has one)."""
     from .single_files import _folder_config
-    from .weights.text_encoder_file import inspect_text_encoder_file
+    from .text_encoder_file import inspect_text_encoder_file
 
     return inspect_text_encoder_file(path, config=_folder_config(folder, "text_encoder"))
 
 
 def _load_text_encoder_file(resolved: Any, *, dtype: torch.dtype | None = None, attn_implementation: str = "sdpa",
                             state: Any = None, **_: Any) -> torch.nn.Module:
-    from .weights.text_encoder_file import load_text_encoder_file
+    from .text_encoder_file import load_text_encoder_file
 
     return load_text_encoder_file(resolved, dtype=dtype, attn_implementation=attn_implementation, state=state)
 
@@ -389,7 +389,7 @@ def inspect_student(folder: str | os.PathLike, base: CheckpointInfo) -> tuple[Pa
     if sub == TRANSFORMER and (root / "model_index.json").is_file():  # a whole root, such as the DMD student's
         import logging
 
-        logging.getLogger("lingbot_core.checkpoint").info(
+        logging.getLogger("lingbot_core.checkpoints.inspection").info(
             "transformer_path %s is a checkpoint root: its transformer/ runs in place of %s's; the base's text "
             "encoder, VAE, processor%s are used, the root's own are not read", root, base.folder,
             " and refiner" if base.has_refiner else "")

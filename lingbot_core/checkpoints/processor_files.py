@@ -25,11 +25,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
-log = logging.getLogger("lingbot_core.processor_files")
+log = logging.getLogger("lingbot_core.checkpoints.processor_files")
 
-CONFIG_FILE = Path(__file__).resolve().parent / "configs" / "qwen3-vl.processor.json"
+CONFIG_FILE = Path(__file__).resolve().parent.parent / "configs" / "qwen3-vl.processor.json"
 PROCESSOR_MARKERS = ("processor_config.json", "preprocessor_config.json")
 UNVERIFIED = ("the Qwen3-VL processor was built from the tokenizer folder {folder} plus lingbot-nodes' Qwen3-VL "
               "settings; this route has not been compared with the real Qwen3-VL processor. For certainty, "

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 FILE_COMPONENTS = ("vae", "text_encoder", "processor")
 
@@ -42,7 +42,7 @@ def _folder_config(folder: Path | None, name: str) -> dict[str, Any] | None:
     path = Path(folder) / name / "config.json"
     if not path.is_file():
         return None
-    from .json_text import parse_json_text
+    from ..json_text import parse_json_text
 
     data = parse_json_text(path.read_text(encoding="utf-8"), str(path))
     return data if isinstance(data, dict) else None
@@ -53,12 +53,12 @@ def inspect_file(name: str, path: str | Path, *, folder: Path | None = None) -> 
     describes the file better than the shipped one (used when present)."""
     path = Path(path).expanduser()
     if name == "vae":
-        from .weights.vae_file import inspect_vae_file
+        from .vae_file import inspect_vae_file
 
         info = inspect_vae_file(path)
         return FileComponent(name, path, info, info.config)
     if name == "text_encoder":
-        from .weights.text_encoder_file import inspect_text_encoder_file
+        from .text_encoder_file import inspect_text_encoder_file
 
         info = inspect_text_encoder_file(path, config=_folder_config(folder, "text_encoder"))
         return FileComponent(name, path, info, info.config)
@@ -74,11 +74,11 @@ def load_file(component: FileComponent, *, dtype: torch.dtype | None = None,
               attn_implementation: str = "sdpa") -> Any:
     """Load a checked file component (CPU). dtype None: float32."""
     if component.name == "vae":
-        from .weights.vae_file import load_vae_file
+        from .vae_file import load_vae_file
 
         return load_vae_file(component.info, dtype=dtype)
     if component.name == "text_encoder":
-        from .weights.text_encoder_file import load_text_encoder_file
+        from .text_encoder_file import load_text_encoder_file
 
         return load_text_encoder_file(component.info, dtype=dtype, attn_implementation=attn_implementation)
     if component.name == "processor":

@@ -32,9 +32,15 @@ from typing import Any
 
 import torch
 
-from .checks import CheckpointError, StoredTensor, check_vae_config, read_safetensors_file, vae_shapes
-from .fileio import regular_file_problem
-from .safetensors_header import SafetensorsHeader, TensorReader
+from ..weights.checks import (
+    CheckpointError,
+    StoredTensor,
+    check_vae_config,
+    read_safetensors_file,
+    vae_shapes,
+)
+from ..weights.fileio import regular_file_problem
+from ..weights.safetensors_header import SafetensorsHeader, TensorReader
 
 CONFIG_FILE = Path(__file__).resolve().parent.parent / "configs" / "wan2.1.vae.json"
 # Keys of the latent statistics and of the structure we infer; everything else in the shipped
@@ -226,7 +232,7 @@ def inspect_vae_file(path: str | Path) -> VAEFile:
     except CheckpointError as err:
         raise CheckpointError(f"{err} {FIX}") from None
     expected = vae_shapes(config, str(path))
-    from .checks import tensor_set_problems
+    from ..weights.checks import tensor_set_problems
 
     problems = tensor_set_problems(shapes, expected)
     if problems:

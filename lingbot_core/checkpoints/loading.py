@@ -1,8 +1,8 @@
-"""Load the components of a LingBot-Video checkpoint (as `checkpoint_inspect` found it) onto the CPU.
+"""Load the components of a LingBot-Video checkpoint (as `inspection` found it) onto the CPU.
 
 The DiTs load tensor by tensor from their resolved sources (`weights.loader.load_dit`); the VAE and
 text encoder through diffusers / transformers from their folders, or through the single-file route
-registered for them (`checkpoint_inspect.FILE_ROUTES`). Every loaded component is scanned for NaN/inf.
+registered for them (`inspection.FILE_ROUTES`). Every loaded component is scanned for NaN/inf.
 The open-time names (`inspect_checkpoint`, `CheckpointInfo`, ...) are re-exported here.
 """
 
@@ -14,7 +14,12 @@ from typing import Any
 
 import torch
 
-from .checkpoint_inspect import (  # noqa: F401 (re-exported: the names callers import from here)
+from ..components import DITS, REFINER, TABLE, TRANSFORMER
+from ..errors import CheckpointError
+from ..weights import checks
+from ..weights.resolve import ComponentSource, folder_source
+from ..weights.state import ModelState
+from .inspection import (  # noqa: F401 (re-exported: the names callers import from here)
     COMPONENTS,
     FILE_ROUTES,
     CheckpointInfo,
@@ -26,11 +31,6 @@ from .checkpoint_inspect import (  # noqa: F401 (re-exported: the names callers 
     inspect_files,
     inspect_student,
 )
-from .components import DITS, REFINER, TABLE, TRANSFORMER
-from .errors import CheckpointError
-from .weights import checks
-from .weights.resolve import ComponentSource, folder_source
-from .weights.state import ModelState
 
 
 def load_transformer(folder: str | os.PathLike | None, subfolder: str = TRANSFORMER, *,
@@ -46,7 +46,7 @@ def load_transformer(folder: str | os.PathLike | None, subfolder: str = TRANSFOR
     `state`: a fresh `weights.state.ModelState` that receives what the load found (disk homes and the
     like; the handle keeps it as the model's state).
     """
-    from .weights.loader import load_dit
+    from ..weights.loader import load_dit
 
     if source is None:
         if folder is None:
@@ -143,7 +143,7 @@ def load_component(folder: Path, name: str, *, dtype: torch.dtype | None = None,
                                   f"{str(err)[:300]}). The tokenizer/processor files are corrupt; re-download "
                                   "them.") from err
     if name == "scheduler":
-        from .scheduler import FlowUniPCScheduler
+        from ..scheduler import FlowUniPCScheduler
 
         if folder is None:  # only single files were given: the scheduler's default config
             return FlowUniPCScheduler()

@@ -27,8 +27,8 @@ from typing import Any
 
 from ..components import TRANSFORMER
 from ..errors import CheckpointError
-from .formats import format_of
-from .resolve import ComponentSource
+from ..weights.formats import format_of
+from ..weights.resolve import ComponentSource
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 PUBLISHED = {"dense": "dense-1.3b.transformer.json", "moe": "moe-30b-a3b.transformer.json"}
@@ -142,7 +142,7 @@ def _logical_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, 
 
 def _match(shapes: dict[str, tuple[int, ...]], path: Path) -> dict[str, Any]:
     """The known config (at the file's depth) whose tensors the file holds exactly."""
-    from .checks import check_transformer_config, dit_shapes, tensor_set_problems
+    from ..weights.checks import check_transformer_config, dit_shapes, tensor_set_problems
 
     blocks = {int(m.group(1)) for n in shapes if (m := _BLOCK.match(n))}
     depth = max(blocks) + 1 if blocks else 0
@@ -171,7 +171,7 @@ def _match(shapes: dict[str, tuple[int, ...]], path: Path) -> dict[str, Any]:
 
 def dit_file_source(path: str | Path, component: str = TRANSFORMER) -> ComponentSource:
     """Resolve a single DiT file: its format, headers (read once), names and config (inferred)."""
-    from .fileio import regular_file_problem
+    from ..weights.fileio import regular_file_problem
 
     path = Path(path).expanduser()
     problem = regular_file_problem(path)
