@@ -56,7 +56,8 @@ class LingBotParallel(io.ComfyNode):
 
     @classmethod
     def execute(cls, pipe, devices, cfg="1", ulysses=0, fsdp="off"):
-        from lingbot_core.worker_pool.pool import PoolSpec, pool_for, tag
+        from lingbot_core.worker_pool.pool import pool_for, tag
+        from lingbot_core.worker_pool.spec import PoolSpec
 
         if fsdp not in ("off", "on"):
             raise ValueError(f"fsdp must be 'off' or 'on', got {fsdp!r}")

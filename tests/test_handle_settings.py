@@ -40,7 +40,7 @@ def test_every_field_is_a_cli_flag_or_says_where_it_is_set():
 
 
 def test_every_field_crosses_to_the_pools_workers(fixtures_root):
-    from lingbot_core.worker_pool.pool import describe_handle, open_described
+    from lingbot_core.worker_pool.spec import describe_handle, open_described
 
     # a value other than the default for every field a worker can open with on the CPU
     changed = dict(weights="fp8_e4m3", attention_backend="sparse", text_attn="eager", ffn_chunk=64,

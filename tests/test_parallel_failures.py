@@ -108,7 +108,7 @@ def _torch_value_error() -> ValueError:
 def test_a_librarys_value_error_is_a_failure_and_ours_is_a_refused_input():
     """Exit code 2 is for what the user passed; a ValueError raised inside a library while running
     (torch.distributed's, here) is a failure of the run: exit code 1."""
-    from lingbot_core.worker_pool.pool import parse_devices
+    from lingbot_core.worker_pool.spec import parse_devices
 
     library = _torch_value_error()
     assert not is_refused_input(library) and exit_codes.exit_code(library) == exit_codes.FAILED
@@ -147,7 +147,8 @@ def test_a_pool_call_failing_on_rank_0_or_losing_a_worker_stops_the_pool_with_po
     from lingbot_core.handle import PipelineHandle
     from lingbot_core.sampling import guidance
     from lingbot_core.worker_pool import pool as pool_module
-    from lingbot_core.worker_pool.pool import PoolError, PoolSpec, WorkerPool, run_stage, tag
+    from lingbot_core.worker_pool.pool import WorkerPool, run_stage, tag
+    from lingbot_core.worker_pool.spec import PoolError, PoolSpec
 
     monkeypatch.setattr(pool_module, "START_METHOD", "fork")
     kw = dict(height=32, width=32, num_frames=5, steps=2, guidance_scale=3.0, shift=3.0, seed=7)
@@ -187,7 +188,8 @@ def test_the_pool_sets_nccl_error_handling_before_its_workers_start(monkeypatch)
     import torch.multiprocessing as mp
 
     from lingbot_core.worker_pool import pool as pool_module
-    from lingbot_core.worker_pool.pool import PoolSpec, WorkerPool
+    from lingbot_core.worker_pool.pool import WorkerPool
+    from lingbot_core.worker_pool.spec import PoolSpec
 
     seen = []
 
@@ -262,7 +264,8 @@ def test_nothing_the_pool_or_a_loopback_group_listens_on_is_beyond_loopback(fixt
     from lingbot_core.distributed.launch import free_loopback_port, init_loopback_group
     from lingbot_core.handle import PipelineHandle
     from lingbot_core.worker_pool import pool as pool_module
-    from lingbot_core.worker_pool.pool import PoolSpec, WorkerPool
+    from lingbot_core.worker_pool.pool import WorkerPool
+    from lingbot_core.worker_pool.spec import PoolSpec
 
     monkeypatch.setattr(pool_module, "START_METHOD", "fork")
     before = _listening([os.getpid()])
@@ -458,7 +461,7 @@ def test_ranks_given_different_jobs_are_refused_on_every_rank_before_running(tmp
 def test_lingbot_parallel_refuses_gpus_this_machine_does_not_have(monkeypatch):
     """`devices` naming a GPU that is not here is refused in one line before any process starts (the
     worker failed to start, its error only in the server log). The GPUs are faked (two)."""
-    from lingbot_core.worker_pool.pool import PoolSpec
+    from lingbot_core.worker_pool.spec import PoolSpec
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

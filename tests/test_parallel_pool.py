@@ -22,7 +22,9 @@ from lingbot_core import lora as lora_ops
 from lingbot_core import stages
 from lingbot_core.handle import PipelineHandle
 from lingbot_core.worker_pool import pool as pool_module
-from lingbot_core.worker_pool.pool import PoolError, PoolSpec, parse_devices, pool_of, run_stage
+from lingbot_core.worker_pool import spec as spec_module
+from lingbot_core.worker_pool.pool import pool_of, run_stage
+from lingbot_core.worker_pool.spec import PoolError, PoolSpec, parse_devices
 from lingbot_nodes import NODE_CLASS_MAPPINGS
 
 KW = dict(height=32, width=32, num_frames=5, steps=3, guidance_scale=3.0, shift=3.0, seed=7)
@@ -141,7 +143,7 @@ def test_a_rank_failing_inside_a_forward_stops_the_call_at_once_and_is_named(fix
     (the workers, left waiting in a collective, are ended at once), and with a worker failing before
     its forward, where rank 0 already waits."""
     monkeypatch.setattr(pool_module, "START_METHOD", "fork")
-    assert pool_module.COLLECTIVE_TIMEOUT.total_seconds() >= 600
+    assert spec_module.COLLECTIVE_TIMEOUT.total_seconds() >= 600
     from lingbot_core.worker_pool.pool import WorkerPool, tag
 
     handle = PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu")
@@ -234,7 +236,8 @@ def test_views_of_a_parallel_pipe_keep_the_pool_or_are_refused(fixtures_root, tm
 
     from lingbot_core.lora import LoraFile, with_lora
     from lingbot_core.placement.settings import OffloadSettings
-    from lingbot_core.worker_pool.pool import WorkerPool, pooled_loras, tag
+    from lingbot_core.worker_pool.pool import WorkerPool, tag
+    from lingbot_core.worker_pool.spec import pooled_loras
 
     handle = PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu")
     pool = WorkerPool(PoolSpec.make(handle, "cpu,cpu", 1))
@@ -332,7 +335,7 @@ def test_devices_and_degrees_are_checked_before_any_process_starts(fixtures_root
         with pytest.raises(ValueError, match=message):
             parse_devices(bad)
     with pytest.raises(ValueError, match="CPU processes asked for"):  # a workflow cannot fork the server away
-        parse_devices(",".join(["cpu"] * (max(pool_module.MAX_CPU_RANKS, os.cpu_count() or 1) + 1)))
+        parse_devices(",".join(["cpu"] * (max(spec_module.MAX_CPU_RANKS, os.cpu_count() or 1) + 1)))
     handle = PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu")
     with pytest.raises(ValueError, match="two or more"):
         PoolSpec.make(handle, "cpu", 1)
@@ -347,7 +350,7 @@ def test_devices_and_degrees_are_checked_before_any_process_starts(fixtures_root
 
 def test_workers_open_their_handle_with_the_pipes_decoder_and_fp8_matmul(fixtures_root):
     """The description a worker opens its handle from carries the settings of the Loader's handle."""
-    from lingbot_core.worker_pool.pool import describe_handle, open_described
+    from lingbot_core.worker_pool.spec import describe_handle, open_described
 
     handle = PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu", decoder="eager",
                                  fp8_matmul="auto")

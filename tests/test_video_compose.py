@@ -246,7 +246,8 @@ def test_v2v_through_lingbot_parallel_matches_one_device(fixtures_root, monkeypa
     """The Denoise node with a video and denoise below 1 on a LingBot Parallel pipe (this process
     rank 0, one forked worker, CFG parallel): the same latents as on the plain pipe."""
     from lingbot_core.worker_pool import pool as pool_module
-    from lingbot_core.worker_pool.pool import PoolSpec, WorkerPool, tag
+    from lingbot_core.worker_pool.pool import WorkerPool, tag
+    from lingbot_core.worker_pool.spec import PoolSpec
     from lingbot_nodes import NODE_CLASS_MAPPINGS
 
     monkeypatch.setattr(pool_module, "START_METHOD", "fork")

@@ -30,8 +30,6 @@ atexit hook releases them, and a worker whose collectives fail because rank 0 is
 from __future__ import annotations
 
 import atexit
-import dataclasses
-import json
 import logging
 import os
 import sys
@@ -39,332 +37,38 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..components import DITS, TRANSFORMER
-from ..distributed.abort import (
-    Failure,
-    PeerFailed,
-    failure_in,
-    failure_key,
-    publish_failure,
-    published_failure,
-)
+from ..components import TRANSFORMER
+from ..distributed.abort import Failure, failure_in, failure_key, published_failure
 from ..distributed.launch import init_loopback_group, reserve_loopback_port
-from ..distributed.layout import CFG_DEGREES, ParallelLayout, pooled_offload_refusal
+from ..distributed.layout import ParallelLayout
 from ..errors import RefusedInput, is_refused_input
 from ..interrupt import interrupt_checker
+from .messages import HANDLERS, broadcast_message, drop_dits, first_frame_drawn, gather_status
+from .spec import (
+    COLLECTIVE_TIMEOUT,
+    PoolError,
+    PoolSpec,
+    check_pooled,
+    open_described,
+    pooled_loras,
+    with_pooled_loras,
+)
+from .worker import FAILED, READY, STARTING, worker_main
 
-log = logging.getLogger("lingbot_core.distributed")
+log = logging.getLogger("lingbot_core.worker_pool")
 
-__all__ = ["HANDLERS", "PoolError", "PoolSpec", "WorkerPool", "check_pooled", "describe_handle", "open_described",
-           "parse_devices", "pool_for", "pool_of", "pooled_loras", "pooled_offload_refusal", "release_pool_of",
-           "run_refine", "run_stage", "tag"]
+__all__ = ["START_METHOD", "WorkerPool", "pool_for", "pool_of", "release_pool_of", "run_refine", "run_stage", "tag"]
 
 #: how long rank 0 waits for the workers to come up (spawn, imports, handle check) before giving up
 START_TIMEOUT_S = float(os.environ.get("LINGBOT_POOL_START_TIMEOUT", "600"))
-#: the collectives' timeout (a first call loads the DiT on every rank: minutes for a real checkpoint)
-COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 #: how workers start: "spawn" (safe with CUDA initialised in this process, as in ComfyUI); the CPU tests
 #: use "fork" (an interpreter start with our imports costs a minute on a loaded machine)
 START_METHOD = "spawn"
-_STARTING, _READY, _FAILED = 0, 1, 2
-_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64,
-                                                        torch.int64, torch.int32, torch.uint8, torch.bool)}
-_DTYPE_NAMES = {d: n for n, d in _DTYPES.items()}
-MAX_HEADER_BYTES = 1 << 20
-
-
-class PoolError(RuntimeError):
-    """The pool cannot run this call (a worker died, a worker failed to start, rank 0 failed)."""
-
-
-# -- what the workers need: devices, degrees and the checkpoint as plain data --------------------------------
-
-MAX_CPU_RANKS = 8
-"""CPU ranks LingBot Parallel starts at most (or one per core where there are more cores)."""
-
-
-def parse_devices(text: str) -> tuple[str, ...]:
-    """`"cuda:0, cuda:1"`, `"0,1"` (CUDA indices) or `"cpu,cpu"` -> one device name per rank."""
-    names = []
-    for part in filter(None, (p.strip() for p in str(text).split(","))):
-        name = f"cuda:{part}" if part.isdigit() else part
-        try:
-            device = torch.device(name)
-        except (RuntimeError, ValueError):
-            raise RefusedInput(f"devices: {part!r} is not a device (cpu, cuda:N or a GPU index N)") from None
-        if device.type not in ("cpu", "cuda"):
-            raise RefusedInput(f"devices: {part!r}; LingBot Parallel runs on cpu or cuda devices")
-        if device.type == "cuda" and device.index is None:
-            raise RefusedInput(f"devices: {part!r}: name the GPU (cuda:0, cuda:1, ... or 0, 1, ...)")
-        names.append(str(device))
-    if len({torch.device(n).type for n in names}) > 1:
-        raise RefusedInput(f"devices: {text!r} mixes CPU and CUDA; one process group runs on one kind")
-    cuda = [n for n in names if n.startswith("cuda")]
-    if len(set(cuda)) != len(cuda):
-        raise RefusedInput(f"devices: {text!r} names a GPU twice; each rank needs its own")
-    # A GPU can be named once; 'cpu' repeats, so a workflow could ask for any number of processes, each
-    # loading a DiT: a bound (CPU ranks are for trying the node out).
-    limit = max(MAX_CPU_RANKS, os.cpu_count() or 1)
-    if len(names) - len(cuda) > limit:
-        raise RefusedInput(f"devices: {len(names) - len(cuda)} CPU processes asked for; at most {limit} here")
-    return tuple(names)
-
-
-def _check_gpus_here(names: tuple[str, ...]) -> None:
-    """Refuse a GPU this machine does not have (before any worker starts and fails on it)."""
-    indices = [torch.device(n).index for n in names if n.startswith("cuda")]
-    if not indices:
-        return
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    missing = [i for i in indices if i is None or i >= count]
-    if missing:
-        here = ("no GPU" if not count else "1 GPU (cuda:0)" if count == 1
-                else f"{count} GPUs (cuda:0 to cuda:{count - 1})")
-        raise RefusedInput(f"devices: cuda:{missing[0]} is not on this machine, which has {here}; list the GPUs "
-                           "it has, or cpu")
-
-
-def describe_handle(handle: Any) -> dict[str, Any]:
-    """How a worker opens the same DiTs as `handle`: folder, DiT files, dtypes and settings (JSON-able)."""
-    shared = handle.shared
-    info = shared.info
-    if info is None:
-        raise RefusedInput("LingBot Parallel needs a pipe opened from a checkpoint (a folder or files): the "
-                         "workers load their own copy of the DiT from it")
-    folder = shared.folder
-    files = {}
-    for name in ("transformer", "refiner"):
-        source = info.sources.get(name)
-        paths = [Path(p) for p in getattr(source, "files", ())] if source is not None else []
-        inside = folder is not None and all(Path(folder) in p.parents for p in paths)
-        if paths and not inside:
-            if len(paths) != 1:
-                raise RefusedInput(f"LingBot Parallel: the {name} comes from {len(paths)} files outside the checkpoint "
-                                 "folder; give it as one file or a checkpoint folder")
-            files[name] = str(paths[0])
-    student = shared.transformer_source
-    return {"folder": str(folder) if folder is not None else None, "files": files,
-            "transformer_folder": str(student[0] / student[1]) if student is not None else None,
-            **shared.settings.to_json()}  # every field of handle.HandleSettings, by its name
-
-
-def open_described(description: dict[str, Any], device: str | torch.device) -> Any:
-    """A lazy handle on `device` from `describe_handle`'s description (nothing loads until a stage runs)."""
-    from ..components import ComponentFiles
-    from ..handle import HandleSettings, PipelineHandle
-
-    d = description
-    files = ComponentFiles(**d["files"]) if d["files"] else None
-    settings = HandleSettings.from_json({name: d[name] for name in HandleSettings.__dataclass_fields__})
-    return PipelineHandle.open(d["folder"], files=files, device=device, transformer_folder=d["transformer_folder"],
-                               settings=settings)
-
-
-@dataclass(frozen=True)
-class PoolSpec:
-    """One pool: a device per rank (rank 0 is this process's), the degrees, the workers' checkpoint."""
-
-    devices: tuple[str, ...]
-    cfg: int
-    ulysses: int
-    checkpoint: dict[str, Any] = field(hash=False, compare=True)
-    #: shard the DiTs' blocks over every rank (FSDP2, `distributed/fsdp.py`): each device holds 1/N of them.
-    #: Rank 0 then runs on a handle of its own (the same checkpoint, opened lazily), since sharding is
-    #: one-way and the Loader's handle must stay whole for the pipe without LingBot Parallel
-    fsdp: bool = False
-
-    @property
-    def world_size(self) -> int:
-        return len(self.devices)
-
-    @property
-    def backend(self) -> str:
-        return "nccl" if self.devices[0].startswith("cuda") else "gloo"
-
-    @classmethod
-    def make(cls, handle: Any, devices: str | tuple[str, ...], cfg: int, ulysses: int = 0, *,
-             fsdp: bool = False) -> PoolSpec:
-        """Checked against `handle` before any process starts: device 0 is the handle's, degrees fit."""
-        names = parse_devices(devices) if isinstance(devices, str) else tuple(devices)
-        _check_gpus_here(names)
-        if len(names) < 2:
-            raise RefusedInput(f"LingBot Parallel needs two or more devices (got {len(names)}); with one, use the "
-                             "pipe directly")
-        if not _same_device(names[0], handle.device):
-            raise RefusedInput(f"devices: the first device is this process's (rank 0), which runs the pipe on "
-                             f"{handle.device}; list {handle.device} first, then the workers' devices")
-        if cfg not in CFG_DEGREES:
-            raise RefusedInput(f"cfg degree {cfg}: choose one of {CFG_DEGREES}")
-        world = len(names)
-        ulysses = ulysses or world // cfg
-        if cfg * ulysses != world:
-            raise RefusedInput(f"cfg={cfg} x ulysses={ulysses} must equal the {world} devices given")
-        heads = (handle.info.transformer_config or {}).get("num_attention_heads") if handle.info else None
-        if heads:
-            ParallelLayout(cfg=cfg, ulysses=ulysses).check_heads(int(heads))
-        pooled_loras(handle)  # LoRAs from files cross (the workers read them); other view states do not
-        mode = handle.offload.mode
-        if mode not in ("none", None):
-            raise RefusedInput(f"LingBot Parallel: offload mode {mode!r} does not combine with several processes; "
-                             "connect a pipe with offload 'none' (each GPU holds its own DiT)")
-        if fsdp and handle.shared.weights != "auto":
-            raise RefusedInput(f"LingBot Parallel: fsdp shards plain (bf16) DiT weights; this pipe loads them as "
-                             f"{handle.shared.weights!r}: load with weights 'auto' from a bf16 checkpoint, or turn fsdp off")
-        return cls(names, cfg, ulysses, describe_handle(handle), bool(fsdp))
-
-
-# -- messages: a JSON header and tensors, broadcast from rank 0 --------------------------------------------
-
-def _broadcast_message(device: torch.device, kind: str | None = None, fields: dict | None = None,
-                       tensors: dict[str, torch.Tensor] | None = None) -> tuple[str, dict, dict[str, torch.Tensor]]:
-    """Rank 0 passes kind/fields/tensors; every rank gets them back (tensors on the CPU)."""
-    leader = dist.get_rank() == 0
-    tensors = {k: v for k, v in (tensors or {}).items() if v is not None}
-    if leader:
-        header = {"kind": kind, "fields": fields or {},
-                  "tensors": {k: [_DTYPE_NAMES[v.dtype], list(v.shape)] for k, v in tensors.items()}}
-        data = json.dumps(header).encode("utf-8")
-        size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    else:
-        size = torch.zeros(1, dtype=torch.int64, device=device)
-    dist.broadcast(size, 0)
-    n = int(size.item())
-    if not 0 < n <= MAX_HEADER_BYTES:
-        raise PoolError(f"pool message header of {n} bytes")
-    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if leader
-           else torch.empty(n, dtype=torch.uint8, device=device))
-    dist.broadcast(buf, 0)
-    if not leader:
-        header = json.loads(bytes(buf.cpu().tolist()).decode("utf-8"))
-    got = {}
-    for name, (dtype, shape) in header["tensors"].items():
-        t = tensors[name].detach().to(device).contiguous() if leader else torch.empty(
-            shape, dtype=_DTYPES[dtype], device=device)
-        dist.broadcast(t, 0)
-        got[name] = tensors[name] if leader else t.cpu()
-    return header["kind"], header["fields"], got
-
-
-# -- the stages a pool runs: each packs its inputs on rank 0 and unpacks them on the workers ---------------
-
-def _pack_prompt(prefix: str, embeds: Any, into: dict) -> None:
-    if embeds is not None:
-        into[f"{prefix}.embeds"], into[f"{prefix}.mask"] = embeds.embeds, embeds.mask
-        into[f"{prefix}.ids"] = embeds.input_ids
-
-
-def _unpack_prompt(prefix: str, tensors: dict) -> Any:
-    from ..prompt import PromptEmbeds
-
-    if f"{prefix}.embeds" not in tensors:
-        return None
-    return PromptEmbeds(tensors[f"{prefix}.embeds"], tensors[f"{prefix}.mask"], tensors[f"{prefix}.ids"])
-
-
-def _first_frame_drawn(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """TI2V on rank 0: draw the image condition's posterior sample here, from the call's generator (first,
-    as `stages.denoise` would), so the workers get the drawn latent and the generator after the draw,
-    not the image (they have no VAE statistics to draw it with)."""
-    image_cond = kwargs.get("image_cond")
-    if image_cond is None:
-        return kwargs
-    from ..stages import _generator
-
-    height, width = kwargs.get("height"), kwargs.get("width")
-    if (image_cond.height, image_cond.width) != (height, width):
-        raise RefusedInput(f"the image condition was prepared for {image_cond.height}x{image_cond.width} but the "
-                         f"video is {height}x{width}; encode the image at the video size")
-    if kwargs.get("cond_latent") is not None:
-        return {**kwargs, "image_cond": None}  # the given latent wins, as in stages.denoise
-    g = _generator(kwargs.get("seed"), kwargs.get("generator"))
-    return {**kwargs, "image_cond": None, "cond_latent": image_cond.sample_latent(g), "generator": g}
-
-
-def _pack_denoise(kwargs: dict[str, Any]) -> tuple[dict, dict]:
-    """Denoise's keyword arguments -> (JSON fields, tensors). A generator crosses as its state (the
-    workers draw what rank 0 draws); a step cache as its settings (each rank keeps its own cache, which
-    decides as its peers do: `distributed.stage.share_step_cache`)."""
-    from ..sampling.step_cache import StepCacheSettings
-
-    kwargs = dict(kwargs)
-    cond = kwargs.pop("cond")
-    if kwargs.get("image_cond") is not None:
-        raise RefusedInput("an image condition reaches the workers as its drawn latent (`_first_frame_drawn`)")
-    cache = StepCacheSettings.of(kwargs.pop("step_cache", "off"))
-    if cache.enabled:
-        kwargs["step_cache"] = dataclasses.asdict(cache)
-    generator = kwargs.pop("generator", None)
-    if generator is not None and generator.device.type != "cpu":
-        raise RefusedInput("LingBot Parallel takes a CPU generator (the stages' own kind), or a seed")
-    for unsupported in ("trace", "image_cond"):
-        kwargs.pop(unsupported, None)
-    tensors: dict[str, torch.Tensor] = {}
-    _pack_prompt("positive", cond.positive, tensors)
-    _pack_prompt("negative", cond.negative, tensors)
-    if generator is not None:
-        tensors["generator"] = generator.get_state()
-    for name in ("latents", "sigmas", "cond_latent"):
-        value = kwargs.pop(name, None)
-        if value is not None:
-            tensors[name] = torch.as_tensor(value, dtype=torch.float32) if name == "sigmas" else value
-    sampler = kwargs.get("sampler")
-    if sampler is not None and not isinstance(sampler, str):
-        raise RefusedInput("LingBot Parallel takes a sampler by name")
-    fields = {**kwargs, "cond": {"zero_negative": cond.zero_negative, "prompt": cond.prompt,
-                                 "with_image": cond.with_image}}
-    json.dumps(fields)  # only plain values cross (a TypeError here is a bug in the caller)
-    return fields, tensors
-
-
-def _unpack_denoise(fields: dict, tensors: dict) -> dict[str, Any]:
-    from ..stages import Conditioning
-
-    fields = dict(fields)
-    c = fields.pop("cond")
-    cond = Conditioning(_unpack_prompt("positive", tensors), _unpack_prompt("negative", tensors), **c)
-    kwargs = {**fields, "cond": cond}
-    if "step_cache" in fields:
-        from ..sampling.step_cache import StepCacheSettings
-
-        kwargs["step_cache"] = StepCacheSettings(**fields["step_cache"])
-    for name in ("latents", "sigmas", "cond_latent"):
-        if name in tensors:
-            kwargs[name] = tensors[name]
-    if "generator" in tensors:
-        kwargs["generator"] = torch.Generator("cpu")
-        kwargs["generator"].set_state(tensors["generator"])
-    return kwargs
-
-
-def _drop_dits(handle: Any, names: list[str]) -> None:
-    """Release the named DiTs of `handle` where loaded (a worker following rank 0's Refine with
-    `release_base`: the base DiT goes before the refiner loads, not both on one device)."""
-    loaded = [name for name in names if name in DITS and name in handle.shared.loaded]
-    if loaded:
-        from ..placement.door import release
-
-        release(handle, loaded)
-
-
-def _run_denoise(view: Any, kwargs: dict[str, Any], callback: Callable | None) -> Any:
-    from ..stages import denoise
-
-    cond = kwargs.pop("cond")
-    return denoise(view, cond, callback=callback, **kwargs)
-
-
-#: stage name -> (pack on rank 0, unpack on a worker, run on a parallel view)
-HANDLERS: dict[str, tuple[Callable, Callable, Callable]] = {
-    "denoise": (_pack_denoise, _unpack_denoise, _run_denoise),
-}
 
 
 # -- the pool (rank 0) ---------------------------------------------------------------------------------
@@ -410,7 +114,7 @@ class WorkerPool:
         # process can take it in between
         reserved = reserve_loopback_port()
         world, port = self.spec.world_size, reserved.getsockname()[1]
-        self._status = ctx.Array("i", [_STARTING] * world)
+        self._status = ctx.Array("i", [STARTING] * world)
         self._procs = []
         # the workers inherit the environment as it is now
         if self.spec.backend == "gloo":
@@ -420,7 +124,7 @@ class WorkerPool:
         try:
             with _main_module_hidden(), _fork_safe():
                 for rank in range(1, world):
-                    proc = ctx.Process(target=_worker_main, args=(rank, self.spec, port, self._status), daemon=True,
+                    proc = ctx.Process(target=worker_main, args=(rank, self.spec, port, self._status, START_METHOD == "fork"), daemon=True,
                                        name=f"lingbot-parallel-{rank}")
                     proc.start()
                     self._procs.append(proc)
@@ -444,12 +148,12 @@ class WorkerPool:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             states = list(self._status)
-            if any(s == _FAILED for s in states):
-                rank = states.index(_FAILED)
+            if any(s == FAILED for s in states):
+                rank = states.index(FAILED)
                 raise PoolError(f"LingBot Parallel: the worker for {self.spec.devices[rank]} (rank {rank}) could not "
                                 "start; its error is in the server log")
             self._check_processes("start")
-            if all(s == _READY for s in states[1:]):
+            if all(s == READY for s in states[1:]):
                 return
             if time.monotonic() > deadline:
                 raise PoolError(f"LingBot Parallel: the workers did not start within {START_TIMEOUT_S:.0f} s")
@@ -467,7 +171,7 @@ class WorkerPool:
         if self.started:
             try:
                 self._check_processes("release")
-                _broadcast_message(self.device, "stop")
+                broadcast_message(self.device, "stop")
             except Exception:  # a worker already gone: the processes are ended below
                 pass
         self._abandon()
@@ -500,8 +204,8 @@ class WorkerPool:
         """Every worker's status: its pid, how often it loaded each DiT and which are in memory (tests; the
         node's line)."""
         self._call_started("ping")
-        _broadcast_message(self.device, "ping")
-        return _gather_status(self.device, None)
+        broadcast_message(self.device, "ping")
+        return gather_status(self.device, None)
 
     # -- calls -------------------------------------------------------------------------------------------
     def _call_started(self, what: str) -> None:
@@ -522,14 +226,14 @@ class WorkerPool:
         """
         pack, _unpack, execute = HANDLERS[stage]
         check_pooled(handle)
-        release = list(kwargs.pop("release_dits", ()))  # `_drop_dits` keeps the DiTs among them
-        kwargs = _first_frame_drawn(kwargs)
+        release = list(kwargs.pop("release_dits", ()))  # `drop_dits` keeps the DiTs among them
+        kwargs = first_frame_drawn(kwargs)
         fields, tensors = pack({**kwargs})  # bad input is refused before anything is sent
         fields = {**fields, "loras": pooled_loras(handle), "release": release}
         self._call_started(stage)
         view = self._rank0_view(handle, fields["loras"])  # its refusals too, before the workers hear of the call
         if self._own is not None:
-            _drop_dits(self._own, release)
+            drop_dits(self._own, release)
         device = self.device
         flagged = []  # rank 0 stopped between two steps (the workers heard it in the status exchange)
 
@@ -542,7 +246,7 @@ class WorkerPool:
                 raise
 
         try:
-            _broadcast_message(device, stage, fields, tensors)
+            broadcast_message(device, stage, fields, tensors)
             # no cancellation points inside the DiT here: an interrupt between two blocks would leave the
             # workers inside that forward's collectives, and only ending them frees them (a reload of every
             # worker's DiT on the next run). The step callback, between two forwards, follows it instead.
@@ -571,7 +275,7 @@ class WorkerPool:
             return handle.with_parallel(self.layout)
         if self._own is None:
             self._own = open_described(self.spec.checkpoint, handle.device)
-        return _with_loras(self._own.with_parallel(self.layout), loras, self._own_loras)
+        return with_pooled_loras(self._own.with_parallel(self.layout), loras, self._own_loras)
 
     def _failure_error(self, stage: str, err: BaseException, failure: Failure | None,
                        dead: list[tuple[int, Any]]) -> BaseException:
@@ -648,16 +352,6 @@ def _fork_safe() -> Iterator[None]:
         gc.unfreeze()
 
 
-def _same_device(name: str, device: torch.device | str) -> bool:
-    a, b = torch.device(name), torch.device(device)
-    if a.type != b.type:
-        return False
-    if a.type == "cpu":
-        return True
-    current = torch.cuda.current_device() if torch.cuda.is_available() else 0
-    return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
-
-
 # -- which pipes run on a pool ------------------------------------------------------------------------------
 
 _CURRENT: WorkerPool | None = None  # one process belongs to one process group: one pool at a time
@@ -689,54 +383,6 @@ def pool_of(pipe: Any) -> WorkerPool | None:
     """The pool a pipe from `tag` (or a view of it) runs on (None for every other pipe)."""
     pool = getattr(pipe, "pool", None)
     return pool if isinstance(pool, WorkerPool) else None
-
-
-def check_pooled(handle: Any) -> None:
-    """Refuse, before anything is sent, a view of a pool's pipe that the workers would not follow: an
-    offload mode other than none/auto, or per-view states other than LoRAs read from files."""
-    mode = handle.offload.mode
-    if mode not in ("none", "auto", None):
-        raise RefusedInput(pooled_offload_refusal(mode))
-    pooled_loras(handle)
-
-
-def pooled_loras(handle: Any) -> list[list[Any]]:
-    """The view's LoRA stack as plain data the workers rebuild it from: [path, size, mtime_ns, strength,
-    apply_to] per LoRA, in order. Other per-view states, and LoRAs not read from a file, are refused."""
-    kinds = sorted({s.kind for s in handle.view_states} - {"lora"})
-    if kinds:
-        raise RefusedInput(f"LingBot Parallel: the pipe carries {', '.join(kinds)}, which the workers do not have; "
-                         "connect LingBot Parallel's pipe (or a LingBot Offload or LoRA view of it) to the stage")
-    from ..lora.stack import lora_stack
-
-    rows = []
-    for item in lora_stack(handle).items:
-        fingerprint = item.lora.fingerprint
-        if fingerprint[0] != "file":
-            raise RefusedInput(f"LingBot Parallel: the LoRA {item.lora.name!r} was not read from a file, so the "
-                             "workers cannot read it; load it with LingBot LoRA from the loras folder")
-        rows.append([fingerprint[1], fingerprint[2], fingerprint[3], item.strength, item.apply_to])
-    return rows
-
-
-def _with_loras(view: Any, rows: list[list[Any]], files: dict[str, Any]) -> Any:
-    """Worker side: `view` with rank 0's LoRA stack (each file read once and kept while rank 0 uses it)."""
-    from ..lora import LoraStack
-    from ..lora.files import load_lora_file
-    from ..lora.stack import LoraItem
-
-    items = []
-    for path, size, mtime_ns, strength, apply_to in rows:
-        lora = files.get(path)
-        if lora is None or lora.fingerprint[2:] != (size, mtime_ns):
-            lora = files[path] = load_lora_file(path)
-            if lora.fingerprint[2:] != (size, mtime_ns):
-                log.warning("LoRA %s changed on disk since rank 0 read it; the workers use the file as it is now",
-                            path)
-        items.append(LoraItem(lora, float(strength), apply_to))
-    for path in set(files) - {row[0] for row in rows}:
-        del files[path]  # no longer in the stack: its tensors go
-    return view.with_view_state(LoraStack(tuple(items))) if items else view
 
 
 def run_stage(stage: str, pipe: Any, cond: Any, *, callback: Callable | None = None, **kwargs: Any) -> Any:
@@ -784,23 +430,6 @@ def _is_interrupt(err: BaseException) -> bool:
     return exit_code(err) == INTERRUPTED
 
 
-def _gather_status(device: torch.device, status: dict | None) -> list[dict[str, Any]]:
-    """All ranks: a fixed-size int row (pid, then per DiT: loads, and 1 if it is in memory now) gathered
-    on rank 0."""
-    row = torch.zeros(1 + 2 * len(DITS), dtype=torch.int64, device=device)
-    if status is not None:
-        row[0] = status["pid"]
-        for i, name in enumerate(DITS):
-            row[1 + 2 * i], row[2 + 2 * i] = status["loads"].get(name, 0), int(name in status["resident"])
-    rows = [torch.zeros_like(row) for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
-    dist.gather(row, rows, dst=0)
-    if rows is None:
-        return []
-    return [{"rank": r, "pid": int(t[0]), "loads": {name: int(t[1 + 2 * i]) for i, name in enumerate(DITS)},
-             "resident": [name for i, name in enumerate(DITS) if t[2 + 2 * i]]}
-            for r, t in enumerate(rows) if r > 0]
-
-
 @atexit.register
 def _release_all() -> None:
     for pool in list(_LIVE):
@@ -808,65 +437,3 @@ def _release_all() -> None:
             pool.release()
         except Exception:
             pass
-
-
-# -- the worker process --------------------------------------------------------------------------------------
-
-def _worker_main(rank: int, spec: PoolSpec, port: int, status: Any) -> None:
-    """A worker: open the handle (lazily), join the group, then serve calls until told to stop."""
-    try:
-        if START_METHOD == "fork":  # OpenMP's pool does not survive a fork once the parent used it
-            torch.set_num_threads(1)
-        device = torch.device(spec.devices[rank])
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        handle = open_described(spec.checkpoint, device)
-    except BaseException:
-        status[rank] = _FAILED
-        raise
-    status[rank] = _READY
-    init_loopback_group(rank, spec.world_size, port, spec.backend, timeout=COLLECTIVE_TIMEOUT)
-    try:
-        layout = ParallelLayout.create(spec.cfg, spec.ulysses, device_type=device.type, fsdp=spec.fsdp)
-        _serve(handle, layout, device if spec.backend == "nccl" else torch.device("cpu"))
-    finally:
-        try:
-            dist.destroy_process_group()
-        except Exception:
-            pass
-
-
-def _serve(handle: Any, layout: ParallelLayout, device: torch.device) -> None:
-    view = handle.with_parallel(layout)
-    spec_device = str(handle.device)
-    lora_files: dict[str, Any] = {}  # path -> LoraFile, the files of rank 0's current LoRA stack
-
-    while True:
-        try:
-            kind, fields, tensors = _broadcast_message(device)
-        except Exception:  # rank 0 is gone (its process ended): nothing left to serve
-            return
-        if kind == "stop":
-            return
-        if kind == "ping":
-            _gather_status(device, {"pid": os.getpid(), "loads": dict(handle.shared.load_count),
-                                    "resident": list(handle.shared.loaded)})
-            continue
-        _pack, unpack, execute = HANDLERS[kind]
-        where = f"preparing {kind}"  # the worker's own steps (its LoRA files): rank 0 does not repeat them
-        try:
-            _drop_dits(handle, fields.pop("release", []))  # as rank 0 dropped them (Refine's release_base)
-            call_view, call_kwargs = _with_loras(view, fields.pop("loras", []), lora_files), unpack(fields, tensors)
-            where = f"in {kind}"
-            execute(call_view, call_kwargs, None)
-        except PeerFailed:  # rank 0 (or another worker) stopped between two steps: every rank stopped there
-            continue
-        except Exception as err:
-            print(f"lingbot parallel worker rank {layout.rank}: {kind} failed: {type(err).__name__}: {err}",
-                  file=sys.stderr, flush=True)
-            if is_refused_input(err) and where == f"in {kind}":
-                continue  # a refused input: rank 0 refuses the same (same inputs, same checks) and keeps the pool
-            # anything else leaves this call out of step with the others: publish it for rank 0 (a failure
-            # inside the forward already is) and leave, which ends every collective waiting on this process
-            publish_failure(err, where=where, device=spec_device, key=failure_key(layout))
-            return
