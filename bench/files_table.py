@@ -30,6 +30,7 @@ MOE_GPU, MOE_GGUF = 24, "Q4_K_M"
 # The DMD student's row (its DiT as one GGUF from `python -m lingbot_core.quantize`): the recipe of
 # `bench/recipes.py` for a 24 GB card with 64 GB of RAM (tests/test_dmd_student.py checks the README row)
 STUDENT_GPU, STUDENT_RAM_GB = "24 GB, DMD student", 64
+DENSE_DIT_FILE = "transformer/diffusion_pytorch_model.safetensors"  # the dense row's file, in the repository
 START, END = "<!-- files:start (python bench/recipes.py --write) -->", "<!-- files:end -->"
 # llama.cpp's bits per weight of the types in a *_K_M file (the mix is mostly these; estimate)
 GGUF_BITS = {"Q3_K_M": 3.9, "Q4_K_M": 4.85}
@@ -81,7 +82,8 @@ def gpu_rows() -> list[list[str]]:
         cell = recipes.recipe_for(*recipes.machine_budget(gb, FILES_RAM_GB), variants=("dense",),
                                   ffn_chunk=run_chunk())
         w, h, frames = cell.base.split("x")
-        rows.append([f"{gb} GB", f"dense 1.3B, bf16 ({params(dense['transformer']) * 2 / GB:.2f} GB)" if i == 0
+        rows.append([f"{gb} GB", f"dense 1.3B, bf16: the checkpoint's `{DENSE_DIT_FILE}` "
+                     f"({params(dense['transformer']) * 2 / GB:.2f} GB)" if i == 0
                      else "dense 1.3B, bf16", te if i == 0 else "`qwen3vl_4b_bf16.safetensors` or the fp8 one",
                      vae if i == 0 else "`wan_2.1_vae.safetensors`",
                      f"Offload `{cell.mode}`, `offload_to: {cell.offload_to}`, Decode `tiling`, {w}x{h}, {frames} frames",

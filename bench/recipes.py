@@ -1,4 +1,4 @@
-"""The README's hardware recipes: for each GPU x RAM size, what to download and which settings fit.
+"""The hardware recipes (docs/memory.md): for each GPU x RAM size, what to download and which settings fit.
 
 Every cell comes from `lingbot_core.placement.recipes.recipe_for` (the estimator `auto` and the fit
 check decide with, on the real configurations built on `meta`): an ESTIMATE, not a measurement, until a
@@ -6,11 +6,13 @@ GPU run confirms it (`python -m lingbot_core.doctor` on a GPU prints the row for
 against measured peaks). Nothing here runs a model. How a cell is chosen: that module's docstring.
 
     python bench/recipes.py            # print the table
-    python bench/recipes.py --write    # and put every memory block into README.md (between their markers)
+    python bench/recipes.py --write    # and put every memory block where it is (between its markers)
 
-One source for the README's memory advice: `--write` regenerates every block that quotes a VRAM figure
-(this table, the DMD student's, "Which files do I need?" from `bench/files_table.py`, the per-mode table
-from `bench/memory_table.py`, the fit-check example and the 24 GB MoE command); the workflow Notes take
+One source for the memory advice of the README and its docs/ pages: `--write` regenerates every block that
+quotes a VRAM figure, in whichever of `GUIDE` holds its markers (the README: "Which files for my card" from
+`bench/files_table.py`, the 12/16 GB choice and the 24 GB MoE command; docs/memory.md: this table, the
+per-mode table from `bench/memory_table.py` and the fit-check example; docs/few-step.md: the DMD
+student's recipes); the workflow Notes take
 theirs from `lingbot_core.placement.recipes` too (`workflows/build.py`). Every figure is the fit check's
 (`recipes.vram_needed`: the estimate plus its reserve) under the FFN chunk setting the Loaders default to
 (`run_chunk`, read from `PipelineHandle.open`).
@@ -45,6 +47,10 @@ from lingbot_core.placement.recipes import (  # noqa: F401  (re-exported: the RE
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+# The user's guide: the README and the docs/ pages it links for reference (tests/test_readme.py runs the
+# commands of all of them); each generated block lives in exactly one of these files.
+GUIDE = (README, *(ROOT / "docs" / f"{name}.md" for name in (
+    "memory", "single-files", "comfyui", "headless", "few-step", "speed", "weights", "rewrite", "video", "parallel")))
 START, END = "<!-- recipes:start (python bench/recipes.py --write) -->", "<!-- recipes:end -->"
 VRAM_GB = (8, 12, 16, 24, 48, 80)
 RAM_GB = (32, 64, 128)
@@ -208,19 +214,33 @@ def table() -> str:
 def _block(text: str, start: str = START, end: str = END) -> re.Match:
     match = re.search(re.escape(start) + r"\n(.*?)" + re.escape(end), text, flags=re.S)
     if match is None:
-        raise SystemExit(f"README.md has no {start} ... {end} block")
+        raise SystemExit(f"no {start} ... {end} block")
     return match
 
 
 def readme_block(text: str, start: str = START, end: str = END) -> str:
-    """The table as the README holds it now (the student's: `STUDENT_START`, `STUDENT_END`)."""
+    """The block as `text` (a guide page) holds it now (the student's: `STUDENT_START`, `STUDENT_END`)."""
     return _block(text, start, end).group(1).strip("\n")
 
 
+def home(start: str) -> Path:
+    """The one guide file that holds the block opened by `start`."""
+    found = [path for path in GUIDE if start in path.read_text(encoding="utf-8")]
+    if len(found) != 1:
+        raise SystemExit(f"{start} should be in exactly one of the guide pages, found in {[p.name for p in found]}")
+    return found[0]
+
+
+def guide_block(start: str = START, end: str = END) -> str:
+    """The block as its guide file holds it now."""
+    return readme_block(home(start).read_text(encoding="utf-8"), start, end)
+
+
 def write_readme(out: str, start: str = START, end: str = END) -> None:
-    text = README.read_text()
+    path = home(start)
+    text = path.read_text(encoding="utf-8")
     match = _block(text, start, end)
-    README.write_text(text[:match.start(1)] + out + "\n" + text[match.end(1):])
+    path.write_text(text[:match.start(1)] + out + "\n" + text[match.end(1):], encoding="utf-8")
 
 
 # -- the blocks around the tables: the per-mode table, the fit-check example, the 24 GB MoE command ----------
@@ -337,10 +357,10 @@ def choice_block() -> str:
             + "; ".join(parts) + ". "
             f"The dense model is the short route: a {dense_dl / GB:.1f} GB download, no conversion, its "
             f"{facts['dense']['dit']['bf16'] / GB:.1f} GB DiT on the GPU for the whole run; its settings per card are "
-            "in [Which files do I need?](#which-files-do-i-need). The MoE is the larger model (30B parameters, "
+            "in [Which files for my card](#which-files-for-my-card). The MoE is the larger model (30B parameters, "
             f"about 3B active per token) and the longer route: a {moe_dl / GB:.1f} GB download (the refiner "
             "included), then both DiTs quantized with `python -m lingbot_core.quantize` (output error per format: "
-            "[Smaller DiT files](#which-files))"
+            "[Smaller DiT files](#smaller-dit-files))"
             + (": " + ", ".join(quantize) + " for the pair, EXTRAPOLATED from one layer timed on one CPU core "
                "(`python bench/quantize_time.py`), plus reading the bf16 files once" if quantize else "")
             + ". Each of its steps then moves a whole DiT to the GPU (from the page cache, or the disk when RAM "
@@ -393,7 +413,7 @@ def blocks() -> list[tuple[str, str, str]]:
 
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--write", action="store_true", help="replace every memory block in README.md")
+    parser.add_argument("--write", action="store_true", help="replace every memory block in the guide page that holds it")
     args = parser.parse_args(argv)
     out = blocks()
     for _start, _end, text in out:

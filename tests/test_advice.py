@@ -17,6 +17,13 @@ ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 
 
+def _guide() -> str:
+    """The README and the docs/ pages that hold the reference it moved out (`bench.recipes.GUIDE`)."""
+    from bench.recipes import GUIDE
+
+    return "\n".join(path.read_text(encoding="utf-8") for path in GUIDE)
+
+
 @pytest.fixture(scope="module")
 def blocks():
     from bench import recipes
@@ -25,13 +32,19 @@ def blocks():
 
 
 def test_every_memory_block_in_the_readme_is_the_generators(blocks):
-    """`python bench/recipes.py --write` owns each block; a hand edit or a stale figure fails here."""
-    from bench import recipes
+    """`python bench/recipes.py --write` owns each block, in the one guide page that holds it; a hand edit
+    or a stale figure fails here. The README keeps the blocks a user acts on (the files table, the 12/16 GB
+    choice, the 24 GB MoE command); the others are reference (docs/memory.md, docs/few-step.md)."""
+    from bench import files_table, recipes
 
     assert len(blocks) == 7
+    guide = _guide()
     for start, end, text in blocks:
-        assert README.count(start) == 1 and README.count(end) == 1, start
-        assert recipes.readme_block(README, start, end) == text, f"stale {start}: run python bench/recipes.py --write"
+        assert guide.count(start) == 1 and guide.count(end) == 1, start
+        page = recipes.home(start).read_text(encoding="utf-8")
+        assert recipes.readme_block(page, start, end) == text, f"stale {start}: run python bench/recipes.py --write"
+    for start in (files_table.START, recipes.CHOICE_START, recipes.MOE_START):
+        assert recipes.home(start) == recipes.README, start
 
 
 def test_the_generator_uses_the_loaders_default_ffn_chunk_and_the_fit_checks_reserve():
@@ -69,7 +82,7 @@ def test_a_24gb_card_refines_where_the_fit_check_says_it_does():
     assert lines[recipes.EXAMPLE_MACHINES[1]].startswith("fits:")
     assert recipes.recipe(24, 64).refine == "1920x1088"
     assert lines[recipes.EXAMPLE_MACHINES[0]].startswith("needs ")  # the example shows advice too
-    assert "needs about 36 GiB" not in README and "needs about 36 GiB" not in _notes()
+    assert "needs about 36 GiB" not in _guide() and "needs about 36 GiB" not in _notes()
 
 
 def _notes() -> str:
@@ -128,9 +141,12 @@ def test_the_24gb_moe_command_is_the_recipes_own():
 
 
 def test_the_12_16gb_choice_is_explained_once_and_pointed_to():
+    """Both tables that answer for a 12 or 16 GB card point to the one place that weighs the two: the
+    README's files table (dense) and the recipes in docs/memory.md (the MoE)."""
     heading = "### 12 or 16 GB: dense or MoE?"
-    assert README.count(heading) == 1
-    assert README.count("(#12-or-16-gb-dense-or-moe)") >= 2  # from "Which files" and "Which files do I need?"
+    assert _guide().count(heading) == 1 and README.count(heading) == 1
+    assert "](#12-or-16-gb-dense-or-moe)" in README
+    assert "](../README.md#12-or-16-gb-dense-or-moe)" in (ROOT / "docs" / "memory.md").read_text(encoding="utf-8")
     from bench import recipes
 
     block = recipes.readme_block(README, recipes.CHOICE_START, recipes.CHOICE_END)
@@ -144,10 +160,11 @@ def test_the_readmes_words_about_the_figures_name_the_real_constants():
     from lingbot_core.placement.estimate import RESERVE_BYTES
     from lingbot_core.placement.recipes import DESKTOP_GIB, SYSTEM_GIB, GiB
 
-    reserves = set(re.findall(r"(\d+(?:\.\d+)?) GiB reserve", README))
+    guide = _guide()
+    reserves = set(re.findall(r"(\d+(?:\.\d+)?) GiB reserve", guide))
     assert reserves == {f"{RESERVE_BYTES / GiB:g}"}, reserves
-    for share in re.findall(r"(\d+(?:\.\d+)?) GiB of the\s+card", README):
+    for share in re.findall(r"(\d+(?:\.\d+)?) GiB of the\s+card", guide):
         assert float(share) == DESKTOP_GIB, share
-    for share in re.findall(r"(\d+(?:\.\d+)?) GiB of RAM (?:are taken|left)", README):
+    for share in re.findall(r"(\d+(?:\.\d+)?) GiB of RAM (?:are taken|left)", guide):
         assert float(share) == SYSTEM_GIB, share
-    assert re.search(r"\d GiB of the\s+card", README) and re.search(r"GiB of RAM (?:are taken|left)", README)
+    assert re.search(r"\d GiB of the\s+card", README) and re.search(r"GiB of RAM (?:are taken|left)", guide)

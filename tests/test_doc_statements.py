@@ -13,7 +13,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text(encoding="utf-8")
+WEIGHTS = (ROOT / "docs" / "weights.md").read_text(encoding="utf-8")  # the README's reference pages
+PARALLEL = (ROOT / "docs" / "parallel.md").read_text(encoding="utf-8")
 
 
 def _paragraph(text: str, start: str) -> str:
@@ -61,14 +62,14 @@ def test_the_door_names_every_offload_mode_and_what_disk_offload_streams():
 
 
 def test_gguf_weights_load_with_plain_reads_as_the_readme_says(tmp_path, monkeypatch):
-    """README (Weight formats): DiT tensors, GGUF included, are plain reads, not a mapping of the file:
+    """docs/weights.md: DiT tensors, GGUF included, are plain reads, not a mapping of the file:
     a GGUF source reads every tensor with file mappings refused."""
     import gguf
     from gguf_fakes import write_gguf
 
     from lingbot_core.weights.sources import GGUFSource
 
-    formats = _paragraph(README, "The DiTs (`transformer/`, `refiner/`) load tensor by tensor")
+    formats = _paragraph(WEIGHTS, "The DiTs (`transformer/`, `refiner/`) load tensor by tensor")
     assert "plain reads, GGUF included" in formats and "mapping" not in formats
     values = np.arange(64, dtype=np.float32).reshape(4, 16)
     path = write_gguf(tmp_path / "w.gguf", {"w": (values, gguf.GGMLQuantizationType.F32)})
@@ -84,12 +85,12 @@ def test_gguf_weights_load_with_plain_reads_as_the_readme_says(tmp_path, monkeyp
 
 
 def test_a_step_cache_runs_on_several_processes_as_the_readme_says():
-    """README (--parallel): a step cache runs on a parallel view; MagCache calibration and `cfg_batch on`
+    """docs/parallel.md (--parallel): a step cache runs on a parallel view; MagCache calibration and `cfg_batch on`
     with `cfg=2` are refused."""
     from lingbot_core.distributed import ParallelLayout
     from lingbot_core.distributed import stage as parallel_stage
 
-    said = _paragraph(README, "Rank 0 encodes the prompt, decodes and saves")
+    said = _paragraph(PARALLEL, "Rank 0 encodes the prompt, decodes and saves")
     assert "A step cache runs" in said and "MagCache calibration, and `cfg_batch on` with `cfg=2`, are refused" in said
     layout = ParallelLayout(cfg=2, ulysses=1, rank=0, mesh=object())
     view = SimpleNamespace(parallel=layout, info=None, shared=SimpleNamespace(loaded={}))

@@ -38,12 +38,12 @@ def test_a_dit_stored_in_the_type_runs_as_its_decoded_weights(tmp_path, qtype):
     assert torch.equal(_run(model), _run(reference))
 
 
-def test_the_readme_lists_exactly_the_types_that_load():
+def test_the_guide_lists_exactly_the_types_that_load():
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "weights.md").read_text()
     line = re.search(r"GGUF types that load \(.*?\): (.*?), so the", readme, flags=re.S)
-    assert line, "the README's list of GGUF types is gone"
+    assert line, "docs/weights.md's list of GGUF types is gone"
     listed = {name.strip() for name in line.group(1).replace("\n", " ").split(",")}
     assert listed == {t.name for t in gguf_codec.SUPPORTED}

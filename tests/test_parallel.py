@@ -673,11 +673,11 @@ def test_auto_on_a_parallel_view_is_none_with_the_per_gpu_estimate(monkeypatch):
 
 
 def test_readme_per_gpu_figures_are_the_bench_estimates():
-    """The README's per-GPU figures are what `python bench/parallel.py --estimates` prints."""
+    """The per-GPU figures of docs/parallel.md are what `python bench/parallel.py --estimates` prints."""
     from bench import parallel as bench_parallel
 
     rows = {r["layout"]: r for r in bench_parallel.estimates()}
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "parallel.md").read_text()
     eight = rows["cfg=2,ulysses=4 --fsdp"]
     for quoted in (f"one process ~{rows['cfg=1,ulysses=1']['rank0_gib']:.1f} GiB",
                    f"~{eight['rank0_gib']:.1f} GiB on rank 0", f"~{eight['others_gib']:.1f} GiB on the others"):

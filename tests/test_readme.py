@@ -1,4 +1,5 @@
-"""The README's numbers, commands and pictures are checked against what they claim to come from."""
+"""The README's numbers, commands and pictures are checked against what they claim to come from; so are the
+docs/ pages it moved its reference material to (`GUIDE`: their commands are run or parsed here too)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from bench.recipes import GUIDE
+
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+PAGES = {path.relative_to(ROOT).as_posix(): path.read_text(encoding="utf-8") for path in GUIDE}  # README first
 
 
 ILLUSTRATIVE = "(illustrative"  # in the paragraph just above a code block: the block is not run
@@ -25,11 +29,11 @@ def _blocks(text: str, language: str) -> list[tuple[str, str]]:
 
 
 def _checked(language: str) -> list[str]:
-    return [code for above, code in _blocks(README, language) if ILLUSTRATIVE not in above]
+    return [code for text in PAGES.values() for above, code in _blocks(text, language) if ILLUSTRATIVE not in above]
 
 
 def _all_commands() -> list[list[str]]:
-    """Every command line in the README's bash blocks not marked illustrative (continuations
+    """Every command line in the guide's bash blocks not marked illustrative (continuations
     joined, comments dropped, `a && b` split)."""
     commands = []
     for block in _checked("bash"):
@@ -48,8 +52,12 @@ def _code_commands(program: str) -> list[list[str]]:
     return [argv for argv in _all_commands() if argv[:n] == program.split()]
 
 
-def _table_rows(header_start: str) -> list[list[str]]:
-    lines = README.splitlines()
+def _table_rows(header_start: str, text: str | None = None) -> list[list[str]]:
+    """The rows of the table whose header line starts with `header_start`, in `text` (default: the first
+    guide page that has it, the README first)."""
+    if text is None:
+        text = next(t for t in PAGES.values() if any(line.startswith(header_start) for line in t.splitlines()))
+    lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(header_start))
     rows = []
     for line in lines[start + 2:]:
@@ -66,7 +74,7 @@ def test_offload_table_is_what_the_bench_script_prints():
     printed = {key: [f"{est[m] / 1024**3:.1f}" for m in MODES] for key, est in data["estimate"].items()}
     readme = {row[0]: row[1:] for row in _table_rows("| model and size")}
     assert readme == printed
-    assert "not yet confirmed by a GPU run" in README  # labelled as an estimate
+    assert "not yet confirmed by a GPU run" in PAGES["docs/memory.md"]  # labelled as an estimate
 
     disk = _table_rows("| checkpoint | transformer")
     for row, variant in zip(disk, ("dense", "moe")):
@@ -127,42 +135,84 @@ def _pip_install(argv: list[str]) -> None:
         assert extra and extra.group(1) in project["optional-dependencies"], argv
 
 
+def _landed(args: list[str]) -> tuple[Path, Path, str | None]:
+    """`hf download REPO [FILE] ... --local-dir DIR` (args after `hf download`): DIR, where the file (or the
+    first --include folder) lands, and FILE. hf keeps the repository's folders: FILE lands at DIR/FILE."""
+    dest = Path(args[args.index("--local-dir") + 1])
+    file = args[1] if len(args) > 1 and not args[1].startswith("-") else None
+    include = [args[i + 1].split("/")[0] for i, a in enumerate(args) if a == "--include"]
+    return dest, dest / file if file else dest / include[0] if include else dest, file
+
+
 def _hf_download(argv: list[str]) -> None:
-    """A download lands where the pack looks (headless roots); --exclude names a real component."""
+    """A download lands where the pack looks (headless roots): a checkpoint folder in a checkpoint root
+    (--exclude naming a real component), a LoRA in a LoRA root, a single file (or the processor folder)
+    under the model folder of its kind, with that kind's suffix."""
+    from bench.memory_table import REPOS
     from lingbot_core.tiny import ensure_tiny_checkpoint
+    from lingbot_nodes.files import FILE_KINDS, file_roots
     from lingbot_nodes.lora import lora_roots
     from lingbot_nodes.runtime import model_roots
 
     args = argv[2:]
-    repo, dest = args[0], Path(args[args.index("--local-dir") + 1])
+    repo = args[0]
+    dest, landed, file = _landed(args)
     assert re.fullmatch(r"[\w.-]+/[\w.-]+", repo)
-    if dest.parent in model_roots():
-        from bench.memory_table import REPOS
-
+    if dest.parent in model_roots() and landed == dest:
         assert repo in REPOS.values()
-        for pattern in (args[i + 1] for i, a in enumerate(args) if a in ("--exclude", "--include")):
+        for pattern in (args[i + 1] for i, a in enumerate(args) if a == "--exclude"):
             assert (ensure_tiny_checkpoint("moe") / pattern.split("/")[0]).is_dir(), pattern
-    elif dest in _file_roots() or dest.parent in _file_roots():
-        # single files for LingBot Loader (files): the checkpoint's own files, or Comfy-Org's repacks
-        from bench.memory_table import REPOS
-
-        assert repo in {*REPOS.values(), *COMFY_REPACKS}, repo
-        if not args[1].startswith("-"):
-            assert args[1].endswith(".safetensors"), argv
-        for pattern in (args[i + 1] for i, a in enumerate(args) if a == "--include"):
-            assert (ensure_tiny_checkpoint("dense") / pattern.split("/")[0]).is_dir(), pattern
+    elif landed.parent in lora_roots():
+        assert file and file.endswith(".safetensors"), argv
     else:
-        assert dest in lora_roots(), dest
-        assert args[1].endswith(".safetensors")
+        # single files for LingBot Loader (files): the checkpoint's own files, or Comfy-Org's repacks
+        kinds = [k for k in FILE_KINDS if any(landed.is_relative_to(root) for root in file_roots(k))]
+        assert kinds, f"{landed} is in no folder the Loader (files) reads"
+        assert repo in {*REPOS.values(), *COMFY_REPACKS}, repo
+        if file:
+            assert landed.suffix in FILE_KINDS[kinds[0]].suffixes, argv
+        else:  # a folder of the checkpoint (the processor)
+            assert (ensure_tiny_checkpoint("dense") / landed.name).is_dir(), argv
 
 
 COMFY_REPACKS = ("Comfy-Org/Wan_2.1_ComfyUI_repackaged", "Comfy-Org/Qwen3-VL")
 
 
-def _file_roots() -> list[Path]:
-    from lingbot_nodes.files import FILE_KINDS, file_roots
+def _download_lines(text: str) -> list[tuple[str, list[str]]]:
+    """(the comment line just above, the words) of every `hf download` line in `text`'s bash blocks."""
+    out = []
+    for _above, code in _blocks(text, "bash"):
+        lines = code.replace("\\\n", " ").splitlines()
+        for i, line in enumerate(lines):
+            if line.startswith("hf download"):
+                out.append((lines[i - 1] if i and lines[i - 1].startswith("#") else "", shlex.split(line, comments=True)))
+    return out
 
-    return [root for kind in FILE_KINDS for root in file_roots(kind)]
+
+def test_single_file_downloads_land_where_the_files_table_says():
+    """`hf download REPO FILE --local-dir DIR` writes DIR/FILE (subfolders kept): the comment above each
+    such line states that path, the path lies in a folder the files table names, and the table's column
+    for that folder names the file."""
+    from bench import files_table, recipes
+
+    table = recipes.readme_block(README, files_table.START, files_table.END)
+    header = [cell.strip() for cell in table.splitlines()[0].strip("|").split("|")]
+    rows = _table_rows("| GPU | DiT, in", README)
+    checked = 0
+    for comment, argv in _download_lines(README):
+        dest, landed, file = _landed(argv[2:])
+        if landed == dest:
+            continue  # a whole checkpoint folder (LingBot Loader)
+        said = comment.removeprefix("# -> ").split(" (")[0].rstrip("/")
+        assert comment.startswith("# -> ") and Path(said) == landed, (comment, landed.as_posix())
+        folder = "/".join(landed.parts[:2])
+        assert f"`{folder}`" in table, f"the files table names no folder {folder} (for {landed})"
+        columns = [i for i, cell in enumerate(header) if f"`{folder}`" in cell]
+        if file and columns:
+            cells = " ".join(row[columns[0]] for row in rows)
+            assert f"`{file}`" in cells or f"`{landed.name}`" in cells, (landed, header[columns[0]])
+        checked += 1
+    assert checked >= 4
 
 
 def _quantize(argv: list[str]) -> None:
@@ -225,14 +275,14 @@ def test_python_snippet_runs_and_saves(tmp_path, monkeypatch, capsys):
 def test_illustrative_blocks_say_so():
     """Blocks the tests do not run are labelled for the reader, and only config examples are."""
     for language in ("bash", "python", "yaml", "json"):
-        for above, code in _blocks(README, language):
+        for above, code in (block for text in PAGES.values() for block in _blocks(text, language)):
             if ILLUSTRATIVE in above:
                 assert language in ("yaml", "json"), code
-    assert _blocks(README, "yaml")
+    assert any(_blocks(text, "yaml") for text in PAGES.values())
 
 
 def test_no_machine_paths_in_user_docs():
-    for path in (ROOT / "README.md", ROOT / "docs" / "benchmarks.md"):
+    for path in (*GUIDE, ROOT / "docs" / "benchmarks.md"):
         text = path.read_text()
         assert not re.search(r"(?<![\w.])/(work|root|home|Users|tmp)/", text), path
 
@@ -268,9 +318,10 @@ def test_recipes_table_is_what_the_estimator_gives():
     """The hardware recipes are generated by bench/recipes.py from the estimator, and labelled."""
     from bench import recipes
 
-    assert recipes.readme_block(README) == recipes.table()
-    above = README[:README.index(recipes.START)]
-    assert "an estimate, not yet confirmed by a GPU run" in above[above.rindex("## What fits"):]
+    page = recipes.home(recipes.START).read_text(encoding="utf-8")
+    assert recipes.readme_block(page) == recipes.table()
+    above = page[:page.index(recipes.START)]
+    assert "an estimate, not yet confirmed by a GPU run" in above[above.rindex("\n## "):]
     # spot-check a cell against the fit check itself: what the table says fits does fit
     from lingbot_core.memory import Geometry
     from lingbot_core.placement import fit
@@ -292,6 +343,7 @@ def test_files_table_gpu_column_is_the_estimate_and_agrees_with_the_recipes():
     table picks the dense model too, the same size and mode (an 8 GB card: one answer, not two)."""
     from bench import files_table, recipes
 
+    assert recipes.home(files_table.START) == recipes.README  # the README's one "which files" table
     assert recipes.readme_block(README, files_table.START, files_table.END) == files_table.gpu_table()
     rows = {row[0]: row for row in _table_rows("| GPU | DiT, in `models/diffusion_models`")}
     assert set(rows) == {f"{gb} GB" for gb in (*files_table.DENSE_GPUS, files_table.MOE_GPU)} | {files_table.STUDENT_GPU}
@@ -335,3 +387,64 @@ def test_format_sizes_are_computed_from_the_real_configuration():
     rows = {row[0].split(" (")[0]: row[1] for row in _table_rows("| format | MoE DiT on disk")}
     for name in ("bf16", "GGUF Q8_0", "GGUF Q4_0", "fp8"):
         assert rows[name] == f"{dit[name] / 1e9:.1f} GB", name
+
+
+# -- the guide's shape: links that resolve, headings that nest, a README that stays a guide -------------------
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation but `-` and `_` dropped, spaces to `-`."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _headings(text: str) -> list[tuple[int, str]]:
+    """(level, text) of every heading outside code blocks."""
+    out, fenced = [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and (found := re.match(r"(#{1,6}) (.*)", line)):
+            out.append((len(found.group(1)), found.group(2)))
+    return out
+
+
+def test_guide_links_resolve():
+    """Every relative link in the README and its docs pages names a file that exists and, with `#...`, a
+    heading of that file (the reference moved out of the README: a stale anchor fails here)."""
+    for name, text in PAGES.items():
+        page = ROOT / name
+        prose = re.sub(r"```.*?```", "", text, flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", prose):
+            if re.match(r"[a-z]+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            assert linked.exists(), f"{name}: link to missing {target}"
+            if anchor and linked.suffix == ".md":
+                anchors = {_slug(h) for _, h in _headings(linked.read_text(encoding="utf-8"))}
+                assert anchor in anchors, f"{name}: no heading #{anchor} in {linked.name}"
+
+
+def test_guide_headings_nest():
+    """One title per page, then no level skipped (an H4 straight under an H2 reads as misplaced)."""
+    for name, text in PAGES.items():
+        levels = [level for level, _ in _headings(text)]
+        assert levels[0] == 1 and levels.count(1) == 1, name
+        for before, after in zip(levels, levels[1:]):
+            assert after <= before + 1, (name, _headings(text))
+
+
+def test_named_workflows_ship():
+    """Every workflow file the guide names (`lingbot_t2v_dense_files.json`, ...) is in `workflows/`."""
+    named = {name for text in PAGES.values() for name in re.findall(r"\blingbot_\w+\.json", text)}
+    assert named and sorted(n for n in named if not (ROOT / "workflows" / n).is_file()) == []
+
+
+README_MAX_LINES = 420  # about a screenful per section; reference material goes to docs/ (GUIDE)
+
+
+def test_readme_stays_a_guide():
+    """The README is the user's guide, not the reference: it stays short, and every docs page of the guide
+    is linked from it."""
+    assert len(README.splitlines()) <= README_MAX_LINES, "move reference material to a docs/ page"
+    for path in GUIDE[1:]:
+        assert f"](docs/{path.name})" in README, path.name

@@ -1,4 +1,4 @@
-"""The README's "wrong file" table says what the code says: each message is produced here from a file
+"""The "wrong file" table (docs/single-files.md) says what the code says: each message is produced here from a file
 of that kind and must match the README's text (X = the file's name, N/M = numbers, ... = a path)."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ TINY = ROOT / "tests" / "fixtures" / "lingbot" / "models" / "tiny-dense"
 
 
 def readme_messages() -> dict[str, list[str]]:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "single-files.md").read_text()
     start = text.index("What you see when a file is the wrong one")
     rows: dict[str, list[str]] = {}
     lines = text[start:].splitlines()
