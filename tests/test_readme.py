@@ -32,16 +32,30 @@ def _checked(language: str) -> list[str]:
     return [code for text in PAGES.values() for above, code in _blocks(text, language) if ILLUSTRATIVE not in above]
 
 
+UV_RUN_OPTIONS = ("--no-sync",)  # the `uv run` options the guide uses
+
+
+def _inside_uv_run(argv: list[str]) -> list[str]:
+    """`uv run [options] CMD ...` runs CMD in the project's environment: the command is CMD."""
+    if argv[:2] != ["uv", "run"]:
+        return argv
+    rest = argv[2:]
+    while rest and rest[0].startswith("-"):
+        assert rest[0] in UV_RUN_OPTIONS, f"guide: unexpected uv run option in {argv}"
+        rest = rest[1:]
+    return rest
+
+
 def _all_commands() -> list[list[str]]:
     """Every command line in the guide's bash blocks not marked illustrative (continuations
-    joined, comments dropped, `a && b` split)."""
+    joined, comments dropped, `a && b` split, a leading `uv run` dropped)."""
     commands = []
     for block in _checked("bash"):
         for line in block.replace("\\\n", " ").splitlines():
             words = shlex.split(line, comments=True)
             while words:
                 cut = words.index("&&") if "&&" in words else len(words)
-                commands.append(words[:cut])
+                commands.append(_inside_uv_run(words[:cut]))
                 words = words[cut + 1:]
     return commands
 
@@ -224,7 +238,22 @@ def _quantize(argv: list[str]) -> None:
     assert src in downloads and Path(dst).parent == Path(src).parent
 
 
-SHELL = {("python3", "-m", "venv"), (".",), ("cd",), ("python", "-m", "pytest")}
+def _uv_pip_install(argv: list[str]) -> None:
+    """The set-up line for another torch build: the package's test extra, exactly the torch pins that
+    uv.lock is resolved under (the versions CI tests), and a torch backend uv knows."""
+    import tomllib
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    args = argv[3:]
+    backend = args[args.index("--torch-backend") + 1]
+    assert re.fullmatch(r"cpu|auto|cu\d{3}", backend), backend
+    extra = re.fullmatch(r"\.\[(\w+)\]", args[args.index("-e") + 1])
+    assert extra and extra.group(1) in pyproject["project"]["optional-dependencies"], argv
+    pins = [a for a in args if not a.startswith("-") and a not in (backend, extra.group(0))]
+    assert sorted(pins) == sorted(pyproject["tool"]["uv"]["constraint-dependencies"]), argv
+
+
+SHELL = {("python3", "-m", "venv"), (".",), ("cd",), ("python", "-m", "pytest"), ("pytest",), ("uv", "venv")}
 
 
 def test_every_readme_command_is_checked():
@@ -237,6 +266,8 @@ def test_every_readme_command_is_checked():
     for argv in _all_commands():
         if argv[:2] == ["pip", "install"] or argv[:4] == ["python", "-m", "pip", "install"]:
             _pip_install(argv[2:] if argv[0] == "python" else argv)
+        elif argv[:3] == ["uv", "pip", "install"]:
+            _uv_pip_install(argv)
         elif argv[:2] == ["hf", "download"]:
             _hf_download(argv)
         elif argv[:3] == ["python", "-m", "lingbot_core.quantize"]:
@@ -258,7 +289,7 @@ def test_every_readme_command_is_checked():
         else:
             assert any(tuple(argv[:len(s)]) == s for s in SHELL), f"no check for README command {argv}"
         kinds.add(argv[0])
-    assert {"pip", "hf", "lingbot-run", "python"} <= kinds
+    assert {"hf", "lingbot-run", "python", "pytest", "uv"} <= kinds
 
 
 def test_python_snippet_runs_and_saves(tmp_path, monkeypatch, capsys):
