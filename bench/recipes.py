@@ -65,13 +65,11 @@ def _best(sizes, geometry, to: str, vram: int, host: int) -> str | None:
 
 
 def run_chunk() -> int | str | None:
-    """The FFN chunk setting runs use unless told otherwise: `PipelineHandle.open`'s default (the Loaders'
-    widget defaults to the same; tests/test_advice.py checks), read from its signature, not copied."""
-    import inspect
+    """The FFN chunk setting runs use unless told otherwise: the handle settings' default (the Loaders'
+    widget defaults to the same; tests/test_advice.py checks), read from the field, not copied."""
+    from lingbot_core.handle import HandleSettings
 
-    from lingbot_core.handle import PipelineHandle
-
-    return inspect.signature(PipelineHandle.open).parameters["ffn_chunk"].default
+    return HandleSettings().ffn_chunk
 
 
 def recipe(vram_gb: int, ram_gb: int) -> Recipe:

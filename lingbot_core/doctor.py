@@ -265,9 +265,15 @@ def _kernels_module() -> Any:
         else None
 
 
-ATTENTION_PROBES = ("flash", "_flash_3", "sage", "xformers", "_native_flash", "_native_efficient", "_native_cudnn")
-"""The attention backends the Loaders offer besides PyTorch SDPA itself (diffusers' names): each is probed
-with and without a key mask (`attention/<name>`, `attention/<name>+mask`)."""
+def attention_probes() -> list[str]:
+    """The attention backends the Loaders offer besides PyTorch SDPA itself (diffusers' names, from its
+    registry: `models.transformer.attention_backends`): each is probed with and without a key mask
+    (`attention/<name>`, `attention/<name>+mask`)."""
+    from .models.transformer import SDPA_BACKENDS, attention_backends
+
+    return [b for b in attention_backends() if b not in SDPA_BACKENDS]
+
+
 COMPILING_PROBES = ("compiled_decoder",)
 """Kernels whose probe compiles (seconds to a minute): not probed with --quick."""
 
@@ -278,7 +284,7 @@ def kernel_names(kernels: Any) -> list[str]:
     names = []
     for name in getattr(kernels, "KERNELS", None) or ():
         if name == "attention":
-            names += [f"attention/{b}{mask}" for b in ATTENTION_PROBES for mask in ("", "+mask")]
+            names += [f"attention/{b}{mask}" for b in attention_probes() for mask in ("", "+mask")]
         else:
             names.append(name)
     return names

@@ -86,7 +86,33 @@ def _chunk_flag(text: str) -> str | int:
 
 def _attention_value(choice: str) -> str | None:
     """The CLI's/Loaders' attention choice as the setting: "default" is PyTorch SDPA (None)."""
-    return None if choice == "default" else choice
+    return None if choice == DEFAULT_ATTENTION else choice
+
+
+DEFAULT_ATTENTION = "default"
+
+
+def attention_choices() -> list[str]:
+    """The attention choices of the CLI and both Loaders: default (PyTorch SDPA), diffusers' backends
+    offered here (`models.transformer.attention_backends`: its registry, what is installed) and sparse."""
+    from .models.sparse_attention import SPARSE
+    from .models.transformer import attention_backends
+
+    return [DEFAULT_ATTENTION, *attention_backends(), SPARSE]
+
+
+#: the Loaders' dtype widget: the DiTs' and the text encoder's dtype (auto: the DiTs as stored)
+DTYPE_CHOICES: dict[str, torch.dtype | None] = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16,
+                                                "fp32": torch.float32}
+
+
+def _dtypes_of_choice(choice: str) -> dict[str, torch.dtype | None]:
+    """The Loaders' dtype widget as the `dtypes` setting: auto keeps the DiTs as stored (the encoders'
+    device defaults); any other sets both DiTs and the text encoder (the VAE stays fp32)."""
+    dtype = DTYPE_CHOICES[choice]
+    if dtype is None:
+        return {"transformer": None, "refiner": None}
+    return {"transformer": dtype, "refiner": dtype, "text_encoder": dtype}
 
 
 def _dtypes_json(dtypes: Any) -> dict[str, str | None]:
@@ -122,16 +148,17 @@ def _sparse_from_json(value: dict[str, Any] | None) -> Any:
 
 def knob(default: Any = None, *, default_factory: Any = None, cli: str | None = None, widget: str | None = None,
          choices: Any = None, widget_choices: Any = None, parse: Any = None, value: Any = None,
-         cli_default: Any = None, help: str = "", tooltip: str = "", to_json: Any = None, from_json: Any = None,
-         surface: str = "") -> Any:
+         widget_value: Any = None, cli_default: Any = None, help: str = "", tooltip: str = "", to_json: Any = None,
+         from_json: Any = None, surface: str = "") -> Any:
     """A field of `HandleSettings` with how it shows: `cli` (its flag on `python -m lingbot_core`, generated
     when `choices` or `parse` says how to read it), `widget` (its name on both Loaders; generated from
-    `widget_choices` or `choices` and `tooltip`), `value` (the flag's/widget's value as the setting),
-    `to_json`/`from_json` (LingBot Parallel's description; plain values cross as they are) and `surface`
-    (where a field that is no plain flag or widget is set, for the test that every field shows)."""
+    `widget_choices` or `choices` and `tooltip`, the first choice the default), `value` (the flag's and
+    widget's value as the setting; `widget_value` where the widget's differs), `to_json`/`from_json`
+    (LingBot Parallel's description; plain values cross as they are) and `surface` (where a field that
+    is no plain flag or widget is set, for the test that every field shows)."""
     meta = dict(cli=cli, widget=widget, choices=choices, widget_choices=widget_choices, parse=parse, value=value,
-                cli_default=cli_default, help=help, tooltip=tooltip, to_json=to_json, from_json=from_json,
-                surface=surface)
+                widget_value=widget_value, cli_default=cli_default, help=help, tooltip=tooltip, to_json=to_json,
+                from_json=from_json, surface=surface)
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -144,15 +171,27 @@ class HandleSettings:
     its one consumer; the CLI, both Loaders and LingBot Parallel's workers follow from the field."""
 
     dtypes: dict[str, Any] = knob(default_factory=dict, to_json=_dtypes_json, from_json=_dtypes_from_json,
-                                  widget="dtype", surface="the Loaders' dtype widget (bf16/fp16/fp32 for all)")
+                                  widget="dtype", widget_choices=lambda: list(DTYPE_CHOICES),
+                                  widget_value=_dtypes_of_choice, surface="the Loaders' dtype widget, Python",
+                                  tooltip="auto: the DiT as stored (bf16 for the published checkpoints); text "
+                                          "encoder bf16 on GPU, fp32 on CPU (the VAE stays fp32)")
     weights: str = knob("auto", cli="--weights", widget="weights", choices=lambda: ["auto", "fp8_e4m3"],
                         help="auto: the DiT as stored (bf16, fp8 or GGUF); fp8_e4m3: quantize it on load",
                         tooltip="auto: as stored (bf16, pre-quantized fp8, or a transformer/*.gguf); "
                                 "fp8_e4m3: quantize the DiT's weights on load")
-    attention_backend: str | None = knob(None, cli="--attention", widget="attention", value=_attention_value,
-                                         parse=str, cli_default="default",
-                                         help="DiT attention: default (PyTorch SDPA), a diffusers backend name "
-                                              "(flash, sage, ...) or sparse (block-sparse, see docs/benchmarks.md)")
+    attention_backend: str | None = knob(
+        None, cli="--attention", widget="attention", value=_attention_value, parse=str, cli_default=DEFAULT_ATTENTION,
+        widget_choices=attention_choices,
+        help="DiT attention: default (PyTorch SDPA), a diffusers backend name (flash, _flash_3, sage, "
+             "_native_cudnn, ...: tried on the first call, SDPA where it fails) or sparse (block-sparse, see "
+             "docs/benchmarks.md)",
+        tooltip="Attention kernel of the DiT. default: PyTorch SDPA; the others are diffusers' backends installed "
+                "here (flash/sage/xformers/_flash_3 need their package). Any other than SDPA is tried when the "
+                "Loader opens (refused there if it cannot run) and on its first call (SDPA from then on, with one "
+                "warning, where it fails or differs); calls with a mask (padded prompts) go to SDPA on backends "
+                "that take none. sparse: block-sparse attention for long videos (12,288+ tokens, after the first "
+                "20 % of the schedule, not in block 0; else dense): less attention work, a small change to the "
+                "output; comfy-kitchen's CUDA kernel when installed, else a slow eager path (not run on a GPU yet)")
     text_attn: str = knob("sdpa", surface="Python only (PipelineHandle.open(text_attn=...))")
     compile: str = knob("off", cli="--compile", widget="compile", choices=_compile_choices,
                         help="off (default) or blocks: torch.compile each DiT block (the first run compiles)",
@@ -160,7 +199,7 @@ class HandleSettings:
                                 "then each step runs faster; needs triton on CUDA or a C++ compiler on CPU). Every "
                                 "offload mode runs the compiled blocks (the offload hooks stay outside them)")
     ffn_chunk: int | str | None = knob("auto", cli="--ffn-chunk", widget="ffn_chunk", parse=_chunk_flag,
-                                       widget_choices=_chunk_choices,
+                                       widget_choices=_chunk_choices, widget_value=lambda c: ffn_chunk_setting(c),
                                        help="tokens per FFN/MoE pass: auto (default: chunks only when the memory "
                                             "estimate needs them), 0 (never), or a number",
                                        tooltip="Tokens per FFN/MoE pass in the DiTs: the same math per token, with "
@@ -270,14 +309,46 @@ def settings_from_flags(args: Any) -> dict[str, Any]:
     return out
 
 
+def _widget_fields() -> list[Any]:
+    return [f for f in fields(HandleSettings) if f.metadata.get("widget")]
+
+
+def _widget_choices(meta: Any) -> list[str]:
+    return list((meta.get("widget_choices") or meta["choices"])())
+
+
+def setting_widgets() -> list[str]:
+    """The Loaders' widgets of the settings, in the fields' order (a new field goes last in
+    `HandleSettings`, so its widget is appended last on both Loaders)."""
+    return [f.metadata["widget"] for f in _widget_fields()]
+
+
 def setting_widget(name: str) -> dict[str, Any]:
     """A Loader's plain widget for the settings field whose widget is `name`: options, default, tooltip."""
-    for f in fields(HandleSettings):
-        meta = f.metadata
-        if meta.get("widget") == name:
-            choices = (meta.get("widget_choices") or meta["choices"])()
-            return {"options": choices, "default": choices[0], "tooltip": meta["tooltip"]}
+    for f in _widget_fields():
+        if f.metadata["widget"] == name:
+            choices = _widget_choices(f.metadata)
+            return {"options": choices, "default": choices[0], "tooltip": f.metadata["tooltip"]}
     raise KeyError(f"no handle setting has the widget {name!r}")
+
+
+def settings_from_widgets(values: dict[str, Any]) -> dict[str, Any]:
+    """The Loaders' setting widgets (by widget name; a missing one, as in a workflow saved before it
+    existed, takes its default) as `PipelineHandle.open`'s keywords. A value that is none of its
+    widget's choices, or a widget no setting has, is refused in one line before anything opens."""
+    unknown = sorted(set(values) - set(setting_widgets()))
+    if unknown:
+        raise ValueError(f"no handle setting has the widget(s) {', '.join(map(quoted, unknown))}")
+    out = {}
+    for f in _widget_fields():
+        meta = f.metadata
+        choices = _widget_choices(meta)
+        value = values.get(meta["widget"], choices[0])
+        if not isinstance(value, str) or value not in choices:
+            raise ValueError(f"{meta['widget']} must be one of {', '.join(choices)}; got {quoted(value)}")
+        convert = meta.get("widget_value") or meta.get("value")
+        out[f.name] = convert(value) if convert else value
+    return out
 
 
 class SharedComponents:
@@ -391,17 +462,9 @@ class PipelineHandle:
         *,
         files: ComponentFiles | None = None,
         device: str | torch.device | None = None,
-        dtypes: dict[str, torch.dtype] | None = None,
-        attention_backend: str | None = None,
-        text_attn: str = "sdpa",
         transformer_folder: str | os.PathLike | None = None,
-        weights: str = "auto",
-        compile: str = "off",
-        ffn_chunk: int | str | None = "auto",
-        fp8_matmul: str = "decode",
-        decoder: str = "auto",
-        sparse: Any = None,
         settings: HandleSettings | None = None,
+        **knobs: Any,
     ) -> PipelineHandle:
         """Validate the checkpoint now (cheap); load components when a stage first needs them.
 
@@ -431,15 +494,20 @@ class PipelineHandle:
         size, with the same first-use check and fallback).
         `attention_backend="sparse"`: block-sparse attention in the DiTs (`models/sparse_attention.py`);
         `sparse` (a `SparseSettings`) sets its safeguards and density (default: its defaults).
-        `settings`: all of the above at once (a `HandleSettings`; the keywords are then left out).
+        `text_attn`: the text encoder's attention implementation (transformers' names).
+        `knobs`: these settings by their `HandleSettings` field names (left out: the field's default);
+        `settings`: all of them at once (a `HandleSettings`; the keywords are then left out).
         """
         device = torch.device(device) if device is not None else default_device()
-        given = HandleSettings(dtypes=dict(dtypes or {}), weights=weights, attention_backend=attention_backend,
-                               text_attn=text_attn, compile=compile, ffn_chunk=ffn_chunk, fp8_matmul=fp8_matmul,
-                               decoder=decoder, sparse=sparse)
-        if settings is not None and given != HandleSettings():
+        if settings is not None and knobs:
             raise ValueError("PipelineHandle.open takes settings= or the settings' keywords, not both")
-        settings = (settings or given).checked(device)
+        if settings is None:
+            unknown = sorted(set(knobs) - {f.name for f in fields(HandleSettings)})
+            if unknown:
+                raise ValueError(f"unknown handle setting(s) {', '.join(unknown)}; the settings are "
+                                 f"{', '.join(f.name for f in fields(HandleSettings))}")
+            settings = HandleSettings(**{**knobs, "dtypes": dict(knobs.get("dtypes") or {})})
+        settings = settings.checked(device)
         if folder is None or not str(folder).strip():
             if files is None:
                 raise ValueError("PipelineHandle.open needs a checkpoint folder, files=ComponentFiles(...), or both")

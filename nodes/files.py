@@ -21,17 +21,14 @@ from lingbot_core.save_path import is_inside
 
 from . import paths, runtime
 from .loader import (
-    ATTENTION,
-    DTYPES,
     TINY,
     attention_problem_at_run,
     checkpoint_choices,
-    compile_input,
-    ffn_chunk_input,
-    fp8_matmul_input,
+    open_settings,
     resolve_checkpoint,
     setting_input,
     validate_attention,
+    with_setting_inputs,
 )
 from .types import CATEGORY, Choice, Pipe
 from .v3 import io
@@ -151,7 +148,7 @@ class LingBotLoaderFiles(io.ComfyNode):
                         ".gguf) in diffusion_models, the Wan 2.1 VAE in vae, the Qwen3-VL-4B text encoder in "
                         "text_encoders. A component left on (from checkpoint) comes from the checkpoint folder. "
                         "Nothing heavy loads here.",
-            inputs=[
+            inputs=with_setting_inputs([  # a newer setting's widget: last
                 Choice("dit", options=fill + file_choices("dit"), default=FROM_CHECKPOINT,
                        tooltip="The LingBot-Video DiT: a file in models/diffusion_models (or unet), dense or MoE, "
                                ".safetensors or .gguf"),
@@ -166,10 +163,8 @@ class LingBotLoaderFiles(io.ComfyNode):
                 Choice("refiner", options=fill + file_choices("dit"), default=FROM_CHECKPOINT, optional=True,
                        tooltip="MoE refiner DiT file (only the Refine node reads it); (from checkpoint): the "
                                "checkpoint's refiner/, if it has one"),
-                Choice("dtype", options=list(DTYPES), default="auto", optional=True,
-                       tooltip="auto: the DiT as stored; text encoder bf16 on GPU, fp32 on CPU (VAE fp32)"),
-                Choice("attention", options=ATTENTION, default="default", optional=True,
-                       tooltip="Attention kernel of the DiT (sparse: block-sparse for long videos, see the Loader)"),
+                setting_input("dtype"),
+                setting_input("attention"),
                 Choice("device", options=["auto", "cuda", "cpu"], default="auto", optional=True,
                        tooltip="Execution device. auto: ComfyUI's device"),
                 setting_input("weights"),
@@ -183,10 +178,10 @@ class LingBotLoaderFiles(io.ComfyNode):
                 io.String.Input("vae_path", default="", optional=True, tooltip="A VAE file instead of the combo"),
                 io.String.Input("text_encoder_path", default="", optional=True,
                                 tooltip="A text encoder file instead of the combo"),
-                ffn_chunk_input(),
-                compile_input(),
-                fp8_matmul_input(),  # last: a workflow saved before it keeps its values in place
-            ],
+                setting_input("ffn_chunk"),
+                setting_input("compile"),
+                setting_input("fp8_matmul"),
+            ]),
             outputs=[Pipe.Output(display_name="pipe", tooltip="The pipeline handle")],
         )
 
@@ -196,17 +191,13 @@ class LingBotLoaderFiles(io.ComfyNode):
 
     @classmethod
     def execute(cls, dit, vae, text_encoder, checkpoint, refiner=FROM_CHECKPOINT, dtype="auto", attention="default",
-                device="auto", weights="auto", processor_path="", checkpoint_path="", dit_path="", refiner_path="",
-                vae_path="", text_encoder_path="", ffn_chunk="auto", compile="off", fp8_matmul="decode"):
-        import torch
-
-        from lingbot_core.handle import PipelineHandle, ffn_chunk_setting
-
-        chunk = ffn_chunk_setting(ffn_chunk)  # refused here, before any file is opened
-
+                device="auto", processor_path="", checkpoint_path="", dit_path="", refiner_path="", vae_path="",
+                text_encoder_path="", **settings):
+        """`settings`: the setting widgets past `dtype` and `attention` (`handle.HandleSettings`' widgets)."""
         problem = attention_problem_at_run(attention, device)
         if problem:
             raise ValueError(problem)
+        opened = open_settings({**settings, "dtype": dtype, "attention": attention})  # before any file is opened
         folder = None
         if checkpoint_path.strip() or checkpoint not in (NONE, "", None):
             folder = resolve_checkpoint(checkpoint if checkpoint != NONE else next(iter(TINY)), checkpoint_path)
@@ -220,14 +211,8 @@ class LingBotLoaderFiles(io.ComfyNode):
                 raise ValueError(f"no checkpoint chosen, so every component must be a file: choose "
                                  f"{', '.join('dit' if n == 'transformer' else n for n in missing)} (or a checkpoint)")
         processor = resolve_processor(AUTO, processor_path, folder)
-        dtypes = {"transformer": None, "refiner": None}
-        dtypes.update(runtime.comfy_dtypes())
-        if DTYPES[dtype] is not None:
-            dt = getattr(torch, DTYPES[dtype])
-            dtypes = {"transformer": dt, "refiner": dt, "text_encoder": dt}
-        options = dict(device=runtime.execution_device(device), dtypes=dtypes, weights=weights,
-                       attention_backend=None if attention == "default" else attention, ffn_chunk=chunk,
-                       compile=compile, fp8_matmul=fp8_matmul)
+        options = dict(device=runtime.execution_device(device), **opened)
+        from lingbot_core.handle import PipelineHandle
         from lingbot_core.interrupt import interrupt_checker
 
         # opening reads headers and builds shape skeletons: a cancel (ComfyUI's /interrupt) stops it

@@ -15,20 +15,22 @@ from .v3 import io, ui
 
 TINY = {"tiny (built-in dense)": "dense", "tiny (built-in moe)": "moe",
         "tiny (built-in moe dmd student)": "moe-dmd"}  # lingbot_core.tiny.TINY_VARIANTS
-DTYPES = {"auto": None, "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-WEIGHTS = ["auto", "fp8_e4m3"]
-# diffusers' backend names; new ones go last (a saved workflow keeps its choice); any but SDPA is tried on its
-# first call and SDPA serves where it fails (lingbot_core.kernels), a masked call included; `sparse` is ours:
-# block-sparse attention (lingbot_core.models.sparse_attention), dense SDPA where its safeguards say so
-ATTENTION = ["default", "native", "_native_math", "_native_flash", "_native_efficient", "flash", "sage",
-             "xformers", "_flash_3", "_native_cudnn", "sparse"]
+
+
+def attention_options() -> list[str]:
+    """The Loaders' attention choices (`handle.attention_choices`: default, diffusers' backends offered
+    here, sparse); any but SDPA is tried on its first call and SDPA serves where it fails
+    (lingbot_core.kernels), a masked call included."""
+    return setting_widget("attention")["options"]
 
 
 def _attention_choice(value: object) -> str | None:
-    """Why `value` is not one of the attention options (a null, a number, an unknown name), or None."""
-    if isinstance(value, str) and value in ATTENTION:
+    """Why `value` is not an attention option (a null, a number, an unknown name), or None. A diffusers
+    backend not offered here (its package is missing) passes: `runtime.attention_problem` says why."""
+    options = attention_options()
+    if isinstance(value, str) and (value in options or runtime.is_diffusers_backend(value)):
         return None
-    return f"attention must be one of {', '.join(ATTENTION)}; got {quoted(value)}"
+    return f"attention must be one of {', '.join(options)}; got {quoted(value)}"
 
 
 def validate_attention(attention: object = None) -> object:
@@ -46,28 +48,38 @@ def attention_problem_at_run(attention: object, device: str) -> str | None:
             or runtime.attention_problem(attention, device))
 
 
-def setting_input(name: str) -> Choice:
-    """The Loaders' widget `name` of a plain handle setting, from its field (`handle.HandleSettings`): its
-    choices (the first is the default) and tooltip. A new one goes last on both Loaders (a saved
-    workflow keeps its values in place)."""
-    from lingbot_core.handle import setting_widget
+def setting_widget(name: str) -> dict:
+    from lingbot_core.handle import setting_widget as widget
 
-    return Choice(name, optional=True, **setting_widget(name))
+    return widget(name)
 
 
-def ffn_chunk_input() -> Choice:
-    """The Loaders' `ffn_chunk` widget (`placement.estimate.FFN_CHUNK_CHOICES`, auto first)."""
-    return setting_input("ffn_chunk")
+def setting_input(name: str, optional: bool = True) -> Choice:
+    """The Loaders' widget `name` of a handle setting, from its field (`handle.HandleSettings`): its
+    choices (the first is the default) and tooltip."""
+    return Choice(name, optional=optional, **setting_widget(name))
 
 
-def compile_input() -> Choice:
-    """The Loaders' `compile` widget (regional torch.compile of the DiTs' blocks)."""
-    return setting_input("compile")
+def with_setting_inputs(inputs: list) -> list:
+    """A Loader's `inputs` followed by the widgets of the settings not among them, in the fields' order:
+    a new field of `HandleSettings` is a new last widget on both Loaders (a saved workflow keeps its
+    values in place)."""
+    from lingbot_core.handle import setting_widgets
+
+    placed = {i.id for i in inputs}
+    return [*inputs, *(setting_input(name) for name in setting_widgets() if name not in placed)]
 
 
-def fp8_matmul_input() -> Choice:
-    """The Loaders' `fp8_matmul` widget: how the DiTs' fp8 layers multiply (`weights.fp8.FP8_MATMULS`)."""
-    return setting_input("fp8_matmul")
+def open_settings(widgets: dict, *, comfy_dtypes: bool = True) -> dict:
+    """A Loader's setting widgets (`execute`'s keywords past its own inputs) as `PipelineHandle.open`'s
+    keywords, refused in one line when one is off its choices. dtype auto: ComfyUI's dtype flags,
+    if any, else the DiTs as stored."""
+    from lingbot_core.handle import settings_from_widgets
+
+    settings = settings_from_widgets(widgets)
+    if comfy_dtypes and widgets.get("dtype", "auto") == "auto":
+        settings["dtypes"] = {**settings["dtypes"], **runtime.comfy_dtypes()}
+    return settings
 
 
 def checkpoint_choices() -> list[str]:
@@ -119,6 +131,32 @@ class LingBotLoader(io.ComfyNode):
 
     @classmethod
     def define_schema(cls):
+        inputs = [
+            Choice("checkpoint", options=checkpoint_choices(), default=next(iter(TINY)),
+                   tooltip="A folder under models/lingbot_video/ holding model_index.json, or a "
+                           "built-in tiny random-weight model (for trying workflows; output is noise)"),
+            Choice("variant", options=["auto", "dense", "moe"], default="auto",
+                   tooltip="auto: read it from the checkpoint; dense/moe: also check that it matches"),
+            setting_input("dtype", optional=False),
+            setting_input("attention", optional=False),
+            io.String.Input("path", default="", optional=True,
+                            tooltip="A checkpoint folder; overrides the combo when not empty. In ComfyUI it "
+                                    "must lie under its model folders (LINGBOT_ALLOW_ANY_MODEL_PATH=1 lifts that)"),
+            Choice("device", options=["auto", "cuda", "cpu"], default="auto", optional=True,
+                   tooltip="Execution device. auto: ComfyUI's device inside ComfyUI (honours --cpu "
+                           "and --cuda-device), else CUDA when available"),
+            setting_input("weights"),
+            io.String.Input("transformer_path", default="", optional=True,
+                            tooltip="A student DiT (e.g. DMD-distilled): a folder that differs from the checkpoint "
+                                    "only in transformer/, or that transformer folder. A whole root works too "
+                                    "(the DMD student's: its transformer/ runs, the checkpoint's other parts "
+                                    "and refiner stay; to run the student alone, pick its root as the "
+                                    "checkpoint instead). Inside ComfyUI it must lie under "
+                                    "models/lingbot_video. Empty: the checkpoint's own"),
+            setting_input("compile"),
+            setting_input("ffn_chunk"),
+            setting_input("fp8_matmul"),
+        ]
         return io.Schema(
             node_id="LingBotLoader",
             display_name="LingBot Loader",
@@ -126,42 +164,7 @@ class LingBotLoader(io.ComfyNode):
             description="Opens a LingBot-Video checkpoint (dense 1.3B or MoE 30B-A3B, diffusers folder layout) "
                         "and returns the pipeline handle every other LingBot node takes. Nothing heavy loads "
                         "here: each component loads when a stage first needs it.",
-            inputs=[
-                Choice("checkpoint", options=checkpoint_choices(), default=next(iter(TINY)),
-                       tooltip="A folder under models/lingbot_video/ holding model_index.json, or a "
-                               "built-in tiny random-weight model (for trying workflows; output is noise)"),
-                Choice("variant", options=["auto", "dense", "moe"], default="auto",
-                       tooltip="auto: read it from the checkpoint; dense/moe: also check that it matches"),
-                Choice("dtype", options=list(DTYPES), default="auto",
-                       tooltip="auto: the DiT as stored (bf16 for the published checkpoints); text "
-                               "encoder bf16 on GPU, fp32 on CPU (the VAE stays fp32)"),
-                Choice("attention", options=ATTENTION, default="default",
-                       tooltip="Attention kernel of the DiT. default: PyTorch SDPA; flash/sage/xformers/_flash_3 "
-                               "need their package installed. Any other than SDPA is tried when the Loader opens "
-                               "(refused there if it cannot run) and on its first call (SDPA from then on, with "
-                               "one warning, where it fails or differs); calls with a mask (padded prompts) go to "
-                               "SDPA on backends that take none. sparse: block-sparse attention for long videos "
-                               "(12,288+ tokens, after the first 20 % of the schedule, not in block 0; else "
-                               "dense): less attention work, a small change to the output; comfy-kitchen's "
-                               "CUDA kernel when installed, else a slow eager path (not run on a GPU yet)"),
-                io.String.Input("path", default="", optional=True,
-                                tooltip="A checkpoint folder; overrides the combo when not empty. In ComfyUI it "
-                                        "must lie under its model folders (LINGBOT_ALLOW_ANY_MODEL_PATH=1 lifts that)"),
-                Choice("device", options=["auto", "cuda", "cpu"], default="auto", optional=True,
-                       tooltip="Execution device. auto: ComfyUI's device inside ComfyUI (honours --cpu "
-                               "and --cuda-device), else CUDA when available"),
-                setting_input("weights"),
-                io.String.Input("transformer_path", default="", optional=True,
-                                tooltip="A student DiT (e.g. DMD-distilled): a folder that differs from the checkpoint "
-                                        "only in transformer/, or that transformer folder. A whole root works too "
-                                        "(the DMD student's: its transformer/ runs, the checkpoint's other parts "
-                                        "and refiner stay; to run the student alone, pick its root as the "
-                                        "checkpoint instead). Inside ComfyUI it must lie under "
-                                        "models/lingbot_video. Empty: the checkpoint's own"),
-                compile_input(),
-                ffn_chunk_input(),
-                fp8_matmul_input(),  # last: a workflow saved before it keeps its values in place
-            ],
+            inputs=with_setting_inputs(inputs),  # a newer setting's widget: last
             outputs=[Pipe.Output(display_name="pipe", tooltip="The pipeline handle")],
         )
 
@@ -172,30 +175,21 @@ class LingBotLoader(io.ComfyNode):
         return validate_attention(attention)
 
     @classmethod
-    def execute(cls, checkpoint, variant, dtype, attention, path="", device="auto", weights="auto",
-                transformer_path="", compile="off", ffn_chunk="auto", fp8_matmul="decode"):
-        import torch
-
-        from lingbot_core.handle import PipelineHandle, ffn_chunk_setting
-
-        chunk = ffn_chunk_setting(ffn_chunk)  # refused here, before the checkpoint is even opened
+    def execute(cls, checkpoint, variant, dtype="auto", attention="default", path="", device="auto",
+                transformer_path="", **settings):
+        """`settings`: the setting widgets past `dtype` and `attention` (`handle.HandleSettings`' widgets)."""
         problem = attention_problem_at_run(attention, device)
         if problem:
             raise ValueError(problem)
+        chosen = open_settings({**settings, "dtype": dtype, "attention": attention})  # refused before any read
         folder = resolve_checkpoint(checkpoint, path)
-        dtypes = {"transformer": None, "refiner": None}  # auto: the DiTs as stored
-        dtypes.update(runtime.comfy_dtypes())  # ... unless ComfyUI's dtype flags say otherwise
-        if DTYPES[dtype] is not None:
-            dt = getattr(torch, DTYPES[dtype])
-            dtypes = {"transformer": dt, "refiner": dt, "text_encoder": dt}
+        from lingbot_core.handle import PipelineHandle
         from lingbot_core.interrupt import interrupt_checker
         from lingbot_core.notices import cpu_notice
 
         with interrupt_checker(runtime.interrupt_check()):  # header reads and shape skeletons see /interrupt
-            handle = PipelineHandle.open(folder, device=runtime.execution_device(device), dtypes=dtypes,
-                                         weights=weights, attention_backend=None if attention == "default" else attention,
-                                         transformer_folder=resolve_student(transformer_path), compile=compile,
-                                         ffn_chunk=chunk, fp8_matmul=fp8_matmul)
+            handle = PipelineHandle.open(folder, device=runtime.execution_device(device),
+                                         transformer_folder=resolve_student(transformer_path), **chosen)
         if variant != "auto" and handle.variant != variant:
             raise ValueError(f"{folder} is a {handle.variant} checkpoint, but the loader asks for {variant}")
         runtime.install_memory_cooperation(handle)

@@ -120,7 +120,9 @@ def node_work(total_steps: int = 0, label: str = "lingbot",
 
 # -- devices, dtypes and attention kernels ---------------------------------------------------------
 
-_CUDA_ONLY_ATTENTION = {"flash", "sage", "xformers", "_native_flash", "_native_efficient", "_native_cudnn", "_flash_3"}
+#: a diffusers attention backend whose name holds one of these runs on CUDA only (flash, _flash_3,
+#: flash_varlen, sage and its _sage_* kernels, xformers, PyTorch's flash/efficient/cuDNN SDPA kernels)
+_CUDA_ONLY_WORDS = ("flash", "sage", "xformers", "_native_efficient", "cudnn", "aiter")
 _ATTENTION_PACKAGES = {"flash": "flash_attn", "sage": "sageattention", "xformers": "xformers",
                        "_flash_3": "flash_attn_interface"}
 
@@ -151,6 +153,17 @@ def device_problem(choice: str) -> str | None:
     return None
 
 
+def is_diffusers_backend(name: str) -> bool:
+    """Whether `name` is one of diffusers' attention backends (installed here or not)."""
+    try:
+        from diffusers.models import attention_dispatch
+
+        attention_dispatch.AttentionBackendName(name)
+    except (ImportError, ValueError):
+        return False
+    return True
+
+
 def attention_problem(name: str, device: str = "auto") -> str | None:
     """Why the Loader's `attention` kernel cannot run, or None: the package it needs is missing
     (diffusers' own requirement check), or it needs a CUDA device the run will not have. The cheap
@@ -175,7 +188,7 @@ def attention_problem(name: str, device: str = "auto") -> str | None:
 
         if importlib.util.find_spec(_ATTENTION_PACKAGES[name]) is None:
             return f"attention '{name}' needs the `{_ATTENTION_PACKAGES[name]}` package, which is not installed"
-    if name in _CUDA_ONLY_ATTENTION and device_problem(device or "auto") is None:
+    if any(word in name for word in _CUDA_ONLY_WORDS) and device_problem(device or "auto") is None:
         if execution_device(device).type != "cuda":
             return f"attention '{name}' runs on CUDA only, but the run uses {execution_device(device)}; choose default"
     return None

@@ -133,7 +133,7 @@ def test_kernels_section_probes_every_registered_kernel(monkeypatch):
     monkeypatch.setattr(doctor, "_kernels_module", lambda: fake)
     settings = doctor.Settings.make(torch.device("cpu"), quick=True, sections=("kernels",))
     rows = doctor.run(settings)["sections"]["kernels"]["rows"]
-    attention = [f"attention/{b}{m}" for b in doctor.ATTENTION_PROBES for m in ("", "+mask")]
+    attention = [f"attention/{b}{m}" for b in doctor.attention_probes() for m in ("", "+mask")]
     assert [p[0] for p in probed] == ["grouped_mm", *attention, "broken"]
     by_kernel = {r["kernel"]: r for r in rows}
     assert by_kernel["grouped_mm"]["verdict"] == "refused"  # the process's own verdict wins over a good probe
@@ -155,10 +155,10 @@ def test_kernels_section_of_this_build(cpu_report):
 
 def test_attention_probes_are_the_loaders_other_backends():
     from lingbot_core.models.transformer import SDPA_BACKENDS
-    from lingbot_nodes.loader import ATTENTION
+    from lingbot_nodes.loader import attention_options
 
     # sparse is no diffusers backend: the doctor probes it as its own kernel family (`sparse_attention`)
-    assert set(doctor.ATTENTION_PROBES) == set(ATTENTION) - {"default", "sparse", *SDPA_BACKENDS}
+    assert set(doctor.attention_probes()) == set(attention_options()) - {"default", "sparse", *SDPA_BACKENDS}
 
 
 def test_comfyui_version_is_read_without_importing_comfyui(tmp_path, monkeypatch):

@@ -94,3 +94,42 @@ def test_settings_are_checked_once_and_readable_as_before(fixtures_root):
                             settings=HandleSettings())
     with pytest.raises(ValueError, match="unknown handle settings"):
         HandleSettings.from_json({"warp_drive": True})
+
+
+def test_a_new_knob_is_one_field(monkeypatch, fixtures_root):
+    """A field added to the settings (here in a subclass standing in for an edit of HandleSettings) is a
+    flag of the CLI, the last widget of both Loaders, reaches the handle from either Loader, is refused
+    off its choices, defaults where a saved workflow lacks it, and crosses to LingBot Parallel's workers;
+    nothing else is written for it."""
+    from lingbot_core import handle as handle_module
+    from lingbot_core.__main__ import build_parser
+    from lingbot_core.handle import knob, settings_from_flags, settings_from_widgets
+    from lingbot_core.parallel_runs.pool import describe_handle, open_described
+    from lingbot_nodes.files import FROM_CHECKPOINT, LingBotLoaderFiles
+    from lingbot_nodes.loader import LingBotLoader
+
+    @dataclasses.dataclass(frozen=True)
+    class WithKnob(HandleSettings):
+        demo_knob: str = knob("calm", cli="--demo-knob", widget="demo_knob", choices=lambda: ["calm", "loud"],
+                              help="a knob for this test", tooltip="a knob for this test")
+
+    monkeypatch.setattr(handle_module, "HandleSettings", WithKnob)
+    args = build_parser().parse_args(["--demo-knob", "loud"])
+    assert settings_from_flags(args)["demo_knob"] == "loud"
+    assert settings_from_flags(build_parser().parse_args([]))["demo_knob"] == "calm"
+    assert settings_from_widgets({})["demo_knob"] == "calm"  # a workflow saved before the knob
+
+    tiny = "tiny (built-in dense)"
+    opened = {LingBotLoader: lambda **w: LingBotLoader.execute(tiny, "auto", device="cpu", **w),
+              LingBotLoaderFiles: lambda **w: LingBotLoaderFiles.execute(FROM_CHECKPOINT, FROM_CHECKPOINT,
+                                                                         FROM_CHECKPOINT, tiny, device="cpu", **w)}
+    for cls, run in opened.items():
+        assert _loader_inputs(cls)[-1] == "demo_knob", cls.__name__  # appended last: saved values stay put
+        handle, = run(demo_knob="loud").args
+        assert handle.shared.settings.demo_knob == "loud", cls.__name__
+        with pytest.raises(ValueError, match="demo_knob must be one of calm, loud; got 'shout'"):
+            run(demo_knob="shout")
+    worker = open_described(describe_handle(handle), "cpu")
+    assert worker.shared.settings.demo_knob == "loud"
+    with pytest.raises(ValueError, match="no handle setting has the widget"):
+        LingBotLoader.execute(tiny, "auto", device="cpu", demo_knbo="loud")  # a misspelt widget

@@ -50,6 +50,13 @@ __all__ = ["BlockRunner", "DiTConfig", "JointBlock", "LingBotVideoTransformer3DM
 
 #: diffusers attention backends that are PyTorch SDPA choosing its own kernel: the plain path, never tried
 SDPA_BACKENDS = ("native", "_native_math")
+#: the backends the Loaders offered before their list came from diffusers' registry: always offered (a
+#: saved workflow holding one still loads anywhere; where it cannot run it is refused with the reason)
+OFFERED_ALWAYS = ("native", "_native_math", "_native_flash", "_native_efficient", "flash", "sage", "xformers",
+                  "_flash_3", "_native_cudnn")
+#: a backend whose name ends so fetches its kernel from a model hub on first use: not offered (a run
+#: downloads no code); it can still be named in Python
+HUB_SUFFIX = "_hub"
 #: query rows of a fast backend's first result compared with SDPA's (`kernels.run`'s check)
 CHECK_QUERIES = 64
 #: how far (relative error) a backend's first result may be from SDPA's: both round to the half-precision
@@ -95,6 +102,30 @@ def _backend_name(backend: str | None) -> str:
     registry = getattr(attention_dispatch, "_AttentionBackendRegistry", None)
     active = getattr(registry, "_active_backend", "native")
     return str(getattr(active, "value", active))
+
+
+def attention_backends() -> list[str]:
+    """The diffusers attention backends offered for the DiTs: `OFFERED_ALWAYS` first, then every other
+    backend registered in diffusers' dispatcher whose requirements are met here (its package is
+    installed: diffusers' own check), in the registry's order; hub-fetched ones aside (`HUB_SUFFIX`).
+    Each backend but SDPA is still tried on its first call (`attend`, `kernels.run`)."""
+    from diffusers.models import attention_dispatch
+
+    registry = getattr(attention_dispatch, "_AttentionBackendRegistry", None)
+    registered = getattr(registry, "_backends", None)
+    names = [getattr(b, "value", str(b)) for b in (registered or attention_dispatch.AttentionBackendName)]
+    check = getattr(attention_dispatch, "_check_attention_backend_requirements", None)
+    offered = list(OFFERED_ALWAYS)
+    for name in names:
+        if name in offered or name.endswith(HUB_SUFFIX):
+            continue
+        if check is not None:
+            try:
+                check(attention_dispatch.AttentionBackendName(name))
+            except Exception:  # noqa: BLE001 - any failure of diffusers' check: not installed here
+                continue
+        offered.append(name)
+    return offered
 
 
 _TAKES_MASK: dict[str, bool] = {}
