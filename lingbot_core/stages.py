@@ -28,7 +28,6 @@ from . import sampling
 from . import stage_inputs as checks
 from .components import REFINER, TRANSFORMER
 from .distributed import stage as parallel_stage
-from .distributed.cfg import ParallelGuidance
 from .latents import dit_to_vae, vae_to_dit
 from .placement.door import effective_mode, installed_mode, note_geometry, oom_fallback, release, stage
 from .placement.estimate import Geometry
@@ -309,18 +308,14 @@ def denoise(
         guidance_scale=guidance_scale, shift=shift, sigmas=sigmas, sampler=sampler, transformer=transformer,
         image_cond=image_cond, cond_latent=cond_latent, latents=latents, cfg_batch=cfg_batch,
         step_cache=step_cache)
-    parallel_stage.check_request(handle, cfg_batch=cfg_batch, step_cache=StepCacheSettings.of(step_cache).method,
-                                 guidance_scale=guidance_scale)
-    if parallel_stage.active_layout(handle) is not None:  # every rank runs the same job, or none does
-        parallel_stage.agree_on_job(handle, _job_fields(
-            cond, height=height, width=width, num_frames=num_frames, steps=steps, guidance_scale=guidance_scale,
-            shift=shift, seed=seed, generator=generator, cond_latent=cond_latent, latents=latents, sigmas=sigmas,
-            transformer=transformer, sampler=sampler, cfg_batch=cfg_batch, step_cache=step_cache,
-            image_cond=image_cond))
+    parallel = parallel_stage.sampling(  # on several processes: refused, agreed on, FSDP-sharded here
+        handle, transformer, cond, cfg_batch=cfg_batch, step_cache=step_cache, guidance_scale=guidance_scale,
+        job=dict(height=height, width=width, num_frames=num_frames, steps=steps, shift=shift, seed=seed,
+                 generator=generator, cond_latent=cond_latent, latents=latents, sigmas=sigmas, sampler=sampler,
+                 image_cond=image_cond))
     g = _generator(seed, generator)
     latents, cond_latent = _starting_latents(shape, g, latents, cond_latent, image_cond)
     needs = (transformer, "scheduler") if method.uses_scheduler else (transformer,)
-    parallel_stage.shard_for_stage(handle, transformer)  # FSDP layouts only
     with stage(handle, *needs, phase="refine" if transformer == REFINER else "denoise") as device:
         cond_latent = _on(cond_latent, device)
         latents = pin_first_frames(latents.to(device=device, dtype=torch.float32), cond_latent)
@@ -329,34 +324,16 @@ def denoise(
                            record=trace is not None)
         if trace is not None:
             trace["run"] = run
-        batch = _batch_cfg(handle, cfg_batch, guidance_scale > 1.0, height=height, width=width, num_frames=num_frames)
+        batch = _batch_cfg(handle, parallel, cfg_batch, guidance_scale > 1.0, height=height, width=width,
+                           num_frames=num_frames)
         note_geometry(handle, Geometry(height, width, num_frames, cfg=guidance_scale > 1.0, cfg_batch=batch))
-        guidance = _guidance(handle, transformer, cond, guidance_scale, device, batch)
+        guidance = _guidance(handle, parallel, transformer, cond, guidance_scale, device, batch)
         guidance.cache = _step_cache(handle, step_cache, transformer=transformer, method=method, steps=steps,
                                      run_steps=len(run), shift=shift, sigmas=sigmas, guidance_scale=guidance_scale)
-        parallel_stage.share_step_cache(guidance.cache, parallel_stage.active_layout(handle))
         with _ffn_chunk(handle, transformer, cfg=guidance_scale > 1.0, cfg_batch=batch, height=height, width=width,
-                        num_frames=num_frames), \
-                parallel_stage.sequence_parallel(guidance.dit, parallel_stage.active_layout(handle)):
-            latents = sample(run, guidance, latents, cond_latent=cond_latent, callback=callback,
-                             status=parallel_stage.step_status(handle))
+                        num_frames=num_frames), parallel.loop(guidance) as status:
+            latents = sample(run, guidance, latents, cond_latent=cond_latent, callback=callback, status=status)
         return latents.cpu()
-
-
-def _job_fields(cond: Conditioning, *, seed: int | None, generator: torch.Generator | None, sigmas: Any,
-                sampler: Any, step_cache: Any, image_cond: ImageCondition | None, **plain: Any) -> dict[str, Any]:
-    """What a denoise runs, as the ranks of a parallel run compare it before they start
-    (`distributed.stage.agree_on_job`): the geometry, schedule and sampler, the seed (or the generator's
-    state), the prompts and the starting and first-frame latents."""
-    fields = dict(plain)
-    fields["seed"] = generator if generator is not None else seed
-    fields["sigmas"] = None if sigmas is None else torch.as_tensor(sigmas, dtype=torch.float32)  # as a pool sends it
-    fields["sampler"] = sampler if sampler is None or isinstance(sampler, str) else type(sampler).__name__
-    fields["step_cache"] = repr(StepCacheSettings.of(step_cache))
-    fields["prompt"] = [cond.prompt, cond.zero_negative, cond.with_image] + [
-        (e.embeds, e.mask) if e is not None else None for e in (cond.positive, cond.negative)]
-    fields["image"] = None if image_cond is None else (image_cond.latent_mean, image_cond.latent_std)
-    return fields
 
 
 @contextmanager
@@ -400,14 +377,13 @@ def _on(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | Non
     return None if tensor is None else tensor.to(device=device, dtype=torch.float32)
 
 
-def _batch_cfg(handle, option: str, do_cfg: bool, **geometry: int) -> bool:
+def _batch_cfg(handle, parallel: parallel_stage.ParallelSampling, option: str, do_cfg: bool, **geometry: int) -> bool:
     """Whether this call runs CFG as one batch-2 forward (inside the stage: the mode is installed)."""
     if not do_cfg and option != "off":
         log.info("cfg_batch=%s: nothing to batch at cfg <= 1 (one DiT pass per step)", option)
     if not do_cfg or option == "off":
         return False
-    layout = parallel_stage.active_layout(handle)
-    if layout is not None and layout.cfg == 2:  # the two branches run on two rank rows already
+    if parallel.splits_cfg:  # the two branches run on two rank rows already
         return False
     if option == "on":
         return True
@@ -429,17 +405,14 @@ def _step_cache(handle, option: Any, *, transformer: str, method: sampling.Sampl
     return StepCache(settings, steps=run_steps, identity=identity)
 
 
-def _guidance(handle, transformer: str, cond: Conditioning, guidance_scale: float, device: torch.device,
-              batch_cfg: bool = False) -> Guidance:
+def _guidance(handle, parallel: parallel_stage.ParallelSampling, transformer: str, cond: Conditioning,
+              guidance_scale: float, device: torch.device, batch_cfg: bool = False) -> Guidance:
     """The DiT's guided prediction for this call: prompts on the device in the DiT's dtype."""
     dit_dtype = handle.dtype_of(transformer)
     negative = cond.negative_for_cfg() if guidance_scale > 1.0 else None
-    args = (handle.component(transformer), cond.positive.to(device, dit_dtype),
-            negative.to(device, dit_dtype) if negative is not None else None, guidance_scale)
-    layout = parallel_stage.active_layout(handle)
-    if layout is not None and layout.cfg == 2:  # cond on cfg row 0, uncond on row 1
-        return ParallelGuidance(*args, layout=layout, dtype=dit_dtype, device=device)
-    return Guidance(*args, dtype=dit_dtype, device=device, batch_cfg=batch_cfg)
+    return parallel.guidance(handle.component(transformer), cond.positive.to(device, dit_dtype),
+                             negative.to(device, dit_dtype) if negative is not None else None, guidance_scale,
+                             dtype=dit_dtype, device=device, batch_cfg=batch_cfg)
 
 
 # -- decode ----------------------------------------------------------------------------------------
@@ -622,7 +595,7 @@ def refine(
     whenever the offload mode is not `none`. A later stage that needs the base reloads it.
     `cfg_batch` and `step_cache` as for `denoise` (caching needs a refiner list of more than 8 steps).
     `sample_with` runs the refiner's sampling in place of `denoise` (same arguments): LingBot
-    Parallel's pool (`worker_pool.pool.run_refine`) sends it to its workers.
+    Parallel's pool (`worker_pool.pool.WorkerPool.refine`) sends it to its workers.
     """
     # Everything that can refuse the request runs before the base DiT is released (it would be lost).
     checks.check_refine_request(handle, frames, height=height, width=width, steps=steps, shift=shift,

@@ -138,7 +138,7 @@ class LingBotDenoise(io.ComfyNode):
                 cache_warmup_steps=-1, cache_max_skips=-1, video=None, denoise=1.0):
         from lingbot_core.latents import dit_to_vae, vae_to_dit
         from lingbot_core.sampling import parse_sigmas
-        from lingbot_core.worker_pool.pool import run_stage  # the pipe's pool (LingBot Parallel), or here
+        from lingbot_core.worker_pool.pool import stages_for  # the pipe's pool (LingBot Parallel), or here
 
         custom = parse_sigmas(sigmas)
         if custom is not None:
@@ -163,12 +163,11 @@ class LingBotDenoise(io.ComfyNode):
             v2v_notice = ("Denoise: denoise is 1, so the connected video is not used (pure noise, as text-to-"
                           "video); lower denoise (0.5 to 0.8) to keep some of it.")
         with runtime.node_work(steps, "denoise", preview=True) as on_step:
-            out = run_stage("denoise", pipe, conditioning, height=int(height), width=int(width),
-                            num_frames=int(frames), steps=int(steps), guidance_scale=float(cfg), shift=float(shift),
-                            seed=int(seed), image_cond=image_cond, latents=start, callback=on_step, sampler=sampler,
-                            sigmas=custom, cfg_batch=cfg_batch,
-                            step_cache=cache_settings(step_cache, cache_threshold, cache_warmup_steps,
-                                                      cache_max_skips))
+            out = stages_for(pipe).denoise(
+                pipe, conditioning, height=int(height), width=int(width), num_frames=int(frames), steps=int(steps),
+                guidance_scale=float(cfg), shift=float(shift), seed=int(seed), image_cond=image_cond, latents=start,
+                callback=on_step, sampler=sampler, sigmas=custom, cfg_batch=cfg_batch,
+                step_cache=cache_settings(step_cache, cache_threshold, cache_warmup_steps, cache_max_skips))
         return io.NodeOutput(latent_out(dit_to_vae(out, pipe.vae_config())),
                              ui=on_node(notice, cfg_batch_notice(cfg_batch, float(cfg)), v2v_notice))
 
@@ -218,19 +217,19 @@ class LingBotRefine(io.ComfyNode):
                 cache_threshold=0.0, cache_warmup_steps=-1, cache_max_skips=-1):
         from lingbot_core import stages
         from lingbot_core.latents import dit_to_vae
-        from lingbot_core.worker_pool.pool import run_refine  # refiner sampling on the pipe's pool, or here
+        from lingbot_core.worker_pool.pool import stages_for  # refiner sampling on the pipe's pool, or here
 
         if (latent is None) == (images is None):
             raise ValueError("connect exactly one of `latent` or `images` as the base video")
         with runtime.node_work(steps, "refine", preview=True) as on_step:
             frames = images if images is not None else stages.decode_vae_latents(pipe, latent_in(latent))
-            out = run_refine(pipe, frames, conditioning, height=int(height), width=int(width), steps=int(steps),
-                             t_thresh=float(t_thresh), guidance_scale=float(cfg), shift=float(shift),
-                             seed=int(seed), first_frame=first_frame, tiling=bool(tiling), decode_output=False,
-                             release_base={"auto": None, "on": True, "off": False}[release_base],
-                             callback=on_step, cfg_batch=cfg_batch,
-                             step_cache=cache_settings(step_cache, cache_threshold, cache_warmup_steps,
-                                                       cache_max_skips))
+            out = stages_for(pipe).refine(
+                pipe, frames, conditioning, height=int(height), width=int(width), steps=int(steps),
+                t_thresh=float(t_thresh), guidance_scale=float(cfg), shift=float(shift), seed=int(seed),
+                first_frame=first_frame, tiling=bool(tiling), decode_output=False,
+                release_base={"auto": None, "on": True, "off": False}[release_base], callback=on_step,
+                cfg_batch=cfg_batch,
+                step_cache=cache_settings(step_cache, cache_threshold, cache_warmup_steps, cache_max_skips))
         from lingbot_core.stage_inputs import refine_frames_notice
 
         notice = refine_frames_notice(int(frames.shape[0])) if hasattr(frames, "shape") else None

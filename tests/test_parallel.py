@@ -546,6 +546,22 @@ def _fake_layout(cfg: int, ulysses: int, rank: int = 0, fsdp: bool = False) -> P
     return ParallelLayout(cfg=cfg, ulysses=ulysses, rank=rank, mesh=object(), fsdp=fsdp)
 
 
+def test_the_denoise_stage_reaches_parallelism_through_one_entry():
+    """`stages.denoise` and the helpers it builds its loop with touch `distributed.stage` through
+    `sampling` alone: the checks, the job agreement, FSDP sharding, the cfg rows' guidance, the shared
+    step cache, the Ulysses hooks and the step status hang off the object it returns."""
+    import ast
+    import inspect
+
+    from lingbot_core import stages
+
+    functions = {node.name: node for node in ast.parse(inspect.getsource(stages)).body
+                 if isinstance(node, ast.FunctionDef)}
+    used = {node.attr for name in ("denoise", "_batch_cfg", "_guidance") for node in ast.walk(functions[name])
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "parallel_stage"}
+    assert "sampling" in used and used <= {"sampling", "ParallelSampling"}, sorted(used)
+
+
 def test_parallel_view_refuses_what_cannot_run_on_several_processes():
     from lingbot_core.distributed import stage as parallel_stage
     from lingbot_core.handle import PipelineHandle

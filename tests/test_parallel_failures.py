@@ -147,7 +147,7 @@ def test_a_pool_call_failing_on_rank_0_or_losing_a_worker_stops_the_pool_with_po
     from lingbot_core.handle import PipelineHandle
     from lingbot_core.sampling import guidance
     from lingbot_core.worker_pool import pool as pool_module
-    from lingbot_core.worker_pool.pool import WorkerPool, run_stage, tag
+    from lingbot_core.worker_pool.pool import WorkerPool, stages_for, tag
     from lingbot_core.worker_pool.spec import PoolError, PoolSpec
 
     monkeypatch.setattr(pool_module, "START_METHOD", "fork")
@@ -166,7 +166,7 @@ def test_a_pool_call_failing_on_rank_0_or_losing_a_worker_stops_the_pool_with_po
 
         monkeypatch.setattr(guidance, "pin_first_frames", pin_failing_here)
         with pytest.raises(PoolError, match=r"denoise failed on rank 0 \(cpu\).*JSONDecodeError"):
-            run_stage("denoise", pipe, cond, **kw)
+            stages_for(pipe).denoise(pipe, cond, **kw)
         assert not pool.started
         monkeypatch.setattr(guidance, "pin_first_frames", real_pin)
 
@@ -175,7 +175,7 @@ def test_a_pool_call_failing_on_rank_0_or_losing_a_worker_stops_the_pool_with_po
                 os.kill(pool.worker_pids()[0], signal.SIGKILL)
 
         with pytest.raises(PoolError, match=r"the worker for cpu \(rank 1\) died during denoise"):
-            run_stage("denoise", pipe, cond, callback=kill_the_worker, **kw)
+            stages_for(pipe).denoise(pipe, cond, callback=kill_the_worker, **kw)
         assert not pool.started and pool.starts == 2
     finally:
         pool.release()

@@ -23,7 +23,7 @@ from lingbot_core import stages
 from lingbot_core.handle import PipelineHandle
 from lingbot_core.worker_pool import pool as pool_module
 from lingbot_core.worker_pool import spec as spec_module
-from lingbot_core.worker_pool.pool import pool_of, run_stage
+from lingbot_core.worker_pool.pool import pool_of, stages_for
 from lingbot_core.worker_pool.spec import PoolError, PoolSpec, parse_devices
 from lingbot_nodes import NODE_CLASS_MAPPINGS
 
@@ -33,6 +33,11 @@ TOLERANCE = 1e-5  # relative; CFG parallel is exact up to float rounding
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return float((a - b).abs().max() / b.abs().max()) <= TOLERANCE
+
+
+def _denoise(pipe, cond, **kwargs) -> torch.Tensor:
+    """What LingBot Denoise runs: the pipe's pool, or the stages in this process."""
+    return stages_for(pipe).denoise(pipe, cond, **kwargs)
 
 
 def _gone(pid: int, within: float = 10.0) -> bool:
@@ -57,10 +62,11 @@ def test_pool_start_reuse_interrupt_release_restart_and_a_dead_worker(fixtures_r
     pipe, = NODE_CLASS_MAPPINGS["LingBotParallel"].execute(handle, "cpu, cpu", "2", 0).args
     pool = pool_of(pipe)
     assert pool is not None and pool.started and pool.starts == 1 and pool.layout.cfg == 2
+    assert stages_for(pipe) is pool and stages_for(handle) is stages  # the pipe carries where its sampling runs
     restarted = []
     pool.on_start.append(restarted.append)  # the node's own hook (ComfyUI's listing) is in there too
-    first = run_stage("denoise", pipe, cond, **KW)
-    second = run_stage("denoise", pipe, cond, **KW)
+    first = _denoise(pipe, cond, **KW)
+    second = _denoise(pipe, cond, **KW)
     assert _close(first, expected) and torch.equal(first, second)
     assert [w["loads"]["transformer"] for w in pool.ping()] == [1]  # the worker loaded its DiT once
 
@@ -72,20 +78,20 @@ def test_pool_start_reuse_interrupt_release_restart_and_a_dead_worker(fixtures_r
                                      32, 32)
     i2v = stages.encode_prompt(handle, "a red paper boat on a canal", image=image_cond, mode="ti2v")
     alone = stages.denoise(handle, i2v, image_cond=image_cond, **KW)
-    assert _close(run_stage("denoise", view, i2v, image_cond=image_cond, **KW), alone)
+    assert _close(_denoise(view, i2v, image_cond=image_cond, **KW), alone)
     # a LoRA on the pipe: the workers read the same file and merge it like rank 0 (equal to one process)
     path = _lora_file(tmp_path, handle)
     with_q = stages.denoise(lora_ops.with_lora(handle, path, 0.7), cond, **KW)
     assert not _close(with_q, expected)  # the LoRA changes the result
-    assert _close(run_stage("denoise", lora_ops.with_lora(pipe, path, 0.7), cond, **KW), with_q)
-    assert torch.equal(run_stage("denoise", pipe, cond, **KW), first)  # and comes off again, on every rank
+    assert _close(_denoise(lora_ops.with_lora(pipe, path, 0.7), cond, **KW), with_q)
+    assert torch.equal(_denoise(pipe, cond, **KW), first)  # and comes off again, on every rank
     # a step cache crosses as its settings; each cfg row keeps its branch's state (as one process does)
     from lingbot_core.sampling.step_cache import StepCacheSettings
 
     cached = dict(KW, steps=10, step_cache=StepCacheSettings("first_block", threshold=1e9, warmup_steps=2, max_skips=3))
     alone_cached = stages.denoise(handle, cond, **cached)
     assert not _close(alone_cached, stages.denoise(handle, cond, **dict(KW, steps=10)))  # it skipped
-    assert _close(run_stage("denoise", pipe, cond, **cached), alone_cached)
+    assert _close(_denoise(pipe, cond, **cached), alone_cached)
     # Refine on the pipe: the refiner's sampling on the workers (each loads the refiner once), exact vs one process
     frames = torch.rand(5, 24, 24, 3, generator=torch.Generator().manual_seed(4))
     refined = NODE_CLASS_MAPPINGS["LingBotRefine"].execute(pipe, cond, 32, 32, 2, 0.85, 3.0, 3.0, 1, images=frames,
@@ -105,7 +111,7 @@ def test_pool_start_reuse_interrupt_release_restart_and_a_dead_worker(fixtures_r
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        run_stage("denoise", pipe, cond, callback=interrupt_at_two, **KW)
+        _denoise(pipe, cond, callback=interrupt_at_two, **KW)
     # ComfyUI's interrupt check, raising as soon as it is asked: rank 0 must not ask it between the DiT's
     # blocks (the workers would be left inside the forward's collectives and the pool ended), only at a step
     from lingbot_core.interrupt import interrupt_checker
@@ -114,23 +120,23 @@ def test_pool_start_reuse_interrupt_release_restart_and_a_dead_worker(fixtures_r
         raise KeyboardInterrupt
 
     with interrupt_checker(interrupted), pytest.raises(KeyboardInterrupt):
-        run_stage("denoise", pipe, cond, callback=lambda step, total, latents: interrupted(), **KW)
+        _denoise(pipe, cond, callback=lambda step, total, latents: interrupted(), **KW)
     assert pool.started and pool.starts == 1
     assert seen == [1, 2] and pool.started  # the worker dropped the call at that step; the pool stays
-    assert torch.equal(run_stage("denoise", pipe, cond, **KW), first)
+    assert torch.equal(_denoise(pipe, cond, **KW), first)
     assert pool.starts == 1 and [w["loads"]["transformer"] for w in pool.ping()] == [1]
 
     pids = pool.worker_pids()
     NODE_CLASS_MAPPINGS["LingBotRelease"].execute(pipe, "v", "all")
     assert not pool.started and all(_gone(pid) for pid in pids)
 
-    assert torch.equal(run_stage("denoise", pipe, cond, **KW), first)  # the cached pipe starts new workers
+    assert torch.equal(_denoise(pipe, cond, **KW), first)  # the cached pipe starts new workers
     assert pool.starts == 2 and restarted == [pool]
     victim = pool.worker_pids()[0]
     os.kill(victim, signal.SIGKILL)
     time.sleep(0.5)  # a killed child stays a zombie until the pool looks at it (reaped then)
     with pytest.raises(PoolError, match=r"worker for cpu \(rank 1\) is gone .* without LingBot Parallel works"):
-        run_stage("denoise", pipe, cond, **KW)
+        _denoise(pipe, cond, **KW)
     assert not pool.started
     assert torch.equal(stages.denoise(handle, cond, **KW), expected)  # the single-device path is untouched
 
@@ -156,13 +162,13 @@ def test_a_rank_failing_inside_a_forward_stops_the_call_at_once_and_is_named(fix
     started = time.monotonic()
     with pytest.raises(PoolError, match=r"the worker for cpu \(rank 1\) failed in the DiT forward of step 1 "
                                         r"\(RuntimeError: injected failure inside the forward on rank 1\)"):
-        run_stage("denoise", pipe, cond, **KW)
+        _denoise(pipe, cond, **KW)
     assert time.monotonic() - started < 60  # seconds, not the backend's timeout
     assert not pool.started
     assert torch.equal(stages.denoise(handle, cond, **KW), expected)  # the single-device path is untouched
 
     armed.clear()  # the next workers are forked without the failure
-    assert _close(run_stage("denoise", pipe, cond, **KW), expected)
+    assert _close(_denoise(pipe, cond, **KW), expected)
     assert pool.starts == 2 and pool.started
 
     armed.append(0)  # now rank 0 (this process) fails inside a forward; the worker waits in a collective
@@ -170,18 +176,18 @@ def test_a_rank_failing_inside_a_forward_stops_the_call_at_once_and_is_named(fix
     started = time.monotonic()
     with pytest.raises(PoolError, match=r"failed on rank 0 \(cpu\) in the DiT forward of step \d \(RuntimeError: "
                                         "injected failure inside the forward on rank 0"):
-        run_stage("denoise", pipe, cond, **KW)
+        _denoise(pipe, cond, **KW)
     assert time.monotonic() - started < 60 and all(_gone(pid) for pid in workers)
     armed.clear()
     assert torch.equal(stages.denoise(handle, cond, **KW), expected)
-    assert _close(run_stage("denoise", pipe, cond, **KW), expected) and pool.starts == 3
+    assert _close(_denoise(pipe, cond, **KW), expected) and pool.starts == 3
 
     # a failure in a worker's own preparation (it reads the LoRA file again; rank 0 keeps its copy and goes
     # on into the forward): named too, even as a ValueError, which a refused input on every rank would be
     view = lora_ops.with_lora(pipe, _lora_file(tmp_path, handle), 0.7)
     (tmp_path / "q.safetensors").write_bytes(b"no longer a LoRA")
     with pytest.raises(PoolError, match=r"the worker for cpu \(rank 1\) failed preparing denoise"):
-        run_stage("denoise", view, cond, **KW)
+        _denoise(view, cond, **KW)
     pool.release()
 
 
@@ -201,12 +207,12 @@ def test_an_fsdp_pool_shards_its_own_copy_and_matches_one_device(fixtures_root, 
     pipe, = NODE_CLASS_MAPPINGS["LingBotParallel"].execute(handle, "cpu, cpu", "2", 0, "on").args
     pool = pool_of(pipe)
     assert pool.spec.fsdp and pool.layout.fsdp
-    assert _close(run_stage("denoise", pipe, cond, **KW), expected)
+    assert _close(_denoise(pipe, cond, **KW), expected)
     own = pool._own.component("transformer")
     assert is_fsdp_sharded(own) and not is_fsdp_sharded(handle.component("transformer"))
     assert not any(isinstance(p, DTensor) for p in handle.component("transformer").parameters())
     path = _lora_file(tmp_path, handle)
-    assert _close(run_stage("denoise", lora_ops.with_lora(pipe, path, 0.7), cond, **KW),
+    assert _close(_denoise(lora_ops.with_lora(pipe, path, 0.7), cond, **KW),
                   stages.denoise(lora_ops.with_lora(handle, path, 0.7), cond, **KW))
     frames = torch.rand(5, 24, 24, 3, generator=torch.Generator().manual_seed(4))
     refined = NODE_CLASS_MAPPINGS["LingBotRefine"].execute(pipe, cond, 32, 32, 2, 0.85, 3.0, 3.0, 1, images=frames,
@@ -261,7 +267,7 @@ def test_views_of_a_parallel_pipe_keep_the_pool_or_are_refused(fixtures_root, tm
                (with_lora(pipe, in_memory, 1.0, apply_to="transformer"), "not read from a file")]
     for bad, message in refused:
         with pytest.raises(ValueError, match=message):  # a view built past the checks: refused at the call
-            run_stage("denoise", bad, cond, **KW)
+            _denoise(bad, cond, **KW)
     assert not pool.started and pool.starts == 0
 
 

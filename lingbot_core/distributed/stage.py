@@ -11,8 +11,13 @@ in a worker). Per stage:
 - decode: rank 0 decodes; the other ranks get a zero placeholder of the frames' shape (no memory
   behind it) and write nothing (`writes_outputs`).
 
-The hooks are installed for one sampling loop and removed after it (success, error or interrupt),
-so the shared DiT is the one-process model between stages.
+A denoise reaches all of its parallel side through one object, `sampling(...)`: it refuses what the
+layout cannot run and makes the ranks agree on the job before any model work, shards an FSDP
+layout's DiT before the door moves it, builds the guidance (the cfg rows' or the plain one), and
+around the sampling loop (`ParallelSampling.loop`) shares the step cache's figures, installs the
+Ulysses hooks and yields the per-step status exchange. The hooks are removed after the loop
+(success, error or interrupt), so the shared DiT is the one-process model between stages. On a
+one-process view the same object gives the one-process behaviour.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -27,11 +33,14 @@ import torch.distributed as dist
 
 from ..components import DITS
 from ..errors import RefusedInput
+from ..sampling.guidance import Guidance
+from ..sampling.step_cache import StepCacheSettings
+from .cfg import ParallelGuidance
 from .layout import ParallelLayout
 from .ulysses import disable_sequence_parallel, enable_sequence_parallel
 
-__all__ = ["active_layout", "agree_on_job", "check_heads", "process_layout", "use_process_layout", "broadcast_tensors", "offload_refusal", "shard_for_stage", "check_request", "check_view", "from_rank0", "is_leader",
-           "placeholder_frames", "sequence_parallel", "step_status", "text_tensor", "tensor_text", "writes_outputs"]
+__all__ = ["ParallelSampling", "active_layout", "agree_on_job", "check_heads", "process_layout", "use_process_layout", "broadcast_tensors", "offload_refusal", "shard_for_stage", "check_request", "check_view", "from_rank0", "is_leader", "job_fields",
+           "placeholder_frames", "sampling", "sequence_parallel", "step_status", "text_tensor", "tensor_text", "writes_outputs"]
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -190,6 +199,69 @@ def sequence_parallel(dit: torch.nn.Module, layout: ParallelLayout | None) -> It
         yield
     finally:
         disable_sequence_parallel(dit)
+
+
+@dataclass(frozen=True)
+class ParallelSampling:
+    """The parallel side of one sampling loop on `handle` (`sampling`); `layout` is None on a
+    one-process view, where every method gives the one-process behaviour."""
+
+    handle: Any
+    layout: ParallelLayout | None
+
+    @property
+    def splits_cfg(self) -> bool:
+        """True when the two guidance branches run on the layout's two cfg rows (so never as one batch)."""
+        return self.layout is not None and self.layout.cfg == 2
+
+    def guidance(self, dit: torch.nn.Module, positive: Any, negative: Any | None, scale: float, *,
+                 dtype: torch.dtype, device: torch.device, batch_cfg: bool = False) -> Guidance:
+        """The DiT's guided prediction: on a cfg=2 layout cond on cfg row 0 and uncond on row 1."""
+        if self.splits_cfg:
+            return ParallelGuidance(dit, positive, negative, scale, layout=self.layout, dtype=dtype, device=device)
+        return Guidance(dit, positive, negative, scale, dtype=dtype, device=device, batch_cfg=batch_cfg)
+
+    @contextmanager
+    def loop(self, guidance: Guidance) -> Iterator[Any]:
+        """Around the sampling loop: the guidance's step cache decides alike on every rank
+        (`share_step_cache`), the DiT shares its sequence over the ulysses group (`sequence_parallel`,
+        removed afterwards), and the per-step status exchange is yielded (`step_status`; None on one
+        process) for the loop to hear a rank that stopped."""
+        share_step_cache(guidance.cache, self.layout)
+        with sequence_parallel(guidance.dit, self.layout):
+            yield step_status(self.handle)
+
+
+def sampling(handle: Any, transformer: str, cond: Any, *, cfg_batch: str, step_cache: Any, guidance_scale: float,
+             job: dict[str, Any]) -> ParallelSampling:
+    """A denoise's parallel side, before any model work: refuse options the view's layout cannot run
+    (`check_request`), make every rank of the video agree on the job (`cond`, the options and `job`, the
+    denoise's other arguments: `job_fields`, `agree_on_job`), and with FSDP shard DiT `transformer`
+    before the stage door moves it (`shard_for_stage`). `step_cache`: a method name or settings."""
+    check_request(handle, cfg_batch=cfg_batch, step_cache=StepCacheSettings.of(step_cache).method,
+                  guidance_scale=guidance_scale)
+    layout = active_layout(handle)
+    if layout is not None:  # every rank runs the same job, or none does
+        agree_on_job(handle, job_fields(cond, transformer=transformer, cfg_batch=cfg_batch, step_cache=step_cache,
+                                        guidance_scale=guidance_scale, **job))
+        shard_for_stage(handle, transformer)
+    return ParallelSampling(handle, layout)
+
+
+def job_fields(cond: Any, *, seed: int | None, generator: torch.Generator | None, sigmas: Any, sampler: Any,
+               step_cache: Any, image_cond: Any, **plain: Any) -> dict[str, Any]:
+    """What a denoise runs, as the ranks of a parallel run compare it before they start
+    (`agree_on_job`): the geometry, schedule and sampler, the seed (or the generator's state), the
+    prompts and the starting and first-frame latents."""
+    fields = dict(plain)
+    fields["seed"] = generator if generator is not None else seed
+    fields["sigmas"] = None if sigmas is None else torch.as_tensor(sigmas, dtype=torch.float32)  # as a pool sends it
+    fields["sampler"] = sampler if sampler is None or isinstance(sampler, str) else type(sampler).__name__
+    fields["step_cache"] = repr(StepCacheSettings.of(step_cache))
+    fields["prompt"] = [cond.prompt, cond.zero_negative, cond.with_image] + [
+        (e.embeds, e.mask) if e is not None else None for e in (cond.positive, cond.negative)]
+    fields["image"] = None if image_cond is None else (image_cond.latent_mean, image_cond.latent_std)
+    return fields
 
 
 # -- rank 0 computes, the others receive -------------------------------------------------------------

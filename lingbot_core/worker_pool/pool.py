@@ -37,7 +37,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -62,7 +62,7 @@ from .worker import FAILED, READY, STARTING, worker_main
 
 log = logging.getLogger("lingbot_core.worker_pool")
 
-__all__ = ["START_METHOD", "WorkerPool", "pool_for", "pool_of", "release_pool_of", "run_refine", "run_stage", "tag"]
+__all__ = ["START_METHOD", "SamplingStages", "WorkerPool", "pool_for", "pool_of", "release_pool_of", "stages_for", "tag"]
 
 #: how long rank 0 waits for the workers to come up (spawn, imports, handle check) before giving up
 START_TIMEOUT_S = float(os.environ.get("LINGBOT_POOL_START_TIMEOUT", "600"))
@@ -216,8 +216,29 @@ class WorkerPool:
             self._abandon()
             raise
 
-    def run(self, stage: str, handle: Any, callback: Callable | None = None, **kwargs: Any) -> Any:
-        """Run `stage` ("denoise") with `kwargs` on every rank; rank 0's result (this process's) is returned.
+    def denoise(self, pipe: Any, cond: Any, *, callback: Callable | None = None, **kwargs: Any) -> Any:
+        """`stages.denoise(pipe, cond, ...)` on every rank; rank 0's latents (this process's) are returned."""
+        return self._call("denoise", pipe, callback=callback, cond=cond, **kwargs)
+
+    def refine(self, pipe: Any, frames: Any, cond: Any, *, callback: Callable | None = None, **kwargs: Any) -> Any:
+        """`stages.refine(pipe, frames, cond, ...)`: the base frames' upscale and VAE encode (and any decode)
+        run here, the refiner's sampling on every rank (each worker loads the refiner DiT on its first
+        Refine and keeps it)."""
+        from .. import stages
+
+        check_pooled(pipe)  # what the call would refuse, refused before the base DiT is released
+        if kwargs.get("sampler") is not None and not isinstance(kwargs["sampler"], str):
+            raise RefusedInput("LingBot Parallel takes a sampler by name")
+        release = [TRANSFORMER] if kwargs.get("release_base") else []  # the workers drop it too, as rank 0 does
+
+        def on_pool(handle: Any, refiner_cond: Any, **denoise_kwargs: Any) -> Any:
+            return self._call("denoise", handle, cond=refiner_cond, release_dits=release, **denoise_kwargs)
+
+        return stages.refine(pipe, frames, cond, callback=callback, sample_with=on_pool, **kwargs)
+
+    def _call(self, stage: str, handle: Any, callback: Callable | None = None, **kwargs: Any) -> Any:
+        """Run `stage` (a message kind of `messages.HANDLERS`) with `kwargs` on every rank; rank 0's result
+        (this process's) is returned.
 
         `handle` is this process's pipe; it runs on the pool's parallel view of it. `callback(step,
         total, latents)` runs here after each step; what it raises (an interrupt) stops every rank
@@ -370,10 +391,10 @@ def pool_for(spec: PoolSpec) -> WorkerPool:
 
 
 def tag(pipe: Any, pool: WorkerPool) -> Any:
-    """A view of the pipe whose stages `run_stage` sends to `pool`. The pool is a field of the view, so
-    every view made from it (LingBot Offload with 'none'/'auto', anything built with `dataclasses.replace`)
-    runs on the pool too; what the workers cannot follow is refused (`check_pooled`), never run on rank 0
-    alone."""
+    """A view of the pipe whose sampling stages run on `pool` (`stages_for`). The pool is a field of the
+    view, so every view made from it (LingBot Offload with 'none'/'auto', anything built with
+    `dataclasses.replace`) runs on the pool too; what the workers cannot follow is refused
+    (`check_pooled`), never run on rank 0 alone."""
     from dataclasses import replace
 
     return replace(pipe, pool=pool)
@@ -385,35 +406,24 @@ def pool_of(pipe: Any) -> WorkerPool | None:
     return pool if isinstance(pool, WorkerPool) else None
 
 
-def run_stage(stage: str, pipe: Any, cond: Any, *, callback: Callable | None = None, **kwargs: Any) -> Any:
-    """`stages.<stage>(pipe, cond, ...)`, on the pipe's pool when it has one."""
+class SamplingStages(Protocol):
+    """What runs a pipe's sampling stages (`stages_for`): `lingbot_core.stages` in this process, or a
+    `WorkerPool` on every rank; both take the stages' own arguments."""
+
+    def denoise(self, pipe: Any, cond: Any, **kwargs: Any) -> Any: ...
+
+    def refine(self, pipe: Any, frames: Any, cond: Any, **kwargs: Any) -> Any: ...
+
+
+def stages_for(pipe: Any) -> SamplingStages:
+    """Where a node runs the pipe's Denoise and Refine: the pool the pipe carries (`tag`: LingBot
+    Parallel) or, for every other pipe, the stages in this process."""
     pool = pool_of(pipe)
-    if pool is None:
-        from .. import stages
-
-        return getattr(stages, stage)(pipe, cond, callback=callback, **kwargs)
-    return pool.run(stage, pipe, callback=callback, cond=cond, **kwargs)
-
-
-def run_refine(pipe: Any, frames: Any, cond: Any, *, callback: Callable | None = None, **kwargs: Any) -> Any:
-    """`stages.refine(pipe, frames, cond, ...)`; on the pipe's pool when it has one: the base frames'
-    upscale and VAE encode (and any decode) run here, the refiner's sampling on every rank (each
-    worker loads the refiner DiT on its first Refine and keeps it)."""
+    if pool is not None:
+        return pool
     from .. import stages
 
-    pool = pool_of(pipe)
-    if pool is None:
-        return stages.refine(pipe, frames, cond, callback=callback, **kwargs)
-    check_pooled(pipe)  # what pool.run would refuse, refused before the base DiT is released
-    if kwargs.get("sampler") is not None and not isinstance(kwargs["sampler"], str):
-        raise RefusedInput("LingBot Parallel takes a sampler by name")
-
-    release = [TRANSFORMER] if kwargs.get("release_base") else []  # the workers drop it too, as rank 0 does
-
-    def on_pool(handle: Any, refiner_cond: Any, **denoise_kwargs: Any) -> Any:
-        return pool.run("denoise", handle, cond=refiner_cond, release_dits=release, **denoise_kwargs)
-
-    return stages.refine(pipe, frames, cond, callback=callback, sample_with=on_pool, **kwargs)
+    return stages
 
 
 def release_pool_of(pipe: Any) -> bool:
