@@ -72,6 +72,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--denoise", type=float, default=None,
                         help="video-to-video strength in (0, 1]: the share of the steps run from the re-noised "
                              "input (default 0.6 with --video; 1 is plain text-to-video)")
+    extend = parser.add_argument_group("extending a video (segment by segment, each conditioned on the last k latent "
+                                       "frames of what came before; no end-frame conditioning)")
+    extend.add_argument("--extend", metavar="VIDEO", help="continue this video file (the whole clip, up to 1025 "
+                        "frames, at its size floored to 16 unless --width/--height) by --segments segments of "
+                        "--frames frames each")
+    extend.add_argument("--segments", type=_positive(int), default=None, help="segments to add (default 3)")
+    extend.add_argument("--k", type=_positive(int), default=1,
+                        help="latent frames each segment is conditioned on: the last 4(k-1)+1 frames (default 1, the "
+                             "TI2V first-frame case)")
+    extend.add_argument("--overlap-mode", default="drop", help="the re-decoded overlap frames: drop (default) or blend")
+    extend.add_argument("--segment-prompts", metavar="TEXT|@FILE",
+                        help="per-segment prompts instead of --prompt: one per line, a JSON list, or a caption with "
+                             "timed actions cut by segment; @FILE reads a file")
     parser.add_argument("--height", type=_positive(int))
     parser.add_argument("--width", type=_positive(int))
     parser.add_argument("--frames", type=_positive(int))
@@ -182,6 +195,7 @@ def _checked_run(args: argparse.Namespace) -> int:
         from .errors import RefusedInput
 
         raise RefusedInput("--denoise is the video-to-video strength: add --video FILE (a video file)")
+    _check_extend_flags(args)
     if args.video:
         from .errors import RefusedInput
 
@@ -206,6 +220,54 @@ def _checked_run(args: argparse.Namespace) -> int:
     return _run(args, output)
 
 
+def _check_extend_flags(args: argparse.Namespace) -> None:
+    """--extend and its options: refused in one line where they do not go together."""
+    from .errors import RefusedInput
+    from .extend import OVERLAP_MODES
+
+    if not args.extend:
+        given = [flag for flag, value in (("--segments", args.segments), ("--segment-prompts", args.segment_prompts))
+                 if value is not None]
+        if given or args.k != 1 or args.overlap_mode != OVERLAP_MODES[0]:
+            raise RefusedInput(f"{', '.join(given) or '--k/--overlap-mode'} belong to extending a video: add "
+                               "--extend VIDEO")
+        return
+    clash = [flag for flag, on in (("--video", args.video), ("--image", args.image), ("--refine", args.refine),
+                                   ("--denoise", args.denoise is not None), ("--mode " + args.mode, args.mode != "t2v"))
+             if on]
+    if clash:
+        raise RefusedInput(f"--extend continues a video from its own last frames (text to video): leave out "
+                           f"{', '.join(clash)}")
+    if args.overlap_mode not in OVERLAP_MODES:
+        raise RefusedInput(f"--overlap-mode must be one of {', '.join(OVERLAP_MODES)}, got {args.overlap_mode[:40]}")
+    if args.segment_prompts and args.segment_prompts.startswith("@"):
+        try:
+            args.segment_prompts = Path(args.segment_prompts[1:]).read_text(encoding="utf-8-sig")
+        except (OSError, UnicodeDecodeError) as err:
+            raise RefusedInput(f"--segment-prompts {args.segment_prompts[:80]}: cannot read it "
+                               f"({getattr(err, 'strerror', None) or err})") from None
+    args.segments = args.segments or 3
+
+
+def _extend(handle, args: argparse.Namespace, video, *, frames: int, steps: int, output: Path, callback):
+    """--extend: the video continued by --segments segments (finished ones saved under the output folder, so
+    an interrupted run continues from them)."""
+    from . import extend, stages
+
+    tiling = True if args.tiling else None
+    negative = args.negative_prompt if args.cfg > 1.0 else None
+    prompts = args.segment_list
+    base = stages.encode_prompt(handle, args.prompt if not prompts else prompts[0], negative)
+    conds = [base] + [stages.Conditioning(stages.encode_prompt(handle, text, None).positive, base.negative,
+                                          prompt=text) for text in prompts[1:]]
+    joined = extend.extend_video(handle, video, conds, segments=args.segments, k=args.k, num_frames=frames,
+                                 steps=steps, guidance_scale=args.cfg, shift=args.shift, seed=args.seed, tiling=tiling,
+                                 folder=output / "lingbot" / "extend_segments", callback=callback,
+                                 overlap_mode=args.overlap_mode, sampler=args.sampler, cfg_batch=args.cfg_batch,
+                                 step_cache=args.step_cache)
+    return stages.GenerateResult(joined, None, None)
+
+
 def _run(args: argparse.Namespace, output: Path) -> int:
     import time
 
@@ -225,8 +287,27 @@ def _run(args: argparse.Namespace, output: Path) -> int:
     height, width = args.height or small["height"], args.width or small["width"]
     frames = args.frames or (1 if args.mode == "t2i" else small["frames"])
     steps = args.steps or small["steps"]
-    validate_geometry(height, width, frames)
     video = None
+    if args.extend:  # the whole clip (bounded by Load Video's limits), refused before any model loads
+        from .errors import RefusedInput
+        from .extend import check_extend_request
+        from .video_input import read_video_frames
+
+        try:
+            video, _fps = read_video_frames(args.extend, width=args.width or 0, height=args.height or 0)
+        except ValueError as err:
+            raise RefusedInput(f"--extend: {err}") from None
+        height, width = int(video.shape[1]), int(video.shape[2])
+        try:
+            check_extend_request(video, segments=args.segments, k=args.k, num_frames=frames, height=height,
+                                 width=width)
+        except ValueError as err:
+            raise RefusedInput(f"--extend: {err}") from None
+        from .extend import segment_prompts
+
+        args.segment_list = segment_prompts(args.segment_prompts or "", segments=args.segments, num_frames=frames,
+                                            k=args.k)
+    validate_geometry(height, width, frames)
     if args.video:  # read (bounded: only the frames used) and refused before any model loads
         from .errors import RefusedInput
         from .video_input import read_video_frames
@@ -246,13 +327,16 @@ def _run(args: argparse.Namespace, output: Path) -> int:
                                        vae_tiling=args.tiling, cfg=args.cfg > 1.0) if args.offload == "auto" else {}))
     check_handle(handle, Geometry(height, width, frames, cfg=args.cfg > 1.0, refine=refine, vae_tiling=args.tiling))
     started = time.perf_counter()
-    _say(args.quiet, f"lingbot: {args.mode} {width}x{height}x{frames}, {steps} steps, cfg {args.cfg:g}, "
+    what = f"extend {video.shape[0]} frames by {args.segments} x" if args.extend else args.mode
+    _say(args.quiet, f"lingbot: {what} {width}x{height}x{frames}, {steps} steps, cfg {args.cfg:g}, "
                      f"offload {args.offload}" + (f", refine to {refine[1]}x{refine[0]}" if refine else ""))
 
     def on_step(index: int, total: int, _latents) -> None:
         _say(args.quiet, f"  step {index}/{total} ({time.perf_counter() - started:.1f}s)")
 
-    if video is not None:
+    if args.extend:
+        result = _extend(handle, args, video, frames=frames, steps=steps, output=output, callback=on_step)
+    elif video is not None:
         result = _video_to_video(handle, args, video, height=height, width=width, frames=frames, steps=steps,
                                  refine=refine, callback=on_step)
     else:

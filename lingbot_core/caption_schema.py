@@ -27,7 +27,8 @@ from typing import Any
 from .errors import surrogate_problem
 
 __all__ = ["CAMERA_FIELDS", "CAMERA_DEFAULTS", "IMAGE_CAMERA_FIELDS", "IMAGE_CAMERA_DEFAULTS", "RELATIVE_SIZES",
-           "TIMESTAMP_PATTERN", "camera_fields", "caption_notes", "caption_problems", "parse_timestamp", "timestamp"]
+           "TIMESTAMP_PATTERN", "camera_fields", "caption_notes", "caption_problems", "caption_window", "parse_timestamp",
+           "timed_actions", "timestamp"]
 
 CAMERA_FIELDS: dict[str, list[str]] = {
     "color": ["Warm", "Cool", "Mixed", "Saturated", "Desaturated", "Black and White", "Red", "Orange", "Yellow",
@@ -203,3 +204,52 @@ def _review(document: Any, duration: float | None, strict: bool) -> tuple[list[s
                                             abs(float(declared) - float(duration)) > END_TOLERANCE):
         problems.append(f"'duration' is {declared!r}; it must be {float(duration):g}")
     return problems, notes
+
+
+# -- a part of a video caption's timeline ---------------------------------------------------------
+
+
+def _caption_of(document: Any) -> dict | None:
+    caption = document.get("caption", document) if isinstance(document, dict) else None
+    return caption if isinstance(caption, dict) else None
+
+
+def timed_actions(document: Any) -> list[tuple[float, float]]:
+    """The (start, end) seconds of every well-formed timed action in a caption document (or a bare
+    caption), in element order; empty for a caption without any."""
+    caption = _caption_of(document)
+    spans = []
+    for element in (caption or {}).get("prominent_elements") or []:
+        actions = element.get("actions") if isinstance(element, dict) else None
+        for action in actions if isinstance(actions, list) else []:
+            span = parse_timestamp(action.get("timestamp")) if isinstance(action, dict) else None
+            if span is not None:
+                spans.append(span)
+    return spans
+
+
+def caption_window(document: Any, start: float, end: float) -> dict[str, Any]:
+    """The caption of the clip from `start` to `end` seconds of a longer video's caption: every
+    element is kept (its name and description hold for the whole video); its actions are those that
+    overlap the window, cut to it and timed from the window's start (0.1 s steps, as timestamps are
+    written; an action that rounds to nothing is left out). Returns ``{"caption": ..., "duration":
+    end - start}``; the input is not changed."""
+    caption = _caption_of(document)
+    if caption is None:
+        raise ValueError("a caption to split by time must be a JSON object")
+    length = round(end - start, 1)
+    elements = []
+    for element in caption.get("prominent_elements") or []:
+        if not isinstance(element, dict):
+            continue
+        kept = []
+        actions = element.get("actions")
+        for action in actions if isinstance(actions, list) else []:
+            span = parse_timestamp(action.get("timestamp")) if isinstance(action, dict) else None
+            if span is None:
+                continue
+            begin, finish = round(max(span[0], start) - start, 1), round(min(span[1], end) - start, 1)
+            if finish > begin:
+                kept.append({**action, "timestamp": timestamp(max(begin, 0.0), min(finish, length))})
+        elements.append({**element, "actions": kept} if isinstance(actions, list) else dict(element))
+    return {"caption": {**caption, "prominent_elements": elements}, "duration": length}

@@ -5,12 +5,21 @@ then decoded and joined without the frames it shares with what came before.
 The Wan VAE packs time 4x except for its first latent frame, which is one frame: `k` latent frames
 are `4(k-1)+1` video frames. A segment of `num_frames` frames therefore starts with the
 `overlap_frames(k)` frames it was conditioned on (their re-decode) and adds
-`num_frames - overlap_frames(k)` new ones; those re-decoded frames are dropped, so the joined video
-repeats and misses no frame. There is no end-frame (first-last-frame) conditioning in this model.
+`num_frames - overlap_frames(k)` new ones; the joined video holds each frame once, the re-decoded
+ones dropped or blended (below). There is no end-frame (first-last-frame) conditioning in this model.
 
 `k` defaults to 1: the condition is then one clean frame encoded as an image, exactly the TI2V
 first-frame case the model was trained for; a larger `k` hands more motion over but asks the model
 to continue from several pinned latent frames, a condition it was not trained on (quality unknown).
+
+Where a segment meets what came before, its re-decoded overlap frames are dropped (`overlap_mode="drop"`,
+the default: the frames before the seam stay exactly as they were) or cross-faded into the frames they
+re-decode (`"blend"`: a linear ramp from the old frames to the segment's over the overlap, which eases
+a colour or detail step at the seam at the cost of changing the last frames before it). Both keep the
+joined length at `extended_length`.
+
+Each segment may have its own prompt: `segment_prompts` reads one prompt, one per line or JSON list
+item, or one caption with timed actions, which it cuts into one caption per segment's time span.
 
 RNG per segment `i` (one CPU generator seeded with `seed + i`): the condition's posterior sample,
 then the noise, TI2V's order. Every segment's frames are rounded to 8-bit levels (as they are
@@ -29,19 +38,23 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import caption_schema, stages
 from . import image as image_ops
 from . import stage_inputs as checks
-from . import stages
 from .distributed import stage as parallel_stage
 from .errors import RefusedInput
 from .placement.door import stage
 from .sampling.guidance import StepCallback
 
-__all__ = ["MAX_SEGMENTS", "check_extend_request", "condition_latent", "extend_video", "extended_length",
-           "overlap_frames", "segment_frames", "to_8bit"]
+__all__ = ["MAX_SEGMENTS", "MODEL_FPS", "OVERLAP_MODES", "check_extend_request", "condition_latent", "extend_video",
+           "extended_length", "join_segment", "overlap_frames", "segment_frames", "segment_prompts", "segment_spans",
+           "to_8bit"]
 
 VAE_TEMPORAL = 4  # video frames per latent frame after the first (the Wan VAE)
 MAX_SEGMENTS = 64
+MODEL_FPS = 24.0  # LingBot-Video's frame rate (trained at 24 fps): a segment's seconds in a timed caption
+OVERLAP_MODES = ("drop", "blend")
+"""What happens to a segment's re-decoded overlap frames; the first is the default."""
 
 
 def overlap_frames(k: int) -> int:
@@ -52,6 +65,76 @@ def overlap_frames(k: int) -> int:
 def extended_length(input_frames: int, segments: int, num_frames: int, k: int) -> int:
     """Frames of the joined video: the input, then each segment's frames less the overlap."""
     return input_frames + segments * (num_frames - overlap_frames(k))
+
+
+def segment_spans(segments: int, num_frames: int, k: int, fps: float = MODEL_FPS) -> list[tuple[float, float]]:
+    """Each segment's (start, end) seconds on the extension's timeline, whose 0 is the first frame the
+    first segment is conditioned on (with k=1 the input's last frame): segment `i` runs from frame
+    `i * (num_frames - overlap_frames(k))` over its `num_frames` frames."""
+    step = num_frames - overlap_frames(k)
+    return [(i * step / fps, (i * step + num_frames - 1) / fps) for i in range(segments)]
+
+
+def _one_per_segment(items: list[str], segments: int, what: str) -> list[str]:
+    if len(items) > segments:
+        raise RefusedInput(f"the segment prompts are {len(items)} {what} for {segments} segments: one per segment "
+                           "(the last repeats), or add segments")
+    return items
+
+
+def segment_prompts(text: str, *, segments: int, num_frames: int, k: int, fps: float = MODEL_FPS) -> list[str]:
+    """The prompt of each segment from one text (empty: [], every segment takes the given conditioning):
+
+    - a JSON caption with timed actions: one caption per segment, each with the actions in that
+      segment's time span (`segment_spans`; time 0 is where the first segment starts), timed from the
+      segment's start (`caption_schema.caption_window`); a segment the actions do not reach is refused;
+    - any other JSON object (a caption without timed actions): that one prompt for every segment;
+    - a JSON list: one item per segment (text, or a caption object);
+    - else one prompt per non-empty line.
+    A list or lines give at most `segments` prompts; the last repeats for the segments after it.
+    """
+    text = (text or "").strip()
+    if not text:
+        return []
+    parsed: Any = None
+    if text[0] in "[{":
+        try:
+            parsed = json.loads(text)
+        except (ValueError, RecursionError):
+            parsed = None  # e.g. one caption per line: read as lines
+    if isinstance(parsed, dict):
+        if not caption_schema.timed_actions(parsed):
+            return [text]
+        windows = []
+        last_end = max(end for _start, end in caption_schema.timed_actions(parsed))
+        for i, (start, end) in enumerate(segment_spans(segments, num_frames, k, fps)):
+            window = caption_schema.caption_window(parsed, start, end)
+            if not caption_schema.timed_actions(window):
+                raise RefusedInput(f"segment {i + 1} runs from {start:.1f} s to {end:.1f} s of the caption's timeline, "
+                                   f"but its timed actions end at {last_end:g} s: write actions up to {end:.1f} s "
+                                   "or extend by fewer segments")
+            windows.append(json.dumps(window, ensure_ascii=False, separators=(",", ":")))
+        return windows
+    if isinstance(parsed, list):
+        items = [item.strip() if isinstance(item, str) else json.dumps(item, ensure_ascii=False, separators=(",", ":"))
+                 for item in parsed]
+        if not items or not all(items):
+            raise RefusedInput("a JSON list of segment prompts must hold one non-empty prompt per segment")
+        return _one_per_segment(items, segments, "list items")
+    return _one_per_segment([line.strip() for line in text.splitlines() if line.strip()], segments, "lines")
+
+
+def join_segment(joined: torch.Tensor, frames: torch.Tensor, overlap: int, mode: str = OVERLAP_MODES[0]) -> torch.Tensor:
+    """`joined` [F,H,W,3] followed by a segment's `frames` [N,H,W,3] whose first `overlap` frames
+    re-decode `joined`'s last ones: those dropped, or (`blend`) cross-faded into them with weights
+    (j+1)/(overlap+1), j = 0..overlap-1, for the segment (8-bit levels). F + N - overlap frames."""
+    if mode not in OVERLAP_MODES:
+        raise ValueError(f"overlap mode must be one of {', '.join(OVERLAP_MODES)}, got {str(mode)[:40]}")
+    if mode == "blend":
+        weight = torch.arange(1, overlap + 1, dtype=torch.float32).div(overlap + 1).view(-1, 1, 1, 1)
+        seam = to_8bit(torch.lerp(joined[-overlap:].float(), frames[:overlap].float(), weight))
+        return torch.cat([joined[:-overlap], seam, frames[overlap:]])
+    return torch.cat([joined, frames[overlap:]])
 
 
 def _count(value: Any, name: str, low: int, high: int) -> int:
@@ -107,11 +190,11 @@ def condition_latent(handle, video: torch.Tensor, *, k: int, height: int, width:
 
 def segment_frames(handle, cond: stages.Conditioning, previous: torch.Tensor, *, k: int, height: int, width: int,
                    num_frames: int, seed: int, steps: int = 40, guidance_scale: float = 3.0, shift: float = 3.0,
-                   tiling: dict | bool | None = None, callback: StepCallback | None = None,
+                   tiling: dict | bool | None = None, callback: StepCallback | None = None, all_frames: bool = False,
                    **denoise_options: Any) -> torch.Tensor:
     """One segment continuing `previous` [F,H,W,3]: its `num_frames - overlap_frames(k)` new frames
-    (float32 in [0,1], 8-bit levels, CPU). `denoise_options` go to `stages.denoise` (sampler,
-    cfg_batch, step_cache)."""
+    (float32 in [0,1], 8-bit levels, CPU); with `all_frames`, all `num_frames` of them, the re-decoded
+    overlap first. `denoise_options` go to `stages.denoise` (sampler, cfg_batch, step_cache)."""
     g = torch.Generator("cpu").manual_seed(checks.check_seed(seed))
     cond_latent = condition_latent(handle, previous, k=k, height=height, width=width, generator=g, tiling=tiling)
     latents = stages.denoise(handle, cond, height=height, width=width, num_frames=num_frames, steps=steps,
@@ -120,7 +203,7 @@ def segment_frames(handle, cond: stages.Conditioning, previous: torch.Tensor, *,
     del cond_latent
     frames = stages.decode(handle, latents, tiling=tiling)
     del latents
-    return to_8bit(frames[overlap_frames(k):])
+    return to_8bit(frames if all_frames else frames[overlap_frames(k):])
 
 
 # -- segments written as they finish ------------------------------------------------------------
@@ -186,11 +269,12 @@ def extend_video(handle, video: torch.Tensor, conds: stages.Conditioning | Seque
                  shift: float = 3.0, seed: int = 42, tiling: dict | bool | None = None,
                  folder: str | Path | None = None, callback: StepCallback | None = None,
                  on_segment: Callable[[int, torch.Tensor, bool], None] | None = None, keep: bool = False,
-                 **denoise_options: Any) -> torch.Tensor:
+                 overlap_mode: str = OVERLAP_MODES[0], **denoise_options: Any) -> torch.Tensor:
     """`video` [F,H,W,3] followed by `segments` new segments; returns the joined frames [F',H,W,3]
     (`extended_length` frames), at the input's size (a multiple of 16).
 
-    `conds`: one conditioning for every segment, or one per segment (the last repeats). Segment `i`
+    `conds`: one conditioning for every segment, or one per segment (the last repeats). `overlap_mode`: what
+    becomes of each segment's re-decoded overlap frames (`OVERLAP_MODES`, see `join_segment`). Segment `i`
     uses seed `seed + i`. Only one segment's latents and decode are alive at a time; the joined
     frames grow on the CPU. With `folder`, each finished segment is written there (8-bit .npy,
     named by a digest of the input, prompts and settings) and a rerun with the same ones loads it
@@ -199,6 +283,8 @@ def extend_video(handle, video: torch.Tensor, conds: stages.Conditioning | Seque
     each segment as it is done.
     """
     conds = [conds] if isinstance(conds, stages.Conditioning) else list(conds)
+    if overlap_mode not in OVERLAP_MODES:
+        raise RefusedInput(f"overlap_mode must be one of {', '.join(OVERLAP_MODES)}, got {str(overlap_mode)[:40]}")
     if parallel_stage.active_layout(handle) is not None:  # only rank 0 decodes: the others would
         # condition the next segment on placeholder frames
         raise RefusedInput("extending a video runs in one process: run it without --parallel / torchrun "
@@ -220,25 +306,24 @@ def extend_video(handle, video: torch.Tensor, conds: stages.Conditioning | Seque
                     tiling=tiling, options=sorted((n, repr(v)) for n, v in denoise_options.items()),
                     model=model_identity(handle))
     joined = to_8bit(video)
-    new = num_frames - overlap_frames(k)
     written = []
     for i in range(segments):
         cond = conds[min(i, len(conds) - 1)]
         digest = _digest(joined[-overlap_frames(k):], [cond], settings | {"segment": i})
         path = _segment_file(target, digest, i) if target is not None else None
-        frames = _load_segment(path, (new, height, width, 3)) if path is not None and path.is_file() else None
+        frames = _load_segment(path, (num_frames, height, width, 3)) if path is not None and path.is_file() else None
         reused = frames is not None
         if path is not None:
             written.append(path)
-        if frames is None:
+        if frames is None:  # all its frames: a rerun may join it either way
             frames = segment_frames(handle, cond, joined, k=k, height=height, width=width, num_frames=num_frames,
                                     seed=seed + i, steps=steps, guidance_scale=guidance_scale, shift=shift,
-                                    tiling=tiling, callback=callback, **denoise_options)
+                                    tiling=tiling, callback=callback, all_frames=True, **denoise_options)
             if path is not None:
                 _save_segment(path, frames)
-        joined = torch.cat([joined, frames])
+        joined = join_segment(joined, frames, overlap_frames(k), overlap_mode)
         if on_segment is not None:
-            on_segment(i, frames, reused)
+            on_segment(i, frames[overlap_frames(k):], reused)
         del frames
     if not keep:
         for path in written:

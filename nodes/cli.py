@@ -11,6 +11,7 @@ checkpoint, output folder), 130 interrupted (Ctrl-C), 143 stopped by SIGTERM (ha
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -270,6 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "the whole clip is loaded (up to Load Video's 1025-frame cap: set its start_frame for a longer "
                              "clip), to continue from its end")
     parser.add_argument("--segments", type=int, metavar="N", help="segments every LingBot Extend Video node adds")
+    parser.add_argument("--segment-prompts", metavar="TEXT|@FILE",
+                        help="Extend Video's per-segment prompts: one per line, a JSON list, or a caption with timed "
+                             "actions (each segment gets the actions in its span); @FILE reads them from a file")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="NODE.INPUT=VALUE",
                         help=f"override an input, e.g. {OVERRIDE_EXAMPLE}; NODE is an id, a unique class type "
                              "or a title (repeatable)")
@@ -315,9 +319,10 @@ REWRITE_FLAGS = {"--rewrite-endpoint": "rewrite_endpoint", "--rewrite-model": "r
                  "--rewrite-map-model": "rewrite_map_model", "--rewrite-duration": "rewrite_duration"}
 
 
-def video_overrides(prompt, path: Path, *, video: str | None, segments: int | None) -> list[str]:
-    """--video and --segments as overrides of the Load Video and Extend Video nodes (refused in one line
-    where the workflow has none)."""
+def video_overrides(prompt, path: Path, *, video: str | None, segments: int | None,
+                    segment_prompts: str | None = None) -> list[str]:
+    """--video, --segments and --segment-prompts as overrides of the Load Video and Extend Video nodes
+    (refused in one line where the workflow has none)."""
     from lingbot_core.workflow import WorkflowError
 
     def ids(class_type: str, flag: str) -> list[str]:
@@ -336,6 +341,15 @@ def video_overrides(prompt, path: Path, *, video: str | None, segments: int | No
                 overrides.append(f"{nid}.frame_count=0")
     if segments is not None:
         overrides += [f"{nid}.segments={segments}" for nid in ids("LingBotExtendVideo", "--segments")]
+    if segment_prompts is not None:
+        text = segment_prompts
+        if text.startswith("@"):
+            try:
+                text = Path(text[1:]).read_text(encoding="utf-8-sig")
+            except (OSError, UnicodeDecodeError) as err:
+                raise WorkflowError(f"--segment-prompts {segment_prompts[:80]}: cannot read it "
+                                    f"({getattr(err, 'strerror', None) or err})") from None
+        overrides += [f"{nid}.prompts={json.dumps(text)}" for nid in ids("LingBotExtendVideo", "--segment-prompts")]
     return overrides
 
 
@@ -443,7 +457,8 @@ def _run(args: argparse.Namespace, reporter: Reporter) -> int:
         if not loaders:
             raise WorkflowError(f"--model given, but {path} has no LingBot Loader node")
         overrides += [f"{nid}.{LOADERS[prompt.nodes[nid]['class_type']]}={args.model}" for nid in loaders]
-    overrides += video_overrides(prompt, path, video=args.video, segments=args.segments)
+    overrides += video_overrides(prompt, path, video=args.video, segments=args.segments,
+                                 segment_prompts=args.segment_prompts)
     given = {flag: getattr(args, flag) for flag in FILE_FLAGS if getattr(args, flag)}
     if given:
         loaders = [nid for nid, node in prompt.nodes.items() if node["class_type"] == "LingBotLoaderFiles"]

@@ -126,6 +126,8 @@ JOB_FIELDS: dict[str, JobField] = {f.key: f for f in (
              "the plain-words prompt of every Rewrite node (lingbot-run --rewrite, or a rewrite workflow)"),
     JobField("video", ("LingBotLoadVideo",), ("path",), str,
              "the input video file of every Load Video (v2v, extend; as --video, an extension takes the whole clip)"),
+    JobField("segment_prompts", ("LingBotExtendVideo",), ("prompts",), (str, list),
+             "Extend Video's per-segment prompts (as --segment-prompts: text, or a JSON list of them)"),
 )}
 _OTHER_KEYS = ("id", "set")
 

@@ -19,6 +19,7 @@ from .types import (
     latent_out,
 )
 from .v3 import io
+from .video_input import video_frames, video_input
 
 SEED_MAX = 0xFFFFFFFFFFFFFFFF
 SAMPLERS = ["flow_unipc", "euler", "dmd_student"]  # lingbot_core.sampling.SAMPLERS, listed without importing torch
@@ -106,10 +107,10 @@ class LingBotDenoise(io.ComfyNode):
                                         "dmd_student refuses one"),
                 Choice("cfg_batch", options=CFG_BATCH, default="off", optional=True, tooltip=CFG_BATCH_TIP),
                 *cache_inputs(),
-                io.Image.Input("video", optional=True,
-                               tooltip="Video-to-video: the input frames (LingBot Load Video), re-noised to "
-                                       "`denoise`; its first `frames` frames are used, resized to the video size "
-                                       "like a first frame"),
+                video_input("video", optional=True,
+                            tooltip="Video-to-video: the input frames (LingBot Load Video) or a core VIDEO, re-noised "
+                                    "to `denoise`; its first `frames` frames are used, resized to the video size "
+                                    "like a first frame"),
                 io.Float.Input("denoise", default=1.0, min=0.01, max=1.0, step=0.01, optional=True,
                                tooltip="Video-to-video strength: how far the input (`video`, or `latent` as clean "
                                        "latents) is re-noised along the schedule; runs that share of the steps "
@@ -148,6 +149,7 @@ class LingBotDenoise(io.ComfyNode):
         notice = few_step_notice(pipe, sampler, int(steps), float(cfg), float(shift))  # before the DiT loads
         start = vae_to_dit(latent_in(latent), pipe.vae_config()) if latent is not None else None
         v2v_notice = None
+        video = video_frames(video)
         if float(denoise) < 1.0:  # video-to-video: the input re-noised part-way, the schedule's tail sampled
             from lingbot_core.video_to_video import prepare_video_start
 
@@ -198,7 +200,7 @@ class LingBotRefine(io.ComfyNode):
                 io.Int.Input("seed", default=42, min=0, max=SEED_MAX, control_after_generate=True,
                              tooltip="Noise seed"),
                 io.Latent.Input("latent", optional=True, tooltip="Base latents (decoded here), or give images"),
-                io.Image.Input("images", optional=True, tooltip="Base frames [T,H,W,3], instead of latent"),
+                video_input("images", optional=True, tooltip="Base frames [T,H,W,3] or a core VIDEO, instead of latent"),
                 io.Image.Input("first_frame", optional=True, tooltip="TI2V: the original input image"),
                 io.Boolean.Input("tiling", default=True, optional=True,
                                  tooltip="Tiled VAE for the base decode and the refined encode (less memory)"),
@@ -221,6 +223,7 @@ class LingBotRefine(io.ComfyNode):
 
         if (latent is None) == (images is None):
             raise ValueError("connect exactly one of `latent` or `images` as the base video")
+        images = video_frames(images, "images")
         with runtime.node_work(steps, "refine", preview=True) as on_step:
             frames = images if images is not None else stages.decode_vae_latents(pipe, latent_in(latent))
             out = stages_for(pipe).refine(

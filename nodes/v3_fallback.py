@@ -11,6 +11,7 @@ Like ComfyUI's `io.ComfyNode`, a node class also answers the classic V1 question
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from enum import Enum
 from fractions import Fraction
@@ -125,6 +126,34 @@ class _ComboInput(_Input):
         return super().as_dict() | {"multiselect": False}
 
 
+class _MultiTypeInput(_Input):
+    """An input that takes several types, "A,B" (`io.MultiType.Input`); given an input instead of an id,
+    that input's widget and options come first and its type leads the list."""
+
+    def __init__(self, id: str | _Input, types: list[Any], display_name: str | None = None, optional: bool = False,
+                 tooltip: str | None = None, lazy: bool | None = None, extra_dict: dict | None = None) -> None:
+        self.input_override = None
+        if isinstance(id, _Input):
+            self.input_override = copy.copy(id)
+            optional = id.optional or optional
+            tooltip = id.tooltip if id.tooltip is not None else tooltip
+            display_name = id.display_name if id.display_name is not None else display_name
+            lazy = id.lazy if id.lazy is not None else lazy
+            id = id.id
+        super().__init__(id, display_name, optional, tooltip, lazy)
+        self._io_types = list(types)
+
+    def get_io_type(self) -> Any:
+        names = [t.io_type for t in self._io_types]
+        if self.input_override is not None:
+            names.insert(0, self.input_override.get_io_type())
+        return _IOType(",".join(dict.fromkeys(names)))
+
+    def as_dict(self) -> dict[str, Any]:
+        base = self.input_override.as_dict() if self.input_override is not None else {}
+        return base | super().as_dict()
+
+
 class _Namespace:
     """`io`: the types, the schema, the node base class."""
 
@@ -138,6 +167,7 @@ class _Namespace:
     Latent = _io_type("LATENT")
     Video = _io_type("VIDEO")
     AnyType = _io_type("*")
+    MultiType = type("MultiType", (), {"Type": Any, "Input": _MultiTypeInput})
 
     @staticmethod
     def Custom(io_type: str) -> type:  # noqa: N802 - ComfyUI's spelling

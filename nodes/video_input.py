@@ -19,6 +19,46 @@ def test_pattern_video(frames: int = 9, height: int = 256, width: int = 384):
     return torch.cat([wide[:, :, 4 * i:4 * i + width] for i in range(frames)])
 
 
+def video_input(name: str, **options):
+    """An input taking frames as the pack's IMAGE batch or as ComfyUI's core VIDEO (its Load Video, a
+    video other packs hand on); `video_frames` turns either into frames."""
+    return io.MultiType.Input(io.Image.Input(name, **options), types=[io.Video])
+
+
+def video_frames(value, what: str = "video"):
+    """[F,H,W,3] frames from an IMAGE batch (as it is) or a core VIDEO (anything with ComfyUI's
+    `get_components()`: `.images`, a tensor [F,H,W,3] in 0..1). A VIDEO that says how big it is
+    (`get_dimensions`, `get_duration`, `get_frame_rate`) is refused in one line past the Load Video
+    limits before it is decoded; ComfyUI decodes a file VIDEO whole."""
+    if value is None or hasattr(value, "ndim"):
+        return value
+    if not callable(getattr(value, "get_components", None)):
+        raise ValueError(f"`{what}` must be frames (IMAGE) or a VIDEO, got {type(value).__name__}")
+    from lingbot_core.video_input import VIDEO_LIMITS
+
+    try:  # what it costs to decode, from the metadata (a VIDEO without these is decoded as it comes)
+        width, height = (int(v) for v in value.get_dimensions())
+        seconds = float(value.get_duration())
+        rate = float(value.get_frame_rate()) if callable(getattr(value, "get_frame_rate", None)) else 24.0
+    except Exception:  # noqa: BLE001 - metadata is optional: a source that cannot say is decoded
+        width = height = 0
+        seconds = rate = 0.0
+    frames = int(seconds * rate + 0.5)
+    size = frames * width * height * 3 * 4
+    if max(width, height) > VIDEO_LIMITS["side"] or seconds > VIDEO_LIMITS["seconds"] or size > VIDEO_LIMITS["bytes"]:
+        raise ValueError(f"the `{what}` VIDEO is {width}x{height}, {seconds:.0f} s ({frames} frames, "
+                         f"{size / 2**30:.1f} GiB decoded); cut it first or load the part you need with LingBot "
+                         f"Load Video (at most {VIDEO_LIMITS['side']} px sides, {VIDEO_LIMITS['bytes'] / 2**30:.0f} "
+                         "GiB of frames)")
+    images = value.get_components().images
+    if not hasattr(images, "ndim") or images.ndim != 4 or images.shape[-1] != 3:
+        shape = tuple(images.shape) if hasattr(images, "shape") else type(images).__name__
+        raise ValueError(f"the `{what}` VIDEO's frames must be [F,H,W,3], got {shape}")
+    if images.shape[0] < 1:
+        raise ValueError(f"the `{what}` VIDEO has no frame")
+    return images
+
+
 class LingBotLoadVideo(io.ComfyNode):
     """A video file's frames (a range, a stride, resized to the model's size step) as IMAGE."""
 

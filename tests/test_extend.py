@@ -148,12 +148,11 @@ def test_extend_flags_on_a_workflow_without_the_nodes_are_refused(tmp_path, caps
 
 
 def test_extend_node_refuses_more_prompt_lines_than_segments_and_mirrors_the_core_cap(dense):
-    from lingbot_nodes.extend import MAX_SEGMENTS, LingBotExtendVideo, segment_prompts
+    from lingbot_nodes.extend import MAX_SEGMENTS, LingBotExtendVideo
 
     handle, cond = dense
     assert MAX_SEGMENTS == ext.MAX_SEGMENTS
-    assert segment_prompts("a boat\n\n  a ship \n") == ["a boat", "a ship"]
-    with pytest.raises(ValueError, match="one line per segment"):
+    with pytest.raises(ValueError, match="2 lines for 1 segments: one per segment"):
         LingBotExtendVideo.execute(handle, cond, _video(9), 1, 1, 9, 2, 1.0, 3.0, 1, prompts="a\nb")
 
 
