@@ -125,10 +125,10 @@ def test_the_node_encodes_each_segments_window(dense, monkeypatch):
 
 
 def test_headless_flag_and_jobs_field_reach_the_node(tmp_path):
-    from lingbot_core.parallel.jobs import JOB_FIELDS, Job, job_overrides
     from lingbot_core.workflow import ApiPrompt, apply_overrides
     from lingbot_nodes import NODE_CLASS_MAPPINGS
     from lingbot_nodes.cli import resolve_workflow, video_overrides
+    from lingbot_nodes.jobs import JOB_FIELDS, Job, job_overrides
 
     path = resolve_workflow("extend")
     nodes = json.loads(path.read_text())
