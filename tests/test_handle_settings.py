@@ -104,7 +104,7 @@ def test_a_new_knob_is_one_field(monkeypatch, fixtures_root):
     from lingbot_core import handle as handle_module
     from lingbot_core.__main__ import build_parser
     from lingbot_core.handle import knob, settings_from_flags, settings_from_widgets
-    from lingbot_core.parallel_runs.pool import describe_handle, open_described
+    from lingbot_core.worker_pool.spec import describe_handle, open_described
     from lingbot_nodes.files import FROM_CHECKPOINT, LingBotLoaderFiles
     from lingbot_nodes.loader import LingBotLoader
 

@@ -5,8 +5,8 @@ ComfyUI runs every node in one process, but torch.distributed needs one process 
 a process group with the caller: the rendezvous is torch's TCP store, its server held by rank 0 on a
 socket bound to 127.0.0.1 (`distributed.launch.loopback_store`: nothing listens on another address),
 gloo on CPUs, NCCL on CUDA devices. Each worker opens its own lazy handle from
-`describe_handle` (paths and settings, never pickled modules), so it loads its DiT on the first call
-and keeps it across calls. A call (`WorkerPool.run`) sends the stage's inputs to every worker -- a
+`spec.describe_handle` (paths and settings, never pickled modules), so it loads its DiT on the first call
+and keeps it across calls. A call (`WorkerPool.denoise`, `.refine`) sends the stage's inputs to every worker -- a
 JSON header and tensors, both with `dist.broadcast`; nothing is pickled -- and then runs the stage
 here too, on the pool's parallel view of the caller's handle: every rank runs the same stage with
 the same inputs, and rank 0 keeps the result.
