@@ -10,7 +10,7 @@ folder beside DST, renamed to DST at the end: a failed or interrupted run (Ctrl-
 leaves nothing behind and can be run again. Bad arguments are refused before any work, in one line.
 - `fp8`: `diffusion_pytorch_model.safetensors` with each linear weight and expert stack in
   float8_e4m3fn and a float32 `NAME.scale` tensor (one scale per output row) next to it; other
-  tensors as stored. The loader reads it directly (README, "Weight formats").
+  tensors as stored. The loader reads it directly (docs/weights.md).
 - `gguf-*`: `diffusion_pytorch_model.gguf` with the checkpoint's own state-dict names; the same
   weights in Q8_0 or Q4_0 blocks (rows whose length is not a multiple of 32 stay plain), other
   tensors in their stored float type. `--per-expert` stores each MoE expert stack

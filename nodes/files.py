@@ -170,7 +170,7 @@ class LingBotLoaderFiles(io.ComfyNode):
                 setting_input("weights"),
                 io.String.Input("processor_path", default="", optional=True,
                                 tooltip="A processor folder (a checkpoint's processor/). Empty: the checkpoint's, "
-                                        "else ComfyUI's Qwen tokenizer files (unverified; see the README)"),
+                                        "else ComfyUI's Qwen tokenizer files (unverified; see docs/single-files.md)"),
                 io.String.Input("checkpoint_path", default="", optional=True,
                                 tooltip="A checkpoint folder instead of the combo (ComfyUI: under its model folders)"),
                 io.String.Input("dit_path", default="", optional=True, tooltip="A DiT file instead of the combo"),
