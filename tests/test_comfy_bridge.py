@@ -23,10 +23,14 @@ class InterruptProcessingException(Exception):
 
 @pytest.fixture
 def comfy(tmp_path, monkeypatch):
-    """Minimal ComfyUI surfaces our runtime adapter talks to; free_memory follows ComfyUI's protocol."""
+    """Minimal ComfyUI surfaces our runtime adapter talks to; free_memory follows ComfyUI's protocol: with
+    smart memory (the default) each entry is asked for the bytes still to free (this stand-in has no free
+    memory: all of `memory_required`), under --disable-smart-memory for None. tests/test_comfy_real.py runs
+    the bridge against the real comfy.model_management where a ComfyUI checkout is at hand."""
     state = types.SimpleNamespace(interrupt=False, progress=[], freed=[])
     mm = types.ModuleType("comfy.model_management")
     mm.current_loaded_models = []
+    mm.DISABLE_SMART_MEMORY = False
 
     def free_memory(memory_required, device, keep_loaded=()):
         unloaded = []
@@ -35,7 +39,7 @@ def comfy(tmp_path, monkeypatch):
             if m.device == device and m not in keep_loaded and not m.is_dead():
                 m.currently_used = False
                 m.model_offloaded_memory(), m.model_memory(), m.model.model.__class__.__name__
-                if m.model_unload(None):
+                if m.model_unload(None if mm.DISABLE_SMART_MEMORY else memory_required):
                     unloaded.append(mm.current_loaded_models.pop(i))
         state.freed.append(len(unloaded))
         return unloaded
