@@ -39,8 +39,9 @@ from .cfg import ParallelGuidance
 from .layout import ParallelLayout
 from .ulysses import disable_sequence_parallel, enable_sequence_parallel
 
-__all__ = ["ParallelSampling", "active_layout", "agree_on_job", "check_heads", "process_layout", "use_process_layout", "broadcast_tensors", "offload_refusal", "shard_for_stage", "check_request", "check_view", "from_rank0", "is_leader", "job_fields",
-           "placeholder_frames", "sampling", "sequence_parallel", "step_status", "text_tensor", "tensor_text", "writes_outputs"]
+__all__ = ["active_layout", "broadcast_tensors", "check_heads", "check_request", "check_view", "collective_device",
+           "from_rank0", "is_leader", "offload_refusal", "ParallelSampling", "placeholder_frames", "process_layout",
+           "sampling", "tensor_text", "text_tensor", "use_process_layout", "writes_outputs"]
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
