@@ -56,7 +56,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -415,7 +415,7 @@ class Claims:
                 return False, True
             before = os.fstat(fd).st_size > 0
             note = json.dumps({"id": job.id, "digest": job.digest, "host": socket.gethostname(), "pid": os.getpid(),
-                               "claimed": datetime.now(timezone.utc).isoformat(timespec="seconds")})
+                               "claimed": datetime.now(UTC).isoformat(timespec="seconds")})
             os.ftruncate(fd, 0)
             os.pwrite(fd, note.encode() + b"\n", 0)
         except BaseException:
@@ -579,7 +579,7 @@ def run_jobs(jobs: Sequence[Job], run_one: JobRunner, manifest: Manifest, *, pla
         else:
             entry.update(status=DONE, outputs=[str(p) for p in outputs])
         entry.update(seconds=round(time.perf_counter() - started, 3), rank=place.rank,
-                     finished=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+                     finished=datetime.now(UTC).isoformat(timespec="seconds"))
         if place.leader:
             manifest.record(entry)
         claims.release(job)
