@@ -100,6 +100,9 @@ def _work_units(name: str, module: torch.nn.Module) -> list[torch.nn.Module]:
         inner = getattr(module, "model", None)
         units = list(getattr(getattr(inner, "language_model", None), "layers", []))
         return units + list(getattr(getattr(inner, "visual", None), "blocks", []))
+    if name == "light_vae":  # its first layer runs once per chunk of latent frames
+        entry = getattr(module, "entry", None)
+        return [entry] if isinstance(entry, torch.nn.Module) else []
     if name == "vae":
         units = []
         for part in ("encoder", "decoder"):

@@ -418,11 +418,16 @@ def _guidance(handle, parallel: parallel_stage.ParallelSampling, transformer: st
 # -- decode ----------------------------------------------------------------------------------------
 
 @oom_fallback
-def decode(handle, latents: torch.Tensor, *, tiling: dict | bool | None = None) -> torch.Tensor:
-    """DiT-space latents (1,16,T,h,w) -> frames [F,H,W,3] float32 in [0,1] on the CPU."""
+def decode(handle, latents: torch.Tensor, *, tiling: dict | bool | None = None, light: Any = None) -> torch.Tensor:
+    """DiT-space latents (1,16,T,h,w) -> frames [F,H,W,3] float32 in [0,1] on the CPU.
+
+    `light`: a light decoder file (`checkpoints.light_vae_file`: TAEHV / LightTAE) to decode with instead
+    of the Wan VAE: much faster and smaller, lower quality (drafts, previews); `tiling` is then unused."""
     _check_decode_input(handle, latents)
     if not parallel_stage.is_leader(handle):  # rank 0 decodes and saves; the others hold a placeholder
         return parallel_stage.placeholder_frames(*checks.decode_output_shape(latents))
+    if light is not None:
+        return _decode_light(handle, latents, light)
     frames, height, width = checks.decode_output_shape(latents)
     with stage(handle, "vae", phase="decode", geometry=Geometry(height, width, frames, vae_tiling=bool(tiling))) as device:
         vae = handle.component("vae")
@@ -435,6 +440,17 @@ def decode(handle, latents: torch.Tensor, *, tiling: dict | bool | None = None) 
             video = vae.decode(z, return_dict=False)[0]
         frames = ((video.float().clamp(-1, 1) + 1.0) / 2.0)[0].permute(1, 2, 3, 0)
         return frames.cpu().contiguous()
+
+
+def _decode_light(handle, latents: torch.Tensor, light: Any) -> torch.Tensor:
+    from .checkpoints.light_vae_file import cached_light_vae
+    from .interrupt import checkpoints
+    from .models.light_vae import decode_frames
+
+    model = cached_light_vae(light)  # a wrong file is refused here, before the stage
+    config = handle.vae_config() if model.latent_space == "raw" else None
+    with stage(handle, label="light vae") as device, checkpoints({"light_vae": model}):
+        return decode_frames(model, latents, config, device)
 
 
 def _check_decode_input(handle, latents: Any) -> None:
@@ -450,8 +466,11 @@ def decode_vae_latents(handle, vae_latents: torch.Tensor, **kwargs: Any) -> torc
     _check_decode_input(handle, vae_latents)  # before the VAE config is read, let alone the VAE loaded
     if not parallel_stage.is_leader(handle):
         return parallel_stage.placeholder_frames(*checks.decode_output_shape(vae_latents))
-    with stage(handle, "vae"):
-        config = handle.component("vae").config
+    if kwargs.get("light") is not None:  # the latent statistics only: the Wan VAE stays unloaded
+        config = handle.vae_config()
+    else:
+        with stage(handle, "vae"):
+            config = handle.component("vae").config
     return decode(handle, vae_to_dit(vae_latents, config), **kwargs)
 
 

@@ -50,6 +50,8 @@ FILE_KINDS: dict[str, FileKind] = {
     "dit": FileKind(("diffusion_models", "unet"), (".safetensors", ".gguf")),
     "vae": FileKind(("vae",), (".safetensors",)),
     "text_encoder": FileKind(("text_encoders", "clip"), (".safetensors",)),
+    # the light decoder (TAEHV / LightTAE) that Decode's `vae: light` and the previews use
+    "vae_approx": FileKind(("vae_approx",), (".safetensors",)),
 }
 
 
@@ -224,3 +226,16 @@ class LingBotLoaderFiles(io.ComfyNode):
 
                 handle = PipelineHandle.open(folder, files=ComponentFiles(**chosen, processor=processor), **options)
         return io.NodeOutput(runtime.install_memory_cooperation(handle))
+
+
+def light_vae_file() -> Path | None:
+    """The light decoder in `models/vae_approx` (ComfyUI's folder; headless `./models/vae_approx` and
+    `$LINGBOT_FILES_DIR/vae_approx`): the first of `LIGHT_FILES`' names found, else None."""
+    from lingbot_core.checkpoints.light_vae_file import LIGHT_FILES, file_kind
+
+    found = [Path(name) for name in file_choices("vae_approx")]
+    for kind in LIGHT_FILES:
+        for name in found:
+            if file_kind(name) == kind and "/" not in name.as_posix():
+                return resolve_file("vae_approx", name.as_posix())
+    return None

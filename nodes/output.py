@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from fractions import Fraction
+from pathlib import Path
 
 from . import paths, runtime
-from .types import CATEGORY, Pipe, latent_in
+from .types import CATEGORY, Choice, Pipe, latent_in
 from .v3 import InputImpl, Types, io
 
 
@@ -13,6 +15,28 @@ def video_value(frames, fps: float):
     """Frames [T,H,W,3] and a frame rate as ComfyUI's VIDEO (core SaveVideo, GetVideoComponents...)."""
     rate = Fraction(float(fps)).limit_denominator(1001)
     return InputImpl.VideoFromComponents(Types.VideoComponents(images=frames, audio=None, frame_rate=rate))
+
+
+VAE_CHOICES = {"full": "the Wan 2.1 VAE", "light": "the light decoder (TAEHV / LightTAE) in models/vae_approx"}
+
+
+def light_decoder(choice: str) -> Path | None:
+    """The light decoder file for Decode's `vae` widget: None for `full`, and for `light` when no file is
+    found (then the full VAE decodes, after one warning)."""
+    if choice not in VAE_CHOICES:
+        raise ValueError(f"vae must be one of {', '.join(VAE_CHOICES)}, got {str(choice)[:40]!r}")
+    if choice == "full":
+        return None
+    from .files import light_vae_file
+
+    found = light_vae_file()
+    if found is None:
+        from lingbot_core.checkpoints.light_vae_file import PUT
+
+        logging.getLogger("lingbot_nodes").warning(
+            "lingbot: vae: light, but no light decoder was found in vae_approx; decoding with the full Wan "
+            "2.1 VAE. %s.", PUT)
+    return found
 
 
 class LingBotDecode(io.ComfyNode):
@@ -41,6 +65,13 @@ class LingBotDecode(io.ComfyNode):
                              tooltip="Horizontal distance between tiles"),
                 io.Float.Input("fps", default=24.0, min=1.0, max=120.0, step=1.0, optional=True,
                                tooltip="Frame rate of the VIDEO output (LingBot-Video is trained at 24)"),
+                # appended last: saved workflows assign widget values by position
+                Choice("vae", options=list(VAE_CHOICES), default="full", optional=True,
+                       tooltip="full: the Wan 2.1 VAE (best quality; minutes and the run's peak memory at "
+                               "real sizes). light: the tiny TAEHV / LightTAE decoder from models/vae_approx "
+                               "(lighttaew2_1 or taew2_1 .safetensors): many times faster and a small fraction "
+                               "of the memory, softer detail and colour: drafts and previews. Without that "
+                               "file: the full VAE, with a warning"),
             ],
             outputs=[io.Image.Output(display_name="images", tooltip="Frames [T,H,W,3] in 0..1"),
                      io.Video.Output(display_name="video", tooltip="The frames as a VIDEO at `fps`")],
@@ -48,9 +79,10 @@ class LingBotDecode(io.ComfyNode):
 
     @classmethod
     def execute(cls, pipe, latent, tiling=False, tile_height=256, tile_width=256, stride_height=192,
-                stride_width=192, fps=24.0):
+                stride_width=192, fps=24.0, vae="full"):
         from lingbot_core import stages
 
+        light = light_decoder(vae)
         options = None
         if tiling:
             options = dict(tile_sample_min_height=int(tile_height), tile_sample_min_width=int(tile_width),
@@ -58,8 +90,9 @@ class LingBotDecode(io.ComfyNode):
         from lingbot_core.interrupt import decode_units
 
         latents = latent_in(latent)
-        with runtime.node_work(label="decode", units=decode_units(pipe, latents.shape[2])):  # moves per block
-            frames = stages.decode_vae_latents(pipe, latents, tiling=options if tiling else False)
+        units = int(latents.shape[2]) if light is not None else decode_units(pipe, latents.shape[2])
+        with runtime.node_work(label="decode", units=units):  # moves per block (light: per latent frame)
+            frames = stages.decode_vae_latents(pipe, latents, tiling=options if tiling else False, light=light)
         runtime.log_run_summary(pipe, frames)
         return io.NodeOutput(frames, video_value(frames, fps))
 

@@ -5,6 +5,12 @@ honours `--preview-method`; `auto` means the latent-to-RGB approximation) and tr
 progress bar. Headless there is no editor to show it in: when `LINGBOT_PREVIEW_DIR` is set, one
 PNG per step is written there instead, made with the same linear approximation (under torchrun in
 its ``rank<RANK>`` sub-folder: with --jobs several processes preview different jobs at once).
+
+When a light decoder (TAEHV / LightTAE, `lighttaew2_1` or `taew2_1` .safetensors in
+`models/vae_approx`) is present, the previews decode the first frame with it instead, at half the
+video's size (`light_preview`): real pixels rather than a colour sketch, for a fraction of a second on
+a GPU (seconds on a CPU, still small beside a step). Inside ComfyUI only where `--preview-method` is
+`auto` or `taesd`; a file that cannot be read leaves the approximation, after one warning.
 """
 
 from __future__ import annotations
@@ -34,6 +40,19 @@ def latent_rgb(latents: torch.Tensor, frame: int = 0) -> torch.Tensor:
     return ((rgb + 1.0) / 2.0).clamp(0, 1).mul(255).round().to(torch.uint8)
 
 
+def light_preview(latents: torch.Tensor, light: Path) -> torch.Tensor:
+    """(1,16,T,h,w) DiT-space latents -> the first frame as uint8 [H/2,W/2,3], by the light decoder."""
+    from lingbot_core.checkpoints.light_vae_file import cached_light_vae
+    from lingbot_core.checkpoints.vae_file import shipped_config
+    from lingbot_core.models.light_vae import decode_frames
+
+    model = cached_light_vae(light)
+    config = shipped_config() if model.latent_space == "raw" else None  # the Wan 2.1 latent statistics
+    first = latents[:, :, :1].detach()
+    frame = decode_frames(model, first, config, first.device, full_size=False)[0]
+    return frame.mul(255).round().to(torch.uint8)
+
+
 class Previewer:
     """Turns the sampler's latents into what the host shows: a ComfyUI preview tuple, or a file."""
 
@@ -41,6 +60,13 @@ class Previewer:
         self.label = label
         self._comfy = None
         self._folder: Path | None = None
+        self._light: Path | None = None
+        self._max_size = 512
+        self._host = "comfy" if comfy else "headless"
+        if (_comfy_method_allows_light() if comfy else bool(os.environ.get("LINGBOT_PREVIEW_DIR"))):
+            from .files import light_vae_file
+
+            self._light = light_vae_file()
         if comfy:
             try:
                 import comfy.latent_formats
@@ -49,6 +75,7 @@ class Previewer:
 
                 self._comfy = latent_preview.get_previewer(comfy.model_management.get_torch_device(),
                                                            comfy.latent_formats.Wan21())
+                self._max_size = getattr(latent_preview, "MAX_PREVIEW_RESOLUTION", self._max_size)
             except Exception:  # no previewer (an older or stripped-down ComfyUI): progress only
                 self._comfy = None
         elif os.environ.get("LINGBOT_PREVIEW_DIR"):
@@ -60,11 +87,33 @@ class Previewer:
 
     @property
     def active(self) -> bool:
-        return self._comfy is not None or self._folder is not None
+        return self._comfy is not None or self._folder is not None or (self._light is not None and self._host == "comfy")
+
+    def _light_frame(self, latents: torch.Tensor) -> torch.Tensor | None:
+        """The light decoder's preview frame, or None (no file; or it failed: one warning, then never again)."""
+        if self._light is None:
+            return None
+        try:
+            return light_preview(latents, self._light)
+        except Exception as err:  # a preview never fails a run
+            import logging
+
+            logging.getLogger("lingbot_nodes").warning("lingbot: previews with the light decoder %s failed (%s); "
+                                                       "using the latent approximation", self._light.name,
+                                                       str(err)[:200])
+            self._light = None
+            return None
 
     def comfy_preview(self, latents: torch.Tensor):
         """ComfyUI's ("JPEG", image, max size) tuple for `ProgressBar.update_absolute`, or None."""
-        if self._comfy is None or not isinstance(latents, torch.Tensor) or latents.ndim != 5:
+        if not isinstance(latents, torch.Tensor) or latents.ndim != 5 or self._host != "comfy":
+            return None
+        frame = self._light_frame(latents)
+        if frame is not None:
+            from PIL import Image
+
+            return ("JPEG", Image.fromarray(frame.numpy()), self._max_size)
+        if self._comfy is None:
             return None
         return self._comfy.decode_latent_to_preview_image("JPEG", latents)
 
@@ -81,8 +130,21 @@ class Previewer:
         self._folder.mkdir(parents=True, exist_ok=True)
         stem = f"{self.label}_{node_id}" if node_id else self.label
         path = self._folder / f"{_file_stem(stem)}_{step:04d}.png"
-        Image.fromarray(latent_rgb(latents).numpy()).save(path)
+        frame = self._light_frame(latents)
+        Image.fromarray((frame if frame is not None else latent_rgb(latents)).numpy()).save(path)
         return path
+
+
+def _comfy_method_allows_light() -> bool:
+    """Inside ComfyUI: whether `--preview-method` leaves the choice to us (`auto`) or asks for a
+    tiny decoder (`taesd`); `latent2rgb` and `none` are kept as the user set them."""
+    try:
+        from comfy.cli_args import args
+
+        method = getattr(args.preview_method, "value", args.preview_method)
+    except Exception:
+        return False
+    return str(method) in ("auto", "taesd")
 
 
 def _file_stem(text: str) -> str:
