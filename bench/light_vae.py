@@ -7,7 +7,8 @@ random weights (time and memory only; random weights say nothing of quality):
 - `full`: diffusers' `AutoencoderKLWan` built from the shipped Wan 2.1 config (what Decode runs);
 - `light`: `models.light_vae.LightVideoDecoder` (what `vae: light` runs), float32 on the CPU.
 
-Reported per decoder: seconds (best of `--repeats`, after one profiled call), the torch CPU bytes the call adds at its peak
+Reported per decoder: seconds and CPU seconds of this process (best of `--repeats`, after one profiled
+call; on a shared machine the CPU seconds are the steadier figure), the torch CPU bytes the call adds at its peak
 (`_common.cpu_peak_bytes`: net of weights and inputs) and the process's peak RSS after it (the light
 one runs first: peak RSS only grows), then the ratios full / light.
 
@@ -102,12 +103,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model = _full_vae() if name == "full" else _light_vae()
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         peak, out = cpu_peak_bytes(lambda m=model, n=name: _decode(n, m, z))  # also the warm-up
-        best = float("inf")
+        best, cpu = float("inf"), float("inf")
         for _ in range(args.repeats):  # timed without the profiler
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             _decode(name, model, z)
-            best = min(best, time.perf_counter() - start)
-        rows[name] = {"seconds": best, "peak_bytes": peak, "peak_rss": _peak_rss(), "weights_bytes": weights,
+            best, cpu = min(best, time.perf_counter() - start), min(cpu, time.process_time() - start_cpu)
+        rows[name] = {"seconds": best, "cpu_seconds": cpu, "peak_bytes": peak, "peak_rss": _peak_rss(), "weights_bytes": weights,
                       "frames_out": tuple(out.shape[2:])}
         del model, out
     result: dict[str, Any] = {"latents": list(shape), "video": [args.frames, args.height, args.width],
@@ -115,6 +116,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "full" in rows and "light" in rows:
         full, light = rows["full"], rows["light"]
         result["ratios"] = {"time_full_over_light": full["seconds"] / light["seconds"],
+                            "cpu_time_full_over_light": full["cpu_seconds"] / light["cpu_seconds"],
                             "peak_full_over_light": full["peak_bytes"] / max(light["peak_bytes"], 1)}
     return result
 
@@ -123,13 +125,14 @@ def report(result: dict[str, Any]) -> str:
     frames, height, width = result["video"]
     lines = [f"decode {width}x{height}x{frames} (latents {'x'.join(map(str, result['latents']))}), CPU, "
              f"{result['env']['threads']} thread(s), random weights"]
-    rows = [[name, f"{r['seconds']:.2f}", fmt_bytes(r["peak_bytes"]), fmt_bytes(r["peak_rss"]),
+    rows = [[name, f"{r['seconds']:.2f}", f"{r['cpu_seconds']:.2f}", fmt_bytes(r["peak_bytes"]), fmt_bytes(r["peak_rss"]),
              fmt_bytes(r["weights_bytes"]), "x".join(map(str, r["frames_out"]))]
             for name, r in result["decoders"].items()]
-    lines.append(table(["decoder", "seconds", "peak (torch)", "peak RSS", "weights", "out T x H x W"], rows))
+    lines.append(table(["decoder", "seconds", "CPU seconds", "peak (torch)", "peak RSS", "weights", "out T x H x W"], rows))
     if "ratios" in result:
         r = result["ratios"]
-        lines.append(f"full / light: {r['time_full_over_light']:.1f}x the time, "
+        lines.append(f"full / light: {r['time_full_over_light']:.1f}x the time ({r['cpu_time_full_over_light']:.1f}x the "
+                     f"CPU time), "
                      f"{r['peak_full_over_light']:.1f}x the peak memory")
     return "\n".join(lines)
 

@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--offload-to", choices=("ram", "disk"), default="ram",
                         help="the offloaded DiT's home: ram, or disk (streamed from its file)")
     parser.add_argument("--tiling", action="store_true", help="tiled VAE decode (much less memory)")
+    parser.add_argument("--light-vae", metavar="FILE",
+                        help="decode with this light decoder (taew2_1 / lighttaew2_1 .safetensors, as in ComfyUI's "
+                             "models/vae_approx) instead of the Wan 2.1 VAE: much faster and smaller, lower quality")
     parser.add_argument("--sampler", default=None,
                         help="flow_unipc (default), euler or dmd_student (a DMD student checkpoint such as "
                              "robbyant/lingbot-video-moe-dmd-30b-a3b: --steps and --cfg then default to its "
@@ -217,6 +220,10 @@ def _checked_run(args: argparse.Namespace) -> int:
 
     check_cfg_batch(args.cfg_batch)
     args.step_cache = StepCacheSettings(args.step_cache, threshold=args.cache_threshold)
+    if args.light_vae:  # a wrong file is refused now, before any model loads
+        from .checkpoints.light_vae_file import inspect_light_vae_file
+
+        inspect_light_vae_file(args.light_vae)
     return _run(args, output)
 
 
@@ -345,7 +352,7 @@ def _run(args: argparse.Namespace, output: Path) -> int:
                           guidance_scale=args.cfg, shift=args.shift, seed=args.seed, refine_output=args.refine,
                           refine_options=dict(height=refine[0], width=refine[1]) if refine else None,
                           tiling=True if args.tiling else None, callback=on_step, sampler=args.sampler,
-                          cfg_batch=args.cfg_batch, step_cache=args.step_cache)
+                          cfg_batch=args.cfg_batch, step_cache=args.step_cache, light_vae=args.light_vae)
     _say(args.quiet, f"lingbot: done in {time.perf_counter() - started:.1f}s")
     for frames_out, suffix in ((result.frames, ""), (result.refined, "_refined")):
         if frames_out is None:
@@ -370,7 +377,7 @@ def _video_to_video(handle, args: argparse.Namespace, video, *, height: int, wid
                              num_frames=frames, steps=steps, shift=args.shift, seed=args.seed, sampler=args.sampler,
                              image_cond=image_cond, callback=callback, guidance_scale=args.cfg,
                              cfg_batch=args.cfg_batch, step_cache=args.step_cache)
-    frames_out = stages.decode(handle, latents, tiling=tiling)
+    frames_out = stages.decode(handle, latents, tiling=tiling, light=args.light_vae)
     refined = None
     if refine:
         text_cond = stages.encode_prompt(handle, args.prompt, None, mode=args.mode) if cond.with_image else cond

@@ -682,8 +682,12 @@ def generate(
     sampler: str | sampling.Sampler | None = None,
     cfg_batch: str = "off",
     step_cache: str | StepCacheSettings | None = "off",
+    light_vae: Any = None,
 ) -> GenerateResult:
     """T2V, T2I or TI2V (plus the MoE refiner when asked), chaining the stages like the reference.
+
+    `light_vae`: a light decoder file to decode with (`decode`'s `light`; the refiner still encodes
+    and decodes with the Wan VAE).
 
     `cfg_batch` as for `denoise`, for the base pass and the refiner (`refine_options` may set its
     own); `step_cache` for the base pass (the refiner's comes from `refine_options`). Both are
@@ -728,7 +732,7 @@ def generate(
                       callback=callback, sampler=sampler, cfg_batch=cfg_batch, step_cache=step_cache)
     if output == "latent" and not refine_output:
         return GenerateResult(None, latents)
-    frames = decode(handle, latents, tiling=tiling)
+    frames = decode(handle, latents, tiling=tiling, light=light_vae)
     refined = None
     if refine_output:
         text_cond = encode_prompt(handle, prompt, None, mode=mode) if cond.with_image else cond

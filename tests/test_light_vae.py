@@ -249,5 +249,21 @@ def test_bench_quick_runs_both_decoders_side_by_side(tmp_path, capsys):
     assert "full / light" in capsys.readouterr().out
     full, light = result["decoders"]["full"], result["decoders"]["light"]
     assert full["frames_out"] == light["frames_out"] == (5, 16, 16)  # the same video out of the same latents
-    assert set(json.loads((tmp_path / "light.json").read_text())["ratios"]) == {"time_full_over_light",
-                                                                                "peak_full_over_light"}
+    assert set(json.loads((tmp_path / "light.json").read_text())["ratios"]) == {
+        "time_full_over_light", "cpu_time_full_over_light", "peak_full_over_light"}
+
+
+def test_core_command_decodes_with_light_vae_and_refuses_a_wrong_file_before_loading(tmp_path, capsys, monkeypatch):
+    from lingbot_core import stages
+    from lingbot_core.__main__ import main as core_main
+
+    wrong = _write(tmp_path / "taew2_1.safetensors", {"decoder.middle.0.residual.0.gamma": torch.zeros(4, 1, 1, 1)})
+    assert core_main(["--light-vae", str(wrong), "--output", str(tmp_path / "out"), "-q"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "full Wan 2.1 VAE" in err
+    good = _write(tmp_path / "lighttaew2_1.safetensors", _state())
+    used = []
+    decode = stages.decode
+    monkeypatch.setattr(stages, "decode", lambda *a, **k: used.append(k.get("light")) or decode(*a, **k))
+    assert core_main(["--light-vae", str(good), "--steps", "1", "--output", str(tmp_path / "out"), "-q"]) == 0
+    assert used == [str(good)] and capsys.readouterr().out.strip().endswith(".mp4")
