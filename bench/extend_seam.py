@@ -60,15 +60,16 @@ def steps_of(frames: torch.Tensor) -> torch.Tensor:
     return (frames[1:] - frames[:-1]).abs().mean(dim=(1, 2, 3))
 
 
-def seam_row(joined: torch.Tensor, input_frames: int, new: int, segments: int) -> dict[str, float]:
-    """The step at each seam (frame `input_frames + i * new`) against the median step inside the segments."""
+def seam_row(joined: torch.Tensor, clip: torch.Tensor, new: int, segments: int) -> dict[str, float]:
+    """The step at each seam (into frame `len(clip) + i * new`) against the median step inside the
+    segments, and the input clip's own mean step."""
     changes = steps_of(joined)
-    seams = [input_frames + i * new - 1 for i in range(segments)]  # step index s: frame s -> s + 1
-    inner = [s for s in range(input_frames - 1, len(changes)) if s not in seams]
+    seams = [len(clip) + i * new - 1 for i in range(segments)]  # step index s: frame s -> s + 1
+    inner = [s for s in range(len(clip), len(changes)) if s not in seams]
     seam = float(changes[seams].mean())
     inside = float(changes[inner].median()) if inner else float("nan")
     return {"seam": seam, "inner": inside, "ratio": seam / inside if inside > 0 else float("inf"),
-            "input": float(changes[:input_frames - 1].mean())}
+            "input": float(steps_of(clip).mean())}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                              overlap_mode=mode)
                 new = frames - extend.overlap_frames(k)
                 rows.append({"k": k, "mode": mode, "frames": int(joined.shape[0]),
-                             **seam_row(joined, frames, new, args.segments)})
+                             **seam_row(joined, clip, new, args.segments)})
     return {"benchmark": "extend_seam", "geometry": {"size": size, "frames": frames, "steps": args.steps,
                                                      "segments": args.segments},
             "rows": rows, "environment": environment()}

@@ -313,3 +313,20 @@ def test_core_command_extends_a_file(tmp_path, capsys):
         assert core_main(["--output", str(out), "--quiet", *argv]) == 2, argv
         err = capsys.readouterr().err
         assert words in err and len(err.strip().splitlines()) == 1, (argv, err)
+
+
+def test_seam_bench_quick(capsys):
+    """bench/extend_seam.py at its smallest: one row per k and overlap mode, the joined lengths, and the
+    steps it measures."""
+    from bench import extend_seam
+
+    threads = torch.get_num_threads()
+    try:
+        result = extend_seam.main(["--quick", "--threads", "1", "--steps", "1", "--segments", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    rows = result["rows"]
+    assert [(r["k"], r["mode"]) for r in rows] == [(k, m) for k in (1, 2) for m in ext.OVERLAP_MODES]
+    assert [r["frames"] for r in rows] == [ext.extended_length(9, 1, 9, r["k"]) for r in rows]
+    assert all(r["seam"] > 0 and r["inner"] > 0 and r["input"] > 0 for r in rows)
+    assert "seam / inner" in capsys.readouterr().out
