@@ -267,3 +267,61 @@ def test_core_command_decodes_with_light_vae_and_refuses_a_wrong_file_before_loa
     monkeypatch.setattr(stages, "decode", lambda *a, **k: used.append(k.get("light")) or decode(*a, **k))
     assert core_main(["--light-vae", str(good), "--steps", "1", "--output", str(tmp_path / "out"), "-q"]) == 0
     assert used == [str(good)] and capsys.readouterr().out.strip().endswith(".mp4")
+
+
+def test_lingbot_run_t2v_with_the_light_decoder_and_light_previews(files_dir, tmp_path, capsys, monkeypatch):
+    """The shipped T2V workflow on the tiny model, `--set Decode.vae=light`: its latent decodes with the
+    light decoder into the same geometry, and the step previews are the decoder's half-size frames."""
+    from PIL import Image
+
+    from lingbot_nodes.cli import main
+
+    _write(files_dir / "taew2_1.safetensors", _state())
+    monkeypatch.setenv("LINGBOT_PREVIEW_DIR", str(tmp_path / "previews"))
+    assert main(["--output", str(tmp_path / "out"), "--set", "Decode.vae=light", "-q"]) == 0
+    (written,) = capsys.readouterr().out.split()
+    from video_reader import read_video
+
+    frames, _fps = read_video(written)
+    assert frames.shape == (9, 64, 64, 3)
+    previews = sorted((tmp_path / "previews").glob("*.png"))
+    assert previews and {Image.open(p).size for p in previews} == {(32, 32)}  # not the 8x8 latent sketch
+
+
+def test_light_decode_moves_progress_per_latent_frame_and_can_be_cancelled(tiny, files_dir, monkeypatch):
+    from lingbot_nodes import runtime
+    from lingbot_nodes.output import LingBotDecode
+
+    class Bar:
+        made: list = []
+
+        def __init__(self, total, label="lingbot"):
+            self.total, self.label, self.values = total, label, []
+            Bar.made.append(self)
+
+        def update(self, value, total=None, preview=None):
+            self.values.append(value)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(runtime, "Progress", Bar)
+    _write(files_dir / "taew2_1.safetensors", _state())
+    latent = {"samples": torch.randn(1, 16, 3, 4, 4)}
+    LingBotDecode.execute(tiny, latent, vae="light")
+    (bar,) = [b for b in Bar.made if b.label == "decode"]
+    assert bar.total == 3 and bar.values[-1] == 3  # one unit per latent frame, ends at 100 %
+
+    calls = []
+
+    def cancel():
+        calls.append(1)
+        if len(calls) > 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(runtime, "interrupt_check", lambda: cancel)
+    with pytest.raises(KeyboardInterrupt):
+        LingBotDecode.execute(tiny, latent, vae="light")
+    monkeypatch.setattr(runtime, "interrupt_check", lambda: (lambda: None))
+    images, _video = LingBotDecode.execute(tiny, latent, vae="light").args  # the handle still works
+    assert tuple(images.shape) == (9, 32, 32, 3)
