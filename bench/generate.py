@@ -80,7 +80,7 @@ def build_mid_checkpoint(tiny: Path, folder: Path, *, hidden: int, depth: int, h
 
 
 def _configure(handle, mode: str):
-    from lingbot_core.offload import configure_offload
+    from lingbot_core.placement.door import configure_offload
 
     return configure_offload(handle, mode, **MODE_OPTIONS.get(mode, {}))
 

@@ -90,10 +90,9 @@ def params(module: torch.nn.Module) -> int:
 
 def collect() -> dict[str, Any]:
     from bench.recipes import run_chunk
-    from lingbot_core import memory
-    from lingbot_core.placement import recipes
+    from lingbot_core.placement import estimate, recipes
 
-    out: dict[str, Any] = {"disk": {}, "estimate": {}, "reserve_bytes": memory.RESERVE_BYTES,
+    out: dict[str, Any] = {"disk": {}, "estimate": {}, "reserve_bytes": estimate.RESERVE_BYTES,
                            "ffn_chunk": run_chunk()}
     for variant in ("dense", "moe"):
         components = build(variant)
@@ -102,7 +101,7 @@ def collect() -> dict[str, Any]:
         out["disk"][variant] = {"params": {n: params(m) for n, m in components.items()}, "bytes": disk}
         sizes = recipes.model_facts()[variant]["sizes"]
         for height, width, frames, refine, tiled in ROWS[variant]:
-            geometry = memory.Geometry(height=height, width=width, num_frames=frames,
+            geometry = estimate.Geometry(height=height, width=width, num_frames=frames,
                                        refine=REFINE if refine else None, vae_tiling=tiled, ffn_chunk=run_chunk())
             key = f"{variant} {width}x{height}x{frames}"
             key += f" + refine {REFINE[1]}x{REFINE[0]}" if refine else (" (base only)" if variant == "moe" else "")

@@ -323,7 +323,7 @@ def _clear(device: torch.device) -> None:
 def run_mode(base, mode: str, options: dict[str, Any], request: dict[str, Any], device: torch.device,
              offload_to: str = "ram") -> dict[str, Any]:
     from lingbot_core import stages
-    from lingbot_core.offload import configure_offload
+    from lingbot_core.placement.door import configure_offload
 
     t0 = time.perf_counter()
     view = configure_offload(base, mode, offload_to=offload_to, **options)
@@ -361,7 +361,7 @@ def fault_check(base, mode: str, options: dict[str, Any], request: dict[str, Any
     """A cancel mid-denoise, then an error inside a DiT block: after each, the allocated device memory
     is back at the mode's clean level (what a finished run leaves), and a rerun gives the same frames."""
     from lingbot_core import stages
-    from lingbot_core.offload import configure_offload
+    from lingbot_core.placement.door import configure_offload
 
     view = configure_offload(base, mode, **options)
     short = {**request, "steps": min(int(request["steps"]), 2)}
@@ -595,7 +595,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from lingbot_core import stages
     from lingbot_core.checkpoints.loading import default_dtypes
     from lingbot_core.handle import PipelineHandle
-    from lingbot_core.offload import configure_offload
+    from lingbot_core.placement.door import configure_offload
     from lingbot_core.tiny import build_tiny_checkpoint
 
     started = time.perf_counter()

@@ -179,11 +179,11 @@ def estimates() -> list[dict[str, Any]]:
     """Per-GPU peak estimates (`ParallelShare.peak`, the figure `auto` prints) of the real MoE config at
     832x480, 121 frames, untiled decode: rank 0 (encodes and decodes too) and the other ranks."""
     from bench.memory_table import build
-    from lingbot_core import memory
+    from lingbot_core.placement import estimate
     from lingbot_core.placement.estimate import ParallelShare
 
-    sizes = memory.sizes_from_modules(build("moe"))
-    geometry = memory.Geometry(height=480, width=832, num_frames=121)
+    sizes = estimate.ModelSizes.from_modules(build("moe"))
+    geometry = estimate.Geometry(height=480, width=832, num_frames=121)
     rows = []
     for cfg, ulysses, fsdp in ESTIMATE_LAYOUTS:
         share = ParallelShare(cfg, ulysses, fsdp)

@@ -125,7 +125,7 @@ class StudentRecipe:
 def student_plan(fmt: str, to: str, vram: int, host: int) -> dict | None:
     """The student with `fmt` weights homed in `to` (cfg 1, no refiner, tiled decode): the largest base
     size that fits and the fastest mode there; None when no size fits."""
-    from lingbot_core.memory import Geometry, host_bytes
+    from lingbot_core.placement.estimate import Geometry, host_bytes
     from lingbot_core.placement.fit import BASE_SIZES
 
     sizes = student_sizes(fmt)
@@ -275,7 +275,7 @@ def modes_block() -> str:
 
 
 def _moe_bf16_geometry(refine: tuple[int, int] | None) -> Any:
-    from lingbot_core.memory import Geometry
+    from lingbot_core.placement.estimate import Geometry
 
     return Geometry(480, 832, FRAMES, refine=refine, vae_tiling=True, release_base=True, ffn_chunk=run_chunk())
 
@@ -384,7 +384,7 @@ def note_figures() -> dict[str, Any]:
     """What the workflow Notes quote: per `NOTE_RUNS` name the GiB the per-mode table prints (the fit
     check's least need under `ffn_chunk: auto`), and `refine`: the recipe of `NOTE_MACHINE` (its refine
     size "WxH", the fit check's GiB there, the chunk)."""
-    from lingbot_core.memory import Geometry
+    from lingbot_core.placement.estimate import Geometry
 
     facts = model_facts()
     out: dict[str, Any] = {}

@@ -35,7 +35,7 @@ def _plain_generate(encoder, processor, text: str, tokens: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from lingbot_core.handle import PipelineHandle
-    from lingbot_core.offload import configure_offload
+    from lingbot_core.placement.door import configure_offload
     from lingbot_core.rewrite import generate_text
     from lingbot_core.rewrite.local_backend import chat_text
     from lingbot_core.tiny import ensure_tiny_checkpoint

@@ -246,7 +246,7 @@ def compose(bench: Bench) -> Table:
     against the eager run it replaces (compile time shown apart: the first compiled run pays it)."""
     from lingbot_core.handle import PipelineHandle
     from lingbot_core.models.compile import compile_problem
-    from lingbot_core.offload import configure_offload
+    from lingbot_core.placement.door import configure_offload
     from lingbot_core.sampling.step_cache import StepCacheSettings
 
     if (problem := compile_problem("cpu")):

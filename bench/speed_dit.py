@@ -381,16 +381,16 @@ def measure_estimate(args: argparse.Namespace) -> dict[str, Any]:
     """What the accelerator-memory estimate says for the MoE base 832x480x121 + refine 1920x1088 plan
     (tiled decode; the estimate is the same for offload_to ram or disk), per FFN chunk size."""
     from bench.memory_table import REFINE, build
-    from lingbot_core import memory
+    from lingbot_core.placement import estimate
     from lingbot_core.placement.estimate import FFN_CHUNKS, GiB, ffn_chunk_tokens
 
-    sizes = memory.sizes_from_modules(build("moe"))
+    sizes = estimate.ModelSizes.from_modules(build("moe"))
     rows = []
     for chunk in (None, *FFN_CHUNKS):
-        geometry = memory.Geometry(height=480, width=832, num_frames=121, refine=REFINE, vae_tiling=True,
+        geometry = estimate.Geometry(height=480, width=832, num_frames=121, refine=REFINE, vae_tiling=True,
                                    ffn_chunk=chunk)
-        rows.append({"chunk": chunk, **{m: memory.estimate_peak(m, sizes, geometry) for m in ("group", "sequential")}})
-    plan = memory.Geometry(height=480, width=832, num_frames=121, refine=REFINE, vae_tiling=True)
+        rows.append({"chunk": chunk, **{m: estimate.estimate_peak(m, sizes, geometry) for m in ("group", "sequential")}})
+    plan = estimate.Geometry(height=480, width=832, num_frames=121, refine=REFINE, vae_tiling=True)
     picked = {m: ffn_chunk_tokens(m, sizes, plan, 22 * GiB) for m in ("group", "sequential")}
     text = table(["FFN chunk (tokens)", "group GiB", "sequential GiB"],
                  [[str(r["chunk"] or "whole"), r["group"] / GiB, r["sequential"] / GiB] for r in rows])

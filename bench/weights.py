@@ -326,7 +326,7 @@ def child_disk(folder: str, mode: str, video_tokens: int, text_tokens: int) -> d
     import gc
 
     import lingbot_core.models.transformer  # noqa: F401  (imports before the baseline)
-    from lingbot_core.offload import configure_offload, stage
+    from lingbot_core.placement.door import configure_offload, stage
     from lingbot_core.placement.tensors import stored_bytes
 
     base, _ = _rss()

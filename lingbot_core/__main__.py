@@ -279,8 +279,8 @@ def _run(args: argparse.Namespace, output: Path) -> int:
     import time
 
     from .handle import PipelineHandle, settings_from_flags
-    from .memory import Geometry
-    from .offload import check_handle, configure_offload, require_refiner
+    from .placement.door import check_handle, configure_offload, require_refiner
+    from .placement.estimate import Geometry
     from .save_path import save_target
     from .stage_inputs import validate_geometry
     from .stages import generate

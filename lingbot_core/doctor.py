@@ -373,7 +373,7 @@ def _inputs(settings: Settings, config: Any, seed: int = 0) -> tuple[torch.Tenso
 def measure_mode(doctor: Doctor, handle: Any, mode: str, geometry: Any) -> tuple[dict[str, Any], torch.Tensor]:
     """`mode` installed on `handle`'s DiT: a warm-up call (on CUDA), then `steps` steps (two DiT forwards
     each, as CFG runs) inside one stage. The stage's times and peaks, and the last output (on the CPU)."""
-    from .offload import configure_offload, stage
+    from .placement.door import configure_offload, stage
 
     settings, accel = doctor.settings, doctor.accelerator
     accel.clear()
@@ -412,17 +412,16 @@ def measure_mode(doctor: Doctor, handle: Any, mode: str, geometry: Any) -> tuple
 def run_modes(doctor: Doctor, variant: str) -> list[dict[str, Any]]:
     """One variant (its published width, `settings.blocks` blocks, random weights) under every offload
     mode, each row with the estimate of the same model and geometry (the 'denoise' phase)."""
-    from . import memory
     from .handle import PipelineHandle
-    from .offload import configure_offload
-    from .placement import calibration
+    from .placement import calibration, estimate
+    from .placement.door import configure_offload
     from .placement.modes import MODE_ORDER
 
     settings = doctor.settings
     config = dit_config(variant, settings.blocks, settings.experts)
     built_s, dit = _timed(lambda: random_dit(config, settings.dtype), Accelerator(torch.device("cpu")))
-    sizes = memory.sizes_from_modules({"transformer": dit})
-    geometry = memory.Geometry(height=settings.height, width=settings.width, num_frames=settings.num_frames, cfg=True)
+    sizes = estimate.ModelSizes.from_modules({"transformer": dit})
+    geometry = estimate.Geometry(height=settings.height, width=settings.width, num_frames=settings.num_frames, cfg=True)
     handle = PipelineHandle.from_components({"transformer": dit}, device=settings.device)
     shape = {"variant": variant, "blocks": settings.blocks, "hidden": config["hidden_size"],
              "experts": config.get("num_experts") or 0, "weights_bytes": sizes.transformer, "build_s": built_s}
@@ -430,7 +429,7 @@ def run_modes(doctor: Doctor, variant: str) -> list[dict[str, Any]]:
     reference = None
     for mode in MODE_ORDER:
         row: dict[str, Any] = {**shape, "mode": mode,
-                               "estimate_bytes": memory.estimate_peak(mode, sizes, geometry, ("denoise",))}
+                               "estimate_bytes": estimate.estimate_peak(mode, sizes, geometry, ("denoise",))}
         try:
             measured, out = measure_mode(doctor, handle, mode, geometry)
         except Exception as err:  # one mode's failure must not cost the others' rows
@@ -461,7 +460,7 @@ def dit_modes(doctor: Doctor) -> dict[str, Any]:
                      "dtype": str(s.dtype).replace("torch.", ""), "blocks": s.blocks, "steps": s.steps},
         "rows": rows,
         "note": "a step is two DiT forwards (CFG) of this reduced-depth model; the estimate is the 'denoise' "
-                "phase of lingbot_core.memory.estimate_peak for the same model and geometry",
+                "phase of lingbot_core.placement.estimate.estimate_peak for the same model and geometry",
     }
     if s.experts is not None:
         out["note"] += f"; {s.experts} experts per MoE block (the published model has more)"
@@ -573,7 +572,7 @@ def measured_factor(rows: list[dict[str, Any]]) -> float | None:
 def recipe_check(vram_total: int, host_total: int, factor: float | None) -> dict[str, Any]:
     """The recipe the estimate gives for this machine, and the one it gives when every peak is scaled by
     `factor` (measured/estimated here): the same recipe confirms the row, another corrects it."""
-    from .memory import RESERVE_BYTES
+    from .placement.estimate import RESERVE_BYTES
     from .placement.recipes import DESKTOP_GIB, SYSTEM_GIB, recipe_for
 
     vram = int(vram_total - DESKTOP_GIB * GiB)

@@ -250,7 +250,7 @@ _SIZES: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDiction
 
 def _model_sizes(handle: Any) -> Any:
     """The handle's model sizes for the estimate, cached per shared components and load dtypes."""
-    from . import memory
+    from .placement import estimate
 
     shared = handle.shared
     key = (id(shared.info), tuple(sorted((k, str(v)) for k, v in (shared.dtypes or {}).items())),
@@ -263,9 +263,9 @@ def _model_sizes(handle: Any) -> Any:
         return cached[1]
     try:
         if handle.info is not None:  # opened from a checkpoint (a folder and/or files)
-            sizes = memory.ModelSizes.from_handle(handle)
+            sizes = estimate.ModelSizes.from_handle(handle)
         else:
-            sizes = memory.sizes_from_modules(shared.loaded)
+            sizes = estimate.ModelSizes.from_modules(shared.loaded)
     except Exception:
         sizes = None
     try:
@@ -280,12 +280,12 @@ def check_request_fits(handle: Any, *, height: int, width: int, num_frames: int,
                        what: str = "this request") -> None:
     """Refuse a size that cannot fit the execution device even under the most frugal offload mode.
 
-    The need comes from the memory estimate (`lingbot_core.memory`: the smallest weight working set
+    The need comes from the memory estimate (`placement.estimate`: the smallest weight working set
     plus the request's activations, or one VAE pass for ``phase="decode"``); the limit is the
     device's whole memory. So only requests
     that cannot possibly run are refused, and they are refused before anything loads.
     """
-    from . import memory
+    from .placement import estimate
 
     sizes = _model_sizes(handle)
     capacity = device_capacity(torch.device(handle.device))
@@ -297,10 +297,10 @@ def check_request_fits(handle: Any, *, height: int, width: int, num_frames: int,
     chunking = handle.shared.ffn_chunk
 
     def need(h: int, w: int, frames: int) -> int:
-        geometry = memory.Geometry(height=h, width=w, num_frames=frames, cfg=cfg, refine=refine, ffn_chunk=chunking)
+        geometry = estimate.Geometry(height=h, width=w, num_frames=frames, cfg=cfg, refine=refine, ffn_chunk=chunking)
         if phase == "decode":  # a VAE pass alone: the VAE's weights and its activations
-            return sizes.vae + memory.activation_bytes(sizes, geometry)["decode"]
-        return memory.estimate_peak("sequential", sizes, resolve_chunk("sequential", sizes, geometry, capacity))
+            return sizes.vae + estimate.activation_bytes(sizes, geometry)["decode"]
+        return estimate.estimate_peak("sequential", sizes, resolve_chunk("sequential", sizes, geometry, capacity))
 
     needed = need(height, width, num_frames)
     if needed <= capacity:

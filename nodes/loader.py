@@ -240,8 +240,8 @@ class LingBotOffload(io.ComfyNode):
     @classmethod
     def execute(cls, pipe, mode, use_stream=True, low_cpu_mem_usage=False, num_blocks_per_group=1,
                 plan_width=832, plan_height=480, plan_frames=121, plan_refine=True, offload_to="ram"):
-        from lingbot_core.memory import Geometry
-        from lingbot_core.offload import check_handle, configure_offload, require_refiner
+        from lingbot_core.placement.door import check_handle, configure_offload, require_refiner
+        from lingbot_core.placement.estimate import Geometry
         from lingbot_core.placement.modes import AUTO, OPTIONS
 
         if mode not in OPTIONS:
@@ -295,7 +295,7 @@ class LingBotMemoryReport(io.ComfyNode):
 
     @classmethod
     def execute(cls, pipe, value):
-        from lingbot_core.memory import memory_report
+        from lingbot_core.placement.door import memory_report
 
         text = str(memory_report(pipe))
         return io.NodeOutput(value, text, ui=ui.PreviewText(text))
@@ -323,7 +323,7 @@ class LingBotRelease(io.ComfyNode):
 
     @classmethod
     def execute(cls, pipe, value, what="all"):
-        from lingbot_core.offload import release
+        from lingbot_core.placement.door import release
 
         names = {"all": None, "base transformer": ["transformer"], "refiner": ["refiner"],
                  "text encoder": ["text_encoder"]}[what]

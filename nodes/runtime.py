@@ -230,7 +230,7 @@ def log_run_summary(pipe, frames) -> None:
 
     logger = logging.getLogger("lingbot_nodes")
     if logger.isEnabledFor(logging.INFO):
-        from lingbot_core.memory import memory_report
+        from lingbot_core.placement.door import memory_report
 
         shape = "x".join(str(int(n)) for n in tuple(frames.shape)[:3])
         logger.info("lingbot: decoded %s frames (T x H x W); %s", shape, memory_report(pipe).one_line())
@@ -321,7 +321,7 @@ class ResidentStandIn:
         return False
 
     def _resident_bytes(self) -> int:
-        from lingbot_core.offload import resident_bytes
+        from lingbot_core.placement.door import resident_bytes
 
         shared = self._shared()
         return 0 if shared is None else resident_bytes(shared)
@@ -343,7 +343,7 @@ class ResidentStandIn:
         return 0
 
     def model_unload(self, memory_to_free=None, unpatch_weights=True) -> bool:
-        from lingbot_core.offload import evict
+        from lingbot_core.placement.door import evict
 
         shared = self._shared()
         if shared is not None:
@@ -361,7 +361,7 @@ class ResidentStandIn:
 
 def _track_resident(shared, device) -> None:
     """After a stage: make sure ComfyUI knows about what we keep on its device."""
-    from lingbot_core.offload import resident_bytes
+    from lingbot_core.placement.door import resident_bytes
 
     mm = _comfy("comfy.model_management")
     if mm is None or not resident_bytes(shared):

@@ -52,9 +52,9 @@ def test_the_generator_uses_the_loaders_default_ffn_chunk_and_the_fit_checks_res
     the fit check's (its estimate plus `RESERVE_BYTES`), for the chunk the fit check resolves."""
     from bench import recipes
     from lingbot_core.handle import ffn_chunk_setting
-    from lingbot_core.memory import Geometry
     from lingbot_core.placement import fit
     from lingbot_core.placement import recipes as core
+    from lingbot_core.placement.estimate import Geometry
     from lingbot_nodes import NODE_CLASS_MAPPINGS
 
     chunk = recipes.run_chunk()

@@ -100,7 +100,7 @@ def test_checkpoints_under_models_lingbot_video_are_offered(comfy, fixtures_root
 
 
 def test_progress_output_folder_and_unload_models(comfy):
-    from lingbot_core import offload
+    from lingbot_core.placement import door
 
     prompt = _prompt()
     engine = Engine(NODE_CLASS_MAPPINGS)
@@ -114,9 +114,9 @@ def test_progress_output_folder_and_unload_models(comfy):
     # ComfyUI now knows about our resident components, and its "Unload models" frees them.
     view = first.output("2")
     ours = [m for m in comfy.mm.current_loaded_models if m.real_model() is view.shared]
-    assert len(ours) == 1 and ours[0].model_memory() > 0 and offload.resident_components(view)
+    assert len(ours) == 1 and ours[0].model_memory() > 0 and door.resident_components(view)
     comfy.mm.unload_all_models()
-    assert not offload.resident_components(view) and comfy.mm.current_loaded_models == []
+    assert not door.resident_components(view) and comfy.mm.current_loaded_models == []
     assert all(p.device.type == "cpu" for n in ("transformer", "vae", "text_encoder")
                for p in view.shared.loaded[n].parameters())
     # The next run brings back what it needs, and gives the same frames.

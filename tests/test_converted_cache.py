@@ -15,7 +15,7 @@ import torch
 
 import lingbot_core
 from lingbot_core.handle import PipelineHandle
-from lingbot_core.offload import configure_offload, stage
+from lingbot_core.placement.door import configure_offload, stage
 from lingbot_core.weights.loader import load_dit
 from lingbot_core.weights.state import ModelState
 

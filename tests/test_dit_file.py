@@ -221,7 +221,7 @@ def _save(sd: dict[str, torch.Tensor], path: Path) -> Path:
 # -- everything that works for folders works for files (a representative set) ------------------------
 
 def _dit_out(handle) -> torch.Tensor:
-    from lingbot_core.offload import stage
+    from lingbot_core.placement.door import stage
 
     with stage(handle, "transformer"):
         return _out(handle.component("transformer"))
@@ -236,7 +236,7 @@ def _pair(folder: Path, file: Path, **kwargs):
 @pytest.mark.parametrize("mode,home", [("sequential", "ram"), ("group", "ram"), ("model", "disk"),
                                        ("sequential", "disk")])
 def test_offload_modes_on_a_gguf_file(gguf_folder, gguf_files, mode, home):
-    from lingbot_core.offload import configure_offload
+    from lingbot_core.placement.door import configure_offload
 
     folder, file = _pair(gguf_folder, gguf_files["transformer"])
     expected = _dit_out(folder)
@@ -251,7 +251,7 @@ def test_offload_modes_on_a_gguf_file(gguf_folder, gguf_files, mode, home):
 def test_disk_offload_on_a_safetensors_file(tiny, tmp_path):
     """offload_to disk on a plain safetensors DiT file in a community layout: the file is the home of every
     tensor kept as stored; the per-expert stacks (stacked on load) stream from the converted-weights cache."""
-    from lingbot_core.offload import configure_offload
+    from lingbot_core.placement.door import configure_offload
 
     sd = load_file(str(tiny["moe"] / "transformer" / "diffusion_pytorch_model.safetensors"))
     path = _save(_renamed(sd, "model.diffusion_model.", "weight"), tmp_path / "lingbot_moe.safetensors")
@@ -287,8 +287,8 @@ def test_fp8_on_load_of_a_safetensors_file_matches_the_folder(tiny, tmp_path):
 
 
 def test_estimate_report_auto_and_reload_on_a_dit_file(gguf_folder, gguf_files, monkeypatch):
-    from lingbot_core.memory import ModelSizes, memory_report
-    from lingbot_core.offload import configure_offload, effective_mode, release
+    from lingbot_core.placement.door import configure_offload, effective_mode, memory_report, release
+    from lingbot_core.placement.estimate import ModelSizes
     from lingbot_core.weights import sources
 
     walks: list[str] = []

@@ -65,7 +65,7 @@ def test_the_folder_loader_opens_the_root_and_runs_the_recipe(student):
     frames = run_recipe(handle)
     assert frames.shape[0] == SMALL["num_frames"] and torch.isfinite(frames).all()
     with pytest.raises(Exception, match="to refine after it, load the base MoE root with transformer_path"):
-        from lingbot_core.offload import require_refiner
+        from lingbot_core.placement.door import require_refiner
 
         require_refiner(handle, (128, 128))
 
@@ -219,7 +219,7 @@ def test_the_quantized_student_root_runs_the_recipe(student, tmp_path, to):
 
 def test_student_with_every_offload_mode_is_bit_identical(student):
     """Every registered offload mode (and disk streaming) gives the same frames, bit for bit."""
-    from lingbot_core.offload import configure_offload
+    from lingbot_core.placement.door import configure_offload
     from lingbot_core.placement.modes import MODE_ORDER
 
     handle = PipelineHandle.open(student, device="cpu")
@@ -360,8 +360,8 @@ def test_readme_student_recipes_are_what_the_estimator_gives():
     check for its machine; the 'none is published' line is gone; SGLang's defaults are named as not
     the recipe."""
     from bench import recipes
-    from lingbot_core.memory import Geometry
     from lingbot_core.placement import fit
+    from lingbot_core.placement.estimate import Geometry
 
     root = Path(__file__).resolve().parents[1]
     readme = (root / "README.md").read_text()

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lingbot_core import doctor, memory
-from lingbot_core.placement import recipes
+from lingbot_core import doctor
+from lingbot_core.placement import estimate, recipes
 from lingbot_core.placement.modes import MODE_ORDER
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,16 +57,16 @@ def test_cpu_run_reports_every_section_and_mode(cpu_report):
 
 
 def test_estimate_in_the_report_is_the_estimators(cpu_report):
-    """The estimate column is `memory.estimate_peak` of the same model and geometry (its denoise phase)."""
+    """The estimate column is `estimate.estimate_peak` of the same model and geometry (its denoise phase)."""
     _, report = cpu_report
     dit = report["sections"]["dit"]
     g = dit["geometry"]
-    geometry = memory.Geometry(height=g["height"], width=g["width"], num_frames=g["num_frames"], cfg=True)
+    geometry = estimate.Geometry(height=g["height"], width=g["width"], num_frames=g["num_frames"], cfg=True)
     row = next(r for r in dit["rows"] if r["variant"] == "dense" and r["mode"] == MODE_ORDER[0])
     model = doctor.random_dit(doctor.dit_config("dense", g["blocks"]), torch.float32)
-    sizes = memory.sizes_from_modules({"transformer": model})
+    sizes = estimate.ModelSizes.from_modules({"transformer": model})
     assert row["weights_bytes"] == sizes.transformer
-    assert row["estimate_bytes"] == memory.estimate_peak(MODE_ORDER[0], sizes, geometry, ("denoise",))
+    assert row["estimate_bytes"] == estimate.estimate_peak(MODE_ORDER[0], sizes, geometry, ("denoise",))
 
 
 def test_command_line_writes_the_report(tmp_path):
@@ -224,14 +224,14 @@ class FakeCuda(doctor.Accelerator):
 @pytest.fixture
 def fake_cuda(monkeypatch):
     fake = FakeCuda(total_bytes=24 * doctor.GiB, peak_scale=1.25)
-    estimate = memory.estimate_peak
+    real = estimate.estimate_peak
 
     def recording(mode, sizes, geometry, phases=None):
-        value = estimate(mode, sizes, geometry, phases)
+        value = real(mode, sizes, geometry, phases)
         fake.estimates.append(value)
         return value
 
-    monkeypatch.setattr(memory, "estimate_peak", recording)
+    monkeypatch.setattr(estimate, "estimate_peak", recording)
     monkeypatch.setattr(doctor, "driver_version", lambda: "999.1")
     return fake
 
@@ -277,7 +277,7 @@ def test_recipe_is_confirmed_or_corrected_by_the_measured_factor():
     assert same["verdict"] == "confirmed" and same["estimated"] == estimated == same["checked"]
     worse = doctor.recipe_check(vram, host, 3.0)  # peaks three times the estimate: a smaller recipe
     assert worse["verdict"] == "corrected" and worse["checked"] != estimated
-    scaled = int((usable_vram - memory.RESERVE_BYTES) / 3.0 + memory.RESERVE_BYTES)
+    scaled = int((usable_vram - estimate.RESERVE_BYTES) / 3.0 + estimate.RESERVE_BYTES)
     assert worse["checked"] == recipes.recipe_for(scaled, usable_host).settings()
 
 

@@ -8,11 +8,11 @@ import os
 
 import pytest
 
-from lingbot_core import offload
 from lingbot_core.handle import PipelineHandle
-from lingbot_core.memory import Geometry, GiB, ModelSizes, choose_mode, estimate_peak, host_bytes
-from lingbot_core.offload import DoesNotFit, check_handle, configure_offload
-from lingbot_core.placement import fit
+from lingbot_core.placement import door, fit
+from lingbot_core.placement.door import check_handle, configure_offload
+from lingbot_core.placement.estimate import Geometry, GiB, ModelSizes, estimate_peak, host_bytes
+from lingbot_core.placement.fit import DoesNotFit, choose_mode
 
 # The published MoE 30B-A3B in bf16 (two 60 GB DiTs of 48 blocks) and the dense 1.3B.
 MOE = ModelSizes(text_encoder=int(8.9e9), transformer=int(60.2e9), vae=int(0.51e9), refiner=int(60.2e9), hidden=2048,
@@ -113,7 +113,7 @@ def test_fall_back_keeps_the_chosen_disk_home(tiny_moe):
     budget = estimate_peak("model", sizes, Geometry(32, 32, 5)) + fit.RESERVE_BYTES
     view = configure_offload(tiny_moe, "auto", budget_bytes=budget, host_budget_bytes=host_bytes("model", sizes, "disk"),
                              **geometry)
-    assert offload.effective_mode(view) == "model"
-    assert offload.fall_back(view)
+    assert door.effective_mode(view) == "model"
+    assert door.fall_back(view)
     placement = tiny_moe.shared.placement
     assert placement.mode.name == "group" and placement.mode.settings.offload_to == "disk"

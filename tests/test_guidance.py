@@ -13,8 +13,8 @@ import torch
 
 from lingbot_core import stage_inputs, stages
 from lingbot_core.handle import PipelineHandle
-from lingbot_core.offload import configure_offload
 from lingbot_core.placement import estimate
+from lingbot_core.placement.door import configure_offload
 from lingbot_core.placement.modes import MODE_CLASSES
 from lingbot_core.sampling.guidance import CFG_BATCH, pad_pair
 

@@ -131,7 +131,7 @@ def test_compiled_regions_stay_through_offload_switches(fixtures_root):
     from lingbot_core.handle import PipelineHandle
     from lingbot_core.models import compile as regional
     from lingbot_core.models.transformer import JointBlock
-    from lingbot_core.offload import configure_offload, stage
+    from lingbot_core.placement.door import configure_offload, stage
 
     calls = [0]
 

@@ -391,7 +391,7 @@ def test_probing_a_masked_variant_reports_the_refusal():
 
 def test_the_memory_report_shows_each_tried_kernel_with_its_verdict(monkeypatch, fixtures_root):
     from lingbot_core.handle import PipelineHandle
-    from lingbot_core.memory import memory_report
+    from lingbot_core.placement.door import memory_report
 
     handle = PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu")
     assert "fast kernel" not in str(memory_report(handle))

@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     # quantizing, LoRA, the text encoder's prompt encoding (it loads through `checkpoints`)
     ("weights", {"weights", "checkpoints", "tiny", "quantize", "lora", "prompt"}),
     # where weights live while stages run, on one device or several
-    ("placement", {"placement", "offload", "memory", "distributed"}),
+    ("placement", {"placement", "offload", "distributed"}),
     # what a stage accepts (checked against the memory estimate), what a run says before it starts
     ("requests", {"stage_inputs", "notices"}),
     # the lazy handle over one checkpoint

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from lingbot_core import lora as lora_ops
 from lingbot_core import stages
 from lingbot_core.handle import PipelineHandle
-from lingbot_core.offload import configure_offload
+from lingbot_core.placement.door import configure_offload
 from lingbot_core.placement.modes import MODE_ORDER
 
 MODES = list(MODE_ORDER)  # every registered offload mode

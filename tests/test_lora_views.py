@@ -10,7 +10,7 @@ import torch
 from lingbot_core import lora as lora_ops
 from lingbot_core import stages
 from lingbot_core.handle import PipelineHandle
-from lingbot_core.offload import configure_offload, release
+from lingbot_core.placement.door import configure_offload, release
 from lingbot_core.placement.modes import MODE_ORDER
 
 MODES = list(MODE_ORDER)  # every registered offload mode

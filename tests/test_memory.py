@@ -9,10 +9,12 @@ import weakref
 import pytest
 import torch
 
-from lingbot_core import memory, offload, stages
+from lingbot_core import stages
 from lingbot_core.handle import PipelineHandle
-from lingbot_core.memory import Geometry, GiB, ModelSizes, choose_mode, estimate_peak, memory_report
-from lingbot_core.offload import configure_offload
+from lingbot_core.placement import door, estimate, fit
+from lingbot_core.placement.door import configure_offload, memory_report
+from lingbot_core.placement.estimate import Geometry, GiB, ModelSizes, estimate_peak
+from lingbot_core.placement.fit import choose_mode
 from lingbot_core.placement.modes import MODE_ORDER
 
 # Dense 1.3B in bf16 with the Qwen3-VL-4B encoder (bf16) and the fp32 Wan VAE.
@@ -37,7 +39,7 @@ def test_estimates_against_the_one_gpu_measurement():
     sequential is above (our VAE moves whole, the reference streamed it per leaf)."""
     measured = {"none": 14330 * 2**20, "model": 9890 * 2**20, "sequential": 1780 * 2**20}
     ratio = {mode: estimate_peak(mode, DENSE, TI2V_SMALL) / peak for mode, peak in measured.items()}
-    planned = {mode: (estimate_peak(mode, DENSE, TI2V_SMALL) + memory.RESERVE_BYTES) / peak
+    planned = {mode: (estimate_peak(mode, DENSE, TI2V_SMALL) + estimate.RESERVE_BYTES) / peak
                for mode, peak in measured.items()}
     assert 0.9 < ratio["none"] < 1 and 0.85 < ratio["model"] < 1, ratio
     assert 0.95 < planned["none"] < 1.05 and 0.9 < planned["model"] < 1.05, planned
@@ -51,7 +53,7 @@ def test_estimate_grows_with_geometry_and_tiling_caps_decode():
     big = estimate_peak("sequential", DENSE, Geometry(480, 832, 121))
     tiled = estimate_peak("sequential", DENSE, Geometry(480, 832, 121, vae_tiling=True))
     assert small < tiled < big
-    refine = memory.activation_bytes(DENSE, Geometry(480, 832, 121, refine=(1088, 1920)))
+    refine = estimate.activation_bytes(DENSE, Geometry(480, 832, 121, refine=(1088, 1920)))
     assert refine["refine"] > refine["denoise"] and "refine_decode" in refine
 
 
@@ -65,9 +67,9 @@ def test_choose_mode_every_branch(budget_gib, expected):
         assert "nothing is expected to fit" in choice.reason and not choice.fits
         assert "needs ~" in choice.reason and "you have 0.5 free" in choice.reason
     else:
-        assert choice.estimates[expected] + memory.RESERVE_BYTES <= budget_gib * GiB
-        faster = memory.MODE_ORDER[: memory.MODE_ORDER.index(expected)]
-        assert all(choice.estimates[m] + memory.RESERVE_BYTES > budget_gib * GiB for m in faster)
+        assert choice.estimates[expected] + estimate.RESERVE_BYTES <= budget_gib * GiB
+        faster = MODE_ORDER[: MODE_ORDER.index(expected)]
+        assert all(choice.estimates[m] + estimate.RESERVE_BYTES > budget_gib * GiB for m in faster)
 
 
 def test_fallback_choice_skips_the_failed_mode():
@@ -88,7 +90,7 @@ def test_sizes_from_a_checkpoint_read_headers_only(moe):
 def test_auto_on_cpu_picks_none_and_says_why(moe, caplog):
     caplog.set_level("INFO", logger="lingbot_core.offload")
     view = configure_offload(moe, "auto")
-    assert offload.effective_mode(view) == "none"
+    assert door.effective_mode(view) == "none"
     assert "offloading saves nothing" in caplog.text
 
 
@@ -96,7 +98,7 @@ def test_auto_on_cpu_picks_none_and_says_why(moe, caplog):
 def test_auto_with_a_simulated_budget(moe, caplog, budget, expected):
     caplog.set_level("INFO", logger="lingbot_core.offload")
     view = configure_offload(moe, "auto", budget_bytes=budget, height=32, width=32, num_frames=5)
-    assert offload.effective_mode(view) == expected
+    assert door.effective_mode(view) == expected
     assert f"'{expected}'" in caplog.text and "estimates:" in caplog.text
 
 
@@ -104,7 +106,7 @@ def test_auto_falls_back_one_step_once_on_out_of_memory(moe, monkeypatch):
     reference = stages.generate(PipelineHandle.open(moe.folder, device="cpu"), "a boat", height=32, width=32,
                                 num_frames=5, steps=2)
     view = configure_offload(moe, "auto", budget_bytes=10**12)
-    assert offload.effective_mode(view) == "none"
+    assert door.effective_mode(view) == "none"
     dit = view.component("transformer")
     real = dit.forward
     calls = {"n": 0}
@@ -117,7 +119,7 @@ def test_auto_falls_back_one_step_once_on_out_of_memory(moe, monkeypatch):
 
     monkeypatch.setattr(dit, "forward", flaky)
     result = stages.generate(view, "a boat", height=32, width=32, num_frames=5, steps=2)
-    assert offload.effective_mode(view) == "model" and offload.has_fallen_back(view)
+    assert door.effective_mode(view) == "model" and door.has_fallen_back(view)
     assert torch.equal(result.frames, reference.frames)
     calls["n"] = 0
     # Once only: a second out-of-memory error propagates.
@@ -147,9 +149,9 @@ def test_memory_report_locations(moe):
 def test_pinned_memory_is_reported():
     if not torch.cuda.is_available():
         pytest.skip("pinning needs an accelerator runtime")
-    from lingbot_core.memory import _location
+    from lingbot_core.placement.report import location
 
-    assert _location(torch.zeros(4).pin_memory()) == "pinned CPU"
+    assert location(torch.zeros(4).pin_memory()) == "pinned CPU"
 
 
 @pytest.mark.parametrize("mode", [*MODE_ORDER[1:], "auto"])  # every mode that offloads
@@ -207,15 +209,15 @@ def test_moe_workflow_with_auto_and_release_matches_none(monkeypatch, tmp_path):
 def test_host_ram_under_disk_is_one_unit_not_the_model():
     others = MOE.text_encoder + MOE.vae
     for mode in ("model", "group", "sequential"):  # group without a stream: no pinned copies
-        assert memory.host_bytes(mode, MOE, "ram", pinned=False) == others + MOE.transformer + MOE.refiner
-    assert memory.host_bytes("group", MOE, "disk", pinned=False) == memory.host_bytes("sequential", MOE, "disk") == \
+        assert estimate.host_bytes(mode, MOE, "ram", pinned=False) == others + MOE.transformer + MOE.refiner
+    assert estimate.host_bytes("group", MOE, "disk", pinned=False) == estimate.host_bytes("sequential", MOE, "disk") == \
         others + MOE.largest_block
     # with a stream (what `auto` installs on CUDA) group pins the text encoder (the DiT streams from its file):
     # these sizes give no tensor sizes, so it counts the bound, twice its bytes, plus one tensor in flight
-    assert memory.host_bytes("group", MOE, "disk") == \
+    assert estimate.host_bytes("group", MOE, "disk") == \
         2 * MOE.text_encoder + MOE.vae + MOE.largest_block + max(MOE.largest_block, MOE.text_head)
-    assert memory.host_bytes("model", MOE, "disk") == others + MOE.transformer  # the whole DiT, read per forward
-    assert memory.host_bytes("none", MOE, "disk") == memory.host_bytes("none", MOE, "ram") == 0
+    assert estimate.host_bytes("model", MOE, "disk") == others + MOE.transformer  # the whole DiT, read per forward
+    assert estimate.host_bytes("none", MOE, "disk") == estimate.host_bytes("none", MOE, "ram") == 0
 
 
 def test_choose_mode_respects_the_host_budget():
@@ -231,25 +233,25 @@ def test_choose_mode_respects_the_host_budget():
     assert choose_mode(MOE, TI2V_SMALL, 60 * GiB, host_budget=100 * GiB, offload_to="disk").mode == "model"
     assert (choose_mode(MOE, TI2V_SMALL, 60 * GiB, host_budget=100 * GiB).offload_to == "disk")
     assert choose_mode(MOE, TI2V_SMALL, 60 * GiB).mode == "model"  # no host budget: the card alone decides
-    assert "host RAM: none ~0.0 GiB" in memory.describe(disk)
+    assert "host RAM: none ~0.0 GiB" in fit.describe(disk)
 
 
 def test_auto_plans_disk_offload_within_the_host_budget(moe, caplog):
     sizes = ModelSizes.from_handle(moe)
     geometry = Geometry(height=32, width=32, num_frames=5, refine=None)
-    budget = estimate_peak("model", sizes, geometry) + memory.RESERVE_BYTES  # the card fits `model`, not `none`
-    assert estimate_peak("none", sizes, geometry) + memory.RESERVE_BYTES > budget
-    host = memory.host_bytes("model", sizes, "disk") + 1  # and the host only the disk-backed `model`
+    budget = estimate_peak("model", sizes, geometry) + estimate.RESERVE_BYTES  # the card fits `model`, not `none`
+    assert estimate_peak("none", sizes, geometry) + estimate.RESERVE_BYTES > budget
+    host = estimate.host_bytes("model", sizes, "disk") + 1  # and the host only the disk-backed `model`
     options = dict(budget_bytes=budget, host_budget_bytes=host, height=32, width=32, num_frames=5, refine=None)
     for asked in ("ram", "disk"):  # `ram` does not fit the host: auto moves the DiTs to their files
         view = configure_offload(moe, "auto", offload_to=asked, **options)
-        assert offload.effective_mode(view) == "model"
+        assert door.effective_mode(view) == "model"
         assert moe.shared.placement.mode.settings.offload_to == "disk"
 
 
 def test_memory_report_shows_disk_homed_weights(moe):
     view = configure_offload(moe, "group", offload_to="disk", use_stream=False)
-    with offload.stage(view, "transformer"):
+    with door.stage(view, "transformer"):
         pass
     report = memory_report(view)
     dit = next(c for c in report.components if c.name == "transformer")
@@ -268,5 +270,5 @@ def test_a_component_the_model_lacks_pins_nothing():
     with_refiner = replace(MOE, pinned_transformer=3 * GiB, pinned_refiner=3 * GiB)
     student = replace(with_refiner, refiner=0)
     assert student.pinned("refiner") == 0
-    assert memory.host_bytes("group", student, "ram") == \
-        memory.host_bytes("group", with_refiner, "ram") - 3 * GiB
+    assert estimate.host_bytes("group", student, "ram") == \
+        estimate.host_bytes("group", with_refiner, "ram") - 3 * GiB

@@ -15,10 +15,10 @@ import pytest
 import torch
 from fake_accelerator import FakeCuda
 
-from lingbot_core import offload
 from lingbot_core.handle import PipelineHandle
-from lingbot_core.memory import Geometry, GiB, ModelSizes, host_bytes, memory_report
 from lingbot_core.placement import calibration, door, estimate
+from lingbot_core.placement.door import memory_report
+from lingbot_core.placement.estimate import Geometry, GiB, ModelSizes, host_bytes
 from lingbot_core.placement.modes.group import pin_in_place, unpin_in_place
 
 CUDA = torch.device("cuda")
@@ -132,7 +132,7 @@ def _fake_pinning(monkeypatch) -> list:
 def test_group_gives_its_pinned_copies_back_when_another_mode_takes_over(fixtures_root, monkeypatch):
     """Pinned memory is rounded up: once `group` lets go (a switch, auto's fallback to `sequential`), the
     weights go back to pageable copies, so the next mode holds what its host estimate counts."""
-    from lingbot_core.offload import configure_offload
+    from lingbot_core.placement.door import configure_offload
 
     _fake_pinning(monkeypatch)
     handle = _open(fixtures_root)
@@ -185,7 +185,7 @@ def test_every_stage_on_cuda_records_its_peak_next_to_the_estimate(fixtures_root
     handle = _open(fixtures_root)
     geometry = Geometry(32, 32, 5)
     with caplog.at_level(logging.INFO, logger="lingbot_core.offload"):
-        with offload.stage(handle, "vae", phase="decode", geometry=geometry):
+        with door.stage(handle, "vae", phase="decode", geometry=geometry):
             fake.peak_allocated, fake.peak_reserved = 256 << 20, 384 << 20  # what the stage's work reached
     assert fake.resets == 1
     expected = estimate.estimate_peak("none", ModelSizes.from_handle(handle), geometry, ("decode",))
@@ -206,7 +206,7 @@ def test_what_others_held_at_the_start_is_not_the_stages_peak(fixtures_root, mon
     fake = FakeCuda(allocated=5 * GiB, reserved=6 * GiB).install(monkeypatch)  # the host's models
     monkeypatch.setattr(calibration, "device_name", lambda device: fake.name)
     handle = _open(fixtures_root)
-    with offload.stage(handle, "vae", phase="decode", geometry=Geometry(32, 32, 5)):
+    with door.stage(handle, "vae", phase="decode", geometry=Geometry(32, 32, 5)):
         fake.peak_allocated = 5 * GiB + (256 << 20)
     peak = calibration.measured_peaks()[-1]
     assert (peak.allocated_bytes, peak.foreign_bytes, peak.own_bytes) == (5 * GiB + (256 << 20), 5 * GiB, 256 << 20)
@@ -221,11 +221,11 @@ def test_a_refiner_stage_is_set_against_the_refine_phase(fixtures_root, monkeypa
     monkeypatch.setattr(calibration, "device_name", lambda device: fake.name)
     handle = _open(fixtures_root)
     geometry = Geometry(32, 32, 5)
-    with offload.stage(handle, "transformer", phase="refine", label="refine"):
+    with door.stage(handle, "transformer", phase="refine", label="refine"):
         door.note_geometry(handle, geometry)
     expected = estimate.estimate_peak("none", ModelSizes.from_handle(handle), replace(geometry, refine=(32, 32)),
                                       ("refine",))
-    with offload.stage(handle, "vae", phase="no such phase", label="odd"):
+    with door.stage(handle, "vae", phase="no such phase", label="odd"):
         pass
     by_stage = {p.stage: p for p in calibration.measured_peaks()}
     assert by_stage["refine"].estimate_bytes == expected
@@ -234,7 +234,7 @@ def test_a_refiner_stage_is_set_against_the_refine_phase(fixtures_root, monkeypa
 
 def test_a_stage_on_the_cpu_measures_nothing(fixtures_root, calibration_file):
     handle = _open(fixtures_root)
-    with offload.stage(handle, "vae", phase="decode", geometry=Geometry(32, 32, 5)):
+    with door.stage(handle, "vae", phase="decode", geometry=Geometry(32, 32, 5)):
         pass
     assert calibration.measured_peaks() == [] and not calibration_file.exists()
     assert "measured" not in str(memory_report(handle))
@@ -304,7 +304,7 @@ def test_a_lora_change_under_none_merges_where_the_weights_are(fixtures_root, mo
     suspended: the parameters stay the objects (and on the device) they are, and the result is the same."""
     from lingbot_core import lora as lora_ops
     from lingbot_core import stages
-    from lingbot_core.offload import configure_offload
+    from lingbot_core.placement.door import configure_offload
     from lingbot_core.placement.modes.none import NoneMode
     from lingbot_core.placement.tensors import Homes
 

@@ -13,7 +13,7 @@ from lingbot_core import hooks
 from lingbot_core import lora as lora_ops
 from lingbot_core.handle import PipelineHandle
 from lingbot_core.models.transformer import LingBotVideoTransformer3DModel
-from lingbot_core.offload import configure_offload, stage
+from lingbot_core.placement.door import configure_offload, stage
 from lingbot_core.placement.modes import MODE_CLASSES, MODE_ORDER
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lingbot_core import offload
+from lingbot_core.placement import door
 from lingbot_core.placement.modes import MODE_ORDER
 from lingbot_core.workflow import Engine, RunInterrupted, apply_overrides, load_workflow
 from lingbot_nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
@@ -43,9 +43,9 @@ def _frames(result, prompt):
 
 
 def _assert_handle_clean(view):
-    assert offload.resident_components(view) <= offload.allowed_resident(view)
+    assert door.resident_components(view) <= door.allowed_resident(view)
     for name, module in view.shared.loaded.items():
-        if isinstance(module, torch.nn.Module) and offload.installed_mode(view) != "sequential":
+        if isinstance(module, torch.nn.Module) and door.installed_mode(view) != "sequential":
             assert all(p.device.type != "meta" for p in module.parameters()), name
 
 

@@ -15,7 +15,7 @@ import torch
 
 from lingbot_core import notices
 from lingbot_core.handle import PipelineHandle
-from lingbot_core.memory import memory_report
+from lingbot_core.placement.door import memory_report
 
 ROOT = Path(__file__).resolve().parents[1]
 

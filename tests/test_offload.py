@@ -14,9 +14,11 @@ import weakref
 import pytest
 import torch
 
-from lingbot_core import hooks, offload, stages
+from lingbot_core import hooks, stages
 from lingbot_core.handle import PipelineHandle
-from lingbot_core.offload import configure_offload, hook_inventory, release
+from lingbot_core.hooks import inventory as hook_inventory
+from lingbot_core.placement import door
+from lingbot_core.placement.door import configure_offload, release
 from lingbot_core.placement.modes import MODE_ORDER
 
 MODES = list(MODE_ORDER)  # every registered offload mode
@@ -98,7 +100,7 @@ class AcquireSpy:
 
     def _check(self, name):
         def hook(_module, _args):
-            if name not in offload.resident_components(self.handle):
+            if name not in door.resident_components(self.handle):
                 self.violations.append(name)
         return hook
 
@@ -109,8 +111,8 @@ class AcquireSpy:
 
 def assert_clean(handle):
     """The invariant between stages: only what the mode allows is held, hooks match the mode."""
-    mode = offload.installed_mode(handle)
-    assert offload.resident_components(handle) <= offload.allowed_resident(handle)
+    mode = door.installed_mode(handle)
+    assert door.resident_components(handle) <= door.allowed_resident(handle)
     for name, module in handle.shared.loaded.items():
         if not isinstance(module, torch.nn.Module):
             continue
@@ -295,7 +297,7 @@ def test_failed_install_restores_the_previous_state(moe, monkeypatch, reference_
     monkeypatch.setattr(accelerate, "cpu_offload", flaky)
     with pytest.raises(RuntimeError, match="half way"):
         configure(moe, "sequential")
-    assert offload.installed_mode(moe) == "model"
+    assert door.installed_mode(moe) == "model"
     after = {n: hook_inventory(m) for n, m in moe.shared.loaded.items() if isinstance(m, torch.nn.Module)}
     assert after == before
     assert torch.equal(run_stage(handle, "denoise", inp), expected["denoise"])
@@ -364,8 +366,8 @@ def test_execution_device_comes_from_the_handle(moe, mode):
     loaded = handle.shared.loaded
     handle.shared.loaded = dict(reversed(list(loaded.items())))  # component order must not matter
     for name in ("vae", "transformer", "text_encoder"):
-        assert offload.execution_device(handle, name) == torch.device("cpu")
-        with offload.stage(handle, name) as device:
+        assert door.execution_device(handle, name) == torch.device("cpu")
+        with door.stage(handle, name) as device:
             assert device == handle.device
 
 
@@ -404,7 +406,7 @@ def test_guards(moe, monkeypatch):
     moe.component("transformer").add_module("probe", FSDPModule())
     with pytest.raises(ValueError, match="sharded component 'transformer'"):
         configure_offload(moe, "model")
-    assert offload.installed_mode(moe) in (None, "none")
+    assert door.installed_mode(moe) in (None, "none")
 
 
 class Cancelled(Exception):

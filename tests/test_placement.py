@@ -16,11 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from lingbot_core import offload, stages
+from lingbot_core import stages
 from lingbot_core.handle import PipelineHandle
+from lingbot_core.hooks import inventory as hook_inventory
 from lingbot_core.interrupt import interrupt_checker
-from lingbot_core.offload import configure_offload, hook_inventory
 from lingbot_core.placement import door
+from lingbot_core.placement.door import configure_offload
 from lingbot_core.placement.estimate import Geometry, ModelSizes, estimate_peak
 from lingbot_core.placement.modes import MODE_ORDER
 
@@ -92,7 +93,7 @@ def test_group_failing_on_the_text_encoders_second_target_restores_the_previous_
     with pytest.raises(Boom):
         configure(handle, "group")
     monkeypatch.undo()
-    assert offload.installed_mode(handle) == previous
+    assert door.installed_mode(handle) == previous
     assert _inventory(handle) == expected_inventory
     if previous == "none":
         assert all(not _metas(m) for m in handle.shared.loaded.values() if isinstance(m, torch.nn.Module))
@@ -115,7 +116,7 @@ def test_sequential_failing_inside_the_text_encoders_cpu_offload_restores_model(
     with pytest.raises(Boom, match="call 20"):
         configure(handle, "sequential")
     monkeypatch.undo()
-    assert offload.installed_mode(handle) == "model"
+    assert door.installed_mode(handle) == "model"
     assert _inventory(handle) == _fresh_inventory(fixtures_root, "model")
     assert not _metas(encoder)
     assert torch.equal(stages.encode_prompt(handle, "a boat", None).positive.embeds, reference)
@@ -227,8 +228,8 @@ def test_whole_components_go_home_after_an_error(fixtures_root, mode):
     with pytest.raises(Boom):
         stages.denoise(handle, cond, **DN)
     hook.remove()
-    assert offload.resident_components(handle) <= offload.allowed_resident(handle)
-    assert ("transformer" in offload.resident_components(handle)) == (mode == "none")
+    assert door.resident_components(handle) <= door.allowed_resident(handle)
+    assert ("transformer" in door.resident_components(handle)) == (mode == "none")
 
 
 # -- defect 3: ties survive every mode switch -------------------------------------------------------
@@ -284,7 +285,7 @@ def test_blocks_per_group_with_a_stream_is_refused(fixtures_root):
     handle = _open(fixtures_root)
     with pytest.raises(ValueError, match="num_blocks_per_group=2 cannot be combined with use_stream"):
         configure_offload(handle, "group", device="cuda", use_stream=True, num_blocks_per_group=2)
-    assert offload.installed_mode(handle) is None
+    assert door.installed_mode(handle) is None
 
 
 # -- defect 6: the auto estimate follows what will happen, and reads the budget after the host freed
@@ -320,12 +321,12 @@ def test_listeners_belong_to_their_handle(fixtures_root, monkeypatch):
                        settle=lambda shared, device: heard.append(("settle", shared)))
     auto = other.with_offload("auto", height=32, width=32, num_frames=5).offload
     door.resolve(other.shared, auto, torch.device("cuda"))
-    with offload.stage(other):
+    with door.stage(other):
         pass
     assert heard == []  # the other handle's plan and stage never call this handle's listeners
     view = mine.with_offload("auto", height=32, width=32, num_frames=5)  # a view of it: the same listeners
     door.resolve(view.shared, view.offload, torch.device("cuda"))
-    with offload.stage(view):
+    with door.stage(view):
         pass
     assert heard == [("memory", "auto plan"), ("settle", mine.shared)]
 
@@ -346,9 +347,9 @@ def test_ledger_is_bounded(fixtures_root):
     handle = _open(fixtures_root)
     handle.component("vae")
     for _ in range(LEDGER_SIZE):
-        with offload.stage(handle, "vae"):
+        with door.stage(handle, "vae"):
             pass
-    events = offload.ledger(handle)
+    events = door.ledger(handle)
     assert len(events) == LEDGER_SIZE and events[-1] == ("release", "vae", "vae")
 
 
@@ -393,7 +394,7 @@ def test_view_state_is_applied_at_stage_entry_and_removed_for_other_views(fixtur
     assert state.log[-1] == ("remove", "transformer")
     assert _inventory(handle) == _inventory(configure(handle, mode))
     # a reloaded component gets the state again
-    handle.shared.folder and offload.release(handle, ["transformer"])
+    handle.shared.folder and door.release(handle, ["transformer"])
     assert torch.equal(stages.denoise(scaled_view, cond, **DN), scaled)
 
 

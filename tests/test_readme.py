@@ -354,8 +354,8 @@ def test_recipes_table_is_what_the_estimator_gives():
     above = page[:page.index(recipes.START)]
     assert "an estimate, not yet confirmed by a GPU run" in above[above.rindex("\n## "):]
     # spot-check a cell against the fit check itself: what the table says fits does fit
-    from lingbot_core.memory import Geometry
     from lingbot_core.placement import fit
+    from lingbot_core.placement.estimate import Geometry
 
     cell = recipes.recipe(24, 64)
     fmt = cell.weights.split(" (")[0]

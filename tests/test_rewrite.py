@@ -12,12 +12,12 @@ import pytest
 import torch
 from rewrite_fakes import FakeChatServer, ScriptedHead, reply, valid_caption
 
-from lingbot_core import offload
 from lingbot_core import rewrite as rw
 from lingbot_core.caption_schema import CAMERA_FIELDS, caption_problems
 from lingbot_core.handle import PipelineHandle
 from lingbot_core.interrupt import interrupt_checker
-from lingbot_core.offload import configure_offload, release
+from lingbot_core.placement import door
+from lingbot_core.placement.door import configure_offload, release
 from lingbot_core.placement.modes import MODE_ORDER
 
 MODES = list(MODE_ORDER)  # every registered offload mode
@@ -342,7 +342,7 @@ def test_cancel_mid_generation_leaves_the_handle_usable(dense, mode):
             rw.generate_text(dense, "s", "u", max_new_tokens=50)
     assert len(calls) < 50
     assert type(dense.component("text_encoder").lm_head).__name__ != "_FollowingHead"
-    assert offload.resident_components(dense) <= offload.allowed_resident(dense)  # back to the mode's clean state
+    assert door.resident_components(dense) <= door.allowed_resident(dense)  # back to the mode's clean state
     assert rw.generate_text(dense, "s", "u", max_new_tokens=5).text == expected
 
 
@@ -477,8 +477,8 @@ def test_offload_plans_for_a_local_rewrite_on_its_pipe():
 
 
 def test_the_memory_report_counts_the_last_generation(dense):
-    from lingbot_core.memory import memory_report
     from lingbot_core.placement import estimate
+    from lingbot_core.placement.door import memory_report
 
     assert "generation" not in str(memory_report(dense))
     made = rw.generate_text(dense, "system", "user", max_new_tokens=3)

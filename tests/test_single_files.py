@@ -151,8 +151,7 @@ def test_a_files_only_handle_plans_reports_and_releases_like_the_folder():
     from lingbot_core import stages
     from lingbot_core.components import ComponentFiles
     from lingbot_core.handle import PipelineHandle
-    from lingbot_core.memory import memory_report
-    from lingbot_core.offload import configure_offload, effective_mode, release
+    from lingbot_core.placement.door import configure_offload, effective_mode, memory_report, release
 
     files = ComponentFiles(transformer=TINY / "transformer" / "diffusion_pytorch_model.safetensors",
                            vae=TINY / "vae" / "diffusion_pytorch_model.safetensors",

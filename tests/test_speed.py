@@ -334,8 +334,7 @@ def test_sequential_and_disk_offload_run_compiled_with_their_hooks_outside(fixtu
     from lingbot_core.handle import PipelineHandle
     from lingbot_core.models import compile as regional
     from lingbot_core.models.transformer import JointBlock
-    from lingbot_core.offload import configure_offload
-    from lingbot_core.placement.door import stage
+    from lingbot_core.placement.door import configure_offload, stage
 
     folder = fixtures_root / "models" / "tiny-moe"
     graphs, calls = [], [0]

@@ -8,8 +8,8 @@ import torch
 
 from lingbot_core import stage_inputs, stages
 from lingbot_core.handle import PipelineHandle
-from lingbot_core.memory import memory_report
 from lingbot_core.placement import estimate
+from lingbot_core.placement.door import memory_report
 from lingbot_core.placement.estimate import RESERVE_BYTES, Geometry, estimate_peak
 
 # the published MoE 30B-A3B in bf16: two 60 GB DiTs of 48 blocks

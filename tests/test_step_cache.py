@@ -14,7 +14,7 @@ import torch
 from lingbot_core import stages
 from lingbot_core.handle import PipelineHandle
 from lingbot_core.hooks import inventory as hook_inventory
-from lingbot_core.offload import configure_offload
+from lingbot_core.placement.door import configure_offload
 from lingbot_core.sampling.step_cache import MIN_STEPS, CalibrationMissing, StepCacheSettings
 
 STEPS = 10

@@ -13,7 +13,7 @@ from lingbot_core import extend as ext
 from lingbot_core import lora as lora_ops
 from lingbot_core import stages
 from lingbot_core.handle import PipelineHandle
-from lingbot_core.offload import configure_offload
+from lingbot_core.placement.door import configure_offload
 from lingbot_core.placement.modes import MODE_ORDER
 from lingbot_core.sampling.step_cache import MIN_STEPS, StepCacheSettings
 from lingbot_core.video_to_video import video_to_video
@@ -164,7 +164,8 @@ def test_jobs_give_each_v2v_its_own_video(tmp_path, capsys, monkeypatch):
 def test_the_fit_check_refuses_an_encode_that_cannot_fit(fixtures_root, monkeypatch):
     """A budget the text and denoise phases fit but one VAE pass over the input does not: V2V and
     the extension are refused in one line before the VAE (or anything else) loads."""
-    from lingbot_core import memory, stage_inputs
+    from lingbot_core import stage_inputs
+    from lingbot_core.placement import estimate
 
     handle = _open(fixtures_root)
     cond = stages.encode_prompt(handle, "a boat", "")
@@ -172,11 +173,11 @@ def test_the_fit_check_refuses_an_encode_that_cannot_fit(fixtures_root, monkeypa
     size, frames, k = 64, 5, 1
 
     def vae_pass(n: int) -> int:  # what one VAE pass over n frames needs: the estimator's VAE term
-        return sizes.vae + memory.activation_bytes(sizes, memory.Geometry(height=size, width=size,
+        return sizes.vae + estimate.activation_bytes(sizes, estimate.Geometry(height=size, width=size,
                                                                           num_frames=n))["decode"]
 
-    geometry = memory.Geometry(height=size, width=size, num_frames=frames, cfg=True)
-    sampling = memory.estimate_peak("sequential", sizes, geometry, phases=("text", "denoise"))
+    geometry = estimate.Geometry(height=size, width=size, num_frames=frames, cfg=True)
+    sampling = estimate.estimate_peak("sequential", sizes, geometry, phases=("text", "denoise"))
     budget = min(vae_pass(frames), vae_pass(ext.overlap_frames(k))) - 1
     assert sampling <= budget  # only the encode does not fit
     monkeypatch.setattr(stage_inputs, "device_capacity", lambda _device: budget)

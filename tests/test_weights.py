@@ -22,7 +22,7 @@ import torch
 from lingbot_core.checkpoints.loading import CheckpointError, inspect_checkpoint, load_transformer
 from lingbot_core.handle import PipelineHandle
 from lingbot_core.models.precision import stays_float32 as keeps_fp32
-from lingbot_core.offload import configure_offload, stage
+from lingbot_core.placement.door import configure_offload, stage
 from lingbot_core.placement.modes import MODE_CLASSES, MODE_ORDER
 from lingbot_core.quantize import quantize_checkpoint
 from lingbot_core.weights import decode as decode_mod
@@ -245,7 +245,8 @@ def test_every_offload_mode_gives_identical_outputs(quantized, weights):
 
 
 def test_memory_estimate_counts_stored_bytes(quantized):
-    from lingbot_core.memory import ModelSizes, memory_report
+    from lingbot_core.placement.door import memory_report
+    from lingbot_core.placement.estimate import ModelSizes
 
     for target in ("fp8", "gguf-q4_0"):
         handle = PipelineHandle.open(quantized["moe", target], device="cpu", dtypes={"transformer": torch.float32})
@@ -554,7 +555,7 @@ def test_disk_then_ram_then_disk_stays_exact(quantized, monkeypatch):
 
 
 def test_disk_release_reload_and_a_failed_forward_stay_exact(quantized, monkeypatch):
-    from lingbot_core.offload import release
+    from lingbot_core.placement.door import release
 
     folder = quantized["moe", "fp8"]
     ram = PipelineHandle.open(folder, device="cpu")

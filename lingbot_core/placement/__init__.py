@@ -1,33 +1,13 @@
-"""What lives where while stages run. settings.py: OffloadSettings, modes, options, guards (a leaf);
-modes/: one class per mode (install / acquire / settle / uninstall / estimate); state.py: the opaque
-placement object the shared components own; door.py: stage(), configure, evict, release, OOM
-fallback, per-view state; estimate.py: memory arithmetic and `auto`; report.py: the memory report;
-tensors.py: tensor homes and held bytes. Every hook a mode attaches goes through `lingbot_core.hooks`."""
+"""What lives where while stages run. Import each name from the module that defines it:
 
-from __future__ import annotations
+- `settings.py`: `OffloadSettings`, the checks on what a view asks (a leaf).
+- `modes/`: one class per offload mode (install / acquire / settle / uninstall / estimate) and the
+  registry of their names, order and options.
+- `door.py`: `stage()`, `configure_offload`, evict, release, the OOM fallback, per-view state.
+- `state.py`: the placement object the shared components own; `tensors.py`: tensor homes, held bytes.
+- `estimate.py`: the memory arithmetic; `fit.py`: `auto`'s choice and the fit check; `report.py`:
+  the memory report; `calibration.py`: measured peaks held against the estimate; `recipes.py`: which
+  settings fit a GPU and host.
 
-from .door import (
-    allowed_resident,
-    configure_offload,
-    effective_mode,
-    evict,
-    execution_device,
-    fall_back,
-    has_fallen_back,
-    installed_mode,
-    ledger,
-    memory_report,
-    module_bytes,
-    oom_fallback,
-    release,
-    resident_bytes,
-    resident_components,
-    stage,
-)
-from .modes import MODE_ORDER, MODES, OPTIONS, check_guards
-from .settings import MODULE_COMPONENTS, OffloadSettings
-
-__all__ = ["MODES", "MODE_ORDER", "MODULE_COMPONENTS", "OPTIONS", "OffloadSettings", "allowed_resident", "check_guards",
-           "configure_offload", "effective_mode", "evict", "execution_device", "fall_back", "has_fallen_back",
-           "installed_mode", "ledger", "memory_report", "module_bytes", "oom_fallback", "release",
-           "resident_bytes", "resident_components", "stage"]
+Every hook a mode attaches goes through `lingbot_core.hooks`.
+"""
