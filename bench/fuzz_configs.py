@@ -25,7 +25,8 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lingbot_core.checkpoints.loading import CheckpointError, check_values_and_shapes
+from lingbot_core.checkpoints.inspection import check_values_and_shapes
+from lingbot_core.errors import CheckpointError
 from lingbot_core.weights import checks
 
 REPO = Path(__file__).resolve().parents[1]

@@ -125,8 +125,9 @@ def _alarm(signum, frame):
 
 def load_everything(path: Path) -> str:
     """What the loader does with a file: open the source, decode and read every tensor. The outcome."""
+    from lingbot_core.errors import WeightsError
     from lingbot_core.weights.gguf_file import GGUFError
-    from lingbot_core.weights.sources import GGUFSource, WeightsError
+    from lingbot_core.weights.sources import GGUFSource
 
     try:
         source = GGUFSource(path)

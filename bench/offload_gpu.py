@@ -593,7 +593,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from transformers.utils import logging as t_logging
 
     from lingbot_core import stages
-    from lingbot_core.checkpoints.loading import default_dtypes
+    from lingbot_core.checkpoints.inspection import default_dtypes
     from lingbot_core.handle import PipelineHandle
     from lingbot_core.placement.door import configure_offload
     from lingbot_core.tiny import build_tiny_checkpoint

@@ -309,7 +309,7 @@ def _bench_handle(folder: str):
 
     target = _dit_target(folder)
     if not isinstance(target, str):  # a single file: a handle without a folder, its transformer that file
-        from lingbot_core.checkpoints.loading import CheckpointInfo
+        from lingbot_core.checkpoints.inspection import CheckpointInfo
 
         info = CheckpointInfo(None, "moe" if target.config.get("num_experts") else "dense", False, target.config,
                               {"transformer": target})

@@ -7,7 +7,6 @@ been initialized", a tokenizer's, numpy's...): that one is a failure of the run,
 `CheckpointError`: a checkpoint (a folder, or a single weights file) that cannot be loaded; the
 message names the file and the fix. `WeightsError`: weights that cannot be used as asked (a format,
 a tensor, a quantization mode); a `CheckpointError`, so callers catching that see both.
-They are re-exported where they used to live (`checkpoints.loading`, `weights.checks`, `weights.sources`).
 `quoted` is how a refused input value is shown in a message; `surrogate_problem` finds the lone
 UTF-16 surrogates that no UTF-8 encoder (tokenizer, file system, metadata writer) accepts.
 """

@@ -23,16 +23,14 @@ from typing import Any
 
 import torch
 
-from .checkpoints.loading import (
+from .checkpoints.inspection import (
     CheckpointInfo,
     default_dtypes,
     inspect_checkpoint,
     inspect_files,
     inspect_student,
-    load_component,
-    load_refiner,
-    load_transformer,
 )
+from .checkpoints.loading import load_component, load_refiner, load_transformer
 from .components import ALL, DITS, REFINER, TRANSFORMER, ComponentFiles
 from .errors import quoted
 from .placement.modes import AUTO, check_guards

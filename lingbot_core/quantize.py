@@ -46,8 +46,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoints.loading import CheckpointError, inspect_checkpoint
+from .checkpoints.inspection import inspect_checkpoint
 from .components import DITS
+from .errors import CheckpointError
 from .weights.fp8 import quantize_fp8, require_fp8
 from .weights.loader import quantizable
 from .weights.safetensors_header import safetensors_dtype

@@ -81,7 +81,7 @@ def test_generate_quick(tmp_path, workdir, capsys):
 
 
 def test_generate_mid_checkpoint_is_loadable(workdir):
-    from lingbot_core.checkpoints.loading import inspect_checkpoint
+    from lingbot_core.checkpoints.inspection import inspect_checkpoint
     from lingbot_core.tiny import build_tiny_checkpoint, is_tiny_checkpoint
 
     tiny = build_tiny_checkpoint(workdir / "tiny-dense", "dense", seed=0)

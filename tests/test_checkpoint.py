@@ -11,16 +11,19 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from lingbot_core.checkpoints import inspection
 from lingbot_core.checkpoints import loading as ckpt
-from lingbot_core.checkpoints.loading import CheckpointError, inspect_checkpoint, load_refiner
+from lingbot_core.checkpoints.inspection import inspect_checkpoint
+from lingbot_core.checkpoints.loading import load_refiner
+from lingbot_core.errors import CheckpointError
 
 
-def load_checkpoint(folder: Path, components: tuple[str, ...] = ckpt.COMPONENTS) -> SimpleNamespace:
+def load_checkpoint(folder: Path, components: tuple[str, ...] = inspection.COMPONENTS) -> SimpleNamespace:
     """Inspect `folder`, then load each named component on the CPU in its default dtype (the product loads
     through `PipelineHandle`; this reads the loader's two steps in order): `.info`, `.components`, and
     each component as an attribute."""
     info = inspect_checkpoint(folder)
-    dtypes = ckpt.default_dtypes("cpu")
+    dtypes = inspection.default_dtypes("cpu")
     loaded = {name: ckpt.load_component(info.folder, name, dtype=dtypes.get(name), source=info.sources.get(name))
               for name in components}
     return SimpleNamespace(info=info, components=loaded, **loaded)
@@ -64,9 +67,9 @@ def test_dense_checkpoint_has_no_refiner(fixtures_root):
 
 
 def test_cuda_dtype_policy():
-    d = ckpt.default_dtypes("cuda")
+    d = inspection.default_dtypes("cuda")
     assert d["transformer"] == d["text_encoder"] == torch.bfloat16 and d["vae"] == torch.float32
-    assert set(ckpt.default_dtypes("cpu").values()) == {torch.float32}
+    assert set(inspection.default_dtypes("cpu").values()) == {torch.float32}
 
 
 def test_sharded_weights_load_like_single_file(dense_copy):

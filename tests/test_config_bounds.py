@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from lingbot_core.checkpoints.loading import CheckpointError, check_values_and_shapes, inspect_checkpoint
+from lingbot_core.checkpoints.inspection import check_values_and_shapes, inspect_checkpoint
+from lingbot_core.errors import CheckpointError
 from lingbot_core.weights import checks
 
 PUBLISHED = Path(checks.__file__).parents[1] / "configs"  # lingbot_core/configs

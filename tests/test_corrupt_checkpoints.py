@@ -16,7 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lingbot_core.checkpoints.loading import CheckpointError, inspect_checkpoint, load_component, load_refiner
+from lingbot_core.checkpoints.inspection import inspect_checkpoint
+from lingbot_core.checkpoints.loading import load_component, load_refiner
+from lingbot_core.errors import CheckpointError
 
 
 @pytest.fixture

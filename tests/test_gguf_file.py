@@ -13,9 +13,9 @@ import gguf
 import numpy as np
 import pytest
 
-from lingbot_core.checkpoints.loading import CheckpointError
+from lingbot_core.errors import CheckpointError, WeightsError
 from lingbot_core.weights.gguf_file import GGUFError, read_header
-from lingbot_core.weights.sources import GGUFSource, WeightsError
+from lingbot_core.weights.sources import GGUFSource
 
 T = gguf.GGMLQuantizationType
 V = gguf.GGUFValueType

@@ -14,7 +14,8 @@ import torch
 from PIL import Image
 
 from lingbot_core.checkpoints import processor_files as pf
-from lingbot_core.checkpoints.loading import CheckpointError, load_component
+from lingbot_core.checkpoints.loading import load_component
+from lingbot_core.errors import CheckpointError
 from lingbot_core.prompt import build_text_inputs
 
 TINY = Path(__file__).resolve().parent / "fixtures" / "lingbot" / "models" / "tiny-dense"

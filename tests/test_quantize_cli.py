@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from lingbot_core import quantize
-from lingbot_core.checkpoints.loading import inspect_checkpoint
+from lingbot_core.checkpoints.inspection import inspect_checkpoint
 
 
 @pytest.fixture

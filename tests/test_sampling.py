@@ -245,7 +245,7 @@ def test_student_transformer_replaces_only_the_dit(tmp_path, fixtures_root, whol
 
 
 def test_student_of_another_architecture_is_refused(tmp_path, fixtures_root):
-    from lingbot_core.checkpoints.loading import CheckpointError
+    from lingbot_core.errors import CheckpointError
 
     with pytest.raises(CheckpointError, match="not the base checkpoint's architecture"):
         PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu",

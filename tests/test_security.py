@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lingbot_core.checkpoints.loading import CheckpointError, inspect_checkpoint, load_component
+from lingbot_core.checkpoints.inspection import inspect_checkpoint
+from lingbot_core.checkpoints.loading import load_component
+from lingbot_core.errors import CheckpointError
 from lingbot_core.save_path import UnsafePrefix, expand_prefix, save_target
 from lingbot_core.workflow import Engine, NodeExecutionError
 from lingbot_nodes import NODE_CLASS_MAPPINGS

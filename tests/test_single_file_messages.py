@@ -15,8 +15,9 @@ from safetensors.torch import load_file, save_file
 from lingbot_core.checkpoints import text_encoder_file as tef
 from lingbot_core.checkpoints import vae_file
 from lingbot_core.checkpoints.dit_file import dit_file_source
-from lingbot_core.checkpoints.loading import CheckpointError, load_component
+from lingbot_core.checkpoints.loading import load_component
 from lingbot_core.checkpoints.processor_files import check_folder, check_token_ids
+from lingbot_core.errors import CheckpointError
 from tests.gguf_fakes import T, write_gguf
 
 ROOT = Path(__file__).resolve().parents[1]

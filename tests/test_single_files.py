@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from lingbot_core.checkpoints import single_files as sf
-from lingbot_core.checkpoints.loading import CheckpointError
 from lingbot_core.checkpoints.processor_files import check_token_ids
+from lingbot_core.errors import CheckpointError
 
 TINY = Path(__file__).resolve().parent / "fixtures" / "lingbot" / "models" / "tiny-dense"
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from lingbot_core import stage_inputs
-from lingbot_core.checkpoints.loading import CheckpointError, inspect_checkpoint
-from lingbot_core.errors import WeightsError
+from lingbot_core.checkpoints.inspection import inspect_checkpoint
+from lingbot_core.errors import CheckpointError, WeightsError
 from lingbot_core.save_path import UnsafePrefix
 from lingbot_core.weights.fp8 import dequantize_fp8, quantize_fp8
 

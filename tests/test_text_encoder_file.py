@@ -14,7 +14,8 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from lingbot_core.checkpoints import text_encoder_file as tef
-from lingbot_core.checkpoints.loading import CheckpointError, load_component
+from lingbot_core.checkpoints.loading import load_component
+from lingbot_core.errors import CheckpointError
 from lingbot_core.prompt import encode_text
 from lingbot_core.weights.state import ModelState
 

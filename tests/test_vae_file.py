@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lingbot_core.checkpoints import vae_file
-from lingbot_core.checkpoints.loading import CheckpointError, load_component
+from lingbot_core.checkpoints.loading import load_component
+from lingbot_core.errors import CheckpointError
 
 TINY = Path(__file__).resolve().parent / "fixtures" / "lingbot" / "models" / "tiny-dense"
 DIFFUSERS_FILE = TINY / "vae" / "diffusion_pytorch_model.safetensors"

@@ -19,7 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-from lingbot_core.checkpoints.loading import CheckpointError, inspect_checkpoint, load_transformer
+from lingbot_core.checkpoints.inspection import inspect_checkpoint
+from lingbot_core.checkpoints.loading import load_transformer
+from lingbot_core.errors import CheckpointError
 from lingbot_core.handle import PipelineHandle
 from lingbot_core.models.precision import stays_float32 as keeps_fp32
 from lingbot_core.placement.door import configure_offload, stage

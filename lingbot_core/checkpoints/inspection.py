@@ -24,8 +24,10 @@ import torch
 
 from ..components import DITS, INDEXED, REFINER, TABLE, TRANSFORMER, ComponentFiles
 from ..errors import CheckpointError
+from ..json_text import parse_json_text
 from ..weights import checks
 from ..weights.resolve import ComponentSource, check_weights_mode_for, folder_source
+from ..weights.safetensors_header import stored_tensors
 
 COMPONENTS = INDEXED  # what model_index.json lists (the refiner is found by its folder)
 
@@ -78,14 +80,14 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{what}: cannot read {path} ({err}). The file is corrupt; re-download it.") from err
-    data = checks.parse_json_text(text, f"{what}: {path}")
+    data = parse_json_text(text, f"{what}: {path}")
     if not isinstance(data, dict):
         raise CheckpointError(f"{what}: {path} does not hold a JSON object; re-download it.")
     return data
 
 
 def _stored_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
-    return {name: t.shape for name, t in checks.stored_tensors(files).items()}
+    return {name: t.shape for name, t in stored_tensors(files).items()}
 
 
 def check_state_dict(component: str, source: ComponentSource | list[Path], expected: dict[str, tuple[int, ...]],

@@ -3,7 +3,6 @@
 The DiTs load tensor by tensor from their resolved sources (`weights.loader.load_dit`); the VAE and
 text encoder through diffusers / transformers from their folders, or through the single-file route
 registered for them (`inspection.FILE_ROUTES`). Every loaded component is scanned for NaN/inf.
-The open-time names (`inspect_checkpoint`, `CheckpointInfo`, ...) are re-exported here.
 """
 
 from __future__ import annotations
@@ -19,18 +18,7 @@ from ..errors import CheckpointError
 from ..weights import checks
 from ..weights.resolve import ComponentSource, folder_source
 from ..weights.state import ModelState
-from .inspection import (  # noqa: F401 (re-exported: the names callers import from here)
-    COMPONENTS,
-    FILE_ROUTES,
-    CheckpointInfo,
-    FileRoute,
-    check_state_dict,
-    check_values_and_shapes,
-    default_dtypes,
-    inspect_checkpoint,
-    inspect_files,
-    inspect_student,
-)
+from .inspection import COMPONENTS, FILE_ROUTES, CheckpointInfo, check_state_dict, inspect_checkpoint
 
 
 def load_transformer(folder: str | os.PathLike | None, subfolder: str = TRANSFORMER, *,

@@ -35,15 +35,11 @@ from typing import Any
 
 import torch
 
+from ..errors import CheckpointError
 from ..json_text import parse_json_text
-from ..weights.checks import (
-    CheckpointError,
-    check_text_encoder_config,
-    read_safetensors_file,
-    tensor_set_problems,
-)
+from ..weights.checks import check_text_encoder_config, tensor_set_problems
 from ..weights.fileio import regular_file_problem
-from ..weights.safetensors_header import SafetensorsHeader, TensorReader
+from ..weights.safetensors_header import SafetensorsHeader, TensorReader, read_safetensors_file
 from ..weights.state import ModelState
 
 CONFIG_FILE = Path(__file__).resolve().parent.parent / "configs" / "qwen3-vl-4b.text_encoder.json"

@@ -32,15 +32,10 @@ from typing import Any
 
 import torch
 
-from ..weights.checks import (
-    CheckpointError,
-    StoredTensor,
-    check_vae_config,
-    read_safetensors_file,
-    vae_shapes,
-)
+from ..errors import CheckpointError
+from ..weights.checks import check_vae_config, vae_shapes
 from ..weights.fileio import regular_file_problem
-from ..weights.safetensors_header import SafetensorsHeader, TensorReader
+from ..weights.safetensors_header import SafetensorsHeader, StoredTensor, TensorReader, read_safetensors_file
 
 CONFIG_FILE = Path(__file__).resolve().parent.parent / "configs" / "wan2.1.vae.json"
 # Keys of the latent statistics and of the structure we infer; everything else in the shipped

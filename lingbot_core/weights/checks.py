@@ -20,11 +20,7 @@ import torch
 from ..components import TRANSFORMER
 from ..errors import CheckpointError
 from ..json_text import parse_json_text
-from .safetensors_header import (  # noqa: F401 (re-exported: the header checks live there)
-    StoredTensor,
-    read_safetensors_file,
-    stored_tensors,
-)
+from .safetensors_header import StoredTensor
 
 CheckFailed = CheckpointError  # the name used inside this module
 

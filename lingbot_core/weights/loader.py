@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from ..components import DITS, TRANSFORMER
+from ..errors import WeightsError
 from . import gguf_codec
 from .checks import shown_name, tensor_set_problems
 from .converted import Planned
@@ -29,7 +30,7 @@ from .disk import note_exact
 from .fp8 import require_fp8
 from .modules import FP8, Packing, QuantizedExperts, QuantizedLinear, pack_fp8
 from .resolve import ComponentSource, check_weights_mode_for, folder_source
-from .sources import SCALE_SUFFIX, Entry, GGUFSource, WeightsError
+from .sources import SCALE_SUFFIX, Entry, GGUFSource
 from .state import ModelState
 
 WEIGHT_MODES = ("auto", FP8)
