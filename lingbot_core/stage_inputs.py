@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import weakref
 from typing import Any
 
 import numpy as np
@@ -27,6 +26,7 @@ from . import sampling
 from .components import REFINER
 from .errors import surrogate_problem
 from .latents import SIZE_MULTIPLE, VAE_TEMPORAL, latent_shape
+from .placement import plan
 from .sampling.guidance import CFG_BATCH
 from .sampling.sigmas import check_shift
 from .sampling.step_cache import MIN_STEPS, StepCacheSettings, check_step_cache
@@ -233,48 +233,6 @@ def vae_channels(handle: Any) -> int:
 
 # -- size against memory -----------------------------------------------------------------------------
 
-def device_capacity(device: torch.device) -> int | None:
-    """All memory of the execution device (GPU total, or the host's physical RAM); None if unknown."""
-    try:
-        if device.type == "cuda":
-            return int(torch.cuda.get_device_properties(device).total_memory)
-        if device.type == "cpu":
-            return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError, RuntimeError, AssertionError):
-        return None
-    return None
-
-
-_SIZES: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
-
-
-def _model_sizes(handle: Any) -> Any:
-    """The handle's model sizes for the estimate, cached per shared components and load dtypes."""
-    from .placement import estimate
-
-    shared = handle.shared
-    key = (id(shared.info), tuple(sorted((k, str(v)) for k, v in (shared.dtypes or {}).items())),
-           tuple(sorted(shared.loaded)) if shared.info is None else ())
-    try:
-        cached = _SIZES.get(shared)
-    except TypeError:
-        cached = None
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    try:
-        if handle.info is not None:  # opened from a checkpoint (a folder and/or files)
-            sizes = estimate.ModelSizes.from_handle(handle)
-        else:
-            sizes = estimate.ModelSizes.from_modules(shared.loaded)
-    except Exception:
-        sizes = None
-    try:
-        _SIZES[shared] = (key, sizes)
-    except TypeError:
-        pass
-    return sizes
-
-
 def check_request_fits(handle: Any, *, height: int, width: int, num_frames: int, cfg: bool = True,
                        refine: tuple[int, int] | None = None, phase: str | None = None,
                        what: str = "this request") -> None:
@@ -287,8 +245,8 @@ def check_request_fits(handle: Any, *, height: int, width: int, num_frames: int,
     """
     from .placement import estimate
 
-    sizes = _model_sizes(handle)
-    capacity = device_capacity(torch.device(handle.device))
+    sizes = plan.model_sizes(handle)
+    capacity = plan.device_capacity(torch.device(handle.device))
     if sizes is None or capacity is None:
         return
 
@@ -314,70 +272,6 @@ def check_request_fits(handle: Any, *, height: int, width: int, num_frames: int,
         f"that is the limit{hint}. Choose a smaller size.")
 
 
-def cfg_batch_fits(handle: Any, mode: str, *, height: int, width: int, num_frames: int) -> bool:
-    """Whether one batch-2 CFG forward is expected to fit the execution device under offload `mode`
-    (the memory estimate against the device's whole memory); False when either is unknown."""
-    from .placement.estimate import Geometry
-    from .placement.estimate import cfg_batch_fits as fits
-
-    sizes = _model_sizes(handle)
-    capacity = device_capacity(torch.device(handle.device))
-    if sizes is None or capacity is None:
-        return False
-    return fits(mode, sizes, Geometry(height=height, width=width, num_frames=num_frames), capacity)
-
-
-def ffn_chunk_for(handle: Any, mode: str, *, height: int, width: int, num_frames: int, cfg: bool,
-                  cfg_batch: bool) -> tuple[int | None, str]:
-    """(tokens per FFN/MoE pass, why) for one denoise call under offload `mode`: the handle's explicit
-    setting, else ("auto") the largest of `FFN_CHUNKS` that brings the memory estimate within the
-    budget `auto` planned with (or the device's whole memory), None when the whole sequence fits or
-    the budget is unknown."""
-    from .placement.estimate import AUTO_CHUNK, Geometry, ffn_chunk_tokens
-
-    setting = handle.shared.ffn_chunk
-    if setting != AUTO_CHUNK:
-        return setting, "set on the Loader" if setting else "chunking off"
-    sizes = _model_sizes(handle)
-    auto = handle.shared.placement.auto
-    budget = auto.budget if auto is not None and auto.estimates else device_capacity(torch.device(handle.device))
-    if sizes is None or budget is None:
-        return None, "auto: no memory estimate"
-    geometry = Geometry(height=height, width=width, num_frames=num_frames, cfg=cfg, cfg_batch=cfg_batch)
-    chunk = ffn_chunk_tokens(mode, sizes, geometry, int(budget), phases=("denoise",))
-    return chunk, (f"auto: the unchunked run is not expected to fit {budget / GiB:.1f} GiB under '{mode}'"
-                   if chunk else "auto: the whole sequence fits")
-
-
-def dit_identity(handle: Any, transformer: str) -> tuple[dict[str, Any], int]:
-    """(the DiT's config as parsed, bytes per activation value), read without loading it when the
-    handle was opened from files (the config and the headers read at open)."""
-    from .models.config import DiTConfig
-
-    source = handle.info.sources.get(transformer) if handle.info is not None else None
-    if source is not None:
-        from .models.transformer import LingBotVideoTransformer3DModel
-        from .weights.estimate import dit_compute_bytes
-
-        raw = source.config if source.config is not None else LingBotVideoTransformer3DModel.load_config(source.config_dir)
-        width = dit_compute_bytes(source, handle.shared.dtypes.get(transformer))
-    else:
-        raw = dict(handle.component(transformer).config)
-        width = torch.finfo(handle.dtype_of(transformer)).bits // 8
-    return DiTConfig.from_mapping(raw).to_mapping(), width
-
-
-def step_cache_identity(handle: Any, *, transformer: str, sampler: Any, steps: int, shift: float, sigmas: Any,
-                        guidance_scale: float) -> dict[str, Any]:
-    """What MagCache's ratios depend on (its calibration file is named by this): the model, its
-    compute width, the sampler and its schedule. Computable before anything loads."""
-    config, width = dit_identity(handle, transformer)
-    return {"transformer": transformer, "folder": str(handle.folder or ""), "config": config,
-            "bytes_per_value": width, "sampler": repr(sampling.get_sampler(sampler)), "steps": int(steps),
-            "shift": float(shift), "sigmas": None if sigmas is None else [float(v) for v in sigmas],
-            "guidance_scale": float(guidance_scale)}
-
-
 def check_step_cache_ready(handle: Any, step_cache: Any, *, transformer: str, sampler: Any, steps: int,
                            shift: float, sigmas: Any, guidance_scale: float) -> None:
     """`magcache` needs a calibration of exactly these settings: refused here (before any model work)
@@ -387,7 +281,7 @@ def check_step_cache_ready(handle: Any, step_cache: Any, *, transformer: str, sa
     settings = StepCacheSettings.of(step_cache)
     if settings.method != "magcache":
         return
-    identity = step_cache_identity(handle, transformer=transformer, sampler=sampler, steps=steps, shift=shift,
+    identity = plan.step_cache_identity(handle, transformer=transformer, sampler=sampler, steps=steps, shift=shift,
                                    sigmas=sigmas, guidance_scale=guidance_scale)
     read_calibration(calibration_file(settings, identity), identity)
 
@@ -523,8 +417,8 @@ def validate_request(mode: str, *, height: int, width: int, num_frames: int, ste
 
 
 __all__ = [
-    "MODES", "cfg_batch_fits", "check_step_cache_ready", "dit_identity", "ffn_chunk_for", "step_cache_identity", "check_cfg_batch", "check_count", "check_denoise_request", "check_first_frame_pixels", "check_guidance", "check_mode",
+    "MODES", "check_step_cache_ready", "check_cfg_batch", "check_count", "check_denoise_request", "check_first_frame_pixels", "check_guidance", "check_mode",
     "check_refine_request", "check_steps", "check_t_thresh", "validate_geometry", "validate_request", "check_finite_number", "check_negative_prompt", "check_picture", "check_request_fits",
     "check_seed", "checked_image", "checked_latents", "checked_pixels", "decode_output_shape",
-    "device_capacity", "vae_channels",
+    "vae_channels",
 ]

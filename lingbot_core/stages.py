@@ -29,6 +29,7 @@ from . import stage_inputs as checks
 from .components import REFINER, TRANSFORMER
 from .distributed import stage as parallel_stage
 from .latents import dit_to_vae, vae_to_dit
+from .placement import plan
 from .placement.door import effective_mode, installed_mode, note_geometry, oom_fallback, release, stage
 from .placement.estimate import Geometry
 from .prompt import PromptEmbeds
@@ -338,7 +339,7 @@ def denoise(
 
 @contextmanager
 def _ffn_chunk(handle, transformer: str, *, cfg: bool, cfg_batch: bool, **geometry: int):
-    """Run the DiT's FFN/MoE over the chunk this call needs (`checks.ffn_chunk_for`); a chunk set on
+    """Run the DiT's FFN/MoE over the chunk this call needs (`plan.ffn_chunk_for`); a chunk set on
     the model itself (`set_ffn_chunk`) wins over `auto`. The model's own setting is back afterwards;
     what was used is kept for the memory report."""
     dit = handle.component(transformer)
@@ -347,7 +348,7 @@ def _ffn_chunk(handle, transformer: str, *, cfg: bool, cfg_batch: bool, **geomet
     if before is not None and handle.shared.ffn_chunk == "auto":
         chunk, why = before, "set on the model"
     else:
-        chunk, why = checks.ffn_chunk_for(handle, installed_mode(handle) or "none", cfg=cfg, cfg_batch=cfg_batch,
+        chunk, why = plan.ffn_chunk_for(handle, installed_mode(handle) or "none", cfg=cfg, cfg_batch=cfg_batch,
                                           **geometry)
     handle.shared.placement.ffn_chunks[transformer] = (chunk, why)
     if chunk:
@@ -387,7 +388,7 @@ def _batch_cfg(handle, parallel: parallel_stage.ParallelSampling, option: str, d
         return False
     if option == "on":
         return True
-    fits = checks.cfg_batch_fits(handle, installed_mode(handle) or "none", **geometry)
+    fits = plan.cfg_batch_fits(handle, installed_mode(handle) or "none", **geometry)
     log.info("cfg_batch=auto: %s", "one batch-2 forward per step (fits the memory estimate)" if fits
              else "two forwards per step (batch 2 is not expected to fit)")
     return fits
@@ -396,11 +397,11 @@ def _batch_cfg(handle, parallel: parallel_stage.ParallelSampling, option: str, d
 def _step_cache(handle, option: Any, *, transformer: str, method: sampling.Sampler, steps: int, run_steps: int,
                 shift: float, sigmas: Any, guidance_scale: float) -> StepCache | None:
     """A fresh step cache for this call (None when off), keyed for MagCache on what its ratios depend
-    on (`checks.step_cache_identity`, the same key the request check looked for)."""
+    on (`plan.step_cache_identity`, the same key the request check looked for)."""
     settings = StepCacheSettings.of(option)
     if not settings.enabled:
         return None
-    identity = checks.step_cache_identity(handle, transformer=transformer, sampler=method, steps=steps, shift=shift,
+    identity = plan.step_cache_identity(handle, transformer=transformer, sampler=method, steps=steps, shift=shift,
                                           sigmas=sigmas, guidance_scale=guidance_scale)
     return StepCache(settings, steps=run_steps, identity=identity)
 

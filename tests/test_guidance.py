@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lingbot_core import stage_inputs, stages
+from lingbot_core import stages
 from lingbot_core.handle import PipelineHandle
-from lingbot_core.placement import estimate
+from lingbot_core.placement import estimate, plan
 from lingbot_core.placement.door import configure_offload
 from lingbot_core.placement.modes import MODE_CLASSES
 from lingbot_core.sampling.guidance import CFG_BATCH, pad_pair
@@ -73,7 +73,7 @@ def test_auto_batches_only_when_the_estimate_fits(fixtures_root, monkeypatch):
     cond = stages.encode_prompt(handle, "a red boat", "")
     _, calls = _denoise(handle, cond, cfg_batch="auto")
     assert calls == [2] * GEOM["steps"]  # a tiny model fits any host
-    capacity = stage_inputs.device_capacity(torch.device("cpu"))
+    capacity = plan.device_capacity(torch.device("cpu"))
     monkeypatch.setattr(estimate, "RESERVE_BYTES", capacity)  # nothing batched fits now
     _, calls = _denoise(handle, cond, cfg_batch="auto")
     assert calls == [1] * (2 * GEOM["steps"])

@@ -8,7 +8,7 @@ import torch
 
 from lingbot_core import stage_inputs, stages
 from lingbot_core.handle import PipelineHandle
-from lingbot_core.placement import estimate
+from lingbot_core.placement import estimate, plan
 from lingbot_core.placement.door import memory_report
 from lingbot_core.placement.estimate import RESERVE_BYTES, Geometry, estimate_peak
 
@@ -23,7 +23,7 @@ CHUNKS = (512, 64, 16)  # the tiny sequence is ~100 tokens: chunks the estimate 
 
 def _budget_for(handle, chunk: int, *, cfg_batch: bool = False) -> int:
     """A fake device whose memory fits the denoise call with `chunk`-token FFN passes, not unchunked."""
-    sizes = stage_inputs._model_sizes(handle)
+    sizes = plan.model_sizes(handle)
     g = Geometry(GEOM["height"], GEOM["width"], GEOM["num_frames"], cfg_batch=cfg_batch, ffn_chunk=chunk)
     return estimate_peak("none", sizes, g, phases=("denoise",)) + RESERVE_BYTES
 
@@ -43,7 +43,7 @@ def test_auto_chunk_follows_a_small_budget_and_keeps_the_frames(fixtures_root, m
     assert handle.shared.placement.ffn_chunks["transformer"][0] is None  # the machine's RAM: no chunks
 
     monkeypatch.setattr(estimate, "FFN_CHUNKS", CHUNKS)
-    monkeypatch.setattr(stage_inputs, "device_capacity", lambda _d: _budget_for(handle, 64))
+    monkeypatch.setattr(plan, "device_capacity", lambda _d: _budget_for(handle, 64))
     seen, hooks = _ffn_tokens(dit)
     try:
         chunked = stages.denoise(handle, cond, **GEOM)

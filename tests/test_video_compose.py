@@ -164,12 +164,11 @@ def test_jobs_give_each_v2v_its_own_video(tmp_path, capsys, monkeypatch):
 def test_the_fit_check_refuses_an_encode_that_cannot_fit(fixtures_root, monkeypatch):
     """A budget the text and denoise phases fit but one VAE pass over the input does not: V2V and
     the extension are refused in one line before the VAE (or anything else) loads."""
-    from lingbot_core import stage_inputs
-    from lingbot_core.placement import estimate
+    from lingbot_core.placement import estimate, plan
 
     handle = _open(fixtures_root)
     cond = stages.encode_prompt(handle, "a boat", "")
-    sizes = stage_inputs._model_sizes(handle)
+    sizes = plan.model_sizes(handle)
     size, frames, k = 64, 5, 1
 
     def vae_pass(n: int) -> int:  # what one VAE pass over n frames needs: the estimator's VAE term
@@ -180,7 +179,7 @@ def test_the_fit_check_refuses_an_encode_that_cannot_fit(fixtures_root, monkeypa
     sampling = estimate.estimate_peak("sequential", sizes, geometry, phases=("text", "denoise"))
     budget = min(vae_pass(frames), vae_pass(ext.overlap_frames(k))) - 1
     assert sampling <= budget  # only the encode does not fit
-    monkeypatch.setattr(stage_inputs, "device_capacity", lambda _device: budget)
+    monkeypatch.setattr(plan, "device_capacity", lambda _device: budget)
     assert "vae" not in handle.shared.loaded
     clip = torch.rand(frames, size, size, 3, generator=torch.Generator().manual_seed(3))
     with pytest.raises(ValueError, match="encoding the input video .* even with sequential offload") as err:

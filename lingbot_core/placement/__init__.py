@@ -7,7 +7,8 @@
 - `state.py`: the placement object the shared components own; `tensors.py`: tensor homes, held bytes.
 - `estimate.py`: the memory arithmetic; `fit.py`: `auto`'s choice and the fit check; `report.py`:
   the memory report; `calibration.py`: measured peaks held against the estimate; `recipes.py`: which
-  settings fit a GPU and host.
+  settings fit a GPU and host; `plan.py`: a handle's run decided before it starts (the FFN chunk,
+  CFG batching, the identity MagCache's calibration is keyed by).
 
 Every hook a mode attaches goes through `lingbot_core.hooks`.
 """
