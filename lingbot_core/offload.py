@@ -1,4 +1,4 @@
-"""`configure_offload`, as the README's Python example imports it; it lives in `placement/door.py`
+"""`configure_offload`, as the Python example in docs/headless.md imports it; it lives in `placement/door.py`
 with the rest of placement (`lingbot_core.placement`)."""
 
 from .placement.door import configure_offload
