@@ -336,3 +336,22 @@ def test_the_full_vae_fit_check_does_not_refuse_a_light_decode(tiny, light_file,
     with pytest.raises(ValueError, match="decoding these latents"):
         stages.decode(tiny, latents)
     assert tuple(stages.decode(tiny, latents, light=light_file).shape) == (5, 32, 32, 3)
+
+
+def test_an_accelerator_decodes_a_half_precision_copy_and_leaves_the_cached_decoder_as_it_was(monkeypatch):
+    """The non-CPU branch (float16 on a GPU) through a fake: the CPU standing in, bfloat16 for float16."""
+    assert light_vae.compute_dtype(torch.device("cuda")) == torch.float16
+    assert light_vae.compute_dtype(torch.device("cpu")) == torch.float32
+    torch.manual_seed(0)
+    model = light_vae.LightVideoDecoder().eval()
+    for p in model.parameters():
+        p.data.normal_(0, 0.02)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    z = torch.randn(1, 16, 2, 3, 4)
+    exact = light_vae.decode_frames(model, z, None, torch.device("cpu"))
+    monkeypatch.setattr(light_vae, "compute_dtype", lambda device: torch.bfloat16)
+    half = light_vae.decode_frames(model, z, None, torch.device("cpu"))
+    assert half.dtype == torch.float32 and half.shape == exact.shape == (5, 24, 32, 3)
+    assert (half - exact).abs().max() < 0.05 and not torch.equal(half, exact)
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) and after[k].dtype == torch.float32 for k, v in before.items())
