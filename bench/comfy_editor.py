@@ -2,6 +2,11 @@
 
     python bench/comfy_editor.py --url http://127.0.0.1:8188 --chromium /usr/bin/chromium --shots SHOTS_DIR
 
+It runs every check once per renderer (`--renderers classic vue`: the classic LiteGraph canvas and the
+"Nodes 2.0" Vue renderer, the frontend's setting `Comfy.VueNodes.Enabled`, set through the server's
+settings API before the page loads and put back afterwards) and says which frontend version it drove;
+run it once per frontend (ComfyUI's `--front-end-root` serves another one).
+
 Needs `pip install playwright` (the browser is the system's Chromium; Playwright's own download is not used)
 and a running ComfyUI with this pack in `custom_nodes/` (`bench/comfy_e2e.py` starts and checks one over the
 API). What it checks, printed as PASS/FAIL, with screenshots in SHOTS_DIR to look at:
@@ -9,9 +14,13 @@ API). What it checks, printed as PASS/FAIL, with screenshots in SHOTS_DIR to loo
 - every shipped UI workflow (`workflows/*.json`) loads with no unknown node type, keeps every widget value
   (a value that no longer fits its widget shifts or resets), and converts to the same prompt as its API twin
   in `workflows/api/` (what the editor would queue is what the API tests run);
-- the T2V workflow, with a prose prompt and a Memory Report added, queued from the Run button: progress
-  events arrive, it finishes, and the Memory Report and Text Encode's prose warning show as text on the nodes
-  (`web/lingbot_text.js`);
+- the T2V workflow, with a prose prompt, a Memory Report added and Denoise at cfg 1 with cfg_batch on,
+  queued from the Run button: progress events arrive, it finishes, and the Memory Report, Text Encode's prose
+  warning and Denoise's cfg_batch notice show on the nodes (`web/lingbot_text.js`), measured on the element
+  the browser shows (its whole text in view, read-only, labelled, not covered); the nodes grew, never
+  shrank, and the prompt box kept its height; run again with a JSON caption, the notices are cleared;
+- LingBot Load Video, Extend Video, Caption and the Loader (its attention choices) added to an empty graph show
+  the widgets the pack declares (a screenshot to look at);
 - with `--rewrite-port`, a Rewrite node asking a canned loopback OpenAI-compatible server shows its result on
   itself;
 - LingBot Parallel is found by the node search (double-click on the canvas) and LingBot Loader through the
@@ -36,10 +45,14 @@ WORKFLOWS = ROOT / "workflows"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 RESULTS: list[tuple[bool, str, str]] = []
-NOTES = "lingbot_notes"  # the text box web/lingbot_text.js adds
+NOTES = ("preview_text", "lingbot_notes")  # the boxes web/lingbot_text.js shows a node's text in (new, old frontends)
+RENDERERS = {"classic": False, "vue": True}  # the value of the frontend's setting Comfy.VueNodes.Enabled
+VUE_SETTING = "Comfy.VueNodes.Enabled"
+PREFIX = ""  # "[frontend renderer] ", put before every check's name
 
 
 def record(ok: bool, name: str, detail: str = "") -> bool:
+    name = PREFIX + name
     RESULTS.append((ok, name, detail))
     print(f"{'PASS' if ok else 'FAIL'} {name}{': ' + detail if detail else ''}", flush=True)
     return ok
@@ -54,7 +67,8 @@ LOAD_AND_COMPARE = """async (wf) => {
   const shifted = [];
   for (const node of wf.nodes) {
     const now = saved.nodes.find((n) => n.id === node.id);
-    if (JSON.stringify(now?.widgets_values) !== JSON.stringify(node.widgets_values))
+    // a node without widgets: no list at all in newer frontends, an empty one in the shipped files
+    if (JSON.stringify(now?.widgets_values ?? []) !== JSON.stringify(node.widgets_values ?? []))
       shifted.push({id: node.id, type: node.type, file: node.widgets_values, editor: now?.widgets_values});
   }
   const prompt = (await window.app.graphToPrompt()).output;
@@ -75,12 +89,19 @@ def same_prompt(editor: dict, api: dict) -> list[str]:
     return diffs
 
 
-def dismiss_dialogs(page) -> None:
-    for _ in range(3):
-        if page.locator(".p-dialog-mask").count() == 0:
-            return
+OPEN_DIALOGS = """() => [...document.querySelectorAll('.p-dialog-mask, [role=dialog]')]
+  .filter((el) => { const r = el.getBoundingClientRect(); return r.width > 0 && r.height > 0; }).length"""
+
+
+def dismiss_dialogs(page) -> bool:
+    """Closes what a dialog the frontend shows (1.27's masks, the newer template browser with none): True
+    when none is left."""
+    for _ in range(4):
+        if page.evaluate(OPEN_DIALOGS) == 0:
+            return True
         page.keyboard.press("Escape")
-        page.wait_for_timeout(300)
+        page.wait_for_timeout(400)
+    return page.evaluate(OPEN_DIALOGS) == 0
 
 
 def check_templates(page, shots: Path, pack: str) -> None:
@@ -114,7 +135,7 @@ def check_templates(page, shots: Path, pack: str) -> None:
            f"{len(fetched)} of {len(names)} fetched, {shown} images shown" +
            ("" if fetched == names else f"; missing {sorted(set(names) - set(fetched))}"))
     page.remove_listener("response", on_response)
-    dismiss_dialogs(page)
+    record(dismiss_dialogs(page), "the template browser closes (Escape)")
 
 
 def check_workflows(page, shots: Path) -> None:
@@ -136,15 +157,25 @@ ADD_NODES = """(nonce) => {
   const g = window.app.graph;
   const byType = (t) => g._nodes.find((n) => n.type === t);
   const offload = byType('LingBotOffload'), decode = byType('LingBotDecode'), text = byType('LingBotTextEncode');
+  const denoise = byType('LingBotDenoise');
   // prose (the warning), new each time so that ComfyUI's cache does not skip the run
   text.widgets.find((w) => w.name === 'prompt').value = 'a red paper boat drifts down a canal at dawn, take ' + nonce;
+  // cfg_batch asked for at cfg 1: Denoise says it does nothing (once per server), beside its step previews
+  denoise.widgets.find((w) => w.name === 'cfg').value = 1.0;
+  denoise.widgets.find((w) => w.name === 'cfg_batch').value = 'on';
   const report = window.LiteGraph.createNode('LingBotMemoryReport');
   report.pos = [decode.pos[0], decode.pos[1] + 320];
   g.add(report);
   offload.connect(0, report, 0);
   decode.connect(0, report, 1);
   g.setDirtyCanvas(true, true);
-  return {report: report.id, text: text.id};
+  return {report: report.id, text: text.id, denoise: denoise.id};
+}"""
+
+CAPTION_AGAIN = """([text, denoise, caption]) => {
+  const g = window.app.graph;
+  g.getNodeById(text).widgets.find((w) => w.name === 'prompt').value = caption;
+  g.getNodeById(denoise).widgets.find((w) => w.name === 'cfg_batch').value = 'off';
 }"""
 
 LISTEN = """() => {
@@ -163,19 +194,59 @@ FOCUS = """(id) => {
   canvas.setDirty(true, true);
 }"""
 
-NODE_TEXT = """(id) => {
+# What the browser shows of a node's text: the element in view that holds it (a hidden or zero-size one, such
+# as the textarea a renderer keeps but does not show, does not count), whether all of it is in view
+# (nothing scrolled off or cut: it and its clipping ancestors), read-only, its label, and whether something
+# else covers it (the element found at points inside it is not it nor inside it).
+NODE_TEXT = """([id, names]) => {
   const node = window.app.graph.getNodeById(id);
-  const box = node?.widgets?.find((w) => w.name === '""" + NOTES + """');
-  if (!box) return {text: null, clipped: null};
-  const el = box.inputEl || box.element;
-  return {text: String(box.value), clipped: el ? el.scrollHeight > el.clientHeight + 2 : null};
+  const box = node?.widgets?.find((w) => names.includes(w.name));
+  if (!box) return {text: null};
+  const text = String(box.value ?? '');
+  const out = {text, label: box.label ?? box.name, widget: box.name, size: [...node.size]};
+  if (!text) return {...out, shown: null};
+  const first = text.split('\\n')[0].slice(0, 30);
+  const seen = (el) => {
+    const r = el.getBoundingClientRect(), st = getComputedStyle(el);
+    return r.width > 2 && r.height > 2 && st.visibility !== 'hidden' && st.display !== 'none' && +st.opacity > 0;
+  };
+  const holds = (el) => (el.tagName === 'TEXTAREA' ? el.value : el.textContent || '').includes(first);
+  const all = [...document.querySelectorAll('textarea, div, span, p, pre')].filter((el) => holds(el) && seen(el));
+  const inner = all.filter((el) => !all.some((o) => o !== el && el.contains(o)));
+  if (!inner.length) return {...out, shown: false};
+  const el = inner[inner.length - 1];
+  let clipped = false, up = el;
+  for (let i = 0; up && i < 6 && !clipped; i++, up = up.parentElement) {
+    const st = getComputedStyle(up);
+    const clips = up === el || st.overflowY !== 'visible';
+    if (clips && up.scrollHeight > up.clientHeight + 2)
+      clipped = `${up.tagName.toLowerCase()}.${String(up.className).split(' ')[0]} (level ${i}): ` +
+                `${up.scrollHeight} px of text in ${up.clientHeight} px`;
+  }
+  const r = el.getBoundingClientRect();
+  const covered = [[0.5, 0.2], [0.5, 0.5], [0.5, 0.8], [0.2, 0.5], [0.8, 0.5]].some(([fx, fy]) => {
+    const at = document.elementFromPoint(r.left + r.width * fx, r.top + r.height * fy);
+    return at && at !== el && !el.contains(at) && !at.contains(el);
+  });
+  const readOnly = el.tagName === 'TEXTAREA' ? (el.readOnly || el.disabled) : !el.isContentEditable;
+  return {...out, shown: true, clipped, covered, readOnly, rect: [r.left, r.top, r.width, r.height]};
+}"""
+
+# Visible height of a node's widget box (the prompt's textarea), for "the notice never shrinks it".
+BOX_HEIGHT = """([id, name]) => {
+  const node = window.app.graph.getNodeById(id);
+  const w = node?.widgets?.find((x) => x.name === name);
+  const value = String(w?.value ?? '').slice(0, 20);
+  const areas = [...document.querySelectorAll('textarea')].filter((t) => t.value.startsWith(value) && value &&
+    t.getBoundingClientRect().height > 2 && getComputedStyle(t).visibility !== 'hidden');
+  return areas.length ? Math.round(areas[0].getBoundingClientRect().height / window.app.canvas.ds.scale) : null;
 }"""
 
 
 def queue_and_wait(page, shots: Path, tag: str, timeout: float) -> dict:
     """Click Run, screenshot while progress arrives, wait for the end; what the listeners saw."""
     page.evaluate(LISTEN)
-    page.get_by_role("button", name="Run").first.click()
+    page.get_by_role("button", name="Run", exact=True).first.click()  # not "Runs on ..."
     end = time.time() + timeout
     shot = 0
     while time.time() < end:
@@ -191,27 +262,62 @@ def queue_and_wait(page, shots: Path, tag: str, timeout: float) -> dict:
     return page.evaluate("window.__lingbot")
 
 
+def node_text(page, shots: Path, node_id: int, shot: str) -> dict:
+    page.evaluate(FOCUS, node_id)
+    page.wait_for_timeout(800)
+    page.screenshot(path=str(shots / shot))
+    return page.evaluate(NODE_TEXT, [node_id, list(NOTES)])
+
+
 def check_run(page, shots: Path, timeout: float) -> None:
-    page.evaluate(LOAD_AND_COMPARE, json.loads((WORKFLOWS / "lingbot_t2v_dense.json").read_text()))
+    wf = json.loads((WORKFLOWS / "lingbot_t2v_dense.json").read_text())
+    page.evaluate(LOAD_AND_COMPARE, wf)
     dismiss_dialogs(page)
     ids = page.evaluate(ADD_NODES, int(time.time()))
+    page.evaluate(FOCUS, ids["text"])
+    page.wait_for_timeout(800)
+    before = {"size": page.evaluate("(id) => [...window.app.graph.getNodeById(id).size]", ids["text"]),
+              "prompt": page.evaluate(BOX_HEIGHT, [ids["text"], "prompt"])}
     state = queue_and_wait(page, shots, "t2v", timeout)
     record(state["done"] == "success", "T2V queued from the Run button finishes", str(state["done"]))
     nodes = {str(n) for n, _, _ in state["progress"]}
     record(len(state["progress"]) > 1, "progress events arrive while it runs",
            f"{len(state['progress'])} events from nodes {sorted(nodes)}")
-    texts = {}
-    for name in ("report", "text"):
-        page.evaluate(FOCUS, ids[name])
-        page.wait_for_timeout(800)
-        page.screenshot(path=str(shots / f"t2v_{name}_node.png"))
-        texts[name] = page.evaluate(NODE_TEXT, ids[name])
+    texts = {name: node_text(page, shots, ids[name], f"t2v_{name}_node.png") for name in ("report", "text", "denoise")}
+    after_prompt = page.evaluate(BOX_HEIGHT, [ids["text"], "prompt"])
     for name, what, must in (("report", "Memory Report shows its text on the node", "LingBot memory"),
-                             ("text", "Text Encode shows the prose warning on the node", "prose")):
-        text = texts[name]["text"] or ""
-        record(must in text, what, text.splitlines()[0] if text else "no text box")
-        record(texts[name]["clipped"] is False, f"{what.split(' shows')[0]}: the whole text fits its box",
-               f"clipped: {texts[name]['clipped']}")
+                             ("text", "Text Encode shows the prose warning on the node", "prose"),
+                             ("denoise", "Denoise shows its cfg_batch notice on the node", "cfg_batch")):
+        got = texts[name]
+        text = got["text"] or ""
+        record(must in text and got.get("shown") is True, what,
+               (text.splitlines()[0] if text else "no text box") + f" (shown: {got.get('shown')})")
+        who = what.split(" shows")[0]
+        record(got.get("shown") is True and got.get("clipped") is False and got.get("covered") is False,
+               f"{who}: the whole text is in view in its box, nothing over it",
+               f"clipped: {got.get('clipped')}, covered: {got.get('covered')}, box {got.get('rect')}")
+        record(got.get("readOnly") is True and got.get("label") == "LingBot notes",
+               f"{who}: the box is read-only and labelled 'LingBot notes'",
+               f"read-only: {got.get('readOnly')}, label: {got.get('label')!r}")
+    size = texts["text"]["size"]
+    record(size[0] >= before["size"][0] and size[1] >= before["size"][1]
+           and (after_prompt or 0) >= (before["prompt"] or 1) - 1,
+           "the notice grows Text Encode, never shrinks it or its prompt box",
+           f"node {before['size']} -> {size}, prompt box {before['prompt']} -> {after_prompt} px")
+
+    # the same graph with the shipped JSON caption (new words, so it runs) and cfg_batch off: nothing to say
+    api = json.loads((WORKFLOWS / "api" / "lingbot_t2v_dense.json").read_text())
+    caption = next(n["inputs"]["prompt"] for n in api.values() if n["class_type"] == "LingBotTextEncode")
+    page.evaluate(CAPTION_AGAIN, [ids["text"], ids["denoise"], caption.replace("at dawn", f"at dawn, take {int(time.time())}")])
+    state = queue_and_wait(page, shots, "t2v_caption", timeout)
+    again = {name: node_text(page, shots, ids[name], f"t2v_caption_{name}_node.png") for name in ("text", "denoise")}
+    record(state["done"] == "success" and again["text"]["text"] == "" and again["denoise"]["text"] == "",
+           "run again with a JSON caption: Text Encode's and Denoise's notices are cleared",
+           f"{state['done']}; Text Encode: {again['text']['text']!r}, Denoise: {again['denoise']['text']!r}")
+    size_again = again["text"]["size"]
+    record(size_again[1] >= size[1], "the cleared box leaves Text Encode's size as it was",
+           f"{size} -> {size_again}")
+
 
 REWRITE_GRAPH = """(endpoint) => {
   const g = window.app.graph;
@@ -278,7 +384,7 @@ def check_rewrite(page, shots: Path, port: int, timeout: float) -> None:
         page.evaluate(FOCUS, node)
         page.wait_for_timeout(800)
         page.screenshot(path=str(shots / "rewrite_node.png"))
-        text = page.evaluate(NODE_TEXT, node)["text"]
+        text = page.evaluate(NODE_TEXT, [node, list(NOTES)])["text"]
         record(state["done"] == "success" and bool(text) and "caption" in text,
                "Rewrite (endpoint) shows its result on the node", (text or str(state["done"]))[:160])
     finally:
@@ -351,6 +457,8 @@ def check_new_nodes(page, shots: Path) -> None:
     page.screenshot(path=str(shots / "search_lingbot_parallel.png"))
     page.keyboard.press("Enter")
     page.wait_for_timeout(1000)
+    page.mouse.click(at["x"], at["y"])  # newer frontends hold a node from the search at the pointer until a click
+    page.wait_for_timeout(500)
     state = page.evaluate(NODE_STATE, "LingBotParallel")
     record(state is not None, "the node search finds LingBot Parallel and adds it", str(state and state["widgets"]))
     problems = widgets_match(state, "LingBotParallel")
@@ -380,6 +488,48 @@ def check_new_nodes(page, shots: Path) -> None:
            "; ".join(problems) or (f"ffn_chunk={chunk['value']!r} of {chunk['options']}" if chunk else "no ffn_chunk"))
     if state is not None:
         focus_shot(page, state["id"], shots / "loader_node_ffn_chunk.png")
+
+
+GALLERY = ("LingBotLoadVideo", "LingBotExtendVideo", "LingBotCaption", "LingBotLoader", "LingBotDenoise")
+
+PLACE_NODES = """(types) => {
+  const g = window.app.graph;
+  g.clear();
+  const placed = {};
+  types.forEach((t, i) => {
+    const n = window.LiteGraph.createNode(t);
+    n.pos = [60 + (i % 3) * 460, 60 + Math.floor(i / 3) * 640];
+    g.add(n);
+    placed[t] = {id: n.id, inputs: (n.inputs || []).map((s) => s.name),
+                 widgets: (n.widgets || []).map((w) => ({name: w.name, value: w.value, options: w.options?.values ?? null}))};
+  });
+  g.setDirtyCanvas(true, true);
+  return placed;
+}"""
+
+
+def check_node_gallery(page, shots: Path) -> None:
+    """The nodes added last (Load Video, Extend Video, Caption's image value lists, the Loader's `sparse`
+    attention, Denoise's `video` and `denoise`) on an empty graph, as a user adds them."""
+    placed = page.evaluate(PLACE_NODES, list(GALLERY))
+    for class_type in GALLERY:
+        state = placed.get(class_type)
+        problems = widgets_match(state, class_type)
+        record(not problems, f"{class_type} shows the widgets the pack declares, at their defaults, with its choices",
+               "; ".join(problems)[:600])
+        if state is not None:
+            focus_shot(page, state["id"], shots / f"node_{class_type}.png")
+    denoise = placed.get("LingBotDenoise") or {"inputs": [], "widgets": []}
+    record("video" in denoise["inputs"] and any(w["name"] == "denoise" for w in denoise["widgets"]),
+           "Denoise has its video input and its denoise widget", f"inputs {denoise['inputs']}")
+    attention = next((w for w in (placed.get("LingBotLoader") or {}).get("widgets", []) if w["name"] == "attention"),
+                     None)
+    record(attention is not None and "sparse" in (attention["options"] or []),
+           "the Loader's attention offers sparse", str(attention and attention["options"]))
+    page.evaluate("() => { const c = window.app.canvas; c.ds.scale = 0.7; c.ds.offset = [40, 40]; "
+                  "c.setDirty(true, true); }")
+    page.wait_for_timeout(800)
+    page.screenshot(path=str(shots / "node_gallery.png"))
 
 
 def check_old_workflows(page, shots: Path) -> None:
@@ -438,6 +588,58 @@ def check_parallel_run(page, shots: Path, devices: str, timeout: float) -> None:
                                        "finishes", str(state["done"]))
 
 
+PACK_CONSOLE = ("lingbot", "scripts/widgets.js", "inputEl is deprecated")  # what the pack's script caused
+
+
+def renderer_setting(url: str, value: bool | None = None):
+    """The frontend's Nodes 2.0 setting on the server (set first when `value` is given)."""
+    import urllib.request
+
+    address = f"{url.rstrip('/')}/api/settings/{VUE_SETTING}"
+    if value is not None:
+        urllib.request.urlopen(urllib.request.Request(address, data=json.dumps(value).encode(), method="POST"),
+                               timeout=30).read()
+    with urllib.request.urlopen(address, timeout=30) as answer:
+        return json.loads(answer.read() or b"null")
+
+
+def run_renderer(browser, args, renderer: str) -> str | None:
+    """Every check in one renderer, on a fresh page; the frontend version the page reports."""
+    global PREFIX
+    renderer_setting(args.url, RENDERERS[renderer])
+    shots = args.shots / renderer
+    shots.mkdir(parents=True, exist_ok=True)
+    page = browser.new_context(viewport={"width": 1600, "height": 1000}).new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on("console", lambda m: errors.append(f"{m.type}: {m.text} ({m.location.get('url', '')})")
+            if m.type in ("warning", "error") else None)
+    page.goto(args.url, timeout=120_000)
+    page.wait_for_function("window.app && window.app.graph && window.app.api", timeout=120_000)
+    page.wait_for_timeout(2000)
+    version = page.evaluate("window.__COMFYUI_FRONTEND_VERSION__ || null")
+    vue = page.evaluate(f"() => window.app.extensionManager?.setting?.get?.('{VUE_SETTING}') "
+                        f"?? window.app.ui?.settings?.getSettingValue?.('{VUE_SETTING}') ?? null")
+    PREFIX = f"[{version} {renderer}] "
+    print(f"frontend {version}, renderer {renderer} ({VUE_SETTING} = {vue})", flush=True)
+    record(vue == RENDERERS[renderer], f"the page runs the {renderer} renderer", f"{VUE_SETTING} = {vue}")
+    dismiss_dialogs(page)
+    check_templates(page, shots, args.pack)
+    check_workflows(page, shots)
+    check_run(page, shots, args.timeout)
+    check_node_gallery(page, shots)
+    check_new_nodes(page, shots)
+    check_old_workflows(page, shots)
+    if args.parallel:
+        check_parallel_run(page, shots, args.parallel, args.timeout)
+    if args.rewrite_port:
+        check_rewrite(page, shots, args.rewrite_port, args.timeout)
+    ours = [e for e in errors if any(mark in e for mark in PACK_CONSOLE)]
+    record(not ours, "no page error or console warning from the pack's script", "; ".join(ours)[:400])
+    page.context.close()
+    return version
+
+
 def main(argv: list[str] | None = None) -> int:
     from playwright.sync_api import sync_playwright
 
@@ -452,32 +654,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rewrite-port", type=int, default=0,
                         help="run the Rewrite check against a canned endpoint on this loopback port (start ComfyUI "
                              "with LINGBOT_REWRITE_ENDPOINTS=http://127.0.0.1:PORT/v1)")
+    parser.add_argument("--renderers", nargs="+", choices=list(RENDERERS), default=list(RENDERERS),
+                        help="the renderers to run every check in (default: both)")
     args = parser.parse_args(argv)
     args.shots.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=args.chromium, args=CHROMIUM_FLAGS)
-        page = browser.new_page(viewport={"width": 1600, "height": 1000})
-        errors: list[str] = []
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        page.goto(args.url, timeout=120_000)
-        page.wait_for_function("window.app && window.app.graph && window.app.api", timeout=120_000)
-        page.wait_for_timeout(2000)
-        version = page.evaluate("window.__COMFYUI_FRONTEND_VERSION__ || null")
-        print(f"frontend {version}", flush=True)
-        dismiss_dialogs(page)
-        check_templates(page, args.shots, args.pack)
-        check_workflows(page, args.shots)
-        check_run(page, args.shots, args.timeout)
-        check_new_nodes(page, args.shots)
-        check_old_workflows(page, args.shots)
-        if args.parallel:
-            check_parallel_run(page, args.shots, args.parallel, args.timeout)
-        if args.rewrite_port:
-            check_rewrite(page, args.shots, args.rewrite_port, args.timeout)
-        ours = [e for e in errors if "lingbot" in e.lower()]
-        record(not ours, "no page error from the pack's script", "; ".join(ours)[:400])
-        browser.close()
+    saved = renderer_setting(args.url)
+    covered = []
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=args.chromium, args=CHROMIUM_FLAGS)
+            for renderer in args.renderers:
+                start = len(RESULTS)
+                version = run_renderer(browser, args, renderer)
+                failed = sum(not ok for ok, _, _ in RESULTS[start:])
+                covered.append(f"frontend {version} {renderer}: {len(RESULTS) - start - failed} of "
+                               f"{len(RESULTS) - start} passed")
+            browser.close()
+    finally:
+        renderer_setting(args.url, bool(saved))
     failed = [name for ok, name, _ in RESULTS if not ok]
+    for line in covered:
+        print(f"covered: {line}")
     print(f"{len(RESULTS) - len(failed)} passed, {len(failed)} failed")
     return 1 if failed else 0
 

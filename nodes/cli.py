@@ -211,6 +211,8 @@ def report_texts(result, labels: dict[str, str], reporter: Reporter | None = Non
     for nid, ui in result.ui.items():
         texts = (ui or {}).get("text") or []
         for text in texts if isinstance(texts, (list, tuple)) else [texts]:
+            if not text:  # a node with nothing to say (its empty text clears the editor's box)
+                continue
             if reporter is not None and (reports is None or nid not in reports):
                 key = note_key(text)
                 if not reporter.enabled or reporter.already_said(key):

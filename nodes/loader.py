@@ -11,7 +11,7 @@ from lingbot_core.save_path import is_inside
 from . import paths, runtime
 from .notices import on_node
 from .types import CATEGORY, FRAMES_GRID, MAX_FRAMES, MAX_SIZE, SIZE_GRID, Choice, Pipe, problems_or_true
-from .v3 import io, ui
+from .v3 import io
 
 TINY = {"tiny (built-in dense)": "dense", "tiny (built-in moe)": "moe",
         "tiny (built-in moe dmd student)": "moe-dmd"}  # lingbot_core.tiny.TINY_VARIANTS
@@ -298,7 +298,7 @@ class LingBotMemoryReport(io.ComfyNode):
         from lingbot_core.placement.door import memory_report
 
         text = str(memory_report(pipe))
-        return io.NodeOutput(value, text, ui=ui.PreviewText(text))
+        return io.NodeOutput(value, text, ui=on_node(text))
 
 
 class LingBotRelease(io.ComfyNode):

@@ -8,6 +8,6 @@ from .v3 import ui
 
 
 def on_node(*texts: str | None) -> Any:
-    """The node's `ui` text for these lines (None when there is nothing to show)."""
-    lines = [t for t in texts if t]
-    return ui.PreviewText("\n".join(lines)) if lines else None
+    """The node's `ui` text for these lines. A node with nothing to say still sends its (empty) text, so
+    the editor clears the notice an earlier run of that node left on it."""
+    return ui.PreviewText("\n".join(t for t in texts if t))

@@ -195,6 +195,17 @@ def test_a_parallel_followers_texts_are_not_printed():
     assert report_texts(result, reporter.labels, reporter, {"7"}) == []
 
 
+def test_a_node_with_nothing_to_say_prints_nothing():
+    """Its empty text is for the editor (it clears that node's earlier notice), not a label for the terminal."""
+    from types import SimpleNamespace
+
+    from lingbot_nodes.cli import Reporter, report_texts
+
+    result = SimpleNamespace(ui={"3": {"text": ("",)}, "7": {"text": ["LingBot memory (none offload)"]}})
+    reporter = Reporter({"3": "Prompt", "7": "Memory"}, enabled=True)
+    assert report_texts(result, reporter.labels, reporter, {"7"}) == ["Memory:", "  LingBot memory (none offload)"]
+
+
 def _unwritable_folder(tmp_path):
     """A folder this process cannot write in though its permission bits may say so: a read-only folder
     for a user, the kernel's /sys for root (`os.access` passes there as root)."""

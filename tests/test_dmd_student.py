@@ -127,7 +127,7 @@ def test_denoise_on_the_student_root_says_the_recipe_on_the_node(student, monkey
         args = dict(width=64, height=64, frames=5, steps=2, cfg=1.0, shift=3.0, seed=1)
         args.update(widgets)
         out = denoise.execute(handle, cond, **args)
-        return out.ui.as_dict()["text"][0] if out.ui is not None else None
+        return out.ui.as_dict()["text"][0] or None
 
     base = said(sampler="flow_unipc", steps=9, cfg=3.0)  # the base recipe, shortened (> 8 steps, cfg 3)
     assert base and "without refiner/" in base and "sampler dmd_student, 8 steps, cfg 1, shift 3" in base

@@ -143,7 +143,8 @@ def test_text_encode_shows_the_prose_notice_on_the_node(fixtures_root):
     assert out.ui.as_dict() == {"text": (PROSE_NOTICE,)}
     out = LingBotTextEncode.execute(handle, '{"comprehensive_description": {"scene_content_description": "x"}}',
                                     encode_negative=False)
-    assert out.ui is None
+    # nothing to say: the node still sends its (empty) text, which clears the earlier run's notice
+    assert out.ui.as_dict() == {"text": ("",)}
 
 
 def test_the_editor_shows_node_text_for_every_pack_node():
@@ -156,4 +157,9 @@ def test_the_editor_shows_node_text_for_every_pack_node():
     script = (ROOT / folder / "lingbot_text.js").read_text()
     prefix = re.search(r'startsWith\("(\w+)"\)', script).group(1)
     assert NODE_CLASS_MAPPINGS and all(name.startswith(prefix) for name in NODE_CLASS_MAPPINGS)
-    assert "onExecuted" in script and "message?.text" in script
+    assert "onExecuted" in script and "message.text" in script
+    # the frontend's own text box where it offers one to extensions; no internal module imported (frontends
+    # from 1.3x log each import of scripts/widgets.js as a use of an internal module)
+    assert "comfyAPI?.textPreviewWidgets" in script
+    imports = re.findall(r'^import .* from "([^"]+)";', script, flags=re.M)
+    assert imports == ["../../scripts/app.js"]
