@@ -329,9 +329,10 @@ def test_light_decode_moves_progress_per_latent_frame_and_can_be_cancelled(tiny,
 
 def test_the_full_vae_fit_check_does_not_refuse_a_light_decode(tiny, light_file, monkeypatch):
     """A device too small for the Wan VAE's decode refuses `full` before loading, and still decodes `light`."""
-    from lingbot_core import stage_inputs, stages
+    from lingbot_core import stages
+    from lingbot_core.placement import plan
 
-    monkeypatch.setattr(stage_inputs, "device_capacity", lambda device: 1 << 20)  # 1 MiB
+    monkeypatch.setattr(plan, "device_capacity", lambda device: 1 << 20)  # 1 MiB
     latents = torch.randn(1, 16, 2, 4, 4)
     with pytest.raises(ValueError, match="decoding these latents"):
         stages.decode(tiny, latents)

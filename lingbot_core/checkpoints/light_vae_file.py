@@ -19,9 +19,9 @@ import torch
 
 from ..errors import CheckpointError
 from ..models.light_vae import LATENT_CHANNELS, LightVideoDecoder, expected_shapes, grow_weights
-from ..weights.checks import read_safetensors_file, tensor_set_problems
+from ..weights.checks import tensor_set_problems
 from ..weights.fileio import regular_file_problem
-from ..weights.safetensors_header import SafetensorsHeader, TensorReader
+from ..weights.safetensors_header import SafetensorsHeader, TensorReader, read_safetensors_file
 
 WHERE = "models/vae_approx"  # ComfyUI's folder for preview decoders (messages)
 
