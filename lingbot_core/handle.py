@@ -82,12 +82,12 @@ def _chunk_flag(text: str) -> str | int:
     return value
 
 
+DEFAULT_ATTENTION = "default"
+
+
 def _attention_value(choice: str) -> str | None:
     """The CLI's/Loaders' attention choice as the setting: "default" is PyTorch SDPA (None)."""
     return None if choice == DEFAULT_ATTENTION else choice
-
-
-DEFAULT_ATTENTION = "default"
 
 
 def attention_choices() -> list[str]:

@@ -133,3 +133,24 @@ def test_a_new_knob_is_one_field(monkeypatch, fixtures_root):
     assert worker.shared.settings.demo_knob == "loud"
     with pytest.raises(ValueError, match="no handle setting has the widget"):
         LingBotLoader.execute(tiny, "auto", device="cpu", demo_knbo="loud")  # a misspelt widget
+
+
+def test_the_dtype_widget_is_the_dtypes_setting_and_comfyuis_flags_fill_auto(monkeypatch):
+    from lingbot_core.handle import DTYPE_CHOICES, settings_from_widgets
+    from lingbot_nodes.loader import LingBotLoader
+
+    for choice, dtype in DTYPE_CHOICES.items():
+        dtypes = settings_from_widgets({"dtype": choice})["dtypes"]
+        want = {"transformer": dtype, "refiner": dtype} | ({} if dtype is None else {"text_encoder": dtype})
+        assert dtypes == want, choice
+    with pytest.raises(ValueError, match="dtype must be one of auto, bf16, fp16, fp32; got 'fp8'"):
+        LingBotLoader.execute("tiny (built-in dense)", "auto", "fp8", device="cpu")
+    # inside ComfyUI, `--bf16-unet` fills the DiTs' dtype where the widget says auto, and only there
+    from lingbot_nodes import runtime
+
+    bf16 = torch.bfloat16
+    monkeypatch.setattr(runtime, "comfy_dtypes", lambda: {"transformer": bf16, "refiner": bf16})
+    auto, = LingBotLoader.execute("tiny (built-in dense)", "auto", "auto", device="cpu").args
+    fp32, = LingBotLoader.execute("tiny (built-in dense)", "auto", "fp32", device="cpu").args
+    assert auto.shared.dtypes["transformer"] == torch.bfloat16
+    assert fp32.shared.dtypes["transformer"] == fp32.shared.dtypes["text_encoder"] == torch.float32
