@@ -115,7 +115,8 @@ def resolve_checkpoint(choice: str, path: str = "") -> Path:
     if folder is not None:
         paths.check_folder_files_inside(folder, "checkpoint", ("processor", "tokenizer"))  # the processor reads them
         return folder
-    raise ValueError(f"checkpoint {choice!r} not found under {', '.join(map(str, runtime.model_roots()))}")
+    raise ValueError(f"checkpoint {choice!r} not found under "
+                     f"{', '.join(paths.shown_path(root) for root in runtime.model_roots())}")
 
 
 def resolve_student(path: str = "") -> Path | None:
@@ -187,11 +188,13 @@ class LingBotLoader(io.ComfyNode):
         from lingbot_core.interrupt import interrupt_checker
         from lingbot_core.notices import cpu_notice
 
-        with interrupt_checker(runtime.interrupt_check()):  # header reads and shape skeletons see /interrupt
+        # header reads and shape skeletons see /interrupt; a checkpoint's problem names ComfyUI's folders
+        with interrupt_checker(runtime.interrupt_check()), paths.server_paths_hidden():
             handle = PipelineHandle.open(folder, device=runtime.execution_device(device),
                                          transformer_folder=resolve_student(transformer_path), **chosen)
         if variant != "auto" and handle.variant != variant:
-            raise ValueError(f"{folder} is a {handle.variant} checkpoint, but the loader asks for {variant}")
+            raise ValueError(f"{paths.shown_path(folder)} is a {handle.variant} checkpoint, but the loader asks for "
+                             f"{variant}")
         runtime.install_memory_cooperation(handle)
         return io.NodeOutput(handle, ui=on_node(cpu_notice(handle.shared.info, handle.device)))
 

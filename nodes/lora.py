@@ -49,7 +49,7 @@ def resolve_lora(name: str, path: str = "") -> Path | None:
     if path and path.strip():
         chosen = Path(path.strip()).expanduser()
         if runtime.in_comfy() and not _inside(chosen, roots):
-            raise ValueError(f"path {chosen} is outside ComfyUI's loras folders; put the file there and pick it "
+            raise ValueError(f"path {path.strip()[:200]!r} is outside ComfyUI's loras folders; put the file there and pick it "
                              "in lora_name")
         return chosen
     if name == NONE:
@@ -58,7 +58,9 @@ def resolve_lora(name: str, path: str = "") -> Path | None:
         candidate = root / name
         if candidate.is_file() and _inside(candidate, [root]):
             return candidate
-    raise ValueError(f"LoRA {name!r} not found under {', '.join(map(str, roots))}")
+    from .paths import shown_path
+
+    raise ValueError(f"LoRA {name!r} not found under {', '.join(shown_path(root) for root in roots)}")
 
 
 class LingBotLoRA(io.ComfyNode):
@@ -104,4 +106,7 @@ class LingBotLoRA(io.ComfyNode):
                       "here (LightLingBot 4-step: lightlingbot_video_moe30b_4steps_rank128_v1.safetensors from "
                       "lightx2v/LightLingBot-Video in models/loras)") if is_real_size(info) else None
             return io.NodeOutput(pipe, ui=on_node(notice))
-        return io.NodeOutput(lora_ops.with_lora(pipe, file, float(strength), apply_to=apply_to))
+        from .paths import server_paths_hidden
+
+        with server_paths_hidden():  # a bad file's message names ComfyUI's loras folder, not the server's layout
+            return io.NodeOutput(lora_ops.with_lora(pipe, file, float(strength), apply_to=apply_to))

@@ -10,6 +10,9 @@ from . import runtime
 from .types import CATEGORY, Choice, Pipe
 from .v3 import io
 
+CFG_LABEL = "cfg branches (GPU groups)"
+"""The label of the `cfg` widget (a CFG degree of 1 or 2, which a bare "cfg" makes read like a guidance scale)."""
+
 
 class LingBotParallel(io.ComfyNode):
     """Starts (or reuses) worker processes for a pipe; Denoise and Refine on its output run on all of them."""
@@ -25,7 +28,7 @@ class LingBotParallel(io.ComfyNode):
             description="Runs Denoise on several devices: starts one worker process per extra device (each loads "
                         "its own copy of the DiT once and keeps it across prompts), joined with this process on "
                         "torch.distributed (NCCL on GPUs, gloo on CPU; the rendezvous listens on 127.0.0.1 only). "
-                        "cfg=2 computes the prompt and the negative on two halves of the devices; ulysses shares "
+                        "cfg branches 2 puts the prompt's and the negative's passes on two halves of the devices; ulysses shares "
                         "each DiT forward's sequence. The workers stop on LingBot Release, ComfyUI's Unload "
                         "models, and server exit. Connect its pipe to Denoise (T2V, T2I, TI2V), directly or through "
                         "LingBot Offload ('none' or 'auto'; other modes are refused on it) and LingBot LoRA (each "
@@ -37,9 +40,12 @@ class LingBotParallel(io.ComfyNode):
                                 tooltip="One device per process, this one first (the pipe's device), e.g. "
                                         "'cuda:0, cuda:1, cuda:2, cuda:3', or GPU indices '0,1'; 'cpu, cpu' to try "
                                         "it without GPUs"),
-                Choice("cfg", options=[str(d) for d in CFG_DEGREES], default="1",
-                       tooltip="2: the prompt's and the negative's DiT passes on two groups of devices (about 2x "
-                               "when cfg > 1); needs an even device count"),
+                # the widget keeps its name `cfg` (saved workflows); its label says what it is
+                Choice("cfg", options=[str(d) for d in CFG_DEGREES], default="1", display_name=CFG_LABEL,
+                       tooltip="CFG branches across GPUs, not the guidance scale (that is Denoise's cfg). 1: every "
+                               "device group computes both the prompt's and the negative's DiT passes. 2: the "
+                               "prompt's pass on one half of the devices, the negative's on the other (about 2x "
+                               "when Denoise's cfg > 1); needs an even device count"),
                 io.Int.Input("ulysses", default=0, min=0, max=64,
                              tooltip="Devices sharing one DiT pass (sequence parallel); must divide the DiT's 16 "
                                      "attention heads. 0: the device count / cfg"),

@@ -244,13 +244,16 @@ def output_dir() -> Path:
 
 
 def model_roots() -> list[Path]:
-    """Folders whose sub-folders are offered as checkpoints (ComfyUI: models/lingbot_video/)."""
+    """Folders whose sub-folders are offered as checkpoints: inside ComfyUI only its `lingbot_video`
+    folders (models/lingbot_video/ and extra_model_paths.yaml's); headless $LINGBOT_MODELS_DIR and
+    ./models/lingbot_video."""
     folder_paths = _comfy("folder_paths") if in_comfy() else None
-    roots: list[Path] = []
     if folder_paths is not None:
         if "lingbot_video" not in folder_paths.folder_names_and_paths:
             folder_paths.add_model_folder_path("lingbot_video", os.path.join(folder_paths.models_dir, "lingbot_video"))
-        roots += [Path(p) for p in folder_paths.get_folder_paths("lingbot_video")]
+        # only ComfyUI's folders: a path relative to the server's working directory is no folder of its
+        return [Path(p) for p in folder_paths.get_folder_paths("lingbot_video")]
+    roots: list[Path] = []
     env = os.environ.get("LINGBOT_MODELS_DIR")
     if env:
         roots += [Path(p) for p in env.split(os.pathsep) if p]

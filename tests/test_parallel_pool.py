@@ -346,9 +346,15 @@ def test_devices_and_degrees_are_checked_before_any_process_starts(fixtures_root
     with pytest.raises(ValueError, match="two or more"):
         PoolSpec.make(handle, "cpu", 1)
     with pytest.raises(ValueError, match="must equal"):
+        PoolSpec.make(handle, "cpu,cpu,cpu", 2, 1)
+    # ulysses on auto: the message names what auto chose from the devices and cfg the user set, never a
+    # "ulysses=3" they did not write
+    with pytest.raises(ValueError, match=r"3 devices do not split into 2 CFG branches") as odd:
         PoolSpec.make(handle, "cpu,cpu,cpu", 2)
-    with pytest.raises(ValueError, match="divide"):
+    with pytest.raises(ValueError, match=r"ulysses on auto chose 3 \(3 devices / cfg 1\).*divide") as heads:
         PoolSpec.make(handle, "cpu,cpu,cpu", 1)  # ulysses 3 and the tiny DiT's heads
+    assert all("ulysses=" not in str(err.value) for err in (odd, heads))
+    assert str(heads.value).endswith("2 attention heads: list 2 devices")  # the tiny DiT has 2 heads
     spec = PoolSpec.make(handle, "cpu,cpu", 1)
     assert (spec.cfg, spec.ulysses, spec.backend) == (1, 2, "gloo")
     assert spec.checkpoint["folder"] == str(handle.folder)  # paths and settings cross, not modules

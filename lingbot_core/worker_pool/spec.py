@@ -148,10 +148,11 @@ class PoolSpec:
         if cfg not in CFG_DEGREES:
             raise RefusedInput(f"cfg degree {cfg}: choose one of {CFG_DEGREES}")
         world = len(names)
-        ulysses = ulysses or world // cfg
+        heads = (handle.info.transformer_config or {}).get("num_attention_heads") if handle.info else None
+        if not ulysses:  # auto: say what it chose from what the user gave, not a degree they never set
+            ulysses = auto_ulysses(world, cfg, int(heads) if heads else None)
         if cfg * ulysses != world:
             raise RefusedInput(f"cfg={cfg} x ulysses={ulysses} must equal the {world} devices given")
-        heads = (handle.info.transformer_config or {}).get("num_attention_heads") if handle.info else None
         if heads:
             ParallelLayout(cfg=cfg, ulysses=ulysses).check_heads(int(heads))
         pooled_loras(handle)  # LoRAs from files cross (the workers read them); other view states do not
@@ -163,6 +164,20 @@ class PoolSpec:
             raise RefusedInput(f"LingBot Parallel: fsdp shards plain (bf16) DiT weights; this pipe loads them as "
                              f"{handle.shared.weights!r}: load with weights 'auto' from a bf16 checkpoint, or turn fsdp off")
         return cls(names, cfg, ulysses, describe_handle(handle), bool(fsdp))
+
+
+def auto_ulysses(world: int, cfg: int, heads: int | None) -> int:
+    """LingBot Parallel's ulysses on auto (0): the device count / cfg. Refused, in terms of what the user
+    set (devices and cfg branches), when that is no whole number or does not divide the DiT's heads."""
+    if world % cfg:
+        raise RefusedInput(f"{world} devices do not split into {cfg} CFG branches (ulysses on auto gives each "
+                           f"branch the device count / cfg): list a multiple of {cfg} devices, or set cfg to 1")
+    ulysses = world // cfg
+    if heads and heads % ulysses:
+        fits = [n * cfg for n in range(1, heads + 1) if heads % n == 0 and 2 <= n * cfg <= max(world, 8)]
+        raise RefusedInput(f"ulysses on auto chose {ulysses} ({world} devices / cfg {cfg}), which does not divide "
+                           f"the DiT's {heads} attention heads: list {' or '.join(map(str, fits))} devices")
+    return ulysses
 
 
 def _same_device(name: str, device: torch.device | str) -> bool:

@@ -1,0 +1,111 @@
+"""Issue 37 item 6: the smaller things a ComfyUI user meets (one test each; each failed before its fix)."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import types
+
+import pytest
+
+from lingbot_nodes import NODE_CLASS_MAPPINGS
+
+
+@pytest.fixture
+def comfy(tmp_path, monkeypatch):
+    """A stand-in ``folder_paths``: ComfyUI under tmp/ComfyUI, started from another working directory."""
+    base = tmp_path / "ComfyUI"
+    folders = {name: base / name for name in ("models", "input", "output", "temp")}
+    for folder in folders.values():
+        folder.mkdir(parents=True)
+    fp = types.ModuleType("folder_paths")
+    fp.base_path = str(base)
+    fp.models_dir = str(folders["models"])
+    fp.folder_names_and_paths = {"loras": ([str(folders["models"] / "loras")], set())}
+    fp.add_model_folder_path = lambda name, path: fp.folder_names_and_paths.setdefault(name, ([], set()))[0].append(path)
+    fp.get_folder_paths = lambda name: fp.folder_names_and_paths[name][0]
+    fp.get_output_directory = lambda: str(folders["output"])
+    fp.get_input_directory = lambda: str(folders["input"])
+    fp.get_temp_directory = lambda: str(folders["temp"])
+    monkeypatch.setitem(sys.modules, "folder_paths", fp)
+    monkeypatch.setitem(sys.modules, "comfy", types.ModuleType("comfy"))
+    monkeypatch.delenv("LINGBOT_ALLOW_ANY_MODEL_PATH", raising=False)
+    monkeypatch.delenv("LINGBOT_MODELS_DIR", raising=False)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    return types.SimpleNamespace(fp=fp, tmp=tmp_path, base=base, cwd=cwd, **folders)
+
+
+# -- the model root comes from ComfyUI's folders only --------------------------------------------------
+
+def test_checkpoints_come_only_from_comfyuis_folders_not_the_working_directory(comfy, fixtures_root, monkeypatch):
+    from lingbot_nodes.loader import checkpoint_choices, resolve_checkpoint
+    from lingbot_nodes.runtime import model_roots
+
+    shutil.copytree(fixtures_root / "models" / "tiny-dense", comfy.models / "lingbot_video" / "inside")
+    shutil.copytree(fixtures_root / "models" / "tiny-dense", comfy.cwd / "models" / "lingbot_video" / "beside")
+    monkeypatch.setenv("LINGBOT_MODELS_DIR", str(comfy.tmp / "cwd" / "models" / "lingbot_video"))
+    assert model_roots() == [comfy.models / "lingbot_video"]
+    names = checkpoint_choices()
+    assert "inside" in names and "beside" not in names
+    assert resolve_checkpoint("inside") == comfy.models / "lingbot_video" / "inside"
+    with pytest.raises(ValueError, match="not found") as missing:
+        resolve_checkpoint("beside")
+    # and the refusal names ComfyUI's folder, not where the server keeps it
+    assert str(missing.value).endswith("not found under models/lingbot_video")
+    assert str(comfy.tmp) not in str(missing.value)
+
+
+# -- paths in messages ---------------------------------------------------------------------------------
+
+def test_messages_name_comfyuis_folders_not_the_servers_paths(comfy):
+    from lingbot_nodes.paths import paths_shown_in, server_paths_hidden, shown_path
+
+    ckpt = comfy.models / "lingbot_video" / "mine"
+    assert shown_path(ckpt / "model_index.json") == "models/lingbot_video/mine/model_index.json"
+    assert shown_path(comfy.input / "cat.png") == "input/cat.png"
+    assert shown_path(comfy.tmp / "elsewhere" / "secret.bin") == "secret.bin"
+    extra = comfy.tmp / "data" / "loras"  # an extra_model_paths.yaml folder outside ComfyUI
+    comfy.fp.folder_names_and_paths["loras"][0].append(str(extra))
+    assert shown_path(extra / "style.safetensors") == "loras/style.safetensors"
+    text = f"cannot read {ckpt}/transformer/config.json (in {comfy.models}); see {comfy.base}/custom_nodes"
+    assert paths_shown_in(text) == ("cannot read models/lingbot_video/mine/transformer/config.json (in models); "
+                                    "see ComfyUI/custom_nodes")
+    with pytest.raises(OSError) as err, server_paths_hidden():
+        raise OSError(f"{ckpt}/vae/diffusion_pytorch_model.safetensors is truncated")
+    assert str(err.value) == "models/lingbot_video/mine/vae/diffusion_pytorch_model.safetensors is truncated"
+
+
+def test_headless_messages_keep_the_users_own_paths(tmp_path):
+    from lingbot_nodes.paths import paths_shown_in, server_paths_hidden, shown_path
+
+    assert shown_path(tmp_path / "x") == str(tmp_path / "x")
+    assert paths_shown_in(f"at {tmp_path}") == f"at {tmp_path}"
+    with pytest.raises(ValueError, match=str(tmp_path)), server_paths_hidden():
+        raise ValueError(f"bad file {tmp_path}/a")
+
+
+def test_the_loader_names_a_broken_checkpoint_by_its_comfyui_folder(comfy, fixtures_root):
+    folder = comfy.models / "lingbot_video" / "broken"
+    shutil.copytree(fixtures_root / "models" / "tiny-dense", folder)
+    (folder / "transformer" / "config.json").write_text("{ not json", encoding="utf-8")
+    loader = NODE_CLASS_MAPPINGS["LingBotLoader"]
+    with pytest.raises(Exception) as err:  # noqa: B017 - whatever the checkpoint check raises, its text is the point
+        loader.execute("broken", "auto")
+    assert str(comfy.tmp) not in str(err.value) and "lingbot_video/broken" in str(err.value), str(err.value)
+
+
+# -- LingBot Parallel's cfg reads as CFG branches ------------------------------------------------------
+
+def test_parallels_cfg_is_labelled_as_cfg_branches_and_keeps_its_widget():
+    from lingbot_core.distributed.layout import CFG_DEGREES
+    from lingbot_nodes.parallel import CFG_LABEL
+
+    schema = NODE_CLASS_MAPPINGS["LingBotParallel"].define_schema()
+    names = [i.id for i in schema.inputs]
+    assert names == ["pipe", "devices", "cfg", "ulysses", "fsdp"]  # saved workflows' widget order
+    cfg = schema.inputs[names.index("cfg")]
+    assert cfg.display_name == CFG_LABEL and "branches" in CFG_LABEL
+    assert list(cfg.options) == [str(d) for d in CFG_DEGREES] and cfg.default == "1"
+    assert cfg.tooltip.startswith("CFG branches across GPUs, not the guidance scale")
