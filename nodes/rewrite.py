@@ -28,12 +28,17 @@ def check_endpoint(endpoint: str) -> str:
     if runtime.in_comfy():
         allowed = rw.allowed_endpoints()
         if not rw.endpoint_allowed(normalized, allowed):
+            # the list is the operator's: it goes to the server log, never to whoever queued the workflow
+            import logging
+
+            logging.getLogger("lingbot_nodes").warning(
+                "lingbot: refused rewrite endpoint %s; %s allows: %s", normalized, rw.ENDPOINTS_ENV,
+                ", ".join(allowed) or "(nothing: it is unset or empty)")
             raise ValueError(
                 f"the rewrite endpoint {normalized} is not allowed on this server. The person running ComfyUI "
-                f"lists allowed endpoints in the {rw.ENDPOINTS_ENV} environment variable (comma-separated base "
-                "addresses such as http://127.0.0.1:8000/v1); "
-                + ("it is empty now." if not allowed else f"it allows: {', '.join(allowed)}.")
-                + " Or leave endpoint empty and connect a pipe to rewrite with the checkpoint's own text encoder.")
+                f"allows endpoints in the {rw.ENDPOINTS_ENV} environment variable (comma-separated base "
+                "addresses such as http://127.0.0.1:8000/v1). Or leave endpoint empty and connect a pipe to "
+                "rewrite with the checkpoint's own text encoder.")
     return normalized
 
 

@@ -63,6 +63,25 @@ CFG_BATCH_TIP = ("CFG's two passes as one batch-2 DiT pass: faster (quantized we
                  "float rounding. auto: batch when the memory estimate says it fits")
 
 
+def _sigmas_with_choices(custom: list[float], sampler, denoise, step_cache, known: dict) -> dict[str, str]:
+    """What the other choices say about a readable custom sigma list (only those that are valid)."""
+    from lingbot_core.sampling import get_sampler
+    from lingbot_core.sampling.step_cache import StepCacheSettings, check_step_cache
+
+    if denoise is not None and "denoise" not in known and float(denoise) < 1.0:
+        return {"sigmas": "custom sigmas and denoise below 1 both choose the schedule: clear the sigmas, or "
+                          "set denoise to 1"}
+    steps = len(custom) - (custom[-1] == 0.0)
+    chosen = get_sampler(sampler if sampler is not None and "sampler" not in known else None)
+    try:
+        chosen.check(steps=steps, shift=1.0, sigmas=custom)  # shift does not apply to a custom list
+        if step_cache is not None and "step_cache" not in known:
+            check_step_cache(StepCacheSettings(step_cache), steps=steps, sampler_name=chosen.name)
+    except ValueError as err:
+        return {"sigmas": str(err)}
+    return {}
+
+
 class LingBotDenoise(io.ComfyNode):
     """Flow-matching sampling from noise (or given latents) to video latents."""
 
@@ -121,17 +140,32 @@ class LingBotDenoise(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, sigmas=None):
-        """A sigma list that cannot be read is refused with the graph (a jobs file's bad line before any job
-        runs), not when Denoise starts."""
+    def validate_inputs(cls, sigmas=None, sampler=None, denoise=None, step_cache=None):
+        """Sigma problems are refused with the graph (at ComfyUI's /prompt, a jobs file's bad line before
+        any job runs), not when Denoise starts after the text encoder: a list that cannot be read, and one
+        the sampler, `denoise` or `step_cache` chosen beside it cannot take. ComfyUI skips its own checks of
+        the inputs named here, so their choices and range are checked here too. A linked input is None."""
+        from .types import problems_or_true
+
+        problems: dict[str, str] = {}
+        if sampler is not None and sampler not in SAMPLERS:
+            problems["sampler"] = f"{str(sampler)[:40]!r} is not one of {', '.join(SAMPLERS)}"
+        if step_cache is not None and step_cache not in STEP_CACHE:
+            problems["step_cache"] = f"{str(step_cache)[:40]!r} is not one of {', '.join(STEP_CACHE)}"
+        if denoise is not None and (isinstance(denoise, bool) or not isinstance(denoise, (int, float))
+                                    or not 0.01 <= float(denoise) <= 1.0):
+            problems["denoise"] = f"must be a number in [0.01, 1], got {str(denoise)[:40]}"
+        custom = None
         if isinstance(sigmas, str):
             from lingbot_core.sampling import parse_sigmas
 
             try:
-                parse_sigmas(sigmas)
+                custom = parse_sigmas(sigmas)
             except ValueError as err:
-                return str(err)
-        return True
+                problems["sigmas"] = str(err)
+        if custom is not None and "sigmas" not in problems:
+            problems.update(_sigmas_with_choices(custom, sampler, denoise, step_cache, problems))
+        return problems_or_true(problems)
 
     @classmethod
     def execute(cls, pipe, conditioning, width, height, frames, steps, cfg, shift, seed, image_cond=None,

@@ -3,6 +3,7 @@ protocol): progress bars, interrupts, model folders, the output folder and memor
 
 from __future__ import annotations
 
+import logging
 import shutil
 import sys
 import types
@@ -328,16 +329,20 @@ def _run_rewrite(url):
                                                          endpoint=url, expand_model="base", map_model="json")
 
 
-def test_rewrite_endpoints_inside_comfyui_only_from_the_operators_list(comfy, monkeypatch):
+def test_rewrite_endpoints_inside_comfyui_only_from_the_operators_list(comfy, monkeypatch, caplog):
     from lingbot_core.rewrite import ENDPOINTS_ENV
 
     monkeypatch.delenv(ENDPOINTS_ENV, raising=False)
     with _rewrite_server() as server:
-        with pytest.raises(ValueError, match=f"{ENDPOINTS_ENV}.*empty now"):
+        with pytest.raises(ValueError, match=f"not allowed on this server.*{ENDPOINTS_ENV}"):
             _run_rewrite(server.url)
-        monkeypatch.setenv(ENDPOINTS_ENV, "http://127.0.0.1:1/v1")
-        with pytest.raises(ValueError, match="not allowed on this server"):
+        monkeypatch.setenv(ENDPOINTS_ENV, "http://127.0.0.1:1/v1,https://internal.example:8443/v1")
+        with caplog.at_level(logging.WARNING, logger="lingbot_nodes"), \
+                pytest.raises(ValueError, match="not allowed on this server") as refused:
             _run_rewrite(server.url)
+        # whoever queues a workflow learns where the operator sets the list, not what is on it; the log has it
+        assert "127.0.0.1:1" not in str(refused.value) and "internal.example" not in str(refused.value)
+        assert "internal.example:8443" in caplog.text and server.url.split("//")[1] in caplog.text
         assert server.requests == []  # refused before any call
         monkeypatch.setenv(ENDPOINTS_ENV, f"http://127.0.0.1:1/v1,{server.url}")
         out = _run_rewrite(server.url)

@@ -101,3 +101,29 @@ def test_loader_takes_a_student_transformer(tmp_path, fixtures_root):
     assert not torch.equal(base.output(decode), swapped.output(decode))
     with pytest.raises(Exception, match="holds no transformer"):
         Engine(NODE_CLASS_MAPPINGS).run(_load("lingbot_t2v_dense_dmd8", [f'1.transformer_path="{tmp_path}"']))
+
+
+@pytest.mark.parametrize("overrides, where, pattern", [
+    (["4.sampler=dmd_student", '4.sigmas="0.9, 0.5"'], "sigmas", "fixed sigma grid"),
+    (['4.sigmas="0.9, 0.6, 0.3"', "4.denoise=0.6"], "sigmas", "denoise below 1"),
+    (['4.sigmas="0.9, 0.6, 0.3"', "4.step_cache=first_block"], "sigmas", "more than"),
+    (['4.sigmas="0.9, x"'], "sigmas", "numbers separated"),
+])
+def test_sigma_problems_are_refused_when_the_prompt_is_validated(overrides, where, pattern):
+    """ComfyUI's /prompt (and the engine's validation) refuses them, not Denoise after the text encoder ran."""
+    from lingbot_core.workflow.errors import WorkflowValidationError
+
+    prompt = _load("lingbot_t2v_dense", overrides)
+    with pytest.raises(WorkflowValidationError, match=pattern) as refused:
+        Engine(NODE_CLASS_MAPPINGS).validate(prompt)
+    assert where in str(refused.value)
+
+
+def test_the_inputs_denoise_checks_itself_keep_their_choices_and_range():
+    """Named in validate_inputs, ComfyUI no longer checks them: Denoise does."""
+    for kwargs, where in (({"sampler": "ddim"}, "sampler"), ({"step_cache": "always"}, "step_cache"),
+                          ({"denoise": 1.5}, "denoise"), ({"denoise": 0.0}, "denoise")):
+        result = DENOISE.validate_inputs(**kwargs)
+        assert result is not True and list(result.per_input) == [where], (kwargs, result)
+    assert DENOISE.validate_inputs(sigmas="1.0, 0.5", sampler="euler", denoise=1.0, step_cache="off") is True
+    assert DENOISE.validate_inputs(sigmas="1.0, 0.5", sampler=None, denoise=None, step_cache=None) is True  # linked
