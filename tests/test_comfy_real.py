@@ -71,18 +71,20 @@ def _more_than_free(mm) -> float:
 
 def _resident_pipe():
     """A pipe from the Loader whose text encoder stays resident on its device after a stage."""
-    from lingbot_core import offload, stages
+    from lingbot_core import stages
+    from lingbot_core.offload import configure_offload
+    from lingbot_core.placement import door
     from lingbot_nodes import NODE_CLASS_MAPPINGS
 
     handle, = NODE_CLASS_MAPPINGS["LingBotLoader"].execute("tiny (built-in dense)", "auto", device="cpu").args
-    view = offload.configure_offload(handle, "none")
+    view = configure_offload(handle, "none")
     stages.encode_prompt(view, "a red paper boat")
-    assert offload.resident_components(view)
+    assert door.resident_components(view)
     return view
 
 
 def test_the_real_free_memory_asks_for_a_number_of_bytes_and_our_components_go(real_mm, monkeypatch):
-    from lingbot_core import offload
+    from lingbot_core.placement import door
     from lingbot_nodes import runtime
 
     assert runtime.in_comfy() and runtime.execution_device("auto") == real_mm.get_torch_device() == CPU
@@ -97,7 +99,7 @@ def test_the_real_free_memory_asks_for_a_number_of_bytes_and_our_components_go(r
     need = _more_than_free(real_mm)
     runtime._free_comfy_memory("transformer", None, CPU, need)  # our listener, before a component moves
     assert len(asked) == 1 and isinstance(asked[0], (int, float)) and 0 < asked[0] <= need + real_mm.minimum_inference_memory()
-    assert not offload.resident_components(view) and real_mm.current_loaded_models == []
+    assert not door.resident_components(view) and real_mm.current_loaded_models == []
 
     _resident_pipe()  # again, and ComfyUI's "Unload models"
     real_mm.unload_all_models()
