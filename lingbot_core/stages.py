@@ -299,8 +299,9 @@ def denoise(
     the loop and after every step. `callback(step, total, latents)` runs after every step; raising
     from it cancels the run cleanly. `trace` (a dict) receives the run (`trace["run"]`: its
     timesteps, sigmas and, for stochastic samplers, what it drew). `cfg_batch` ("off", "on",
-    "auto"): run CFG's two branches as one batch-2 forward ("auto": when the memory estimate says it
-    fits the device under the installed offload mode); within float rounding of "off", not bit-equal.
+    "auto"): run CFG's two branches as one batch-2 forward ("auto": where it is expected to be faster, on a
+    GPU, with quantized weights or a DiT streamed from disk, and the memory estimate says it fits the device
+    under the installed offload mode); within float rounding of "off", not bit-equal.
     `step_cache`: a method name from `sampling.step_cache.STEP_CACHE` or `StepCacheSettings` (method
     and knobs); refused for dmd_student and for 8 steps or fewer.
     """
@@ -325,8 +326,8 @@ def denoise(
                            record=trace is not None)
         if trace is not None:
             trace["run"] = run
-        batch = _batch_cfg(handle, parallel, cfg_batch, guidance_scale > 1.0, height=height, width=width,
-                           num_frames=num_frames)
+        batch = _batch_cfg(handle, parallel, cfg_batch, guidance_scale > 1.0, transformer, height=height,
+                           width=width, num_frames=num_frames)
         note_geometry(handle, Geometry(height, width, num_frames, cfg=guidance_scale > 1.0, cfg_batch=batch))
         guidance = _guidance(handle, parallel, transformer, cond, guidance_scale, device, batch)
         guidance.cache = _step_cache(handle, step_cache, transformer=transformer, method=method, steps=steps,
@@ -378,7 +379,8 @@ def _on(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | Non
     return None if tensor is None else tensor.to(device=device, dtype=torch.float32)
 
 
-def _batch_cfg(handle, parallel: parallel_stage.ParallelSampling, option: str, do_cfg: bool, **geometry: int) -> bool:
+def _batch_cfg(handle, parallel: parallel_stage.ParallelSampling, option: str, do_cfg: bool, transformer: str,
+               **geometry: int) -> bool:
     """Whether this call runs CFG as one batch-2 forward (inside the stage: the mode is installed)."""
     if not do_cfg and option != "off":
         log.info("cfg_batch=%s: nothing to batch at cfg <= 1 (one DiT pass per step)", option)
@@ -388,10 +390,9 @@ def _batch_cfg(handle, parallel: parallel_stage.ParallelSampling, option: str, d
         return False
     if option == "on":
         return True
-    fits = plan.cfg_batch_fits(handle, installed_mode(handle) or "none", **geometry)
-    log.info("cfg_batch=auto: %s", "one batch-2 forward per step (fits the memory estimate)" if fits
-             else "two forwards per step (batch 2 is not expected to fit)")
-    return fits
+    batch, why = plan.cfg_batch_auto(handle, installed_mode(handle) or "none", transformer, **geometry)
+    log.info("cfg_batch=auto: %s", why)
+    return batch
 
 
 def _step_cache(handle, option: Any, *, transformer: str, method: sampling.Sampler, steps: int, run_steps: int,

@@ -60,7 +60,8 @@ def cache_settings(step_cache: str, threshold: float, warmup: int, max_skips: in
 
 CFG_BATCH_TIP = ("CFG's two passes as one batch-2 DiT pass: faster (quantized weights decode once, offloaded "
                  "weights move once per step) for about twice the DiT activation memory; equal to 'off' up to "
-                 "float rounding. auto: batch when the memory estimate says it fits")
+                 "float rounding; slower on a CPU with plain weights. auto: batch on a GPU, with quantized weights or "
+                 "disk streaming, when the memory estimate says it fits")
 
 
 def _sigmas_with_choices(custom: list[float], sampler, denoise, step_cache, known: dict) -> dict[str, str]:

@@ -68,15 +68,60 @@ def test_batched_cfg_under_every_offload_mode(fixtures_root, mode):
     assert torch.equal(got, expected)
 
 
-def test_auto_batches_only_when_the_estimate_fits(fixtures_root, monkeypatch):
+def test_auto_runs_two_forwards_on_a_cpu_with_plain_weights(fixtures_root):
+    """Measured 1.14-1.16x slower batched at real width on a CPU (dense bf16), so auto does not batch."""
     handle = _handle(fixtures_root, "dense")
     cond = stages.encode_prompt(handle, "a red boat", "")
     _, calls = _denoise(handle, cond, cfg_batch="auto")
-    assert calls == [2] * GEOM["steps"]  # a tiny model fits any host
-    capacity = plan.device_capacity(torch.device("cpu"))
-    monkeypatch.setattr(estimate, "RESERVE_BYTES", capacity)  # nothing batched fits now
-    _, calls = _denoise(handle, cond, cfg_batch="auto")
     assert calls == [1] * (2 * GEOM["steps"])
+
+
+def test_auto_batches_quantized_weights_on_a_cpu_only_when_the_estimate_fits(fixtures_root, monkeypatch):
+    handle = PipelineHandle.open(fixtures_root / "models" / "tiny-moe", device="cpu", weights="fp8_e4m3")
+    cond = stages.encode_prompt(handle, "a red boat", "")
+    counter = ForwardCounter(handle.component("transformer"))
+    try:
+        stages.denoise(handle, cond, **GEOM, cfg_batch="auto")
+        assert counter.batches == [2] * GEOM["steps"]  # a tiny model fits any host
+        counter.batches.clear()
+        monkeypatch.setattr(estimate, "RESERVE_BYTES", plan.device_capacity(torch.device("cpu")))
+        stages.denoise(handle, cond, **GEOM, cfg_batch="auto")  # nothing batched fits now
+        assert counter.batches == [1] * (2 * GEOM["steps"])
+    finally:
+        counter.close()
+
+
+def test_auto_batches_a_dit_streamed_from_disk_on_a_cpu(fixtures_root):
+    handle = configure_offload(_handle(fixtures_root, "dense"), "group", offload_to="disk", use_stream=False)
+    cond = stages.encode_prompt(handle, "a red boat", "")
+    _, calls = _denoise(handle, cond, cfg_batch="auto")
+    assert calls == [2] * GEOM["steps"]
+
+
+def test_auto_batches_on_a_gpu_where_it_fits(monkeypatch):
+    """The GPU branch through a fake handle whose device is `cuda:0` (plain weights, nothing installed)."""
+    from types import SimpleNamespace
+
+    fits = []
+    monkeypatch.setattr(plan, "cfg_batch_fits", lambda *_a, **_k: fits[-1])
+    handle = SimpleNamespace(device="cuda:0", shared=SimpleNamespace(placement=SimpleNamespace(mode=None)),
+                             component=lambda _name: torch.nn.Linear(2, 2))
+    geometry = dict(height=480, width=832, num_frames=121)
+    fits.append(True)
+    batch, why = plan.cfg_batch_auto(handle, "none", "transformer", **geometry)
+    assert batch and "cuda" in why
+    fits.append(False)
+    assert plan.cfg_batch_auto(handle, "none", "transformer", **geometry)[0] is False
+    handle.device = "cpu"
+    fits.append(True)
+    assert plan.cfg_batch_auto(handle, "none", "transformer", **geometry)[0] is False
+
+
+def test_the_auto_rule_names_a_gain_for_each_measured_case():
+    assert estimate.cfg_batch_gain("cpu", packed=False, streamed=False) is None
+    for device, packed, streamed in (("cuda", False, False), ("mps", False, False), ("cpu", True, False),
+                                     ("cpu", False, True)):
+        assert estimate.cfg_batch_gain(device, packed=packed, streamed=streamed), (device, packed, streamed)
 
 
 def test_no_cfg_has_nothing_to_batch(fixtures_root):

@@ -420,6 +420,25 @@ def cfg_batch_fits(mode: str, sizes: ModelSizes, geometry: Geometry, budget_byte
     return estimate_peak(mode, sizes, batched) + RESERVE_BYTES <= budget_bytes
 
 
+def cfg_batch_gain(device_type: str, *, packed: bool, streamed: bool) -> str | None:
+    """Why one batch-2 CFG forward is expected to beat two batch-1 forwards on a `device_type` device
+    whose DiT holds quantized weights (`packed`) or streams them from its file (`streamed`); None where
+    two forwards are the faster choice, so `cfg_batch="auto"` does not batch there.
+
+    Batching pays where a forward has a fixed cost per weight that one batch-2 forward pays once: a
+    GPU (kernel launches, under-filled kernels, offload transfers), quantized weights (each forward
+    decodes them), disk streaming (each forward reads them). On a CPU with plain weights nothing is
+    shared, and at real width the batch-2 forward measured 1.14-1.16x the time of the two forwards
+    (dense bf16, issue 36; docs/speed.md)."""
+    if device_type != "cpu":
+        return f"on {device_type}, one forward's fixed costs serve both branches"
+    if packed:
+        return "the quantized weights decode once for both branches"
+    if streamed:
+        return "the DiT's weights are read from disk once for both branches"
+    return None
+
+
 FFN_CHUNKS = (65536, 32768, 16384, 8192, 4096)  # tokens per FFN/MoE pass, tried largest first
 AUTO_CHUNK = "auto"
 NO_CHUNK = "off"  # the Loaders' word for "never chunk" (the handle's None)

@@ -68,6 +68,26 @@ def cfg_batch_fits(handle: Any, mode: str, *, height: int, width: int, num_frame
     return batch_fits(mode, sizes, Geometry(height=height, width=width, num_frames=num_frames), capacity)
 
 
+def cfg_batch_auto(handle: Any, mode: str, transformer: str, *, height: int, width: int,
+                   num_frames: int) -> tuple[bool, str]:
+    """What `cfg_batch="auto"` does in a stage (the mode installed, `transformer` loaded): (batch, why).
+    It batches where one batch-2 forward is expected to be faster (`estimate.cfg_batch_gain`: a GPU,
+    quantized weights, a DiT streamed from disk) and the memory estimate says it fits."""
+    from ..weights.modules import stored_formats
+    from .estimate import cfg_batch_gain
+    from .modes.disk import streams_from_disk
+
+    placed = handle.shared.placement.mode
+    streamed = placed is not None and streams_from_disk(placed.settings, transformer)
+    gain = cfg_batch_gain(torch.device(handle.device).type, packed=bool(stored_formats(handle.component(transformer))),
+                          streamed=streamed)
+    if gain is None:
+        return False, "two forwards per step (on a CPU with plain weights one batch-2 forward is slower)"
+    if not cfg_batch_fits(handle, mode, height=height, width=width, num_frames=num_frames):
+        return False, "two forwards per step (batch 2 is not expected to fit)"
+    return True, f"one batch-2 forward per step ({gain}; it fits the memory estimate)"
+
+
 def ffn_chunk_for(handle: Any, mode: str, *, height: int, width: int, num_frames: int, cfg: bool,
                   cfg_batch: bool) -> tuple[int | None, str]:
     """(tokens per FFN/MoE pass, why) for one denoise call under offload `mode`: the handle's explicit
