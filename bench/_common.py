@@ -89,6 +89,7 @@ def run_main(parse_args: Callable[[list[str] | None], Any], run: Callable[[Any],
     args = parse_args(argv)
     result = run(args)
     print(report(result))
+    print_machine()  # after the run, which set the threads
     write_json(args.json, result)
     return result
 
@@ -100,12 +101,103 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
 
 
+def cpu_bf16_kind(cpuinfo: str | None = None) -> str:
+    """How this CPU multiplies bf16 matrices, from its /proc/cpuinfo flags (`cpuinfo`: that text, for
+    tests): "AMX" (Intel AMX tiles, the fastest), "AVX512-bf16", or "no bf16 instructions" (bf16
+    converted to float32 first). A ratio measured on one kind can differ on another: faster matmuls
+    make everything that is not a matmul (decoding weights, Python, memory traffic) a larger share."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+                cpuinfo = fh.read()
+        except OSError:
+            return "unknown (no /proc/cpuinfo)"
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags.update(line.split(":", 1)[-1].split())
+    if "amx_bf16" in flags:
+        return "AMX"
+    if "avx512_bf16" in flags:
+        return "AVX512-bf16"
+    return "no bf16 instructions"
+
+
+def _cpu_name() -> str:
+    import platform
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+_MACHINE: dict[str, Any] = {}
+
+NOT_SPEED_BENCHES: dict[str, str] = {
+    "comfy_e2e": "drives ComfyUI end to end: pass or fail, no speed ratios",
+    "comfy_editor": "drives the graph editor in a browser: pass or fail, no speed ratios",
+    "fuzz_configs": "a fuzzer: its clock is the hang limit",
+    "fuzz_gguf": "a fuzzer: its clock is the hang limit",
+    "fuzz_jobs": "a fuzzer: its clock is the hang limit",
+    "fuzz_rewriter": "a fuzzer: its clock is the hang limit",
+    "fuzz_single_files": "a fuzzer: its clock is the hang limit",
+    "gguf_header": "hostile headers: whether a parse ends in bounded time and memory, not compute speed",
+    "multinode": "how jobs end when a node fails: timeouts, not compute speed",
+    "parallel_failure": "how a rank's failure is noticed: timeouts, not compute speed",
+    "quant_error": "output error of each format; no speed ratios",
+}
+"""Benches that read a clock but report no speed ratio, so they need not print `machine_line`
+(tests/test_bench_machine.py: every other bench that reads a clock prints it)."""
+
+
+def bf16_matmul_rate(size: int = 2048, repeats: int = 2) -> dict[str, Any]:
+    """This machine's CPU bf16 matmul speed with the threads torch uses now: TFLOP/s of a `size`^3
+    bf16 matmul (best of `repeats` after one warm-up), the CPU's name and its bf16 kind
+    (`cpu_bf16_kind`). Measured once per process (the benches call it before their own rows)."""
+    import time
+
+    key = f"{size}x{repeats}x{torch.get_num_threads()}"
+    if key not in _MACHINE:
+        a = torch.randn(size, size).to(torch.bfloat16)
+        b = torch.randn(size, size).to(torch.bfloat16)
+        torch.mm(a, b)
+        best = math.inf
+        for _ in range(max(1, repeats)):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - start)
+        _MACHINE[key] = {"cpu": _cpu_name(), "cpu_bf16": cpu_bf16_kind(), "threads": torch.get_num_threads(),
+                         "bf16_matmul_tflops": round(2 * size**3 / best / 1e12, 4)}
+    return dict(_MACHINE[key])
+
+
+def machine_line(rate: dict[str, Any] | None = None) -> str:
+    """One line saying which CPU a bench's ratios come from: its name, bf16 kind and bf16 matmul rate."""
+    rate = rate or bf16_matmul_rate()
+    return (f"machine: {rate['cpu']} ({rate['cpu_bf16']}), bf16 matmul {rate['bf16_matmul_tflops']:.3g} TFLOP/s "
+            f"on {rate['threads']} thread(s); ratios measured here can differ on a CPU of another kind")
+
+
+def print_machine() -> dict[str, Any]:
+    """Print `machine_line` (flushed, before a bench's rows) and return the rate for its JSON. Every speed
+    bench calls it (tests/test_bench_machine.py checks)."""
+    rate = bf16_matmul_rate()
+    print(machine_line(rate), flush=True)
+    return rate
+
+
 def environment() -> dict[str, Any]:
-    """What the numbers were measured with (goes into every JSON)."""
+    """What the numbers were measured with (goes into every JSON), the CPU's bf16 matmul rate included."""
     import platform
 
     info: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads(),
-                            "python": platform.python_version(), "machine": platform.machine()}
+                            "python": platform.python_version(), "machine": platform.machine(),
+                            "bf16_matmul": bf16_matmul_rate()}
     if torch.cuda.is_available():
         info["cuda_device"] = torch.cuda.get_device_name(0)
     return info

@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/x.
 
 import torch
 
-from bench._common import environment, fmt, fmt_bytes, table, write_json
+from bench._common import environment, fmt, fmt_bytes, print_machine, table, write_json
 from bench.weights import MOE, QUICK, _inputs, _reset_peak, _rss, build_bf16
 
 FULL_DEPTH = 48
@@ -339,6 +339,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | int:
     if args.child:
         print(json.dumps(_dispatch(args.child[0], json.loads(args.child[1]))))
         return 0
+    print_machine()
     formats = [f for f in args.formats.split(",") if f]
     unknown = set(formats) - {"bf16", "fp8"}
     if unknown:

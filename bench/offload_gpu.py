@@ -60,7 +60,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch
 
-from bench._common import environment, fmt, max_abs_diff, table, write_json
+from bench._common import environment, fmt, max_abs_diff, print_machine, table, write_json
 from lingbot_core.placement.modes import MODE_ORDER
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -601,6 +601,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     if args.threads:
         torch.set_num_threads(args.threads)
+    print_machine()
     t_logging.disable_progress_bar()
     d_logging.disable_progress_bar()
     if args.dry_run:

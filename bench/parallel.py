@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/x.
 
 import torch
 
-from bench._common import environment, fmt, max_abs_diff, random_dit, table, write_json
+from bench._common import environment, fmt, max_abs_diff, print_machine, random_dit, table, write_json
 
 #: the layouts timed against the one-process baseline: (label, cfg, ulysses, fsdp); `--processes` caps the world
 LAYOUTS = (("ulysses=2", 1, 2, False), ("cfg=2", 2, 1, False), ("ulysses=2 + FSDP", 1, 2, True),
@@ -149,6 +149,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from lingbot_core.sampling.guidance import Guidance
 
     torch.set_num_threads(args.threads)
+    print_machine()
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     model, latents, (pos, neg) = _setup(args, device)
     guidance = Guidance(model, pos, neg, 4.0, dtype=torch.float32, device=device)

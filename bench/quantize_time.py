@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    from bench._common import print_machine
+
+    print_machine()
     total = dit_values("moe")
     layer = args.rows * args.width
     rows = []

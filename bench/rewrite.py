@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench._common import environment, fmt, table, write_json  # noqa: E402
+from bench._common import environment, fmt, print_machine, table, write_json  # noqa: E402
 
 
 def _plain_generate(encoder, processor, text: str, tokens: int) -> int:
@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         args.tokens, args.repeats = 16, 1
     if args.threads:
         torch.set_num_threads(args.threads)
+    print_machine()
     base = PipelineHandle.open(ensure_tiny_checkpoint("dense"), device="cpu")
     system, user = "You write captions.", "Request: a red paper boat on a canal at dawn"
     text = chat_text(system, user, False)

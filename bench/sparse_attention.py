@@ -85,9 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    from bench._common import print_machine
     from lingbot_core.models.sparse_attention import SparseSettings, eager_sparse_attention
 
     chosen = [s.strip() for s in args.settings.split(",") if s.strip()]
+    print_machine()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.heads} head(s) of 128, float32, "
           "eager sparse path (not the fast kernel)")
     print(f"{'tokens':>7} {'setting':<18} {'attn s':>8} {'vs dense':>8} {'rel L2':>7} {'blocks':>7}")

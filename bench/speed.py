@@ -39,7 +39,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from bench._common import environment, fmt, fmt_bytes, table, write_json
+from bench._common import environment, fmt, fmt_bytes, print_machine, table, write_json
 from bench.generate import PROMPT, build_mid_checkpoint
 
 
@@ -332,6 +332,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     chosen = args.only or list(SECTIONS)
+    print_machine()
     out: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k != "json"},
                            "environment": environment(), "sections": {}}
     with tempfile.TemporaryDirectory(prefix="lingbot-speed-") as tmp:

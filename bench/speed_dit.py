@@ -24,7 +24,9 @@ Rows:
   (`bench/_common.cpu_peak_bytes`), and the largest output difference;
 - `estimate`: what `placement/estimate.py` says for the MoE base + refine plan, per FFN chunk size;
 - `compile`: regional torch.compile of the blocks (inductor on CPU) vs eager: first-call time,
-  steady forward ratio, max difference.
+  steady forward ratio, max difference;
+- `cfg_batch`: CFG as one batch-2 forward vs two batch-1 forwards, per kind and format (where
+  `cfg_batch="auto"` batches).
 
     python bench/speed_dit.py --only quantized --tokens 1280          # real width, 1 block
     python bench/speed_dit.py --quick                                  # tiny sizes (the smoke test)
@@ -50,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/x.
 import torch
 import torch.nn as nn
 
-from bench._common import environment, table, write_json
+from bench._common import environment, print_machine, table, write_json
 from lingbot_core.models.transformer import LingBotVideoTransformer3DModel
 
 REAL = dict(hidden_size=2048, num_attention_heads=16, intermediate_size=6144, text_dim=2560, freq_dim=256,
@@ -561,6 +563,41 @@ def measure_compile(args: argparse.Namespace) -> dict[str, Any]:
     return {"rows": rows, "text": text}
 
 
+def _two_forwards(model: nn.Module, pos: tuple, neg: tuple) -> None:
+    model(*pos)
+    model(*neg)
+
+
+def measure_cfg_batch(args: argparse.Namespace) -> dict[str, Any]:
+    """CFG's two branches as one batch-2 forward against two batch-1 forwards (`cfg_batch`), per kind and
+    stored format, in turn, best of `--repeats`: the evidence for where `cfg_batch="auto"` batches
+    (`placement.estimate.cfg_batch_gain`)."""
+    rows = []
+    for kind in args.kinds:
+        for fmt_name in args.formats:
+            model = build_model(kind, args.depth, args.quick)
+            if fmt_name != "bf16":
+                model = pack_in_memory(model, fmt_name)
+            cfg = dict(model.config)
+            pos = dit_inputs(cfg, args.tokens, args.text_tokens, seed=1)
+            neg = dit_inputs(cfg, args.tokens, args.text_tokens, seed=2)
+            both = tuple(torch.cat([p, n]) for p, n in zip(pos, neg))
+            two, one = [], []
+            with torch.no_grad():
+                model(*both)  # warm-up (a compiled decoder compiles here)
+                for _ in range(args.repeats):
+                    two.append(timed(_two_forwards, model, pos, neg)[0])
+                    one.append(timed(model, *both)[0])
+            rows.append({"kind": kind, "format": fmt_name, "tokens": args.tokens, "two_s": min(two),
+                         "batched_s": min(one), "batched_x_two": min(one) / min(two)})
+            emit("cfg_batch", rows[-1])
+            del model
+    text = table(["kind", "format", "video tokens", "two forwards s", "batch-2 forward s", "batched x two"],
+                 [[r["kind"], r["format"], str(r["tokens"]), r["two_s"], r["batched_s"], r["batched_x_two"]]
+                  for r in rows])
+    return {"rows": rows, "text": text}
+
+
 MEASUREMENTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "quantized": measure_quantized,
     "decode": measure_decode,
@@ -570,6 +607,7 @@ MEASUREMENTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "estimate": measure_estimate,
     "fp8_matmul": measure_fp8_matmul,
     "compile": measure_compile,
+    "cfg_batch": measure_cfg_batch,
 }
 
 
@@ -622,6 +660,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    print_machine()
     report: dict[str, Any] = {"environment": environment(), "args": {k: v for k, v in vars(args).items()
                                                                      if k != "json"}}
     for name in args.only.split(","):

@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/x.
 
 import torch
 
-from bench._common import environment, fmt, fmt_bytes, table, write_json
+from bench._common import environment, fmt, fmt_bytes, print_machine, table, write_json
 
 FORMATS = ("bf16", "fp8", "gguf-q8_0", "gguf-q4_0")
 DENSE = dict(hidden_size=2048, num_attention_heads=16, depth=24, intermediate_size=6144, text_dim=2560,
@@ -574,6 +574,7 @@ def main(argv: list[str] | None = None) -> int:
             result = child_disk(rest[0], rest[1], int(rest[2]), int(rest[3]))
         print(json.dumps(result))
         return 0
+    print_machine()
     if args.full_moe:
         entry = run_full_moe(args.data, args.video_tokens, args.text_tokens, args.modes.split(","), args.quick)
         print(render_full_moe(entry, args.video_tokens, args.text_tokens))

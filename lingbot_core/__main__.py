@@ -326,6 +326,12 @@ def _run(args: argparse.Namespace, output: Path) -> int:
     refine = None
     if args.refine:
         refine = (args.refine_height or (2 * height if tiny else 1088), args.refine_width or (2 * width if tiny else 1920))
+    import logging
+
+    from .allocator import tune_for_cpu
+    from .handle import default_device
+
+    logging.getLogger("lingbot_core").info("CPU allocator: %s", tune_for_cpu(str(args.device or default_device())))
     handle = PipelineHandle.open(folder, device=args.device, **settings_from_flags(args),
                                  sparse=_sparse_settings(args))
     require_refiner(handle, refine)

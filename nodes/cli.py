@@ -566,6 +566,7 @@ def _run_jobs(args: argparse.Namespace, prompt, engine, reporter: Reporter, outp
     place = world_place(layout=layout)
     check_file_names(prompt.nodes, place)  # before any model work: no two groups may pick one file name
     _pick_local_device()
+    _tune_allocator()
     # one file per writing group leader (jobs.manifest.group<N>.jsonl) when the world has several groups
     manifest = Manifest(args.manifest or output / f"{Path(args.jobs).stem}.manifest.jsonl", writer=place.writer)
     if layout is not None and layout.nodes > 1 and place.leader:
@@ -737,6 +738,17 @@ def _stop_parallel(layout) -> None:
     use_process_layout(None)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _tune_allocator() -> None:
+    """Without a GPU the run is on the CPU: glibc's allocator set up for its large tensors
+    (`lingbot_core.allocator`), before any model loads."""
+    import torch
+
+    from lingbot_core.allocator import tune_for_cpu
+
+    said = tune_for_cpu("cuda" if torch.cuda.is_available() else "cpu")
+    logging.getLogger("lingbot_nodes").info("CPU allocator: %s", said)
 
 
 def _pick_local_device() -> None:

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1] / "lingbot_core"
 LAYERS: list[tuple[str, set[str]]] = [
     # knows nothing of the models: errors, tables, the hook registry, cancellation, paths, the graph engine
     ("base", {"errors", "components", "json_text", "caption_schema", "exit_codes", "hooks", "interrupt", "save_path",
-              "workflow", "kernels"}),
+              "workflow", "kernels", "allocator"}),
     # pure computation over tensors: the DiT, the scheduler and samplers, image/video/latent prep
     ("models", {"models", "scheduler", "sampling", "image", "video", "video_input", "latents"}),
     # files -> modules: opening checkpoints (folders and single files), weight formats, the tiny checkpoint,
