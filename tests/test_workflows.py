@@ -125,7 +125,7 @@ def test_t2v_dense_converts_as_written_out_by_hand():
                          "cache_max_skips": -1, "denoise": 1.0}},
         "5": {"class_type": "LingBotDecode", "_meta": {"title": "Decode"},
               "inputs": {"pipe": ["2", 0], "latent": ["4", 0], "tiling": False, "tile_height": 256,
-                         "tile_width": 256, "stride_height": 192, "stride_width": 192, "fps": 24.0}},
+                         "tile_width": 256, "stride_height": 192, "stride_width": 192, "fps": 24.0, "vae": "full"}},
         "6": {"class_type": "LingBotSaveVideo", "_meta": {"title": "Save"},
               "inputs": {"images": ["5", 0], "fps": 24.0, "filename_prefix": "lingbot/t2v"}},
     }
