@@ -191,6 +191,16 @@ def print_machine() -> dict[str, Any]:
     return rate
 
 
+def bf16_steps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance between `a` and `b` in bf16 representable values (0: bit-identical in bf16;
+    1: one rounding step, "1 ulp"), both rounded to bf16 first."""
+    def ordered(x: torch.Tensor) -> torch.Tensor:  # bf16 bit patterns as integers in value order
+        bits = x.to(torch.bfloat16).contiguous().view(torch.int16).int()
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+    return int((ordered(a) - ordered(b)).abs().max()) if a.numel() else 0
+
+
 def environment() -> dict[str, Any]:
     """What the numbers were measured with (goes into every JSON), the CPU's bf16 matmul rate included."""
     import platform

@@ -359,7 +359,7 @@ def choice_block() -> str:
             f"about 3B active per token) and the longer route: a {moe_dl / GB:.1f} GB download (the refiner "
             "included), then both DiTs quantized with `python -m lingbot_core.quantize` (output error per format: "
             "[Smaller DiT files](#smaller-dit-files))"
-            + (": " + ", ".join(quantize) + " for the pair, EXTRAPOLATED from one layer timed on one CPU core "
+            + (": " + ", ".join(quantize) + " for the pair, EXTRAPOLATED from one layer timed on one core of an AMD EPYC "
                "(`python bench/quantize_time.py`), plus reading the bf16 files once" if quantize else "")
             + ". Each of its steps then moves a whole DiT to the GPU (from the page cache, or the disk when RAM "
             "is short), where the dense model computes on weights already there, so a MoE step is slower; "

@@ -349,7 +349,7 @@ def _block_args(model: LingBotVideoTransformer3DModel, index: int, inputs) -> tu
 def measure_chunked(args: argparse.Namespace) -> dict[str, Any]:
     """Peak CPU bytes torch allocates during one block forward (the block's own inputs excluded),
     FFN/MoE over `--chunk` tokens at a time vs the whole sequence, and the largest output difference."""
-    from bench._common import cpu_peak_bytes, max_abs_diff
+    from bench._common import bf16_steps, cpu_peak_bytes, max_abs_diff
 
     rows = []
     for kind in args.kinds:
@@ -368,14 +368,15 @@ def measure_chunked(args: argparse.Namespace) -> dict[str, Any]:
         (whole_peak, whole, whole_s), (part_peak, part, part_s) = results[None], results[args.chunk]
         rows.append({"kind": kind, "tokens": whole.shape[1], "chunk": args.chunk, "peak_whole": whole_peak,
                      "peak_chunked": part_peak, "peak_ratio": part_peak / whole_peak, "time_ratio": part_s / whole_s,
-                     "max_abs_diff": max_abs_diff(part, whole), "bit_identical": torch.equal(part, whole)})
+                     "max_abs_diff": max_abs_diff(part, whole), "bf16_steps": bf16_steps(part, whole),
+                     "bit_identical": torch.equal(part, whole)})
     from bench._common import fmt_bytes
 
     text = table(["kind", "tokens", "chunk", "peak whole", "peak chunked", "peak ratio", "time ratio",
-                  "max |diff|", "bit-identical"],
+                  "max |diff|", "bf16 steps", "bit-identical"],
                  [[r["kind"], str(r["tokens"]), str(r["chunk"]), fmt_bytes(r["peak_whole"]),
                    fmt_bytes(r["peak_chunked"]), r["peak_ratio"], r["time_ratio"], r["max_abs_diff"],
-                   r["bit_identical"]] for r in rows])
+                   str(r["bf16_steps"]), r["bit_identical"]] for r in rows])
     return {"rows": rows, "text": text}
 
 

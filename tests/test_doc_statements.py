@@ -100,3 +100,27 @@ def test_a_step_cache_runs_on_several_processes_as_the_readme_says():
         parallel_stage.check_request(view, cfg_batch="off", step_cache="magcache_calibrate")
     with pytest.raises(ValueError, match="cfg_batch 'on' and CFG parallel"):
         parallel_stage.check_request(view, cfg_batch="on")
+
+
+def test_the_chunked_ffn_sentence_says_it_is_not_always_bit_identical():
+    """docs/speed.md (issue 36 item 5): token-chunked FFN/MoE is not bit-identical on every CPU (a MoE block
+    1 bf16 ulp apart on an AMD EPYC with AVX512-bf16); the bench counts that ulp with `bf16_steps`."""
+    from bench._common import bf16_steps
+
+    said = _paragraph((ROOT / "docs" / "speed.md").read_text(encoding="utf-8"), "Each token's math is unchanged")
+    assert "not always bit-identical" in said and "1 bf16 ulp" in said and "bit-identical in the CPU" not in said
+    x = torch.tensor([0.1, -3.0, 0.0, 1e-3]).bfloat16()
+    nudged = (x.view(torch.int16) + 1).view(torch.bfloat16)  # each value one representable step away
+    assert bf16_steps(x, x) == 0 and bf16_steps(x, nudged) == 1
+    assert bf16_steps(torch.tensor([-0.0]), torch.tensor([0.0])) == 0
+
+
+def test_speed_figures_name_their_cpu():
+    """Issue 36 item 5: docs/speed.md's quantized-decoder and light-decoder figures, and docs/benchmarks.md's
+    CPU table, name the CPU (and AMX or not) each figure was measured on."""
+    speed = (ROOT / "docs" / "speed.md").read_text(encoding="utf-8")
+    quantized = _paragraph(speed, "How close a quantized DiT")
+    assert "Intel Xeon" in quantized and "AMD EPYC" in quantized and "AMX" in quantized and "not met" in quantized
+    assert "AMD EPYC" in _paragraph(speed, "Gives: 14.6x less CPU time")
+    bench = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    assert "| AMD EPYC, 2 cores (December 6 2026) | AVX512-bf16, **no AMX**" in bench
