@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from lingbot_core.checkpoints import configs as config_checks
 from lingbot_core.checkpoints.inspection import check_values_and_shapes, inspect_checkpoint
 from lingbot_core.errors import CheckpointError
 from lingbot_core.weights import checks
@@ -26,9 +27,9 @@ def _configs(folder: Path) -> dict[str, dict[str, Any]]:
 
 def test_the_published_configs_are_inside_the_bounds():
     for name in ("dense-1.3b", "moe-30b-a3b"):
-        checks.check_transformer_config(json.loads((PUBLISHED / f"{name}.transformer.json").read_text()), name)
-    checks.check_vae_config(json.loads((PUBLISHED / "wan2.1.vae.json").read_text()), "vae")
-    checks.check_text_encoder_config(json.loads((PUBLISHED / "qwen3-vl-4b.text_encoder.json").read_text()),
+        config_checks.check_transformer_config(json.loads((PUBLISHED / f"{name}.transformer.json").read_text()), name)
+    config_checks.check_vae_config(json.loads((PUBLISHED / "wan2.1.vae.json").read_text()), "vae")
+    config_checks.check_text_encoder_config(json.loads((PUBLISHED / "qwen3-vl-4b.text_encoder.json").read_text()),
                                      "text_encoder", 2560)
 
 
@@ -73,7 +74,7 @@ def test_out_of_range_latent_statistics_are_refused(fixtures_root):
         vae = copy.deepcopy(base)
         vae[key][3] = value
         with pytest.raises(CheckpointError, match=key):
-            checks.check_vae_config(vae, "vae/config.json")
+            config_checks.check_vae_config(vae, "vae/config.json")
 
 
 # -- fuzz: whatever a config holds, the checks refuse it with our error or accept a buildable one ---------

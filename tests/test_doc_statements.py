@@ -39,7 +39,7 @@ def test_contributing_names_every_module_and_only_real_files():
     files = [n for n in named if n.endswith(".py")]
     assert [f for f in files if not any(core.rglob(Path(f).name))] == []
     checkpoints = _paragraph(section, "- `checkpoints/`")
-    for reader in ("inspection.py", "loading.py", "dit_file.py", "vae_file.py", "text_encoder_file.py",
+    for reader in ("inspection.py", "configs.py", "loading.py", "dit_file.py", "vae_file.py", "text_encoder_file.py",
                    "single_files.py", "processor_files.py"):
         assert (core / "checkpoints" / reader).is_file() and f"`{reader}`" in checkpoints
     assert (core / "weights" / "checks.py").is_file() and "`checks.py`" in _paragraph(section, "- `weights/`")

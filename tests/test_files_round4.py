@@ -352,8 +352,8 @@ def test_an_integer_dit_weight_is_refused(tmp_path):
 
 @pytest.mark.parametrize("key, value", [("rope_theta", 1e-300), ("norm_eps", 1e300), ("rope_theta", 1e308)])
 def test_dit_config_floats_have_real_bounds(key, value):
+    from lingbot_core.checkpoints.configs import FLOAT_RANGES, check_transformer_config
     from lingbot_core.tiny import tiny_dit_config
-    from lingbot_core.weights.checks import FLOAT_RANGES, check_transformer_config
 
     config = tiny_dit_config("dense")
     check_transformer_config(config, "cfg")
@@ -364,9 +364,9 @@ def test_dit_config_floats_have_real_bounds(key, value):
 
 
 def test_routed_scaling_factor_and_shift_have_real_bounds():
+    from lingbot_core.checkpoints.configs import check_scheduler_config, check_transformer_config
     from lingbot_core.sampling.sigmas import SHIFT_RANGE, check_shift
     from lingbot_core.tiny import tiny_dit_config
-    from lingbot_core.weights.checks import check_scheduler_config, check_transformer_config
 
     moe = tiny_dit_config("moe")
     with pytest.raises(CheckpointError, match="routed_scaling_factor"):

@@ -142,7 +142,8 @@ def _logical_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, 
 
 def _match(shapes: dict[str, tuple[int, ...]], path: Path) -> dict[str, Any]:
     """The known config (at the file's depth) whose tensors the file holds exactly."""
-    from ..weights.checks import check_transformer_config, dit_shapes, tensor_set_problems
+    from ..weights.checks import dit_shapes, tensor_set_problems
+    from .configs import check_transformer_config
 
     blocks = {int(m.group(1)) for n in shapes if (m := _BLOCK.match(n))}
     depth = max(blocks) + 1 if blocks else 0

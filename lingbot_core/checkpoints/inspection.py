@@ -28,6 +28,13 @@ from ..json_text import parse_json_text
 from ..weights import checks
 from ..weights.resolve import ComponentSource, check_weights_mode_for, folder_source
 from ..weights.safetensors_header import stored_tensors
+from .configs import (
+    check_scheduler_config,
+    check_text_encoder_config,
+    check_transformer_config,
+    check_vae_config,
+    refuse_remote_code,
+)
 
 COMPONENTS = INDEXED  # what model_index.json lists (the refiner is found by its folder)
 
@@ -200,7 +207,7 @@ def inspect_checkpoint(folder: str | os.PathLike, files: ComponentFiles | None =
     if not root.is_dir():
         raise CheckpointError(f"checkpoint folder {root} does not exist. Pass the folder that holds model_index.json.")
     index = _read_json(root / "model_index.json", "model_index.json")
-    checks.refuse_remote_code(root, (*COMPONENTS, REFINER))
+    refuse_remote_code(root, (*COMPONENTS, REFINER))
     for name in COMPONENTS:
         entry = index.get(name)
         if not (isinstance(entry, list) and len(entry) == 2 and all(isinstance(e, str) for e in entry)):
@@ -305,15 +312,15 @@ def check_values_and_shapes(root: Path, configs: dict[str, dict[str, Any]], sour
     """
     for name in DITS:
         if name in configs:
-            checks.check_transformer_config(configs[name], str(root / name / "config.json"))
+            check_transformer_config(configs[name], str(root / name / "config.json"))
     where_of = {name: sources[name].where if name in skip and name in sources else root / name / "config.json"
                 for name in configs}
     if "vae" not in skip:
-        checks.check_vae_config(configs["vae"], str(root / "vae" / "config.json"))
+        check_vae_config(configs["vae"], str(root / "vae" / "config.json"))
     if scheduler:
-        checks.check_scheduler_config(configs["scheduler"], str(root / "scheduler" / "scheduler_config.json"))
+        check_scheduler_config(configs["scheduler"], str(root / "scheduler" / "scheduler_config.json"))
     if "text_encoder" not in skip:
-        checks.check_text_encoder_config(configs["text_encoder"], str(root / "text_encoder" / "config.json"),
+        check_text_encoder_config(configs["text_encoder"], str(root / "text_encoder" / "config.json"),
                                          configs[TRANSFORMER].get("text_dim"))
     if "text_encoder" in skip:  # a single file's width against the DiT's text width (a folder's: just above)
         from .single_files import check_fit

@@ -37,10 +37,11 @@ import torch
 
 from ..errors import CheckpointError
 from ..json_text import parse_json_text
-from ..weights.checks import check_text_encoder_config, tensor_set_problems
+from ..weights.checks import tensor_set_problems
 from ..weights.fileio import regular_file_problem
 from ..weights.safetensors_header import SafetensorsHeader, TensorReader, read_safetensors_file
 from ..weights.state import ModelState
+from .configs import check_text_encoder_config
 
 CONFIG_FILE = Path(__file__).resolve().parent.parent / "configs" / "qwen3-vl-4b.text_encoder.json"
 WHERE = "models/text_encoders"

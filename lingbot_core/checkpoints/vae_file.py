@@ -33,9 +33,10 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from ..weights.checks import check_vae_config, vae_shapes
+from ..weights.checks import vae_shapes
 from ..weights.fileio import regular_file_problem
 from ..weights.safetensors_header import SafetensorsHeader, StoredTensor, TensorReader, read_safetensors_file
+from .configs import check_vae_config
 
 CONFIG_FILE = Path(__file__).resolve().parent.parent / "configs" / "wan2.1.vae.json"
 # Keys of the latent statistics and of the structure we infer; everything else in the shipped
