@@ -5,8 +5,15 @@ from __future__ import annotations
 import torch
 
 from . import paths
-from .types import CATEGORY
+from .types import CATEGORY, Choice
 from .v3 import io
+
+TEST_PATTERN = "(test pattern)"
+"""The Load Image choice (like an empty path) for the built-in test pattern."""
+
+
+def _pattern(path: str) -> bool:
+    return not path or path == TEST_PATTERN
 
 
 def test_pattern(height: int = 256, width: int = 384) -> torch.Tensor:
@@ -27,17 +34,23 @@ class LingBotLoadImage(io.ComfyNode):
             node_id="LingBotLoadImage",
             display_name="LingBot Load Image",
             category=CATEGORY,
-            description="Loads an image file as IMAGE for TI2V; with an empty path, a built-in colour test pattern. "
+            description="Loads an image file as IMAGE for TI2V (ComfyUI's input folder, with an upload button); "
+                        f"{TEST_PATTERN}: a built-in colour test pattern. "
                         "Works headless too (core Load Image needs the server's input folder).",
-            inputs=[io.String.Input("path", default="", tooltip="An image file; empty: a built-in test pattern. In "
-                                    "ComfyUI a file in its input folder ('cat.png', or 'x.png [output]' / "
-                                    "'[temp]'); headless any path")],
+            # ComfyUI's upload combo over its input folder (the widget keeps its name `path`, so saved
+            # workflows load; validate_inputs checks the value, so a typed path or '' still works)
+            inputs=[Choice("path", options=[TEST_PATTERN, *paths.input_images()], default=TEST_PATTERN,
+                           upload=io.UploadType.image, image_folder=io.FolderType.input,
+                           tooltip="An image in ComfyUI's input folder (choose one, or upload one with the "
+                                   "button; 'x.png [output]' / '[temp]' for ComfyUI's other folders); "
+                                   f"{TEST_PATTERN} or empty: a built-in colour test pattern. Headless any image "
+                                   "path")],
             outputs=[io.Image.Output(display_name="image", tooltip="The image [1,H,W,3] in 0..1")],
         )
 
     @classmethod
     def fingerprint_inputs(cls, path=""):
-        if not path:
+        if _pattern(path):
             return path
         try:
             return f"{path}@{paths.image_path(path).stat().st_mtime_ns}"
@@ -48,7 +61,7 @@ class LingBotLoadImage(io.ComfyNode):
     def validate_inputs(cls, path=""):
         # Inside ComfyUI only its input/output/temp folders; a file outside and a missing file get the
         # same answer, so validation cannot be used to probe the server's disk.
-        if path:
+        if not _pattern(path):
             try:
                 paths.image_path(path)
             except ValueError as err:
@@ -61,7 +74,7 @@ class LingBotLoadImage(io.ComfyNode):
 
         from lingbot_core.image import load_image
 
-        if not path:
+        if _pattern(path):
             return io.NodeOutput(test_pattern())
         array = np.asarray(load_image(paths.image_path(path)), dtype=np.float32) / 255.0
         return io.NodeOutput(torch.from_numpy(array).unsqueeze(0))

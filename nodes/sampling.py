@@ -58,6 +58,7 @@ def cache_settings(step_cache: str, threshold: float, warmup: int, max_skips: in
                              calibration_dir=calibration_dir())
 
 
+DENOISE_RANGE = (0.01, 1.0)  # Denoise's `denoise` widget (checked by its validate_inputs, which names it)
 CFG_BATCH_TIP = ("CFG's two passes as one batch-2 DiT pass: faster (quantized weights decode once, offloaded "
                  "weights move once per step) for about twice the DiT activation memory; equal to 'off' up to "
                  "float rounding; slower on a CPU with plain weights. auto: batch on a GPU, with quantized weights or "
@@ -131,7 +132,8 @@ class LingBotDenoise(io.ComfyNode):
                             tooltip="Video-to-video: the input frames (LingBot Load Video) or a core VIDEO, re-noised "
                                     "to `denoise`; its first `frames` frames are used, resized to the video size "
                                     "like a first frame"),
-                io.Float.Input("denoise", default=1.0, min=0.01, max=1.0, step=0.01, optional=True,
+                io.Float.Input("denoise", default=1.0, min=DENOISE_RANGE[0], max=DENOISE_RANGE[1], step=0.01,
+                               optional=True,
                                tooltip="Video-to-video strength: how far the input (`video`, or `latent` as clean "
                                        "latents) is re-noised along the schedule; runs that share of the steps "
                                        "(0.6 of 40: the last 24). 1: from pure noise, the input unused. "
@@ -149,13 +151,17 @@ class LingBotDenoise(io.ComfyNode):
         from .types import problems_or_true
 
         problems: dict[str, str] = {}
-        if sampler is not None and sampler not in SAMPLERS:
-            problems["sampler"] = f"{str(sampler)[:40]!r} is not one of {', '.join(SAMPLERS)}"
-        if step_cache is not None and step_cache not in STEP_CACHE:
-            problems["step_cache"] = f"{str(step_cache)[:40]!r} is not one of {', '.join(STEP_CACHE)}"
-        if denoise is not None and (isinstance(denoise, bool) or not isinstance(denoise, (int, float))
-                                    or not 0.01 <= float(denoise) <= 1.0):
-            problems["denoise"] = f"must be a number in [0.01, 1], got {str(denoise)[:40]}"
+        # (in the words of the engine's and ComfyUI's own checks, which these replace)
+        for name, value, choices in (("sampler", sampler, SAMPLERS), ("step_cache", step_cache, STEP_CACHE)):
+            if value is not None and value not in choices:
+                problems[name] = f"value {str(value)[:40]!r} is not one of {choices}"
+        if denoise is not None:
+            if isinstance(denoise, bool) or not isinstance(denoise, (int, float)):
+                problems["denoise"] = f"expected a number, got {str(denoise)[:40]!r}"
+            elif not denoise >= DENOISE_RANGE[0]:
+                problems["denoise"] = f"value {denoise} is smaller than the minimum {DENOISE_RANGE[0]}"
+            elif denoise > DENOISE_RANGE[1]:
+                problems["denoise"] = f"value {denoise} is bigger than the maximum {DENOISE_RANGE[1]}"
         custom = None
         if isinstance(sigmas, str):
             from lingbot_core.sampling import parse_sigmas

@@ -113,9 +113,27 @@ def _io_type(name: str, input_keys: dict[str, str] | None = None, with_output: b
     return type(name.title(), (), attrs)
 
 
+class UploadType(str, Enum):
+    """What a combo's upload button takes (`io.UploadType`): its value is the option that asks for it."""
+
+    image = "image_upload"
+    audio = "audio_upload"
+    video = "video_upload"
+    model = "file_upload"
+
+
+class FolderType(str, Enum):
+    """Which of ComfyUI's folders an upload goes to (`io.FolderType`)."""
+
+    input = "input"
+    output = "output"
+    temp = "temp"
+
+
 class _ComboInput(_Input):
     io_type = _IOType("COMBO")
-    _keys = {**_WIDGET, "options": "options", "control_after_generate": "control_after_generate"}
+    _keys = {**_WIDGET, "options": "options", "control_after_generate": "control_after_generate",
+             "upload": "upload", "image_folder": "image_folder"}
 
     def __init__(self, id: str, options: list[Any] | type[Enum] | None = None, **kwargs: Any) -> None:
         if isinstance(options, type) and issubclass(options, Enum):
@@ -123,7 +141,13 @@ class _ComboInput(_Input):
         super().__init__(id, options=list(options or []), **kwargs)
 
     def as_dict(self) -> dict[str, Any]:
-        return super().as_dict() | {"multiselect": False}
+        spec = super().as_dict() | {"multiselect": False}
+        upload = spec.pop("upload", None)
+        if upload is not None:  # ComfyUI's form: the upload kind's own key set to true
+            spec[UploadType(upload).value] = True
+        if spec.get("image_folder") is not None:
+            spec["image_folder"] = FolderType(spec["image_folder"]).value
+        return spec
 
 
 class _MultiTypeInput(_Input):
@@ -163,6 +187,8 @@ class _Namespace:
                                  "dynamic_prompts": "dynamicPrompts"})
     Boolean = _io_type("BOOLEAN", {**_WIDGET, "label_on": "label_on", "label_off": "label_off"})
     Combo = type("Combo", (), {"io_type": "COMBO", "Input": _ComboInput})
+    UploadType = UploadType
+    FolderType = FolderType
     Image = _io_type("IMAGE")
     Latent = _io_type("LATENT")
     Video = _io_type("VIDEO")

@@ -7,6 +7,7 @@ import sys
 import types
 
 import pytest
+import torch
 
 from lingbot_nodes import NODE_CLASS_MAPPINGS
 
@@ -109,3 +110,24 @@ def test_parallels_cfg_is_labelled_as_cfg_branches_and_keeps_its_widget():
     assert cfg.display_name == CFG_LABEL and "branches" in CFG_LABEL
     assert list(cfg.options) == [str(d) for d in CFG_DEGREES] and cfg.default == "1"
     assert cfg.tooltip.startswith("CFG branches across GPUs, not the guidance scale")
+
+
+# -- Load Image: ComfyUI's upload combo --------------------------------------------------------------
+
+def test_load_image_is_an_upload_combo_over_the_input_folder(comfy):
+    from PIL import Image
+
+    from lingbot_nodes.image_input import TEST_PATTERN, test_pattern
+
+    Image.new("RGB", (8, 8), (10, 200, 30)).save(comfy.input / "cat.png")
+    (comfy.input / "notes.txt").write_text("x", encoding="utf-8")
+    node = NODE_CLASS_MAPPINGS["LingBotLoadImage"]
+    kind, options = node.INPUT_TYPES()["required"]["path"]  # what ComfyUI's editor reads
+    assert kind == [TEST_PATTERN, "cat.png"] and options["default"] == TEST_PATTERN
+    assert options["image_upload"] is True and options["image_folder"] == "input"
+    assert node.validate_inputs(path="cat.png") is True
+    assert node.execute("cat.png").args[0].shape == (1, 8, 8, 3)
+    for pattern in (TEST_PATTERN, ""):  # "" is what workflows saved before the combo hold
+        assert node.validate_inputs(path=pattern) is True
+        assert torch.equal(node.execute(pattern).args[0], test_pattern())
+    assert "not a file in ComfyUI's input folder" in node.validate_inputs(path="notes.txt.png")
