@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from . import runtime
+from .preview import previewer_for
 from .sampling import SAMPLERS, SEED_MAX
 from .types import CATEGORY, FRAMES_GRID, MAX_FRAMES, MAX_STEPS, Choice, Cond, Pipe
 from .v3 import io
@@ -81,7 +82,7 @@ class LingBotExtendVideo(io.ComfyNode):
             extend.check_extend_request(video, segments=int(segments), k=int(overlap), num_frames=int(frames),
                                         height=int(video.shape[1]), width=int(video.shape[2]))
         lines = extend.segment_prompts(prompts, segments=int(segments), num_frames=int(frames), k=int(overlap))
-        with runtime.node_work(int(steps) * int(segments), "extend", preview=True) as on_step:
+        with runtime.node_work(int(steps) * int(segments), "extend", previewer_for("extend")) as on_step:
             conds = [conditioning]
             if lines:
                 conds = [stages.Conditioning(stages.encode_prompt(pipe, line, None).positive, conditioning.negative,

@@ -150,3 +150,11 @@ def _comfy_method_allows_light() -> bool:
 def _file_stem(text: str) -> str:
     """A plain file name stem: node ids are workflow text (subgraph ids hold ':', any may hold '/')."""
     return re.sub(r"[^A-Za-z0-9._-]", "_", text).lstrip(".")[:160] or "preview"
+
+
+def previewer_for(label: str) -> Previewer | None:
+    """The step previewer a node hands to `runtime.node_work`: None where nothing would be shown."""
+    from .runtime import in_comfy
+
+    previewer = Previewer(label, comfy=in_comfy())
+    return previewer if previewer.active else None

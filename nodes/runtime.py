@@ -79,10 +79,12 @@ class Progress:
 
 @contextmanager
 def node_work(total_steps: int = 0, label: str = "lingbot",
-              preview: bool = False, units: int = 0) -> Iterator[Callable[[int, int, object], None]]:
+              previewer: Any = None, units: int = 0) -> Iterator[Callable[[int, int, object], None]]:
     """Run node work with cancellation points installed; yield a per-step callback for stages.
     `units` (work without steps: text encode, decode): the expected number of blocks/layers that run;
-    the bar moves at each one (its total grows if the estimate was short)."""
+    the bar moves at each one (its total grows if the estimate was short). `previewer`: what turns a
+    step's latents into a preview (`preview.previewer_for`), built by the node so this module, below the
+    nodes, imports none of them."""
     check = interrupt_check()
     bar = Progress(total_steps or units, label) if total_steps or units else None
     done = [0]
@@ -93,13 +95,6 @@ def node_work(total_steps: int = 0, label: str = "lingbot",
         done[0] += 1
         if done[0] == 1 or done[0] % every == 0 or done[0] >= units:
             bar.update(done[0], max(units, done[0]))
-    previewer = None
-    if preview:
-        from .preview import Previewer
-
-        previewer = Previewer(label, comfy=in_comfy())
-        previewer = previewer if previewer.active else None
-
     def on_step(step: int, total: int, latents: object) -> None:
         image = None
         if previewer is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from . import runtime
 from .notices import on_node
+from .preview import previewer_for
 from .types import (
     CATEGORY,
     FRAMES_GRID,
@@ -205,7 +206,7 @@ class LingBotDenoise(io.ComfyNode):
         elif video is not None:
             v2v_notice = ("Denoise: denoise is 1, so the connected video is not used (pure noise, as text-to-"
                           "video); lower denoise (0.5 to 0.8) to keep some of it.")
-        with runtime.node_work(steps, "denoise", preview=True) as on_step:
+        with runtime.node_work(steps, "denoise", previewer_for("denoise")) as on_step:
             out = stages_for(pipe).denoise(
                 pipe, conditioning, height=int(height), width=int(width), num_frames=int(frames), steps=int(steps),
                 guidance_scale=float(cfg), shift=float(shift), seed=int(seed), image_cond=image_cond, latents=start,
@@ -265,7 +266,7 @@ class LingBotRefine(io.ComfyNode):
         if (latent is None) == (images is None):
             raise ValueError("connect exactly one of `latent` or `images` as the base video")
         images = video_frames(images, "images")
-        with runtime.node_work(steps, "refine", preview=True) as on_step:
+        with runtime.node_work(steps, "refine", previewer_for("refine")) as on_step:
             frames = images if images is not None else stages.decode_vae_latents(pipe, latent_in(latent))
             out = stages_for(pipe).refine(
                 pipe, frames, conditioning, height=int(height), width=int(width), steps=int(steps),
