@@ -340,6 +340,20 @@ class ResidentStandIn:
     def model_use_more_vram(self, extra_memory, force_patch_weights=False) -> int:
         return 0
 
+    # What ComfyUI's free_memory reads of every entry since its dynamic VRAM (comfy-aimdo, 2026): ours is
+    # no dynamic model (it gives way to us in full), holds no ComfyUI-pinned RAM and no mmap'd weights.
+    def is_dynamic(self) -> bool:
+        return False
+
+    def partially_unload_ram(self, ram_to_unload=None) -> int:
+        return 0
+
+    def model_mmap_residency(self, free=False) -> tuple[int, int]:
+        return 0, 0
+
+    def loaded_ram_size(self) -> int:
+        return 0
+
     def model_unload(self, memory_to_free=None, unpatch_weights=True) -> bool:
         from lingbot_core.placement.door import evict
 
@@ -444,5 +458,41 @@ def install_memory_cooperation(handle: Any) -> Any:
     from lingbot_core.placement import door
 
     if in_comfy():
-        door.add_listeners(handle, memory=_free_comfy_memory, settle=_track_resident)
+        door.add_listeners(handle, memory=_free_comfy_memory, settle=_track_resident, free=comfy_free_bytes)
     return handle
+
+
+GiB = 1024 ** 3
+
+
+def dynamic_vram_headroom(mm=None) -> int:
+    """Bytes ComfyUI's dynamic VRAM (comfy-aimdo) keeps free when it is on (`--vram-headroom`, GB): our
+    allocations taking them would only make it page ComfyUI's weights out again. 0 when it is off."""
+    memory_management = _comfy("comfy.memory_management")
+    if not getattr(memory_management, "aimdo_enabled", False):
+        return 0
+    cli = _comfy("comfy.cli_args")
+    headroom = getattr(getattr(cli, "args", None), "vram_headroom", None)
+    try:
+        return max(int(float(headroom or 0) * GiB), 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def comfy_free_bytes(device) -> int:
+    """Free bytes on `device` as ComfyUI reads them (its `get_free_memory`: the driver's free bytes plus
+    torch's idle cache, and whatever its allocator counts under dynamic VRAM), less dynamic VRAM's
+    headroom. Falls back to the driver's figure when ComfyUI has no answer."""
+    from lingbot_core.placement.door import free_accelerator_bytes
+
+    mm = _comfy("comfy.model_management")
+    reader = getattr(mm, "get_free_memory", None)
+    free = None
+    if reader is not None:
+        try:
+            free = int(reader(comfy_device_spellings(mm, device)[0]))
+        except Exception:  # an older or patched ComfyUI: the driver's figure is still right
+            free = None
+    if free is None:
+        free = free_accelerator_bytes(device)
+    return max(free - dynamic_vram_headroom(mm), 0)

@@ -131,3 +131,115 @@ def test_load_image_is_an_upload_combo_over_the_input_folder(comfy):
         assert node.validate_inputs(path=pattern) is True
         assert torch.equal(node.execute(pattern).args[0], test_pattern())
     assert "not a file in ComfyUI's input folder" in node.validate_inputs(path="notes.txt.png")
+
+
+# -- item 7: ComfyUI's dynamic VRAM (comfy-aimdo) ----------------------------------------------------
+
+GiB = 1024 ** 3
+
+
+@pytest.fixture
+def aimdo(monkeypatch):
+    """A stand-in for a 2026 ComfyUI with dynamic VRAM on: `comfy.memory_management.aimdo_enabled`,
+    `--vram-headroom` in `comfy.cli_args.args`, and a model_management whose `free_memory` has the
+    2026 signature and reads of each loaded entry (is_dynamic, partially_unload_ram, model_mmap_residency
+    and the rest), so a stand-in missing one of them fails here as it would there."""
+    mm = types.ModuleType("comfy.model_management")
+    mm.current_loaded_models = []
+    mm.DISABLE_SMART_MEMORY = False
+    mm.free = {"cuda:0": 10 * GiB}
+    mm.calls = []
+    mm.get_free_memory = lambda device=None, torch_free_too=False: mm.free[str(device)]
+    mm.minimum_inference_memory = lambda: GiB
+
+    def free_memory(memory_required, device, keep_loaded=(), for_dynamic=False, pins_required=0, ram_required=0):
+        mm.calls.append({"memory_required": memory_required, "device": device, "for_dynamic": for_dynamic})
+        candidates = [i for i, m in enumerate(mm.current_loaded_models)
+                      if m.device == device and m not in keep_loaded and not m.is_dead()]
+        unloaded = []
+        for i in sorted(candidates, key=lambda i: (-mm.current_loaded_models[i].model_offloaded_memory(),
+                                                   mm.current_loaded_models[i].model_memory())):
+            entry = mm.current_loaded_models[i]
+            entry.currently_used = False
+            to_free = memory_required - mm.get_free_memory(device)
+            if entry.model.is_dynamic() and for_dynamic:
+                to_free = 0
+            if to_free > 0 and entry.model_unload(to_free):
+                _ = entry.model.model.__class__.__name__  # its debug line, built eagerly
+                unloaded.append(i)
+            pins = pins_required - GiB
+            if pins > 0:
+                entry.model.partially_unload_ram(pins)
+            if i in unloaded:
+                resident, _ = entry.model_mmap_residency(free=True)
+        for i in sorted(unloaded, reverse=True):
+            mm.current_loaded_models.pop(i)
+        return unloaded
+
+    mm.free_memory = free_memory
+    memory_management = types.ModuleType("comfy.memory_management")
+    memory_management.aimdo_enabled = True
+    cli = types.ModuleType("comfy.cli_args")
+    cli.args = types.SimpleNamespace(vram_headroom=2.0)
+    package = types.ModuleType("comfy")
+    package.model_management, package.memory_management, package.cli_args = mm, memory_management, cli
+    for name, module in (("comfy", package), ("comfy.model_management", mm),
+                         ("comfy.memory_management", memory_management), ("comfy.cli_args", cli)):
+        monkeypatch.setitem(sys.modules, name, module)
+    return types.SimpleNamespace(mm=mm, memory_management=memory_management, cli=cli)
+
+
+def test_free_memory_is_comfyuis_reading_less_the_dynamic_vram_headroom(aimdo, monkeypatch):
+    from lingbot_core.placement import door
+    from lingbot_nodes.runtime import comfy_free_bytes
+
+    cuda = torch.device("cuda:0")
+    assert comfy_free_bytes(cuda) == 8 * GiB  # 10 GiB free by ComfyUI's count, 2 kept for --vram-headroom
+    aimdo.memory_management.aimdo_enabled = False  # legacy model management: no pager, no headroom
+    assert comfy_free_bytes(cuda) == 10 * GiB
+    aimdo.memory_management.aimdo_enabled = True
+
+    def broken(device=None, torch_free_too=False):
+        raise RuntimeError("patched away")
+
+    aimdo.mm.get_free_memory = broken  # no answer from ComfyUI: the driver's figure
+    monkeypatch.setattr(door, "free_accelerator_bytes", lambda device: 5 * GiB)
+    assert comfy_free_bytes(cuda) == 3 * GiB
+
+
+def test_auto_offload_plans_with_the_hosts_reading_after_its_unload_request(aimdo, fixtures_root):
+    from lingbot_core.handle import PipelineHandle
+    from lingbot_core.placement import door
+    from lingbot_nodes.runtime import install_memory_cooperation
+
+    handle = install_memory_cooperation(PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu"))
+    cuda = torch.device("cuda:0")
+
+    def freed(memory_required, device, **_):  # the unload request frees 3 GiB, then the plan reads
+        aimdo.mm.calls.append(memory_required)
+        aimdo.mm.free["cuda:0"] += 3 * GiB
+
+    aimdo.mm.free_memory = freed
+    assert door._free_budget(handle.shared, cuda, 4 * GiB) == 11 * GiB  # (10 + 3) - 2 of headroom
+    assert aimdo.mm.calls == [4 * GiB + GiB]  # asked for what the plan wants plus ComfyUI's reserve
+
+
+def test_resident_components_answer_every_read_of_comfyuis_dynamic_free_memory(aimdo, monkeypatch):
+    """ComfyUI's unload requests still reach our GPU-resident components under dynamic VRAM, and we never
+    ask as a dynamic model (its models then give way to ours in full)."""
+    from lingbot_core.placement import door
+    from lingbot_nodes import runtime
+
+    class Shared:  # the components a handle shares (weakly referenced by the stand-in)
+        pass
+
+    evicted = []
+    shared = Shared()
+    monkeypatch.setattr(door, "resident_bytes", lambda s: 6 * GiB)
+    monkeypatch.setattr(door, "evict", lambda s: evicted.append(s))
+    cuda = torch.device("cuda:0")
+    aimdo.mm.current_loaded_models.append(runtime.ResidentStandIn(shared, cuda))
+    unloaded = aimdo.mm.free_memory(20 * GiB, cuda, pins_required=4 * GiB)
+    assert unloaded == [0] and evicted == [shared] and aimdo.mm.current_loaded_models == []
+    runtime._free_comfy_memory("transformer", None, cuda, 3 * GiB)  # our own request, before a stage
+    assert aimdo.mm.calls[-1] == {"memory_required": 4 * GiB, "device": cuda, "for_dynamic": False}

@@ -107,14 +107,19 @@ SettleListener = Callable[[SharedComponents, torch.device], None]
 
 
 def add_listeners(handle: PipelineHandle, *, memory: MemoryListener | None = None,
-                  settle: SettleListener | None = None) -> None:
+                  settle: SettleListener | None = None,
+                  free: Callable[[torch.device], int] | None = None) -> None:
     """Run `memory` / `settle` for this handle's components (every view of it; another handle's
-    stages never call them). Adding one a second time is a no-op."""
+    stages never call them). Adding one a second time is a no-op. `free`: the host's reading of the free
+    accelerator bytes, which auto offload then plans with instead of the driver's figure (a host whose
+    allocator pages weights in and out, such as ComfyUI's dynamic VRAM, knows better what is free)."""
     placement = handle.shared.placement
     with handle.shared.lock:
         for listener, listeners in ((memory, placement.memory_listeners), (settle, placement.settle_listeners)):
             if listener is not None and listener not in listeners:
                 listeners.append(listener)
+        if free is not None:
+            placement.free_reader = free
 
 
 def module_bytes(module: Any) -> int:
@@ -143,7 +148,13 @@ def _free_budget(shared: SharedComponents, device: torch.device, wanted: int) ->
     """Free accelerator bytes, read after asking the host to make `wanted` bytes free."""
     for listener in list(shared.placement.memory_listeners):
         listener("auto plan", None, device, wanted)
-    return free_accelerator_bytes(device)
+    return free_bytes(shared, device)
+
+
+def free_bytes(shared: SharedComponents, device: torch.device) -> int:
+    """Free accelerator bytes as the host reads them (`add_listeners(free=...)`), else as the driver does."""
+    reader = shared.placement.free_reader
+    return max(int(reader(device)), 0) if reader is not None else free_accelerator_bytes(device)
 
 
 def free_accelerator_bytes(device: torch.device) -> int:
@@ -210,7 +221,7 @@ def _parallel_choice(shared: SharedComponents, requested: OffloadSettings, devic
     geometry = estimate.geometry_from(dict(requested.options), shared.info.variant, None)
     need = share.peak(sizes, geometry)
     if budget is None and device.type == "cuda":
-        budget = free_accelerator_bytes(device)
+        budget = free_bytes(shared, device)
     fits = budget is None or need + estimate.RESERVE_BYTES <= budget
     reason += f": needs ~{need / estimate.GiB:.1f} GiB per GPU (rank 0)"
     if budget is not None:

@@ -46,6 +46,9 @@ class Placement:
         # the host's listeners on this handle (all its views), never process-wide: see door.add_listeners
         self.memory_listeners: list[Callable[[str, Any, torch.device, int], None]] = []
         self.settle_listeners: list[Callable[[Any, torch.device], None]] = []
+        # the host's own reading of free accelerator bytes (ComfyUI: its get_free_memory, less the headroom
+        # its dynamic VRAM keeps), used instead of the driver's figure when set: see door.add_listeners
+        self.free_reader: Callable[[torch.device], int] | None = None
 
     # -- what is installed -------------------------------------------------------------------------
     @property
