@@ -59,6 +59,35 @@ def widget_names(class_type: str) -> list[str]:
 
 
 THUMBNAIL_WIDTH = 640
+
+# What a template's file name says, word by word, for its thumbnail's banner (the template browser shows
+# a custom pack's file name as the title; the banner is the readable one, and it tells the graphs apart).
+TASKS = {"t2v": ("Text to video", (40, 90, 160)), "ti2v": ("Image to video", (40, 120, 70)),
+         "t2i": ("Text to image", (150, 90, 30)), "v2v": ("Video to video", (110, 60, 150)),
+         "extend": ("Extend video", (30, 120, 120))}
+WORDS = {"dense": "dense 1.3B", "moe": "MoE 30B", "dmd8": "DMD 8 steps", "lightlingbot4": "LightLingBot 4 steps",
+         "gguf": "GGUF", "refine": "refiner", "files": "single files", "rewrite": "Rewrite"}
+
+
+def template_title(stem: str) -> tuple[str, tuple[int, int, int]]:
+    """`lingbot_t2v_moe_gguf_refine` -> ("Text to video · MoE 30B · GGUF · refiner", the task's colour)."""
+    parts = stem.split("_")
+    parts = parts[1:] if parts[0] == "lingbot" else parts
+    task, colour = TASKS[parts[0]]
+    return " · ".join([task, *(WORDS[word] for word in parts[1:])]), colour
+
+
+def banner(image: Image.Image, stem: str) -> Image.Image:
+    """The thumbnail with its title in a band across the top, in its task's colour."""
+    title, colour = template_title(stem)
+    draw = ImageDraw.Draw(image)
+    size = 26
+    while size > 12 and draw.textlength(title, font=font(size, bold=True)) > image.width - 24:
+        size -= 1
+    band = size * 2 + 8
+    draw.rectangle([0, 0, image.width, band], fill=colour)
+    draw.text((12, (band - size) // 2 - 2), title, font=font(size, bold=True), fill=(255, 255, 255))
+    return image
 DIGEST_KEY = "lingbot-inputs"  # PNG text chunk: what the picture was drawn from (tests/test_readme.py)
 
 
@@ -174,6 +203,7 @@ def render(workflow: Path, out: Path) -> Path:
     if out.suffix.lower() == ".jpg":  # a template thumbnail: small, the digest in the JPEG comment
         scale = THUMBNAIL_WIDTH / image.width
         image = image.convert("RGB").resize((THUMBNAIL_WIDTH, max(1, round(image.height * scale))), Image.LANCZOS)
+        image = banner(image, workflow.stem)
         image.save(out, quality=85, optimize=True, comment=f"{DIGEST_KEY}={digest}".encode())
         return out
     info = PngInfo()

@@ -243,3 +243,29 @@ def test_resident_components_answer_every_read_of_comfyuis_dynamic_free_memory(a
     assert unloaded == [0] and evicted == [shared] and aimdo.mm.current_loaded_models == []
     runtime._free_comfy_memory("transformer", None, cuda, 3 * GiB)  # our own request, before a stage
     assert aimdo.mm.calls[-1] == {"memory_required": 4 * GiB, "device": cuda, "for_dynamic": False}
+
+
+# -- template thumbnails ---------------------------------------------------------------------------------
+
+def test_each_template_thumbnail_carries_its_own_readable_title():
+    """The template browser titles a pack's templates by file name and the graphs look alike at 640 px:
+    each thumbnail has a banner with the template's title in words, every title differs, so do the banners."""
+    import importlib.util
+    from pathlib import Path
+
+    from PIL import Image
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("render_graph", root / "docs" / "render_graph.py")
+    render_graph = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(render_graph)
+    shipped = sorted((root / "workflows").glob("*.json"))
+    titles = {path.stem: render_graph.template_title(path.stem)[0] for path in shipped}
+    assert len(set(titles.values())) == len(shipped) >= 10, titles
+    assert titles["lingbot_t2v_moe_gguf_refine"] == "Text to video · MoE 30B · GGUF · refiner"
+    bands = set()
+    for path in shipped:
+        with Image.open(path.with_suffix(".jpg")) as image:
+            band = image.convert("L").crop((0, 0, image.width, 40)).resize((160, 10))
+            bands.add(band.tobytes())
+    assert len(bands) == len(shipped)
