@@ -112,8 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "robbyant/lingbot-video-moe-dmd-30b-a3b: --steps and --cfg then default to its "
                              "recipe, 8 and 1)")
     parser.add_argument("--cfg-batch", default="off",
-                        help="CFG's two passes as one batch-2 pass: off (default), on, or auto (when the memory "
-                             "estimate fits)")
+                        help="CFG's two passes as one batch-2 pass: off (default), on, or auto (on a GPU, with "
+                             "quantized weights or disk streaming, when the memory estimate fits; not on a CPU "
+                             "with plain weights, where it is slower)")
     parser.add_argument("--step-cache", default="off",
                         help="skip DiT blocks on near-duplicate steps: off (default), first_block, magcache "
                              "(after one run with magcache_calibrate); more than 8 steps only")
@@ -326,14 +327,14 @@ def _run(args: argparse.Namespace, output: Path) -> int:
     refine = None
     if args.refine:
         refine = (args.refine_height or (2 * height if tiny else 1088), args.refine_width or (2 * width if tiny else 1920))
+    handle = PipelineHandle.open(folder, device=args.device, **settings_from_flags(args),
+                                 sparse=_sparse_settings(args))
     import logging
 
     from .allocator import tune_for_cpu
-    from .handle import default_device
 
-    logging.getLogger("lingbot_core").info("CPU allocator: %s", tune_for_cpu(str(args.device or default_device())))
-    handle = PipelineHandle.open(folder, device=args.device, **settings_from_flags(args),
-                                 sparse=_sparse_settings(args))
+    # lazy: nothing is loaded yet, so the allocator is set before the models' tensors
+    logging.getLogger("lingbot_core").debug("CPU allocator: %s", tune_for_cpu(str(handle.device)))
     require_refiner(handle, refine)
     handle = configure_offload(handle, args.offload, offload_to=args.offload_to,
                                **(dict(height=height, width=width, num_frames=frames, refine=refine,

@@ -11,6 +11,8 @@ What it checks, in order (`SECTIONS`):
   mode, with the step time and, on CUDA, the measured peak memory against the estimate `auto` uses;
 - kernels: each optional fast kernel's verdict on this device (fast / refused / mismatch): those the
   DiT's real calls reached, and a probe of every registered kernel;
+- cfg_batch: CFG as one batch-2 forward against two forwards (dense, plain weights), and whether
+  `cfg_batch="auto"` batches plain weights on this device (the GPU figure behind that rule);
 - bandwidth: host-to-device copy speed from pinned and from ordinary (pageable) memory (CUDA);
 - disk: how fast a file is read back with the page cache dropped (what `offload_to: disk` reads at);
 - recipe: the README-style recipe for this GPU and RAM, as the estimate gives it, confirmed or corrected
@@ -43,6 +45,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -477,6 +480,42 @@ def dit_modes(doctor: Doctor) -> dict[str, Any]:
     return out
 
 
+# -- batched CFG -------------------------------------------------------------------------------------
+
+def _two_forwards(model: torch.nn.Module, pos: tuple, neg: tuple) -> None:
+    model(*pos)
+    model(*neg)
+
+
+def cfg_batch(doctor: Doctor) -> dict[str, Any]:
+    """CFG as one batch-2 forward against two batch-1 forwards of a random dense DiT (plain weights, the
+    dit section's geometry), median of `steps` pairs after a warm-up, and whether `cfg_batch="auto"`
+    batches plain weights on this device (`placement.estimate.cfg_batch_gain`): the measurement behind
+    that rule, which on GPUs had none."""
+    from .placement.estimate import cfg_batch_gain
+
+    s, accel = doctor.settings, doctor.accelerator
+    model = random_dit(dit_config("dense", s.blocks), s.dtype).to(s.device)
+    pos, neg = ((latents, t, text) for latents, text, t in (_inputs(s, model.config, seed=1),
+                                                             _inputs(s, model.config, seed=2)))
+    both = tuple(torch.cat([p, n]) for p, n in zip(pos, neg))
+    two: list[float] = []
+    one: list[float] = []
+    with torch.no_grad():
+        model(*both)  # warm-up
+        for _ in range(max(1, s.steps)):
+            two.append(_timed(partial(_two_forwards, model, pos, neg), accel)[0])
+            one.append(_timed(partial(model, *both), accel)[0])
+    two_s, one_s = statistics.median(two), statistics.median(one)
+    return {"status": "ran", "two_forwards_s": two_s, "batched_s": one_s, "batched_x_two": one_s / two_s,
+            "auto_batches_plain_weights": cfg_batch_gain(s.device.type, packed=False, streamed=False) is not None,
+            "note": f"dense, {s.blocks} block(s), {s.width}x{s.height}x{s.num_frames}, {str(s.dtype).replace('torch.', '')}, "
+                    "plain weights; below 1 the batch-2 forward is faster"
+                    + ("" if accel.measures else "; on a CPU the doctor's few dozen tokens leave a batch-1 forward's "
+                       "matmuls under-filled, where at real sizes (1,280 tokens and more, bf16) the batch-2 forward "
+                       "measured slower (docs/speed.md)")}
+
+
 # -- host-to-device bandwidth ------------------------------------------------------------------------
 
 def copy_speed(accel: Accelerator, nbytes: int, repeats: int, pinned: bool) -> float:
@@ -613,6 +652,7 @@ SECTIONS: dict[str, Callable[[Doctor], dict[str, Any]]] = {
     "versions": versions,
     "dit": dit_modes,
     "kernels": kernel_verdicts,  # after the DiT: its real calls have tried the kernels they use
+    "cfg_batch": cfg_batch,
     "bandwidth": bandwidth,
     "disk": disk_read,
     "recipe": recipe,
@@ -708,6 +748,10 @@ def render(report: dict[str, Any]) -> str:
             out.append(_table(["model", "mode", "step s", "peak GiB", "estimate GiB", "measured/est", "output"],
                               rows))
             out.append(f"  {sec['note']}")
+        elif name == "cfg_batch":
+            out.append(f"  batch-2 forward {sec['batched_s']:.3g} s, two forwards {sec['two_forwards_s']:.3g} s: "
+                       f"{sec['batched_x_two']:.3g}x; auto batches plain weights here: "
+                       f"{'yes' if sec['auto_batches_plain_weights'] else 'no'} ({sec['note']})")
         elif name == "bandwidth":
             out.append(f"  host to device, {sec['bytes'] / MiB:.0f} MiB x {sec['repeats']}: pinned "
                        f"{sec['pinned_GBps']:.1f} GB/s, pageable {sec['pageable_GBps']:.1f} GB/s")

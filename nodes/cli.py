@@ -748,7 +748,7 @@ def _tune_allocator() -> None:
     from lingbot_core.allocator import tune_for_cpu
 
     said = tune_for_cpu("cuda" if torch.cuda.is_available() else "cpu")
-    logging.getLogger("lingbot_nodes").info("CPU allocator: %s", said)
+    logging.getLogger("lingbot_nodes").debug("CPU allocator: %s", said)
 
 
 def _pick_local_device() -> None:

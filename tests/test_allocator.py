@@ -66,7 +66,7 @@ def test_the_real_glibc_takes_it():
 def test_the_entry_points_tune_before_a_model_loads():
     """Both command-line entry points call `tune_for_cpu` before the first model opens."""
     main = (ROOT / "lingbot_core" / "__main__.py").read_text(encoding="utf-8")
-    assert main.index("tune_for_cpu(") < main.index("PipelineHandle.open(")
+    assert main.index("PipelineHandle.open(") < main.index("tune_for_cpu(") < main.index("configure_offload(handle")
     cli = (ROOT / "nodes" / "cli.py").read_text(encoding="utf-8")
     body = cli[cli.index("def main("):]
     assert "_tune_allocator()" in body and body.index("_tune_allocator()") < body.index("Manifest(")

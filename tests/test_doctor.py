@@ -49,6 +49,10 @@ def test_cpu_run_reports_every_section_and_mode(cpu_report):
             assert row["finite"] and row["max_abs_diff_vs_first_mode"] == 0.0  # offload never changes arithmetic
             assert row["hidden"] == json.loads(recipes.DIT_CONFIGS[variant].read_text())["hidden_size"]
     assert {r["experts"] for r in dit["rows"] if r["variant"] == "moe"} == {doctor.CPU_EXPERTS}
+    batched = report["sections"]["cfg_batch"]  # measured on any device; on a CPU auto leaves plain weights alone
+    assert batched["status"] == "ran" and batched["two_forwards_s"] > 0 and batched["batched_s"] > 0
+    assert batched["batched_x_two"] == pytest.approx(batched["batched_s"] / batched["two_forwards_s"])
+    assert batched["auto_batches_plain_weights"] is False
     disk = report["sections"]["disk"]
     assert disk["status"] == "ran" and disk["cold_read_MBps"] > 0 and disk["cached_read_MBps"] > 0
     for name in ("bandwidth", "recipe"):
