@@ -457,7 +457,11 @@ def check_new_nodes(page, shots: Path) -> None:
     page.screenshot(path=str(shots / "search_lingbot_parallel.png"))
     page.keyboard.press("Enter")
     page.wait_for_timeout(1000)
-    page.mouse.click(at["x"], at["y"])  # newer frontends hold a node from the search at the pointer until a click
+    # newer frontends hold a node from the search at the pointer until a click: place it away from where the
+    # canvas menu is opened next (on older ones this is a click on the empty canvas)
+    page.mouse.move(at["x"] - 300, at["y"] - 200)
+    page.wait_for_timeout(300)
+    page.mouse.click(at["x"] - 300, at["y"] - 200)
     page.wait_for_timeout(500)
     state = page.evaluate(NODE_STATE, "LingBotParallel")
     record(state is not None, "the node search finds LingBot Parallel and adds it", str(state and state["widgets"]))
