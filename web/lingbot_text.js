@@ -72,9 +72,9 @@ function oldBox(node, text) {
   const widgets = node.widgets?.length ?? 0;
   let box = node.widgets?.find((w) => w.name === OLD_BOX);
   if (!box) {
-    const widgets = window.comfyAPI?.widgets?.ComfyWidgets;
-    if (!text || !widgets?.STRING) return;
-    box = widgets.STRING(node, OLD_BOX, ["STRING", { multiline: true }], app).widget;
+    const make = window.comfyAPI?.widgets?.ComfyWidgets;
+    if (!text || !make?.STRING) return;
+    box = make.STRING(node, OLD_BOX, ["STRING", { multiline: true }], app).widget;
     box.label = LABEL;
     box.serialize = false; // shown, never saved into the workflow's widget values ...
     box.options = {
