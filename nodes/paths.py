@@ -10,9 +10,6 @@ stays inside ``--output``. Refusals never say whether a path outside exists.
 from __future__ import annotations
 
 import os
-import re
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from lingbot_core.save_path import (
@@ -144,69 +141,9 @@ def input_images() -> list[str]:
     return names
 
 
-# -- paths in messages -----------------------------------------------------------------------------
+# -- paths in messages: runtime.shown_path / paths_shown_in / server_paths_hidden (node_work uses them) -----
 
-def _named_folders() -> list[tuple[str, str]]:
-    """(absolute folder, how a message names it), most specific first: ComfyUI's input/output/temp and
-    models folders, then each model kind's folders outside them (extra_model_paths.yaml), by kind name."""
-    folder_paths = _folder_paths()
-    if folder_paths is None:
-        return []
-    named: list[tuple[str, str]] = []
-    for kind in ("input", "output", "temp"):
-        try:
-            named.append((str(_host_dir(kind)), kind))
-        except (AttributeError, TypeError, OSError):
-            continue
-    models_dir = getattr(folder_paths, "models_dir", None)
-    if models_dir:
-        named.append((str(models_dir), "models"))
-    for kind, (folders, _extensions) in sorted(getattr(folder_paths, "folder_names_and_paths", {}).items()):
-        named += [(str(folder), kind) for folder in folders]
-    base = getattr(folder_paths, "base_path", None)
-    if base:
-        named.append((str(base), "ComfyUI"))
-    spelled: list[tuple[str, str]] = []
-    for folder, label in named:
-        for form in dict.fromkeys((os.path.normpath(folder), os.path.realpath(folder))):
-            if len(form) > 1:
-                spelled.append((form, label))
-    return spelled
-
-
-def shown_path(path: str | os.PathLike) -> str:
-    """A server path as a message shows it to whoever queued the workflow: inside ComfyUI relative to the
-    ComfyUI folder it lies in ('models/lingbot_video/x', 'input/cat.png'), else its last part only;
-    headless (the user's own machine) as given."""
-    text = os.fspath(path)
-    named = _named_folders()
-    if not named:
-        return text
-    for folder, label in named:
-        if text == folder or text.startswith(folder + os.sep):
-            rest = text[len(folder):].lstrip(os.sep)
-            return Path(label, rest).as_posix() if rest else label
-    return Path(text).name or text
-
-
-def paths_shown_in(message: str) -> str:
-    """`message` with each ComfyUI folder's absolute path replaced by its name (see `shown_path`)."""
-    for folder, label in _named_folders():
-        message = re.sub(re.escape(folder + os.sep), lambda _m, label=label: label + "/", message)
-        message = re.sub(re.escape(folder) + r"(?![\w.-])", lambda _m, label=label: label, message)
-    return message
-
-
-@contextmanager
-def server_paths_hidden() -> Iterator[None]:
-    """Inside ComfyUI, an error raised in the block reads with ComfyUI's folders named, not spelled out
-    (a shared server's layout is not the queuer's business; the server log keeps the traceback)."""
-    try:
-        yield
-    except Exception as err:
-        if _folder_paths() is not None and err.args and isinstance(err.args[0], str):
-            err.args = (paths_shown_in(err.args[0]), *err.args[1:])
-        raise
+shown_path, paths_shown_in, server_paths_hidden = runtime.shown_path, runtime.paths_shown_in, runtime.server_paths_hidden
 
 
 # -- checkpoints -----------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ here, so node classes stay thin and import neither ComfyUI nor the engine direct
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -77,6 +78,71 @@ class Progress:
             self._tqdm.close()
 
 
+# -- server paths in messages -----------------------------------------------------------------------------
+
+def _named_folders() -> list[tuple[str, str]]:
+    """(absolute folder, how a message names it), most specific first: ComfyUI's input/output/temp and
+    models folders, then each model kind's folders outside them (extra_model_paths.yaml), by kind name."""
+    folder_paths = _comfy("folder_paths") if in_comfy() else None
+    if folder_paths is None:
+        return []
+    named: list[tuple[str, str]] = []
+    for kind in ("input", "output", "temp"):
+        try:
+            named.append((str(getattr(folder_paths, f"get_{kind}_directory")()), kind))
+        except (AttributeError, TypeError, OSError):
+            continue
+    models_dir = getattr(folder_paths, "models_dir", None)
+    if models_dir:
+        named.append((str(models_dir), "models"))
+    for kind, (folders, _extensions) in sorted(getattr(folder_paths, "folder_names_and_paths", {}).items()):
+        named += [(str(folder), kind) for folder in folders]
+    base = getattr(folder_paths, "base_path", None)
+    if base:
+        named.append((str(base), "ComfyUI"))
+    spelled: list[tuple[str, str]] = []
+    for folder, label in named:
+        for form in dict.fromkeys((os.path.normpath(folder), os.path.realpath(folder))):
+            if len(form) > 1:
+                spelled.append((form, label))
+    return spelled
+
+
+def shown_path(path: str | os.PathLike) -> str:
+    """A server path as a message shows it to whoever queued the workflow: inside ComfyUI relative to the
+    ComfyUI folder it lies in ('models/lingbot_video/x', 'input/cat.png'), else its last part only;
+    headless (the user's own machine) as given."""
+    text = os.fspath(path)
+    named = _named_folders()
+    if not named:
+        return text
+    for folder, label in named:
+        if text == folder or text.startswith(folder + os.sep):
+            rest = text[len(folder):].lstrip(os.sep)
+            return Path(label, rest).as_posix() if rest else label
+    return Path(text).name or text
+
+
+def paths_shown_in(message: str) -> str:
+    """`message` with each ComfyUI folder's absolute path replaced by its name (see `shown_path`)."""
+    for folder, label in _named_folders():
+        message = re.sub(re.escape(folder + os.sep), lambda _m, label=label: label + "/", message)
+        message = re.sub(re.escape(folder) + r"(?![\w.-])", lambda _m, label=label: label, message)
+    return message
+
+
+@contextmanager
+def server_paths_hidden() -> Iterator[None]:
+    """Inside ComfyUI, an error raised in the block reads with ComfyUI's folders named, not spelled out
+    (a shared server's layout is not the queuer's business; the server log keeps the traceback)."""
+    try:
+        yield
+    except Exception as err:
+        if in_comfy() and _comfy("folder_paths") is not None and err.args and isinstance(err.args[0], str):
+            err.args = (paths_shown_in(err.args[0]), *err.args[1:])
+        raise
+
+
 @contextmanager
 def node_work(total_steps: int = 0, label: str = "lingbot",
               previewer: Any = None, units: int = 0) -> Iterator[Callable[[int, int, object], None]]:
@@ -105,8 +171,9 @@ def node_work(total_steps: int = 0, label: str = "lingbot",
         check()
 
     check()
-    try:
-        with interrupt_checker(check), work_ticker(tick if units and not total_steps else None):
+    try:  # a component loading here (lazily) names ComfyUI's folders in its errors, not the server's paths
+        with interrupt_checker(check), work_ticker(tick if units and not total_steps else None), \
+                server_paths_hidden():
             yield on_step
     finally:
         if bar is not None:

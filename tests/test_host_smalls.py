@@ -78,6 +78,18 @@ def test_messages_name_comfyuis_folders_not_the_servers_paths(comfy):
     assert str(err.value) == "models/lingbot_video/mine/vae/diffusion_pytorch_model.safetensors is truncated"
 
 
+def test_a_stage_node_names_comfyuis_folders_in_a_lazy_loads_error(comfy):
+    """Components load when a stage first needs them: Denoise, Decode, Text Encode... run inside
+    runtime.node_work, which names ComfyUI's folders in whatever error the load raises."""
+    from lingbot_nodes import runtime
+
+    bad = comfy.models / "lingbot_video" / "mine" / "transformer" / "diffusion_pytorch_model.safetensors"
+    with pytest.raises(OSError) as err, runtime.node_work(label="denoise"):
+        raise OSError(f"{bad} is truncated (4 of 9 bytes)")
+    assert str(err.value) == ("models/lingbot_video/mine/transformer/diffusion_pytorch_model.safetensors is "
+                              "truncated (4 of 9 bytes)")
+
+
 def test_headless_messages_keep_the_users_own_paths(tmp_path):
     from lingbot_nodes.paths import paths_shown_in, server_paths_hidden, shown_path
 
