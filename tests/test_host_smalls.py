@@ -281,3 +281,25 @@ def test_each_template_thumbnail_carries_its_own_readable_title():
             band = image.convert("L").crop((0, 0, image.width, 40)).resize((160, 10))
             bands.add(band.tobytes())
     assert len(bands) == len(shipped)
+
+
+def test_a_workflow_saved_with_the_upload_button_still_loads_headless(tmp_path):
+    """The editor saves the upload button's value after the combo's (["cat.png", "image"]); workflows
+    saved before the combo hold only the path. Both load, to the same `path` input."""
+    import json
+    from pathlib import Path
+
+    from lingbot_core.workflow import load_workflow
+    from lingbot_nodes import NODE_DISPLAY_NAME_MAPPINGS
+
+    shipped = Path(__file__).resolve().parents[1] / "workflows" / "lingbot_ti2v_dense.json"
+    data = json.loads(shipped.read_text(encoding="utf-8"))
+    for values, expected in (([""], ""), (["cat.png", "image"], "cat.png")):
+        for node in data["nodes"]:
+            if node["type"] == "LingBotLoadImage":
+                node["widgets_values"] = values
+        saved = tmp_path / "saved.json"
+        saved.write_text(json.dumps(data), encoding="utf-8")
+        prompt = load_workflow(saved, NODE_CLASS_MAPPINGS, display_names=NODE_DISPLAY_NAME_MAPPINGS)
+        assert [n["inputs"] for n in prompt.nodes.values() if n["class_type"] == "LingBotLoadImage"] == \
+            [{"path": expected}]
