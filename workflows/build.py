@@ -21,6 +21,7 @@ sys.path.insert(0, str(HERE.parent))
 from bench.recipes import note_figures  # noqa: E402
 from lingbot_core.workflow.nodeinfo import InputSpec, NodeClassInfo  # noqa: E402
 from nodes import NODE_CLASS_MAPPINGS  # noqa: E402
+from nodes.image_input import TEST_PATTERN  # noqa: E402
 
 # The shipped example captions, each in the reference's prompt-file shape ({"caption": ..., "duration": ...}) and
 # passing the pack's caption check (tests/test_caption_shapes.py): video for T2V/V2V, the model's image shape
@@ -145,7 +146,7 @@ def student_nodes(task: str, prefix: str) -> list:
     return [
         loader(STUDENT_TINY, "moe"),
         offload_node("group"),
-        (3, "LingBotLoadImage", "Load Image", dict(path=""), {}),
+        (3, "LingBotLoadImage", "Load Image", dict(path=TEST_PATTERN), {}),
         (4, "LingBotImageEncode", "First frame", dict(width=64, height=64), {"pipe": (2, 0), "image": (3, 0)}),
         (5, "LingBotTextEncode", "Prompt", dict(prompt=prompt, negative_prompt="", task=task, encode_negative=False),
          {"pipe": (2, 0), "image_cond": (4, 0)}),
@@ -209,7 +210,7 @@ WORKFLOWS = {
         nodes=[
             loader(),
             offload_node(),
-            (3, "LingBotLoadImage", "Load Image", dict(path=""), {}),
+            (3, "LingBotLoadImage", "Load Image", dict(path=TEST_PATTERN), {}),
             (4, "LingBotImageEncode", "First frame", dict(width=64, height=64), {"pipe": (2, 0), "image": (3, 0)}),
             (5, "LingBotTextEncode", "Prompt", dict(prompt=FRAME_PROMPT, negative_prompt="", task="ti2v"),
              {"pipe": (2, 0), "image_cond": (4, 0)}),
@@ -406,7 +407,7 @@ WORKFLOWS = {
         nodes=[
             loader(),
             offload_node(),
-            (3, "LingBotLoadImage", "Load Image", dict(path=""), {}),
+            (3, "LingBotLoadImage", "Load Image", dict(path=TEST_PATTERN), {}),
             (4, "LingBotImageEncode", "First frame", dict(width=64, height=64), {"pipe": (2, 0), "image": (3, 0)}),
             rewrite_node(5, TEAPOT_PROSE, "ti2v", {"pipe": (2, 0), "image": (3, 0)}),
             (6, "LingBotTextEncode", "Prompt", dict(prompt="", negative_prompt="", task="ti2v"),
