@@ -12,20 +12,12 @@ import torch
 from lingbot_core import caption_schema, stages
 from lingbot_core import extend as ext
 from lingbot_core.errors import RefusedInput
-from lingbot_core.handle import PipelineHandle
+from tests import test_extend
+from tests.test_extend import SIZE, _video
 
-SIZE = 32
+dense = test_extend.dense  # the tiny dense handle and a prompt (a module-scoped fixture)
+
 RUN = dict(steps=2, shift=3.0, guidance_scale=1.0, seed=5)
-
-
-def _video(frames: int = 9) -> torch.Tensor:
-    return ext.to_8bit(torch.rand(frames, SIZE, SIZE, 3, generator=torch.Generator().manual_seed(3)))
-
-
-@pytest.fixture(scope="module")
-def dense(fixtures_root):
-    handle = PipelineHandle.open(fixtures_root / "models" / "tiny-dense", device="cpu")
-    return handle, stages.encode_prompt(handle, "a boat", None)
 
 
 def _caption(*actions: tuple[float, float, str], duration: float) -> dict:
