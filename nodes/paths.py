@@ -9,6 +9,7 @@ stays inside ``--output``. Refusals never say whether a path outside exists.
 
 from __future__ import annotations
 
+import mimetypes
 import os
 from pathlib import Path
 
@@ -141,6 +142,24 @@ def input_images() -> list[str]:
     return names
 
 
+def input_videos() -> list[str]:
+    """Video files in ComfyUI's input folder (for Load Video's upload combo), sorted; empty headless.
+
+    Kept by their MIME type as core Load Video keeps them (ComfyUI's `filter_files_content_types`
+    where the host has it, else the same rule through `mimetypes`), so both list the same files."""
+    if _folder_paths() is None:
+        return []
+    base = _host_dir("input")
+    try:
+        names = sorted(entry for entry in os.listdir(base) if (base / entry).is_file())
+    except OSError:
+        return []
+    by_type = getattr(_folder_paths(), "filter_files_content_types", None)
+    if callable(by_type):
+        return sorted(by_type(names, ["video"]))
+    return [name for name in names if (mimetypes.guess_type(name, strict=False)[0] or "").startswith("video/")]
+
+
 # -- paths in messages: runtime.shown_path / paths_shown_in / server_paths_hidden (node_work uses them) -----
 
 shown_path, paths_shown_in, server_paths_hidden = runtime.shown_path, runtime.paths_shown_in, runtime.server_paths_hidden
@@ -211,5 +230,5 @@ def check_folder_files_inside(folder: Path, what: str, subs: tuple[str, ...] = P
                                  f"with {ANY_MODEL_PATH_ENV}=1 on a single-user machine)")
 
 
-__all__ = ["ANY_MODEL_PATH_ENV", "check_folder_files_inside", "check_save_prefix", "checkpoint_path", "image_path", "input_images",
+__all__ = ["ANY_MODEL_PATH_ENV", "check_folder_files_inside", "check_save_prefix", "checkpoint_path", "image_path", "input_images", "input_videos",
            "model_folders", "paths_shown_in", "save_target", "server_paths_hidden", "shown_path"]

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from . import paths
-from .image_input import test_pattern
-from .types import CATEGORY, MAX_SIZE
+from .image_input import TEST_PATTERN, test_pattern
+from .types import CATEGORY, MAX_SIZE, Choice
 from .v3 import io
 
 FRAME_CAP = 1025  # lingbot_core.video_input.VIDEO_LIMITS["frames"] (a test compares them; listed without importing torch)
+
+
+def _pattern(path: str) -> bool:
+    return not path or path == TEST_PATTERN
 
 
 def test_pattern_video(frames: int = 9, height: int = 256, width: int = 384):
@@ -68,13 +72,19 @@ class LingBotLoadVideo(io.ComfyNode):
             node_id="LingBotLoadVideo",
             display_name="LingBot Load Video",
             category=CATEGORY,
-            description="Loads frames of a video file (mp4, webm, mov, ... through PyAV) as an IMAGE batch for "
-                        "video-to-video (Denoise's `video` input). Decodes only the frames it keeps; resizes them "
-                        "like a TI2V first frame (scale to cover, centre-crop).",
+            description="Loads frames of a video file (mp4, webm, mov, ... through PyAV; ComfyUI's input folder, "
+                        "with an upload button) as an IMAGE batch for video-to-video (Denoise's `video` input). "
+                        "Decodes only the frames it keeps; resizes them like a TI2V first frame (scale to cover, "
+                        "centre-crop).",
             inputs=[
-                io.String.Input("path", default="", tooltip="A video file; empty: a built-in drifting test pattern. In "
-                                "ComfyUI a file in its input folder ('clip.mp4', or 'x.mp4 [output]' / '[temp]'); "
-                                "headless any path"),
+                # ComfyUI's video upload combo over its input folder, as core Load Video has; the widget keeps
+                # its name `path`, so saved workflows load, and validate_inputs checks the value (ComfyUI then
+                # skips its list check), so '' and a typed path (headless any path) still work
+                Choice("path", options=[TEST_PATTERN, *paths.input_videos()], default=TEST_PATTERN,
+                       upload=io.UploadType.video, image_folder=io.FolderType.input,
+                       tooltip="A video in ComfyUI's input folder (choose one, or upload one with the button; "
+                               "'x.mp4 [output]' / '[temp]' for ComfyUI's other folders); "
+                               f"{TEST_PATTERN} or empty: a built-in drifting test pattern. Headless any video path"),
                 io.Int.Input("start_frame", default=0, min=0, max=10_000_000, tooltip="First source frame used"),
                 io.Int.Input("frame_count", default=121, min=0, max=FRAME_CAP,
                              tooltip="Frames to load (0: all to the end, up to the cap); Denoise uses 4n+1 frames"),
@@ -92,7 +102,7 @@ class LingBotLoadVideo(io.ComfyNode):
 
     @classmethod
     def fingerprint_inputs(cls, path="", **_ignored):
-        if not path:
+        if _pattern(path):
             return path
         try:
             return f"{path}@{paths.image_path(path, 'video').stat().st_mtime_ns}"
@@ -102,7 +112,7 @@ class LingBotLoadVideo(io.ComfyNode):
     @classmethod
     def validate_inputs(cls, path=""):
         # the same folders and the same answer for a missing file and one outside them as Load Image
-        if isinstance(path, str) and path:
+        if isinstance(path, str) and not _pattern(path):
             from lingbot_core.video_input import probe_video
 
             try:  # the file's metadata too: a file that is not a usable video is refused with the graph
@@ -115,7 +125,7 @@ class LingBotLoadVideo(io.ComfyNode):
     def execute(cls, path, start_frame=0, frame_count=121, stride=1, width=0, height=0):
         from lingbot_core.video_input import read_video_frames
 
-        if not path:
+        if _pattern(path):
             count = int(frame_count) or 9
             frames = test_pattern_video(count, int(height) or 256, int(width) or 384)
             return io.NodeOutput(frames, count, 24.0)

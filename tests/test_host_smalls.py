@@ -303,3 +303,63 @@ def test_a_workflow_saved_with_the_upload_button_still_loads_headless(tmp_path):
         prompt = load_workflow(saved, NODE_CLASS_MAPPINGS, display_names=NODE_DISPLAY_NAME_MAPPINGS)
         assert [n["inputs"] for n in prompt.nodes.values() if n["class_type"] == "LingBotLoadImage"] == \
             [{"path": expected}]
+
+
+# -- Load Video: ComfyUI's video upload combo -----------------------------------------------------------
+
+def test_load_video_is_an_upload_combo_over_the_input_folders_videos(comfy):
+    from lingbot_core.video import save_mp4
+    from lingbot_nodes.image_input import TEST_PATTERN
+    from lingbot_nodes.video_input import test_pattern_video
+
+    save_mp4(torch.rand(5, 16, 16, 3), comfy.input / "clip.mp4")
+    (comfy.input / "b.webm").write_bytes(b"")  # listed by its type; validation reads the file
+    for other in ("notes.txt", "still.png", "sound.m4a", "readme"):
+        (comfy.input / other).write_bytes(b"x")
+    (comfy.input / "folder.mp4").mkdir()
+    secret = save_mp4(torch.rand(5, 16, 16, 3), comfy.tmp / "secret.mp4")
+    node = NODE_CLASS_MAPPINGS["LingBotLoadVideo"]
+    kind, options = node.INPUT_TYPES()["required"]["path"]  # what ComfyUI's editor reads
+    assert kind == [TEST_PATTERN, "b.webm", "clip.mp4"] and options["default"] == TEST_PATTERN
+    assert options["video_upload"] is True and options["image_folder"] == "input"
+    assert node.validate_inputs(path="clip.mp4") is True
+    assert node.execute("clip.mp4", 0, 5, 1, 0, 0).args[0].shape == (5, 16, 16, 3)
+    for pattern in (TEST_PATTERN, ""):  # "" is what workflows saved before the combo hold
+        assert node.validate_inputs(path=pattern) is True
+        assert torch.equal(node.execute(pattern, 0, 3, 1, 32, 48).args[0], test_pattern_video(3, 48, 32))
+    for outside in (str(secret), "../secret.mp4"):  # a typed path outside the input folder: one line
+        message = node.validate_inputs(path=outside)
+        assert message.startswith("video ") and "not a file in ComfyUI's input folder" in message
+        assert "\n" not in message
+        with pytest.raises(ValueError, match="not a file in ComfyUI's input folder"):
+            node.execute(outside, 0, 5, 1, 0, 0)
+    # a ComfyUI that has its own content-type filter: the list is its answer, as for core Load Video
+    asked = []
+    comfy.fp.filter_files_content_types = lambda files, kinds: asked.append(kinds) or [f for f in files if f < "c"]
+    assert node.INPUT_TYPES()["required"]["path"][0] == [TEST_PATTERN, "b.webm"] and asked == [["video"]]
+
+
+def test_a_v2v_workflow_saved_before_the_video_combo_still_loads_and_validates(tmp_path):
+    """Workflows saved with Load Video's typed path (['', 0, 9, ...]) and ones saved with the upload
+    button's value after the combo's both load headless to the same `path`, and pass validation."""
+    import json
+    from pathlib import Path
+
+    from lingbot_core.video import save_mp4
+    from lingbot_core.workflow import Engine, load_workflow
+    from lingbot_nodes import NODE_DISPLAY_NAME_MAPPINGS
+
+    clip = str(save_mp4(torch.rand(5, 16, 16, 3), tmp_path / "clip.mp4"))
+    shipped = Path(__file__).resolve().parents[1] / "workflows" / "lingbot_v2v_dense.json"
+    data = json.loads(shipped.read_text(encoding="utf-8"))
+    rest = [0, 9, 1, 64, 64]
+    for values, expected in (([""] + rest, ""), ([clip] + rest, clip), ([clip, "image"] + rest, clip)):
+        for node in data["nodes"]:
+            if node["type"] == "LingBotLoadVideo":
+                node["widgets_values"] = values
+        saved = tmp_path / "saved.json"
+        saved.write_text(json.dumps(data), encoding="utf-8")
+        prompt = load_workflow(saved, NODE_CLASS_MAPPINGS, display_names=NODE_DISPLAY_NAME_MAPPINGS)
+        [inputs] = [n["inputs"] for n in prompt.nodes.values() if n["class_type"] == "LingBotLoadVideo"]
+        assert inputs == dict(path=expected, start_frame=0, frame_count=9, stride=1, width=64, height=64)
+        assert Engine(NODE_CLASS_MAPPINGS).validate(prompt)

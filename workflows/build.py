@@ -222,15 +222,15 @@ WORKFLOWS = {
     ),
     "lingbot_v2v_dense": dict(
         note=NOTE.format(size="480x832 (H x W) and 121 frames", offload=DENSE_OFFLOAD) +
-        " Video-to-video: put your clip in ComfyUI's input folder and name it in Load Video's path (empty: a "
-        "built-in drifting test pattern); set Load Video's frame_count to Denoise's frames. Denoise's denoise is "
+        " Video-to-video: choose or upload your clip in Load Video's path (ComfyUI's input folder; "
+        "(test pattern): a built-in drifting test pattern); set Load Video's frame_count to Denoise's frames. Denoise's denoise is "
         "the share of the steps run from the re-noised clip (0.6 of 40: the last 24): lower keeps more of the "
         "clip, 1 ignores it. Quality on the real weights is untested.",
         nodes=[
             loader(),
             offload_node(),
-            (3, "LingBotLoadVideo", "Load Video", dict(path="", start_frame=0, frame_count=9, stride=1, width=64,
-                                                       height=64), {}),
+            (3, "LingBotLoadVideo", "Load Video", dict(path=TEST_PATTERN, start_frame=0, frame_count=9, stride=1,
+                                                       width=64, height=64), {}),
             (4, "LingBotTextEncode", "Prompt", dict(prompt=PROMPT, negative_prompt="", task="t2v"), {"pipe": (2, 0)}),
             (5, "LingBotDenoise", "Denoise", dict(width=64, height=64, frames=9, steps=5, cfg=3.0, shift=3.0, seed=42,
                                                   denoise=0.6),
@@ -241,7 +241,7 @@ WORKFLOWS = {
     ),
     "lingbot_extend_dense": dict(
         note=NOTE.format(size="480x832 (H x W) and 121 frames", offload=DENSE_OFFLOAD) +
-        " Extension: Load Video gives the clip to continue (empty path: a built-in drifting test pattern; set its "
+        " Extension: Load Video gives the clip to continue ((test pattern): a built-in drifting test pattern; set its "
         "width and height to the video size). Extend Video adds `segments` segments of `frames` frames, each "
         "conditioned on the last k latent frames (overlap k: the last 4(k-1)+1 frames) and joined without "
         "repeating them; one line per segment in `prompts` changes the prompt along the way. Each segment costs "
@@ -250,8 +250,8 @@ WORKFLOWS = {
         nodes=[
             loader(),
             offload_node(),
-            (3, "LingBotLoadVideo", "Load Video", dict(path="", start_frame=0, frame_count=9, stride=1, width=64,
-                                                       height=64), {}),
+            (3, "LingBotLoadVideo", "Load Video", dict(path=TEST_PATTERN, start_frame=0, frame_count=9, stride=1,
+                                                       width=64, height=64), {}),
             (4, "LingBotTextEncode", "Prompt", dict(prompt=PROMPT, negative_prompt="", task="t2v"), {"pipe": (2, 0)}),
             (5, "LingBotExtendVideo", "Extend Video", dict(segments=3, overlap=1, frames=9, steps=4, cfg=3.0,
                                                           shift=3.0, seed=42),
