@@ -26,6 +26,8 @@ API). What it checks, printed as PASS/FAIL, with screenshots in SHOTS_DIR to loo
 - LingBot Parallel is found by the node search (double-click on the canvas) and LingBot Loader through the
   canvas menu (Add Node > LingBot-Video); the new nodes show their widgets with the declared defaults (the
   Parallel node's devices, cfg, ulysses, fsdp; the Loader's ffn_chunk and fp8_matmul with every choice the pack offers);
+- LingBot Loader (files) and LingBot Memory Report from the node search show their title and every widget label
+  in full (the elements under Nodes 2.0; the node's width against the measured text on the classic canvas);
 - the UI workflows saved by earlier versions of the pack (`tests/old_workflows/`) load with every saved value on
   its own widget and the widgets added since at their defaults, and queue the values of their API twins;
 - with `--parallel DEVICES`, the T2V workflow with a LingBot Parallel node put between Loader and Offload
@@ -494,6 +496,79 @@ def check_new_nodes(page, shots: Path) -> None:
         focus_shot(page, state["id"], shots / "loader_node_ffn_chunk.png")
 
 
+WIDE_NODES = (("LingBotLoaderFiles", "LingBot Loader (files)"), ("LingBotMemoryReport", "LingBot Memory Report"))
+
+# What the page shows of a node's title and widget labels: under Nodes 2.0 the elements themselves (cut when
+# an element's text is wider than its box or its box runs past the node's); on the classic canvas, the node's
+# width against the text measured in the canvas' fonts: the title plus badges plus 80 px (its dot and the room
+# 1.58 keeps at its right, seen cutting a title); a label plus its value (up to 360 px: the classic canvas of
+# 1.5x hides a label whenever the value does not fit whole) plus 84 px of margins, arrows and gaps. Every list is
+# first set to its longest choice.
+LONGEST_CHOICES = """(id) => {
+  const node = window.app.graph.getNodeById(id);
+  for (const w of node.widgets || []) {
+    const choices = Array.isArray(w.options?.values) ? w.options.values.map(String) : [];
+    if (choices.length) w.value = choices.reduce((a, b) => (b.length > a.length ? b : a));
+  }
+  node.setDirtyCanvas?.(true, true);
+}"""
+
+TEXT_FITS = """(id) => {
+  const node = window.app.graph.getNodeById(id);
+  const LG = window.LiteGraph;
+  const el = document.querySelector(`[data-node-id="${id}"]`);
+  const texts = [node.title, ...(node.widgets || []).map((w) => w.label ?? w.name)];
+  const cut = [];
+  if (el && el.offsetParent !== null) {
+    const box = el.getBoundingClientRect();
+    for (const text of texts) {
+      const found = [...el.querySelectorAll("*")].filter((e) => e.children.length === 0
+        && e.textContent.trim() === text && e.offsetParent !== null);
+      if (!found.length) { cut.push(`${text} (not shown)`); continue; }
+      if (!found.some((e) => e.scrollWidth <= e.clientWidth + 1 && e.getBoundingClientRect().right <= box.right + 1))
+        cut.push(text);
+    }
+    return {renderer: "vue", width: Math.round(box.width), size: node.size[0], cut};
+  }
+  const ctx = document.createElement("canvas").getContext("2d");
+  const px = (t, size) => { ctx.font = `${size}px ${LG.NODE_FONT || "Arial"}`; return ctx.measureText(String(t)).width; };
+  const badges = (node.badges || []).map((b) => (typeof b === "function" ? b() : b)?.text).filter((t) => t)
+    .reduce((sum, t) => sum + px(t, LG.NODE_SUBTEXT_SIZE || 12) + 12, 0);
+  if (px(node.title, LG.NODE_TEXT_SIZE || 14) + badges + 80 > node.size[0]) cut.push(node.title);
+  for (const w of node.widgets || []) {
+    const value = Math.min(360, typeof w.value === "string" ? px(w.value, LG.NODE_SUBTEXT_SIZE || 12) : 0);
+    if (px(w.label ?? w.name, LG.NODE_SUBTEXT_SIZE || 12) + value + 84 > node.size[0]) cut.push(w.label ?? w.name);
+  }
+  return {renderer: "classic", width: Math.round(node.size[0]), size: node.size[0], cut};
+}"""
+
+
+def check_new_node_widths(page, shots: Path) -> None:
+    """LingBot Loader (files) and LingBot Memory Report from the node search: their title and every widget
+    label in view (not cut, not hidden behind a long file name)."""
+    for class_type, title in WIDE_NODES:
+        page.evaluate("() => { window.app.graph.clear(); window.app.canvas.setDirty(true, true); }")
+        page.wait_for_timeout(500)
+        at = page.evaluate(CANVAS_POINT)
+        page.mouse.dblclick(at["x"], at["y"])
+        page.wait_for_timeout(1000)
+        page.keyboard.type(title, delay=40)
+        page.wait_for_timeout(1500)
+        page.keyboard.press("Enter")
+        page.wait_for_timeout(1000)
+        page.mouse.click(at["x"] - 300, at["y"] - 200)
+        page.wait_for_timeout(800)
+        state = page.evaluate(NODE_STATE, class_type)
+        if state is None:
+            record(False, f"the node search adds {title}")
+            continue
+        page.evaluate(LONGEST_CHOICES, state["id"])  # a long file name picked on every list
+        focus_shot(page, state["id"], shots / f"width_{class_type}.png")
+        fits = page.evaluate(TEXT_FITS, state["id"])
+        record(not fits["cut"], f"{title} from the search shows its title and widget labels in full",
+               f"{fits['renderer']}: node {fits['width']} px wide" + (f"; cut: {fits['cut']}" if fits["cut"] else ""))
+
+
 GALLERY = ("LingBotLoadVideo", "LingBotExtendVideo", "LingBotCaption", "LingBotLoader", "LingBotDenoise")
 
 PLACE_NODES = """(types) => {
@@ -633,6 +708,7 @@ def run_renderer(browser, args, renderer: str) -> str | None:
     check_run(page, shots, args.timeout)
     check_node_gallery(page, shots)
     check_new_nodes(page, shots)
+    check_new_node_widths(page, shots)
     check_old_workflows(page, shots)
     if args.parallel:
         check_parallel_run(page, shots, args.parallel, args.timeout)

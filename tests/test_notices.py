@@ -4,9 +4,12 @@ the text nodes show on themselves in the editor."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -163,3 +166,34 @@ def test_the_editor_shows_node_text_for_every_pack_node():
     assert "comfyAPI?.textPreviewWidgets" in script
     imports = re.findall(r'^import .* from "([^"]+)";', script, flags=re.M)
     assert imports == ["../../scripts/app.js"]
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs Node.js to run the editor script")
+def test_a_new_lingbot_node_is_widened_to_its_title_and_labels():
+    """web/lingbot_text.js widens a LingBot node when it is created (from the search, the menu) so its title and
+    each widget label fit next to its longest choice (up to a limit); wider nodes and other packs' are left alone.
+    Run in Node.js with a fake canvas that measures 7 px a character."""
+    script = (ROOT / "web" / "lingbot_text.js").read_text()
+    script = re.sub(r'^import .*;$', "", script, flags=re.M).replace("app.registerExtension(", "globalThis.ext = (")
+    harness = """
+globalThis.window = {LiteGraph: {NODE_FONT: "Arial", NODE_TEXT_SIZE: 14, NODE_SUBTEXT_SIZE: 12}};
+globalThis.document = {createElement: () => ({getContext: () => ({measureText: (t) => ({width: 7 * t.length})})})};
+const app = {};
+/* the script */
+const make = (type, title, widgets, width) => ({comfyClass: type, title, widgets, size: [width, 100],
+  setSize(s) { this.size = s; }});
+const file = "a".repeat(40);
+const report = make("LingBotMemoryReport", "LingBot Memory Report", [], 197);
+const files = make("LingBotLoaderFiles", "Loader", [{name: "text_encoder", value: "(from checkpoint)",
+  options: {values: ["(from checkpoint)", file]}}], 270);
+const wide = make("LingBotLoaderFiles", "Loader", [], 900);
+const other = make("KSampler", "A very long title of another pack's node here", [], 100);
+for (const n of [report, files, wide, other]) globalThis.ext.nodeCreated(n);
+console.log(JSON.stringify([report.size[0], files.size[0], wide.size[0], other.size[0]]));
+""".replace("/* the script */", script)
+    out = subprocess.run(["node", "--input-type=module", "-e", harness], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    report, files, wide, other = json.loads(out.stdout)
+    assert report >= 7 * len("LingBot Memory Report") + 40  # the title and the node's insets
+    assert files >= 7 * (len("text_encoder") + 40) + 40  # the label beside the whole file name
+    assert (wide, other) == (900, 100)

@@ -15,6 +15,49 @@ const WIDTH = 320; // a narrower node showing text is widened to this (wider wou
 const MAX_ROWS = 24; // past this the box scrolls
 const VUE_ROWS_PX = 24; // what Nodes 2.0 gives each added widget row beyond what the canvas counts (measured)
 
+// A LingBot node added to the graph (from the search, the menu, a paste) starts wide enough for its title
+// (with the badges the frontend draws beside it) and for each widget's label next to a part of its value
+// or of its list's longest choice. Widths are measured with the canvas' own
+// fonts; a node loaded from a workflow gets its saved size afterwards, so only new nodes change.
+const VALUE_PX = 360; // a value up to this wide is kept in view in full (the classic canvas of 1.5x frontends
+// hides a label whenever its value does not fit whole); a longer file name is cut and may hide its label
+const MAX_NEW_WIDTH = 560; // a new node is never made wider than this
+const TITLE_PAD = 90; // the title's left inset (its collapse dot) and the room the frontend keeps at its right
+const WIDGET_PAD = 100; // a widget's margins, the gap between label and value, a combo's two arrows
+const BADGE_PAD = 20; // a badge's own padding and the gap before it
+
+let measurer = null;
+function textPx(text, font) {
+  measurer ??= document.createElement("canvas").getContext("2d");
+  if (!measurer) return String(text ?? "").length * 8;
+  measurer.font = font;
+  return measurer.measureText(String(text ?? "")).width;
+}
+
+function badgeTexts(node) {
+  return (node.badges ?? []).map((b) => (typeof b === "function" ? b() : b)?.text).filter((t) => t);
+}
+
+// The width a new node needs for its title and its widgets' labels.
+function fitWidth(node) {
+  const LG = window.LiteGraph ?? {};
+  const family = LG.NODE_FONT ?? "Arial";
+  const titleFont = `${LG.NODE_TEXT_SIZE ?? 14}px ${family}`;
+  const widgetFont = `${LG.NODE_SUBTEXT_SIZE ?? 12}px ${family}`;
+  const badges = badgeTexts(node).reduce((sum, t) => sum + textPx(t, widgetFont) + BADGE_PAD, 0);
+  let need = textPx(node.title, titleFont) + TITLE_PAD + badges;
+  for (const w of node.widgets ?? []) {
+    if (w.type === "converted-widget" || w.hidden) continue;
+    // a list's longest choice (a file name the user may pick), else the value it holds
+    const choices = Array.isArray(w.options?.values) ? w.options.values : [w.value];
+    const value = Math.max(0, ...choices.filter((c) => typeof c === "string" || typeof c === "number")
+      .map((c) => textPx(c, widgetFont)));
+    const label = textPx(w.label ?? w.name, widgetFont);
+    need = Math.max(need, label + Math.min(VALUE_PX, value) + WIDGET_PAD);
+  }
+  return Math.min(MAX_NEW_WIDTH, Math.ceil(need));
+}
+
 function joined(text) {
   return (Array.isArray(text) ? text : [text]).filter((t) => t != null).map(String).join("\n");
 }
@@ -97,6 +140,11 @@ function oldBox(node, text) {
 
 app.registerExtension({
   name: "lingbot.NodeText",
+  nodeCreated(node) {
+    if (!node?.comfyClass?.startsWith?.("LingBot") || !node.size) return;
+    const width = fitWidth(node);
+    if (width > node.size[0]) node.setSize?.([width, node.size[1]]);
+  },
   async beforeRegisterNodeDef(nodeType, nodeData) {
     if (!nodeData?.name?.startsWith("LingBot")) return;
     const previous = nodeType.prototype.onExecuted;
