@@ -1,7 +1,7 @@
 """What a stage accepts: checks that run at stage entry, before any model loads or computes.
 
 This is the one home of stage-input validation: scalars, geometry, images, latents, the size of a
-request against memory, and each stage's whole request (`check_denoise_request`,
+request against memory, and each stage's whole request (`check_denoise`,
 `check_refine_request`, `validate_request` for `generate`). Sigma lists and shifts are checked by
 the sigma rules (`sampling.sigmas`), which these call.
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -273,17 +274,19 @@ def check_request_fits(handle: Any, *, height: int, width: int, num_frames: int,
 
 
 def check_step_cache_ready(handle: Any, step_cache: Any, *, transformer: str, sampler: Any, steps: int,
-                           shift: float, sigmas: Any, guidance_scale: float) -> None:
+                           shift: float, sigmas: Any, guidance_scale: float) -> dict[str, Any] | None:
     """`magcache` needs a calibration of exactly these settings: refused here (before any model work)
-    with how to make one, not after the text encoder ran."""
+    with how to make one, not after the text encoder ran. Returns the calibration's identity
+    (`plan.step_cache_identity`) for `magcache`, None for the other methods (nothing was computed)."""
     from .sampling.step_cache import calibration_file, read_calibration
 
     settings = StepCacheSettings.of(step_cache)
     if settings.method != "magcache":
-        return
+        return None
     identity = plan.step_cache_identity(handle, transformer=transformer, sampler=sampler, steps=steps, shift=shift,
                                    sigmas=sigmas, guidance_scale=guidance_scale)
     read_calibration(calibration_file(settings, identity), identity)
+    return identity
 
 
 def _largest_fitting(need, height: int, width: int, num_frames: int, capacity: int) -> tuple[int, int] | None:
@@ -310,20 +313,33 @@ def decode_output_shape(latents: torch.Tensor) -> tuple[int, int, int]:
 
 # -- whole stage requests ----------------------------------------------------------------------------
 
-def check_denoise_request(handle: Any, cond: Any, *, height: int, width: int, num_frames: int, steps: int,
-                          guidance_scale: float, shift: float, sigmas: Any, sampler: Any, transformer: str,
-                          image_cond: Any, cond_latent: Any, latents: Any,
-                          cfg_batch: str = "off", step_cache: Any = None) -> tuple[Any, tuple[int, ...]]:
-    """Every denoise argument, before any model work; returns the sampler and the latent shape."""
+@dataclass(frozen=True)
+class DenoiseRequest:
+    """What `check_denoise` decided for one denoise call, used by the stage as given (not recomputed)."""
+
+    method: Any  # the `sampling.Sampler`
+    shape: tuple[int, ...]  # the latents' shape
+    cfg: bool  # guidance_scale > 1: two branches per step
+    step_cache: StepCacheSettings
+    identity: dict[str, Any] | None  # MagCache's calibration key (`plan.step_cache_identity`); None otherwise
+
+
+def check_denoise(handle: Any, cond: Any, *, height: int, width: int, num_frames: int, steps: int,
+                  guidance_scale: float, shift: float, sigmas: Any, sampler: Any, transformer: str,
+                  image_cond: Any, cond_latent: Any, latents: Any,
+                  cfg_batch: str = "off", step_cache: Any = None) -> DenoiseRequest:
+    """Every denoise argument, before any model work (the one check a denoise stage calls); returns
+    the figures it decided: the sampler, the latent shape, the step cache and its identity."""
     validate_geometry(height, width, num_frames)
     check_steps(steps)
     check_guidance(guidance_scale)
     check_cfg_batch(cfg_batch)
     method = sampling.get_sampler(sampler)
     method.check(steps=steps, shift=shift, sigmas=sigmas, refine=transformer == REFINER)
-    check_step_cache(StepCacheSettings.of(step_cache), steps=steps, sampler_name=method.name)
-    check_step_cache_ready(handle, step_cache, transformer=transformer, sampler=method, steps=steps, shift=shift,
-                           sigmas=sigmas, guidance_scale=guidance_scale)
+    settings = StepCacheSettings.of(step_cache)
+    check_step_cache(settings, steps=steps, sampler_name=method.name)
+    identity = check_step_cache_ready(handle, settings, transformer=transformer, sampler=method, steps=steps,
+                                      shift=shift, sigmas=sigmas, guidance_scale=guidance_scale)
     if method.recommended and guidance_scale > 1.0 and method.recommended.get("guidance_scale") == 1.0:
         log.warning("%s: guidance %.2f on a CFG-distilled model applies guidance twice; its recipe is "
                     "guidance 1.0", method.name, guidance_scale)
@@ -341,7 +357,7 @@ def check_denoise_request(handle: Any, cond: Any, *, height: int, width: int, nu
         if tuple(cond_latent.shape[3:]) != shape[3:] or cond_latent.shape[2] > shape[2]:
             raise ValueError(f"cond_latent {tuple(cond_latent.shape)} does not fit latents of shape {shape}")
     check_request_fits(handle, height=height, width=width, num_frames=num_frames, cfg=do_cfg, what="denoising")
-    return method, shape
+    return DenoiseRequest(method=method, shape=shape, cfg=do_cfg, step_cache=settings, identity=identity)
 
 
 def refine_frames_notice(n: int) -> str | None:
@@ -417,7 +433,7 @@ def validate_request(mode: str, *, height: int, width: int, num_frames: int, ste
 
 
 __all__ = [
-    "MODES", "check_step_cache_ready", "check_cfg_batch", "check_count", "check_denoise_request", "check_first_frame_pixels", "check_guidance", "check_mode",
+    "DenoiseRequest", "MODES", "check_step_cache_ready", "check_cfg_batch", "check_count", "check_denoise", "check_first_frame_pixels", "check_guidance", "check_mode",
     "check_refine_request", "check_steps", "check_t_thresh", "validate_geometry", "validate_request", "check_finite_number", "check_negative_prompt", "check_picture", "check_request_fits",
     "check_seed", "checked_image", "checked_latents", "checked_pixels", "decode_output_shape",
     "vae_channels",

@@ -305,7 +305,7 @@ def denoise(
     `step_cache`: a method name from `sampling.step_cache.STEP_CACHE` or `StepCacheSettings` (method
     and knobs); refused for dmd_student and for 8 steps or fewer.
     """
-    method, shape = checks.check_denoise_request(
+    request = checks.check_denoise(  # every check; the figures it decided are used below as given
         handle, cond, height=height, width=width, num_frames=num_frames, steps=steps,
         guidance_scale=guidance_scale, shift=shift, sigmas=sigmas, sampler=sampler, transformer=transformer,
         image_cond=image_cond, cond_latent=cond_latent, latents=latents, cfg_batch=cfg_batch,
@@ -316,7 +316,8 @@ def denoise(
                  generator=generator, cond_latent=cond_latent, latents=latents, sigmas=sigmas, sampler=sampler,
                  image_cond=image_cond))
     g = _generator(seed, generator)
-    latents, cond_latent = _starting_latents(shape, g, latents, cond_latent, image_cond)
+    method, do_cfg = request.method, request.cfg
+    latents, cond_latent = _starting_latents(request.shape, g, latents, cond_latent, image_cond)
     needs = (transformer, "scheduler") if method.uses_scheduler else (transformer,)
     with stage(handle, *needs, phase="refine" if transformer == REFINER else "denoise") as device:
         cond_latent = _on(cond_latent, device)
@@ -326,31 +327,35 @@ def denoise(
                            record=trace is not None)
         if trace is not None:
             trace["run"] = run
-        batch = _batch_cfg(handle, parallel, cfg_batch, guidance_scale > 1.0, transformer, height=height,
-                           width=width, num_frames=num_frames)
-        note_geometry(handle, Geometry(height, width, num_frames, cfg=guidance_scale > 1.0, cfg_batch=batch))
+        dit = handle.component(transformer)
+        before = _chunk_on(dit)
+        figures = plan.sampling_figures(  # batching and chunking, decided at once under the installed mode
+            handle, installed_mode(handle) or "none", transformer, cfg=do_cfg, cfg_batch=cfg_batch,
+            splits_cfg=parallel.splits_cfg, set_on_model=before, height=height, width=width, num_frames=num_frames)
+        if figures.cfg_batch_why:
+            log.info("%s", figures.cfg_batch_why)
+        batch = figures.cfg_batch
+        note_geometry(handle, Geometry(height, width, num_frames, cfg=do_cfg, cfg_batch=batch))
         guidance = _guidance(handle, parallel, transformer, cond, guidance_scale, device, batch)
-        guidance.cache = _step_cache(handle, step_cache, transformer=transformer, method=method, steps=steps,
-                                     run_steps=len(run), shift=shift, sigmas=sigmas, guidance_scale=guidance_scale)
-        with _ffn_chunk(handle, transformer, cfg=guidance_scale > 1.0, cfg_batch=batch, height=height, width=width,
-                        num_frames=num_frames), parallel.loop(guidance) as status:
+        guidance.cache = _step_cache(handle, request, transformer=transformer, steps=steps, run_steps=len(run),
+                                     shift=shift, sigmas=sigmas, guidance_scale=guidance_scale)
+        with _ffn_chunk(handle, transformer, dit, figures, before), parallel.loop(guidance) as status:
             latents = sample(run, guidance, latents, cond_latent=cond_latent, callback=callback, status=status)
         return latents.cpu()
 
 
-@contextmanager
-def _ffn_chunk(handle, transformer: str, *, cfg: bool, cfg_batch: bool, **geometry: int):
-    """Run the DiT's FFN/MoE over the chunk this call needs (`plan.ffn_chunk_for`); a chunk set on
-    the model itself (`set_ffn_chunk`) wins over `auto`. The model's own setting is back afterwards;
-    what was used is kept for the memory report."""
-    dit = handle.component(transformer)
+def _chunk_on(dit: Any) -> int | None:
+    """The FFN/MoE chunk set on the DiT itself (`set_ffn_chunk`), None when none is."""
     blocks = getattr(dit, "blocks", None)
-    before = getattr(blocks[0], "ffn_chunk", None) if blocks else None
-    if before is not None and handle.shared.ffn_chunk == "auto":
-        chunk, why = before, "set on the model"
-    else:
-        chunk, why = plan.ffn_chunk_for(handle, installed_mode(handle) or "none", cfg=cfg, cfg_batch=cfg_batch,
-                                          **geometry)
+    return getattr(blocks[0], "ffn_chunk", None) if blocks else None
+
+
+@contextmanager
+def _ffn_chunk(handle, transformer: str, dit: Any, figures: plan.SamplingFigures, before: int | None):
+    """Run the DiT's FFN/MoE over the chunk this call needs (`figures.ffn_chunk`, from
+    `plan.sampling_figures`). The model's own setting is back afterwards; what was used is kept for the
+    memory report."""
+    chunk, why = figures.ffn_chunk, figures.ffn_chunk_why
     handle.shared.placement.ffn_chunks[transformer] = (chunk, why)
     if chunk:
         log.info("%s: FFN/MoE over %d-token chunks (%s)", transformer, chunk, why)
@@ -379,31 +384,17 @@ def _on(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | Non
     return None if tensor is None else tensor.to(device=device, dtype=torch.float32)
 
 
-def _batch_cfg(handle, parallel: parallel_stage.ParallelSampling, option: str, do_cfg: bool, transformer: str,
-               **geometry: int) -> bool:
-    """Whether this call runs CFG as one batch-2 forward (inside the stage: the mode is installed)."""
-    if not do_cfg and option != "off":
-        log.info("cfg_batch=%s: nothing to batch at cfg <= 1 (one DiT pass per step)", option)
-    if not do_cfg or option == "off":
-        return False
-    if parallel.splits_cfg:  # the two branches run on two rank rows already
-        return False
-    if option == "on":
-        return True
-    batch, why = plan.cfg_batch_auto(handle, installed_mode(handle) or "none", transformer, **geometry)
-    log.info("cfg_batch=auto: %s", why)
-    return batch
-
-
-def _step_cache(handle, option: Any, *, transformer: str, method: sampling.Sampler, steps: int, run_steps: int,
+def _step_cache(handle, request: checks.DenoiseRequest, *, transformer: str, steps: int, run_steps: int,
                 shift: float, sigmas: Any, guidance_scale: float) -> StepCache | None:
     """A fresh step cache for this call (None when off), keyed for MagCache on what its ratios depend
-    on (`plan.step_cache_identity`, the same key the request check looked for)."""
-    settings = StepCacheSettings.of(option)
+    on (`plan.step_cache_identity`: the key the request check computed and found a calibration for)."""
+    settings = request.step_cache
     if not settings.enabled:
         return None
-    identity = plan.step_cache_identity(handle, transformer=transformer, sampler=method, steps=steps, shift=shift,
-                                          sigmas=sigmas, guidance_scale=guidance_scale)
+    identity = request.identity
+    if identity is None:  # computed by the check for MagCache only
+        identity = plan.step_cache_identity(handle, transformer=transformer, sampler=request.method, steps=steps,
+                                            shift=shift, sigmas=sigmas, guidance_scale=guidance_scale)
     return StepCache(settings, steps=run_steps, identity=identity)
 
 

@@ -557,7 +557,7 @@ def test_the_denoise_stage_reaches_parallelism_through_one_entry():
 
     functions = {node.name: node for node in ast.parse(inspect.getsource(stages)).body
                  if isinstance(node, ast.FunctionDef)}
-    used = {node.attr for name in ("denoise", "_batch_cfg", "_guidance") for node in ast.walk(functions[name])
+    used = {node.attr for name in ("denoise", "_guidance") for node in ast.walk(functions[name])
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "parallel_stage"}
     assert "sampling" in used and used <= {"sampling", "ParallelSampling"}, sorted(used)
 

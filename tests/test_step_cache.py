@@ -78,6 +78,22 @@ def test_magcache_calibrates_then_skips(dense, tmp_path):
         _run(handle, cond, StepCacheSettings("magcache", calibration_dir=str(tmp_path)))
 
 
+def test_magcache_identity_is_computed_once_per_call(dense, tmp_path, monkeypatch):
+    """The request check computes MagCache's calibration key; the stage uses it as given (it used to
+    compute the same key again inside the stage)."""
+    from lingbot_core.placement import plan
+
+    handle, cond = dense
+    _run(handle, cond, StepCacheSettings("magcache_calibrate", calibration_dir=str(tmp_path)))
+    computed = []
+    real = plan.step_cache_identity
+    monkeypatch.setattr(plan, "step_cache_identity", lambda *a, **kw: computed.append(1) or real(*a, **kw))
+    _run(handle, cond, StepCacheSettings("magcache", **ALWAYS, calibration_dir=str(tmp_path)))
+    assert len(computed) == 1
+    _run(handle, cond, StepCacheSettings("first_block", **ALWAYS))  # not computed by the check: once, by the stage
+    assert len(computed) == 2
+
+
 def test_batched_cfg_and_moe_have_their_own_branch(fixtures_root):
     handle = _handle(fixtures_root, "moe")
     cond = stages.encode_prompt(handle, "a red boat", "")

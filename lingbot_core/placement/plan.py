@@ -1,6 +1,7 @@
 """A handle's run decided before it starts, from the memory estimate and what the handle knows: the
 device's capacity and the model's sizes (the estimate's inputs), how many tokens one FFN/MoE pass
-takes (`ffn_chunk_for`), whether CFG runs as one batch-2 forward (`cfg_batch_fits`), and what
+takes (`ffn_chunk_for`), whether CFG runs as one batch-2 forward (`cfg_batch_fits`), both at once
+for a denoise stage (`sampling_figures`), and what
 MagCache's calibration is keyed by (`step_cache_identity`). Nothing here loads a model or refuses a
 request: the checks that use these figures are `stage_inputs`'.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -106,6 +108,39 @@ def ffn_chunk_for(handle: Any, mode: str, *, height: int, width: int, num_frames
     chunk = ffn_chunk_tokens(mode, sizes, geometry, int(budget), phases=("denoise",))
     return chunk, (f"auto: the unchunked run is not expected to fit {budget / GiB:.1f} GiB under '{mode}'"
                    if chunk else "auto: the whole sequence fits")
+
+
+@dataclass(frozen=True)
+class SamplingFigures:
+    """What a denoise stage decides inside the door (its mode installed, its DiT loaded), in one call."""
+
+    cfg_batch: bool  # CFG's two branches as one batch-2 forward
+    cfg_batch_why: str | None  # what the stage logs about `cfg_batch` (None: nothing to say)
+    ffn_chunk: int | None  # tokens per FFN/MoE pass (None: the whole sequence)
+    ffn_chunk_why: str
+
+
+def sampling_figures(handle: Any, mode: str, transformer: str, *, cfg: bool, cfg_batch: str, splits_cfg: bool,
+                     set_on_model: int | None, height: int, width: int, num_frames: int) -> SamplingFigures:
+    """A denoise call's batching and chunking under offload `mode`. `cfg_batch` is the option ("off",
+    "on", "auto"); `splits_cfg`: the two branches run on two rank rows already; `set_on_model`: a chunk
+    set on the DiT itself (`set_ffn_chunk`), which wins over the handle's `auto`."""
+    geometry = dict(height=height, width=width, num_frames=num_frames)
+    why = None
+    if not cfg and cfg_batch != "off":
+        why = f"cfg_batch={cfg_batch}: nothing to batch at cfg <= 1 (one DiT pass per step)"
+    if not cfg or cfg_batch == "off" or splits_cfg:
+        batch = False
+    elif cfg_batch == "on":
+        batch = True
+    else:
+        batch, auto_why = cfg_batch_auto(handle, mode, transformer, **geometry)
+        why = f"cfg_batch=auto: {auto_why}"
+    if set_on_model is not None and handle.shared.ffn_chunk == AUTO_CHUNK:
+        chunk, chunk_why = set_on_model, "set on the model"
+    else:
+        chunk, chunk_why = ffn_chunk_for(handle, mode, cfg=cfg, cfg_batch=batch, **geometry)
+    return SamplingFigures(cfg_batch=batch, cfg_batch_why=why, ffn_chunk=chunk, ffn_chunk_why=chunk_why)
 
 
 def dit_identity(handle: Any, transformer: str) -> tuple[dict[str, Any], int]:
