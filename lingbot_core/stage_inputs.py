@@ -239,33 +239,17 @@ def check_request_fits(handle: Any, *, height: int, width: int, num_frames: int,
                        what: str = "this request") -> None:
     """Refuse a size that cannot fit the execution device even under the most frugal offload mode.
 
-    The need comes from the memory estimate (`placement.estimate`: the smallest weight working set
+    The need comes from the memory estimate (`plan.request_fit`: the smallest weight working set
     plus the request's activations, or one VAE pass for ``phase="decode"``); the limit is the
     device's whole memory. So only requests
     that cannot possibly run are refused, and they are refused before anything loads.
     """
-    from .placement import estimate
-
-    sizes = plan.model_sizes(handle)
-    capacity = plan.device_capacity(torch.device(handle.device))
-    if sizes is None or capacity is None:
+    fit = plan.request_fit(handle, height=height, width=width, num_frames=num_frames, cfg=cfg, refine=refine,
+                           phase=phase)
+    if fit is None or fit.needed <= fit.capacity:
         return
-
-    from .placement.estimate import resolve_chunk
-
-    chunking = handle.shared.ffn_chunk
-
-    def need(h: int, w: int, frames: int) -> int:
-        geometry = estimate.Geometry(height=h, width=w, num_frames=frames, cfg=cfg, refine=refine, ffn_chunk=chunking)
-        if phase == "decode":  # a VAE pass alone: the VAE's weights and its activations
-            return sizes.vae + estimate.activation_bytes(sizes, geometry)["decode"]
-        return estimate.estimate_peak("sequential", sizes, resolve_chunk("sequential", sizes, geometry, capacity))
-
-    needed = need(height, width, num_frames)
-    if needed <= capacity:
-        return
-    fit = _largest_fitting(need, height, width, num_frames, capacity)
-    hint = (f"; at this aspect ratio and frame count about {fit[1]}x{fit[0]} fits" if fit else
+    needed, capacity = fit.needed, fit.capacity
+    hint = (f"; at this aspect ratio and frame count about {fit.largest[1]}x{fit.largest[0]} fits" if fit.largest else
             "; fewer frames are needed first")
     raise ValueError(
         f"{what} ({width}x{height}, {num_frames} frames) needs about {needed / GiB:,.1f} GiB on {handle.device} "
@@ -287,22 +271,6 @@ def check_step_cache_ready(handle: Any, step_cache: Any, *, transformer: str, sa
                                    sigmas=sigmas, guidance_scale=guidance_scale)
     read_calibration(calibration_file(settings, identity), identity)
     return identity
-
-
-def _largest_fitting(need, height: int, width: int, num_frames: int, capacity: int) -> tuple[int, int] | None:
-    """The largest (height, width) at the same aspect (multiples of 16) whose need fits, if any."""
-    aspect = width / height
-    low, high = 1, max(1, height // 16)
-    best = None
-    while low <= high:
-        mid = (low + high) // 2
-        h = mid * 16
-        w = max(16, int(round(h * aspect / 16)) * 16)
-        if need(h, w, num_frames) <= capacity:
-            best, low = (h, w), mid + 1
-        else:
-            high = mid - 1
-    return best
 
 
 def decode_output_shape(latents: torch.Tensor) -> tuple[int, int, int]:

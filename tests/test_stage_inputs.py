@@ -110,3 +110,22 @@ def test_vae_tiling_is_restored_after_a_stage(handle):
     with pytest.raises(ValueError, match="stride 32 exceeds tile size 16"):
         stages.decode(handle, latents, tiling=dict(tile_sample_min_height=16, tile_sample_stride_height=32))
     assert (vae.use_tiling, vae.tile_sample_min_height) == before
+
+
+def test_a_size_over_the_device_names_the_largest_that_fits(handle, monkeypatch):
+    """`plan.request_fit` finds the largest size at the request's aspect whose estimate fits the device,
+    and the refusal names it; one step (16 px) taller does not fit."""
+    from lingbot_core import stage_inputs
+    from lingbot_core.placement import plan
+
+    request = dict(height=256, width=384, num_frames=5)
+    capacity = plan.request_fit(handle, **request).needed - 1
+    monkeypatch.setattr(plan, "device_capacity", lambda _device: capacity)
+    fit = plan.request_fit(handle, **request)
+    assert fit.needed > fit.capacity == capacity and fit.largest is not None
+    h, w = fit.largest
+    assert plan.request_fit(handle, height=h, width=w, num_frames=5).needed <= capacity
+    taller = h + 16
+    assert plan.request_fit(handle, height=taller, width=max(16, round(taller * 1.5 / 16) * 16), num_frames=5).needed > capacity
+    with pytest.raises(ValueError, match=f"about {w}x{h} fits"):
+        stage_inputs.check_request_fits(handle, **request, what="denoising")

@@ -60,6 +60,57 @@ def model_sizes(handle: Any) -> ModelSizes | None:
     return sizes
 
 
+@dataclass(frozen=True)
+class RequestFit:
+    """A request's need against the execution device's whole memory (the memory estimate)."""
+
+    needed: int  # bytes at the request's size, under the most frugal mode (or one VAE pass)
+    capacity: int  # the device's whole memory
+    largest: tuple[int, int] | None = None  # (height, width) at the same aspect that fits; when it does not
+
+
+def request_fit(handle: Any, *, height: int, width: int, num_frames: int, cfg: bool = True,
+                refine: tuple[int, int] | None = None, phase: str | None = None) -> RequestFit | None:
+    """What one request needs at the least (sequential offload: the smallest weight working set plus
+    its activations; ``phase="decode"``: the VAE's weights and one pass) against the device's whole
+    memory, and where it does not fit, the largest size at its aspect that does. None when the sizes or
+    the capacity are unknown."""
+    from .estimate import activation_bytes, estimate_peak, resolve_chunk
+
+    sizes = model_sizes(handle)
+    capacity = device_capacity(torch.device(handle.device))
+    if sizes is None or capacity is None:
+        return None
+    chunking = handle.shared.ffn_chunk
+
+    def need(h: int, w: int, frames: int) -> int:
+        geometry = Geometry(height=h, width=w, num_frames=frames, cfg=cfg, refine=refine, ffn_chunk=chunking)
+        if phase == "decode":
+            return sizes.vae + activation_bytes(sizes, geometry)["decode"]
+        return estimate_peak("sequential", sizes, resolve_chunk("sequential", sizes, geometry, capacity))
+
+    needed = need(height, width, num_frames)
+    if needed <= capacity:
+        return RequestFit(needed, capacity)
+    return RequestFit(needed, capacity, _largest_fitting(need, height, width, num_frames, capacity))
+
+
+def _largest_fitting(need: Any, height: int, width: int, num_frames: int, capacity: int) -> tuple[int, int] | None:
+    """The largest (height, width) at the same aspect (multiples of 16) whose need fits, if any."""
+    aspect = width / height
+    low, high = 1, max(1, height // 16)
+    best = None
+    while low <= high:
+        mid = (low + high) // 2
+        h = mid * 16
+        w = max(16, int(round(h * aspect / 16)) * 16)
+        if need(h, w, num_frames) <= capacity:
+            best, low = (h, w), mid + 1
+        else:
+            high = mid - 1
+    return best
+
+
 def cfg_batch_fits(handle: Any, mode: str, *, height: int, width: int, num_frames: int) -> bool:
     """Whether one batch-2 CFG forward is expected to fit the execution device under offload `mode`
     (the memory estimate against the device's whole memory); False when either is unknown."""
