@@ -51,7 +51,7 @@ def _size(hw: tuple[int, int]) -> str:
 def gguf_plan(vram_gb: int, ram_gb: int, kind: str = MOE_GGUF) -> tuple[str, dict, float, int | None]:
     """The community MoE GGUF (`kind`, llama.cpp bits per weight) on this machine: offload_to, the plan
     (`recipes.plan_for`), the fit check's GiB and the FFN chunk for its headline run."""
-    from bench.recipes import run_chunk
+    from bench.recipe_cells import run_chunk
     from lingbot_core.placement import recipes
 
     facts = recipes.model_facts()
@@ -71,7 +71,7 @@ def gguf_plan(vram_gb: int, ram_gb: int, kind: str = MOE_GGUF) -> tuple[str, dic
 def gpu_rows() -> list[list[str]]:
     """The README's "Which files do I need?" rows: the settings and VRAM figure each come from the estimator
     and fit check (`lingbot_core.placement.recipes`) for a card of that size with `FILES_RAM_GB` of RAM."""
-    from bench.recipes import need_cell, run_chunk, student_recipe
+    from bench.recipe_cells import need_cell, run_chunk, student_recipe
     from lingbot_core.placement import recipes
 
     te = "`qwen3vl_4b_bf16.safetensors` (8.88 GB) or `qwen3vl_4b_fp8_scaled.safetensors` (4.94 GB)"

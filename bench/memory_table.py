@@ -89,7 +89,7 @@ def params(module: torch.nn.Module) -> int:
 
 
 def collect() -> dict[str, Any]:
-    from bench.recipes import run_chunk
+    from bench.recipe_cells import run_chunk
     from lingbot_core.placement import estimate, recipes
 
     out: dict[str, Any] = {"disk": {}, "estimate": {}, "reserve_bytes": estimate.RESERVE_BYTES,
