@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmark scripts: CPU peak memory, tables, JSON.
+"""Helpers shared by the benchmark scripts: CPU peak memory, tables, JSON, the fuzzers' frame.
 
 House rule: performance claims come from a script in `bench/`, run side by side with its baseline in
 one process and reported as ratios. These helpers keep every script doing that the same way.
@@ -6,8 +6,10 @@ one process and reported as ratios. These helpers keep every script doing that t
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -276,3 +278,58 @@ def run_limited(fn: Callable[..., Any], *args: Any, seconds: float, memory: int)
             return "died", proc.exitcode
     finally:
         proc.join()
+
+
+# -- the fuzzers' shared frame (bench/fuzz_*.py): their command line, the tally, the summary ---------------
+
+ESCAPED = ("crash", "hang", "silent")  # what a fuzzer counts against the code: the rest is read or refused
+
+
+def fuzz_parser(doc: str, cases: int, keep: bool = False) -> argparse.ArgumentParser:
+    """A fuzzer's command line: `--cases` (default `cases`), `--seed`, `--json OUT` and, with `keep`,
+    `--keep DIR`; the caller adds its own options and parses."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", type=int, default=cases)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, metavar="OUT", help="also write the summary here")
+    if keep:
+        parser.add_argument("--keep", type=Path, metavar="DIR", help="save every file that escaped here")
+    return parser
+
+
+def fuzz_tally(cases: int, one: Callable[[int], tuple[str, str, dict[str, Any]]], outcomes: Sequence[str],
+               hang_s: float | None = None) -> dict[str, Any]:
+    """Run `one(index)` -> (outcome, detail, what to show of the case) for every case: the count per
+    outcome (`outcomes` and `ESCAPED`), the first ten escapes with their details, the slowest and total
+    seconds. A case slower than `hang_s` counts as a hang whatever it returned."""
+    counts = dict.fromkeys((*outcomes, *ESCAPED), 0)
+    bad: list[dict[str, Any]] = []
+    slowest, start = 0.0, time.perf_counter()
+    for index in range(cases):
+        began = time.perf_counter()
+        outcome, detail, shown = one(index)
+        took = time.perf_counter() - began
+        slowest = max(slowest, took)
+        if hang_s is not None and took > hang_s and outcome != "hang":
+            outcome, detail = "hang", f"{took:.1f} s"
+        counts[outcome] += 1
+        if outcome in ESCAPED and len(bad) < 10:
+            bad.append({"case": index, "outcome": outcome, "detail": detail, **shown})
+    return {**counts, "slowest_s": round(slowest, 2), "total_s": round(time.perf_counter() - start, 1), "bad": bad}
+
+
+def keep_case(folder: Path | None, name: str, raw: bytes) -> None:
+    """Save a fuzz case that escaped under `folder` (`--keep`), when one was given."""
+    if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(raw)
+
+
+def fuzz_report(summary: dict[str, Any], out: Path | None) -> dict[str, Any]:
+    """Print a fuzzer's summary and write it to `out` (`--json`) when given; the summary."""
+    text = json.dumps(summary, indent=1)
+    print(text)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text, encoding="utf-8")
+    return summary

@@ -18,8 +18,6 @@ escapes by exception (`_Hang`: no answer within `--baseline-alarm` seconds).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import random
 import resource
@@ -30,6 +28,8 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+
+from bench._common import fuzz_parser, fuzz_report, keep_case
 
 INTERESTING = [0, 1, 2, 3, 4, 5, 7, 8, 9, 12, 13, 16, 24, 31, 32, 33, 63, 64, 255, 256, 4096, 2**16, 2**31 - 1,
                2**31, 2**32 - 1, 2**32, 2**40, 2**62, 2**63, 2**64 - 1]
@@ -202,11 +202,7 @@ def _cases(engine: str, n: int, seed: int, seeds: list[bytes], ends: list[int]):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", type=int, default=5000)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--keep", type=Path, help="save every escaping file here")
-    ap.add_argument("--json", type=Path)
+    ap = fuzz_parser(__doc__, cases=5000, keep=True)
     ap.add_argument("--baseline", action="store_true", help="also open every case as GGUFSource did before "
                     "(gguf.GGUFReader), counting what escapes (a hang: _Hang after --baseline-alarm s)")
     ap.add_argument("--baseline-alarm", type=int, default=2)
@@ -231,9 +227,7 @@ def main(argv: list[str] | None = None) -> dict:
             if escaped:
                 escapes[escaped] += 1
                 examples.setdefault(escaped, f"case {i}: {message}")
-                if args.keep:
-                    args.keep.mkdir(parents=True, exist_ok=True)
-                    (args.keep / f"escape-{i}-{escaped}.gguf").write_bytes(raw)
+                keep_case(args.keep, f"escape-{i}-{escaped}.gguf", raw)
             took = time.perf_counter() - start
             slow += took > 1.0
             slowest = max(slowest, took)
@@ -246,10 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
               "total_s": round(time.perf_counter() - started, 1),
               "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
               "load_average": os.getloadavg(), **({"baseline_gguf_reader": dict(baseline)} if args.baseline else {})}
-    print(json.dumps(result, indent=1))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
-    return result
+    return fuzz_report(result, args.json)
 
 
 if __name__ == "__main__":

@@ -23,15 +23,15 @@ summary with the first bad cases.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import tempfile
 import threading
-import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+from bench._common import fuzz_parser, fuzz_report, fuzz_tally
 
 NODES = {"1": {"class_type": "LingBotTextEncode", "inputs": {"prompt": "p"}},
          "2": {"class_type": "LingBotDenoise", "inputs": {"seed": 1}},
@@ -214,36 +214,19 @@ def _as_line(job) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", type=int, default=1500)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", metavar="OUT", help="also write the summary here")
-    args = parser.parse_args(argv)
+    args = fuzz_parser(__doc__, cases=1500).parse_args(argv)
     rng = random.Random(args.seed)
-    counts = {"read": 0, "refused": 0, "crash": 0, "hang": 0, "silent": 0}
-    bad: list[dict[str, Any]] = []
-    slowest, start = 0.0, time.perf_counter()
-    for index in range(args.cases):
-        began = time.perf_counter()
+
+    def case(_index: int) -> tuple[str, str, dict[str, Any]]:
         with tempfile.TemporaryDirectory(prefix="lingbot-fuzz-jobs-") as folder:
             try:
-                outcome, detail = one(random.Random(rng.randrange(2**32)), Path(folder))
+                return (*one(random.Random(rng.randrange(2**32)), Path(folder)), {})
             except Exception as err:  # noqa: BLE001 - counting what escapes is the point
                 where = traceback.format_exc().strip().splitlines()[-3][:200]
-                outcome, detail = "crash", f"{type(err).__name__}: {str(err)[:200]} at {where}"
-        took = time.perf_counter() - began
-        slowest = max(slowest, took)
-        if took > 20 and outcome != "hang":
-            outcome, detail = "hang", f"{took:.1f} s"
-        counts[outcome] += 1
-        if outcome in ("crash", "hang", "silent") and len(bad) < 10:
-            bad.append({"case": index, "outcome": outcome, "detail": detail})
-    summary = {"cases": args.cases, "seed": args.seed, **counts, "slowest_s": round(slowest, 2),
-               "total_s": round(time.perf_counter() - start, 1), "bad": bad}
-    print(json.dumps(summary, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=1))
-    return summary
+                return "crash", f"{type(err).__name__}: {str(err)[:200]} at {where}", {}
+
+    tally = fuzz_tally(args.cases, case, ("read", "refused"), hang_s=20)
+    return fuzz_report({"cases": args.cases, "seed": args.seed, **tally}, args.json)
 
 
 if __name__ == "__main__":

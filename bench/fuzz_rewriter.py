@@ -24,13 +24,14 @@ minute.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from bench._common import fuzz_parser, fuzz_report, fuzz_tally
 
 KEY = "sk-fuzz-8d1c4b7e2a9f4c3d8e7b6a5f4c3d2e1f"
 
@@ -230,40 +231,25 @@ def run_case(server: Server, case: dict[str, Any], timeout: float) -> tuple[str,
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     import os
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", type=int, default=400)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = fuzz_parser(__doc__, cases=400)
     parser.add_argument("--timeout", type=float, default=1.0, help="the client's deadline per attempt (seconds)")
-    parser.add_argument("--json", metavar="OUT", help="also write the summary here")
     args = parser.parse_args(argv)
     from lingbot_core.rewrite import API_KEY_ENV
 
     os.environ[API_KEY_ENV] = KEY
     rng = random.Random(args.seed)
     server = Server()
-    counts = {"caption": 0, "refused": 0, "crash": 0, "hang": 0, "silent": 0}
-    bad: list[dict[str, Any]] = []
-    slowest, start = 0.0, time.perf_counter()
+
+    def case(_index: int) -> tuple[str, str, dict[str, Any]]:
+        made = make_case(rng)
+        shown = {k: (v[:120] + "..." if isinstance(v, str) and len(v) > 120 else v) for k, v in made.items()}
+        return (*run_case(server, made, args.timeout), shown)
+
     try:
-        for index in range(args.cases):
-            case = make_case(rng)
-            began = time.perf_counter()
-            outcome, detail = run_case(server, case, args.timeout)
-            slowest = max(slowest, time.perf_counter() - began)
-            counts[outcome] += 1
-            if outcome in ("crash", "hang", "silent") and len(bad) < 10:
-                shown = {k: (v[:120] + "..." if isinstance(v, str) and len(v) > 120 else v) for k, v in case.items()}
-                bad.append({"case": index, "outcome": outcome, "detail": detail, **shown})
+        tally = fuzz_tally(args.cases, case, ("caption", "refused"))
     finally:
         server.close()
-    summary = {"cases": args.cases, "seed": args.seed, "timeout_s": args.timeout, **counts,
-               "slowest_s": round(slowest, 2), "total_s": round(time.perf_counter() - start, 1), "bad": bad}
-    print(json.dumps(summary, indent=1))
-    if args.json:
-        from pathlib import Path
-
-        Path(args.json).write_text(json.dumps(summary, indent=1))
-    return summary
+    return fuzz_report({"cases": args.cases, "seed": args.seed, "timeout_s": args.timeout, **tally}, args.json)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ claiming 100,001 blocks, an empty q_norm, a 4,096-deep `comfy_quant`, a 5,000-di
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -42,7 +41,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from bench._common import run_limited
+from bench._common import fuzz_parser, fuzz_report, keep_case, run_limited
 from bench.fuzz_gguf import header_end
 from bench.fuzz_gguf import mutate as mutate_gguf
 
@@ -339,13 +338,9 @@ def run_case(kind: str, path: Path, timeout: float, memory: int) -> tuple[str, s
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", type=int, default=650)
-    ap.add_argument("--seed", type=int, default=0)
+    ap = fuzz_parser(__doc__, cases=650, keep=True)
     ap.add_argument("--timeout", type=float, default=20.0)
     ap.add_argument("--memory-mb", type=int, default=1500)
-    ap.add_argument("--keep", type=Path, help="save every crashing, hanging or silent file here")
-    ap.add_argument("--json", type=Path)
     ap.add_argument("--no-reproducers", action="store_true", help="only the mutated cases (not the report's files)")
     args = ap.parse_args(argv)
     rnd = random.Random(args.seed)
@@ -389,19 +384,14 @@ def main(argv: list[str] | None = None) -> dict:
             if outcome in ("CRASH", "HANG", "SILENT"):
                 kinds[f"{outcome} {detail.split(':')[0]}"] += 1
                 examples.setdefault(f"{outcome} {kind}", f"case {i} ({name}): {detail}")
-                if args.keep:
-                    args.keep.mkdir(parents=True, exist_ok=True)
-                    (args.keep / f"{outcome.lower()}-{i}-{kind}.safetensors").write_bytes(case)
+                keep_case(args.keep, f"{outcome.lower()}-{i}-{kind}.safetensors", case)
     result = {"cases": args.cases, "seeds_not_read": unread, "reproducers": found, "seed": args.seed, "outcomes": dict(outcomes),
               "per_kind": {k: dict(v) for k, v in per_kind.items()},
               "crashes": outcomes["CRASH"], "hangs": outcomes["HANG"], "silent": outcomes["SILENT"],
               "what_escaped": dict(kinds),
               "examples": examples, "slowest_s": round(slowest, 2), "total_s": round(time.perf_counter() - started, 1),
               "load_average": os.getloadavg()}
-    print(json.dumps(result, indent=1))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
-    return result
+    return fuzz_report(result, args.json)
 
 
 if __name__ == "__main__":
