@@ -224,3 +224,44 @@ def test_notes_quote_the_estimator_for_their_own_model():
                                                            for k in ("moe_base", "moe_base_cfg1")), name
         else:
             assert build.DENSE_OFFLOAD in note and "MoE" not in note, name
+
+
+TITLE_BAR = 30  # the editor draws a node's title bar above its saved position
+
+
+def _box(node: dict) -> tuple[float, float, float, float]:
+    x, y = node["pos"]
+    w, h = node["size"]
+    return x, y - TITLE_BAR, x + w, y + h
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
+def test_ui_nodes_do_not_overlap(path):
+    """Nodes (title bar included) and the Note lie side by side: a wider node pushes the next column right."""
+    nodes = json.loads(path.read_text())["nodes"]
+    for i, a in enumerate(nodes):
+        ax0, ay0, ax1, ay1 = _box(a)
+        for b in nodes[i + 1:]:
+            bx0, by0, bx1, by1 = _box(b)
+            assert ax1 <= bx0 or bx1 <= ax0 or ay1 <= by0 or by1 <= ay0, (a["title"], b["title"])
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
+def test_files_loader_is_wide_enough_for_file_names(path):
+    """Loader (files) is saved wide enough that a long file name does not hide its label (issue 37 item 6),
+    and the group around the graph spans every node."""
+    from workflows import build
+
+    ui = json.loads(path.read_text())
+    for node in ui["nodes"]:
+        if node["type"] == "LingBotLoaderFiles":
+            assert node["size"][0] >= build.FILES_LOADER_WIDTH, path.stem
+    gx, _gy, gw, _gh = ui["groups"][0]["bounding"]
+    assert all(gx <= n["pos"][0] and n["pos"][0] + n["size"][0] <= gx + gw for n in ui["nodes"]), path.stem
+
+
+def test_memory_report_is_titled_by_its_name():
+    """Memory Report is saved under its own name (a bare "Memory" read as a cut title)."""
+    titles = {n["title"] for path in UI_FILES for n in json.loads(path.read_text())["nodes"]
+              if n["type"] == "LingBotMemoryReport"}
+    assert titles == {NODE_DISPLAY_NAME_MAPPINGS["LingBotMemoryReport"].removeprefix("LingBot ")}

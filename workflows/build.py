@@ -68,6 +68,19 @@ MOE_OFFLOAD = (f"Offload (estimates): the MoE base pass at 480x832x121 needs abo
                + f" under '{_R['mode']}', offload_to '{_R['offload_to']}'. 'auto' picks the "
                "mode and offload_to from the free memory and says what to change when nothing fits.")
 
+# Saved node widths (px). The editor keeps a loaded node at its saved size, and the classic canvas of the 1.5x
+# frontends hides a widget's label when its value does not fit beside it: Loader (files) lists file names of
+# about 55 characters (Q4_K_M GGUFs, qwen3vl_4b_fp8_scaled...), which web/lingbot_text.js's nodeCreated fit
+# (label + value up to 360 px + 100 px of margins and arrows, 12 px font) makes about 470 px wide.
+NODE_WIDTH = 320
+FILES_LOADER_WIDTH = 470
+NODE_GAP = 20  # horizontal room between two columns
+
+
+def node_width(class_type: str) -> int:
+    return FILES_LOADER_WIDTH if class_type == "LingBotLoaderFiles" else NODE_WIDTH
+
+
 PLAN = dict(plan_width=832, plan_height=480, plan_frames=121)
 
 
@@ -261,8 +274,8 @@ WORKFLOWS = {
     ),
     "lingbot_t2v_moe_refine": dict(
         note=NOTE.format(size="480x832 (H x W) and 121 frames, refined to 1088x1920,", offload=MOE_OFFLOAD) +
-        " Refine drops the base DiT before the refiner loads (the text encoder and VAE stay shared); Memory shows "
-        "where everything lives.",
+        " Refine drops the base DiT before the refiner loads (the text encoder and VAE stay shared); Memory Report "
+        "shows where everything lives.",
         nodes=[
             loader("tiny (built-in moe)", "moe"),
             offload_node("auto", refine=True),
@@ -273,7 +286,7 @@ WORKFLOWS = {
                                                 seed=42, tiling=True, release_base="on"),
              {"pipe": (2, 0), "conditioning": (3, 0), "latent": (4, 0)}),
             decode_node(6, 5, tiled=True),
-            (7, "LingBotMemoryReport", "Memory", dict(), {"pipe": (2, 0), "value": (6, 0)}),
+            (7, "LingBotMemoryReport", "Memory Report", dict(), {"pipe": (2, 0), "value": (6, 0)}),
             (8, "LingBotSaveVideo", "Save", dict(fps=24.0, filename_prefix="lingbot/t2v_refined"), {"images": (7, 0)}),
         ],
     ),
@@ -371,7 +384,7 @@ WORKFLOWS = {
                                    "from python -m lingbot_core.quantize of the MoE folder, or a community one). "
                                    "Then use 480x832 (H x W), 121 frames and 40 steps, refined to 1088x1920. "
                                    + MOE_OFFLOAD + " Refine drops the base DiT before the refiner loads; Memory "
-                                   "shows where everything lives."),
+                                   "Report shows where everything lives."),
         nodes=[
             files_loader("tiny (built-in moe)"),
             offload_node("auto", refine=True),
@@ -382,7 +395,7 @@ WORKFLOWS = {
                                                 seed=42, tiling=True, release_base="on"),
              {"pipe": (2, 0), "conditioning": (3, 0), "latent": (4, 0)}),
             decode_node(6, 5, tiled=True),
-            (7, "LingBotMemoryReport", "Memory", dict(), {"pipe": (2, 0), "value": (6, 0)}),
+            (7, "LingBotMemoryReport", "Memory Report", dict(), {"pipe": (2, 0), "value": (6, 0)}),
             (8, "LingBotSaveVideo", "Save", dict(fps=24.0, filename_prefix="lingbot/t2v_moe_gguf_refined"),
              {"images": (7, 0)}),
         ],
@@ -456,6 +469,7 @@ def to_api(nodes: list) -> dict:
 
 def to_ui(nodes: list, note: str) -> dict:
     link_rows, ui_nodes, heights = [], [], []
+    x = 60  # each column starts after the one before it, so a wider node pushes the rest right
     outputs: dict[tuple[int, int], list[int]] = {}
     order = {node_id: i for i, (node_id, *_rest) in enumerate(nodes)}
     classes = {node_id: class_type for node_id, class_type, *_rest in nodes}
@@ -487,25 +501,27 @@ def to_ui(nodes: list, note: str) -> dict:
         ui_outputs = [{"name": n, "type": str(t), "links": outputs.get((node_id, i), []), "slot_index": i}
                       for i, (n, t) in enumerate(zip(info.return_names, info.return_types))]
         column = order[node_id]
+        width = node_width(class_type)
         multiline = sum(1 for s in _inputs(class_type) if s.is_widget and s.options.get("multiline"))
         height = 60 + 26 * (len(values) + len(ui_inputs)) + 90 * multiline  # what the editor draws
         heights.append(height)
         ui_nodes.append({
             "id": node_id, "type": class_type, "title": title,
-            "pos": [60 + 340 * column, 120 + (column % 2) * 60], "size": [320, height],
+            "pos": [x, 120 + (column % 2) * 60], "size": [width, height],
             "flags": {}, "order": order[node_id], "mode": 0,
             "inputs": ui_inputs, "outputs": ui_outputs,
             "properties": {"Node name for S&R": class_type}, "widgets_values": values,
         })
+        x += width + NODE_GAP
     note_id = max(n[0] for n in nodes) + 1
     ui_nodes.append({"id": note_id, "type": "Note", "pos": [60, -120], "size": [640, 160], "flags": {},
                      "order": len(nodes), "mode": 0, "inputs": [], "outputs": [], "properties": {},
                      "widgets_values": [note]})
-    width = 340 * len(nodes) + 40
+    span = x - NODE_GAP  # from x 30 to 30 px past the last column's right edge
     return {
         "last_node_id": note_id, "last_link_id": len(link_rows),
         "nodes": ui_nodes, "links": link_rows,
-        "groups": [{"title": "LingBot-Video", "bounding": [30, 40, width, max(heights) + 160], "color": "#3f789e"}],
+        "groups": [{"title": "LingBot-Video", "bounding": [30, 40, span, max(heights) + 160], "color": "#3f789e"}],
         "config": {}, "extra": {}, "version": 0.4,
     }
 
