@@ -180,7 +180,8 @@ def check_workflows(server: Server) -> None:
             record(False, f"workflow {path.name} queues", json.dumps(refused)[:600])
             continue
         ok = entry["status"]["status_str"] == "success"
-        texts = [t for out in entry["outputs"].values() for t in out.get("text", [])]
+        # a node with nothing to say sends an empty text (it clears its box): only what was said is shown
+        texts = [t for out in entry["outputs"].values() for t in out.get("text", []) if t.strip()]
         shown = f"; on nodes: {' | '.join(t.splitlines()[0] for t in texts)}" if texts else ""
         if local_rewrite:
             # A local Rewrite needs a real text encoder: on the built-in tiny model it is refused at once with
