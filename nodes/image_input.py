@@ -12,8 +12,20 @@ TEST_PATTERN = "(test pattern)"
 """The Load Image choice (like an empty path) for the built-in test pattern."""
 
 
-def _pattern(path: str) -> bool:
+def is_test_pattern(path: str) -> bool:
+    """An empty path or the `(test pattern)` choice: the built-in pattern, no file (Load Image and Load Video)."""
     return not path or path == TEST_PATTERN
+
+
+def input_fingerprint(path: str, what: str = "image") -> str:
+    """What ComfyUI compares to decide a loader must run again: the path and its file's mtime (the path
+    alone for the pattern, or when the file is missing or refused: validation reports that)."""
+    if is_test_pattern(path):
+        return path
+    try:
+        return f"{path}@{paths.image_path(path, what).stat().st_mtime_ns}"
+    except (ValueError, OSError):
+        return path
 
 
 def test_pattern(height: int = 256, width: int = 384) -> torch.Tensor:
@@ -50,18 +62,13 @@ class LingBotLoadImage(io.ComfyNode):
 
     @classmethod
     def fingerprint_inputs(cls, path=""):
-        if _pattern(path):
-            return path
-        try:
-            return f"{path}@{paths.image_path(path).stat().st_mtime_ns}"
-        except (ValueError, OSError):
-            return path  # validation reports it
+        return input_fingerprint(path)
 
     @classmethod
     def validate_inputs(cls, path=""):
         # Inside ComfyUI only its input/output/temp folders; a file outside and a missing file get the
         # same answer, so validation cannot be used to probe the server's disk.
-        if not _pattern(path):
+        if not is_test_pattern(path):
             try:
                 paths.image_path(path)
             except ValueError as err:
@@ -74,7 +81,7 @@ class LingBotLoadImage(io.ComfyNode):
 
         from lingbot_core.image import load_image
 
-        if _pattern(path):
+        if is_test_pattern(path):
             return io.NodeOutput(test_pattern())
         array = np.asarray(load_image(paths.image_path(path)), dtype=np.float32) / 255.0
         return io.NodeOutput(torch.from_numpy(array).unsqueeze(0))

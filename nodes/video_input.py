@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 from . import paths
-from .image_input import TEST_PATTERN, test_pattern
+from .image_input import TEST_PATTERN, input_fingerprint, is_test_pattern, test_pattern
 from .types import CATEGORY, MAX_SIZE, Choice
 from .v3 import io
 
 FRAME_CAP = 1025  # lingbot_core.video_input.VIDEO_LIMITS["frames"] (a test compares them; listed without importing torch)
 
-
-def _pattern(path: str) -> bool:
-    return not path or path == TEST_PATTERN
 
 
 def test_pattern_video(frames: int = 9, height: int = 256, width: int = 384):
@@ -102,17 +99,12 @@ class LingBotLoadVideo(io.ComfyNode):
 
     @classmethod
     def fingerprint_inputs(cls, path="", **_ignored):
-        if _pattern(path):
-            return path
-        try:
-            return f"{path}@{paths.image_path(path, 'video').stat().st_mtime_ns}"
-        except (ValueError, OSError):
-            return path  # validation reports it
+        return input_fingerprint(path, "video")
 
     @classmethod
     def validate_inputs(cls, path=""):
         # the same folders and the same answer for a missing file and one outside them as Load Image
-        if isinstance(path, str) and not _pattern(path):
+        if isinstance(path, str) and not is_test_pattern(path):
             from lingbot_core.video_input import probe_video
 
             try:  # the file's metadata too: a file that is not a usable video is refused with the graph
@@ -125,7 +117,7 @@ class LingBotLoadVideo(io.ComfyNode):
     def execute(cls, path, start_frame=0, frame_count=121, stride=1, width=0, height=0):
         from lingbot_core.video_input import read_video_frames
 
-        if _pattern(path):
+        if is_test_pattern(path):
             count = int(frame_count) or 9
             frames = test_pattern_video(count, int(height) or 256, int(width) or 384)
             return io.NodeOutput(frames, count, 24.0)
