@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from lingbot_core.video_input import VIDEO_LIMITS
+
 from . import paths
 from .image_input import TEST_PATTERN, input_fingerprint, is_test_pattern, test_pattern
 from .types import CATEGORY, MAX_SIZE, Choice
 from .v3 import io
 
-FRAME_CAP = 1025  # lingbot_core.video_input.VIDEO_LIMITS["frames"] (a test compares them; listed without importing torch)
+FRAME_CAP = VIDEO_LIMITS["frames"]  # the most frames one load decodes (the core's bound, read from it)
 
 
 
