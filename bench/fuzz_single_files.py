@@ -84,27 +84,24 @@ def seed_files(folder: Path) -> dict[str, tuple[str, bytes]]:
     return out
 
 
-def _gguf_seeds(folder: Path) -> dict[str, tuple[str, bytes]]:
-    """The DiT as GGUF files: Q8_0 as `lingbot_core.quantize` writes it, and one holding a Q4_K tensor
-    that ComfyUI-GGUF's converter would record through `comfy.gguf.orig_shape` (rows not whole blocks)."""
+RESHAPED_TENSOR = "blocks.0.ffn.down_proj.weight"  # [32, 64] in the tiny DiT: 2,048 values = 8 whole Q4_K blocks
+
+
+def write_reshaped_q4k_gguf(state: dict, path: Path, name: str = RESHAPED_TENSOR) -> bytes:
+    """A DiT GGUF as ComfyUI-GGUF's converter writes a Q4_K tensor whose rows are not whole blocks: `name`
+    ([32, 64]) stored as 8 Q4_K blocks (144 bytes: d, dmin as fp16, 12 scale bytes, 128 quants; seeded
+    random) with its shape in `comfy.gguf.orig_shape.<name>`, every other tensor as float32. Returns the
+    blocks' bytes (a test dequantizes them for the expected values)."""
     import gguf
     import numpy as np
-    from safetensors.torch import load_file
 
-    from lingbot_core.quantize import write_gguf
-    from lingbot_core.weights.sources import SafetensorsSource
-
-    dit = folder / "dit.safetensors"
-    write_gguf(SafetensorsSource([dit]), folder / "dit_q8_0.gguf", "Q8_0")
-    reshaped = folder / "dit_q4_k_reshaped.gguf"
-    name = "blocks.0.ffn.down_proj.weight"  # [32, 64], packed as 8 whole Q4_K blocks
     rng = np.random.default_rng(0)
     blocks = b"".join(np.float16(0.01).tobytes() + np.float16(0.0).tobytes()
                       + rng.integers(0, 64, 12, dtype=np.uint8).tobytes()
                       + rng.integers(0, 256, 128, dtype=np.uint8).tobytes() for _ in range(8))
-    writer = gguf.GGUFWriter(str(reshaped), "lingbot_video")
+    writer = gguf.GGUFWriter(str(path), "lingbot_video")
     writer.add_array(f"comfy.gguf.orig_shape.{name}", [32, 64])
-    for key, tensor in load_file(str(dit)).items():
+    for key, tensor in state.items():
         if key == name:
             writer.add_tensor(key, np.frombuffer(blocks, np.uint8).reshape(8, 144),
                               raw_dtype=gguf.GGMLQuantizationType.Q4_K)
@@ -114,6 +111,21 @@ def _gguf_seeds(folder: Path) -> dict[str, tuple[str, bytes]]:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return blocks
+
+
+def _gguf_seeds(folder: Path) -> dict[str, tuple[str, bytes]]:
+    """The DiT as GGUF files: Q8_0 as `lingbot_core.quantize` writes it, and one holding a Q4_K tensor
+    that ComfyUI-GGUF's converter would record through `comfy.gguf.orig_shape` (rows not whole blocks)."""
+    from safetensors.torch import load_file
+
+    from lingbot_core.quantize import write_gguf
+    from lingbot_core.weights.sources import SafetensorsSource
+
+    dit = folder / "dit.safetensors"
+    write_gguf(SafetensorsSource([dit]), folder / "dit_q8_0.gguf", "Q8_0")
+    reshaped = folder / "dit_q4_k_reshaped.gguf"
+    write_reshaped_q4k_gguf(load_file(str(dit)), reshaped)
     return {"dit_q8_0.gguf": ("dit", (folder / "dit_q8_0.gguf").read_bytes()),
             "dit_q4_k_reshaped.gguf": ("dit", reshaped.read_bytes())}
 

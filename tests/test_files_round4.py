@@ -21,6 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from bench._common import run_limited
+from bench.fuzz_single_files import write_reshaped_q4k_gguf
 from lingbot_core.errors import CheckpointError, WeightsError
 from lingbot_nodes import NODE_CLASS_MAPPINGS
 from lingbot_nodes import files as node_files
@@ -291,25 +292,10 @@ def test_a_dit_gguf_with_a_reshaped_tensor_loads_it_decoded(tmp_path):
     from lingbot_core.weights.loader import load_dit
 
     state = load_file(str(TINY / "transformer" / "diffusion_pytorch_model.safetensors"))
-    name = "blocks.0.ffn.down_proj.weight"  # [32, 64]: rows of 64 values, not whole Q4_K blocks (256)
-    rng = np.random.default_rng(0)
-    blocks = bytearray()
-    for _ in range(8):  # 2048 values = 8 Q4_K blocks of 144 bytes: d, dmin (fp16), 12 scale bytes, 128 quants
-        blocks += np.float16(0.01).tobytes() + np.float16(0.0).tobytes()
-        blocks += rng.integers(0, 64, 12, dtype=np.uint8).tobytes() + rng.integers(0, 256, 128, dtype=np.uint8).tobytes()
-    expected = gguf.quants.dequantize(np.frombuffer(bytes(blocks), np.uint8).reshape(8, 144), T.Q4_K).reshape(32, 64)
+    # RESHAPED_TENSOR is [32, 64]: rows of 64 values, not whole Q4_K blocks (256)
     path = tmp_path / "lingbot-q4k.gguf"
-    writer = gguf.GGUFWriter(str(path), "lingbot_video")
-    writer.add_array(f"comfy.gguf.orig_shape.{name}", [32, 64])
-    for key, tensor in state.items():
-        if key == name:
-            writer.add_tensor(key, np.frombuffer(bytes(blocks), np.uint8).reshape(8, 144), raw_dtype=T.Q4_K)
-        else:
-            writer.add_tensor(key, tensor.float().numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    blocks = write_reshaped_q4k_gguf(state, path)
+    expected = gguf.quants.dequantize(np.frombuffer(blocks, np.uint8).reshape(8, 144), T.Q4_K).reshape(32, 64)
     model = load_dit(dit_file_source(path))  # was: refused ("not whole Q4_K blocks")
     weight = model.blocks[0].ffn.down_proj.weight
     assert tuple(weight.shape) == (32, 64) and weight.dtype == torch.float32
