@@ -244,7 +244,7 @@ def check_request_fits(handle: Any, *, height: int, width: int, num_frames: int,
     device's whole memory. So only requests
     that cannot possibly run are refused, and they are refused before anything loads.
     """
-    fit = plan.request_fit(handle, height=height, width=width, num_frames=num_frames, cfg=cfg, refine=refine,
+    fit = plan.request_fit(plan.facts(handle), height=height, width=width, num_frames=num_frames, cfg=cfg, refine=refine,
                            phase=phase)
     if fit is None or fit.needed <= fit.capacity:
         return
@@ -259,17 +259,18 @@ def check_request_fits(handle: Any, *, height: int, width: int, num_frames: int,
 
 def check_step_cache_ready(handle: Any, step_cache: Any, *, transformer: str, sampler: Any, steps: int,
                            shift: float, sigmas: Any, guidance_scale: float) -> dict[str, Any] | None:
-    """`magcache` needs a calibration of exactly these settings: refused here (before any model work)
-    with how to make one, not after the text encoder ran. Returns the calibration's identity
-    (`plan.step_cache_identity`) for `magcache`, None for the other methods (nothing was computed)."""
+    """A MagCache method's calibration key (`plan.step_cache_identity`), computed once here for the stage;
+    `magcache` also needs a calibration of exactly these settings: refused here (before any model work)
+    with how to make one, not after the text encoder ran. None for the methods without a calibration."""
     from .sampling.step_cache import calibration_file, read_calibration
 
     settings = StepCacheSettings.of(step_cache)
-    if settings.method != "magcache":
+    if not settings.calibrated:
         return None
     identity = plan.step_cache_identity(handle, transformer=transformer, sampler=sampler, steps=steps, shift=shift,
-                                   sigmas=sigmas, guidance_scale=guidance_scale)
-    read_calibration(calibration_file(settings, identity), identity)
+                                        sigmas=sigmas, guidance_scale=guidance_scale)
+    if settings.method == "magcache":
+        read_calibration(calibration_file(settings, identity), identity)
     return identity
 
 
@@ -289,7 +290,7 @@ class DenoiseRequest:
     shape: tuple[int, ...]  # the latents' shape
     cfg: bool  # guidance_scale > 1: two branches per step
     step_cache: StepCacheSettings
-    identity: dict[str, Any] | None  # MagCache's calibration key (`plan.step_cache_identity`); None otherwise
+    identity: dict[str, Any] | None  # MagCache's calibration key (`plan.step_cache_identity`); None for other methods
 
 
 def check_denoise(handle: Any, cond: Any, *, height: int, width: int, num_frames: int, steps: int,

@@ -30,13 +30,14 @@ from .components import REFINER, TRANSFORMER
 from .distributed import stage as parallel_stage
 from .latents import dit_to_vae, vae_to_dit
 from .placement import plan
-from .placement.door import effective_mode, installed_mode, note_geometry, oom_fallback, release, stage
+from .placement.door import effective_mode, note_sampling, oom_fallback, release, stage
 from .placement.estimate import Geometry
 from .prompt import PromptEmbeds
 from .sampling.guidance import Guidance, StepCallback, pin_first_frames, sample
 from .sampling.sigmas import compute_refiner_sigmas
 from .sampling.step_cache import StepCache, StepCacheSettings, check_step_cache
 from .stage_inputs import MODES, validate_geometry, validate_request  # noqa: F401  (MODES: part of the stage API)
+from .weights.modules import stored_formats
 
 log = logging.getLogger(__name__)
 
@@ -330,16 +331,17 @@ def denoise(
         dit = handle.component(transformer)
         before = _chunk_on(dit)
         figures = plan.sampling_figures(  # batching and chunking, decided at once under the installed mode
-            handle, installed_mode(handle) or "none", transformer, cfg=do_cfg, cfg_batch=cfg_batch,
+            plan.facts(handle), transformer, packed=bool(stored_formats(dit)), cfg=do_cfg, cfg_batch=cfg_batch,
             splits_cfg=parallel.splits_cfg, set_on_model=before, height=height, width=width, num_frames=num_frames)
         if figures.cfg_batch_why:
             log.info("%s", figures.cfg_batch_why)
-        batch = figures.cfg_batch
-        note_geometry(handle, Geometry(height, width, num_frames, cfg=do_cfg, cfg_batch=batch))
-        guidance = _guidance(handle, parallel, transformer, cond, guidance_scale, device, batch)
-        guidance.cache = _step_cache(handle, request, transformer=transformer, steps=steps, run_steps=len(run),
-                                     shift=shift, sigmas=sigmas, guidance_scale=guidance_scale)
-        with _ffn_chunk(handle, transformer, dit, figures, before), parallel.loop(guidance) as status:
+        note_sampling(handle, transformer, Geometry(height, width, num_frames, cfg=do_cfg, cfg_batch=figures.cfg_batch),
+                      chunk=figures.ffn_chunk, why=figures.ffn_chunk_why)
+        guidance = _guidance(parallel, dit, handle.dtype_of(transformer), cond, guidance_scale, device,
+                             figures.cfg_batch)
+        if request.step_cache.enabled:  # a fresh cache for this call, keyed as the request check found it
+            guidance.cache = StepCache(request.step_cache, steps=len(run), identity=request.identity)
+        with _ffn_chunk(transformer, dit, figures, before), parallel.loop(guidance) as status:
             latents = sample(run, guidance, latents, cond_latent=cond_latent, callback=callback, status=status)
         return latents.cpu()
 
@@ -351,14 +353,12 @@ def _chunk_on(dit: Any) -> int | None:
 
 
 @contextmanager
-def _ffn_chunk(handle, transformer: str, dit: Any, figures: plan.SamplingFigures, before: int | None):
+def _ffn_chunk(transformer: str, dit: Any, figures: plan.SamplingFigures, before: int | None):
     """Run the DiT's FFN/MoE over the chunk this call needs (`figures.ffn_chunk`, from
-    `plan.sampling_figures`). The model's own setting is back afterwards; what was used is kept for the
-    memory report."""
-    chunk, why = figures.ffn_chunk, figures.ffn_chunk_why
-    handle.shared.placement.ffn_chunks[transformer] = (chunk, why)
+    `plan.sampling_figures`). The model's own setting is back afterwards."""
+    chunk = figures.ffn_chunk
     if chunk:
-        log.info("%s: FFN/MoE over %d-token chunks (%s)", transformer, chunk, why)
+        log.info("%s: FFN/MoE over %d-token chunks (%s)", transformer, chunk, figures.ffn_chunk_why)
     if not hasattr(dit, "set_ffn_chunk") or chunk == before:
         yield chunk
         return
@@ -384,26 +384,11 @@ def _on(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | Non
     return None if tensor is None else tensor.to(device=device, dtype=torch.float32)
 
 
-def _step_cache(handle, request: checks.DenoiseRequest, *, transformer: str, steps: int, run_steps: int,
-                shift: float, sigmas: Any, guidance_scale: float) -> StepCache | None:
-    """A fresh step cache for this call (None when off), keyed for MagCache on what its ratios depend
-    on (`plan.step_cache_identity`: the key the request check computed and found a calibration for)."""
-    settings = request.step_cache
-    if not settings.enabled:
-        return None
-    identity = request.identity
-    if identity is None:  # computed by the check for MagCache only
-        identity = plan.step_cache_identity(handle, transformer=transformer, sampler=request.method, steps=steps,
-                                            shift=shift, sigmas=sigmas, guidance_scale=guidance_scale)
-    return StepCache(settings, steps=run_steps, identity=identity)
-
-
-def _guidance(handle, parallel: parallel_stage.ParallelSampling, transformer: str, cond: Conditioning,
+def _guidance(parallel: parallel_stage.ParallelSampling, dit: Any, dit_dtype: torch.dtype, cond: Conditioning,
               guidance_scale: float, device: torch.device, batch_cfg: bool = False) -> Guidance:
     """The DiT's guided prediction for this call: prompts on the device in the DiT's dtype."""
-    dit_dtype = handle.dtype_of(transformer)
     negative = cond.negative_for_cfg() if guidance_scale > 1.0 else None
-    return parallel.guidance(handle.component(transformer), cond.positive.to(device, dit_dtype),
+    return parallel.guidance(dit, cond.positive.to(device, dit_dtype),
                              negative.to(device, dit_dtype) if negative is not None else None, guidance_scale,
                              dtype=dit_dtype, device=device, batch_cfg=batch_cfg)
 

@@ -99,22 +99,19 @@ def test_auto_batches_a_dit_streamed_from_disk_on_a_cpu(fixtures_root):
 
 
 def test_auto_batches_on_a_gpu_where_it_fits(monkeypatch):
-    """The GPU branch through a fake handle whose device is `cuda:0` (plain weights, nothing installed)."""
-    from types import SimpleNamespace
-
+    """The GPU branch through facts whose device is `cuda:0` (plain weights, nothing installed)."""
     fits = []
     monkeypatch.setattr(plan, "cfg_batch_fits", lambda *_a, **_k: fits[-1])
-    handle = SimpleNamespace(device="cuda:0", shared=SimpleNamespace(placement=SimpleNamespace(mode=None)),
-                             component=lambda _name: torch.nn.Linear(2, 2))
+    facts = plan.Facts(device=torch.device("cuda:0"), sizes=None, capacity=None, chunk_setting=None)
     geometry = dict(height=480, width=832, num_frames=121)
     fits.append(True)
-    batch, why = plan.cfg_batch_auto(handle, "none", "transformer", **geometry)
+    batch, why = plan.cfg_batch_auto(facts, "none", "transformer", packed=False, **geometry)
     assert batch and "cuda" in why
     fits.append(False)
-    assert plan.cfg_batch_auto(handle, "none", "transformer", **geometry)[0] is False
-    handle.device = "cpu"
+    assert plan.cfg_batch_auto(facts, "none", "transformer", packed=False, **geometry)[0] is False
     fits.append(True)
-    assert plan.cfg_batch_auto(handle, "none", "transformer", **geometry)[0] is False
+    cpu = plan.Facts(device=torch.device("cpu"), sizes=None, capacity=None, chunk_setting=None)
+    assert plan.cfg_batch_auto(cpu, "none", "transformer", packed=False, **geometry)[0] is False
 
 
 def test_the_auto_rule_names_a_gain_for_each_measured_case():

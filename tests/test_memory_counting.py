@@ -215,14 +215,14 @@ def test_what_others_held_at_the_start_is_not_the_stages_peak(fixtures_root, mon
 
 
 def test_a_refiner_stage_is_set_against_the_refine_phase(fixtures_root, monkeypatch, calibration_file):
-    """Denoise tells the door its request (`note_geometry`) without a refine size: the refiner's stage is
+    """Denoise tells the door its request (`note_sampling`) without a refine size: the refiner's stage is
     estimated at its own size (it raised, an empty phase list, before), and an unknown phase gives no estimate."""
     fake = FakeCuda().install(monkeypatch)
     monkeypatch.setattr(calibration, "device_name", lambda device: fake.name)
     handle = _open(fixtures_root)
     geometry = Geometry(32, 32, 5)
     with door.stage(handle, "transformer", phase="refine", label="refine"):
-        door.note_geometry(handle, geometry)
+        door.note_sampling(handle, "transformer", geometry, chunk=None, why="chunking off")
     expected = estimate.estimate_peak("none", ModelSizes.from_handle(handle), replace(geometry, refine=(32, 32)),
                                       ("refine",))
     with door.stage(handle, "vae", phase="no such phase", label="odd"):

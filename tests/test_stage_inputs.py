@@ -119,13 +119,13 @@ def test_a_size_over_the_device_names_the_largest_that_fits(handle, monkeypatch)
     from lingbot_core.placement import plan
 
     request = dict(height=256, width=384, num_frames=5)
-    capacity = plan.request_fit(handle, **request).needed - 1
+    capacity = plan.request_fit(plan.facts(handle), **request).needed - 1
     monkeypatch.setattr(plan, "device_capacity", lambda _device: capacity)
-    fit = plan.request_fit(handle, **request)
+    fit = plan.request_fit(plan.facts(handle), **request)
     assert fit.needed > fit.capacity == capacity and fit.largest is not None
     h, w = fit.largest
-    assert plan.request_fit(handle, height=h, width=w, num_frames=5).needed <= capacity
+    assert plan.request_fit(plan.facts(handle), height=h, width=w, num_frames=5).needed <= capacity
     taller = h + 16
-    assert plan.request_fit(handle, height=taller, width=max(16, round(taller * 1.5 / 16) * 16), num_frames=5).needed > capacity
+    assert plan.request_fit(plan.facts(handle), height=taller, width=max(16, round(taller * 1.5 / 16) * 16), num_frames=5).needed > capacity
     with pytest.raises(ValueError, match=f"about {w}x{h} fits"):
         stage_inputs.check_request_fits(handle, **request, what="denoising")

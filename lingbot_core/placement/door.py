@@ -365,10 +365,14 @@ def _settle(shared: SharedComponents, used: tuple[str, ...] = ()) -> None:
         torch.cuda.empty_cache()
 
 
-def note_geometry(handle: PipelineHandle, geometry: estimate.Geometry) -> None:
-    """Inside a stage: the request it runs, as far as memory is concerned, once the stage knows it (e.g.
-    whether CFG runs batched); the stage's measured peak is set against the estimate for it."""
-    handle.shared.placement.stage_geometry = geometry
+def note_sampling(handle: PipelineHandle, dit: str, geometry: estimate.Geometry, *, chunk: int | None,
+                  why: str) -> None:
+    """Inside a sampling stage: the request it runs, as far as memory is concerned, once the stage knows
+    it (whether CFG runs batched, the FFN/MoE `chunk` it runs `dit` over and `why`). The stage's
+    measured peak is set against the estimate for it; the memory report shows the chunk."""
+    placement = handle.shared.placement
+    placement.stage_geometry = geometry
+    placement.ffn_chunks[dit] = (chunk, why)
 
 
 def _stage_estimate(handle: PipelineHandle, components: tuple[str, ...], phase: str | None,

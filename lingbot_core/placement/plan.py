@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .. import sampling
+from ..components import DITS
 from .estimate import AUTO_CHUNK, Geometry, GiB, ModelSizes, ffn_chunk_tokens
 from .estimate import cfg_batch_fits as batch_fits
 
@@ -61,6 +62,35 @@ def model_sizes(handle: Any) -> ModelSizes | None:
 
 
 @dataclass(frozen=True)
+class Facts:
+    """What the decisions below read of a handle, read once (`facts`): a plain record, so a decision
+    never reaches back into the handle or its placement."""
+
+    device: torch.device
+    sizes: ModelSizes | None  # None: unknown (components without a DiT)
+    capacity: int | None  # the device's whole memory; None: unknown
+    chunk_setting: Any  # the Loader's ffn_chunk: tokens, None (off) or "auto"
+    mode: str | None = None  # the concrete offload mode installed (None: nothing installed yet)
+    budget: int | None = None  # the budget `auto` planned with, else `capacity`
+    streamed: frozenset[str] = frozenset()  # DiTs the installed mode streams from disk
+
+
+def facts(handle: Any) -> Facts:
+    """The handle's `Facts` now (its installed mode included, when there is one)."""
+    from .modes.disk import streams_from_disk
+
+    device = torch.device(handle.device)
+    capacity = device_capacity(device)
+    placement = handle.shared.placement
+    placed = placement.mode
+    auto = placement.auto
+    budget = auto.budget if auto is not None and auto.estimates else capacity
+    streamed = frozenset(n for n in DITS if placed is not None and streams_from_disk(placed.settings, n))
+    return Facts(device=device, sizes=model_sizes(handle), capacity=capacity, chunk_setting=handle.shared.ffn_chunk,
+                 mode=placed.name if placed is not None else None, budget=budget, streamed=streamed)
+
+
+@dataclass(frozen=True)
 class RequestFit:
     """A request's need against the execution device's whole memory (the memory estimate)."""
 
@@ -69,7 +99,7 @@ class RequestFit:
     largest: tuple[int, int] | None = None  # (height, width) at the same aspect that fits; when it does not
 
 
-def request_fit(handle: Any, *, height: int, width: int, num_frames: int, cfg: bool = True,
+def request_fit(facts: Facts, *, height: int, width: int, num_frames: int, cfg: bool = True,
                 refine: tuple[int, int] | None = None, phase: str | None = None) -> RequestFit | None:
     """What one request needs at the least (sequential offload: the smallest weight working set plus
     its activations; ``phase="decode"``: the VAE's weights and one pass) against the device's whole
@@ -77,14 +107,13 @@ def request_fit(handle: Any, *, height: int, width: int, num_frames: int, cfg: b
     the capacity are unknown."""
     from .estimate import activation_bytes, estimate_peak, resolve_chunk
 
-    sizes = model_sizes(handle)
-    capacity = device_capacity(torch.device(handle.device))
+    sizes, capacity = facts.sizes, facts.capacity
     if sizes is None or capacity is None:
         return None
-    chunking = handle.shared.ffn_chunk
 
     def need(h: int, w: int, frames: int) -> int:
-        geometry = Geometry(height=h, width=w, num_frames=frames, cfg=cfg, refine=refine, ffn_chunk=chunking)
+        geometry = Geometry(height=h, width=w, num_frames=frames, cfg=cfg, refine=refine,
+                            ffn_chunk=facts.chunk_setting)
         if phase == "decode":
             return sizes.vae + activation_bytes(sizes, geometry)["decode"]
         return estimate_peak("sequential", sizes, resolve_chunk("sequential", sizes, geometry, capacity))
@@ -111,53 +140,44 @@ def _largest_fitting(need: Any, height: int, width: int, num_frames: int, capaci
     return best
 
 
-def cfg_batch_fits(handle: Any, mode: str, *, height: int, width: int, num_frames: int) -> bool:
+def cfg_batch_fits(facts: Facts, mode: str, *, height: int, width: int, num_frames: int) -> bool:
     """Whether one batch-2 CFG forward is expected to fit the execution device under offload `mode`
     (the memory estimate against the device's whole memory); False when either is unknown."""
-    sizes = model_sizes(handle)
-    capacity = device_capacity(torch.device(handle.device))
-    if sizes is None or capacity is None:
+    if facts.sizes is None or facts.capacity is None:
         return False
-    return batch_fits(mode, sizes, Geometry(height=height, width=width, num_frames=num_frames), capacity)
+    return batch_fits(mode, facts.sizes, Geometry(height=height, width=width, num_frames=num_frames), facts.capacity)
 
 
-def cfg_batch_auto(handle: Any, mode: str, transformer: str, *, height: int, width: int,
+def cfg_batch_auto(facts: Facts, mode: str, transformer: str, *, packed: bool, height: int, width: int,
                    num_frames: int) -> tuple[bool, str]:
-    """What `cfg_batch="auto"` does in a stage (the mode installed, `transformer` loaded): (batch, why).
-    It batches where one batch-2 forward is expected to be faster (`estimate.cfg_batch_gain`: a GPU,
-    quantized weights, a DiT streamed from disk) and the memory estimate says it fits."""
-    from ..weights.modules import stored_formats
+    """What `cfg_batch="auto"` does in a stage (the mode installed, `transformer` loaded; `packed`: its
+    weights are stored quantized): (batch, why). It batches where one batch-2 forward is expected to be
+    faster (`estimate.cfg_batch_gain`: a GPU, quantized weights, a DiT streamed from disk) and the memory
+    estimate says it fits."""
     from .estimate import cfg_batch_gain
-    from .modes.disk import streams_from_disk
 
-    placed = handle.shared.placement.mode
-    streamed = placed is not None and streams_from_disk(placed.settings, transformer)
-    gain = cfg_batch_gain(torch.device(handle.device).type, packed=bool(stored_formats(handle.component(transformer))),
-                          streamed=streamed)
+    gain = cfg_batch_gain(facts.device.type, packed=packed, streamed=transformer in facts.streamed)
     if gain is None:
         return False, "two forwards per step (on a CPU with plain weights one batch-2 forward is slower)"
-    if not cfg_batch_fits(handle, mode, height=height, width=width, num_frames=num_frames):
+    if not cfg_batch_fits(facts, mode, height=height, width=width, num_frames=num_frames):
         return False, "two forwards per step (batch 2 is not expected to fit)"
     return True, f"one batch-2 forward per step ({gain}; it fits the memory estimate)"
 
 
-def ffn_chunk_for(handle: Any, mode: str, *, height: int, width: int, num_frames: int, cfg: bool,
+def ffn_chunk_for(facts: Facts, mode: str, *, height: int, width: int, num_frames: int, cfg: bool,
                   cfg_batch: bool) -> tuple[int | None, str]:
     """(tokens per FFN/MoE pass, why) for one denoise call under offload `mode`: the handle's explicit
     setting, else ("auto") the largest of `FFN_CHUNKS` that brings the memory estimate within the
     budget `auto` planned with (or the device's whole memory), None when the whole sequence fits or
     the budget is unknown."""
-    setting = handle.shared.ffn_chunk
+    setting = facts.chunk_setting
     if setting != AUTO_CHUNK:
         return setting, "set on the Loader" if setting else "chunking off"
-    sizes = model_sizes(handle)
-    auto = handle.shared.placement.auto
-    budget = auto.budget if auto is not None and auto.estimates else device_capacity(torch.device(handle.device))
-    if sizes is None or budget is None:
+    if facts.sizes is None or facts.budget is None:
         return None, "auto: no memory estimate"
     geometry = Geometry(height=height, width=width, num_frames=num_frames, cfg=cfg, cfg_batch=cfg_batch)
-    chunk = ffn_chunk_tokens(mode, sizes, geometry, int(budget), phases=("denoise",))
-    return chunk, (f"auto: the unchunked run is not expected to fit {budget / GiB:.1f} GiB under '{mode}'"
+    chunk = ffn_chunk_tokens(mode, facts.sizes, geometry, int(facts.budget), phases=("denoise",))
+    return chunk, (f"auto: the unchunked run is not expected to fit {facts.budget / GiB:.1f} GiB under '{mode}'"
                    if chunk else "auto: the whole sequence fits")
 
 
@@ -171,11 +191,13 @@ class SamplingFigures:
     ffn_chunk_why: str
 
 
-def sampling_figures(handle: Any, mode: str, transformer: str, *, cfg: bool, cfg_batch: str, splits_cfg: bool,
+def sampling_figures(facts: Facts, transformer: str, *, packed: bool, cfg: bool, cfg_batch: str, splits_cfg: bool,
                      set_on_model: int | None, height: int, width: int, num_frames: int) -> SamplingFigures:
-    """A denoise call's batching and chunking under offload `mode`. `cfg_batch` is the option ("off",
-    "on", "auto"); `splits_cfg`: the two branches run on two rank rows already; `set_on_model`: a chunk
-    set on the DiT itself (`set_ffn_chunk`), which wins over the handle's `auto`."""
+    """A denoise call's batching and chunking under the installed offload mode (`facts`, read inside the
+    stage). `cfg_batch` is the option ("off", "on", "auto"); `packed`: the DiT's weights are stored
+    quantized; `splits_cfg`: the two branches run on two rank rows already; `set_on_model`: a chunk set
+    on the DiT itself (`set_ffn_chunk`), which wins over the handle's `auto`."""
+    mode = facts.mode or "none"
     geometry = dict(height=height, width=width, num_frames=num_frames)
     why = None
     if not cfg and cfg_batch != "off":
@@ -185,12 +207,12 @@ def sampling_figures(handle: Any, mode: str, transformer: str, *, cfg: bool, cfg
     elif cfg_batch == "on":
         batch = True
     else:
-        batch, auto_why = cfg_batch_auto(handle, mode, transformer, **geometry)
+        batch, auto_why = cfg_batch_auto(facts, mode, transformer, packed=packed, **geometry)
         why = f"cfg_batch=auto: {auto_why}"
-    if set_on_model is not None and handle.shared.ffn_chunk == AUTO_CHUNK:
+    if set_on_model is not None and facts.chunk_setting == AUTO_CHUNK:
         chunk, chunk_why = set_on_model, "set on the model"
     else:
-        chunk, chunk_why = ffn_chunk_for(handle, mode, cfg=cfg, cfg_batch=batch, **geometry)
+        chunk, chunk_why = ffn_chunk_for(facts, mode, cfg=cfg, cfg_batch=batch, **geometry)
     return SamplingFigures(cfg_batch=batch, cfg_batch_why=why, ffn_chunk=chunk, ffn_chunk_why=chunk_why)
 
 

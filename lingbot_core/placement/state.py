@@ -42,7 +42,7 @@ class Placement:
         self.generation: tuple[int, int] | None = None
         # on CUDA: each stage's last measured peak next to its estimate, by stage label (`calibration`)
         self.measured: dict[str, Any] = {}
-        self.stage_geometry: Any = None  # the running stage's request (`door.note_geometry`), if it told
+        self.stage_geometry: Any = None  # the running stage's request (`door.note_sampling`), if it told
         # the host's listeners on this handle (all its views), never process-wide: see door.add_listeners
         self.memory_listeners: list[Callable[[str, Any, torch.device, int], None]] = []
         self.settle_listeners: list[Callable[[Any, torch.device], None]] = []

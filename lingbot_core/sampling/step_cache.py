@@ -102,6 +102,11 @@ class StepCacheSettings:
     def enabled(self) -> bool:
         return self.method != "off"
 
+    @property
+    def calibrated(self) -> bool:
+        """A method keyed by a calibration (read or written): it needs the run's identity."""
+        return self.method in ("magcache", "magcache_calibrate")
+
     def resolved(self, steps: int) -> tuple[float, int, int]:
         """(threshold, warm-up steps, max consecutive skips) for a run of `steps` steps."""
         base = DEFAULTS[self.method]
