@@ -10,8 +10,9 @@ run it once per frontend (ComfyUI's `--front-end-root` serves another one).
 Needs `pip install playwright` (the browser is the system's Chromium; Playwright's own download is not used)
 and a running ComfyUI with this pack in `custom_nodes/` (`bench/comfy_e2e.py` starts and checks one over the
 API). What it checks, printed as PASS/FAIL, with screenshots in SHOTS_DIR to look at:
-- the pack's templates appear in the template browser with their thumbnails loaded;
-- every shipped UI workflow (`workflows/*.json`) loads with no unknown node type, keeps every widget value
+- the pack's templates appear in the template browser with their thumbnails loaded, each card titled by its
+  workflow's title (workflows/build.py's registry; the browser takes it from the file name) and not cut;
+- every shipped UI workflow (`workflows/<title>.json`) loads with no unknown node type, keeps every widget value
   (a value that no longer fits its widget shifts or resets), and converts to the same prompt as its API twin
   in `workflows/api/` (what the editor would queue is what the API tests run);
 - the T2V workflow, with a prose prompt, a Memory Report added and Denoise at cfg 1 with cfg_batch on,
@@ -41,9 +42,9 @@ import json
 import sys
 import time
 from pathlib import Path
+from urllib.parse import unquote
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKFLOWS = ROOT / "workflows"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 RESULTS: list[tuple[bool, str, str]] = []
@@ -51,6 +52,15 @@ NOTES = ("preview_text", "lingbot_notes")  # the boxes web/lingbot_text.js shows
 RENDERERS = {"classic": False, "vue": True}  # the value of the frontend's setting Comfy.VueNodes.Enabled
 VUE_SETTING = "Comfy.VueNodes.Enabled"
 PREFIX = ""  # "[frontend renderer] ", put before every check's name
+
+
+def shipped() -> dict:
+    """The shipped workflows' registry (workflows/build.py): short name -> title, editor file, API file."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from workflows import build
+
+    return {name: (spec["title"], build.ui_path(name), build.api_path(name)) for name, spec in build.WORKFLOWS.items()}
 
 
 def record(ok: bool, name: str, detail: str = "") -> bool:
@@ -111,7 +121,7 @@ def check_templates(page, shots: Path, pack: str) -> None:
 
     def on_response(response) -> None:
         if f"/workflow_templates/{pack}/" in response.url and response.url.endswith(".jpg"):
-            seen[response.url.rsplit("/", 1)[-1][:-4]] = response.status
+            seen[unquote(response.url.rsplit("/", 1)[-1][:-4])] = response.status
 
     page.on("response", on_response)
     page.get_by_role("button", name="Templates").first.click()
@@ -130,18 +140,28 @@ def check_templates(page, shots: Path, pack: str) -> None:
         page.wait_for_timeout(700)
     shown = page.evaluate("""() => [...document.querySelectorAll('img')]
         .filter((i) => i.src.startsWith('blob:') && i.complete && i.naturalWidth > 0).length""")
-    names = sorted(p.stem for p in WORKFLOWS.glob("*.json"))
+    names = sorted(title for title, _ui, _api in shipped().values())
     fetched = sorted(name for name, status in seen.items() if status == 200)
     record(fetched == names and shown > 0,
            "every shipped workflow's thumbnail is fetched and shown in the template browser",
            f"{len(fetched)} of {len(names)} fetched, {shown} images shown" +
            ("" if fetched == names else f"; missing {sorted(set(names) - set(fetched))}"))
+    # the cards' titles as shown (h3), each whole on its line (not cut by the card's ellipsis)
+    cards = page.evaluate("""() => [...document.querySelectorAll('[role=dialog] h3, .p-dialog h3')]
+        .filter((h) => h.getBoundingClientRect().width > 0)
+        .map((h) => ({text: h.textContent.trim(), cut: h.scrollWidth > h.clientWidth + 1
+                                                       || h.scrollHeight > h.clientHeight + 1}))""")
+    titled = sorted(c["text"] for c in cards if c["text"] in names)
+    cut = sorted(c["text"] for c in cards if c["text"] in names and c["cut"])
+    record(titled == names and not cut, "the template browser titles every shipped workflow by its title, whole",
+           f"{len(titled)} of {len(names)} titles shown" + (f"; cut: {cut}" if cut else "") +
+           ("" if titled == names else f"; missing {sorted(set(names) - set(titled))}"))
     page.remove_listener("response", on_response)
     record(dismiss_dialogs(page), "the template browser closes (Escape)")
 
 
 def check_workflows(page, shots: Path) -> None:
-    for path in sorted(WORKFLOWS.glob("*.json")):
+    for _title, path, api_path in sorted(shipped().values()):
         wf = json.loads(path.read_text())
         out = page.evaluate(LOAD_AND_COMPARE, wf)
         page.wait_for_timeout(500)
@@ -149,9 +169,9 @@ def check_workflows(page, shots: Path) -> None:
         page.screenshot(path=str(shots / f"{path.stem}.png"))
         record(not out["unknown"], f"{path.name}: every node type is known", str(out["unknown"]))
         record(not out["shifted"], f"{path.name}: every widget keeps its value", json.dumps(out["shifted"])[:800])
-        api = json.loads((WORKFLOWS / "api" / path.name).read_text())
+        api = json.loads(api_path.read_text())
         diffs = same_prompt(out["prompt"], api)
-        record(not diffs, f"{path.name}: the editor queues the same prompt as workflows/api/{path.name}",
+        record(not diffs, f"{path.name}: the editor queues the same prompt as workflows/api/{api_path.name}",
                "; ".join(diffs)[:800])
 
 
@@ -272,7 +292,7 @@ def node_text(page, shots: Path, node_id: int, shot: str) -> dict:
 
 
 def check_run(page, shots: Path, timeout: float) -> None:
-    wf = json.loads((WORKFLOWS / "lingbot_t2v_dense.json").read_text())
+    wf = json.loads(shipped()["lingbot_t2v_dense"][1].read_text())
     page.evaluate(LOAD_AND_COMPARE, wf)
     dismiss_dialogs(page)
     ids = page.evaluate(ADD_NODES, int(time.time()))
@@ -308,7 +328,7 @@ def check_run(page, shots: Path, timeout: float) -> None:
            f"node {before['size']} -> {size}, prompt box {before['prompt']} -> {after_prompt} px")
 
     # the same graph with the shipped JSON caption (new words, so it runs) and cfg_batch off: nothing to say
-    api = json.loads((WORKFLOWS / "api" / "lingbot_t2v_dense.json").read_text())
+    api = json.loads(shipped()["lingbot_t2v_dense"][2].read_text())
     caption = next(n["inputs"]["prompt"] for n in api.values() if n["class_type"] == "LingBotTextEncode")
     page.evaluate(CAPTION_AGAIN, [ids["text"], ids["denoise"], caption.replace("at dawn", f"at dawn, take {int(time.time())}")])
     state = queue_and_wait(page, shots, "t2v_caption", timeout)
@@ -658,7 +678,7 @@ PARALLEL_GRAPH = """([devices, nonce]) => {
 
 
 def check_parallel_run(page, shots: Path, devices: str, timeout: float) -> None:
-    page.evaluate(LOAD_AND_COMPARE, json.loads((WORKFLOWS / "lingbot_t2v_dense.json").read_text()))
+    page.evaluate(LOAD_AND_COMPARE, json.loads(shipped()["lingbot_t2v_dense"][1].read_text()))
     dismiss_dialogs(page)
     node = page.evaluate(PARALLEL_GRAPH, [devices, int(time.time())])
     state = queue_and_wait(page, shots, "parallel", timeout)

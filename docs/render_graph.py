@@ -6,8 +6,10 @@ saved value, the links between slots coloured by type, and the group frame. It i
 ComfyUI editor's look; it is not a screenshot of it.
 
     python docs/render_graph.py                                   # docs/graph-moe-refine.png
-    python docs/render_graph.py workflows/lingbot_t2v_dense.json docs/graph-t2v.png
-    python docs/render_graph.py --thumbnails                      # workflows/<name>.jpg (templates)
+    python docs/render_graph.py "workflows/Text to video · dense 1.3B.json" docs/graph-t2v.png
+
+The template thumbnails (`workflows/<title>.jpg`) are drawn by `python workflows/build.py`, which knows
+each workflow's title and summary.
 """
 
 from __future__ import annotations
@@ -58,46 +60,68 @@ def widget_names(class_type: str) -> list[str]:
     return names
 
 
-THUMBNAIL_WIDTH = 640
-
-# What a template's file name says, word by word, for its thumbnail's banner (the template browser shows
-# a custom pack's file name as the title; the banner is the readable one, and it tells the graphs apart).
-TASKS = {"t2v": ("Text to video", (40, 90, 160)), "ti2v": ("Image to video", (40, 120, 70)),
-         "t2i": ("Text to image", (150, 90, 30)), "v2v": ("Video to video", (110, 60, 150)),
-         "extend": ("Extend video", (30, 120, 120))}
-WORDS = {"dense": "dense 1.3B", "moe": "MoE 30B", "dmd8": "DMD 8 steps", "lightlingbot4": "LightLingBot 4 steps",
-         "gguf": "GGUF", "refine": "refiner", "files": "single files", "rewrite": "Rewrite"}
+THUMBNAIL_SIZE = 512  # square: the template browser's cards are square in both frontends (1.27, 1.5x)
+# The band colour of a template's thumbnail, by the task its title starts with ("Text to video · ...").
+TASK_COLOURS = {"Text to video": (40, 90, 160), "Image to video": (40, 120, 70), "Text to image": (150, 90, 30),
+                "Video to video": (110, 60, 150), "Extend a video": (30, 120, 120)}
 
 
-def template_title(stem: str) -> tuple[str, tuple[int, int, int]]:
-    """`lingbot_t2v_moe_gguf_refine` -> ("Text to video · MoE 30B · GGUF · refiner", the task's colour)."""
-    parts = stem.split("_")
-    parts = parts[1:] if parts[0] == "lingbot" else parts
-    task, colour = TASKS[parts[0]]
-    return " · ".join([task, *(WORDS[word] for word in parts[1:])]), colour
+def wrap(draw: ImageDraw.ImageDraw, text: str, face: ImageFont.ImageFont, width: int) -> list[str]:
+    """Words packed into lines no wider than `width` pixels."""
+    lines: list[str] = []
+    for word in text.split():
+        if lines and draw.textlength(f"{lines[-1]} {word}", font=face) <= width:
+            lines[-1] += f" {word}"
+        else:
+            lines.append(word)
+    return lines
 
 
-def banner(image: Image.Image, stem: str) -> Image.Image:
-    """The thumbnail with its title in a band across the top, in its task's colour."""
-    title, colour = template_title(stem)
-    draw = ImageDraw.Draw(image)
-    size = 26
-    while size > 12 and draw.textlength(title, font=font(size, bold=True)) > image.width - 24:
+def fitted(draw: ImageDraw.ImageDraw, text: str, size: int, width: int, bold: bool = True) -> ImageFont.ImageFont:
+    """The largest font up to `size` that draws `text` on one line within `width`."""
+    while size > 12 and draw.textlength(text, font=font(size, bold)) > width:
         size -= 1
-    band = size * 2 + 8
-    draw.rectangle([0, 0, image.width, band], fill=colour)
-    draw.text((12, (band - size) // 2 - 2), title, font=font(size, bold=True), fill=(255, 255, 255))
-    return image
+    return font(size, bold)
+
+
+def thumbnail(graph: Image.Image, title: str, summary: str) -> Image.Image:
+    """A template card: the title on a band in its task's colour (the task large, the rest below it), the
+    summary, and the graph drawn small underneath. The browser shows a pack's file name as the title and
+    no description; this is where the summary can be read, and what tells two graphs apart at a glance."""
+    side, margin = THUMBNAIL_SIZE, 24
+    task, _, variant = title.partition(" · ")
+    card = Image.new("RGB", (side, side), (28, 28, 28))
+    draw = ImageDraw.Draw(card)
+    draw.rectangle([0, 0, side, 168], fill=TASK_COLOURS[task])
+    brand = font(18, bold=True)  # top right: the newer browser puts its "Node graph" badge top left
+    draw.text((side - margin - draw.textlength("LingBot-Video", font=brand), 16), "LingBot-Video", font=brand,
+              fill=(225, 232, 240))
+    draw.text((margin, 46), task, font=fitted(draw, task, 44, side - 2 * margin), fill=(255, 255, 255))
+    draw.text((margin, 106), variant, font=fitted(draw, variant, 34, side - 2 * margin), fill=(255, 255, 255))
+    face = font(21)
+    y = 184
+    for line in wrap(draw, summary, face, side - 2 * margin)[:3]:
+        draw.text((margin, y), line, font=face, fill=(222, 222, 222))
+        y += 28
+    box = (side - 2 * 12, side - y - 24)
+    scale = min(box[0] / graph.width, box[1] / graph.height)
+    small = graph.convert("RGB").resize((round(graph.width * scale), round(graph.height * scale)), Image.LANCZOS)
+    card.paste(small, ((side - small.width) // 2, side - 12 - small.height))
+    return card
+
+
 DIGEST_KEY = "lingbot-inputs"  # PNG text chunk: what the picture was drawn from (tests/test_readme.py)
 
 
-def inputs_digest(workflow: Path) -> str:
+def inputs_digest(workflow: Path, caption: tuple[str, str] | None = None) -> str:
     """A hash of everything the picture depends on: the workflow file, each drawn class's widget
-    names, and this script. A stale picture (a new input, an edited workflow) no longer matches."""
+    names, this script, and a thumbnail's title and summary. A stale picture (a new input, an edited
+    workflow, a retitled template) no longer matches."""
     data = json.loads(workflow.read_text())
     widgets = {n["type"]: widget_names(n["type"]) for n in data["nodes"]}
     h = hashlib.sha256()
-    for part in (workflow.read_bytes(), json.dumps(widgets, sort_keys=True).encode(), Path(__file__).read_bytes()):
+    parts = [workflow.read_bytes(), json.dumps(widgets, sort_keys=True).encode(), Path(__file__).read_bytes()]
+    for part in parts + ([json.dumps(caption).encode()] if caption else []):
         h.update(hashlib.sha256(part).digest())
     return h.hexdigest()
 
@@ -108,7 +132,8 @@ def shown(value: object, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def render(workflow: Path, out: Path) -> Path:
+def render(workflow: Path, out: Path, caption: tuple[str, str] | None = None) -> Path:
+    """The graph as a PNG (`out` .png), or a template thumbnail (`out` .jpg) with `caption` (title, summary)."""
     data = json.loads(workflow.read_text())
     nodes = {n["id"]: n for n in data["nodes"]}
     xs = [n["pos"][0] for n in nodes.values()] + [g["bounding"][0] for g in data.get("groups", [])]
@@ -199,12 +224,12 @@ def render(workflow: Path, out: Path) -> Path:
             tw = draw.textlength(text, font=f_small) / SCALE
             draw.text(p(x + w - 20 - tw, wy + 3), text, font=f_small, fill=TEXT)
     out.parent.mkdir(parents=True, exist_ok=True)
-    digest = inputs_digest(workflow)
+    digest = inputs_digest(workflow, caption)
     if out.suffix.lower() == ".jpg":  # a template thumbnail: small, the digest in the JPEG comment
-        scale = THUMBNAIL_WIDTH / image.width
-        image = image.convert("RGB").resize((THUMBNAIL_WIDTH, max(1, round(image.height * scale))), Image.LANCZOS)
-        image = banner(image, workflow.stem)
-        image.save(out, quality=85, optimize=True, comment=f"{DIGEST_KEY}={digest}".encode())
+        if caption is None:
+            raise ValueError(f"{out.name}: a thumbnail needs its title and summary (workflows/build.py draws them)")
+        card = thumbnail(image, *caption)
+        card.save(out, quality=85, optimize=True, comment=f"{DIGEST_KEY}={digest}".encode())
         return out
     info = PngInfo()
     info.add_text(DIGEST_KEY, digest)
@@ -212,18 +237,18 @@ def render(workflow: Path, out: Path) -> Path:
     return out
 
 
-def thumbnails() -> list[Path]:
-    """One `<name>.jpg` next to each shipped UI workflow: ComfyUI lists `workflows/*.json` of a custom
-    node folder as templates and asks for the thumbnail at the same name (`.jpg`)."""
-    return [render(path, path.with_suffix(".jpg")) for path in sorted((ROOT / "workflows").glob("*.json"))]
+def shipped_ui(name: str) -> Path:
+    """A shipped workflow's editor file, named by its template title (workflows/build.py's registry)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("workflows_build", ROOT / "workflows" / "build.py")
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    return build.ui_path(name)
 
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    if args == ["--thumbnails"]:
-        for written in thumbnails():
-            print(written)
-        raise SystemExit(0)
-    source = Path(args[0]) if args else ROOT / "workflows" / "lingbot_t2v_moe_refine.json"
+    source = Path(args[0]) if args else shipped_ui("lingbot_t2v_moe_refine")
     target = Path(args[1]) if len(args) > 1 else ROOT / "docs" / "graph-moe-refine.png"
     print(render(source, target))

@@ -38,10 +38,13 @@ LOADERS = {"LingBotLoader": "path", "LingBotLoaderFiles": "checkpoint_path"}  # 
 
 
 def resolve_workflow(name: str) -> Path:
+    """A file, or a shipped workflow by its short name (`t2v`), its API file's name (`lingbot_t2v_dense`,
+    also as the old editor path `workflows/lingbot_t2v_dense.json`) or its template title (the editor file
+    `workflows/<title>.json`)."""
     path = Path(name)
     if path.is_file():
         return path
-    stem = SHORT_NAMES.get(name, name)
+    stem = SHORT_NAMES.get(name, path.stem if path.suffix == ".json" else name)
     for folder in WORKFLOW_DIRS:
         for candidate in (folder / "api" / f"{stem}.json", folder / f"{stem}.json"):
             if candidate.is_file():

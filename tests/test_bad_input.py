@@ -159,7 +159,9 @@ def test_equal_subgraphs_share_a_signature_and_differences_propagate():
 
 
 def test_a_workflow_file_with_bad_link_shapes_names_the_json_path(tmp_path):
-    ui = json.loads((API.parent / "lingbot_t2v_dense.json").read_text())
+    from workflows import build
+
+    ui = json.loads(build.ui_path("lingbot_t2v_dense").read_text())
     ui["links"][0] = [1, 2]  # too short
     path = tmp_path / "w.json"
     path.write_text(json.dumps(ui))

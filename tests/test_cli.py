@@ -334,3 +334,24 @@ def test_ctrl_c_while_python_m_lingbot_nodes_imports_is_clean(monkeypatch, capsy
         runpy.run_module("lingbot_nodes", run_name="__main__")
     assert stopped.value.code == 130
     assert capsys.readouterr().err.strip() == "interrupted"
+
+
+def test_a_shipped_workflow_resolves_by_short_name_api_name_old_path_and_title(tmp_path, monkeypatch):
+    """The editor files are named by their template titles; the names users typed before (the API name,
+    the old editor path `workflows/lingbot_t2v_dense.json`) still reach the same workflow."""
+    from lingbot_core.workflow import load_workflow
+    from lingbot_nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+    from lingbot_nodes.cli import resolve_workflow
+    from workflows import build
+
+    monkeypatch.chdir(tmp_path)  # no workflows/ here: the names resolve through the shipped folders
+    api = build.api_path("lingbot_t2v_dense")
+    for typed in ("t2v", "lingbot_t2v_dense", "workflows/lingbot_t2v_dense.json", "lingbot_t2v_dense.json"):
+        assert resolve_workflow(typed).resolve() == api.resolve(), typed
+    title = build.WORKFLOWS["lingbot_t2v_dense"]["title"]
+    by_title = resolve_workflow(title)
+    assert by_title.resolve() == build.ui_path("lingbot_t2v_dense").resolve()
+    assert (load_workflow(by_title, NODE_CLASS_MAPPINGS, display_names=NODE_DISPLAY_NAME_MAPPINGS).to_dict()
+            == load_workflow(api, NODE_CLASS_MAPPINGS).to_dict())
+    with pytest.raises(FileNotFoundError, match="not found"):
+        resolve_workflow("workflows/no_such_workflow.json")

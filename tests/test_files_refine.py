@@ -17,7 +17,9 @@ def test_the_files_refine_workflow_has_a_name_and_both_nodes():
     from lingbot_nodes import NODE_CLASS_MAPPINGS
 
     path = resolve_workflow(NAME)
-    assert path.stem == SHORT_NAMES[NAME] and (path.parents[1] / f"{path.stem}.jpg").is_file()
+    from workflows import build
+
+    assert path == build.api_path(SHORT_NAMES[NAME]) and build.thumbnail_path(path.stem).is_file()
     kinds = {n["class_type"] for n in load_workflow(path, NODE_CLASS_MAPPINGS).nodes.values()}
     assert {"LingBotLoaderFiles", "LingBotRefine"} <= kinds
 

@@ -24,7 +24,7 @@ from lingbot_nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noq
 
 ROOT = Path(__file__).resolve().parents[1] / "workflows"
 SHIPPED = {p.parent.name + "/" + p.name: json.loads(p.read_text())
-           for p in sorted([*ROOT.glob("lingbot_*.json"), *(ROOT / "api").glob("*.json")])}
+           for p in sorted([*ROOT.glob("*.json"), *(ROOT / "api").glob("*.json")])}
 MAX_MESSAGE = 20_000
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -259,40 +259,42 @@ def test_resident_components_answer_every_read_of_comfyuis_dynamic_free_memory(a
 
 # -- template thumbnails ---------------------------------------------------------------------------------
 
-def test_each_template_thumbnail_carries_its_own_readable_title():
-    """The template browser titles a pack's templates by file name and the graphs look alike at 640 px:
-    each thumbnail has a banner with the template's title in words, every title differs, so do the banners."""
+def test_each_template_thumbnail_carries_its_own_title_in_its_tasks_colour():
+    """The browser shows a pack's template by its file name over its thumbnail and the graphs look alike
+    when small: each thumbnail has its title on a band in its task's colour, and no two bands are alike."""
     import importlib.util
     from pathlib import Path
 
     from PIL import Image
 
+    from workflows import build
+
     root = Path(__file__).resolve().parents[1]
     spec = importlib.util.spec_from_file_location("render_graph", root / "docs" / "render_graph.py")
     render_graph = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(render_graph)
-    shipped = sorted((root / "workflows").glob("*.json"))
-    titles = {path.stem: render_graph.template_title(path.stem)[0] for path in shipped}
-    assert len(set(titles.values())) == len(shipped) >= 10, titles
-    assert titles["lingbot_t2v_moe_gguf_refine"] == "Text to video · MoE 30B · GGUF · refiner"
     bands = set()
-    for path in shipped:
-        with Image.open(path.with_suffix(".jpg")) as image:
-            band = image.convert("L").crop((0, 0, image.width, 40)).resize((160, 10))
-            bands.add(band.tobytes())
-    assert len(bands) == len(shipped)
+    for name, entry in build.WORKFLOWS.items():
+        with Image.open(build.thumbnail_path(name)) as image:
+            rgb = image.convert("RGB")
+            corner = rgb.getpixel((rgb.width - 4, 4))  # the band's plain colour, right of the text
+            band = rgb.convert("L").crop((0, 0, rgb.width, 160)).resize((128, 40))
+        colour = render_graph.TASK_COLOURS[entry["title"].partition(" · ")[0]]
+        assert max(abs(a - b) for a, b in zip(corner, colour)) <= 8, (name, corner, colour)
+        bands.add(band.tobytes())
+    assert len(bands) == len(build.WORKFLOWS) >= 10
 
 
 def test_a_workflow_saved_with_the_upload_button_still_loads_headless(tmp_path):
     """The editor saves the upload button's value after the combo's (["cat.png", "image"]); workflows
     saved before the combo hold only the path. Both load, to the same `path` input."""
     import json
-    from pathlib import Path
 
     from lingbot_core.workflow import load_workflow
     from lingbot_nodes import NODE_DISPLAY_NAME_MAPPINGS
+    from workflows import build
 
-    shipped = Path(__file__).resolve().parents[1] / "workflows" / "lingbot_ti2v_dense.json"
+    shipped = build.ui_path("lingbot_ti2v_dense")
     data = json.loads(shipped.read_text(encoding="utf-8"))
     for values, expected in (([""], ""), (["cat.png", "image"], "cat.png")):
         for node in data["nodes"]:
@@ -343,14 +345,15 @@ def test_a_v2v_workflow_saved_before_the_video_combo_still_loads_and_validates(t
     """Workflows saved with Load Video's typed path (['', 0, 9, ...]) and ones saved with the upload
     button's value after the combo's both load headless to the same `path`, and pass validation."""
     import json
-    from pathlib import Path
 
     from lingbot_core.video import save_mp4
     from lingbot_core.workflow import Engine, load_workflow
     from lingbot_nodes import NODE_DISPLAY_NAME_MAPPINGS
 
     clip = str(save_mp4(torch.rand(5, 16, 16, 3), tmp_path / "clip.mp4"))
-    shipped = Path(__file__).resolve().parents[1] / "workflows" / "lingbot_v2v_dense.json"
+    from workflows import build
+
+    shipped = build.ui_path("lingbot_v2v_dense")
     data = json.loads(shipped.read_text(encoding="utf-8"))
     rest = [0, 9, 1, 64, 64]
     for values, expected in (([""] + rest, ""), ([clip] + rest, clip), ([clip, "image"] + rest, clip)):

@@ -341,7 +341,9 @@ def test_graph_picture_is_drawn_from_the_current_workflow():
     spec.loader.exec_module(render_graph)
     with Image.open(ROOT / "docs" / "graph-moe-refine.png") as image:
         drawn_from = image.text.get(render_graph.DIGEST_KEY)
-    expected = render_graph.inputs_digest(ROOT / "workflows" / "lingbot_t2v_moe_refine.json")
+    from workflows import build
+
+    expected = render_graph.inputs_digest(build.ui_path("lingbot_t2v_moe_refine"))
     assert drawn_from == expected, "docs/graph-moe-refine.png is stale: run python docs/render_graph.py"
 
 
@@ -392,22 +394,21 @@ def test_files_table_gpu_column_is_the_estimate_and_agrees_with_the_recipes():
 
 
 def test_template_thumbnails_are_drawn_from_their_workflows():
-    """Each shipped UI workflow has `<name>.jpg` beside it (ComfyUI's template browser asks for it),
-    drawn from the current workflow: `python docs/render_graph.py --thumbnails` after a change."""
+    """Each shipped editor file has `<title>.jpg` beside it (ComfyUI's template browser asks for it), a
+    square card drawn from the current workflow, title and summary: `python workflows/build.py` redraws."""
     import importlib.util
 
     from PIL import Image
 
+    from workflows import build
+
     spec = importlib.util.spec_from_file_location("render_graph", ROOT / "docs" / "render_graph.py")
     render_graph = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(render_graph)
-    shipped = sorted((ROOT / "workflows").glob("*.json"))
-    assert shipped
-    for workflow in shipped:
-        with Image.open(workflow.with_suffix(".jpg")) as image:
-            assert image.format == "JPEG" and image.width == render_graph.THUMBNAIL_WIDTH
-            comment = image.info.get("comment", b"").decode()
-        assert comment == f"{render_graph.DIGEST_KEY}={render_graph.inputs_digest(workflow)}", workflow.name
+    for name in build.WORKFLOWS:
+        with Image.open(build.thumbnail_path(name)) as image:
+            assert image.format == "JPEG" and image.size == (render_graph.THUMBNAIL_SIZE,) * 2, name
+    assert build.stale_thumbnails(render_graph) == []
 
 
 def test_format_sizes_are_computed_from_the_real_configuration():
@@ -465,9 +466,15 @@ def test_guide_headings_nest():
 
 
 def test_named_workflows_ship():
-    """Every workflow file the guide names (`lingbot_t2v_dense_files.json`, ...) is in `workflows/`."""
+    """Every API file the guide names (`lingbot_t2v_dense_dmd8.json`, ...) is in `workflows/api/`, and every
+    template it names in bold by a title ("**Text to video · dense 1.3B**") is a shipped workflow's title."""
+    from workflows import build
+
     named = {name for text in PAGES.values() for name in re.findall(r"\blingbot_\w+\.json", text)}
-    assert named and sorted(n for n in named if not (ROOT / "workflows" / n).is_file()) == []
+    assert named and sorted(n for n in named if not (ROOT / "workflows" / "api" / n).is_file()) == []
+    titles = {spec["title"] for spec in build.WORKFLOWS.values()}
+    bold = {t for text in PAGES.values() for t in re.findall(r"\*\*([^*]+ · [^*]+)\*\*", text)}
+    assert bold and sorted(bold - titles) == []
 
 
 README_MAX_LINES = 420  # about a screenful per section; reference material goes to docs/ (GUIDE)

@@ -221,12 +221,12 @@ def test_the_rewrite_seed_is_fixed_by_default_and_saved_workflows_load_as_before
 
 def test_a_saved_rewrite_with_randomize_converts_as_before():
     import json
-    from pathlib import Path
 
     from lingbot_core.workflow.convert import ui_to_api
     from lingbot_nodes import NODE_CLASS_MAPPINGS
+    from workflows import build
 
-    ui = json.loads((Path(__file__).resolve().parents[1] / "workflows" / "lingbot_t2v_dense_rewrite.json").read_text())
+    ui = json.loads(build.ui_path("lingbot_t2v_dense_rewrite").read_text())
     fixed = ui_to_api(ui, NODE_CLASS_MAPPINGS)
     for node in ui["nodes"]:
         if node["type"] == "LingBotRewrite":

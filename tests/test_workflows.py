@@ -9,9 +9,10 @@ import pytest
 
 from lingbot_core.workflow import Engine, load_workflow, ui_to_api
 from lingbot_nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+from workflows import build
 
 ROOT = Path(__file__).resolve().parents[1] / "workflows"
-UI_FILES = sorted(ROOT.glob("lingbot_*.json"))
+UI_FILES = sorted(ROOT.glob("*.json"))  # named by their template titles (build.WORKFLOWS)
 EXPECTED = {"lingbot_t2v_dense", "lingbot_t2i_dense", "lingbot_ti2v_dense", "lingbot_t2v_moe_refine",
             "lingbot_t2v_dense_dmd8", "lingbot_t2v_moe_lightlingbot4", "lingbot_t2v_dense_files",
             "lingbot_t2v_moe_gguf_lightlingbot4", "lingbot_t2v_dense_rewrite", "lingbot_ti2v_dense_rewrite",
@@ -20,15 +21,36 @@ EXPECTED = {"lingbot_t2v_dense", "lingbot_t2i_dense", "lingbot_ti2v_dense", "lin
 
 
 def test_every_shipped_workflow_has_both_formats():
-    assert {p.stem for p in UI_FILES} == EXPECTED
+    assert set(build.WORKFLOWS) == EXPECTED
+    assert {p.name for p in UI_FILES} == {f"{spec['title']}.json" for spec in build.WORKFLOWS.values()}
     assert {p.stem for p in (ROOT / "api").glob("*.json")} == EXPECTED
 
 
-@pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
-def test_ui_file_converts_to_exactly_the_shipped_api_file(path):
-    ui = json.loads(path.read_text())
-    api = json.loads((ROOT / "api" / path.name).read_text())
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_ui_file_converts_to_exactly_the_shipped_api_file(name):
+    ui = json.loads(build.ui_path(name).read_text())
+    api = json.loads(build.api_path(name).read_text())
     assert ui_to_api(ui, NODE_CLASS_MAPPINGS, display_names=NODE_DISPLAY_NAME_MAPPINGS) == api
+
+
+# Characters a file name cannot hold on Windows, macOS or Linux, or that a URL path would change
+FILE_NAME_FORBIDDEN = set('<>:"/\\|?*#%') | {chr(c) for c in range(32)}
+TITLE_MAX = 36  # what frontend 1.5x's one-line card title shows whole at a 1600 px wide window
+
+
+def test_template_titles_are_distinct_file_names_with_their_thumbnails():
+    """ComfyUI's template browser titles a pack's template by its file name (frontends 1.27 and 1.5x read
+    nothing else), so each editor file is named by its title: a title is a short, distinct, portable file
+    name saying the task first ("Text to video · ..."), and its thumbnail sits beside it, drawn from it."""
+    titles = [spec["title"] for spec in build.WORKFLOWS.values()]
+    assert len(set(titles)) == len(titles) and len({t.casefold() for t in titles}) == len(titles)
+    for title in titles:
+        assert not FILE_NAME_FORBIDDEN & set(title) and title == title.strip() and not title.endswith("."), title
+        assert len(title) <= TITLE_MAX and " · " in title and not title.startswith("lingbot"), title
+    for name in build.WORKFLOWS:
+        assert build.ui_path(name).is_file() and build.thumbnail_path(name).is_file(), name
+        assert build.thumbnail_path(name).stem == build.ui_path(name).stem == build.WORKFLOWS[name]["title"]
+    assert build.stale_thumbnails() == []  # redraw: python workflows/build.py
 
 
 @pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
@@ -92,12 +114,12 @@ def test_every_offload_node_and_prompt_field_is_sane():
 # hand for one workflow, and invariants read straight from the node classes' declarations.
 
 def _ui_prompt_text() -> str:
-    ui = json.loads((ROOT / "lingbot_t2v_dense.json").read_text())
+    ui = json.loads(build.ui_path("lingbot_t2v_dense").read_text())
     return next(n for n in ui["nodes"] if n["id"] == 3)["widgets_values"][0]
 
 
 def test_t2v_dense_converts_as_written_out_by_hand():
-    """What ComfyUI's frontend sends for lingbot_t2v_dense.json, worked out by hand from the file.
+    """What ComfyUI's frontend sends for the T2V dense editor file, worked out by hand from the file.
 
     Its rules (graphToPrompt): one entry per node that is not a Note, keyed by the node id as a string;
     every widget's value under the widget's name, except the seed's "control after generate" widget,
@@ -130,7 +152,7 @@ def test_t2v_dense_converts_as_written_out_by_hand():
               "inputs": {"images": ["5", 0], "fps": 24.0, "filename_prefix": "lingbot/t2v"}},
     }
     assert _ui_prompt_text().startswith('{"caption":{"comprehensive_description"')
-    ui = json.loads((ROOT / "lingbot_t2v_dense.json").read_text())
+    ui = json.loads(build.ui_path("lingbot_t2v_dense").read_text())
     assert ui_to_api(ui, NODE_CLASS_MAPPINGS, display_names=NODE_DISPLAY_NAME_MAPPINGS) == expected
     assert json.loads((ROOT / "api" / "lingbot_t2v_dense.json").read_text()) == expected
 
@@ -182,12 +204,12 @@ def test_api_files_follow_the_declarations(path):
                 assert _fits(spec, value), (nid, name, value)
 
 
-@pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
-def test_ui_widget_values_line_up_with_the_declared_widgets(path):
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_ui_widget_values_line_up_with_the_declared_widgets(name):
     """One saved value per declared widget, in declaration order, plus one after each seed; the API
     twin holds the same constants (the shipped API file, not our converter's output)."""
-    ui = json.loads(path.read_text())
-    api = json.loads((ROOT / "api" / path.name).read_text())
+    ui = json.loads(build.ui_path(name).read_text())
+    api = json.loads(build.api_path(name).read_text())
     nodes = [n for n in ui["nodes"] if n["type"] != "Note"]
     assert {str(n["id"]) for n in nodes} == set(api)
     for node in nodes:
@@ -211,7 +233,6 @@ def test_notes_quote_the_estimator_for_their_own_model():
 
     sys.path.insert(0, str(ROOT.parent))
     from bench.recipes import note_figures
-    from workflows import build
 
     assert build.NOTE_FIGURES == note_figures()  # tests/test_advice.py checks them against the README's tables
     for name, spec in build.WORKFLOWS.items():
@@ -250,8 +271,6 @@ def test_ui_nodes_do_not_overlap(path):
 def test_files_loader_is_wide_enough_for_file_names(path):
     """Loader (files) is saved wide enough that a long file name does not hide its label (issue 37 item 6),
     and the group around the graph spans every node."""
-    from workflows import build
-
     ui = json.loads(path.read_text())
     for node in ui["nodes"]:
         if node["type"] == "LingBotLoaderFiles":

@@ -4,8 +4,11 @@ Both files come from one spec per workflow. The API file is written directly fro
 file is laid out for the editor. `tests/test_workflows.py` checks that the editor's conversion of
 each UI file gives exactly the shipped API file, and that the files are current:
 
-    python workflows/build.py          # rewrite
-    python workflows/build.py --check  # exit 1 if a file would change
+    python workflows/build.py          # rewrite (and redraw the stale template thumbnails)
+    python workflows/build.py --check  # exit 1 if a file or thumbnail would change
+
+The editor files are named by the titles ComfyUI's template browser shows (`WORKFLOWS[name]["title"]`);
+the API files keep the short names (`api/<name>.json`).
 """
 
 from __future__ import annotations
@@ -190,9 +193,18 @@ def rewrite_node(node_id: int, prose: str, task: str, links: dict) -> tuple:
                                                        temperature=0.0, seed=0, auto_negative=False), links)
 
 
-# (id, class, title, widgets, links {input: (source id, output slot)})
+GGUF_REFINE = "Text to video · MoE GGUF + refiner"  # a Note points to it by the title the browser shows
+
+# The registry of the shipped workflows. Each key is the workflow's short name: its API file is
+# `api/<name>.json` (what `lingbot-run` and scripts use). Its `title` is what ComfyUI's template browser
+# shows, and both frontends (1.27, 1.5x) take a custom pack's template title from the file name and nothing
+# else, so the editor file is `<title>.json` with its thumbnail `<title>.jpg`; the `summary` is drawn on the
+# thumbnail (the browser has no description for a pack's template). Nodes: (id, class, title, widgets,
+# links {input: (source id, output slot)}).
 WORKFLOWS = {
     "lingbot_t2v_dense": dict(
+        title="Text to video · dense 1.3B",
+        summary="The basic graph: a structured caption to a video.",
         note=NOTE.format(size="480x832 (H x W) and 121 frames", offload=DENSE_OFFLOAD),
         nodes=[
             loader(),
@@ -205,6 +217,8 @@ WORKFLOWS = {
         ],
     ),
     "lingbot_t2i_dense": dict(
+        title="Text to image · dense 1.3B",
+        summary="One frame from an image caption (the model's own still-image shape).",
         note=NOTE.format(size="480x832 (H x W), 1 frame,", offload=DENSE_OFFLOAD),
         nodes=[
             loader(),
@@ -218,6 +232,8 @@ WORKFLOWS = {
         ],
     ),
     "lingbot_ti2v_dense": dict(
+        title="Image to video · dense 1.3B",
+        summary="Your first frame in Load Image, and a caption, to a video.",
         note=NOTE.format(size="480x832 (H x W) and 121 frames", offload=DENSE_OFFLOAD) +
         " Load your own first frame in Load Image.",
         nodes=[
@@ -234,6 +250,8 @@ WORKFLOWS = {
         ],
     ),
     "lingbot_v2v_dense": dict(
+        title="Video to video · dense 1.3B",
+        summary="Restyle a clip: Load Video, then Denoise at strength 0.6.",
         note=NOTE.format(size="480x832 (H x W) and 121 frames", offload=DENSE_OFFLOAD) +
         " Video-to-video: choose or upload your clip in Load Video's path (ComfyUI's input folder; "
         "(test pattern): a built-in drifting test pattern); set Load Video's frame_count to Denoise's frames. Denoise's denoise is "
@@ -253,6 +271,8 @@ WORKFLOWS = {
         ],
     ),
     "lingbot_extend_dense": dict(
+        title="Extend a video · dense 1.3B",
+        summary="Load Video, then Extend Video continues it for 3 segments.",
         note=NOTE.format(size="480x832 (H x W) and 121 frames", offload=DENSE_OFFLOAD) +
         " Extension: Load Video gives the clip to continue ((test pattern): a built-in drifting test pattern; set its "
         "width and height to the video size). Extend Video adds `segments` segments of `frames` frames, each "
@@ -273,6 +293,8 @@ WORKFLOWS = {
         ],
     ),
     "lingbot_t2v_moe_refine": dict(
+        title="Text to video · MoE 30B + refiner",
+        summary="The 30B-A3B MoE base pass, then its refiner up to 1920x1088.",
         note=NOTE.format(size="480x832 (H x W) and 121 frames, refined to 1088x1920,", offload=MOE_OFFLOAD) +
         " Refine drops the base DiT before the refiner loads (the text encoder and VAE stay shared); Memory Report "
         "shows where everything lives.",
@@ -291,6 +313,8 @@ WORKFLOWS = {
         ],
     ),
     "lingbot_t2v_dense_dmd8": dict(
+        title="Text to video · dense DMD 8 steps",
+        summary="A dense DMD student DiT (none is published yet): 8 steps, cfg 1.",
         note=profile_note("DMD 8-step", "No dense DMD student is published: the only one is "
                           f"{STUDENT_RELEASE} (workflows lingbot_t2v_moe_dmd8 / lingbot_ti2v_moe_dmd8). This "
                           "workflow is for a dense student of your own: load the dense base checkpoint in the "
@@ -309,15 +333,21 @@ WORKFLOWS = {
         ],
     ),
     "lingbot_t2v_moe_dmd8": dict(
+        title="Text to video · MoE DMD 8 steps",
+        summary="The MoE DMD student release (a whole model root): 8 steps, cfg 1.",
         note=profile_note("DMD 8-step", STUDENT_HOW),
         nodes=student_nodes("t2v", "lingbot/t2v_moe_dmd8"),
     ),
     "lingbot_ti2v_moe_dmd8": dict(
+        title="Image to video · MoE DMD 8 steps",
+        summary="The MoE DMD student from your first frame: 8 steps, cfg 1.",
         note=profile_note("DMD 8-step", STUDENT_HOW) + " Load your own first frame in Load Image. To refine "
         "a TI2V result, give Refine text-only conditioning and this image as its first_frame.",
         nodes=student_nodes("ti2v", "lingbot/ti2v_moe_dmd8"),
     ),
     "lingbot_t2v_moe_lightlingbot4": dict(
+        title="Text to video · MoE 4-step LoRA",
+        summary="The MoE with the LightLingBot LoRA: 4 steps, cfg 1.",
         note=profile_note("LightLingBot 4-step", "For real output pick the MoE checkpoint in the Loader and "
                           "lightlingbot_video_moe30b_4steps_rank128_v2.safetensors (from models/loras) in LoRA at "
                           "strength 1.0, then use 480x832 and 121 frames; the LoRA needs plain (bf16) DiT weights "
@@ -343,6 +373,8 @@ WORKFLOWS = {
         ],
     ),
     "lingbot_t2v_dense_files": dict(
+        title="Text to video · dense single files",
+        summary="The dense model from single files in ComfyUI's model folders (Loader (files)).",
         note=FILES_NOTE.format(dit="the dense 1.3B DiT, models/diffusion_models",
                                how="Then use 480x832 (H x W), 121 frames, 40 steps. " + DENSE_OFFLOAD),
         nodes=[
@@ -356,13 +388,15 @@ WORKFLOWS = {
         ],
     ),
     "lingbot_t2v_moe_gguf_lightlingbot4": dict(
+        title="Text to video · MoE GGUF 4-step LoRA",
+        summary="A MoE GGUF file with the LightLingBot LoRA, from single files: 4 steps, cfg 1.",
         note=FILES_NOTE.format(dit="a MoE GGUF such as a Q4_K_M or Q3_K_M file, models/diffusion_models",
                                how=profile_note("LightLingBot 4-step", "Pick "
                                                 "lightlingbot_video_moe30b_4steps_rank128_v2.safetensors (models/loras) "
                                                 "in LoRA at strength 1.0 (on GGUF weights it runs as a run-time delta), "
                                                 "then use 480x832 and 121 frames; offload_to disk when host RAM is "
                                                 "short.") + " " + MOE_OFFLOAD + " This workflow has no Refine "
-                               "node: to refine with a refiner file, open lingbot_t2v_moe_gguf_refine."),
+                               "node: to refine with a refiner file, open the template " + GGUF_REFINE + "."),
         nodes=[
             files_loader("tiny (built-in moe)"),
             offload_node("group"),
@@ -379,6 +413,8 @@ WORKFLOWS = {
         ],
     ),
     "lingbot_t2v_moe_gguf_refine": dict(
+        title=GGUF_REFINE,
+        summary="A MoE GGUF base file and a refiner file, refined up to 1920x1088, with a Memory Report.",
         note=FILES_NOTE.format(dit="the MoE base DiT as a GGUF, e.g. a Q4_K_M or Q3_K_M file, models/diffusion_models",
                                how="Pick the MoE refiner DiT as a second file in refiner (the same folder; a GGUF "
                                    "from python -m lingbot_core.quantize of the MoE folder, or a community one). "
@@ -401,6 +437,8 @@ WORKFLOWS = {
         ],
     ),
     "lingbot_t2v_dense_rewrite": dict(
+        title="Text to video · dense + Rewrite",
+        summary="Plain words in Rewrite become the caption Text Encode reads.",
         note=REWRITE_NOTE.format(size="480x832 (H x W) and 121 frames", offload=DENSE_OFFLOAD),
         nodes=[
             loader(),
@@ -415,6 +453,8 @@ WORKFLOWS = {
         ],
     ),
     "lingbot_ti2v_dense_rewrite": dict(
+        title="Image to video · dense + Rewrite",
+        summary="Plain words and your first frame: Rewrite writes the caption.",
         note=REWRITE_NOTE.format(size="480x832 (H x W) and 121 frames", offload=DENSE_OFFLOAD) +
         " Load your own first frame in Load Image: the Rewrite looks at it too.",
         nodes=[
@@ -526,28 +566,91 @@ def to_ui(nodes: list, note: str) -> dict:
     }
 
 
+def ui_path(name: str) -> Path:
+    """The editor file of a shipped workflow: named by its title, which the template browser shows."""
+    return HERE / f"{WORKFLOWS[name]['title']}.json"
+
+
+def api_path(name: str) -> Path:
+    return HERE / "api" / f"{name}.json"
+
+
+def thumbnail_path(name: str) -> Path:
+    """The browser asks for the thumbnail at the editor file's name, `.jpg`."""
+    return ui_path(name).with_suffix(".jpg")
+
+
 def render() -> dict[Path, str]:
     files = {}
     for name, spec in WORKFLOWS.items():
-        files[HERE / f"{name}.json"] = json.dumps(to_ui(spec["nodes"], spec["note"]), indent=2) + "\n"
-        files[HERE / "api" / f"{name}.json"] = json.dumps(to_api(spec["nodes"]), indent=2) + "\n"
+        files[ui_path(name)] = json.dumps(to_ui(spec["nodes"], spec["note"]), indent=2) + "\n"
+        files[api_path(name)] = json.dumps(to_api(spec["nodes"]), indent=2) + "\n"
     return files
+
+
+def _render_graph():
+    """docs/render_graph.py (a script, not a package): draws the thumbnails."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("render_graph", HERE.parent / "docs" / "render_graph.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def stale_thumbnails(render_graph=None) -> list[str]:
+    """Workflows whose thumbnail is missing or was drawn from something else (the digest in its JPEG
+    comment covers the editor file, the drawn classes' widgets, the renderer, the title and summary)."""
+    from PIL import Image
+
+    render_graph = render_graph or _render_graph()
+    stale = []
+    for name, spec in WORKFLOWS.items():
+        path, ui = thumbnail_path(name), ui_path(name)
+        if not path.is_file() or not ui.is_file():
+            stale.append(name)
+            continue
+        with Image.open(path) as image:
+            drawn = image.info.get("comment", b"").decode()
+        if drawn != f"{render_graph.DIGEST_KEY}={render_graph.inputs_digest(ui, (spec['title'], spec['summary']))}":
+            stale.append(name)
+    return stale
+
+
+def strays(files: dict[Path, str]) -> list[Path]:
+    """Workflow files and thumbnails in this folder that no registry entry writes (a renamed title)."""
+    keep = set(files) | {thumbnail_path(name) for name in WORKFLOWS}
+    found = [*HERE.glob("*.json"), *HERE.glob("*.jpg"), *(HERE / "api").glob("*.json")]
+    return sorted(path for path in found if path not in keep)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args(argv)
+    files = render()
     stale = []
-    for path, text in render().items():
+    for path, text in files.items():
         if not path.is_file() or path.read_text() != text:
             stale.append(path)
             if not args.check:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(text)
-    if args.check and stale:
-        print("stale: " + ", ".join(str(p.relative_to(HERE)) for p in stale))
-        return 1
+    extra = strays(files)
+    render_graph = _render_graph()
+    pictures = stale_thumbnails(render_graph)
+    if args.check:
+        problems = [str(p.relative_to(HERE)) for p in stale] + [f"{thumbnail_path(n).name} (thumbnail)" for n in pictures]
+        problems += [f"{p.relative_to(HERE)} (no registry entry)" for p in extra]
+        if problems:
+            print("stale: " + ", ".join(problems))
+            return 1
+        return 0
+    for path in extra:
+        path.unlink()
+    for name in pictures:
+        spec = WORKFLOWS[name]
+        render_graph.render(ui_path(name), thumbnail_path(name), (spec["title"], spec["summary"]))
     return 0
 
 
