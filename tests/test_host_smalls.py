@@ -343,7 +343,8 @@ def test_load_video_is_an_upload_combo_over_the_input_folders_videos(comfy):
 
 def test_a_v2v_workflow_saved_before_the_video_combo_still_loads_and_validates(tmp_path):
     """Workflows saved with Load Video's typed path (['', 0, 9, ...]) and ones saved with the upload
-    button's value after the combo's both load headless to the same `path`, and pass validation."""
+    button's value (the editor adds the button as the last required input, so its value comes after the
+    last widget's: [clip, 0, 9, ..., 'image']) both load headless to the same `path`, and pass validation."""
     import json
 
     from lingbot_core.video import save_mp4
@@ -356,7 +357,7 @@ def test_a_v2v_workflow_saved_before_the_video_combo_still_loads_and_validates(t
     shipped = build.ui_path("lingbot_v2v_dense")
     data = json.loads(shipped.read_text(encoding="utf-8"))
     rest = [0, 9, 1, 64, 64]
-    for values, expected in (([""] + rest, ""), ([clip] + rest, clip), ([clip, "image"] + rest, clip)):
+    for values, expected in (([""] + rest, ""), ([clip] + rest, clip), ([clip] + rest + ["image"], clip)):
         for node in data["nodes"]:
             if node["type"] == "LingBotLoadVideo":
                 node["widgets_values"] = values

@@ -206,8 +206,9 @@ def test_api_files_follow_the_declarations(path):
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_ui_widget_values_line_up_with_the_declared_widgets(name):
-    """One saved value per declared widget, in declaration order, plus one after each seed; the API
-    twin holds the same constants (the shipped API file, not our converter's output)."""
+    """One saved value per declared widget, in declaration order, plus one after each seed and the upload
+    button's after the last required widget (where the editor adds it); the API twin holds the same
+    constants (the shipped API file, not our converter's output)."""
     ui = json.loads(build.ui_path(name).read_text())
     api = json.loads(build.api_path(name).read_text())
     nodes = [n for n in ui["nodes"] if n["type"] != "Note"]
@@ -216,7 +217,12 @@ def test_ui_widget_values_line_up_with_the_declared_widgets(name):
         widgets = [s for s in _declared(node["type"]).visible_inputs() if s.is_widget]
         values = list(node.get("widgets_values") or [])
         controls = sum(bool(s.options.get("control_after_generate")) for s in widgets)
-        assert len(values) == len(widgets) + controls, node["title"]
+        uploads = sum(s.has_upload_widget for s in widgets)
+        assert len(values) == len(widgets) + controls + uploads, node["title"]
+        required = sum(s.category == "required" for s in widgets) + sum(
+            bool(s.options.get("control_after_generate")) for s in widgets if s.category == "required")
+        assert values[required:required + uploads] == ["image"] * uploads, node["title"]
+        del values[required:required + uploads]
         for spec in widgets:
             value = values.pop(0)
             if spec.options.get("control_after_generate"):

@@ -521,8 +521,11 @@ def to_ui(nodes: list, note: str) -> dict:
             outputs.setdefault((src, slot), []).append(link_id)
     for node_id, class_type, title, widgets, links in nodes:
         info = _info(class_type)
-        ui_inputs, values = [], []
+        ui_inputs, values, uploads = [], [], 0
         for spec in _inputs(class_type):
+            if uploads and spec.category != "required":  # the frontend adds an upload button as the last
+                values += ["image"] * uploads             # required input; its saved value, never sent
+                uploads = 0
             if spec.name in links:
                 link_id = next(r[0] for r in link_rows if r[3] == node_id and r[2] == links[spec.name][1]
                                and r[1] == links[spec.name][0])
@@ -538,6 +541,8 @@ def to_ui(nodes: list, note: str) -> dict:
                     values.append("fixed")
             elif spec.is_widget:
                 values.append(widgets.get(spec.name))
+            uploads += int(spec.has_upload_widget)
+        values += ["image"] * uploads
         ui_outputs = [{"name": n, "type": str(t), "links": outputs.get((node_id, i), []), "slot_index": i}
                       for i, (n, t) in enumerate(zip(info.return_names, info.return_types))]
         column = order[node_id]

@@ -4,7 +4,7 @@ The rules, in the frontend's terms:
 - virtual nodes (Note, MarkdownNote, Reroute, PrimitiveNode) and muted (mode 2) or bypassed
   (mode 4) nodes are not emitted;
 - ``widgets_values`` is positional over the class's widget inputs (required, then optional); a
-  ``control_after_generate`` value after a seed and an upload-button value after an upload combo
+  ``control_after_generate`` value after a seed and an upload-button value after the last required widget
   are saved there but never sent. Whether a file has those extra entries is decided by counting;
 - a link wins over the widget value of the same input (a "converted widget");
 - links are resolved through Reroutes and through bypassed nodes (first input of a matching
@@ -309,7 +309,15 @@ class _Converter:
         full: list[_WidgetSlot] = []
         bare: list[_WidgetSlot] = []
         legacy: list[_WidgetSlot] = []  # saves that kept a slot for forceInput inputs
-        for spec in info.visible_inputs():
+        uploads = 0  # upload buttons: the frontend adds them as the last required input, after every required widget
+        for spec in [*info.visible_inputs(), None]:
+            if uploads and (spec is None or spec.category != "required"):
+                for _ in range(uploads):
+                    full.append(_WidgetSlot(None))
+                    legacy.append(_WidgetSlot(None))
+                uploads = 0
+            if spec is None:
+                break
             if spec.options.get("forceInput"):
                 legacy.append(_WidgetSlot(None))
                 continue
@@ -317,10 +325,10 @@ class _Converter:
                 continue
             for layout in (full, bare, legacy):
                 layout.append(_WidgetSlot(spec))
-            extras = int(spec.has_control_widget) + int(spec.has_upload_widget)
-            for _ in range(extras):
+            if spec.has_control_widget:
                 full.append(_WidgetSlot(None))
                 legacy.append(_WidgetSlot(None))
+            uploads += int(spec.has_upload_widget)
         if count < len(full) and count == len(bare) and values is not None \
                 and not _fits(bare, values) and _fits(full, values):
             return full  # an older save with its seed control values, as many as the widgets are now
