@@ -193,7 +193,10 @@ def rewrite_node(node_id: int, prose: str, task: str, links: dict) -> tuple:
                                                        temperature=0.0, seed=0, auto_negative=False), links)
 
 
-GGUF_REFINE = "Text to video · MoE GGUF + refiner"  # a Note points to it by the title the browser shows
+# Titles a Note names (the title the browser shows), each the title of its own entry below.
+GGUF_REFINE = "Text to video · MoE GGUF + refiner"
+MOE_DMD8_T2V = "Text to video · MoE DMD 8 steps"
+MOE_DMD8_TI2V = "Image to video · MoE DMD 8 steps"
 
 # The registry of the shipped workflows. Each key is the workflow's short name: its API file is
 # `api/<name>.json` (what `lingbot-run` and scripts use). Its `title` is what ComfyUI's template browser
@@ -316,7 +319,7 @@ WORKFLOWS = {
         title="Text to video · dense DMD 8 steps",
         summary="A dense DMD student DiT (none is published yet): 8 steps, cfg 1.",
         note=profile_note("DMD 8-step", "No dense DMD student is published: the only one is "
-                          f"{STUDENT_RELEASE} (workflows lingbot_t2v_moe_dmd8 / lingbot_ti2v_moe_dmd8). This "
+                          f"{STUDENT_RELEASE} (the templates {MOE_DMD8_T2V} / {MOE_DMD8_TI2V}). This "
                           "workflow is for a dense student of your own: load the dense base checkpoint in the "
                           "Loader and set its transformer_path to the student folder (it differs only in "
                           "transformer/), then use 480x832 and 121 frames. " + DENSE_OFFLOAD),
@@ -333,13 +336,13 @@ WORKFLOWS = {
         ],
     ),
     "lingbot_t2v_moe_dmd8": dict(
-        title="Text to video · MoE DMD 8 steps",
+        title=MOE_DMD8_T2V,
         summary="The MoE DMD student release (a whole model root): 8 steps, cfg 1.",
         note=profile_note("DMD 8-step", STUDENT_HOW),
         nodes=student_nodes("t2v", "lingbot/t2v_moe_dmd8"),
     ),
     "lingbot_ti2v_moe_dmd8": dict(
-        title="Image to video · MoE DMD 8 steps",
+        title=MOE_DMD8_TI2V,
         summary="The MoE DMD student from your first frame: 8 steps, cfg 1.",
         note=profile_note("DMD 8-step", STUDENT_HOW) + " Load your own first frame in Load Image. To refine "
         "a TI2V result, give Refine text-only conditioning and this image as its first_frame.",
