@@ -13,8 +13,9 @@ API). What it checks, printed as PASS/FAIL, with screenshots in SHOTS_DIR to loo
 - the pack's templates appear in the template browser with their thumbnails loaded, each card titled by its
   workflow's title (workflows/build.py's registry; the browser takes it from the file name) and not cut;
 - every shipped UI workflow (`workflows/<title>.json`) loads with no unknown node type, keeps every widget value
-  (a value that no longer fits its widget shifts or resets), and converts to the same prompt as its API twin
-  in `workflows/api/` (what the editor would queue is what the API tests run);
+  (a value that no longer fits its widget shifts or resets), converts to the same prompt as its API twin
+  in `workflows/api/` (what the editor would queue is what the API tests run), and no node lies over another
+  once each is drawn (a screenshot of its widest node at 100 %);
 - the T2V workflow, with a prose prompt, a Memory Report added and Denoise at cfg 1 with cfg_batch on,
   queued from the Run button: progress events arrive, it finishes, and the Memory Report, Text Encode's prose
   warning and Denoise's cfg_batch notice show on the nodes (`web/lingbot_text.js`), measured on the element
@@ -22,6 +23,9 @@ API). What it checks, printed as PASS/FAIL, with screenshots in SHOTS_DIR to loo
   shrank, and the prompt box kept its height; run again with a JSON caption, the notices are cleared;
 - LingBot Load Video, Extend Video, Caption and the Loader (its attention choices) added to an empty graph show
   the widgets the pack declares (a screenshot to look at);
+- LingBot Load Video's upload combo: its list starts with the test pattern, its button opens the file dialog, a
+  clip chosen there is uploaded and picked (and shown in the list under Nodes 2.0), and a run reads it (its
+  frame count on a Preview Any node); leaves `lingbot_editor_check*.mp4` in the server's input folder;
 - with `--rewrite-port`, a Rewrite node asking a canned loopback OpenAI-compatible server shows its result on
   itself;
 - LingBot Parallel is found by the node search (double-click on the canvas) and LingBot Loader through the
@@ -33,6 +37,8 @@ API). What it checks, printed as PASS/FAIL, with screenshots in SHOTS_DIR to loo
   its own widget and the widgets added since at their defaults, and queue the values of their API twins;
 - with `--parallel DEVICES`, the T2V workflow with a LingBot Parallel node put between Loader and Offload
   (Offload 'none') runs from the Run button (the server must allow those devices: `cpu, cpu` on a --cpu server).
+A failed check that a frontend's renderer cannot pass whatever an extension or a workflow does (read in that
+frontend's code; `KNOWN_LIMITS`) prints KNOWN with the reason, for that frontend line and renderer only.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 RESULTS: list[tuple[bool, str, str]] = []
-NOTES = ("preview_text", "lingbot_notes")  # the boxes web/lingbot_text.js shows a node's text in (new, old frontends)
+NOTES = ("preview_text", "LingBot notes")  # the boxes web/lingbot_text.js shows a node's text in (new, old frontends)
 RENDERERS = {"classic": False, "vue": True}  # the value of the frontend's setting Comfy.VueNodes.Enabled
 VUE_SETTING = "Comfy.VueNodes.Enabled"
 PREFIX = ""  # "[frontend renderer] ", put before every check's name
@@ -63,11 +69,45 @@ def shipped() -> dict:
     return {name: (spec["title"], build.ui_path(name), build.api_path(name)) for name, spec in build.WORKFLOWS.items()}
 
 
-def record(ok: bool, name: str, detail: str = "") -> bool:
+FRONTEND = ("", "")  # the frontend version and renderer the page runs (set per renderer)
+
+# What a frontend's renderer cannot show whatever an extension or a workflow does, read in its code: a failed check
+# with a key here, on that frontend line and renderer, prints KNOWN with the reason instead of FAIL.
+KNOWN_LIMITS = {
+    ("1.27", "vue", "overlap"):
+        "1.27's Nodes 2.0 (a preview in that release) sizes each node from its content and ignores the saved size: "
+        "a widget row is a fixed 80 px name column beside a fixed 300 px value box, so every LingBot node comes out "
+        "428 px wide (320 px saved) and columns laid out for the saved widths overlap; the newer Nodes 2.0 keeps "
+        "the saved width",
+    ("1.27", "vue", "preview"):
+        "1.27's Nodes 2.0 previews whatever an upload list holds as a file, and offers a node no way to hide it "
+        "(newer frontends read `hideOutputImages`), so Load Video's `(test pattern)` shows a broken image there",
+    ("1.27", "vue", "labels"):
+        "1.27's Nodes 2.0 writes each widget's name (not its label) in a fixed 80 px column and cuts a longer one "
+        "with an ellipsis, on every node, whatever the node's width",
+}
+
+
+def known_limit(key: str) -> str | None:
+    version, renderer = FRONTEND
+    return KNOWN_LIMITS.get((".".join(version.split(".")[:2]), renderer, key))
+
+
+def record(ok: bool, name: str, detail: str = "", limit: str | None = None) -> bool:
+    """One check's result; a failure that `limit` (a KNOWN_LIMITS key) explains for this frontend and
+    renderer is printed as KNOWN, with the reason, and not counted as failed."""
     name = PREFIX + name
-    RESULTS.append((ok, name, detail))
-    print(f"{'PASS' if ok else 'FAIL'} {name}{': ' + detail if detail else ''}", flush=True)
+    reason = None if ok or limit is None else known_limit(limit)
+    RESULTS.append((ok or reason is not None, name, detail))
+    status = "PASS" if ok else ("KNOWN" if reason else "FAIL")
+    if reason:
+        KNOWN.append(name)
+        detail = f"{detail} ({reason})"
+    print(f"{status} {name}{': ' + detail if detail else ''}", flush=True)
     return ok
+
+
+KNOWN: list[str] = []  # the checks a renderer's known limit explains
 
 
 LOAD_AND_COMPARE = """async (wf) => {
@@ -160,6 +200,33 @@ def check_templates(page, shots: Path, pack: str) -> None:
     record(dismiss_dialogs(page), "the template browser closes (Escape)")
 
 
+# The loaded graph panned across at 85 % (full detail in every renderer), so that each node is drawn once.
+SHOW_ALL = """async () => {
+  const c = window.app.canvas, nodes = window.app.graph._nodes;
+  const left = Math.min(...nodes.map((n) => n.pos[0])), right = Math.max(...nodes.map((n) => n.pos[0] + n.size[0]));
+  const top = Math.min(...nodes.map((n) => n.pos[1]));
+  c.ds.scale = 0.85;
+  for (let x = left - 40; x < right; x += 1200) {
+    c.ds.offset = [-x, -top + 80];
+    c.setDirty(true, true);
+    await new Promise((r) => setTimeout(r, 900));
+  }
+}"""
+
+# Pairs of nodes whose boxes (title bar included) overlap, with the overlap's width.
+OVERLAPS = """() => {
+  const T = window.LiteGraph.NODE_TITLE_HEIGHT, nodes = window.app.graph._nodes, out = [];
+  const box = (n) => [n.pos[0], n.pos[1] - T, n.pos[0] + n.size[0], n.pos[1] + n.size[1]];
+  for (const a of nodes) for (const b of nodes) {
+    if (a.id >= b.id) continue;
+    const [ax, ay, ax2, ay2] = box(a), [bx, by, bx2, by2] = box(b);
+    const w = Math.min(ax2, bx2) - Math.max(ax, bx), h = Math.min(ay2, by2) - Math.max(ay, by);
+    if (w > 1 && h > 1) out.push(`${a.title} (${Math.round(a.size[0])} px wide) and ${b.title}: ${Math.round(w)} px`);
+  }
+  return out;
+}"""
+
+
 def check_workflows(page, shots: Path) -> None:
     for _title, path, api_path in sorted(shipped().values()):
         wf = json.loads(path.read_text())
@@ -173,32 +240,48 @@ def check_workflows(page, shots: Path) -> None:
         diffs = same_prompt(out["prompt"], api)
         record(not diffs, f"{path.name}: the editor queues the same prompt as workflows/api/{api_path.name}",
                "; ".join(diffs)[:800])
+        page.evaluate(SHOW_ALL)  # every node drawn once at full detail (a renderer that sizes nodes then knows them)
+        overlaps = page.evaluate(OVERLAPS)
+        record(not overlaps, f"{path.name}: no node lies over another", "; ".join(overlaps)[:600], limit="overlap")
+        widest = max((n for n in wf["nodes"] if n["type"] != "Note"), key=lambda n: n["size"][0])
+        focus_shot(page, widest["id"], shots / f"{path.stem}_widest.png")  # at 100 %, to look at
 
+
+# A widget value set as the user's edit sets it: the value, then the widget's callback (1.27's Nodes 2.0 draws
+# a value it hears of that way, and a value set alone only once the node is drawn anew).
+SET_WIDGET = """const setWidget = (node, name, value) => {
+  const w = node.widgets.find((x) => x.name === name);
+  w.value = value;
+  w.callback?.(value, window.app.canvas, node);
+};"""
 
 ADD_NODES = """(nonce) => {
+  /* setWidget */
   const g = window.app.graph;
   const byType = (t) => g._nodes.find((n) => n.type === t);
   const offload = byType('LingBotOffload'), decode = byType('LingBotDecode'), text = byType('LingBotTextEncode');
   const denoise = byType('LingBotDenoise');
   // prose (the warning), new each time so that ComfyUI's cache does not skip the run
-  text.widgets.find((w) => w.name === 'prompt').value = 'a red paper boat drifts down a canal at dawn, take ' + nonce;
+  setWidget(text, 'prompt', 'a red paper boat drifts down a canal at dawn, take ' + nonce);
   // cfg_batch asked for at cfg 1: Denoise says it does nothing (once per server), beside its step previews
-  denoise.widgets.find((w) => w.name === 'cfg').value = 1.0;
-  denoise.widgets.find((w) => w.name === 'cfg_batch').value = 'on';
+  setWidget(denoise, 'cfg', 1.0);
+  setWidget(denoise, 'cfg_batch', 'on');
   const report = window.LiteGraph.createNode('LingBotMemoryReport');
-  report.pos = [decode.pos[0], decode.pos[1] + 320];
+  // in free room right of the last column (a renderer may draw nodes wider than saved: 200 px to spare)
+  report.pos = [Math.max(...g._nodes.map((n) => n.pos[0] + n.size[0])) + 200, decode.pos[1]];
   g.add(report);
   offload.connect(0, report, 0);
   decode.connect(0, report, 1);
   g.setDirtyCanvas(true, true);
   return {report: report.id, text: text.id, denoise: denoise.id};
-}"""
+}""".replace("/* setWidget */", SET_WIDGET)
 
 CAPTION_AGAIN = """([text, denoise, caption]) => {
+  /* setWidget */
   const g = window.app.graph;
-  g.getNodeById(text).widgets.find((w) => w.name === 'prompt').value = caption;
-  g.getNodeById(denoise).widgets.find((w) => w.name === 'cfg_batch').value = 'off';
-}"""
+  setWidget(g.getNodeById(text), 'prompt', caption);
+  setWidget(g.getNodeById(denoise), 'cfg_batch', 'off');
+}""".replace("/* setWidget */", SET_WIDGET)
 
 LISTEN = """() => {
   window.__lingbot = {progress: [], done: null};
@@ -216,6 +299,24 @@ FOCUS = """(id) => {
   canvas.setDirty(true, true);
 }"""
 
+# Where on the page the middle of a node's title bar is (to click it, as a user picks the node to read it): the
+# node's element under Nodes 2.0, else the canvas' own conversion; null when that is not inside the canvas.
+TITLE_POINT = """(id) => {
+  const canvas = window.app.canvas, node = window.app.graph.getNodeById(id);
+  const r = window.app.canvasEl.getBoundingClientRect();
+  const el = [...document.querySelectorAll(`[data-node-id="${id}"]`)].find((e) => e.getBoundingClientRect().width > 2);
+  let x, y;
+  if (el) {
+    const b = el.getBoundingClientRect();
+    [x, y] = [b.left + b.width / 2, b.top + 16];
+  } else {
+    const [ox, oy] = canvas.ds.convertCanvasToOffset([node.pos[0] + node.size[0] / 2,
+                                                      node.pos[1] - window.LiteGraph.NODE_TITLE_HEIGHT / 2]);
+    [x, y] = [r.left + ox, r.top + oy];
+  }
+  return x > r.left + 80 && x < r.right - 80 && y > r.top + 80 && y < r.bottom - 40 ? {x, y} : null;
+}"""
+
 # What the browser shows of a node's text: the element in view that holds it (a hidden or zero-size one, such
 # as the textarea a renderer keeps but does not show, does not count), whether all of it is in view
 # (nothing scrolled off or cut: it and its clipping ancestors), read-only, its label, and whether something
@@ -223,7 +324,7 @@ FOCUS = """(id) => {
 NODE_TEXT = """([id, names]) => {
   const node = window.app.graph.getNodeById(id);
   const box = node?.widgets?.find((w) => names.includes(w.name));
-  if (!box) return {text: null};
+  if (!box) return {text: null, size: node ? [...node.size] : null};
   const text = String(box.value ?? '');
   const out = {text, label: box.label ?? box.name, widget: box.name, size: [...node.size]};
   if (!text) return {...out, shown: null};
@@ -285,8 +386,14 @@ def queue_and_wait(page, shots: Path, tag: str, timeout: float) -> dict:
 
 
 def node_text(page, shots: Path, node_id: int, shot: str) -> dict:
+    """The node in the middle of the view, picked (a click on its title brings it in front of its neighbours,
+    as a user does to read it), and what NODE_TEXT finds of its text."""
     page.evaluate(FOCUS, node_id)
-    page.wait_for_timeout(800)
+    page.wait_for_timeout(600)
+    at = page.evaluate(TITLE_POINT, node_id)
+    if at:
+        page.mouse.click(at["x"], at["y"])
+        page.wait_for_timeout(600)
     page.screenshot(path=str(shots / shot))
     return page.evaluate(NODE_TEXT, [node_id, list(NOTES)])
 
@@ -420,7 +527,7 @@ NODE_STATE = """(type) => {
   const node = nodes[nodes.length - 1];
   if (!node) return null;
   return {id: node.id, count: nodes.length,
-          widgets: (node.widgets || []).map((w) => ({name: w.name, value: w.value,
+          widgets: (node.widgets || []).map((w) => ({name: w.name, value: w.value, type: w.type,
                                                      options: w.options?.values ?? null}))};
 }"""
 
@@ -431,15 +538,22 @@ CANVAS_POINT = """() => {
 
 
 def declared(class_type: str) -> dict:
-    """The class's widget inputs as the pack declares them (name -> default and, for a combo, its choices),
-    from its own registry (`nodes/` loaded as `lingbot_nodes`, as the API check does)."""
+    """The class's widget inputs as the pack declares them (name -> default and, for a combo, its choices;
+    for an upload combo only its fixed first choices, the rest being the server's files), from its own registry
+    (`nodes/` loaded as `lingbot_nodes`, as the API check does)."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     from bench.comfy_e2e import pack_nodes
     from lingbot_core.workflow.nodeinfo import NodeClassInfo
 
     info = NodeClassInfo(class_type, pack_nodes()[class_type])
-    return {s.name: (s.options.get("default"), s.combo_options) for s in info.visible_inputs() if s.is_widget}
+    return {s.name: (s.options.get("default"), s.combo_options[:1] if s.has_upload_widget else s.combo_options)
+            for s in info.visible_inputs() if s.is_widget}
+
+
+def offers(shown: list | None, choices: list, upload: bool) -> bool:
+    """Whether a combo shows the declared choices (an upload combo: first, the server's files after them)."""
+    return shown == choices if not upload else (shown or [])[:len(choices)] == choices
 
 
 def widgets_match(state: dict | None, class_type: str) -> list[str]:
@@ -448,7 +562,11 @@ def widgets_match(state: dict | None, class_type: str) -> list[str]:
     if state is None:
         return ["no such node in the graph"]
     want = declared(class_type)
-    shown = [w for w in state["widgets"] if w["name"] in want or not w["name"].startswith("control")]
+    uploads = {w["name"] for w in state["widgets"] if w.get("type") == "combo"
+               and any(x.get("type") == "button" for x in state["widgets"])}  # a combo on a node with an upload button
+    # the frontend's own widgets beside the declared ones: a seed's control, an upload combo's button, the notes box
+    shown = [w for w in state["widgets"] if w["name"] in want
+             or not (w["name"].startswith("control") or w.get("type") == "button" or w["name"] in NOTES)]
     problems = []
     if [w["name"] for w in shown] != list(want):
         problems.append(f"widgets {[w['name'] for w in shown]} != declared {list(want)}")
@@ -456,7 +574,8 @@ def widgets_match(state: dict | None, class_type: str) -> list[str]:
         default, choices = want.get(w["name"], (None, None))
         if w["name"] in want and w["value"] != default:
             problems.append(f"{w['name']} shows {w['value']!r}, declared default {default!r}")
-        if choices is not None and w["options"] != choices:
+        upload = w["name"] in uploads
+        if choices is not None and not offers(w["options"], choices, upload):
             problems.append(f"{w['name']} offers {w['options']}, declared {choices}")
     return problems
 
@@ -467,13 +586,29 @@ def focus_shot(page, node_id: int, path: Path) -> None:
     page.screenshot(path=str(path))
 
 
+def open_search(page, at: dict) -> bool:
+    """Double-clicks the empty canvas until the node search has the keyboard (an input has the focus); a
+    name typed to the canvas itself would run its shortcuts ('f' hides the menus in 1.27)."""
+    for _ in range(3):
+        page.evaluate("() => document.activeElement?.blur?.()")  # no focus left from an earlier step
+        page.mouse.dblclick(at["x"], at["y"])
+        for _ in range(10):
+            page.wait_for_timeout(300)
+            if page.evaluate("() => document.activeElement?.tagName === 'INPUT'"):
+                page.wait_for_timeout(300)
+                return True
+        page.keyboard.press("Escape")
+    return False
+
+
 def check_new_nodes(page, shots: Path) -> None:
     """LingBot Parallel from the node search, LingBot Loader from the canvas menu, on an empty graph."""
     page.evaluate("() => { window.app.graph.clear(); window.app.canvas.setDirty(true, true); }")
     page.wait_for_timeout(500)
     at = page.evaluate(CANVAS_POINT)
-    page.mouse.dblclick(at["x"], at["y"])
-    page.wait_for_timeout(1000)
+    if not open_search(page, at):
+        record(False, "the node search opens (double-click on the canvas)")
+        return
     page.keyboard.type("LingBot Parallel", delay=40)
     page.wait_for_timeout(1500)
     page.screenshot(path=str(shots / "search_lingbot_parallel.png"))
@@ -533,11 +668,13 @@ LONGEST_CHOICES = """(id) => {
   node.setDirtyCanvas?.(true, true);
 }"""
 
-TEXT_FITS = """(id) => {
+TEXT_FITS = """([id, notes]) => {
   const node = window.app.graph.getNodeById(id);
   const LG = window.LiteGraph;
   const el = document.querySelector(`[data-node-id="${id}"]`);
-  const texts = [node.title, ...(node.widgets || []).map((w) => w.label ?? w.name)];
+  // the pack's notes box is measured by the run's checks (on 1.27 an empty box the canvas hides)
+  const widgets = (node.widgets || []).filter((w) => !notes.includes(w.name));
+  const texts = [node.title, ...widgets.map((w) => w.label ?? w.name)];
   const cut = [];
   if (el && el.offsetParent !== null) {
     const box = el.getBoundingClientRect();
@@ -555,7 +692,7 @@ TEXT_FITS = """(id) => {
   const badges = (node.badges || []).map((b) => (typeof b === "function" ? b() : b)?.text).filter((t) => t)
     .reduce((sum, t) => sum + px(t, LG.NODE_SUBTEXT_SIZE || 12) + 12, 0);
   if (px(node.title, LG.NODE_TEXT_SIZE || 14) + badges + 80 > node.size[0]) cut.push(node.title);
-  for (const w of node.widgets || []) {
+  for (const w of widgets) {
     const value = Math.min(360, typeof w.value === "string" ? px(w.value, LG.NODE_SUBTEXT_SIZE || 12) : 0);
     if (px(w.label ?? w.name, LG.NODE_SUBTEXT_SIZE || 12) + value + 84 > node.size[0]) cut.push(w.label ?? w.name);
   }
@@ -570,8 +707,9 @@ def check_new_node_widths(page, shots: Path) -> None:
         page.evaluate("() => { window.app.graph.clear(); window.app.canvas.setDirty(true, true); }")
         page.wait_for_timeout(500)
         at = page.evaluate(CANVAS_POINT)
-        page.mouse.dblclick(at["x"], at["y"])
-        page.wait_for_timeout(1000)
+        if not open_search(page, at):
+            record(False, f"the node search opens to add {title} (double-click on the canvas)")
+            continue
         page.keyboard.type(title, delay=40)
         page.wait_for_timeout(1500)
         page.keyboard.press("Enter")
@@ -584,9 +722,10 @@ def check_new_node_widths(page, shots: Path) -> None:
             continue
         page.evaluate(LONGEST_CHOICES, state["id"])  # a long file name picked on every list
         focus_shot(page, state["id"], shots / f"width_{class_type}.png")
-        fits = page.evaluate(TEXT_FITS, state["id"])
+        fits = page.evaluate(TEXT_FITS, [state["id"], list(NOTES)])
         record(not fits["cut"], f"{title} from the search shows its title and widget labels in full",
-               f"{fits['renderer']}: node {fits['width']} px wide" + (f"; cut: {fits['cut']}" if fits["cut"] else ""))
+               f"{fits['renderer']}: node {fits['width']} px wide" + (f"; cut: {fits['cut']}" if fits["cut"] else ""),
+               limit=None if any(str(c).startswith(title) for c in fits["cut"]) else "labels")  # widget names only
 
 
 GALLERY = ("LingBotLoadVideo", "LingBotExtendVideo", "LingBotCaption", "LingBotLoader", "LingBotDenoise")
@@ -600,16 +739,27 @@ PLACE_NODES = """(types) => {
     n.pos = [60 + (i % 3) * 460, 60 + Math.floor(i / 3) * 640];
     g.add(n);
     placed[t] = {id: n.id, inputs: (n.inputs || []).map((s) => s.name),
-                 widgets: (n.widgets || []).map((w) => ({name: w.name, value: w.value, options: w.options?.values ?? null}))};
+                 widgets: (n.widgets || []).map((w) => ({name: w.name, value: w.value, type: w.type,
+                                                         options: w.options?.values ?? null}))};
   });
   g.setDirtyCanvas(true, true);
   return placed;
 }"""
 
 
+# A new blank workflow, as a user starts one (1.58's Nodes 2.0 kept drawing a cleared graph's node of the same id
+# for a node added after `graph.clear()`: the Loader's missing preview settings on a new Load Video).
+NEW_GRAPH = """async () => {
+  try { await window.app.extensionManager?.command?.execute?.('Comfy.NewBlankWorkflow'); } catch (e) { /* older */ }
+  window.app.graph.clear();
+}"""
+
+
 def check_node_gallery(page, shots: Path) -> None:
     """The nodes added last (Load Video, Extend Video, Caption's image value lists, the Loader's `sparse`
     attention, Denoise's `video` and `denoise`) on an empty graph, as a user adds them."""
+    page.evaluate(NEW_GRAPH)
+    page.wait_for_timeout(800)
     placed = page.evaluate(PLACE_NODES, list(GALLERY))
     for class_type in GALLERY:
         state = placed.get(class_type)
@@ -629,6 +779,110 @@ def check_node_gallery(page, shots: Path) -> None:
                   "c.setDirty(true, true); }")
     page.wait_for_timeout(800)
     page.screenshot(path=str(shots / "node_gallery.png"))
+
+
+UPLOAD_GRAPH = """() => {
+  const g = window.app.graph;
+  g.clear();
+  const video = window.LiteGraph.createNode('LingBotLoadVideo');
+  video.pos = [100, 100];
+  g.add(video);
+  const frames = video.widgets.find((w) => w.name === 'frame_count');
+  frames.value = 0;  // every frame of the clip
+  frames.callback?.(0, window.app.canvas, video);
+  const preview = window.LiteGraph.createNode('PreviewAny');
+  preview.pos = [700, 100];
+  g.add(preview);
+  video.connect(1, preview, 0);  // frame_count
+  g.setDirtyCanvas(true, true);
+  const path = video.widgets.find((w) => w.name === 'path');
+  const button = video.widgets.find((w) => w.type === 'button');
+  return {id: video.id, preview: preview.id, first: path.options?.values?.[0] ?? null,
+          after: button ? video.widgets.map((w) => w.name).slice(-1)[0] : null, label: button?.label ?? null};
+}"""
+
+PRESS_UPLOAD = """(id) => {
+  const node = window.app.graph.getNodeById(id);
+  const button = node.widgets.find((w) => w.type === 'button');
+  button.callback?.(button.value, window.app.canvas, node);  // what a click on the button does
+}"""
+
+UPLOADED = """(id) => {
+  const w = window.app.graph.getNodeById(id).widgets.find((x) => x.name === 'path');
+  return {value: w.value, listed: (w.options?.values ?? []).includes(w.value)};
+}"""
+
+# Whether the node's element shows `name` in one of its lists (null: the node has no element, a canvas draws it).
+SHOWS_FILE = """([id, name]) => {
+  const el = [...document.querySelectorAll(`[data-node-id="${id}"]`)].find((e) => e.getBoundingClientRect().width > 2);
+  if (!el) return null;
+  return [...el.querySelectorAll('*')].some((e) => e.children.length === 0 && e.textContent.trim() === name);
+}"""
+
+# What of a node's element says a preview failed (an error line, an image that did not load); null: no element.
+BROKEN_PREVIEW = """(id) => {
+  const el = [...document.querySelectorAll(`[data-node-id="${id}"]`)].find((e) => e.getBoundingClientRect().width > 2);
+  if (!el) return null;
+  const text = (el.innerText || '').match(/[^\n]*(failed to load|error loading)[^\n]*/i);
+  const image = [...el.querySelectorAll('img')].some((i) => i.complete && i.naturalWidth === 0);
+  return text ? text[0].trim().slice(0, 80) : (image ? 'an image that did not load' : false);  // one line of it
+}"""
+
+CLIP_FRAMES = 5
+
+
+def check_video_upload(page, shots: Path, timeout: float) -> None:
+    """LingBot Load Video's upload combo as a user uses it: the button opens the file dialog, the chosen clip
+    is uploaded into ComfyUI's input folder and picked in the list, and a run reads it (its frame count shown
+    by a Preview Any node). Leaves `lingbot_editor_check.mp4` in the server's input folder."""
+    import tempfile
+
+    import torch
+
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from lingbot_core.video import save_mp4
+
+    page.evaluate(NEW_GRAPH)
+    page.wait_for_timeout(800)
+    placed = page.evaluate(UPLOAD_GRAPH)
+    record(placed["first"] == "(test pattern)" and placed["after"] is not None,
+           "LingBot Load Video shows its file list ((test pattern) first) and an upload button",
+           f"first choice {placed['first']!r}, button {placed['label']!r}")
+    if placed["after"] is None:
+        return
+    focus_shot(page, placed["id"], shots / "load_video_upload_before.png")
+    broken = page.evaluate(BROKEN_PREVIEW, placed["id"])
+    if broken is not None:  # a renderer of elements (Nodes 2.0)
+        record(not broken, "a new Load Video (the test pattern) shows no failed preview", str(broken), limit="preview")
+    with tempfile.TemporaryDirectory() as folder:
+        clip = save_mp4(torch.rand(CLIP_FRAMES, 32, 32, 3), Path(folder) / "lingbot_editor_check.mp4")
+        try:
+            with page.expect_file_chooser(timeout=10_000) as chooser:
+                page.evaluate(PRESS_UPLOAD, placed["id"])
+            with page.expect_response(lambda r: "/upload/image" in r.url, timeout=30_000) as answer:
+                chooser.value.set_files(str(clip))
+            name = answer.value.json()["name"]  # the server's name for it ("... (1).mp4" when taken)
+        except Exception as exc:  # noqa: BLE001 - reported as the check's detail
+            record(False, "Load Video's upload button opens a file dialog and uploads the clip", str(exc)[:300])
+            return
+        end = time.time() + 30  # newer frontends show the local name first, then the server's
+        got = page.evaluate(UPLOADED, placed["id"])
+        while time.time() < end and got["value"] != name:
+            page.wait_for_timeout(500)
+            got = page.evaluate(UPLOADED, placed["id"])
+    focus_shot(page, placed["id"], shots / "load_video_upload_after.png")
+    record(got["value"] == name and got["listed"],
+           "a clip uploaded with Load Video's button is picked in its list", f"uploaded as {name!r}: {got}")
+    drawn = page.evaluate(SHOWS_FILE, [placed["id"], got["value"]])
+    if drawn is not None:  # a renderer of elements (Nodes 2.0); the canvas draws its lists itself
+        record(drawn, "the node shows the uploaded clip's name in its list", f"{got['value']!r} shown: {drawn}")
+    state = queue_and_wait(page, shots, "load_video_upload", timeout)
+    shown = page.evaluate(NODE_TEXT, [placed["preview"], ["preview", "preview_text"]])
+    record(state["done"] == "success" and str(shown.get("text") or "").strip() == str(CLIP_FRAMES),
+           f"a run reads the uploaded clip (Preview Any shows its {CLIP_FRAMES} frames)",
+           f"{state['done']}; shown {shown.get('text')!r}")
+    focus_shot(page, placed["id"], shots / "load_video_upload_run.png")
 
 
 def check_old_workflows(page, shots: Path) -> None:
@@ -704,7 +958,7 @@ def renderer_setting(url: str, value: bool | None = None):
 
 def run_renderer(browser, args, renderer: str) -> str | None:
     """Every check in one renderer, on a fresh page; the frontend version the page reports."""
-    global PREFIX
+    global PREFIX, FRONTEND
     renderer_setting(args.url, RENDERERS[renderer])
     shots = args.shots / renderer
     shots.mkdir(parents=True, exist_ok=True)
@@ -720,6 +974,7 @@ def run_renderer(browser, args, renderer: str) -> str | None:
     vue = page.evaluate(f"() => window.app.extensionManager?.setting?.get?.('{VUE_SETTING}') "
                         f"?? window.app.ui?.settings?.getSettingValue?.('{VUE_SETTING}') ?? null")
     PREFIX = f"[{version} {renderer}] "
+    FRONTEND = (str(version), renderer)
     print(f"frontend {version}, renderer {renderer} ({VUE_SETTING} = {vue})", flush=True)
     record(vue == RENDERERS[renderer], f"the page runs the {renderer} renderer", f"{VUE_SETTING} = {vue}")
     dismiss_dialogs(page)
@@ -727,6 +982,7 @@ def run_renderer(browser, args, renderer: str) -> str | None:
     check_workflows(page, shots)
     check_run(page, shots, args.timeout)
     check_node_gallery(page, shots)
+    check_video_upload(page, shots, args.timeout)
     check_new_nodes(page, shots)
     check_new_node_widths(page, shots)
     check_old_workflows(page, shots)
@@ -767,15 +1023,17 @@ def main(argv: list[str] | None = None) -> int:
                 start = len(RESULTS)
                 version = run_renderer(browser, args, renderer)
                 failed = sum(not ok for ok, _, _ in RESULTS[start:])
-                covered.append(f"frontend {version} {renderer}: {len(RESULTS) - start - failed} of "
-                               f"{len(RESULTS) - start} passed")
+                known = sum(name.startswith(PREFIX) for name in KNOWN)
+                covered.append(f"frontend {version} {renderer}: {len(RESULTS) - start - failed - known} of "
+                               f"{len(RESULTS) - start} passed" + (f", {known} a known limit of that renderer "
+                                                                   "(KNOWN above)" if known else ""))
             browser.close()
     finally:
         renderer_setting(args.url, bool(saved))
     failed = [name for ok, name, _ in RESULTS if not ok]
     for line in covered:
         print(f"covered: {line}")
-    print(f"{len(RESULTS) - len(failed)} passed, {len(failed)} failed")
+    print(f"{len(RESULTS) - len(failed) - len(KNOWN)} passed, {len(KNOWN)} known limits, {len(failed)} failed")
     return 1 if failed else 0
 
 

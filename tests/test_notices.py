@@ -197,3 +197,114 @@ console.log(JSON.stringify([report.size[0], files.size[0], wide.size[0], other.s
     assert report >= 7 * len("LingBot Memory Report") + 40  # the title and the node's insets
     assert files >= 7 * (len("text_encoder") + 40) + 40  # the label beside the whole file name
     assert (wide, other) == (900, 100)
+
+
+def _text_nodes_in_script(script: str) -> set[str]:
+    block = re.search(r"const TEXT_NODES = new Set\(\[(.*?)\]\);", script, flags=re.S).group(1)
+    return set(re.findall(r'"(\w+)"', block))
+
+
+def test_the_nodes_that_get_a_box_when_made_are_the_nodes_whose_runs_send_text():
+    """On frontends without a text preview for extensions (1.27) web/lingbot_text.js makes the notes box with
+    the node, for the node types whose runs send text: every class whose `execute` returns `on_node(...)`."""
+    import inspect
+
+    from lingbot_nodes import NODE_CLASS_MAPPINGS
+
+    script = (ROOT / "web" / "lingbot_text.js").read_text()
+    senders = {name for name, cls in NODE_CLASS_MAPPINGS.items() if "on_node(" in inspect.getsource(cls.execute)}
+    assert senders and _text_nodes_in_script(script) == senders
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs Node.js to run the editor script")
+def test_on_an_old_frontend_the_notes_box_is_made_with_the_node_and_updated_in_both_renderers():
+    """Frontend 1.27 (no text preview for extensions): the box is made when the node is (its Nodes 2.0 renderer
+    draws no widget added later), hidden and taking no room on the canvas while empty, read-only, never saved;
+    a run's text shows it and is passed through the widget's callback (how that renderer hears of a value);
+    an empty text empties and hides it again, the node keeping its size. Under Nodes 2.0, a box the page still
+    shows with the old text gets its node folded and unfolded (drawn anew), as does a Load Video whose list does
+    not show the file an upload picked (one that shows it is left alone; the list of files 1.27's upload passes
+    is followed by the file itself); its preview is hidden while the list holds the test pattern (no file to
+    show: newer frontends showed "Video failed to load"). Run in Node.js with fakes."""
+    script = (ROOT / "web" / "lingbot_text.js").read_text()
+    script = re.sub(r'^import .*;$', "", script, flags=re.M).replace("app.registerExtension(", "globalThis.ext = (")
+    harness = """
+const shown = [], labels = [];  // the textareas and list labels the fake page shows in the node
+globalThis.window = {LiteGraph: {NODE_FONT: "Arial", NODE_TEXT_SIZE: 14, NODE_SUBTEXT_SIZE: 12}, comfyAPI: {widgets: {
+  ComfyWidgets: {STRING: (node, name) => {
+    const widget = {name, value: "", options: {}, inputEl: {style: {}}, type: "customtext"};
+    node.widgets.push(widget);
+    return {widget};
+  }}}}};
+globalThis.document = {createElement: () => ({getContext: () => ({measureText: (t) => ({width: 7 * t.length})})}),
+  querySelectorAll: () => [{querySelectorAll: (sel) => (sel === "textarea" ? shown : labels)}]};
+const app = {};
+/* the script */
+const calls = [];
+const make = (type) => {
+  const node = {comfyClass: type, title: type, id: 7, graph: {}, flags: {}, size: [400, 300], widgets: [],
+    setSize(s) { this.size = s; }, computeSize() { return [300, 100 + (this.widgets[0].hidden ? 0 : 60)]; },
+    setDirtyCanvas() {}, collapse() { this.flags.collapsed = !this.flags.collapsed; calls.push("collapse"); }};
+  globalThis.ext.nodeCreated(node);
+  return node;
+};
+const proto = {};
+await globalThis.ext.beforeRegisterNodeDef({prototype: proto}, {name: "LingBotTextEncode"});
+const other = make("LingBotCaption");
+const node = make("LingBotTextEncode");
+const box = node.widgets[0];
+const made = {other: other.widgets.length, name: box.name, label: box.label, hidden: box.hidden,
+  serialize: box.serialize, sent: box.options.serialize, readOnly: box.inputEl.readOnly, attr: box.options.readonly,
+  room: box.options.getMinHeight()};
+box.callback = (v) => calls.push("callback:" + v);
+proto.onExecuted.call(node, {text: ["The prompt is plain prose"]});
+const said = {value: box.value, hidden: box.hidden, size: [...node.size], room: box.options.getMinHeight() > 0};
+proto.onExecuted.call(node, {text: [""]});
+const cleared = {value: box.value, hidden: box.hidden, size: [...node.size]};
+window.LiteGraph.vueNodesMode = true;
+shown.push({placeholder: "LingBot notes", value: ""});
+proto.onExecuted.call(node, {text: ["again"]});
+await new Promise((r) => setTimeout(r, 20));
+// an upload combo (Load Video): the file an upload picks, not drawn yet, is drawn; one already drawn is left
+const video = {comfyClass: "LingBotLoadVideo", title: "v", id: 8, graph: {}, flags: {}, size: [400, 300],
+  widgets: [{name: "path", type: "combo", value: "(test pattern)", options: {values: ["(test pattern)"]}},
+            {name: "upload", type: "button", value: "image"}],
+  setSize(s) { this.size = s; }, collapse() { this.flags.collapsed = !this.flags.collapsed; calls.push("fold"); }};
+globalThis.ext.nodeCreated(video);
+const path = video.widgets[0];
+const previews = [video.hideOutputImages];  // the test pattern: no file to preview
+labels.push({textContent: "(test pattern)"});
+path.value = "clip.mp4";
+previews.push(video.hideOutputImages);
+path.callback("clip.mp4");
+await new Promise((r) => setTimeout(r, 20));
+labels[0].textContent = "clip.mp4";
+path.callback("clip.mp4");
+await new Promise((r) => setTimeout(r, 20));
+// 1.27's upload passes the list of uploaded files: the file the widget holds is passed again, then drawn
+path.value = "b.mp4";
+path.callback(["b.mp4"]);
+await new Promise((r) => setTimeout(r, 40));
+console.log(JSON.stringify({made, said, cleared, calls, collapsed: node.flags.collapsed, video: video.flags.collapsed,
+  previews}));
+""".replace("/* the script */", script)
+    out = subprocess.run(["node", "--input-type=module", "-e", harness], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["made"] == {"other": 0, "name": "LingBot notes", "label": "LingBot notes", "hidden": True,
+                           "serialize": False, "sent": False, "readOnly": True, "attr": True, "room": 0}
+    assert got["said"]["value"] == "The prompt is plain prose" and got["said"]["hidden"] is False
+    assert got["said"]["room"] and got["said"]["size"][1] >= 300 + 60  # grown by what the box adds
+    assert got["cleared"] == {"value": "", "hidden": True, "size": got["said"]["size"]}  # never shrunk
+    assert got["calls"] == ["callback:The prompt is plain prose", "callback:", "callback:again", "collapse", "collapse",
+                            "fold", "fold", "fold", "fold"]
+    assert got["collapsed"] is False and got["video"] is False
+    assert got["previews"] == [True, False]  # the test pattern hides the node's preview, a file shows it
+
+
+def test_the_editor_script_knows_the_test_pattern_choice():
+    """web/lingbot_text.js hides Load Video's / Load Image's preview for the list's test pattern entry."""
+    from lingbot_nodes.image_input import TEST_PATTERN
+
+    script = (ROOT / "web" / "lingbot_text.js").read_text()
+    assert re.search(r'^const TEST_PATTERN = "([^"]+)";', script, flags=re.M).group(1) == TEST_PATTERN

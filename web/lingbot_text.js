@@ -4,13 +4,20 @@
 // asks it to do the same for ours:
 // - frontends that offer their text preview to extensions (`window.comfyAPI.textPreviewWidgets`, the box
 //   Preview Any shows, in the classic and the Nodes 2.0 renderer) get that box;
-// - older ones (1.27) a read-only multiline text box, through `window.comfyAPI.widgets`.
+// - older ones (1.27) a read-only multiline text box, through `window.comfyAPI.widgets`, made with the node
+//   (hidden on the canvas while empty): 1.27's Nodes 2.0 renderer reads a node's widgets once, when the node
+//   is added to the graph, and never draws a widget added later.
 // Every run of a LingBot node sends its text, empty when it has nothing to say, so a notice of an earlier
 // run is cleared. The box only ever grows its node: the user's widgets keep the height they had.
 import { app } from "../../scripts/app.js";
 
 const LABEL = "LingBot notes";
-const OLD_BOX = "lingbot_notes"; // the read-only box on frontends without a text preview for extensions
+const OLD_BOX = LABEL; // the read-only box on frontends without a text preview for extensions (its name is
+// the placeholder 1.27's Nodes 2.0 shows in it while empty)
+// The nodes whose runs send text (the Python nodes returning `notices.on_node`): on frontends without a
+// text preview for extensions they get their box when they are made.
+const TEXT_NODES = new Set(["LingBotLoader", "LingBotOffload", "LingBotMemoryReport", "LingBotLoRA",
+  "LingBotTextEncode", "LingBotRewrite", "LingBotDenoise", "LingBotRefine"]);
 const WIDTH = 320; // a narrower node showing text is widened to this (wider would overlap the shipped layouts)
 const MAX_ROWS = 24; // past this the box scrolls
 const VUE_ROWS_PX = 24; // what Nodes 2.0 gives each added widget row beyond what the canvas counts (measured)
@@ -110,32 +117,114 @@ function hostBox(node, preview, text) {
   grow(node, before, text, (node.widgets?.length ?? 0) - widgets);
 }
 
+function hostPreview() {
+  const preview = window.comfyAPI?.textPreviewWidgets;
+  return preview?.addTextPreviewWidgets && preview?.updateTextPreviewWidgets ? preview : null;
+}
+
+// The read-only box of frontends without a text preview for extensions, empty and hidden (on the canvas).
+function makeOldBox(node) {
+  const make = window.comfyAPI?.widgets?.ComfyWidgets;
+  if (!make?.STRING) return null;
+  const box = make.STRING(node, OLD_BOX, ["STRING", { multiline: true }], app).widget;
+  box.label = LABEL;
+  box.serialize = false; // shown, never saved into the workflow's widget values ...
+  box.hidden = true; // no room on the canvas until there is text (Nodes 2.0 of 1.27 shows it, empty)
+  box.options = {
+    ...(box.options || {}),
+    serialize: false, // ... nor sent as an input
+    read_only: true,
+    // 1.27's Nodes 2.0 passes a text box's options on to its textarea: read-only, as tall as its text
+    readonly: true,
+    autoResize: true,
+    // as tall as its text and no share of the node's rest; no room at all while hidden (the canvas of 1.27
+    // lays out hidden text boxes too)
+    getMinHeight: () => (box.hidden ? 0 : fitHeight(box.value, node.size[0], 6.6, 12, 36)),
+    getMaxHeight: () => (box.hidden ? 0 : fitHeight(box.value, node.size[0], 6.6, 12, 36)),
+  };
+  const el = box.element ?? box.inputEl;
+  if (el) {
+    el.readOnly = true;
+    el.placeholder = LABEL;
+    el.style.opacity = 0.85;
+  }
+  return box;
+}
+
+// 1.27's Nodes 2.0 learns a widget's new value through the widget's callback, but draws a widget's value only
+// when it draws the node's body: a value set by code (a run's text, the file an upload picked) is not shown.
+// When the node's element does not show it after the renderer's update (`shows`, given the element), the node
+// is folded and unfolded, which draws it anew. Newer renderers show the value at once: nothing is done there.
+function redrawIfStale(node, shows) {
+  if (!window.LiteGraph?.vueNodesMode) return;
+  setTimeout(() => {
+    const el = [...document.querySelectorAll(`[data-node-id="${node.id}"]`)].find((e) => e.querySelectorAll
+      && !e.parentElement?.closest?.(`[data-node-id="${node.id}"]`)); // the node's own element, not a part of it
+    if (!el || shows(el) || node.flags?.collapsed || !node.graph) return;
+    node.collapse?.(true);
+    setTimeout(() => node.flags?.collapsed && node.collapse?.(true), 0);
+  }, 0);
+}
+
+// The notes box (found by its placeholder) holds `text`; true when the page shows no such box.
+function showsText(text) {
+  return (el) => {
+    const box = [...el.querySelectorAll("textarea")].find((t) => t.placeholder === OLD_BOX);
+    return !box || box.value === text;
+  };
+}
+
+// A list (the frontend's select) shows `value`; true when the page shows no list.
+function showsChoice(value) {
+  return (el) => {
+    const labels = [...el.querySelectorAll(".p-select-label")];
+    return !labels.length || labels.some((l) => l.textContent.trim() === String(value));
+  };
+}
+
+// The first choice of Load Video's and Load Image's file lists (nodes/image_input.py): no file, so nothing to
+// preview.
+const TEST_PATTERN = "(test pattern)";
+
+// A node with an upload button (Load Video, Load Image): the file the upload picks is drawn on 1.27's Nodes 2.0.
+// The upload there passes the list of uploaded files to the callback, which that renderer keeps as the value it
+// draws (no choice matches a list): the file the widget now holds is passed once more, as a choice is.
+// Newer frontends preview the chosen file under Nodes 2.0 and showed "Video failed to load" for the test
+// pattern (no such file): the node's previews are hidden while its list holds the test pattern or nothing.
+function watchUploads(node) {
+  if (!node.widgets?.some((w) => w.type === "button")) return;
+  const lists = node.widgets.filter((x) => x.type === "combo");
+  Object.defineProperty(node, "hideOutputImages", {
+    configurable: true,
+    get: () => lists.some((w) => !w.value || w.value === TEST_PATTERN),
+    set: () => {},
+  });
+  for (const w of lists) {
+    const previous = w.callback;
+    w.callback = function (value) {
+      const out = previous?.apply(this, arguments);
+      if (window.LiteGraph?.vueNodesMode && Array.isArray(value) && typeof w.value === "string") {
+        setTimeout(() => w.callback?.(w.value), 0);
+      } else redrawIfStale(node, showsChoice(w.value));
+      return out;
+    };
+  }
+}
+
 function oldBox(node, text) {
-  const before = minHeight(node);
-  const widgets = node.widgets?.length ?? 0;
+  const vue = !!window.LiteGraph?.vueNodesMode; // that renderer sizes a node from what it holds
+  const before = vue ? 0 : minHeight(node);
   let box = node.widgets?.find((w) => w.name === OLD_BOX);
   if (!box) {
-    const make = window.comfyAPI?.widgets?.ComfyWidgets;
-    if (!text || !make?.STRING) return;
-    box = make.STRING(node, OLD_BOX, ["STRING", { multiline: true }], app).widget;
-    box.label = LABEL;
-    box.serialize = false; // shown, never saved into the workflow's widget values ...
-    box.options = {
-      ...(box.options || {}),
-      serialize: false, // ... nor sent as an input
-      read_only: true,
-      getMinHeight: () => fitHeight(box.value, node.size[0], 6.6, 12, 36),
-      getMaxHeight: () => fitHeight(box.value, node.size[0], 6.6, 12, 36), // no share of the node's rest
-    };
-    const el = box.element ?? box.inputEl;
-    if (el) {
-      el.readOnly = true;
-      el.placeholder = LABEL;
-      el.style.opacity = 0.85;
-    }
+    if (!text) return;
+    box = makeOldBox(node);
+    if (!box) return;
   }
   box.value = text;
-  grow(node, before, text, (node.widgets?.length ?? 0) - widgets);
+  box.hidden = !text;
+  box.callback?.(text); // how Nodes 2.0 (1.27) hears of it; the box has no callback of its own
+  if (vue) redrawIfStale(node, showsText(text));
+  else grow(node, before, text, 0);
 }
 
 app.registerExtension({
@@ -144,6 +233,8 @@ app.registerExtension({
     if (!node?.comfyClass?.startsWith?.("LingBot") || !node.size) return;
     const width = fitWidth(node);
     if (width > node.size[0]) node.setSize?.([width, node.size[1]]);
+    if (TEXT_NODES.has(node.comfyClass) && !hostPreview()) makeOldBox(node);
+    watchUploads(node);
   },
   async beforeRegisterNodeDef(nodeType, nodeData) {
     if (!nodeData?.name?.startsWith("LingBot")) return;
@@ -152,8 +243,8 @@ app.registerExtension({
       previous?.apply(this, arguments);
       if (!message || !("text" in message)) return;
       const text = joined(message.text);
-      const preview = window.comfyAPI?.textPreviewWidgets;
-      if (preview?.addTextPreviewWidgets && preview?.updateTextPreviewWidgets) hostBox(this, preview, text);
+      const preview = hostPreview();
+      if (preview) hostBox(this, preview, text);
       else oldBox(this, text);
     };
   },
