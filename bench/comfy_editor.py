@@ -200,13 +200,15 @@ def check_templates(page, shots: Path, pack: str) -> None:
     record(dismiss_dialogs(page), "the template browser closes (Escape)")
 
 
-# The loaded graph panned across at 85 % (full detail in every renderer), so that each node is drawn once.
+# The loaded graph panned across at 85 % (full detail in every renderer), so that each node is drawn once; after
+# the frontend's own fit of a loaded graph to the view (a wide one at 40 % or less: titles only under Nodes 2.0).
 SHOW_ALL = """async () => {
+  await new Promise((r) => setTimeout(r, 600));
   const c = window.app.canvas, nodes = window.app.graph._nodes;
   const left = Math.min(...nodes.map((n) => n.pos[0])), right = Math.max(...nodes.map((n) => n.pos[0] + n.size[0]));
   const top = Math.min(...nodes.map((n) => n.pos[1]));
-  c.ds.scale = 0.85;
   for (let x = left - 40; x < right; x += 1200) {
+    c.ds.scale = 0.85;
     c.ds.offset = [-x, -top + 80];
     c.setDirty(true, true);
     await new Promise((r) => setTimeout(r, 900));
@@ -823,7 +825,7 @@ SHOWS_FILE = """([id, name]) => {
 BROKEN_PREVIEW = """(id) => {
   const el = [...document.querySelectorAll(`[data-node-id="${id}"]`)].find((e) => e.getBoundingClientRect().width > 2);
   if (!el) return null;
-  const text = (el.innerText || '').match(/[^\n]*(failed to load|error loading)[^\n]*/i);
+  const text = (el.innerText || '').match(/[^\\n]*(failed to load|error loading)[^\\n]*/i);
   const image = [...el.querySelectorAll('img')].some((i) => i.complete && i.naturalWidth === 0);
   return text ? text[0].trim().slice(0, 80) : (image ? 'an image that did not load' : false);  // one line of it
 }"""
