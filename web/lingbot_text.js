@@ -9,6 +9,8 @@
 //   is added to the graph, and never draws a widget added later.
 // Every run of a LingBot node sends its text, empty when it has nothing to say, so a notice of an earlier
 // run is cleared. The box only ever grows its node: the user's widgets keep the height they had.
+// Load Video's and Load Image's upload lists: the test pattern is not previewed as a missing file, and on
+// 1.27's Nodes 2.0 the file an upload picks is drawn (below).
 import { app } from "../../scripts/app.js";
 
 const LABEL = "LingBot notes";
