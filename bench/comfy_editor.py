@@ -11,7 +11,7 @@ Needs `pip install playwright` (the browser is the system's Chromium; Playwright
 and a running ComfyUI with this pack in `custom_nodes/` (`bench/comfy_e2e.py` starts and checks one over the
 API). What it checks, printed as PASS/FAIL, with screenshots in SHOTS_DIR to look at:
 - the pack's templates appear in the template browser with their thumbnails loaded, each card titled by its
-  workflow's title (workflows/build.py's registry; the browser takes it from the file name) and not cut;
+  workflow's title (the registry nodes/shipped.py; the browser takes it from the file name) and not cut;
 - every shipped UI workflow (`workflows/<title>.json`) loads with no unknown node type, keeps every widget value
   (a value that no longer fits its widget shifts or resets), converts to the same prompt as its API twin
   in `workflows/api/` (what the editor would queue is what the API tests run), and no node lies over another
@@ -61,12 +61,14 @@ PREFIX = ""  # "[frontend renderer] ", put before every check's name
 
 
 def shipped() -> dict:
-    """The shipped workflows' registry (workflows/build.py): short name -> title, editor file, API file."""
+    """The shipped workflows' registry (nodes/shipped.py): short name -> title, editor file, API file."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from workflows import build
+    from nodes import shipped
 
-    return {name: (spec["title"], build.ui_path(name), build.api_path(name)) for name, spec in build.WORKFLOWS.items()}
+    folder = ROOT / "workflows"
+    return {name: (entry.title, shipped.ui_path(folder, name), shipped.api_path(folder, name))
+            for name, entry in shipped.SHIPPED.items()}
 
 
 FRONTEND = ("", "")  # the frontend version and renderer the page runs (set per renderer)

@@ -20,17 +20,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from .shipped import ALIASES
+
 HERE = Path(__file__).resolve().parent
 # An installed wheel carries the workflows inside the package (lingbot_nodes/workflows); a source
 # checkout (editable install, ComfyUI's custom_nodes) has them beside nodes/.
 WORKFLOW_DIRS = (HERE / "workflows", HERE.parent / "workflows")
-SHORT_NAMES = {"t2v": "lingbot_t2v_dense", "t2i": "lingbot_t2i_dense", "ti2v": "lingbot_ti2v_dense",
-               "v2v": "lingbot_v2v_dense", "extend": "lingbot_extend_dense",
-               "moe": "lingbot_t2v_moe_refine", "refine": "lingbot_t2v_moe_refine",
-               "t2v-files": "lingbot_t2v_dense_files", "moe-gguf": "lingbot_t2v_moe_gguf_lightlingbot4",
-               "moe-gguf-refine": "lingbot_t2v_moe_gguf_refine",
-               "t2v-rewrite": "lingbot_t2v_dense_rewrite", "ti2v-rewrite": "lingbot_ti2v_dense_rewrite",
-               "moe-dmd8": "lingbot_t2v_moe_dmd8", "ti2v-moe-dmd8": "lingbot_ti2v_moe_dmd8"}
+SHORT_NAMES = ALIASES  # `t2v` -> `lingbot_t2v_dense` (the registry of shipped workflows, `shipped.py`)
 # --flag -> the LingBot Loader (files) input it sets on every such node
 FILE_FLAGS = {"dit": "dit_path", "refiner": "refiner_path", "vae": "vae_path", "text_encoder": "text_encoder_path",
               "processor": "processor_path"}

@@ -53,6 +53,27 @@ def test_template_titles_are_distinct_file_names_with_their_thumbnails():
     assert build.stale_thumbnails() == []  # redraw: python workflows/build.py
 
 
+def test_one_registry_names_the_shipped_workflows_for_the_builder_the_cli_and_the_editor_check():
+    """`nodes/shipped.py` is the one list: the builder's specs are its entries, every alias the CLI takes
+    and every title reach the same API file, and the editor check pairs the same files."""
+    import sys
+
+    from lingbot_nodes import shipped
+    from lingbot_nodes.cli import resolve_workflow
+
+    assert set(build.WORKFLOWS) == set(shipped.SHIPPED)
+    for name, entry in shipped.SHIPPED.items():
+        assert build.WORKFLOWS[name]["title"] == entry.title and build.api_path(name).is_file()
+        assert resolve_workflow(name) == build.api_path(name)
+        for alias in entry.aliases:
+            assert resolve_workflow(alias) == build.api_path(name), alias
+    sys.path.insert(0, str(ROOT.parent))
+    from bench.comfy_editor import shipped as editor_pairs
+
+    assert editor_pairs() == {name: (entry.title, build.ui_path(name), build.api_path(name))
+                              for name, entry in shipped.SHIPPED.items()}
+
+
 @pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
 def test_ui_file_structure(path):
     ui = json.loads(path.read_text())

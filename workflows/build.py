@@ -7,7 +7,7 @@ each UI file gives exactly the shipped API file, and that the files are current:
     python workflows/build.py          # rewrite (and redraw the stale template thumbnails)
     python workflows/build.py --check  # exit 1 if a file or thumbnail would change
 
-The editor files are named by the titles ComfyUI's template browser shows (`WORKFLOWS[name]["title"]`);
+The editor files are named by the titles ComfyUI's template browser shows (the registry `nodes/shipped.py`);
 the API files keep the short names (`api/<name>.json`).
 """
 
@@ -23,8 +23,9 @@ sys.path.insert(0, str(HERE.parent))
 
 from bench.recipes import note_figures  # noqa: E402
 from lingbot_core.workflow.nodeinfo import InputSpec, NodeClassInfo  # noqa: E402
-from nodes import NODE_CLASS_MAPPINGS  # noqa: E402
+from nodes import NODE_CLASS_MAPPINGS, shipped  # noqa: E402
 from nodes.image_input import TEST_PATTERN  # noqa: E402
+from nodes.shipped import SHIPPED  # noqa: E402
 
 # The shipped example captions, each in the reference's prompt-file shape ({"caption": ..., "duration": ...}) and
 # passing the pack's caption check (tests/test_caption_shapes.py): video for T2V/V2V, the model's image shape
@@ -193,21 +194,16 @@ def rewrite_node(node_id: int, prose: str, task: str, links: dict) -> tuple:
                                                        temperature=0.0, seed=0, auto_negative=False), links)
 
 
-# Titles a Note names (the title the browser shows), each the title of its own entry below.
-GGUF_REFINE = "Text to video · MoE GGUF + refiner"
-MOE_DMD8_T2V = "Text to video · MoE DMD 8 steps"
-MOE_DMD8_TI2V = "Image to video · MoE DMD 8 steps"
+# Titles a Note names (the title the browser shows)
+GGUF_REFINE = SHIPPED["lingbot_t2v_moe_gguf_refine"].title
+MOE_DMD8_T2V = SHIPPED["lingbot_t2v_moe_dmd8"].title
+MOE_DMD8_TI2V = SHIPPED["lingbot_ti2v_moe_dmd8"].title
 
-# The registry of the shipped workflows. Each key is the workflow's short name: its API file is
-# `api/<name>.json` (what `lingbot-run` and scripts use). Its `title` is what ComfyUI's template browser
-# shows, and both frontends (1.27, 1.5x) take a custom pack's template title from the file name and nothing
-# else, so the editor file is `<title>.json` with its thumbnail `<title>.jpg`; the `summary` is drawn on the
-# thumbnail (the browser has no description for a pack's template). Nodes: (id, class, title, widgets,
-# links {input: (source id, output slot)}).
+# Each shipped workflow's spec, by its name in the registry `nodes/shipped.py` (which gives its title, the
+# editor file's name, and its summary, drawn on the thumbnail; both are added to the spec below). Nodes: (id,
+# class, title, widgets, links {input: (source id, output slot)}).
 WORKFLOWS = {
     "lingbot_t2v_dense": dict(
-        title="Text to video · dense 1.3B",
-        summary="The basic graph: a structured caption to a video.",
         note=NOTE.format(size="480x832 (H x W) and 121 frames", offload=DENSE_OFFLOAD),
         nodes=[
             loader(),
@@ -220,8 +216,6 @@ WORKFLOWS = {
         ],
     ),
     "lingbot_t2i_dense": dict(
-        title="Text to image · dense 1.3B",
-        summary="One frame from an image caption (the model's own still-image shape).",
         note=NOTE.format(size="480x832 (H x W), 1 frame,", offload=DENSE_OFFLOAD),
         nodes=[
             loader(),
@@ -235,8 +229,6 @@ WORKFLOWS = {
         ],
     ),
     "lingbot_ti2v_dense": dict(
-        title="Image to video · dense 1.3B",
-        summary="Your first frame in Load Image, and a caption, to a video.",
         note=NOTE.format(size="480x832 (H x W) and 121 frames", offload=DENSE_OFFLOAD) +
         " Load your own first frame in Load Image.",
         nodes=[
@@ -253,8 +245,6 @@ WORKFLOWS = {
         ],
     ),
     "lingbot_v2v_dense": dict(
-        title="Video to video · dense 1.3B",
-        summary="Restyle a clip: Load Video, then Denoise at strength 0.6.",
         note=NOTE.format(size="480x832 (H x W) and 121 frames", offload=DENSE_OFFLOAD) +
         " Video-to-video: choose or upload your clip in Load Video's path (ComfyUI's input folder; "
         "(test pattern): a built-in drifting test pattern); set Load Video's frame_count to Denoise's frames. Denoise's denoise is "
@@ -274,8 +264,6 @@ WORKFLOWS = {
         ],
     ),
     "lingbot_extend_dense": dict(
-        title="Extend a video · dense 1.3B",
-        summary="Load Video, then Extend Video continues it for 3 segments.",
         note=NOTE.format(size="480x832 (H x W) and 121 frames", offload=DENSE_OFFLOAD) +
         " Extension: Load Video gives the clip to continue ((test pattern): a built-in drifting test pattern; set its "
         "width and height to the video size). Extend Video adds `segments` segments of `frames` frames, each "
@@ -296,8 +284,6 @@ WORKFLOWS = {
         ],
     ),
     "lingbot_t2v_moe_refine": dict(
-        title="Text to video · MoE 30B + refiner",
-        summary="The 30B-A3B MoE base pass, then its refiner up to 1920x1088.",
         note=NOTE.format(size="480x832 (H x W) and 121 frames, refined to 1088x1920,", offload=MOE_OFFLOAD) +
         " Refine drops the base DiT before the refiner loads (the text encoder and VAE stay shared); Memory Report "
         "shows where everything lives.",
@@ -316,8 +302,6 @@ WORKFLOWS = {
         ],
     ),
     "lingbot_t2v_dense_dmd8": dict(
-        title="Text to video · dense DMD 8 steps",
-        summary="A dense DMD student DiT (none is published yet): 8 steps, cfg 1.",
         note=profile_note("DMD 8-step", "No dense DMD student is published: the only one is "
                           f"{STUDENT_RELEASE} (the templates {MOE_DMD8_T2V} / {MOE_DMD8_TI2V}). This "
                           "workflow is for a dense student of your own: load the dense base checkpoint in the "
@@ -336,21 +320,15 @@ WORKFLOWS = {
         ],
     ),
     "lingbot_t2v_moe_dmd8": dict(
-        title=MOE_DMD8_T2V,
-        summary="The MoE DMD student release (a whole model root): 8 steps, cfg 1.",
         note=profile_note("DMD 8-step", STUDENT_HOW),
         nodes=student_nodes("t2v", "lingbot/t2v_moe_dmd8"),
     ),
     "lingbot_ti2v_moe_dmd8": dict(
-        title=MOE_DMD8_TI2V,
-        summary="The MoE DMD student from your first frame: 8 steps, cfg 1.",
         note=profile_note("DMD 8-step", STUDENT_HOW) + " Load your own first frame in Load Image. To refine "
         "a TI2V result, give Refine text-only conditioning and this image as its first_frame.",
         nodes=student_nodes("ti2v", "lingbot/ti2v_moe_dmd8"),
     ),
     "lingbot_t2v_moe_lightlingbot4": dict(
-        title="Text to video · MoE 4-step LoRA",
-        summary="The MoE with the LightLingBot LoRA: 4 steps, cfg 1.",
         note=profile_note("LightLingBot 4-step", "For real output pick the MoE checkpoint in the Loader and "
                           "lightlingbot_video_moe30b_4steps_rank128_v2.safetensors (from models/loras) in LoRA at "
                           "strength 1.0, then use 480x832 and 121 frames; the LoRA needs plain (bf16) DiT weights "
@@ -376,8 +354,6 @@ WORKFLOWS = {
         ],
     ),
     "lingbot_t2v_dense_files": dict(
-        title="Text to video · dense single files",
-        summary="The dense model from single files in ComfyUI's model folders (Loader (files)).",
         note=FILES_NOTE.format(dit="the dense 1.3B DiT, models/diffusion_models",
                                how="Then use 480x832 (H x W), 121 frames, 40 steps. " + DENSE_OFFLOAD),
         nodes=[
@@ -391,8 +367,6 @@ WORKFLOWS = {
         ],
     ),
     "lingbot_t2v_moe_gguf_lightlingbot4": dict(
-        title="Text to video · MoE GGUF 4-step LoRA",
-        summary="A MoE GGUF file with the LightLingBot LoRA, from single files: 4 steps, cfg 1.",
         note=FILES_NOTE.format(dit="a MoE GGUF such as a Q4_K_M or Q3_K_M file, models/diffusion_models",
                                how=profile_note("LightLingBot 4-step", "Pick "
                                                 "lightlingbot_video_moe30b_4steps_rank128_v2.safetensors (models/loras) "
@@ -416,8 +390,6 @@ WORKFLOWS = {
         ],
     ),
     "lingbot_t2v_moe_gguf_refine": dict(
-        title=GGUF_REFINE,
-        summary="A MoE GGUF base file and a refiner file, refined up to 1920x1088, with a Memory Report.",
         note=FILES_NOTE.format(dit="the MoE base DiT as a GGUF, e.g. a Q4_K_M or Q3_K_M file, models/diffusion_models",
                                how="Pick the MoE refiner DiT as a second file in refiner (the same folder; a GGUF "
                                    "from python -m lingbot_core.quantize of the MoE folder, or a community one). "
@@ -440,8 +412,6 @@ WORKFLOWS = {
         ],
     ),
     "lingbot_t2v_dense_rewrite": dict(
-        title="Text to video · dense + Rewrite",
-        summary="Plain words in Rewrite become the caption Text Encode reads.",
         note=REWRITE_NOTE.format(size="480x832 (H x W) and 121 frames", offload=DENSE_OFFLOAD),
         nodes=[
             loader(),
@@ -456,8 +426,6 @@ WORKFLOWS = {
         ],
     ),
     "lingbot_ti2v_dense_rewrite": dict(
-        title="Image to video · dense + Rewrite",
-        summary="Plain words and your first frame: Rewrite writes the caption.",
         note=REWRITE_NOTE.format(size="480x832 (H x W) and 121 frames", offload=DENSE_OFFLOAD) +
         " Load your own first frame in Load Image: the Rewrite looks at it too.",
         nodes=[
@@ -475,6 +443,13 @@ WORKFLOWS = {
         ],
     ),
 }
+
+
+
+for _name, _spec in WORKFLOWS.items():  # the registry's title and summary, read here like the rest of a spec
+    _spec.update(title=SHIPPED[_name].title, summary=SHIPPED[_name].summary)
+if set(WORKFLOWS) != set(SHIPPED):
+    raise SystemExit(f"workflows/build.py and nodes/shipped.py name different workflows: {set(WORKFLOWS) ^ set(SHIPPED)}")
 
 
 def _info(class_type: str) -> NodeClassInfo:
@@ -576,11 +551,11 @@ def to_ui(nodes: list, note: str) -> dict:
 
 def ui_path(name: str) -> Path:
     """The editor file of a shipped workflow: named by its title, which the template browser shows."""
-    return HERE / f"{WORKFLOWS[name]['title']}.json"
+    return shipped.ui_path(HERE, name)
 
 
 def api_path(name: str) -> Path:
-    return HERE / "api" / f"{name}.json"
+    return shipped.api_path(HERE, name)
 
 
 def thumbnail_path(name: str) -> Path:
