@@ -1,4 +1,4 @@
-"""The README's workflow and node tables list exactly what ships: every workflow of `workflows/build.py`'s
+"""The README's workflow and node tables list exactly what ships: every workflow of the shipped-workflow
 registry (by its template title, with a name `lingbot-run` takes) and every node of the registry, by its
 display name."""
 
