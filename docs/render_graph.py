@@ -238,7 +238,7 @@ def render(workflow: Path, out: Path, caption: tuple[str, str] | None = None) ->
 
 
 def shipped_ui(name: str) -> Path:
-    """A shipped workflow's editor file, named by its template title (the registry nodes/shipped.py)."""
+    """A shipped workflow's editor file, named by its template title (workflows/build.py's registry)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("workflows_build", ROOT / "workflows" / "build.py")
