@@ -61,7 +61,7 @@ def test_checkpoints_come_only_from_comfyuis_folders_not_the_working_directory(c
 # -- paths in messages ---------------------------------------------------------------------------------
 
 def test_messages_name_comfyuis_folders_not_the_servers_paths(comfy):
-    from lingbot_nodes.paths import paths_shown_in, server_paths_hidden, shown_path
+    from lingbot_nodes.runtime import paths_shown_in, server_paths_hidden, shown_path
 
     ckpt = comfy.models / "lingbot_video" / "mine"
     assert shown_path(ckpt / "model_index.json") == "models/lingbot_video/mine/model_index.json"
@@ -91,7 +91,7 @@ def test_a_stage_node_names_comfyuis_folders_in_a_lazy_loads_error(comfy):
 
 
 def test_headless_messages_keep_the_users_own_paths(tmp_path):
-    from lingbot_nodes.paths import paths_shown_in, server_paths_hidden, shown_path
+    from lingbot_nodes.runtime import paths_shown_in, server_paths_hidden, shown_path
 
     assert shown_path(tmp_path / "x") == str(tmp_path / "x")
     assert paths_shown_in(f"at {tmp_path}") == f"at {tmp_path}"
@@ -288,23 +288,28 @@ def test_each_template_thumbnail_carries_its_own_title_in_its_tasks_colour():
 def test_a_workflow_saved_with_the_upload_button_still_loads_headless(tmp_path):
     """The editor saves the upload button's value after the combo's (["cat.png", "image"]); workflows
     saved before the combo hold only the path. Both load, to the same `path` input."""
+    for values, expected in (([""], ""), (["cat.png", "image"], "cat.png")):
+        prompt = _saved_with(tmp_path, "lingbot_ti2v_dense", "LingBotLoadImage", values)
+        assert [n["inputs"] for n in prompt.nodes.values() if n["class_type"] == "LingBotLoadImage"] == \
+            [{"path": expected}]
+
+
+def _saved_with(tmp_path, workflow: str, node_type: str, values: list):
+    """Shipped editor file `workflow` with every `node_type` node's saved widget values set to `values`,
+    written and loaded back headless as ComfyUI's editor would send it."""
     import json
 
     from lingbot_core.workflow import load_workflow
     from lingbot_nodes import NODE_DISPLAY_NAME_MAPPINGS
     from workflows import build
 
-    shipped = build.ui_path("lingbot_ti2v_dense")
-    data = json.loads(shipped.read_text(encoding="utf-8"))
-    for values, expected in (([""], ""), (["cat.png", "image"], "cat.png")):
-        for node in data["nodes"]:
-            if node["type"] == "LingBotLoadImage":
-                node["widgets_values"] = values
-        saved = tmp_path / "saved.json"
-        saved.write_text(json.dumps(data), encoding="utf-8")
-        prompt = load_workflow(saved, NODE_CLASS_MAPPINGS, display_names=NODE_DISPLAY_NAME_MAPPINGS)
-        assert [n["inputs"] for n in prompt.nodes.values() if n["class_type"] == "LingBotLoadImage"] == \
-            [{"path": expected}]
+    data = json.loads(build.ui_path(workflow).read_text(encoding="utf-8"))
+    for node in data["nodes"]:
+        if node["type"] == node_type:
+            node["widgets_values"] = values
+    saved = tmp_path / "saved.json"
+    saved.write_text(json.dumps(data), encoding="utf-8")
+    return load_workflow(saved, NODE_CLASS_MAPPINGS, display_names=NODE_DISPLAY_NAME_MAPPINGS)
 
 
 # -- Load Video: ComfyUI's video upload combo -----------------------------------------------------------
@@ -345,25 +350,13 @@ def test_a_v2v_workflow_saved_before_the_video_combo_still_loads_and_validates(t
     """Workflows saved with Load Video's typed path (['', 0, 9, ...]) and ones saved with the upload
     button's value (the editor adds the button as the last required input, so its value comes after the
     last widget's: [clip, 0, 9, ..., 'image']) both load headless to the same `path`, and pass validation."""
-    import json
-
     from lingbot_core.video import save_mp4
-    from lingbot_core.workflow import Engine, load_workflow
-    from lingbot_nodes import NODE_DISPLAY_NAME_MAPPINGS
+    from lingbot_core.workflow import Engine
 
     clip = str(save_mp4(torch.rand(5, 16, 16, 3), tmp_path / "clip.mp4"))
-    from workflows import build
-
-    shipped = build.ui_path("lingbot_v2v_dense")
-    data = json.loads(shipped.read_text(encoding="utf-8"))
     rest = [0, 9, 1, 64, 64]
     for values, expected in (([""] + rest, ""), ([clip] + rest, clip), ([clip] + rest + ["image"], clip)):
-        for node in data["nodes"]:
-            if node["type"] == "LingBotLoadVideo":
-                node["widgets_values"] = values
-        saved = tmp_path / "saved.json"
-        saved.write_text(json.dumps(data), encoding="utf-8")
-        prompt = load_workflow(saved, NODE_CLASS_MAPPINGS, display_names=NODE_DISPLAY_NAME_MAPPINGS)
+        prompt = _saved_with(tmp_path, "lingbot_v2v_dense", "LingBotLoadVideo", values)
         [inputs] = [n["inputs"] for n in prompt.nodes.values() if n["class_type"] == "LingBotLoadVideo"]
         assert inputs == dict(path=expected, start_frame=0, frame_count=9, stride=1, width=64, height=64)
         assert Engine(NODE_CLASS_MAPPINGS).validate(prompt)
