@@ -218,7 +218,7 @@ class LingBotLoaderFiles(io.ComfyNode):
         from lingbot_core.interrupt import interrupt_checker
 
         # opening reads headers and builds shape skeletons: a cancel (ComfyUI's /interrupt) stops it
-        with interrupt_checker(runtime.interrupt_check()), paths.server_paths_hidden():  # ComfyUI's folders named
+        with interrupt_checker(runtime.interrupt_check()), runtime.server_paths_hidden():  # ComfyUI's folders named
             if processor is None and not any(chosen.values()):  # everything from the checkpoint folder
                 handle = PipelineHandle.open(folder, **options)
             else:

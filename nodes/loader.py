@@ -116,7 +116,7 @@ def resolve_checkpoint(choice: str, path: str = "") -> Path:
         paths.check_folder_files_inside(folder, "checkpoint", ("processor", "tokenizer"))  # the processor reads them
         return folder
     raise ValueError(f"checkpoint {choice!r} not found under "
-                     f"{', '.join(paths.shown_path(root) for root in runtime.model_roots())}")
+                     f"{', '.join(runtime.shown_path(root) for root in runtime.model_roots())}")
 
 
 def resolve_student(path: str = "") -> Path | None:
@@ -189,11 +189,11 @@ class LingBotLoader(io.ComfyNode):
         from lingbot_core.notices import cpu_notice
 
         # header reads and shape skeletons see /interrupt; a checkpoint's problem names ComfyUI's folders
-        with interrupt_checker(runtime.interrupt_check()), paths.server_paths_hidden():
+        with interrupt_checker(runtime.interrupt_check()), runtime.server_paths_hidden():
             handle = PipelineHandle.open(folder, device=runtime.execution_device(device),
                                          transformer_folder=resolve_student(transformer_path), **chosen)
         if variant != "auto" and handle.variant != variant:
-            raise ValueError(f"{paths.shown_path(folder)} is a {handle.variant} checkpoint, but the loader asks for "
+            raise ValueError(f"{runtime.shown_path(folder)} is a {handle.variant} checkpoint, but the loader asks for "
                              f"{variant}")
         runtime.install_memory_cooperation(handle)
         return io.NodeOutput(handle, ui=on_node(cpu_notice(handle.shared.info, handle.device)))

@@ -58,7 +58,7 @@ def resolve_lora(name: str, path: str = "") -> Path | None:
         candidate = root / name
         if candidate.is_file() and _inside(candidate, [root]):
             return candidate
-    from .paths import shown_path
+    from .runtime import shown_path
 
     raise ValueError(f"LoRA {name!r} not found under {', '.join(shown_path(root) for root in roots)}")
 
@@ -106,7 +106,7 @@ class LingBotLoRA(io.ComfyNode):
                       "here (LightLingBot 4-step: lightlingbot_video_moe30b_4steps_rank128_v1.safetensors from "
                       "lightx2v/LightLingBot-Video in models/loras)") if is_real_size(info) else None
             return io.NodeOutput(pipe, ui=on_node(notice))
-        from .paths import server_paths_hidden
+        from .runtime import server_paths_hidden
 
         with server_paths_hidden():  # a bad file's message names ComfyUI's loras folder, not the server's layout
             return io.NodeOutput(lora_ops.with_lora(pipe, file, float(strength), apply_to=apply_to))

@@ -160,10 +160,6 @@ def input_videos() -> list[str]:
     return [name for name in names if (mimetypes.guess_type(name, strict=False)[0] or "").startswith("video/")]
 
 
-# -- paths in messages: runtime.shown_path / paths_shown_in / server_paths_hidden (node_work uses them) -----
-
-shown_path, paths_shown_in, server_paths_hidden = runtime.shown_path, runtime.paths_shown_in, runtime.server_paths_hidden
-
 
 # -- checkpoints -----------------------------------------------------------------------------------
 
@@ -231,4 +227,4 @@ def check_folder_files_inside(folder: Path, what: str, subs: tuple[str, ...] = P
 
 
 __all__ = ["ANY_MODEL_PATH_ENV", "check_folder_files_inside", "check_save_prefix", "checkpoint_path", "image_path", "input_images", "input_videos",
-           "model_folders", "paths_shown_in", "save_target", "server_paths_hidden", "shown_path"]
+           "model_folders", "save_target"]

@@ -532,7 +532,7 @@ def install_memory_cooperation(handle: Any) -> Any:
 GiB = 1024 ** 3
 
 
-def dynamic_vram_headroom(mm=None) -> int:
+def dynamic_vram_headroom() -> int:
     """Bytes ComfyUI's dynamic VRAM (comfy-aimdo) keeps free when it is on (`--vram-headroom`, GB): our
     allocations taking them would only make it page ComfyUI's weights out again. 0 when it is off."""
     memory_management = _comfy("comfy.memory_management")
@@ -562,4 +562,4 @@ def comfy_free_bytes(device) -> int:
             free = None
     if free is None:
         free = free_accelerator_bytes(device)
-    return max(free - dynamic_vram_headroom(mm), 0)
+    return max(free - dynamic_vram_headroom(), 0)
