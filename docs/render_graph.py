@@ -43,21 +43,22 @@ def font(size: int, bold: bool = False) -> ImageFont.ImageFont:
     return ImageFont.load_default()
 
 
+UPLOAD_LABEL = "choose file to upload"  # the editor's upload button, drawn as a button
+
+
 def widget_names(class_type: str) -> list[str]:
-    """Widget names in the order the editor saves their values (a seed adds its control widget)."""
+    """A label for each position of the node's saved widgets_values, in the converter's layout: the
+    widget's name, a seed's control widget, an upload button."""
+    from lingbot_core.workflow.convert import CONTROL, UPLOAD, saved_widget_slots
     from lingbot_core.workflow.nodeinfo import NodeClassInfo
     from lingbot_nodes import NODE_CLASS_MAPPINGS
 
     cls = NODE_CLASS_MAPPINGS.get(class_type)
     if cls is None:
         return []
-    names = []
-    for spec in NodeClassInfo(class_type, cls).visible_inputs():
-        if spec.is_widget:
-            names.append(spec.name)
-            if spec.has_control_widget:
-                names.append("control after generate")
-    return names
+    labels = {CONTROL: "control after generate", UPLOAD: UPLOAD_LABEL}
+    return [slot.spec.name if slot.spec is not None else labels[slot.ui_only]
+            for slot in saved_widget_slots(NodeClassInfo(class_type, cls).visible_inputs())]
 
 
 THUMBNAIL_SIZE = 512  # square: the template browser's cards are square in both frontends (1.27, 1.5x)
@@ -219,6 +220,10 @@ def render(workflow: Path, out: Path, caption: tuple[str, str] | None = None) ->
                 break
             draw.rounded_rectangle([p(x + 10, wy), p(x + w - 10, wy + WIDGET_H)], radius=int(10 * SCALE),
                                    fill=WIDGET_BG, outline=(70, 70, 70))
+            if name == UPLOAD_LABEL:  # a button: its label in the middle, no value
+                lw = draw.textlength(name, font=f_small) / SCALE
+                draw.text(p(x + (w - lw) / 2, wy + 3), name, font=f_small, fill=TEXT)
+                continue
             draw.text(p(x + 20, wy + 3), name, font=f_small, fill=DIM if name in linked else DIM)
             text = shown(value, 26 if len(name) < 12 else 16)
             tw = draw.textlength(text, font=f_small) / SCALE
@@ -238,13 +243,10 @@ def render(workflow: Path, out: Path, caption: tuple[str, str] | None = None) ->
 
 
 def shipped_ui(name: str) -> Path:
-    """A shipped workflow's editor file, named by its template title (workflows/build.py's registry)."""
-    import importlib.util
+    """A shipped workflow's editor file, named by its template title (the registry nodes/shipped.py)."""
+    from lingbot_nodes import shipped
 
-    spec = importlib.util.spec_from_file_location("workflows_build", ROOT / "workflows" / "build.py")
-    build = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(build)
-    return build.ui_path(name)
+    return shipped.ui_path(ROOT / "workflows", name)
 
 
 if __name__ == "__main__":

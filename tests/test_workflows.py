@@ -33,6 +33,36 @@ def test_ui_file_converts_to_exactly_the_shipped_api_file(name):
     assert ui_to_api(ui, NODE_CLASS_MAPPINGS, display_names=NODE_DISPLAY_NAME_MAPPINGS) == api
 
 
+class _UploadBeforeOptional:
+    """An upload button on a node with a seed after it and optional widgets after the required ones: the
+    frontend saves the button's value after the last required widget, before the optional ones."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"path": (["a.png", "b.png"], {"image_upload": True}),
+                             "seed": ("INT", {"default": 0, "control_after_generate": True}),
+                             "count": ("INT", {"default": 1})},
+                "optional": {"strength": ("FLOAT", {"default": 0.5}), "label": ("STRING", {"default": "x"})}}
+
+    RETURN_TYPES = ("IMAGE",)
+    FUNCTION = "run"
+
+
+def test_writer_and_reader_share_the_saved_widget_layout(monkeypatch):
+    """build.py writes an upload node's widgets_values where the converter reads them: the editor file it
+    writes converts back to the API node it writes, and the upload value sits after the last required widget."""
+    from lingbot_core.workflow.convert import UPLOAD_VALUE
+
+    monkeypatch.setitem(build.NODE_CLASS_MAPPINGS, "UploadBeforeOptional", _UploadBeforeOptional)
+    widgets = dict(path="b.png", seed=7, count=3, strength=0.25, label="y")
+    nodes = [(1, "UploadBeforeOptional", "Upload", widgets, {})]
+    ui = build.to_ui(nodes, "note")
+    saved = next(n for n in ui["nodes"] if n["id"] == 1)["widgets_values"]
+    assert saved == ["b.png", 7, build.SEED_CONTROL, 3, UPLOAD_VALUE, 0.25, "y"]
+    registry = {"UploadBeforeOptional": _UploadBeforeOptional}
+    assert ui_to_api(ui, registry) == build.to_api(nodes)
+
+
 # Characters a file name cannot hold on Windows, macOS or Linux, or that a URL path would change
 FILE_NAME_FORBIDDEN = set('<>:"/\\|?*#%') | {chr(c) for c in range(32)}
 TITLE_MAX = 36  # what frontend 1.5x's one-line card title shows whole at a 1600 px wide window

@@ -22,6 +22,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from bench.recipes import note_figures  # noqa: E402
+from lingbot_core.workflow.convert import CONTROL, UPLOAD_VALUE, WidgetSlot, saved_widget_slots  # noqa: E402
 from lingbot_core.workflow.nodeinfo import InputSpec, NodeClassInfo  # noqa: E402
 from nodes import NODE_CLASS_MAPPINGS, shipped  # noqa: E402
 from nodes.image_input import TEST_PATTERN  # noqa: E402
@@ -471,6 +472,18 @@ def _widget_value(widgets: dict, spec: InputSpec):
     return choices[0] if choices else None
 
 
+SEED_CONTROL = "fixed"  # a shipped seed stays as written, so the editor queues what the API twin holds
+
+
+def _saved_value(slot: WidgetSlot, widgets: dict, links: dict):
+    """What the editor file saves at one position of a node's widgets_values (the layout is the converter's)."""
+    if slot.spec is None:
+        return SEED_CONTROL if slot.ui_only == CONTROL else UPLOAD_VALUE
+    if slot.spec.name in links:  # a converted widget keeps its saved value; the link wins when queued
+        return widgets.get(slot.spec.name)
+    return _widget_value(widgets, slot.spec)
+
+
 def to_api(nodes: list) -> dict:
     api = {}
     for node_id, class_type, title, widgets, links in nodes:
@@ -499,11 +512,8 @@ def to_ui(nodes: list, note: str) -> dict:
             outputs.setdefault((src, slot), []).append(link_id)
     for node_id, class_type, title, widgets, links in nodes:
         info = _info(class_type)
-        ui_inputs, values, uploads = [], [], 0
+        ui_inputs = []
         for spec in _inputs(class_type):
-            if uploads and spec.category != "required":  # the frontend adds an upload button as the last
-                values += ["image"] * uploads             # required input; its saved value, never sent
-                uploads = 0
             if spec.name in links:
                 link_id = next(r[0] for r in link_rows if r[3] == node_id and r[2] == links[spec.name][1]
                                and r[1] == links[spec.name][0])
@@ -513,14 +523,7 @@ def to_ui(nodes: list, note: str) -> dict:
                 ui_inputs.append(entry)
             elif not spec.is_widget:
                 ui_inputs.append({"name": spec.name, "type": spec.type_name(), "link": None})
-            if spec.is_widget and spec.name not in links:
-                values.append(_widget_value(widgets, spec))
-                if spec.has_control_widget:
-                    values.append("fixed")
-            elif spec.is_widget:
-                values.append(widgets.get(spec.name))
-            uploads += int(spec.has_upload_widget)
-        values += ["image"] * uploads
+        values = [_saved_value(slot, widgets, links) for slot in saved_widget_slots(_inputs(class_type))]
         ui_outputs = [{"name": n, "type": str(t), "links": outputs.get((node_id, i), []), "slot_index": i}
                       for i, (n, t) in enumerate(zip(info.return_names, info.return_types))]
         column = order[node_id]

@@ -5,7 +5,8 @@ The rules, in the frontend's terms:
   (mode 4) nodes are not emitted;
 - ``widgets_values`` is positional over the class's widget inputs (required, then optional); a
   ``control_after_generate`` value after a seed and an upload-button value after the last required widget
-  are saved there but never sent. Whether a file has those extra entries is decided by counting;
+  are saved there but never sent (:func:`saved_widget_slots`, which ``workflows/build.py`` writes the
+  shipped editor files from). Whether a file has those extra entries is decided by counting;
 - a link wins over the widget value of the same input (a "converted widget");
 - links are resolved through Reroutes and through bypassed nodes (first input of a matching
   type); a PrimitiveNode's value is written into the widget it feeds;
@@ -16,7 +17,7 @@ The rules, in the frontend's terms:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,15 +55,55 @@ class _Value:
     value: Any
 
 
+CONTROL = "control_after_generate"  # the seed control's value, saved right after its seed
+UPLOAD = "upload"  # an upload button's value, saved after the node's last required widget
+FORCED = "forceInput"  # a slot older frontends kept for a forceInput input
+UPLOAD_VALUE = "image"  # what the frontend saves for an image or video upload button (an audio one: "")
+
+
 @dataclass(frozen=True)
-class _WidgetSlot:
-    spec: InputSpec | None  # None: a UI-only value (seed control, upload button), skipped
+class WidgetSlot:
+    """One position of a node's saved ``widgets_values``: a widget's value, or a value the editor
+    saves but never sends (``ui_only`` names which: :data:`CONTROL`, :data:`UPLOAD`, :data:`FORCED`)."""
+
+    spec: InputSpec | None
+    ui_only: str | None = None
+
+
+def saved_widget_slots(inputs: Iterable[InputSpec], *, legacy: bool = False) -> list[WidgetSlot]:
+    """The layout of ``widgets_values`` the frontend saves for a node with these inputs (required, then
+    optional, as :meth:`NodeClassInfo.visible_inputs` gives them): each widget's value in order, a seed's
+    control value right after it, and the upload buttons' values after the last required widget (the
+    frontend adds the button as the last required input). ``legacy`` also keeps a slot for each
+    forceInput input, as saves of older frontends do.
+
+    The one statement of this rule: the converter reads editor files with it and ``workflows/build.py``
+    writes the shipped ones with it."""
+    slots: list[WidgetSlot] = []
+    uploads = 0
+    for spec in [*inputs, None]:
+        if uploads and (spec is None or spec.category != "required"):
+            slots += [WidgetSlot(None, UPLOAD)] * uploads
+            uploads = 0
+        if spec is None:
+            break
+        if spec.options.get("forceInput"):
+            if legacy:
+                slots.append(WidgetSlot(None, FORCED))
+            continue
+        if not spec.is_widget:
+            continue
+        slots.append(WidgetSlot(spec))
+        if spec.has_control_widget:
+            slots.append(WidgetSlot(None, CONTROL))
+        uploads += int(spec.has_upload_widget)
+    return slots
 
 
 _PLAIN_TYPES = {"INT": (int,), "FLOAT": (int, float), "STRING": (str,), "BOOLEAN": (bool,)}
 
 
-def _fits(layout: list[_WidgetSlot], values: list[Any]) -> bool:
+def _fits(layout: list[WidgetSlot], values: list[Any]) -> bool:
     """Whether each value could be its slot's widget value (combo choice, number, text, flag); UI-only
     slots take anything. Only used to tell two layouts of the same length apart."""
     for slot, value in zip(layout, values):
@@ -305,30 +346,10 @@ class _Converter:
         return inputs
 
     def _choose_layout(self, node_id: str, info: NodeClassInfo, count: int,
-                       values: list[Any] | None = None) -> list[_WidgetSlot]:
-        full: list[_WidgetSlot] = []
-        bare: list[_WidgetSlot] = []
-        legacy: list[_WidgetSlot] = []  # saves that kept a slot for forceInput inputs
-        uploads = 0  # upload buttons: the frontend adds them as the last required input, after every required widget
-        for spec in [*info.visible_inputs(), None]:
-            if uploads and (spec is None or spec.category != "required"):
-                for _ in range(uploads):
-                    full.append(_WidgetSlot(None))
-                    legacy.append(_WidgetSlot(None))
-                uploads = 0
-            if spec is None:
-                break
-            if spec.options.get("forceInput"):
-                legacy.append(_WidgetSlot(None))
-                continue
-            if not spec.is_widget:
-                continue
-            for layout in (full, bare, legacy):
-                layout.append(_WidgetSlot(spec))
-            if spec.has_control_widget:
-                full.append(_WidgetSlot(None))
-                legacy.append(_WidgetSlot(None))
-            uploads += int(spec.has_upload_widget)
+                       values: list[Any] | None = None) -> list[WidgetSlot]:
+        full = saved_widget_slots(info.visible_inputs())
+        bare = [slot for slot in full if slot.spec is not None]  # saved without the UI-only values
+        legacy = saved_widget_slots(info.visible_inputs(), legacy=True)  # saves that kept a slot for forceInput inputs
         if count < len(full) and count == len(bare) and values is not None \
                 and not _fits(bare, values) and _fits(full, values):
             return full  # an older save with its seed control values, as many as the widgets are now
