@@ -59,13 +59,12 @@ from typing import Any, Protocol
 
 import torch
 
-from .. import hooks
 from ..interrupt import checkpoints
 from ..weights.state import Models
-from . import calibration, estimate, fit
+from . import calibration, estimate, fit, state
 from .modes import MODE_ORDER
 from .report import MemoryReport, build_report
-from .settings import MODULE_COMPONENTS, OffloadSettings, same_device
+from .settings import MODULE_COMPONENTS, OffloadSettings
 from .state import Placement
 from .tensors import stored_bytes
 
@@ -323,46 +322,15 @@ def _apply_view_states(handle: PipelineHandle) -> None:
 # -- the stage door -------------------------------------------------------------------------------------
 
 def component_device(module: Any) -> torch.device | None:
-    """Where a component computes: the device its first moving hook onloads to (an offload mode's, disk
-    streaming's; see `lingbot_core.hooks`), else where its weights are."""
-    if not isinstance(module, torch.nn.Module):
-        return None
-    for sub in module.modules():
-        for _name, hook in hooks.attached(sub):
-            device = hooks.onload_device(hook)
-            if device is not None:
-                return device
-    for p in module.parameters():
-        if p.device.type != "meta":
-            return p.device
-    return None
+    """Where a component computes (`state.component_device`)."""
+    return state.component_device(module)
 
 
 def execution_device(handle: PipelineHandle, name: str | None = None) -> torch.device:
     """The device a stage builds its inputs on: the handle's. With `name`, check the component agrees."""
     if name is not None:
-        found = component_device(handle.shared.loaded.get(name))
-        if found is not None and not same_device(found, handle.device):
-            raise RuntimeError(f"{name} is set up to run on {found} but the handle's execution device is "
-                               f"{handle.device}; reconfigure offload")
+        state.check_device(name, handle.shared.loaded.get(name), handle.device)
     return handle.device
-
-
-def _before_move(shared: SharedComponents) -> Callable[[str, Any, torch.device], None]:
-    """What `Placement.acquire` runs before moving a whole component: this handle's memory listeners."""
-    def before(name: str, module: Any, device: torch.device) -> None:
-        for listener in list(shared.placement.memory_listeners):
-            listener(name, module, device, stored_bytes(module, include_meta=True))
-    return before
-
-
-def _settle(shared: SharedComponents, used: tuple[str, ...] = ()) -> None:
-    """The clean state for what is resident and what the stage used (only those can hold anything)."""
-    placement = shared.placement
-    names = [n for n in MODULE_COMPONENTS if n in placement.resident or n in used]
-    placement.settle(shared.loaded, names)
-    if placement.device is not None and placement.device.type == "cuda" and not placement.mode.keeps_resident:
-        torch.cuda.empty_cache()
 
 
 def note_sampling(handle: PipelineHandle, dit: str, geometry: estimate.Geometry, *, chunk: int | None,
@@ -414,34 +382,22 @@ def stage(handle: PipelineHandle, *components: str, label: str | None = None, ph
     placement = shared.placement
     label = label or "+".join(components)
     with shared.lock:
-        measuring = calibration.start(handle.device, resident_bytes(shared))
+        measuring = calibration.start(handle.device, placement.resident_bytes(shared.loaded))
         placement.stage_geometry = None
         plan = _plan(handle)  # decided before loading: how a DiT loads depends on where it will live
         _load(handle, components, plan)
         _apply_view_states(handle)
         _ensure(handle, plan)
         try:
-            _settle(shared)
-            placement.in_stage = set(components)
-            for name in components:
-                if name in MODULE_COMPONENTS:
-                    placement.acquire(name, shared.loaded[name], _before_move(shared))
-                    placement.ledger.append(("acquire", name, label))
-            device = execution_device(handle, components[0] if components else None)
-            for name in components[1:]:
-                execution_device(handle, name)
+            placement.enter(shared.loaded, components, label, handle.device)
             with checkpoints({name: shared.loaded.get(name) for name in components}):
-                yield device
+                yield handle.device
             if measuring is not None:  # a stage that finished: its peak and its estimate
                 placement.measured[label] = calibration.finish(
                     measuring, handle.device, label, placement.mode.name,
                     _stage_estimate(handle, components, phase, geometry))
         finally:
-            for name in components:
-                if name in MODULE_COMPONENTS:
-                    placement.ledger.append(("release", name, label))
-            placement.in_stage = set()
-            _settle(shared, components)
+            placement.leave(shared.loaded, components, label)
             for listener in list(placement.settle_listeners):
                 listener(shared, handle.device)
             if log.isEnabledFor(logging.DEBUG):  # per stage: DEBUG (a run logs one INFO summary)
@@ -455,7 +411,7 @@ def resident_components(handle: PipelineHandle) -> set[str]:
 
 def resident_bytes(shared: SharedComponents) -> int:
     """Bytes of the components held on the accelerator between stages (what a host may ask back)."""
-    return sum(stored_bytes(shared.loaded.get(n)) for n in shared.placement.resident)
+    return shared.placement.resident_bytes(shared.loaded)
 
 
 def allowed_resident(handle: PipelineHandle) -> set[str]:

@@ -16,9 +16,11 @@ from typing import Any
 
 import torch
 
+from .. import hooks
 from .modes import MODE_CLASSES, Mode
 from .modes.disk import make_mode
 from .settings import CPU, MODULE_COMPONENTS, OffloadSettings, same_device
+from .tensors import stored_bytes
 
 log = logging.getLogger("lingbot_core.offload")
 
@@ -133,15 +135,45 @@ class Placement:
             raise failure
 
     # -- stages ------------------------------------------------------------------------------------
-    def acquire(self, name: str, module: Any,
-                before_move: Callable[[str, Any, torch.device], None] | None = None) -> None:
-        """Bring a stage's component onto the device; `before_move` first, when a whole one moves."""
+    def enter(self, loaded: Mapping[str, Any], names: tuple[str, ...], label: str, device: torch.device) -> None:
+        """Start a stage: the clean state for what is resident, then the stage's components on the
+        device (the host's memory listeners first, where a whole one moves), each checked to compute
+        on `device`, the handle's execution device."""
+        self.settle_stage(loaded)
+        self.in_stage = set(names)
+        for name in names:
+            if name in MODULE_COMPONENTS:
+                self.acquire(name, loaded[name])
+                self.ledger.append(("acquire", name, label))
+        for name in names:
+            check_device(name, loaded.get(name), device)
+
+    def leave(self, loaded: Mapping[str, Any], names: tuple[str, ...], label: str) -> None:
+        """End a stage (finished, failed or interrupted): every component it used back in the clean state."""
+        for name in names:
+            if name in MODULE_COMPONENTS:
+                self.ledger.append(("release", name, label))
+        self.in_stage = set()
+        self.settle_stage(loaded, names)
+
+    def acquire(self, name: str, module: Any) -> None:
+        """Bring a stage's component onto the device; the memory listeners first, when a whole one moves."""
         mode = self.mode
-        if (before_move is not None and name not in self.resident and mode.device.type != "cpu"
-                and mode.moves_whole(name)):
-            before_move(name, module, mode.device)
+        if name not in self.resident and mode.device.type != "cpu" and mode.moves_whole(name):
+            for listener in list(self.memory_listeners):
+                listener(name, module, mode.device, stored_bytes(module, include_meta=True))
         self.mode.acquire(name, module)
         self.resident.add(name)
+
+    def settle_stage(self, loaded: Mapping[str, Any], used: tuple[str, ...] = ()) -> None:
+        """The clean state for what is resident and what a stage used (only those can hold anything)."""
+        self.settle(loaded, [n for n in MODULE_COMPONENTS if n in self.resident or n in used])
+        if self.device is not None and self.device.type == "cuda" and not self.mode.keeps_resident:
+            torch.cuda.empty_cache()
+
+    def resident_bytes(self, loaded: Mapping[str, Any]) -> int:
+        """Bytes of the components held on the accelerator between stages (what a host may ask back)."""
+        return sum(stored_bytes(loaded.get(n)) for n in self.resident)
 
     def settle(self, loaded: Mapping[str, Any], names: list[str] | None = None) -> list[str]:
         """Bring components (all loaded by default) to the mode's clean state; returns those moved off."""
@@ -168,7 +200,6 @@ class Placement:
         if self.mode is not None and name in self.mode.homes:
             self.mode.uninstall(name, module)  # disk: hooks off, the streamed weights not read back
         elif isinstance(module, torch.nn.Module):
-            from .. import hooks
             from ..weights.disk import on_disk
             from ..weights.state import state_for
 
@@ -178,3 +209,27 @@ class Placement:
         self.resident.discard(name)
         for _kind, (_state, applied) in self.view_states.items():
             applied.pop(name, None)
+
+
+def component_device(module: Any) -> torch.device | None:
+    """Where a component computes: the device its first moving hook onloads to (an offload mode's, disk
+    streaming's; see `lingbot_core.hooks`), else where its weights are."""
+    if not isinstance(module, torch.nn.Module):
+        return None
+    for sub in module.modules():
+        for _name, hook in hooks.attached(sub):
+            device = hooks.onload_device(hook)
+            if device is not None:
+                return device
+    for p in module.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return None
+
+
+def check_device(name: str, module: Any, device: torch.device) -> None:
+    """Refuse a component set up to compute somewhere else than `device`."""
+    found = component_device(module)
+    if found is not None and not same_device(found, device):
+        raise RuntimeError(f"{name} is set up to run on {found} but the handle's execution device is "
+                           f"{device}; reconfigure offload")
