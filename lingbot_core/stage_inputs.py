@@ -30,7 +30,7 @@ from .latents import SIZE_MULTIPLE, VAE_TEMPORAL, latent_shape
 from .placement import plan
 from .sampling.guidance import CFG_BATCH
 from .sampling.sigmas import check_shift
-from .sampling.step_cache import MIN_STEPS, StepCacheSettings, check_step_cache
+from .sampling.step_cache import MIN_STEPS, Keyed, StepCacheSettings, check_step_cache, keyed
 
 log = logging.getLogger(__name__)
 
@@ -258,20 +258,16 @@ def check_request_fits(handle: Any, *, height: int, width: int, num_frames: int,
 
 
 def check_step_cache_ready(handle: Any, step_cache: Any, *, transformer: str, sampler: Any, steps: int,
-                           shift: float, sigmas: Any, guidance_scale: float) -> dict[str, Any] | None:
-    """A MagCache method's calibration key (`plan.step_cache_identity`), computed once here for the stage;
-    `magcache` also needs a calibration of exactly these settings: refused here (before any model work)
-    with how to make one, not after the text encoder ran. None for the methods without a calibration."""
-    from .sampling.step_cache import calibration_file, read_calibration
-
+                           shift: float, sigmas: Any, guidance_scale: float) -> Keyed | None:
+    """A calibrated method's key (`plan.step_cache_identity`, and for `magcache` the ratios of its calibration
+    file), found once here for the stage; `magcache` without a calibration of exactly these settings is refused
+    here (before any model work) with how to make one, not after the text encoder ran. None for the methods
+    without a calibration."""
     settings = StepCacheSettings.of(step_cache)
     if not settings.calibrated:
         return None
-    identity = plan.step_cache_identity(handle, transformer=transformer, sampler=sampler, steps=steps, shift=shift,
-                                        sigmas=sigmas, guidance_scale=guidance_scale)
-    if settings.method == "magcache":
-        read_calibration(calibration_file(settings, identity), identity)
-    return identity
+    return keyed(settings, plan.step_cache_identity(handle, transformer=transformer, sampler=sampler, steps=steps,
+                                                    shift=shift, sigmas=sigmas, guidance_scale=guidance_scale))
 
 
 def decode_output_shape(latents: torch.Tensor) -> tuple[int, int, int]:
@@ -290,7 +286,7 @@ class DenoiseRequest:
     shape: tuple[int, ...]  # the latents' shape
     cfg: bool  # guidance_scale > 1: two branches per step
     step_cache: StepCacheSettings
-    identity: dict[str, Any] | None  # MagCache's calibration key (`plan.step_cache_identity`); None for other methods
+    key: Keyed | None  # a calibrated method's key and ratios (`check_step_cache_ready`); None for other methods
 
 
 def check_denoise(handle: Any, cond: Any, *, height: int, width: int, num_frames: int, steps: int,
@@ -298,7 +294,7 @@ def check_denoise(handle: Any, cond: Any, *, height: int, width: int, num_frames
                   image_cond: Any, cond_latent: Any, latents: Any,
                   cfg_batch: str = "off", step_cache: Any = None) -> DenoiseRequest:
     """Every denoise argument, before any model work (the one check a denoise stage calls); returns
-    the figures it decided: the sampler, the latent shape, the step cache and its identity."""
+    the figures it decided: the sampler, the latent shape, the step cache and its key."""
     validate_geometry(height, width, num_frames)
     check_steps(steps)
     check_guidance(guidance_scale)
@@ -307,7 +303,7 @@ def check_denoise(handle: Any, cond: Any, *, height: int, width: int, num_frames
     method.check(steps=steps, shift=shift, sigmas=sigmas, refine=transformer == REFINER)
     settings = StepCacheSettings.of(step_cache)
     check_step_cache(settings, steps=steps, sampler_name=method.name)
-    identity = check_step_cache_ready(handle, settings, transformer=transformer, sampler=method, steps=steps,
+    key = check_step_cache_ready(handle, settings, transformer=transformer, sampler=method, steps=steps,
                                       shift=shift, sigmas=sigmas, guidance_scale=guidance_scale)
     if method.recommended and guidance_scale > 1.0 and method.recommended.get("guidance_scale") == 1.0:
         log.warning("%s: guidance %.2f on a CFG-distilled model applies guidance twice; its recipe is "
@@ -326,7 +322,7 @@ def check_denoise(handle: Any, cond: Any, *, height: int, width: int, num_frames
         if tuple(cond_latent.shape[3:]) != shape[3:] or cond_latent.shape[2] > shape[2]:
             raise ValueError(f"cond_latent {tuple(cond_latent.shape)} does not fit latents of shape {shape}")
     check_request_fits(handle, height=height, width=width, num_frames=num_frames, cfg=do_cfg, what="denoising")
-    return DenoiseRequest(method=method, shape=shape, cfg=do_cfg, step_cache=settings, identity=identity)
+    return DenoiseRequest(method=method, shape=shape, cfg=do_cfg, step_cache=settings, key=key)
 
 
 def refine_frames_notice(n: int) -> str | None:

@@ -340,7 +340,7 @@ def denoise(
         guidance = _guidance(parallel, dit, handle.dtype_of(transformer), cond, guidance_scale, device,
                              figures.cfg_batch)
         if request.step_cache.enabled:  # a fresh cache for this call, keyed as the request check found it
-            guidance.cache = StepCache(request.step_cache, steps=len(run), identity=request.identity)
+            guidance.cache = StepCache(request.step_cache, steps=len(run), key=request.key)
         with _ffn_chunk(transformer, dit, figures, before), parallel.loop(guidance) as status:
             latents = sample(run, guidance, latents, cond_latent=cond_latent, callback=callback, status=status)
         return latents.cpu()

@@ -79,17 +79,19 @@ def test_magcache_calibrates_then_skips(dense, tmp_path):
 
 
 def test_magcache_identity_is_computed_once_per_call(dense, tmp_path, monkeypatch):
-    """The request check computes MagCache's calibration key; the stage uses it as given (it used to
-    compute the same key again inside the stage)."""
+    """The request check computes MagCache's calibration key and reads its file; the stage uses both as
+    given (it used to compute the same key again inside the stage, and read the file a second time)."""
     from lingbot_core.placement import plan
+    from lingbot_core.sampling import step_cache
 
     handle, cond = dense
     _run(handle, cond, StepCacheSettings("magcache_calibrate", calibration_dir=str(tmp_path)))
-    computed = []
-    real = plan.step_cache_identity
+    computed, read = [], []
+    real, real_read = plan.step_cache_identity, step_cache.read_calibration
     monkeypatch.setattr(plan, "step_cache_identity", lambda *a, **kw: computed.append(1) or real(*a, **kw))
+    monkeypatch.setattr(step_cache, "read_calibration", lambda *a, **kw: read.append(1) or real_read(*a, **kw))
     _run(handle, cond, StepCacheSettings("magcache", **ALWAYS, calibration_dir=str(tmp_path)))
-    assert len(computed) == 1
+    assert len(computed) == 1 and len(read) == 1
     _run(handle, cond, StepCacheSettings("first_block", **ALWAYS))  # no calibration: no identity to compute
     assert len(computed) == 1
 

@@ -62,8 +62,8 @@ DEFAULTS = {
 }
 MAGCACHE_WARMUP_FRACTION = 0.2
 
-__all__ = ["CalibrationMissing", "MIN_STEPS", "STEP_CACHE", "StepCache", "StepCacheSettings",
-           "calibration_file", "default_calibration_dir", "read_calibration"]
+__all__ = ["CalibrationMissing", "Keyed", "MIN_STEPS", "STEP_CACHE", "StepCache", "StepCacheSettings",
+           "calibration_file", "default_calibration_dir", "keyed", "read_calibration"]
 
 
 class CalibrationMissing(ValueError):
@@ -173,6 +173,24 @@ def read_calibration(path: Path, identity: dict[str, Any]) -> dict[str, list[flo
     return ratios
 
 
+@dataclass(frozen=True)
+class Keyed:
+    """A calibrated method's key for one run, found before any model work (`keyed`): the `identity` its
+    file is named by, and for `magcache` the ratios read from that file (empty for `magcache_calibrate`,
+    which writes them)."""
+
+    identity: dict[str, Any]
+    ratios: dict[str, list[float]] = field(default_factory=dict)
+
+
+def keyed(settings: StepCacheSettings, identity: dict[str, Any]) -> Keyed:
+    """`identity` with what `settings` needs of its calibration file: `magcache` reads it here, once per run
+    (`CalibrationMissing` or a refusal of an unreadable file before the run starts)."""
+    if settings.method == "magcache":
+        return Keyed(identity, read_calibration(calibration_file(settings, identity), identity))
+    return Keyed(identity)
+
+
 def _write_calibration(path: Path, identity: dict[str, Any], ratios: dict[str, list[float]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {"format": CALIBRATION_FORMAT, "identity": identity, "ratios": ratios}
@@ -216,22 +234,22 @@ class _Branch:
 class StepCache:
     """The cache of one Denoise/Refine call: per-branch state, the block runner, and its hook."""
 
-    def __init__(self, settings: StepCacheSettings, *, steps: int, identity: dict[str, Any] | None = None):
+    def __init__(self, settings: StepCacheSettings, *, steps: int, key: Keyed | None = None):
         self.settings = settings
         self.method = settings.method
         self.steps = steps
         self.threshold, self.warmup, self.max_skips = settings.resolved(steps)
-        self.identity = identity or {}
+        self.identity = key.identity if key is not None else {}
         self.branches: dict[str, _Branch] = {}
         self.current = "cond"
         self.computed = 0  # blocks run
         self.skipped = 0  # blocks skipped
         self.calibration_path = calibration_file(settings, self.identity)
-        self.ratios: dict[str, list[float]] = {}
+        self.ratios: dict[str, list[float]] = dict(key.ratios) if key is not None else {}
         # sums partial sums over a sequence-parallel group (`distributed.stage.share_step_cache`); None: one process
         self.reduce: Reduce | None = None
-        if self.method == "magcache":
-            self.ratios = read_calibration(self.calibration_path, self.identity)
+        if self.method == "magcache" and not self.ratios:
+            raise ValueError("step_cache=magcache needs its calibration's ratios (`keyed`, read by the request check)")
 
     # -- per forward ----------------------------------------------------------------------------
 
