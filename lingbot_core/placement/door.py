@@ -174,32 +174,32 @@ def _group_defaults(device: torch.device) -> tuple[tuple[str, Any], ...]:
 def resolve(shared: SharedComponents, requested: OffloadSettings,
             device: torch.device, layout: Any = None) -> tuple[OffloadSettings, fit.AutoChoice | None]:
     """Concrete settings for a request; `auto` picks a mode from the memory estimate (with a parallel
-    `layout`: 'none', the one mode that runs on several processes, estimated per GPU)."""
+    `layout`: 'none', the one mode that runs on several processes, estimated per GPU). The choice is
+    `fit`'s; the door reads what it decides with: the model's sizes and the budgets (asking the host first)."""
     if requested.mode != "auto":
         return requested, None
-    with calibration.on_device(calibration.device_name(device)):  # never below what this device measured
-        return _resolve_auto(shared, requested, device, layout)
-
-
-def _resolve_auto(shared: SharedComponents, requested: OffloadSettings, device: torch.device,
-                  layout: Any) -> tuple[OffloadSettings, fit.AutoChoice | None]:
     budget = requested.option("budget_bytes")
-    if layout is not None:
-        choice = _parallel_choice(shared, requested, device, layout, budget)
-    elif budget is None and device.type == "cpu":
-        choice = fit.AutoChoice("none", {}, 0, "the execution device is the CPU, so offloading saves nothing")
-    else:
-        sizes = estimate.ModelSizes.from_checkpoint(shared.info, shared.dtypes, shared.loaded, shared.weights)
-        geometry = estimate.geometry_from(dict(requested.options), shared.info.variant if shared.info else "dense",
-                                          shared.ffn_chunk)
-        host_budget = requested.option("host_budget_bytes")
-        if host_budget is None:  # always read (a VRAM budget given or not): a host run out of RAM is killed
-            host_budget = estimate.available_host_bytes()
-        if budget is None:
-            wanted = estimate.estimate_peak("none", sizes, geometry) + estimate.RESERVE_BYTES
-            budget = _free_budget(shared, device, wanted)
-        choice = fit.choose_mode(sizes, geometry, int(budget), host_budget=host_budget,
-                                      offload_to=requested.offload_to)
+    with calibration.on_device(calibration.device_name(device)):  # never below what this device measured
+        if layout is not None:
+            sizes = _sizes(shared) if shared.info is not None else None
+            geometry = estimate.geometry_from(dict(requested.options), shared.info.variant, None) if sizes else None
+            if sizes is not None and budget is None and device.type == "cuda":
+                budget = free_bytes(shared, device)
+            choice = fit.choose_parallel(estimate.ParallelShare.of(layout), layout.describe(), sizes, geometry, budget)
+        elif budget is None and device.type == "cpu":
+            choice = fit.AutoChoice("none", {}, 0, "the execution device is the CPU, so offloading saves nothing")
+        else:
+            sizes = _sizes(shared)
+            geometry = estimate.geometry_from(dict(requested.options), shared.info.variant if shared.info else "dense",
+                                              shared.ffn_chunk)
+            host_budget = requested.option("host_budget_bytes")
+            if host_budget is None:  # always read (a VRAM budget given or not): a host run out of RAM is killed
+                host_budget = estimate.available_host_bytes()
+            if budget is None:
+                wanted = estimate.estimate_peak("none", sizes, geometry) + estimate.RESERVE_BYTES
+                budget = _free_budget(shared, device, wanted)
+            choice = fit.choose_mode(sizes, geometry, int(budget), host_budget=host_budget,
+                                     offload_to=requested.offload_to)
     if choice.fits:
         log.info(fit.describe(choice) if choice.estimates else f"auto offload: {choice.reason}")
     else:  # loud: the run may end in an out-of-memory error; the reason says what to change
@@ -208,26 +208,9 @@ def _resolve_auto(shared: SharedComponents, requested: OffloadSettings, device: 
     return OffloadSettings(choice.mode, options, choice.offload_to or requested.offload_to), choice
 
 
-def _parallel_choice(shared: SharedComponents, requested: OffloadSettings, device: torch.device, layout: Any,
-                     budget: int | None) -> fit.AutoChoice:
-    """`auto` on several processes: 'none', with the per-GPU estimate of the layout (`ParallelShare`)."""
-    share = estimate.ParallelShare.of(layout)
-    reason = (f"parallel {layout.describe()}: offloading does not run on several processes, so 'none'"
-              + (" (the DiT blocks sharded by FSDP)" if share.fsdp else ""))
-    if shared.info is None:
-        return fit.AutoChoice("none", {}, int(budget or 0), reason)
-    sizes = estimate.ModelSizes.from_checkpoint(shared.info, shared.dtypes, shared.loaded, shared.weights)
-    geometry = estimate.geometry_from(dict(requested.options), shared.info.variant, None)
-    need = share.peak(sizes, geometry)
-    if budget is None and device.type == "cuda":
-        budget = free_bytes(shared, device)
-    fits = budget is None or need + estimate.RESERVE_BYTES <= budget
-    reason += f": needs ~{need / estimate.GiB:.1f} GiB per GPU (rank 0)"
-    if budget is not None:
-        reason += f" of {budget / estimate.GiB:.1f} GiB free"
-    if not fits:
-        reason += "; more ulysses ranks divide the activations, --fsdp divides the DiT's weights"
-    return fit.AutoChoice("none", {"none": need}, int(budget or 0), reason, fits=fits)
+def _sizes(shared: SharedComponents) -> estimate.ModelSizes:
+    """The model's sizes for `auto`: what is loaded counts its tensors, the rest what it will hold."""
+    return estimate.ModelSizes.from_checkpoint(shared.info, shared.dtypes, shared.loaded, shared.weights)
 
 
 Plan = tuple[OffloadSettings, "fit.AutoChoice | None"] | None

@@ -258,6 +258,25 @@ def choose_mode(sizes: ModelSizes, geometry: Geometry, budget_bytes: int, *, aft
     return AutoChoice(mode, estimates, budget_bytes, reason, host, host_budget, offload_to, False)
 
 
+def choose_parallel(share: estimate.ParallelShare, layout: str, sizes: ModelSizes | None, geometry: Geometry | None,
+                    budget: int | None) -> AutoChoice:
+    """`auto` on several processes (`layout` as it describes itself): 'none', the one mode that runs there,
+    with the per-GPU estimate of `share` against `budget` (None: unknown, taken as fitting; no `sizes`:
+    components without a checkpoint, nothing to estimate)."""
+    reason = (f"parallel {layout}: offloading does not run on several processes, so 'none'"
+              + (" (the DiT blocks sharded by FSDP)" if share.fsdp else ""))
+    if sizes is None or geometry is None:
+        return AutoChoice("none", {}, int(budget or 0), reason)
+    need = share.peak(sizes, geometry)
+    fits = budget is None or need + RESERVE_BYTES <= budget
+    reason += f": needs ~{need / GiB:.1f} GiB per GPU (rank 0)"
+    if budget is not None:
+        reason += f" of {budget / GiB:.1f} GiB free"
+    if not fits:
+        reason += "; more ulysses ranks divide the activations, --fsdp divides the DiT's weights"
+    return AutoChoice("none", {"none": need}, int(budget or 0), reason, fits=fits)
+
+
 def describe(choice: AutoChoice) -> str:
     table = ", ".join(f"{m} ~{b / GiB:.1f} GiB" for m, b in choice.estimates.items())
     if choice.host:
