@@ -18,7 +18,8 @@ tuple of objects, `handle.view_states`, each with:
 `components` is a `weights.state.Models`: the modules by name, and `components.state(n)`, the
 owner of component n's mutable state (where a LoRA keeps its pristine copies). A state needs these three
 and value equality (a frozen dataclass is ideal: equal states are not re-applied). At stage
-entry the door compares the view's states with what the shared components carry; when a kind
+entry the placement (`Placement.apply_view_states`, the one owner of what each component carries)
+compares the view's states with what the shared components carry; when a kind
 differs, or a component was (re)loaded since, it suspends the offload installation (hooks off,
 every tensor back in its CPU home: plain modules), calls `remove` of the old state and `apply` of
 the new one on the loaded module components (`text_encoder`, `transformer`, `refiner`, `vae`), and
@@ -52,7 +53,6 @@ from __future__ import annotations
 import functools
 import gc
 import logging
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
@@ -60,11 +60,10 @@ from typing import Any, Protocol
 import torch
 
 from ..interrupt import checkpoints
-from ..weights.state import Models
 from . import calibration, estimate, fit, state
 from .modes import MODE_ORDER
 from .report import MemoryReport, build_report
-from .settings import MODULE_COMPONENTS, OffloadSettings
+from .settings import OffloadSettings
 from .state import Placement
 from .tensors import stored_bytes
 
@@ -237,18 +236,9 @@ def _load(handle: PipelineHandle, names: tuple[str, ...], plan: Plan) -> None:
         shared.get(name, streamed=streams_from_disk(concrete, name))
 
 
-def _ensure(handle: PipelineHandle, plan: Plan | bool = True) -> None:
-    """Make the view's settings the installed ones (call under the shared lock). `plan`: what `_plan`
-    decided for this view a moment ago (True: decide now)."""
-    shared = handle.shared
-    placement = shared.placement
-    if plan is True:
-        plan = _plan(handle)
-    if plan is None:
-        placement.install_pending(shared.loaded)
-        return
-    concrete, choice = plan
-    placement.install(shared.loaded, handle.offload, concrete, handle.device, auto=choice)
+def _ensure(handle: PipelineHandle) -> None:
+    """Make the view's settings the installed ones (call under the shared lock)."""
+    handle.shared.placement.ensure(handle.shared.loaded, handle.offload, handle.device, _plan(handle))
 
 
 def effective_mode(handle: PipelineHandle) -> str:
@@ -267,39 +257,6 @@ def installed_mode(handle: PipelineHandle) -> str | None:
 def has_fallen_back(handle: PipelineHandle) -> bool:
     """Has `auto` moved to a smaller mode after running out of memory?"""
     return handle.shared.placement.fell_back
-
-
-# -- per-view state -----------------------------------------------------------------------------------
-
-def _apply_view_states(handle: PipelineHandle) -> None:
-    shared = handle.shared
-    placement = shared.placement
-    modules = Models({n: shared.loaded[n] for n in MODULE_COMPONENTS if isinstance(shared.loaded.get(n), torch.nn.Module)},
-                     shared.states)
-    wanted = {state.kind: state for state in handle.view_states}
-    plans, touched = [], set()
-    for kind in sorted(set(wanted) | set(placement.view_states)):
-        state = wanted.get(kind)
-        old, applied = placement.view_states.get(kind, (None, {}))
-        carried = [n for n, ref in applied.items() if n in modules and ref() is modules[n]]
-        stale = carried if old is not None and old != state else []
-        keep = [n for n in carried if n not in stale]
-        fresh = [n for n in modules if n not in keep] if state is not None else []
-        if stale or fresh or (state is None and old is not None):
-            plans.append((kind, state, old, stale, keep, fresh))
-            touched.update(stale + fresh)
-    if not plans:
-        return
-    with placement.suspended(shared.loaded, sorted(touched)):
-        for kind, state, old, stale, keep, fresh in plans:
-            if stale:
-                old.remove(modules, stale)
-            if state is None:
-                placement.view_states.pop(kind, None)
-                continue
-            if fresh:
-                state.apply(modules, fresh)
-            placement.view_states[kind] = (state, {n: weakref.ref(modules[n]) for n in [*keep, *fresh]})
 
 
 # -- the stage door -------------------------------------------------------------------------------------
@@ -369,8 +326,8 @@ def stage(handle: PipelineHandle, *components: str, label: str | None = None, ph
         placement.stage_geometry = None
         plan = _plan(handle)  # decided before loading: how a DiT loads depends on where it will live
         _load(handle, components, plan)
-        _apply_view_states(handle)
-        _ensure(handle, plan)
+        placement.apply_view_states(shared.loaded, handle.view_states)
+        placement.ensure(shared.loaded, handle.offload, handle.device, plan)
         try:
             placement.enter(shared.loaded, components, label, handle.device)
             with checkpoints({name: shared.loaded.get(name) for name in components}):

@@ -9,6 +9,7 @@ installed exactly as a fresh install would leave it, and re-raises the original 
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from .. import hooks
+from ..weights.state import Models
 from .modes import MODE_CLASSES, Mode
 from .modes.disk import make_mode
 from .settings import CPU, MODULE_COMPONENTS, OffloadSettings, same_device
@@ -112,6 +114,17 @@ class Placement:
                 if name in loaded:
                     mode.install(name, loaded[name])
 
+    def ensure(self, loaded: Mapping[str, Any], requested: OffloadSettings, device: torch.device,
+               plan: tuple[OffloadSettings, Any] | None) -> None:
+        """Make `requested` the installed settings as the door planned them: `plan` is None when they are
+        installed already (then only components loaded since are taken), else (the concrete settings,
+        `auto`'s choice or None) to install."""
+        if plan is None:
+            self.install_pending(loaded)
+            return
+        concrete, choice = plan
+        self.install(loaded, requested, concrete, device, auto=choice)
+
     def install_pending(self, loaded: Mapping[str, Any]) -> None:
         """Install the current mode on components loaded since (lazy loads, reloads after release)."""
         mode = self.mode
@@ -133,6 +146,38 @@ class Placement:
         self.resident.clear()
         if failure is not None:
             raise failure
+
+    # -- per-view state (see the door's docstring, "View state") ------------------------------------
+    def apply_view_states(self, loaded: Mapping[str, Any], wanted_states: tuple[Any, ...]) -> None:
+        """Make the view's states (`wanted_states`, one per kind) the ones the loaded module components
+        carry: per kind, `remove` the old state where it differs and `apply` the new one where it is
+        missing (a component (re)loaded since carries none), under `suspended` (plain modules)."""
+        modules = Models({n: loaded[n] for n in MODULE_COMPONENTS if isinstance(loaded.get(n), torch.nn.Module)},
+                         self.states)
+        wanted = {state.kind: state for state in wanted_states}
+        plans, touched = [], set()
+        for kind in sorted(set(wanted) | set(self.view_states)):
+            state = wanted.get(kind)
+            old, applied = self.view_states.get(kind, (None, {}))
+            carried = [n for n, ref in applied.items() if n in modules and ref() is modules[n]]
+            stale = carried if old is not None and old != state else []
+            keep = [n for n in carried if n not in stale]
+            fresh = [n for n in modules if n not in keep] if state is not None else []
+            if stale or fresh or (state is None and old is not None):
+                plans.append((kind, state, old, stale, keep, fresh))
+                touched.update(stale + fresh)
+        if not plans:
+            return
+        with self.suspended(loaded, sorted(touched)):
+            for kind, state, old, stale, keep, fresh in plans:
+                if stale:
+                    old.remove(modules, stale)
+                if state is None:
+                    self.view_states.pop(kind, None)
+                    continue
+                if fresh:
+                    state.apply(modules, fresh)
+                self.view_states[kind] = (state, {n: weakref.ref(modules[n]) for n in [*keep, *fresh]})
 
     # -- stages ------------------------------------------------------------------------------------
     def enter(self, loaded: Mapping[str, Any], names: tuple[str, ...], label: str, device: torch.device) -> None:
