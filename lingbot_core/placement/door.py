@@ -283,6 +283,15 @@ def note_sampling(handle: PipelineHandle, dit: str, geometry: estimate.Geometry,
     placement.ffn_chunks[dit] = (chunk, why)
 
 
+def note_generation(handle: PipelineHandle, encoder: torch.nn.Module, prompt_tokens: int, new_tokens: int) -> None:
+    """Inside a rewrite's stage, after `encoder` generated: what its generation held (the context's tokens and
+    the bytes by part at the encoder's own shape, `estimate.generation_bytes`); the memory report shows it."""
+    shape = estimate.module_generation_shape(encoder)
+    tokens = prompt_tokens + new_tokens
+    handle.shared.placement.generation = (
+        tokens, estimate.generation_bytes(shape["text_kv_bytes_per_token"], shape["text_vocab"], tokens))
+
+
 def _stage_estimate(handle: PipelineHandle, components: tuple[str, ...], phase: str | None,
                     geometry: estimate.Geometry | None) -> int | None:
     """The estimate of one stage's peak under the installed mode (None: no phase, or no sizes to go on)."""
@@ -367,17 +376,8 @@ def ledger(handle: PipelineHandle) -> list[tuple[str, str, str]]:
 def memory_report(handle: PipelineHandle) -> MemoryReport:
     """Where each component's tensors live now, and their bytes per location."""
     mode = installed_mode(handle) or handle.offload.mode
-    generation = None
-    last = handle.shared.placement.generation
-    if last is not None:  # a rewrite ran on the text encoder: what its generation held
-        encoder = handle.shared.loaded.get("text_encoder")
-        shape = (estimate.module_generation_shape(encoder) if isinstance(encoder, torch.nn.Module) else
-                 estimate.text_generation_shape(estimate.text_config_of(handle.shared.info),
-                                                handle.shared.dtypes.get("text_encoder") or torch.float32))
-        tokens = sum(last)
-        generation = (tokens, estimate.generation_bytes(shape["text_kv_bytes_per_token"], shape["text_vocab"], tokens))
-    report = build_report(handle.shared.loaded, handle.device, mode, handle.shared.placement.ffn_chunks, generation,
-                          states=handle.shared.states)
+    report = build_report(handle.shared.loaded, handle.device, mode, handle.shared.placement.ffn_chunks,
+                          handle.shared.placement.generation, states=handle.shared.states)
     report.measured = list(handle.shared.placement.measured.values())
     from ..distributed.stage import active_layout
 

@@ -42,8 +42,8 @@ class Placement:
         self.ledger: deque[tuple[str, str, str]] = deque(maxlen=LEDGER_SIZE)  # (event, component, stage)
         self.view_states: dict[str, tuple[Any, dict[str, Any]]] = {}  # kind -> (state, {component: weakref})
         self.ffn_chunks: dict[str, tuple[int | None, str]] = {}  # DiT -> (FFN/MoE chunk of its last run, why)
-        # the text encoder's last generation (a rewrite): (prompt tokens, new tokens); the report counts it
-        self.generation: tuple[int, int] | None = None
+        # the text encoder's last generation (a rewrite, `door.note_generation`): (context tokens, bytes by part)
+        self.generation: tuple[int, dict[str, int]] | None = None
         # on CUDA: each stage's last measured peak next to its estimate, by stage label (`calibration`)
         self.measured: dict[str, Any] = {}
         self.stage_geometry: Any = None  # the running stage's request (`door.note_sampling`), if it told

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..interrupt import check_interrupt
-from ..placement.door import stage
+from ..placement.door import note_generation, stage
 from ..prompt import IMAGE_PROMPT_PREFIX
 from .core import GREEDY, Sampling, TokenCallback
 from .scan import ObjectScanner
@@ -176,7 +176,7 @@ def generate_text(handle: Any, system: str, user: str, *, image: Any | None = No
             _seed_here(sampling.seed, device)
             output = encoder.generate(**inputs, stopping_criteria=StoppingCriteriaList([watch]), **options)
         new = output[0, prompt_length:].to("cpu")
-        handle.shared.placement.generation = (prompt_length, int(new.shape[0]))  # the memory report counts it
+        note_generation(handle, encoder, prompt_length, int(new.shape[0]))  # the memory report counts it
     check_interrupt()
     tokens = int(new.shape[0])
     if watch.scanner is not None and watch.scanner.closed:
