@@ -30,7 +30,7 @@ from .components import REFINER, TRANSFORMER
 from .distributed import stage as parallel_stage
 from .latents import dit_to_vae, vae_to_dit
 from .placement import plan
-from .placement.door import effective_mode, note_sampling, oom_fallback, release, stage
+from .placement.door import effective_mode, oom_fallback, release, sampling_figures, stage
 from .placement.estimate import Geometry
 from .prompt import PromptEmbeds
 from .sampling.guidance import Guidance, StepCallback, pin_first_frames, sample
@@ -320,7 +320,8 @@ def denoise(
     method, do_cfg = request.method, request.cfg
     latents, cond_latent = _starting_latents(request.shape, g, latents, cond_latent, image_cond)
     needs = (transformer, "scheduler") if method.uses_scheduler else (transformer,)
-    with stage(handle, *needs, phase="refine" if transformer == REFINER else "denoise") as device:
+    with stage(handle, *needs, phase="refine" if transformer == REFINER else "denoise",
+               geometry=Geometry(height, width, num_frames, cfg=do_cfg)) as device:
         cond_latent = _on(cond_latent, device)
         latents = pin_first_frames(latents.to(device=device, dtype=torch.float32), cond_latent)
         run = method.start(steps=steps, shift=shift, sigmas=sigmas, device=device, generator=g,
@@ -330,13 +331,11 @@ def denoise(
             trace["run"] = run
         dit = handle.component(transformer)
         before = _chunk_on(dit)
-        figures = plan.sampling_figures(  # batching and chunking, decided at once under the installed mode
-            plan.facts(handle), transformer, packed=bool(stored_formats(dit)), cfg=do_cfg, cfg_batch=cfg_batch,
-            splits_cfg=parallel.splits_cfg, set_on_model=before, height=height, width=width, num_frames=num_frames)
+        figures = sampling_figures(  # batching and chunking, decided at once under the installed mode
+            handle, transformer, packed=bool(stored_formats(dit)), cfg_batch=cfg_batch, splits_cfg=parallel.splits_cfg,
+            set_on_model=before)
         if figures.cfg_batch_why:
             log.info("%s", figures.cfg_batch_why)
-        note_sampling(handle, transformer, Geometry(height, width, num_frames, cfg=do_cfg, cfg_batch=figures.cfg_batch),
-                      chunk=figures.ffn_chunk, why=figures.ffn_chunk_why)
         guidance = _guidance(parallel, dit, handle.dtype_of(transformer), cond, guidance_scale, device,
                              figures.cfg_batch)
         if request.step_cache.enabled:  # a fresh cache for this call, keyed as the request check found it

@@ -215,14 +215,14 @@ def test_what_others_held_at_the_start_is_not_the_stages_peak(fixtures_root, mon
 
 
 def test_a_refiner_stage_is_set_against_the_refine_phase(fixtures_root, monkeypatch, calibration_file):
-    """Denoise tells the door its request (`note_sampling`) without a refine size: the refiner's stage is
-    estimated at its own size (it raised, an empty phase list, before), and an unknown phase gives no estimate."""
+    """Denoise enters the door with its request and no refine size: the refiner's stage is estimated at its own
+    size (it raised, an empty phase list, before), and an unknown phase gives no estimate."""
     fake = FakeCuda().install(monkeypatch)
     monkeypatch.setattr(calibration, "device_name", lambda device: fake.name)
     handle = _open(fixtures_root)
     geometry = Geometry(32, 32, 5)
-    with door.stage(handle, "transformer", phase="refine", label="refine"):
-        door.note_sampling(handle, "transformer", geometry, chunk=None, why="chunking off")
+    with door.stage(handle, "transformer", phase="refine", label="refine", geometry=geometry):
+        pass
     expected = estimate.estimate_peak("none", ModelSizes.from_handle(handle), replace(geometry, refine=(32, 32)),
                                       ("refine",))
     with door.stage(handle, "vae", phase="no such phase", label="odd"):
@@ -230,6 +230,25 @@ def test_a_refiner_stage_is_set_against_the_refine_phase(fixtures_root, monkeypa
     by_stage = {p.stage: p for p in calibration.measured_peaks()}
     assert by_stage["refine"].estimate_bytes == expected
     assert by_stage["odd"].estimate_bytes is None and "no estimate" in by_stage["odd"].line()
+
+
+def test_a_sampling_stage_is_set_against_the_request_as_it_ran(fixtures_root, monkeypatch, calibration_file):
+    """What the door decides inside a sampling stage (CFG as one batch-2 forward, the FFN/MoE chunk) is what its
+    peak is set against, and the memory report shows the chunk."""
+    fake = FakeCuda().install(monkeypatch)
+    monkeypatch.setattr(calibration, "device_name", lambda device: fake.name)
+    handle = _open(fixtures_root)
+    geometry = Geometry(32, 32, 5, cfg=True)
+    with door.stage(handle, "transformer", phase="denoise", label="denoise", geometry=geometry):
+        figures = door.sampling_figures(handle, "transformer", packed=False, cfg_batch="on", splits_cfg=False,
+                                        set_on_model=8)
+    assert figures.cfg_batch
+    ran = replace(geometry, cfg_batch=True, ffn_chunk=figures.ffn_chunk)
+    sizes = ModelSizes.from_handle(handle)
+    expected = estimate.estimate_peak("none", sizes, ran, ("denoise",))
+    assert expected != estimate.estimate_peak("none", sizes, replace(ran, cfg_batch=False), ("denoise",))
+    assert calibration.measured_peaks()[-1].estimate_bytes == expected
+    assert handle.shared.placement.ffn_chunks["transformer"] == (figures.ffn_chunk, figures.ffn_chunk_why)
 
 
 def test_a_stage_on_the_cpu_measures_nothing(fixtures_root, calibration_file):

@@ -55,12 +55,13 @@ import gc
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, Protocol
 
 import torch
 
 from ..interrupt import checkpoints
-from . import calibration, estimate, fit, state
+from . import calibration, estimate, fit, plan, state
 from .modes import MODE_ORDER
 from .report import MemoryReport, build_report
 from .settings import OffloadSettings
@@ -273,14 +274,22 @@ def execution_device(handle: PipelineHandle, name: str | None = None) -> torch.d
     return handle.device
 
 
-def note_sampling(handle: PipelineHandle, dit: str, geometry: estimate.Geometry, *, chunk: int | None,
-                  why: str) -> None:
-    """Inside a sampling stage: the request it runs, as far as memory is concerned, once the stage knows
-    it (whether CFG runs batched, the FFN/MoE `chunk` it runs `dit` over and `why`). The stage's
-    measured peak is set against the estimate for it; the memory report shows the chunk."""
+def sampling_figures(handle: PipelineHandle, dit: str, *, packed: bool, cfg_batch: str, splits_cfg: bool,
+                     set_on_model: int | None) -> plan.SamplingFigures:
+    """Inside a sampling stage, entered with its request's `geometry`: how it runs under the installed mode
+    (`plan.sampling_figures`: CFG as one batch or two, the FFN/MoE chunk of `dit`). The stage's peak is then
+    set against the estimate for the request as it runs; the memory report shows the chunk. `packed`: the DiT's
+    weights are stored quantized; `cfg_batch`: the option; `splits_cfg`: the branches run on two rank rows;
+    `set_on_model`: a chunk set on the DiT itself."""
     placement = handle.shared.placement
-    placement.stage_geometry = geometry
-    placement.ffn_chunks[dit] = (chunk, why)
+    request = placement.stage_geometry
+    if request is None:
+        raise RuntimeError("sampling_figures runs inside a stage entered with its request's geometry")
+    figures = plan.sampling_figures(plan.facts(handle), dit, request, packed=packed, cfg_batch=cfg_batch,
+                                    splits_cfg=splits_cfg, set_on_model=set_on_model)
+    placement.stage_geometry = replace(request, cfg_batch=figures.cfg_batch, ffn_chunk=figures.ffn_chunk)
+    placement.ffn_chunks[dit] = (figures.ffn_chunk, figures.ffn_chunk_why)
+    return figures
 
 
 def note_generation(handle: PipelineHandle, encoder: torch.nn.Module, prompt_tokens: int, new_tokens: int) -> None:
@@ -292,21 +301,15 @@ def note_generation(handle: PipelineHandle, encoder: torch.nn.Module, prompt_tok
         tokens, estimate.generation_bytes(shape["text_kv_bytes_per_token"], shape["text_vocab"], tokens))
 
 
-def _stage_estimate(handle: PipelineHandle, components: tuple[str, ...], phase: str | None,
-                    geometry: estimate.Geometry | None) -> int | None:
-    """The estimate of one stage's peak under the installed mode (None: no phase, or no sizes to go on)."""
-    from dataclasses import replace
-
-    placement = handle.shared.placement
+def _stage_estimate(handle: PipelineHandle, phase: str | None) -> int | None:
+    """The estimate of one stage's peak under the installed mode, for the request it was entered with (and
+    ran: `sampling_figures`); None: no phase, or no sizes to go on."""
     mode = installed_mode(handle)
-    geometry = placement.stage_geometry or geometry
+    geometry = handle.shared.placement.stage_geometry
     if phase is None or mode is None:
         return None
     if geometry is None:  # the text phases do not depend on the video's size
         geometry = estimate.Geometry(16, 16, 1)
-    dit = next((n for n in components if n in placement.ffn_chunks), None)
-    if dit is not None and not isinstance(geometry.ffn_chunk, int):  # the FFN/MoE chunk the run used
-        geometry = replace(geometry, ffn_chunk=placement.ffn_chunks[dit][0])
     if phase in ("refine", "refine_decode") and geometry.refine is None:  # a refiner pass at this size
         geometry = replace(geometry, refine=(geometry.height, geometry.width))
     try:
@@ -326,13 +329,14 @@ def stage(handle: PipelineHandle, *components: str, label: str | None = None, ph
     """Acquire `components` for one stage and yield the execution device; restore the clean state after.
 
     On CUDA the stage's peak is measured (`calibration`): with `phase` (a name of `estimate.activation_bytes`)
-    and the request's `geometry`, next to its estimate under the installed mode."""
+    and the request's `geometry`, next to its estimate under the installed mode. A sampling stage learns how
+    it runs inside (`sampling_figures`)."""
     shared = handle.shared
     placement = shared.placement
     label = label or "+".join(components)
     with shared.lock:
         measuring = calibration.start(handle.device, placement.resident_bytes(shared.loaded))
-        placement.stage_geometry = None
+        placement.stage_geometry = geometry  # the stage's request (a sampling stage: as it runs, `sampling_figures`)
         plan = _plan(handle)  # decided before loading: how a DiT loads depends on where it will live
         _load(handle, components, plan)
         placement.apply_view_states(shared.loaded, handle.view_states)
@@ -344,7 +348,7 @@ def stage(handle: PipelineHandle, *components: str, label: str | None = None, ph
             if measuring is not None:  # a stage that finished: its peak and its estimate
                 placement.measured[label] = calibration.finish(
                     measuring, handle.device, label, placement.mode.name,
-                    _stage_estimate(handle, components, phase, geometry))
+                    _stage_estimate(handle, phase))
         finally:
             placement.leave(shared.loaded, components, label)
             for listener in list(placement.settle_listeners):

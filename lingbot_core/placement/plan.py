@@ -191,14 +191,15 @@ class SamplingFigures:
     ffn_chunk_why: str
 
 
-def sampling_figures(facts: Facts, transformer: str, *, packed: bool, cfg: bool, cfg_batch: str, splits_cfg: bool,
-                     set_on_model: int | None, height: int, width: int, num_frames: int) -> SamplingFigures:
+def sampling_figures(facts: Facts, transformer: str, request: Geometry, *, packed: bool, cfg_batch: str,
+                     splits_cfg: bool, set_on_model: int | None) -> SamplingFigures:
     """A denoise call's batching and chunking under the installed offload mode (`facts`, read inside the
-    stage). `cfg_batch` is the option ("off", "on", "auto"); `packed`: the DiT's weights are stored
-    quantized; `splits_cfg`: the two branches run on two rank rows already; `set_on_model`: a chunk set
-    on the DiT itself (`set_ffn_chunk`), which wins over the handle's `auto`."""
+    stage) for `request` (its size and whether CFG runs). `cfg_batch` is the option ("off", "on", "auto");
+    `packed`: the DiT's weights are stored quantized; `splits_cfg`: the two branches run on two rank rows
+    already; `set_on_model`: a chunk set on the DiT itself (`set_ffn_chunk`), which wins over the handle's `auto`."""
     mode = facts.mode or "none"
-    geometry = dict(height=height, width=width, num_frames=num_frames)
+    cfg = request.cfg
+    geometry = dict(height=request.height, width=request.width, num_frames=request.num_frames)
     why = None
     if not cfg and cfg_batch != "off":
         why = f"cfg_batch={cfg_batch}: nothing to batch at cfg <= 1 (one DiT pass per step)"

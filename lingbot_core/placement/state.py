@@ -46,7 +46,9 @@ class Placement:
         self.generation: tuple[int, dict[str, int]] | None = None
         # on CUDA: each stage's last measured peak next to its estimate, by stage label (`calibration`)
         self.measured: dict[str, Any] = {}
-        self.stage_geometry: Any = None  # the running stage's request (`door.note_sampling`), if it told
+        # the running stage's request as far as memory is concerned (`door.stage`'s geometry; a sampling stage's
+        # as it runs, `door.sampling_figures`), which its measured peak is set against; None: it gave none
+        self.stage_geometry: Any = None
         # the host's listeners on this handle (all its views), never process-wide: see door.add_listeners
         self.memory_listeners: list[Callable[[str, Any, torch.device, int], None]] = []
         self.settle_listeners: list[Callable[[Any, torch.device], None]] = []
