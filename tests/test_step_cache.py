@@ -265,3 +265,17 @@ def test_batched_cfg_halves_transfers_and_a_cache_skips_them_with_fp8(quantized_
     assert transfers_two > 0 and transfers_batched * 2 == transfers_two
     assert blocks < blocks_batched and count[0] * blocks_batched == transfers_batched * blocks
     torch.testing.assert_close(batched, two, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["magcache", "magcache_calibrate"])
+def test_a_calibrated_cache_is_built_from_the_request_checks_key(method, tmp_path):
+    """The file a calibrated method reads or writes is the one the request check keyed: without that key
+    the cache refuses (it once fell back to a file named by an empty identity)."""
+    from lingbot_core.sampling.step_cache import StepCache, keyed
+
+    settings = StepCacheSettings(method, calibration_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="request check"):
+        StepCache(settings, steps=20)
+    if method == "magcache_calibrate":
+        key = keyed(settings, {"model": "tiny"})
+        assert StepCache(settings, steps=20, key=key).calibration_path == key.path

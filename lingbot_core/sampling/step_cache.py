@@ -176,19 +176,19 @@ def read_calibration(path: Path, identity: dict[str, Any]) -> dict[str, list[flo
 @dataclass(frozen=True)
 class Keyed:
     """A calibrated method's key for one run, found before any model work (`keyed`): the `identity` its
-    file is named by, and for `magcache` the ratios read from that file (empty for `magcache_calibrate`,
-    which writes them)."""
+    file is named by, that file's `path`, and for `magcache` the ratios read from it (empty for
+    `magcache_calibrate`, which writes them)."""
 
     identity: dict[str, Any]
+    path: Path
     ratios: dict[str, list[float]] = field(default_factory=dict)
 
 
 def keyed(settings: StepCacheSettings, identity: dict[str, Any]) -> Keyed:
     """`identity` with what `settings` needs of its calibration file: `magcache` reads it here, once per run
     (`CalibrationMissing` or a refusal of an unreadable file before the run starts)."""
-    if settings.method == "magcache":
-        return Keyed(identity, read_calibration(calibration_file(settings, identity), identity))
-    return Keyed(identity)
+    path = calibration_file(settings, identity)
+    return Keyed(identity, path, read_calibration(path, identity) if settings.method == "magcache" else {})
 
 
 def _write_calibration(path: Path, identity: dict[str, Any], ratios: dict[str, list[float]]) -> None:
@@ -244,10 +244,12 @@ class StepCache:
         self.current = "cond"
         self.computed = 0  # blocks run
         self.skipped = 0  # blocks skipped
-        self.calibration_path = calibration_file(settings, self.identity)
+        self.calibration_path = key.path if key is not None else None  # where magcache_calibrate writes
         self.ratios: dict[str, list[float]] = dict(key.ratios) if key is not None else {}
         # sums partial sums over a sequence-parallel group (`distributed.stage.share_step_cache`); None: one process
         self.reduce: Reduce | None = None
+        if settings.calibrated and key is None:
+            raise ValueError(f"step_cache={self.method} needs its calibration key (`keyed`, found by the request check)")
         if self.method == "magcache" and not self.ratios:
             raise ValueError("step_cache=magcache needs its calibration's ratios (`keyed`, read by the request check)")
 
