@@ -49,14 +49,31 @@ def _assert_handle_clean(view):
             assert all(p.device.type != "meta" for p in module.parameters()), name
 
 
+def _in_mode(name: str, mode: str):
+    return _load(name, [f"Offload.mode={mode}"] + (["Offload.use_stream=false"] if mode == "group" else []))
+
+
+_NATURAL: dict[str, torch.Tensor] = {}
+
+
+def _natural_order_frames(name: str) -> torch.Tensor:
+    """The workflow's frames in the first registered mode, natural order, a fresh engine: computed once a
+    workflow and shared by its mode cases (offloading never changes the arithmetic, so every mode must
+    give these same frames)."""
+    if name not in _NATURAL:
+        prompt = _in_mode(name, MODES[0])
+        _NATURAL[name] = _frames(Engine(NODE_CLASS_MAPPINGS).run(prompt), prompt)
+    return _NATURAL[name]
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", [n for n in WORKFLOWS if n not in REWRITING])
 def test_shuffled_runs_in_every_mode_give_identical_outputs(name, mode):
-    """Many runs, the order among ready nodes shuffled, the handle cached across runs like ComfyUI's."""
-    base = _load(name, [f"Offload.mode={mode}"] + (["Offload.use_stream=false"] if mode == "group" else []))
+    """Many runs, the order among ready nodes shuffled, the handle cached across runs like ComfyUI's; each
+    mode's frames equal the natural-order run's of the first mode."""
+    base = _in_mode(name, mode)
     denoise = _node(base, "LingBotDenoise", "LingBotExtendVideo")  # the node with the seed
-    reference = Engine(NODE_CLASS_MAPPINGS).run(base)  # natural order, fresh engine
-    expected = _frames(reference, base)
+    expected = _natural_order_frames(name)
 
     engine = Engine(NODE_CLASS_MAPPINGS)
     other_seed = apply_overrides(base, [f"{denoise}.seed=7"], NODE_CLASS_MAPPINGS)
