@@ -2,13 +2,67 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
+from background import Child, Task, selected
 from video_reader import read_video
 
 from lingbot_nodes.cli import main
+
+SIGNALS = [("SIGINT", 130), ("SIGTERM", 143)]
+
+
+def _default_sigint() -> None:
+    """In the child: SIGINT back to its default. A suite started in the background by a shell without job
+    control inherits SIGINT as ignored, and Python then never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _signal_at_step_2(proc: subprocess.Popen, signame: str) -> tuple[list[str], str]:
+    """Read the child's progress until Denoise's step 2, send `signame`, wait: (lines read, the rest)."""
+    lines = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        lines.append(line)
+        if "Denoise: step 2/200" in line or not line:
+            break
+    proc.send_signal(getattr(signal, signame))
+    _, rest = proc.communicate(timeout=60)
+    return lines, rest
+
+
+@pytest.fixture(scope="module", autouse=True)
+def children(request, tmp_path_factory):
+    """This module's commands in processes of their own, started together when the module starts (see
+    tests/background.py): they import torch on the second core while the tests in this process run."""
+    started = {}
+    if selected(request, "test_python_dash_m_entry_points"):
+        started["help"] = Child([sys.executable, "-m", "lingbot_nodes", "--help"])
+        # `python -m lingbot_core` is wired to its main (a refused size: exit 2 before any model work)
+        started["bad size"] = Child([sys.executable, "-m", "lingbot_core", "--height", "40"])
+    if selected(request, "test_ctrl_c_in_a_real_process"):
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        for signame, _code in SIGNALS:
+            output = tmp_path_factory.mktemp(f"ctrl_c_{signame}")
+            # Popen here, on the main thread (preexec_fn); the conversation with the child on a thread
+            proc = subprocess.Popen([sys.executable, "-m", "lingbot_nodes", "--set", "Denoise.steps=200",
+                                     "--output", str(output)], stderr=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    text=True, env=env, preexec_fn=_default_sigint)
+            started[signame] = (proc, output, Task(lambda proc=proc, signame=signame: _signal_at_step_2(proc, signame)))
+    if selected(request, "test_the_package_import_is_light"):
+        started["light"] = Child([sys.executable, "-c", "import sys, lingbot_nodes; print('torch' in sys.modules)"])
+    yield started
+    for child in started.values():
+        proc = child[0] if isinstance(child, tuple) else child.proc
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
 
 
 def test_default_run_writes_an_mp4(tmp_path, capsys):
@@ -57,11 +111,11 @@ def test_malformed_workflow_json(tmp_path, capsys, text, where):
     assert err.startswith("error:") and "bad.json" in err and where in err and err.endswith(")")
 
 
-def test_python_dash_m_entry_points(tmp_path):
-    env_run = subprocess.run([sys.executable, "-m", "lingbot_nodes", "--help"], capture_output=True, text=True)
+def test_python_dash_m_entry_points(children):
+    env_run = children["help"].result()
     assert env_run.returncode == 0 and "NODE.INPUT=VALUE" in env_run.stdout
     # `python -m lingbot_core` is wired to its main (a refused size: exit 2 before any model work) ...
-    bad = subprocess.run([sys.executable, "-m", "lingbot_core", "--height", "40"], capture_output=True, text=True)
+    bad = children["bad size"].result()
     assert bad.returncode == 2 and "multiples of 16" in bad.stderr
 
 
@@ -204,39 +258,16 @@ def test_interrupt_while_writing_leaves_no_partial_file(tmp_path, capsys, monkey
     assert len(calls) == 3 and not any(p.is_file() for p in tmp_path.rglob("*"))
 
 
-def _default_sigint() -> None:
-    """In the child: SIGINT back to its default. A suite started in the background by a shell without job
-    control inherits SIGINT as ignored, and Python then never raises KeyboardInterrupt."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-@pytest.mark.parametrize("signame,code", [("SIGINT", 130), ("SIGTERM", 143)])
-def test_ctrl_c_in_a_real_process(tmp_path, signame, code):
+@pytest.mark.parametrize("signame,code", SIGNALS)
+def test_ctrl_c_in_a_real_process(children, signame, code):
     """SIGINT to `python -m lingbot_nodes` mid-run: exit 130, one line, no traceback, no file. SIGTERM (a
-    container stop) takes the same path, with exit code 143."""
-    import os
-    import signal
-    import time
-
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "lingbot_nodes", "--set", "Denoise.steps=200",
-                             "--output", str(tmp_path)], stderr=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, env=env, preexec_fn=_default_sigint)
-    lines = []
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        lines.append(line)
-        if "Denoise: step 2/200" in line or not line:
-            break
-    proc.send_signal(getattr(signal, signame))
-    _, rest = proc.communicate(timeout=60)
+    container stop) takes the same path, with exit code 143. (The child starts with the module: `children`.)"""
+    proc, output, conversation = children[signame]
+    lines, rest = conversation.result(timeout=200)
     assert proc.returncode == code, "".join(lines) + rest
     assert rest.strip().splitlines()[-1] == "interrupted in Denoise", rest
     assert "Traceback" not in rest and "KeyboardInterrupt" not in rest
-    assert not any(p.is_file() for p in tmp_path.rglob("*"))
+    assert not any(p.is_file() for p in output.rglob("*"))
 
 
 def test_terminal_bar_is_labelled_and_closed():
@@ -309,11 +340,10 @@ def test_ctrl_c_while_the_core_command_imports_is_clean(monkeypatch, capsys):
     assert capsys.readouterr().err.strip() == "interrupted"
 
 
-def test_the_package_import_is_light():
+def test_the_package_import_is_light(children):
     """`python -m lingbot_nodes` imports the package before its `__main__` can catch anything: that import
     must not pull in torch, or a Ctrl-C in the first seconds prints a traceback."""
-    code = "import sys, lingbot_nodes; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = children["light"].result(timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
 

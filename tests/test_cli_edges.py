@@ -3,9 +3,14 @@ late failures, signals and messages (each found by running the commands as a use
 
 from __future__ import annotations
 
+import sys
+
 import pytest
+from background import Child, selected
 
 from lingbot_nodes.cli import main
+
+QUIET_RUNS = [("lingbot-run", ["t2i", "--set", "Denoise.steps=1"]), ("core", ["--mode", "t2i", "--steps", "1"])]
 
 
 @pytest.fixture
@@ -308,17 +313,26 @@ raise SystemExit(main(sys.argv[2:]))
 """
 
 
-@pytest.mark.parametrize("command,args", [("lingbot-run", ["t2i", "--set", "Denoise.steps=1"]),
-                                          ("core", ["--mode", "t2i", "--steps", "1"])])
-def test_quiet_drops_the_librarys_warnings_too(tmp_path, command, args):
+@pytest.fixture(scope="module", autouse=True)
+def quiet_runs(request, tmp_path_factory):
+    """The --quiet runs below, each in a process of its own, started together when the module starts: they
+    run on the second core while this module's other tests run here (tests/background.py)."""
+    started = {}
+    if selected(request, "test_quiet_drops_the_librarys_warnings_too"):
+        for command, args in QUIET_RUNS:
+            output = tmp_path_factory.mktemp(f"quiet_{command}")
+            started[command] = Child([sys.executable, "-c", NOISY, command, *args, "-q", "--output", str(output)])
+    yield started
+    for child in started.values():
+        child.stop()
+
+
+@pytest.mark.parametrize("command,args", QUIET_RUNS)
+def test_quiet_drops_the_librarys_warnings_too(quiet_runs, command, args):
     """A warning the library logs while running (a cut prompt, a guidance note) is not printed with --quiet:
     with no handler of ours Python prints warnings on stderr itself (a process of its own: pytest's log
     capture would hide that)."""
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-c", NOISY, command, *args, "-q", "--output", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300)
+    done = quiet_runs[command].result(timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stderr == "" and done.stdout.strip()
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ast
 import json
-import subprocess
 import sys
 import types
 from dataclasses import replace
@@ -13,12 +12,27 @@ from pathlib import Path
 
 import pytest
 import torch
+from background import Child, selected
 
 from lingbot_core import doctor
 from lingbot_core.placement import estimate, recipes
 from lingbot_core.placement.modes import MODE_ORDER
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def command_run(request, tmp_path_factory):
+    """`python -m lingbot_core.doctor` in a process of its own, started with the module so that it runs on
+    the second core while `cpu_report` runs here (tests/background.py): (the child, its report path)."""
+    if not selected(request, "test_command_line_writes_the_report"):
+        yield None
+        return
+    path = tmp_path_factory.mktemp("doctor_command") / "report.json"
+    child = Child([sys.executable, "-m", "lingbot_core.doctor", "--device", "cpu", "--json", str(path),
+                   "--quick", "--only", "disk,versions"], cwd=ROOT)
+    yield child, path
+    child.stop()
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +87,10 @@ def test_estimate_in_the_report_is_the_estimators(cpu_report):
     assert row["estimate_bytes"] == estimate.estimate_peak(MODE_ORDER[0], sizes, geometry, ("denoise",))
 
 
-def test_command_line_writes_the_report(tmp_path):
+def test_command_line_writes_the_report(command_run):
     """The module runs as a command (one subprocess, cheap sections) and says where the report went."""
-    path = tmp_path / "report.json"
-    done = subprocess.run([sys.executable, "-m", "lingbot_core.doctor", "--device", "cpu", "--json", str(path),
-                           "--quick", "--only", "disk,versions"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    child, path = command_run
+    done = child.result(timeout=300)
     assert done.returncode == 0, done.stderr
     report = json.loads(path.read_text())
     assert list(report["sections"]) == ["versions", "disk"]  # the registry's order
