@@ -5,12 +5,12 @@ from __future__ import annotations
 import ast
 import importlib.util
 import re
-import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
 import pytest
+from background import Child, selected
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,11 +34,31 @@ print(len(mod.NODE_CLASS_MAPPINGS), sorted(mod.NODE_DISPLAY_NAME_MAPPINGS) == so
 """
 
 
-def test_pack_imports_as_a_custom_nodes_folder_without_comfyui(tmp_path):
-    """ComfyUI imports the folder by path as a package; `lingbot_core` must resolve without pip."""
-    (tmp_path / "nodes.py").write_text("COMFY = True\n")  # ComfyUI's module of the same name
-    (tmp_path / "probe.py").write_text(f"ROOT = {str(ROOT)!r}\n" + PROBE)
-    done = subprocess.run([sys.executable, str(tmp_path / "probe.py")], capture_output=True, text=True, cwd=tmp_path)
+def _start_probe(folder: Path, probe: str) -> Child:
+    (folder / "probe.py").write_text(f"ROOT = {str(ROOT)!r}\n" + probe)
+    return Child([sys.executable, str(folder / "probe.py")], cwd=folder)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def probes(request, tmp_path_factory):
+    """The import probes below, each in a fresh Python of its own, started together when the module starts
+    (tests/background.py): they run beside each other and beside this module's other tests."""
+    started = {}
+    if selected(request, "test_pack_imports_as_a_custom_nodes_folder_without_comfyui"):
+        folder = tmp_path_factory.mktemp("no_comfyui")
+        (folder / "nodes.py").write_text("COMFY = True\n")  # ComfyUI's module of the same name
+        started["plain"] = _start_probe(folder, PROBE)
+    if selected(request, "test_pack_registers_through_comfy_entrypoint_when_comfyui_has_v3"):
+        started["v3"] = _start_probe(tmp_path_factory.mktemp("v3"), V3_PROBE)
+    yield started
+    for child in started.values():
+        child.stop()
+
+
+def test_pack_imports_as_a_custom_nodes_folder_without_comfyui(probes):
+    """ComfyUI imports the folder by path as a package; `lingbot_core` must resolve without pip. (The probe,
+    a folder with ComfyUI's own `nodes.py` beside it, started with the module: `probes`.)"""
+    done = probes["plain"].result()
     assert done.returncode == 0, done.stderr
     from lingbot_nodes import NODE_CLASS_MAPPINGS
 
@@ -69,9 +89,8 @@ print(len(names), all(n.startswith("LingBot") for n in names))
 """
 
 
-def test_pack_registers_through_comfy_entrypoint_when_comfyui_has_v3(tmp_path):
-    (tmp_path / "probe.py").write_text(f"ROOT = {str(ROOT)!r}\n" + V3_PROBE)
-    done = subprocess.run([sys.executable, str(tmp_path / "probe.py")], capture_output=True, text=True, cwd=tmp_path)
+def test_pack_registers_through_comfy_entrypoint_when_comfyui_has_v3(probes):
+    done = probes["v3"].result()
     assert done.returncode == 0, done.stderr
     from lingbot_nodes import NODE_CLASS_MAPPINGS
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from background import Child, selected
 
 from lingbot_core.checkpoints.inspection import inspect_checkpoint
 from lingbot_core.checkpoints.loading import load_transformer
@@ -65,6 +65,31 @@ def quantized(tmp_path_factory, fixtures_root):
             out[variant, target] = quantize_checkpoint(fixtures_root / "models" / f"tiny-{variant}",
                                                        root / f"{variant}-{target}", target)
     return out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def commands(request, tmp_path_factory, fixtures_root):
+    """The commands this module runs in processes of their own, started together when the module starts
+    (tests/background.py): they import torch on the second core while the tests in this process run. Each
+    entry: (the child, the folder it writes or reads)."""
+    started = {}
+    if selected(request, "test_quantize_command_output_opens_with_the_loader"):
+        again = tmp_path_factory.mktemp("again") / "again"
+        quantized = request.getfixturevalue("quantized")
+        started["already quantized"] = Child([sys.executable, "-m", "lingbot_core.quantize",
+                                              str(quantized["moe", "fp8"]), str(again), "--to", "fp8"]), again
+    if selected(request, "test_the_quantize_command_writes_per_expert_files"):
+        out = tmp_path_factory.mktemp("per_expert_cli") / "cli"
+        started["per expert"] = Child([sys.executable, "-m", "lingbot_core.quantize",
+                                       str(fixtures_root / "models" / "tiny-moe"), str(out), "--to", "gguf-q4_0",
+                                       "--per-expert"]), out
+    if selected(request, "test_bf16_checkpoint_loads_as_bf16_without_an_fp32_copy"):
+        folder = _bf16_checkpoint(fixtures_root / "models" / "tiny-dense", tmp_path_factory.mktemp("bf16") / "bf16")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        started["bf16 peak"] = Child([sys.executable, "-c", _PEAK_SCRIPT, str(folder)], env=env), folder
+    yield started
+    for child, _folder in started.values():
+        child.stop()
 
 
 # -- GGUF decoding -----------------------------------------------------------------------------------
@@ -215,7 +240,7 @@ def test_gguf_checkpoint_round_trip(quantized, fixtures_root, variant, target, t
     assert model.blocks[0].attn.to_q.qdata.dtype == torch.uint8
 
 
-def test_quantize_command_output_opens_with_the_loader(quantized, tmp_path):
+def test_quantize_command_output_opens_with_the_loader(quantized, commands):
     from lingbot_core import stages
     from lingbot_nodes.loader import LingBotLoader
 
@@ -225,8 +250,8 @@ def test_quantize_command_output_opens_with_the_loader(quantized, tmp_path):
     latents = stages.denoise(handle, cond, height=32, width=32, num_frames=1, steps=1, guidance_scale=1.0, seed=0)
     assert torch.isfinite(latents).all()
     assert isinstance(handle.component("transformer").blocks[0].attn.to_q, QuantizedLinear)
-    rc = subprocess.run([sys.executable, "-m", "lingbot_core.quantize", str(quantized["moe", "fp8"]),
-                         str(tmp_path / "again"), "--to", "fp8"], capture_output=True, text=True)
+    child, _again = commands["already quantized"]  # `python -m lingbot_core.quantize` on the fp8 folder
+    rc = child.result()
     assert rc.returncode == 2 and "already quantized" in rc.stderr
 
 
@@ -296,12 +321,11 @@ print(json.dumps({"base": base * 1024, "peak": peak * 1024, "dtypes": dtypes}))
 """
 
 
-def test_bf16_checkpoint_loads_as_bf16_without_an_fp32_copy(tmp_path, fixtures_root):
-    folder = _bf16_checkpoint(fixtures_root / "models" / "tiny-dense", tmp_path / "bf16")
+def test_bf16_checkpoint_loads_as_bf16_without_an_fp32_copy(commands):
+    child, folder = commands["bf16 peak"]  # _PEAK_SCRIPT on a _bf16_checkpoint, in a process of its own
     stored = (folder / "transformer" / "diffusion_pytorch_model.safetensors").stat().st_size
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(folder)], capture_output=True, text=True, env=env,
-                         check=True)
+    out = child.result()
+    assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     for name, dtype in result["dtypes"].items():
         assert dtype == ("torch.float32" if keeps_fp32(name) else "torch.bfloat16"), name
@@ -867,10 +891,9 @@ def test_per_expert_is_refused_for_fp8(fixtures_root, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_the_quantize_command_writes_per_expert_files(per_expert, fixtures_root, tmp_path):
-    out = tmp_path / "cli"
-    rc = subprocess.run([sys.executable, "-m", "lingbot_core.quantize", str(fixtures_root / "models" / "tiny-moe"),
-                         str(out), "--to", "gguf-q4_0", "--per-expert"], capture_output=True, text=True)
+def test_the_quantize_command_writes_per_expert_files(per_expert, commands):
+    child, out = commands["per expert"]  # `python -m lingbot_core.quantize` tiny-moe --to gguf-q4_0 --per-expert
+    rc = child.result()
     assert rc.returncode == 0, rc.stderr
     written = (out / "transformer" / "diffusion_pytorch_model.gguf").read_bytes()
     assert written == (per_expert["gguf-q4_0"] / "transformer" / "diffusion_pytorch_model.gguf").read_bytes()
