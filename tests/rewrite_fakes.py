@@ -29,6 +29,8 @@ def valid_caption(duration: float = 5.0, video: bool = True) -> dict[str, Any]:
     return {"caption": caption, "duration": duration if video else None}
 
 
+POLL_S = 0.02  # how often a fake server's loop looks for a shutdown
+
 def reply(content: str, tokens: int = 7) -> dict:
     return {"choices": [{"message": {"role": "assistant", "content": content}}],
             "usage": {"completion_tokens": tokens}}
@@ -80,7 +82,9 @@ class FakeChatServer:
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        # shutdown() returns once the serving loop polls again: every 0.5 s by default, a
+        # second of waiting for a test with two servers
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": POLL_S}, daemon=True)
 
     def __enter__(self) -> FakeChatServer:
         self.thread.start()
@@ -214,7 +218,9 @@ class HostileServer:
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        # shutdown() returns once the serving loop polls again: every 0.5 s by default, a
+        # second of waiting for a test with two servers
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": POLL_S}, daemon=True)
 
     def _send(self, handler, status: int, body: bytes, kind: str = "application/json") -> None:
         handler.send_response(status)
