@@ -48,21 +48,28 @@ def children(request, tmp_path_factory):
         started["bad size"] = Child([sys.executable, "-m", "lingbot_core", "--height", "40"])
     if selected(request, "test_ctrl_c_in_a_real_process"):
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        for signame, _code in SIGNALS:
+        procs = {}
+        for signame, _code in SIGNALS:  # every Popen first, on the main thread, before any thread (preexec_fn)
             output = tmp_path_factory.mktemp(f"ctrl_c_{signame}")
-            # Popen here, on the main thread (preexec_fn); the conversation with the child on a thread
-            proc = subprocess.Popen([sys.executable, "-m", "lingbot_nodes", "--set", "Denoise.steps=200",
-                                     "--output", str(output)], stderr=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    text=True, env=env, preexec_fn=_default_sigint)
+            procs[signame] = output, subprocess.Popen(
+                [sys.executable, "-m", "lingbot_nodes", "--set", "Denoise.steps=200", "--output", str(output)],
+                stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, preexec_fn=_default_sigint)
+        for signame, (output, proc) in procs.items():  # then the conversation with each child on a thread
             started[signame] = (proc, output, Task(lambda proc=proc, signame=signame: _signal_at_step_2(proc, signame)))
     if selected(request, "test_the_package_import_is_light"):
         started["light"] = Child([sys.executable, "-c", "import sys, lingbot_nodes; print('torch' in sys.modules)"])
     yield started
-    for child in started.values():
-        proc = child[0] if isinstance(child, tuple) else child.proc
+    for entry in started.values():  # a child no test waited for (not in this run) is killed
+        if isinstance(entry, Child):
+            entry.stop()
+            continue
+        proc, _output, conversation = entry
         if proc.poll() is None:
             proc.kill()
-            proc.communicate()
+        try:
+            conversation.result(timeout=60)  # its thread ends with the child
+        except Exception:
+            pass
 
 
 def test_default_run_writes_an_mp4(tmp_path, capsys):
