@@ -31,6 +31,7 @@ from __future__ import annotations
 import importlib
 import logging
 import threading
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -270,14 +271,20 @@ def probe(kernel: str, device: torch.device | str, dtype: torch.dtype) -> dict[s
     with _lock:
         before = set(_verdicts)
         _probing.active = True
+        said: list[warnings.WarningMessage] = []
         try:
-            problem = runner(device, dtype, variant)
+            # a library's warnings about a kernel it runs on a probe's small inputs (torch: flex attention
+            # "called without torch.compile()") are about the probe, not the user's run: logged, not shown
+            with warnings.catch_warnings(record=True) as said:
+                problem = runner(device, dtype, variant)
         except Exception as exc:
             if _passes_through(exc):
                 raise
             problem = _first_line(exc)
         finally:
             _probing.active = False
+            for w in said:
+                log.info("lingbot: probing %s on %s: %s", kernel, device, _first_line(w.category(str(w.message))))
         if problem and key not in _verdicts:
             _probing.active = True
             try:

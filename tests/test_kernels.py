@@ -484,3 +484,21 @@ def test_a_kernel_refused_eagerly_is_left_out_of_compiled_blocks(monkeypatch):
     rows = {r["kernel"]: r["verdict"] for r in kernels.verdicts()}
     assert rows == {"grouped_mm": kernels.REFUSED, "compiled_blocks": kernels.FAST}
     assert kernels.relative_error(got.float(), want.float()) < 1e-2
+
+
+def test_a_probe_logs_the_warnings_its_kernel_raises_instead_of_showing_them(monkeypatch, caplog):
+    """The doctor probes every backend on small inputs; what a library warns about while one runs there
+    (torch: flex attention "called without torch.compile()") is about the probe: logged at INFO, not shown."""
+    import warnings
+
+    def noisy(device, dtype, variant):
+        warnings.warn("this kernel runs unfused here\nSOLUTION: compile it", UserWarning, stacklevel=1)
+        return None
+
+    monkeypatch.setitem(kernels._probes, "grouped_mm", noisy)
+    with caplog.at_level(logging.INFO, logger=kernels.log.name), warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        row = kernels.probe("grouped_mm", "cpu", torch.bfloat16)
+    assert row["verdict"] == kernels.FAST
+    assert not [w for w in shown if "unfused" in str(w.message)]
+    assert "probing grouped_mm on cpu: UserWarning: this kernel runs unfused here" in caplog.text
