@@ -182,7 +182,7 @@ def resolve(shared: SharedComponents, requested: OffloadSettings,
     with calibration.on_device(calibration.device_name(device)):  # never below what this device measured
         if layout is not None:
             sizes = _sizes(shared) if shared.info is not None else None
-            geometry = estimate.geometry_from(dict(requested.options), shared.info.variant, None) if sizes else None
+            geometry = estimate.geometry_from(dict(requested.options), shared.info.variant, None) if sizes is not None else None
             if sizes is not None and budget is None and device.type == "cuda":
                 budget = free_bytes(shared, device)
             choice = fit.choose_parallel(estimate.ParallelShare.of(layout), layout.describe(), sizes, geometry, budget)
@@ -261,11 +261,6 @@ def has_fallen_back(handle: PipelineHandle) -> bool:
 
 
 # -- the stage door -------------------------------------------------------------------------------------
-
-def component_device(module: Any) -> torch.device | None:
-    """Where a component computes (`state.component_device`)."""
-    return state.component_device(module)
-
 
 def execution_device(handle: PipelineHandle, name: str | None = None) -> torch.device:
     """The device a stage builds its inputs on: the handle's. With `name`, check the component agrees."""
