@@ -284,7 +284,7 @@ def probe(kernel: str, device: torch.device | str, dtype: torch.dtype) -> dict[s
         finally:
             _probing.active = False
             for w in said:
-                log.info("lingbot: probing %s on %s: %s", kernel, device, _first_line(w.category(str(w.message))))
+                log.info("lingbot: probing %s on %s: %s", kernel, device, _first_line(w.message))
         if problem and key not in _verdicts:
             _probing.active = True
             try:
