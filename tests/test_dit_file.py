@@ -17,6 +17,7 @@ from lingbot_core.checkpoints.dit_file import PREFIXES, dit_file_source
 from lingbot_core.components import ComponentFiles
 from lingbot_core.errors import CheckpointError
 from lingbot_core.handle import PipelineHandle
+from lingbot_core.placement import plan
 from lingbot_core.quantize import quantize_checkpoint
 from lingbot_core.weights.loader import load_dit
 from tests.gguf_fakes import write_gguf
@@ -288,14 +289,13 @@ def test_fp8_on_load_of_a_safetensors_file_matches_the_folder(tiny, tmp_path):
 
 def test_estimate_report_auto_and_reload_on_a_dit_file(gguf_folder, gguf_files, monkeypatch):
     from lingbot_core.placement.door import configure_offload, effective_mode, memory_report, release
-    from lingbot_core.placement.estimate import ModelSizes
     from lingbot_core.weights import sources
 
     walks: list[str] = []
     real = sources.read_header
     monkeypatch.setattr(sources, "read_header", lambda path: walks.append(str(path)) or real(path))
     folder, file = _pair(gguf_folder, gguf_files["transformer"])
-    sizes_folder, sizes_file = ModelSizes.from_handle(folder), ModelSizes.from_handle(file)
+    sizes_folder, sizes_file = plan.model_sizes(folder.shared), plan.model_sizes(file.shared)
     # the community file holds the same blocks plus longer names: within its header's bytes
     assert abs(sizes_file.transformer - sizes_folder.transformer) < 64 * 1024
     budget = 10**12

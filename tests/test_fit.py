@@ -9,7 +9,7 @@ import os
 import pytest
 
 from lingbot_core.handle import PipelineHandle
-from lingbot_core.placement import door, fit
+from lingbot_core.placement import door, fit, plan
 from lingbot_core.placement.door import check_handle, configure_offload
 from lingbot_core.placement.estimate import Geometry, GiB, ModelSizes, estimate_peak, host_bytes
 from lingbot_core.placement.fit import DoesNotFit, choose_mode
@@ -72,7 +72,7 @@ def tiny_moe(fixtures_root):
 
 
 def test_handle_check_warns_with_faked_free_memory(tiny_moe, caplog):
-    sizes = ModelSizes.from_handle(tiny_moe)
+    sizes = plan.model_sizes(tiny_moe.shared)
     geometry = Geometry(32, 32, 5)
     view = configure_offload(tiny_moe, "model")
     need = estimate_peak("model", sizes, geometry) + fit.RESERVE_BYTES
@@ -108,7 +108,7 @@ def test_a_missing_refiner_is_refused_before_the_base_pass(fixtures_root, tmp_pa
 
 
 def test_fall_back_keeps_the_chosen_disk_home(tiny_moe):
-    sizes = ModelSizes.from_handle(tiny_moe)
+    sizes = plan.model_sizes(tiny_moe.shared)
     geometry = dict(height=32, width=32, num_frames=5, refine=None)
     budget = estimate_peak("model", sizes, Geometry(32, 32, 5)) + fit.RESERVE_BYTES
     view = configure_offload(tiny_moe, "auto", budget_bytes=budget, host_budget_bytes=host_bytes("model", sizes, "disk"),

@@ -11,7 +11,7 @@ import torch
 
 from lingbot_core import stages
 from lingbot_core.handle import PipelineHandle
-from lingbot_core.placement import door, estimate, fit
+from lingbot_core.placement import door, estimate, fit, plan
 from lingbot_core.placement.door import configure_offload, memory_report
 from lingbot_core.placement.estimate import Geometry, GiB, ModelSizes, estimate_peak
 from lingbot_core.placement.fit import choose_mode
@@ -79,7 +79,7 @@ def test_fallback_choice_skips_the_failed_mode():
 
 
 def test_sizes_from_a_checkpoint_read_headers_only(moe):
-    sizes = ModelSizes.from_handle(moe)
+    sizes = plan.model_sizes(moe.shared)
     assert not moe.shared.loaded
     # tensor bytes from the headers: the file size less its JSON header
     header = moe.info.component_bytes("transformer") - sizes.transformer
@@ -237,7 +237,7 @@ def test_choose_mode_respects_the_host_budget():
 
 
 def test_auto_plans_disk_offload_within_the_host_budget(moe, caplog):
-    sizes = ModelSizes.from_handle(moe)
+    sizes = plan.model_sizes(moe.shared)
     geometry = Geometry(height=32, width=32, num_frames=5, refine=None)
     budget = estimate_peak("model", sizes, geometry) + estimate.RESERVE_BYTES  # the card fits `model`, not `none`
     assert estimate_peak("none", sizes, geometry) + estimate.RESERVE_BYTES > budget

@@ -16,7 +16,7 @@ import torch
 from fake_accelerator import FakeCuda
 
 from lingbot_core.handle import PipelineHandle
-from lingbot_core.placement import calibration, door, estimate
+from lingbot_core.placement import calibration, door, estimate, plan
 from lingbot_core.placement.door import memory_report
 from lingbot_core.placement.estimate import Geometry, GiB, ModelSizes, host_bytes
 from lingbot_core.placement.modes.group import pin_in_place, unpin_in_place
@@ -40,7 +40,7 @@ def test_auto_keeps_the_fast_mode_after_earlier_stages_left_blocks_cached(fixtur
     them (it used to read `mem_get_info` alone and picked a slower mode, or none fitting)."""
     handle = _open(fixtures_root)
     settings = handle.with_offload("auto", height=32, width=32, num_frames=5).offload
-    need = estimate.estimate_peak("none", estimate.ModelSizes.from_handle(handle),
+    need = estimate.estimate_peak("none", plan.model_sizes(handle.shared),
                                   estimate.geometry_from(dict(settings.options), "dense", None))
     FakeCuda(free=need // 2, reserved=2 * need + estimate.RESERVE_BYTES, allocated=0).install(monkeypatch)
     concrete, choice = door.resolve(handle.shared, settings, CUDA)
@@ -76,15 +76,46 @@ def test_group_counts_its_pinned_copies_at_their_rounded_size():
 
 def test_from_checkpoint_reads_the_pinned_sizes_from_the_headers(fixtures_root):
     handle = _open(fixtures_root)
-    planned = ModelSizes.from_handle(handle)  # nothing loaded: from the safetensors headers
+    planned = plan.model_sizes(handle.shared)  # nothing loaded: from the safetensors headers
     for name in ("transformer", "text_encoder"):
         handle.component(name)
-    loaded = ModelSizes.from_handle(handle)
+    loaded = plan.model_sizes(handle.shared)
     assert planned.pinned_transformer == loaded.pinned_transformer == estimate.module_pinned_bytes(
         handle.shared.loaded["transformer"])
     # the encoder's file and its module differ a little (a tied head, computed buffers), as its bytes do
     assert abs(planned.pinned_text_encoder - loaded.pinned_text_encoder) <= 0.05 * loaded.pinned_text_encoder
     assert loaded.pinned_transformer > loaded.transformer
+
+
+def test_the_sizes_every_decision_reads_follow_what_is_loaded(fixtures_root):
+    """`plan.model_sizes` is the one reading of the sizes (auto, the fit checks, a stage's estimate, the sampling
+    figures): a component that loads counts its own tensors from then on, not the estimate read before it."""
+    handle = _open(fixtures_root)
+    before = plan.model_sizes(handle.shared)
+    assert plan.model_sizes(handle.shared) is before  # read once while nothing changes
+    smaller = torch.nn.Linear(4, 4)
+    handle.shared.loaded["text_encoder"] = smaller
+    after = plan.model_sizes(handle.shared)
+    assert after.text_encoder == estimate.stored_bytes(smaller, include_meta=True) != before.text_encoder
+
+
+def test_a_decision_that_needs_the_sizes_says_why_they_are_unknown(fixtures_root, monkeypatch):
+    handle = _open(fixtures_root)
+
+    def unreadable(*args, **kwargs):
+        raise OSError("the transformer's header could not be read")
+
+    monkeypatch.setattr(ModelSizes, "from_checkpoint", unreadable)
+    assert plan.model_sizes(handle.shared) is None  # the estimates go on without sizes
+    with pytest.raises(OSError, match="header could not be read"):
+        plan.model_sizes(handle.shared, strict=True)
+    with pytest.raises(OSError, match="header could not be read"):  # the fit check needs them
+        door.check_handle(handle, Geometry(32, 32, 5), mode="model", vram_free=GiB, host_free=GiB)
+
+
+def test_in_memory_components_without_a_dit_have_no_sizes_and_say_so():
+    with pytest.raises(ValueError, match="size estimates need the DiT"):
+        ModelSizes.from_modules({"vae": torch.nn.Linear(2, 2)})
 
 
 def test_auto_does_not_pick_group_when_its_pinned_copies_do_not_fit_the_host():
@@ -104,7 +135,7 @@ def test_auto_does_not_pick_group_when_its_pinned_copies_do_not_fit_the_host():
 
 def test_the_fit_check_counts_group_as_its_options_pin(fixtures_root):
     handle = _open(fixtures_root).with_device("cuda")  # a label: nothing moves in a check
-    sizes, geometry = ModelSizes.from_handle(handle), Geometry(32, 32, 5, ffn_chunk=None)
+    sizes, geometry = plan.model_sizes(handle.shared), Geometry(32, 32, 5, ffn_chunk=None)
     for options, pinned in (({}, True), ({"use_stream": False}, False), ({"low_cpu_mem_usage": True}, None)):
         verdict = door.check_handle(handle.with_offload("group", **options), geometry, vram_free=64 * GiB,
                                     host_free=64 * GiB)
@@ -188,7 +219,7 @@ def test_every_stage_on_cuda_records_its_peak_next_to_the_estimate(fixtures_root
         with door.stage(handle, "vae", phase="decode", geometry=geometry):
             fake.peak_allocated, fake.peak_reserved = 256 << 20, 384 << 20  # what the stage's work reached
     assert fake.resets == 1
-    expected = estimate.estimate_peak("none", ModelSizes.from_handle(handle), geometry, ("decode",))
+    expected = estimate.estimate_peak("none", plan.model_sizes(handle.shared), geometry, ("decode",))
     peak = calibration.measured_peaks()[-1]
     assert (peak.stage, peak.device, peak.mode) == ("vae", fake.name, "none")
     assert (peak.estimate_bytes, peak.allocated_bytes, peak.reserved_bytes) == (expected, 256 << 20, 384 << 20)
@@ -223,7 +254,7 @@ def test_a_refiner_stage_is_set_against_the_refine_phase(fixtures_root, monkeypa
     geometry = Geometry(32, 32, 5)
     with door.stage(handle, "transformer", phase="refine", label="refine", geometry=geometry):
         pass
-    expected = estimate.estimate_peak("none", ModelSizes.from_handle(handle), replace(geometry, refine=(32, 32)),
+    expected = estimate.estimate_peak("none", plan.model_sizes(handle.shared), replace(geometry, refine=(32, 32)),
                                       ("refine",))
     with door.stage(handle, "vae", phase="no such phase", label="odd"):
         pass
@@ -244,7 +275,7 @@ def test_a_sampling_stage_is_set_against_the_request_as_it_ran(fixtures_root, mo
                                         set_on_model=8)
     assert figures.cfg_batch
     ran = replace(geometry, cfg_batch=True, ffn_chunk=figures.ffn_chunk)
-    sizes = ModelSizes.from_handle(handle)
+    sizes = plan.model_sizes(handle.shared)
     expected = estimate.estimate_peak("none", sizes, ran, ("denoise",))
     assert expected != estimate.estimate_peak("none", sizes, replace(ran, cfg_batch=False), ("denoise",))
     assert calibration.measured_peaks()[-1].estimate_bytes == expected
@@ -302,7 +333,7 @@ def test_auto_and_the_fit_check_plan_with_the_device_calibration(fixtures_root, 
     assert calibrated.estimates["none"] == math.ceil(plain.estimates["none"] * 1.5)
     assert calibrated.estimates["model"] == plain.estimates["model"]  # another device's ratio does not apply
     # outside the door's planning (no device) the estimate is the plain arithmetic
-    sizes, geometry = ModelSizes.from_handle(handle), Geometry(32, 32, 5)
+    sizes, geometry = plan.model_sizes(handle.shared), Geometry(32, 32, 5)
     raw = estimate.estimate_peak("none", sizes, geometry)
     with calibration.on_device(fake.name):
         assert estimate.estimate_peak("none", sizes, geometry) == math.ceil(raw * 1.5)

@@ -16,7 +16,7 @@ from lingbot_core import rewrite as rw
 from lingbot_core.caption_schema import CAMERA_FIELDS, caption_problems
 from lingbot_core.handle import PipelineHandle
 from lingbot_core.interrupt import interrupt_checker
-from lingbot_core.placement import door
+from lingbot_core.placement import door, plan
 from lingbot_core.placement.door import configure_offload, release
 from lingbot_core.placement.modes import MODE_ORDER
 
@@ -422,7 +422,7 @@ def test_the_estimate_counts_the_generation_at_the_text_encoders_shape(dense):
     from lingbot_core.rewrite.local_backend import context_tokens
     from lingbot_nodes.rewrite import local_limits
 
-    sizes = estimate.ModelSizes.from_handle(dense)
+    sizes = plan.model_sizes(dense.shared)
     encoder, processor = dense.component("text_encoder"), dense.component("processor")
     with torch.no_grad():
         out = encoder.generate(**processor(text=["a red paper boat"], return_tensors="pt"), max_new_tokens=4,
@@ -477,7 +477,6 @@ def test_offload_plans_for_a_local_rewrite_on_its_pipe():
 
 
 def test_the_memory_report_counts_the_last_generation(dense):
-    from lingbot_core.placement import estimate
     from lingbot_core.placement.door import memory_report, release
 
     assert "generation" not in str(memory_report(dense))
@@ -485,7 +484,7 @@ def test_the_memory_report_counts_the_last_generation(dense):
     report = memory_report(dense)
     tokens, parts = report.generation
     assert made.tokens == 3 and tokens > made.tokens  # the context: the prompt's tokens and the new ones
-    assert parts["kv_cache"] == tokens * estimate.ModelSizes.from_handle(dense).text_kv_bytes_per_token
+    assert parts["kv_cache"] == tokens * plan.model_sizes(dense.shared).text_kv_bytes_per_token
     assert f"text_encoder generation (last rewrite): {tokens} tokens" in str(report)
     release(dense, ["text_encoder"])  # recorded when it ran: the report keeps it once the encoder is gone
     assert memory_report(dense).generation == (tokens, parts)

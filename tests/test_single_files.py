@@ -13,6 +13,7 @@ import torch
 from lingbot_core.checkpoints import single_files as sf
 from lingbot_core.checkpoints.processor_files import check_token_ids
 from lingbot_core.errors import CheckpointError
+from lingbot_core.placement import plan
 
 TINY = Path(__file__).resolve().parent / "fixtures" / "lingbot" / "models" / "tiny-dense"
 
@@ -128,7 +129,6 @@ def test_the_memory_estimate_of_single_files_is_what_they_hold(tmp_path):
 
     from lingbot_core.components import ComponentFiles
     from lingbot_core.handle import PipelineHandle
-    from lingbot_core.placement.estimate import ModelSizes
     from lingbot_core.placement.tensors import stored_bytes
     from tests.test_vae_file import write_original
 
@@ -139,7 +139,7 @@ def test_the_memory_estimate_of_single_files_is_what_they_hold(tmp_path):
                for k, v in load_file(str(TINY / "text_encoder" / "model.safetensors")).items()}, str(te))
     for dtypes in ({}, {"vae": torch.bfloat16, "text_encoder": torch.bfloat16}):
         handle = PipelineHandle.open(TINY, files=ComponentFiles(vae=vae, text_encoder=te), device="cpu", dtypes=dtypes)
-        sizes = ModelSizes.from_handle(handle)
+        sizes = plan.model_sizes(handle.shared)
         for name in ("vae", "text_encoder"):
             held = stored_bytes(handle.shared.get(name), include_meta=True)
             assert abs(getattr(sizes, name) - held) <= 1024, (name, dtypes)  # rotary tables are not weights

@@ -16,6 +16,7 @@ import torch
 from lingbot_core.components import DITS, INDEXED, TABLE
 from lingbot_core.errors import CheckpointError, WeightsError
 from lingbot_core.handle import PipelineHandle
+from lingbot_core.placement import plan
 from lingbot_core.quantize import quantize_checkpoint
 from lingbot_core.weights import formats, safetensors_header, sources
 
@@ -67,9 +68,8 @@ def test_each_header_is_read_once_per_open(moe_gguf, moe_fp8, monkeypatch, fmt):
     folder = moe_gguf if fmt == "gguf" else moe_fp8
     reads = _count_header_reads(monkeypatch)
     handle = PipelineHandle.open(folder, device="cpu")
-    from lingbot_core.placement.estimate import ModelSizes
 
-    ModelSizes.from_handle(handle)  # the memory estimate reads the same headers
+    plan.model_sizes(handle.shared)  # the memory estimate reads the same headers
     for _ in range(2):  # load, release, load again: the handle's resolved sources serve both
         for name in DITS:
             handle.shared.get(name)

@@ -23,7 +23,7 @@ CHUNKS = (512, 64, 16)  # the tiny sequence is ~100 tokens: chunks the estimate 
 
 def _budget_for(handle, chunk: int, *, cfg_batch: bool = False) -> int:
     """A fake device whose memory fits the denoise call with `chunk`-token FFN passes, not unchunked."""
-    sizes = plan.model_sizes(handle)
+    sizes = plan.model_sizes(handle.shared)
     g = Geometry(GEOM["height"], GEOM["width"], GEOM["num_frames"], cfg_batch=cfg_batch, ffn_chunk=chunk)
     return estimate_peak("none", sizes, g, phases=("denoise",)) + RESERVE_BYTES
 

@@ -168,7 +168,7 @@ def test_the_fit_check_refuses_an_encode_that_cannot_fit(fixtures_root, monkeypa
 
     handle = _open(fixtures_root)
     cond = stages.encode_prompt(handle, "a boat", "")
-    sizes = plan.model_sizes(handle)
+    sizes = plan.model_sizes(handle.shared)
     size, frames, k = 64, 5, 1
 
     def vae_pass(n: int) -> int:  # what one VAE pass over n frames needs: the estimator's VAE term

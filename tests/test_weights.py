@@ -24,6 +24,7 @@ from lingbot_core.checkpoints.loading import load_transformer
 from lingbot_core.errors import CheckpointError
 from lingbot_core.handle import PipelineHandle
 from lingbot_core.models.precision import stays_float32 as keeps_fp32
+from lingbot_core.placement import plan
 from lingbot_core.placement.door import configure_offload, stage
 from lingbot_core.placement.modes import MODE_CLASSES, MODE_ORDER
 from lingbot_core.quantize import quantize_checkpoint
@@ -273,11 +274,10 @@ def test_every_offload_mode_gives_identical_outputs(quantized, weights):
 
 def test_memory_estimate_counts_stored_bytes(quantized):
     from lingbot_core.placement.door import memory_report
-    from lingbot_core.placement.estimate import ModelSizes
 
     for target in ("fp8", "gguf-q4_0"):
         handle = PipelineHandle.open(quantized["moe", target], device="cpu", dtypes={"transformer": torch.float32})
-        estimate = ModelSizes.from_handle(handle).transformer
+        estimate = plan.model_sizes(handle.shared).transformer
         dit = handle.component("transformer")
         loaded = sum(t.numel() * t.element_size() for t in [*dit.parameters(), *dit.buffers()])
         assert abs(estimate - loaded) <= 0.05 * loaded, target  # GGUF: file bytes incl. its header

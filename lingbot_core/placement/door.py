@@ -181,15 +181,16 @@ def resolve(shared: SharedComponents, requested: OffloadSettings,
     budget = requested.option("budget_bytes")
     with calibration.on_device(calibration.device_name(device)):  # never below what this device measured
         if layout is not None:
-            sizes = _sizes(shared) if shared.info is not None else None
-            geometry = estimate.geometry_from(dict(requested.options), shared.info.variant, None) if sizes is not None else None
+            sizes = plan.model_sizes(shared)
+            variant = shared.info.variant if shared.info else "dense"
+            geometry = estimate.geometry_from(dict(requested.options), variant, None) if sizes is not None else None
             if sizes is not None and budget is None and device.type == "cuda":
                 budget = free_bytes(shared, device)
             choice = fit.choose_parallel(estimate.ParallelShare.of(layout), layout.describe(), sizes, geometry, budget)
         elif budget is None and device.type == "cpu":
             choice = fit.AutoChoice("none", {}, 0, "the execution device is the CPU, so offloading saves nothing")
         else:
-            sizes = _sizes(shared)
+            sizes = plan.model_sizes(shared, strict=True)
             geometry = estimate.geometry_from(dict(requested.options), shared.info.variant if shared.info else "dense",
                                               shared.ffn_chunk)
             host_budget = requested.option("host_budget_bytes")
@@ -206,11 +207,6 @@ def resolve(shared: SharedComponents, requested: OffloadSettings,
         log.warning(fit.describe(choice))
     options = _group_defaults(device) if choice.mode == "group" else ()
     return OffloadSettings(choice.mode, options, choice.offload_to or requested.offload_to), choice
-
-
-def _sizes(shared: SharedComponents) -> estimate.ModelSizes:
-    """The model's sizes for `auto`: what is loaded counts its tensors, the rest what it will hold."""
-    return estimate.ModelSizes.from_checkpoint(shared.info, shared.dtypes, shared.loaded, shared.weights)
 
 
 Plan = tuple[OffloadSettings, "fit.AutoChoice | None"] | None
@@ -307,10 +303,8 @@ def _stage_estimate(handle: PipelineHandle, phase: str | None) -> int | None:
         geometry = estimate.Geometry(16, 16, 1)
     if phase in ("refine", "refine_decode") and geometry.refine is None:  # a refiner pass at this size
         geometry = replace(geometry, refine=(geometry.height, geometry.width))
-    try:
-        sizes = (estimate.ModelSizes.from_handle(handle) if handle.shared.info is not None
-                 else estimate.ModelSizes.from_modules(handle.shared.loaded))
-    except (KeyError, AttributeError, ValueError, TypeError):  # in-memory components without a DiT
+    sizes = plan.model_sizes(handle.shared)
+    if sizes is None:  # in-memory components without a DiT
         return None
     try:
         return estimate.estimate_peak(mode, sizes, geometry, (phase,))
@@ -502,7 +496,7 @@ def check_handle(handle: PipelineHandle, geometry: estimate.Geometry, *, mode: s
     device = handle.device
     if mode == "auto" or (device.type == "cpu" and vram_free is None):
         return None
-    sizes = estimate.ModelSizes.from_handle(handle)
+    sizes = plan.model_sizes(handle.shared, strict=True)
     if vram_free is None:
         vram_free = _free_budget(handle.shared, device, estimate.estimate_peak(mode, sizes, geometry) + estimate.RESERVE_BYTES)
     if host_free is None:

@@ -134,12 +134,6 @@ class ModelSizes:
         return held * PINNED_BOUND if given is None else given
 
     @classmethod
-    def from_handle(cls, handle: Any) -> ModelSizes:
-        """Sizes for a handle opened from a checkpoint folder (nothing is loaded for this)."""
-        shared = handle.shared
-        return cls.from_checkpoint(shared.info, shared.dtypes, shared.loaded, shared.weights)
-
-    @classmethod
     def from_checkpoint(cls, info: Any, dtypes: Mapping[str, torch.dtype | None],
                         loaded: Mapping[str, Any] | None = None, weights: str = "auto") -> ModelSizes:
         """Loaded components count the bytes their tensors hold. The DiTs not loaded yet count what
@@ -201,7 +195,10 @@ class ModelSizes:
         """Sizes of components already in memory (benchmarks build them without a checkpoint)."""
         from ..models.precision import matmul_dtype
 
-        dit = components[TRANSFORMER]
+        dit = components.get(TRANSFORMER)
+        if dit is None:
+            raise ValueError("size estimates need the DiT: open the handle from a checkpoint, or give it a "
+                             f"'{TRANSFORMER}' component")
         cfg = dit.config
         moe = bool(cfg.num_experts)
         text = stored_bytes(components.get("text_encoder"), include_meta=True)

@@ -33,32 +33,37 @@ def device_capacity(device: torch.device) -> int | None:
     return None
 
 
-_SIZES: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
+_SIZES: weakref.WeakKeyDictionary[Any, tuple[Any, Any, Exception | None]] = weakref.WeakKeyDictionary()
 
 
-def model_sizes(handle: Any) -> ModelSizes | None:
-    """The handle's model sizes for the estimate, cached per shared components and load dtypes."""
-    shared = handle.shared
+def model_sizes(shared: Any, *, strict: bool = False) -> ModelSizes | None:
+    """The model's sizes for the estimate, the one reading every decision uses (`auto`'s choice, the fit
+    checks, a stage's estimate, the sampling figures): a loaded component counts the bytes its tensors hold,
+    one not loaded what it will hold (`ModelSizes.from_checkpoint`; components given in memory:
+    `ModelSizes.from_modules`). None: unknown (components without a DiT, files that cannot be read);
+    `strict`: raise what made them unknown instead. Cached per shared components, their load dtypes and
+    what is loaded."""
     key = (id(shared.info), tuple(sorted((k, str(v)) for k, v in (shared.dtypes or {}).items())),
-           tuple(sorted(shared.loaded)) if shared.info is None else ())
+           tuple(sorted(shared.loaded)))
     try:
         cached = _SIZES.get(shared)
     except TypeError:
         cached = None
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    try:
-        if handle.info is not None:  # opened from a checkpoint (a folder and/or files)
-            sizes = ModelSizes.from_handle(handle)
-        else:
-            sizes = ModelSizes.from_modules(shared.loaded)
-    except Exception:
-        sizes = None
-    try:
-        _SIZES[shared] = (key, sizes)
-    except TypeError:
-        pass
-    return sizes
+    if cached is None or cached[0] != key:
+        try:
+            if shared.info is not None:  # opened from a checkpoint (a folder and/or files)
+                cached = (key, ModelSizes.from_checkpoint(shared.info, shared.dtypes, shared.loaded, shared.weights), None)
+            else:
+                cached = (key, ModelSizes.from_modules(shared.loaded), None)
+        except Exception as exc:  # noqa: BLE001 - kept for `strict`; the estimates go on without sizes
+            cached = (key, None, exc)
+        try:
+            _SIZES[shared] = cached
+        except TypeError:
+            pass
+    if strict and cached[2] is not None:
+        raise cached[2]
+    return cached[1]
 
 
 @dataclass(frozen=True)
@@ -86,7 +91,7 @@ def facts(handle: Any) -> Facts:
     auto = placement.auto
     budget = auto.budget if auto is not None and auto.estimates else capacity
     streamed = frozenset(n for n in DITS if placed is not None and streams_from_disk(placed.settings, n))
-    return Facts(device=device, sizes=model_sizes(handle), capacity=capacity, chunk_setting=handle.shared.ffn_chunk,
+    return Facts(device=device, sizes=model_sizes(handle.shared), capacity=capacity, chunk_setting=handle.shared.ffn_chunk,
                  mode=placed.name if placed is not None else None, budget=budget, streamed=streamed)
 
 
