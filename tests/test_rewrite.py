@@ -149,6 +149,22 @@ def test_a_slow_endpoint_times_out_and_says_so():
     # may end before the server has read it)
 
 
+def test_an_attempt_whose_socket_times_out_first_reads_as_the_time_limit(monkeypatch):
+    """The request's socket has the same limit as the attempt: on a busy machine its timeout can end the attempt
+    a moment before the attempt's own clock does. The user reads the same cause either way (not 'connection
+    failed (timed out)')."""
+    from lingbot_core.rewrite import openai_backend
+
+    def socket_timed_out(attempt, *args):
+        attempt.outcome = TimeoutError("timed out")
+        attempt.done.set()
+
+    monkeypatch.setattr(openai_backend, "_send", socket_timed_out)
+    with FakeChatServer([reply("unused")]) as server:
+        with pytest.raises(rw.EndpointError, match=r"after 2 attempt\(s\): no complete reply within 0.3 s"):
+            rw.rewrite(REQUEST, _backend(server, timeout=0.3, retries=1), cache=None)
+
+
 def test_a_redirect_is_refused():
     with FakeChatServer([("redirect", "http://10.0.0.1/v1/chat/completions")]) as server:
         with pytest.raises(rw.EndpointError, match="redirect"):

@@ -312,6 +312,8 @@ class OpenAIBackend:
             if not attempt.done.is_set():
                 attempt.abandon()
         outcome = attempt.outcome
+        if isinstance(outcome, TimeoutError):  # the socket's own limit (the same seconds) ran out first
+            raise _Deadline
         if isinstance(outcome, (OSError, http.client.HTTPException)):
             raise OSError(str(outcome) or type(outcome).__name__)
         if isinstance(outcome, BaseException):  # nothing else is expected; its text may quote a header
