@@ -776,6 +776,8 @@ def render(report: dict[str, Any]) -> str:
 
 
 def _device(text: str) -> torch.device:
+    from .placement.settings import device_index
+
     try:
         device = torch.device(text)
     except (RuntimeError, ValueError):
@@ -785,7 +787,7 @@ def _device(text: str) -> torch.device:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise argparse.ArgumentTypeError(f"this torch ({torch.__version__}) sees no CUDA device; use --device cpu")
-        index = device.index or 0
+        index = device_index(device)
         if index >= torch.cuda.device_count():
             raise argparse.ArgumentTypeError(f"cuda:{index} does not exist: this machine has "
                                              f"{torch.cuda.device_count()} CUDA device(s)")

@@ -474,3 +474,21 @@ def test_offload_gpu_fault_checks_run_on_cpu(tmp_path):
     for kind in ("cancel", "error"):
         assert faults[kind]["raised"] and faults[kind]["rerun_equal"], faults
         assert faults[kind]["back_to_clean"] is None  # no device memory to read on the CPU
+
+
+def test_an_unindexed_cuda_is_the_current_gpu(monkeypatch):
+    """Under torchrun each rank sets its GPU current (`torch.cuda.set_device`) and a handle opened on `cuda` puts
+    its weights there: on rank 1 they report `cuda:1`. The stage door's device check must take that as the
+    handle's device (it refused every rank but 0 when `cuda` meant `cuda:0`). Faked CUDA: current device 1."""
+    from lingbot_core.placement import state
+    from lingbot_core.placement.settings import same_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert same_device(torch.device("cuda:1"), torch.device("cuda")) and same_device("cuda", "cuda:1")
+    assert not same_device(torch.device("cuda:0"), torch.device("cuda"))
+    assert same_device("cpu", "cpu") and not same_device("cpu", "cuda:1")
+    monkeypatch.setattr(state, "component_device", lambda module: torch.device("cuda:1"))
+    state.check_device("transformer", torch.nn.Linear(2, 2), torch.device("cuda"))  # rank 1's weights: accepted
+    with pytest.raises(RuntimeError, match="set up to run on cuda:1 but the handle's execution device is cuda:0"):
+        state.check_device("transformer", torch.nn.Linear(2, 2), torch.device("cuda:0"))

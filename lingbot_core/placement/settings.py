@@ -45,10 +45,22 @@ class OffloadSettings:
         return dict(self.options).get(name, default)
 
 
-def same_device(a: torch.device, b: torch.device) -> bool:
-    """`cuda` and `cuda:0` are the same device; every CPU is the CPU."""
+def same_device(a: torch.device | str, b: torch.device | str) -> bool:
+    """Do `a` and `b` name one device? Every CPU is the CPU; `cuda` without an index is the current CUDA
+    device (`torch.cuda.set_device`: under torchrun, the local rank's GPU, where a handle opened on `cuda`
+    puts its weights), so on rank 1 `cuda` and `cuda:1` are one device and `cuda:0` another."""
+    a, b = torch.device(a), torch.device(b)
     if a.type != b.type:
         return False
-    return a.type == "cpu" or (a.index or 0) == (b.index or 0)
+    return a.type == "cpu" or device_index(a) == device_index(b)
+
+
+def device_index(device: torch.device) -> int:
+    """The index of an accelerator device, an unindexed `cuda` read as the current CUDA device's."""
+    if device.index is not None:
+        return device.index
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.current_device()
+    return 0
 
 

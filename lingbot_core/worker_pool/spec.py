@@ -15,6 +15,7 @@ import torch
 
 from ..distributed.layout import CFG_DEGREES, ParallelLayout, pooled_offload_refusal
 from ..errors import RefusedInput
+from ..placement.settings import same_device
 
 log = logging.getLogger("lingbot_core.worker_pool")
 
@@ -142,7 +143,7 @@ class PoolSpec:
         if len(names) < 2:
             raise RefusedInput(f"LingBot Parallel needs two or more devices (got {len(names)}); with one, use the "
                              "pipe directly")
-        if not _same_device(names[0], handle.device):
+        if not same_device(names[0], handle.device):
             raise RefusedInput(f"devices: the first device is this process's (rank 0), which runs the pipe on "
                              f"{handle.device}; list {handle.device} first, then the workers' devices")
         if cfg not in CFG_DEGREES:
@@ -178,16 +179,6 @@ def auto_ulysses(world: int, cfg: int, heads: int | None) -> int:
         raise RefusedInput(f"ulysses on auto chose {ulysses} ({world} devices / cfg {cfg}), which does not divide "
                            f"the DiT's {heads} attention heads: list {' or '.join(map(str, fits))} devices")
     return ulysses
-
-
-def _same_device(name: str, device: torch.device | str) -> bool:
-    a, b = torch.device(name), torch.device(device)
-    if a.type != b.type:
-        return False
-    if a.type == "cpu":
-        return True
-    current = torch.cuda.current_device() if torch.cuda.is_available() else 0
-    return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
 
 
 # -- the view's state that crosses to the workers ----------------------------------------------------------
