@@ -510,3 +510,29 @@ def test_the_rendezvous_port_is_held_from_before_the_workers_start_until_the_sto
     store.set("k", "v")
     client = dist.TCPStore("127.0.0.1", port, 1, False)
     assert client.get("k") == b"v"
+
+
+def test_the_rendezvous_store_takes_its_socket_on_a_torch_whose_libuv_store_refuses_one(monkeypatch):
+    """torch 2.7's TCPStore server (libuv, its default) raises NotImplementedError for `master_listen_fd`,
+    which every LingBot Parallel start and loopback group passed: the store falls back to torch's other
+    server (`use_libuv=False`), which takes the same, still listening socket. The refusal is faked here
+    as torch 2.7 raises it (checked against torch 2.7.0)."""
+    from lingbot_core.distributed.launch import loopback_store, reserve_loopback_port
+
+    real = dist.TCPStore
+    tried = []
+
+    def old_torch_store(*args, **kwargs):
+        tried.append(kwargs.get("use_libuv", True))
+        if kwargs.get("master_listen_fd") is not None and kwargs.get("use_libuv", True):
+            raise NotImplementedError("The libuv TCPStore backend does not support initialization with an listen fd.")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "TCPStore", old_torch_store)
+    reserved = reserve_loopback_port()
+    port = reserved.getsockname()[1]
+    store = loopback_store(port, 1, server=True, reserved=reserved)
+    assert tried == [True, False]
+    assert reserved.fileno() == -1  # the fallback server owns the socket
+    store.set("k", "v")
+    assert real("127.0.0.1", port, 1, False).get("k") == b"v"

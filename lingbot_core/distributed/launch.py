@@ -52,8 +52,13 @@ def loopback_store(port: int, world_size: int, *, server: bool, timeout: timedel
     sock = reserved if reserved is not None else reserve_loopback_port(port)
     try:
         sock.listen(socket.SOMAXCONN)
-        store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], world_size, True, timeout,
-                              wait_for_workers=False, master_listen_fd=sock.fileno())
+        args = ("127.0.0.1", sock.getsockname()[1], world_size, True, timeout)
+        try:
+            store = dist.TCPStore(*args, wait_for_workers=False, master_listen_fd=sock.fileno())
+        except NotImplementedError:
+            # torch 2.7's libuv server (its default) cannot take a listening socket; its older server can
+            # (the socket is left open by the refusal)
+            store = dist.TCPStore(*args, wait_for_workers=False, master_listen_fd=sock.fileno(), use_libuv=False)
     except BaseException:
         sock.close()
         raise
