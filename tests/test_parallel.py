@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench._common import random_dit
@@ -828,3 +829,53 @@ def test_failure_watch_acts_once_on_another_ranks_failure_only():
     broken = GroupBroken(first, 1)
     assert publish_failure(broken, where="y", key="k", store=store) is first  # a rank that stopped with it
     assert "rank 0 (cuda:0) failed in the DiT forward of step 2 (RuntimeError: out of memory); rank 1 stopped" in str(broken)
+
+
+class _TwoBlocks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_fsdp_blocks_are_sharded_again_after_each_forward_on_a_torch_that_keeps_roots_whole(monkeypatch):
+    """Each block is sharded on its own, so each is a root to FSDP, and torch 2.7's FSDP does not reshard a
+    root after its forward (it drops `reshard_after_forward` for roots; later torch keeps an explicit True):
+    after one step every rank held the whole DiT, and the next denoise's `shard_dit` found no sharded
+    weight and applied `fully_shard` again, which raises. Torch 2.7's root rule is faked here on this torch
+    (one gloo rank; the layout says two so that `shard_dit` shards)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    from lingbot_core.distributed.fsdp import is_fsdp_sharded, shard_dit
+
+    if dist.is_initialized():
+        pytest.skip("this process already belongs to a process group")
+    real_init = FSDPState._lazy_init
+
+    def roots_stay_whole(self):  # torch 2.7: the root's post-forward mesh is dropped at its lazy init
+        fresh = self._is_root is None
+        real_init(self)
+        if fresh and self._is_root:
+            groups = getattr(self, "_fsdp_param_groups", None) or [self._fsdp_param_group]  # 2.7: one group
+            for group in filter(None, groups):
+                group.post_forward_mesh_info = None
+
+    monkeypatch.setattr(FSDPState, "_lazy_init", roots_stay_whole)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        layout = SimpleNamespace(world_size=2, world_mesh=lambda: mesh)
+        model = _TwoBlocks()
+        assert shard_dit(model, layout)
+        with torch.no_grad():
+            want = model(torch.ones(1, 8))
+            assert is_fsdp_sharded(model)  # every block sharded again after the forward
+            assert not shard_dit(model, layout)  # the next stage finds it sharded: no second fully_shard
+            assert torch.equal(model(torch.ones(1, 8)), want)
+    finally:
+        dist.destroy_process_group()

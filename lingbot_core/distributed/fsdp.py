@@ -79,7 +79,20 @@ def shard_dit(dit: torch.nn.Module, layout: ParallelLayout) -> bool:
     for block in dit.blocks:
         whole = {p for name, p in block.named_parameters() if stays_float32(name)}
         fully_shard(block, mesh=mesh, reshard_after_forward=True, ignored_params=whole)
+        block.register_forward_hook(_reshard)  # after FSDP's own post-forward hook: see `_reshard`
     return True
+
+
+def _reshard(block: torch.nn.Module, _inputs: Any, output: Any) -> Any:
+    """After a sharded block's forward: its whole weights freed, its shards registered again.
+
+    Every block is sharded on its own (no FSDP module above it), so each is a root to FSDP, and torch
+    2.7's FSDP never reshards a root after its forward (`reshard_after_forward` is dropped for roots, a
+    training optimisation; later torch keeps an explicit True). There, after one step every rank held
+    the whole DiT (the memory FSDP is there to save) and the next denoise sharded it again, which
+    `fully_shard` refuses. Where FSDP resharded already this does nothing."""
+    block.reshard()
+    return output
 
 
 def describe(dit: Any) -> str:
