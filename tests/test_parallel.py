@@ -879,3 +879,39 @@ def test_fsdp_blocks_are_sharded_again_after_each_forward_on_a_torch_that_keeps_
             assert torch.equal(model(torch.ones(1, 8)), want)
     finally:
         dist.destroy_process_group()
+
+
+def test_an_fsdp_dit_moves_under_inference_mode_on_a_torch_whose_dtensor_has_no_to_rule(monkeypatch):
+    """ComfyUI and the workflow engine run under inference mode, where `Tensor.to` reaches a DTensor whole, as
+    `aten.to.dtype_layout`; torch 2.7's DTensor has no sharding rule for it (later torch decomposes it), so
+    the door's move of a sharded DiT (`none`'s acquire) raised NotImplementedError and every FSDP denoise
+    failed (lingbot-run --fsdp, an FSDP pool). The DiT is sharded and moved outside inference mode. Torch
+    2.7's missing rule is faked here on this torch (one gloo rank; the layout says two)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from lingbot_core.distributed.fsdp import is_fsdp_sharded, shard_dit
+
+    if dist.is_initialized():
+        pytest.skip("this process already belongs to a process group")
+    dispatcher = DTensor._op_dispatcher
+    real = getattr(dispatcher, "_propagate_op_sharding_dispatch_slow_path", None)
+
+    def without_to_rule(op_call, *args, **kwargs):  # torch 2.7: no rule, and no decomposition either
+        if op_call is torch.ops.aten.to.dtype_layout:
+            raise NotImplementedError("Operator aten.to.dtype_layout does not have a sharding strategy registered.")
+        return real(op_call, *args, **kwargs)
+
+    if real is not None:  # newer torch; torch 2.7 itself raises
+        monkeypatch.setattr(dispatcher, "_propagate_op_sharding_dispatch_slow_path", without_to_rule)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        layout = SimpleNamespace(world_size=2, world_mesh=lambda: mesh)
+        dit = random_dit(DENSE, 0.05)
+        with torch.inference_mode():
+            assert shard_dit(dit, layout)  # as distributed.stage.shard_for_stage does inside a stage
+            assert dit.to("cpu") is dit  # as the door's `none` acquire does
+        assert is_fsdp_sharded(dit)
+    finally:
+        dist.destroy_process_group()

@@ -76,10 +76,11 @@ def shard_dit(dit: torch.nn.Module, layout: ParallelLayout) -> bool:
     from torch.distributed.fsdp import fully_shard
 
     mesh = layout.world_mesh()
-    for block in dit.blocks:
-        whole = {p for name, p in block.named_parameters() if stays_float32(name)}
-        fully_shard(block, mesh=mesh, reshard_after_forward=True, ignored_params=whole)
-        block.register_forward_hook(_reshard)  # after FSDP's own post-forward hook: see `_reshard`
+    with torch.inference_mode(False):  # shards that are no inference tensors: see `models.transformer`'s `to`
+        for block in dit.blocks:
+            whole = {p for name, p in block.named_parameters() if stays_float32(name)}
+            fully_shard(block, mesh=mesh, reshard_after_forward=True, ignored_params=whole)
+            block.register_forward_hook(_reshard)  # after FSDP's own post-forward hook: see `_reshard`
     return True
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -266,6 +267,13 @@ class JointBlock(nn.Module):
         return self._ffn_branch(x, *pieces[3:])
 
 
+def _has_shards(model: nn.Module) -> bool:
+    """Does `model` hold FSDP shards (DTensor parameters)? Without torch's DTensor module loaded it holds none."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    kind = getattr(dtensor, "DTensor", None)
+    return kind is not None and any(isinstance(p, kind) for p in model.parameters())
+
+
 class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
     """Flow-prediction DiT. Build it from a `DiTConfig`, or from `config.json` fields as keywords.
 
@@ -307,7 +315,14 @@ class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
 
     def to(self, *args, **kwargs):
         """`nn.Module.to`, except that a cast to bf16/fp16 (any float but float32) stores the
-        tensors of `precision.FLOAT32_NAMES` in float32."""
+        tensors of `precision.FLOAT32_NAMES` in float32.
+
+        An FSDP-sharded DiT (`distributed/fsdp.py`) moves outside inference mode, where ComfyUI and the
+        workflow engine run: under it `Tensor.to` reaches a DTensor as `aten.to.dtype_layout`, which torch
+        2.7's DTensor has no rule for (later torch decomposes it), so every FSDP stage failed at the door."""
+        if torch.is_inference_mode_enabled() and _has_shards(self):
+            with torch.inference_mode(False):
+                return self.to(*args, **kwargs)
         device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
         if precision.is_split_precision_cast(dtype):
             placed = self if device is None else super().to(device=device, non_blocking=non_blocking)
