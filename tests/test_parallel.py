@@ -582,6 +582,15 @@ def test_parallel_view_refuses_what_cannot_run_on_several_processes():
         parallel_stage.check_request(view, cfg_batch="on")
     for method in ("off", "first_block", "magcache"):  # a step cache decides alike on every rank (share_step_cache)
         parallel_stage.check_request(view, cfg_batch="auto", step_cache=method)
+    # ... but the two cfg rows each decide by their own branch, and FSDP gathers each block over every process
+    # (seen on 2 gloo ranks whose rows decided apart: 'collective mismatch', the process aborted)
+    sharded = handle.with_parallel(_fake_layout(2, 2, fsdp=True))
+    for method in ("first_block", "magcache"):
+        with pytest.raises(ValueError, match="a step cache and FSDP with CFG parallel"):
+            parallel_stage.check_request(sharded, cfg_batch="auto", step_cache=method)
+    parallel_stage.check_request(sharded, cfg_batch="auto", step_cache="off")
+    parallel_stage.check_request(handle.with_parallel(_fake_layout(1, 4, fsdp=True)), cfg_batch="auto",
+                                 step_cache="first_block")  # one row: its ulysses group decides alike
     parallel_stage.check_request(handle, cfg_batch="on", step_cache="magcache_calibrate")  # one process: fine
 
 

@@ -152,6 +152,11 @@ def check_request(handle: Any, *, cfg_batch: str, step_cache: str = "off", guida
         raise RefusedInput(f"CFG parallel (cfg=2) splits the two guidance branches over the processes, and at cfg "
                          f"{guidance_scale:g} there is only one (a DMD student runs cfg 1): use ulysses over all "
                          "of them instead (--parallel ulysses=N, LingBot Parallel's cfg 1)")
+    if layout.fsdp and layout.cfg == 2 and step_cache != "off":
+        raise RefusedInput("a step cache and FSDP with CFG parallel (cfg=2) do not combine: each cfg row decides "
+                         "from its own guidance branch which blocks to skip, and FSDP gathers every block's "
+                         "weights from all processes, so the rows' collectives would no longer match; turn the "
+                         "step cache off, or run cfg=1 (ulysses over all processes), or without FSDP")
     if step_cache == "magcache_calibrate":
         raise RefusedInput(f"MagCache calibration runs on one process (each cfg row would record only its own "
                          f"branch); calibrate without parallel {layout.describe()}, then use 'magcache' with it")
