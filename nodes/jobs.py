@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from lingbot_core.exit_codes import INTERRUPTED, exit_code, root_cause
+from lingbot_core.weights.fileio import BINARY, read_at, write_at
 from lingbot_core.workflow.errors import WorkflowError, clip
 
 __all__ = ["DONE", "FAILED", "JOB_FIELDS", "Claims", "Job", "JobField", "JobsFileError", "Manifest", "WorldPlace",
@@ -376,10 +377,10 @@ class Manifest:
         path = self.write_path
         path.parent.mkdir(parents=True, exist_ok=True)
         line = (json.dumps(entry, ensure_ascii=False) + "\n").encode("utf-8")
-        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | BINARY, 0o644)
         try:
             size = os.fstat(fd).st_size
-            if size and os.pread(fd, 1, size - 1) != b"\n":
+            if size and read_at(fd, 1, size - 1) != b"\n":
                 line = b"\n" + line  # a torn last line stays a line of its own, skipped when read
             os.write(fd, line)
             os.fsync(fd)
@@ -408,7 +409,7 @@ class Claims:
         """(held now, claimed before): False when another process holds the job. OSError when the
         folder cannot be written."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self._path(job), os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self._path(job), os.O_RDWR | os.O_CREAT | BINARY, 0o644)
         try:
             if not _try_lock(fd):
                 os.close(fd)
@@ -417,7 +418,7 @@ class Claims:
             note = json.dumps({"id": job.id, "digest": job.digest, "host": socket.gethostname(), "pid": os.getpid(),
                                "claimed": datetime.now(UTC).isoformat(timespec="seconds")})
             os.ftruncate(fd, 0)
-            os.pwrite(fd, note.encode() + b"\n", 0)
+            write_at(fd, note.encode() + b"\n", 0)
         except BaseException:
             os.close(fd)
             raise

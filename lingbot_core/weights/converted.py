@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from .disk import FileSpan
+from .fileio import BINARY, read_at
 from .safetensors_header import safetensors_dtype
 
 try:
@@ -187,7 +188,7 @@ def _leased_valid(path: Path, header: bytes, plan: Sequence[Planned]) -> Lease |
     of data), else None. The lock is taken before the check, so the file cannot go in between."""
     for _attempt in range(3):
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            fd = os.open(path, os.O_RDONLY | BINARY)
         except OSError:
             return None
         lease = Lease(fd)
@@ -195,18 +196,13 @@ def _leased_valid(path: Path, header: bytes, plan: Sequence[Planned]) -> Lease |
         if not _same_file(fd, path):  # evicted or replaced between open and lock: look again
             continue
         try:
-            found = os.pread(fd, len(header), 0) if hasattr(os, "pread") else _read_head(path, len(header))
+            found = read_at(fd, len(header), 0)
             size = os.fstat(fd).st_size
         except OSError:
             return None
         ok = found == header and size == len(header) + sum(p.nbytes for p in plan)
         return lease if ok else None
     return None
-
-
-def _read_head(path: Path, n: int) -> bytes:
-    with open(path, "rb") as fh:
-        return fh.read(n)
 
 
 def evict(where: str, keep: Path | None = None) -> list[Path]:
@@ -219,7 +215,7 @@ def evict(where: str, keep: Path | None = None) -> list[Path]:
         if keep is not None and old == keep:
             continue
         try:
-            fd = os.open(old, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            fd = os.open(old, os.O_RDONLY | BINARY)
         except OSError:
             continue
         try:
@@ -253,7 +249,7 @@ def cached(files: Sequence[Path], recipe: dict, groups: Sequence[tuple[Sequence[
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | BINARY, 0o644)
         lease = Lease(fd)
         _lock(fd, exclusive=False, wait=True)  # held from the first byte: no eviction takes it
         with open(os.dup(fd), "wb") as fh:

@@ -65,6 +65,14 @@ def release_free_heap() -> None:
         _TRIM(0)
 
 
+def anonymous_mapping(nbytes: int) -> mmap.mmap:
+    """`nbytes` of fresh memory of their own, given back to the OS when the last view goes: a private
+    anonymous mapping (POSIX); on Windows, where mmap takes no flags, `-1` maps pagefile-backed memory."""
+    if hasattr(mmap, "MAP_ANONYMOUS"):
+        return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return mmap.mmap(-1, nbytes)
+
+
 @dataclass(frozen=True)
 class FileSpan:
     path: str
@@ -81,8 +89,7 @@ class FileSpan:
         back to the OS the moment the last view of the tensor is dropped.
         """
         if transient and self.nbytes >= _TRANSIENT_MIN:
-            out = torch.frombuffer(mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
-                                   dtype=torch.uint8)
+            out = torch.frombuffer(anonymous_mapping(self.nbytes), dtype=torch.uint8)
         else:
             out = torch.empty(self.nbytes, dtype=torch.uint8)
         self._fill(out)

@@ -11,17 +11,64 @@ ComfyUI the server), so headers and tensors are read with `pread` and every shor
 and a file reopened later (disk offload reads its tensors at every step) is checked to be the one
 that was read at first (`Identity`: device, inode, size, modification time), so a replaced file is
 refused in one line instead of mixing two models' weights.
+
+Reads at an offset (`read_at`, `readinto_at`, `write_at`) are `os.pread`/`preadv`/`pwrite` where the
+platform has them (POSIX). Windows has none of them: there a seek and a read (or write) run under one
+lock per descriptor, so two threads reading one file at different offsets never see each other's seek;
+descriptors are opened with `BINARY` (Windows opens in text mode by default, which would rewrite line
+ends and stop at a Ctrl-Z byte in the weights).
 """
 
 from __future__ import annotations
 
+import io
 import os
 import stat
+import threading
 from dataclasses import dataclass
 
 from ..errors import CheckpointError
 
-_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+BINARY = getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
+"""Flags every descriptor of ours is opened with, besides its access mode: binary (Windows) and not
+inherited by child processes (POSIX)."""
+_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | BINARY
+
+_SEEK_LOCKS: dict[int, threading.Lock] = {}
+_SEEK_LOCKS_GUARD = threading.Lock()
+
+
+def _seek_lock(fd: int) -> threading.Lock:
+    with _SEEK_LOCKS_GUARD:
+        return _SEEK_LOCKS.setdefault(fd, threading.Lock())
+
+
+def read_at(fd: int, n: int, offset: int) -> bytes:
+    """Up to `n` bytes of `fd` at `offset` (fewer only at the end of the file)."""
+    if hasattr(os, "pread"):
+        return os.pread(fd, n, offset)
+    with _seek_lock(fd):
+        os.lseek(fd, offset, os.SEEK_SET)
+        return os.read(fd, n)
+
+
+def readinto_at(fd: int, out: memoryview, offset: int) -> int:
+    """Read into `out` (a writable byte view) from `offset`; how many bytes came (fewer only at the end)."""
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [out], offset)
+    with _seek_lock(fd):
+        os.lseek(fd, offset, os.SEEK_SET)
+        with io.FileIO(fd, "r", closefd=False) as raw:
+            return raw.readinto(out) or 0
+
+
+def write_at(fd: int, data: bytes, offset: int) -> int:
+    """Write `data` to `fd` at `offset`; how many bytes went."""
+    if hasattr(os, "pwrite"):
+        return os.pwrite(fd, data, offset)
+    with _seek_lock(fd):
+        os.lseek(fd, offset, os.SEEK_SET)
+        return os.write(fd, data)
 
 
 @dataclass(frozen=True)
@@ -88,7 +135,7 @@ def pread_exact(fd: int, n: int, offset: int, path: str | os.PathLike,
     """Exactly `n` bytes at `offset`; a short read (the file shrank since it was checked) is refused."""
     parts, got = [], 0
     while got < n:
-        chunk = os.pread(fd, min(n - got, 1 << 26), offset + got)
+        chunk = read_at(fd, min(n - got, 1 << 26), offset + got)
         if not chunk:
             raise error(f"{path} changed while it was read (it ended at byte {offset + got}, {n - got} bytes "
                         "short); it is being written or was replaced. Wait for the copy to finish, then run again.")
@@ -102,7 +149,7 @@ def pread_into(fd: int, out: memoryview, offset: int, path: str | os.PathLike,
     """Fill `out` (a writable byte view) from `offset`; a short read is refused as in `pread_exact`."""
     got, n = 0, len(out)
     while got < n:
-        k = os.preadv(fd, [out[got:got + (1 << 28)]], offset + got)
+        k = readinto_at(fd, out[got:got + (1 << 28)], offset + got)
         if not k:
             raise error(f"{path} changed while it was read (it ended at byte {offset + got}, {n - got} bytes "
                         "short); it is being written or was replaced. Wait for the copy to finish, then run again.")

@@ -33,7 +33,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from ..errors import WeightsError
 from ..interrupt import check_interrupt
-from .fileio import Identity, open_regular
+from .fileio import Identity, open_regular, read_at
 from .safetensors_header import MAX_INDEX_DIGITS, MAX_TENSORS, long_index
 
 MAGIC = b"GGUF"
@@ -150,7 +150,7 @@ def _short(value: Any) -> str:
 class _Walk:
     """A cursor over the file; every read is checked against the bytes left first.
 
-    The bytes come with `pread` into a buffer that grows as the walk goes (never a mapping: a file
+    The bytes come with `read_at` (pread) into a buffer that grows as the walk goes (never a mapping: a file
     truncated while its header is walked would kill the process with SIGBUS); a read that comes back
     short means the file shrank since it was opened, and is refused."""
 
@@ -169,7 +169,7 @@ class _Walk:
         want = min(self.size, max(end, have + self._STEP, 2 * have))
         while len(self.data) < end:
             try:
-                chunk = os.pread(self.fd, want - len(self.data), len(self.data))
+                chunk = read_at(self.fd, want - len(self.data), len(self.data))
             except OSError as err:
                 raise GGUFError(f"GGUF file {self.path} cannot be read ({err.strerror or err}).") from None
             if not chunk:
