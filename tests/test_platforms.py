@@ -153,3 +153,27 @@ def test_disk_streaming_reads_into_memory_of_its_own_without_mmap_flags(fixtures
     assert mapped  # the streamed weights came through the fallback
     monkeypatch.undo()
     assert torch.equal(out, _dit_out(PipelineHandle.open(folder, device="cpu")))
+
+
+def test_a_converted_cache_is_used_where_an_open_file_cannot_be_removed(fixtures_root, windows_like, monkeypatch,
+                                                                         tmp_path):
+    """Windows refuses to remove a file that is open: the written cache's temporary name (the lease holds the
+    file open) stays, and the run goes on streaming from the cache."""
+    monkeypatch.setenv("LINGBOT_TINY_DIR", str(tmp_path))
+    real_unlink = Path.unlink
+
+    def open_files_stay(self, missing_ok=False):
+        if ".tmp-" in self.name:
+            raise PermissionError(32, "The process cannot access the file because it is being used by another process")
+        return real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", open_files_stay)
+    folder = fixtures_root / "models" / "tiny-dense"
+
+    def streamed():
+        handle = PipelineHandle.open(folder, device="cpu", dtypes={"transformer": torch.bfloat16}, weights="fp8_e4m3")
+        return configure_offload(handle, "sequential", offload_to="disk")
+
+    out = _dit_out(streamed())
+    assert sorted(p.name for p in (tmp_path / "converted").glob("*.safetensors"))  # written, and used below
+    assert torch.equal(_dit_out(streamed()), out)

@@ -268,10 +268,19 @@ def cached(files: Sequence[Path], recipe: dict, groups: Sequence[tuple[Sequence[
                       "space (or point LINGBOT_TINY_DIR elsewhere), pre-quantize the checkpoint with "
                       "`python -m lingbot_core.quantize`, load it in its stored dtype, or use offload_to='ram'.") from err
     finally:
-        tmp.unlink(missing_ok=True)
+        _remove_temporary(tmp)
     evict(where, keep=path)  # other conversions of this checkpoint, unless in use
     log.info("disk offload: wrote %d converted tensors to %s", len(plan), path)
     return _spans(path, header, plan, lease)
+
+
+def _remove_temporary(tmp: Path) -> None:
+    """Remove the written file's temporary name. Windows refuses to remove a file that is open (the lease
+    holds it): the name then stays until `evict` finds it free (a dead writer's temporary file)."""
+    try:
+        tmp.unlink(missing_ok=True)
+    except OSError as err:
+        log.debug("converted-weights cache: %s stays for now (%s)", tmp, err)
 
 
 def _publish(tmp: Path, path: Path, header: bytes, plan: Sequence[Planned], lease: Lease) -> Lease:
