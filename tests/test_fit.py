@@ -117,3 +117,16 @@ def test_fall_back_keeps_the_chosen_disk_home(tiny_moe):
     assert door.fall_back(view)
     placement = tiny_moe.shared.placement
     assert placement.mode.name == "group" and placement.mode.settings.offload_to == "disk"
+
+
+def test_a_parallel_view_does_not_fall_back_alone_after_running_out_of_memory(tiny_moe):
+    """On several processes `auto` is `none`; a rank that ran out of memory (rank 0 also holds the text encoder
+    and the VAE) fell back to `model` by itself and retried the stage alone, while the others waited in their
+    collectives: seen on 2 gloo ranks, both stuck until the collectives' timeout (30 minutes by default). The
+    error is raised instead (a parallel run stops every rank on it)."""
+    from lingbot_core.distributed.layout import ParallelLayout
+
+    view = tiny_moe.with_offload("auto").with_parallel(ParallelLayout(cfg=1, ulysses=2, mesh=object()))
+    assert door.effective_mode(view) == "none"
+    assert not door.fall_back(view)
+    assert door.installed_mode(view) == "none" and not door.has_fallen_back(view)

@@ -431,7 +431,14 @@ def release(handle: PipelineHandle, components: tuple[str, ...] | list[str] | No
 
 
 def fall_back(handle: PipelineHandle) -> bool:
-    """After an out-of-memory error under `auto`: install the next smaller mode, once. True if it did."""
+    """After an out-of-memory error under `auto`: install the next smaller mode, once. True if it did.
+
+    Never on a view of several processes: only `none` runs there, and the rank that ran out would retry
+    the stage alone while the others wait in its collectives (it raises, and the others hear of it)."""
+    from ..distributed.stage import active_layout
+
+    if active_layout(handle) is not None:
+        return False
     shared = handle.shared
     with shared.lock:
         placement = shared.placement
