@@ -370,6 +370,19 @@ BOX_HEIGHT = """([id, name]) => {
 }"""
 
 
+# A node's height on the canvas against what its content needs (the canvas' own computeSize), and the room left
+# below its last shown widget.
+NODE_ROOM = """(id) => {
+  const node = window.app.graph.getNodeById(id);
+  const shown = (node.widgets ?? []).filter((w) => !w.hidden);
+  const last = shown[shown.length - 1];
+  const top = last ? (last.last_y ?? last.y ?? 0) : 0;
+  const tall = last ? (last.computedHeight ?? last.computeSize?.(node.size[0])?.[1] ?? window.LiteGraph.NODE_WIDGET_HEIGHT) : 0;
+  return {height: Math.round(node.size[1]), content: Math.round(node.computeSize()[1]),
+          below: last ? Math.round(node.size[1] - top - tall) : null};
+}"""
+
+
 def queue_and_wait(page, shots: Path, tag: str, timeout: float) -> dict:
     """Click Run, screenshot while progress arrives, wait for the end; what the listeners saw."""
     page.evaluate(LISTEN)
@@ -410,7 +423,8 @@ def check_run(page, shots: Path, timeout: float) -> None:
     page.evaluate(FOCUS, ids["text"])
     page.wait_for_timeout(800)
     before = {"size": page.evaluate("(id) => [...window.app.graph.getNodeById(id).size]", ids["text"]),
-              "prompt": page.evaluate(BOX_HEIGHT, [ids["text"], "prompt"])}
+              "prompt": page.evaluate(BOX_HEIGHT, [ids["text"], "prompt"]),
+              "denoise": page.evaluate(NODE_ROOM, ids["denoise"])}
     state = queue_and_wait(page, shots, "t2v", timeout)
     record(state["done"] == "success", "T2V queued from the Run button finishes", str(state["done"]))
     nodes = {str(n) for n, _, _ in state["progress"]}
@@ -432,6 +446,16 @@ def check_run(page, shots: Path, timeout: float) -> None:
         record(got.get("readOnly") is True and got.get("label") == "LingBot notes",
                f"{who}: the box is read-only and labelled 'LingBot notes'",
                f"read-only: {got.get('readOnly')}, label: {got.get('label')!r}")
+    if FRONTEND[1] == "classic":
+        # Denoise's notes box is the only widget that grows it: the box first takes the room the node had below
+        # its widgets (the shipped node is saved taller than the canvas draws it), then the node grows only as far
+        # as its content needs. (Nodes 2.0 draws its rows taller than computeSize counts and fills the node.)
+        room = page.evaluate(NODE_ROOM, ids["denoise"])
+        was = before["denoise"]
+        record(room["height"] <= max(was["height"], room["content"]) + 2,
+               "the notice grows Denoise only as far as its content needs (no empty room under its box)",
+               f"node {was['height']} px ({was['below']} px below its widgets) -> {room['height']} px, content "
+               f"{room['content']} px, {room['below']} px below the notes box")
     size = texts["text"]["size"]
     record(size[0] >= before["size"][0] and size[1] >= before["size"][1]
            and (after_prompt or 0) >= (before["prompt"] or 1) - 1,

@@ -241,9 +241,12 @@ globalThis.document = {createElement: () => ({getContext: () => ({measureText: (
 const app = {};
 /* the script */
 const calls = [];
+// Text Encode's prompt: a text box of no fixed height, which takes a share of the node's room
+const prompt = () => ({name: "prompt", type: "customtext", computeLayoutSize: () => ({minHeight: 60})});
+const notes = (node) => node.widgets.find((w) => w.name === "LingBot notes");
 const make = (type) => {
-  const node = {comfyClass: type, title: type, id: 7, graph: {}, flags: {}, size: [400, 300], widgets: [],
-    setSize(s) { this.size = s; }, computeSize() { return [300, 100 + (this.widgets[0].hidden ? 0 : 60)]; },
+  const node = {comfyClass: type, title: type, id: 7, graph: {}, flags: {}, size: [400, 300], widgets: [prompt()],
+    setSize(s) { this.size = s; }, computeSize() { return [300, 100 + (notes(this).hidden ? 0 : 60)]; },
     setDirtyCanvas() {}, collapse() { this.flags.collapsed = !this.flags.collapsed; calls.push("collapse"); }};
   globalThis.ext.nodeCreated(node);
   return node;
@@ -252,8 +255,8 @@ const proto = {};
 await globalThis.ext.beforeRegisterNodeDef({prototype: proto}, {name: "LingBotTextEncode"});
 const other = make("LingBotCaption");
 const node = make("LingBotTextEncode");
-const box = node.widgets[0];
-const made = {other: other.widgets.length, name: box.name, label: box.label, hidden: box.hidden,
+const box = notes(node);
+const made = {other: other.widgets.length - 1, name: box.name, label: box.label, hidden: box.hidden,
   serialize: box.serialize, sent: box.options.serialize, readOnly: box.inputEl.readOnly, attr: box.options.readonly,
   room: box.options.getMinHeight()};
 box.callback = (v) => calls.push("callback:" + v);
@@ -294,12 +297,72 @@ console.log(JSON.stringify({made, said, cleared, calls, collapsed: node.flags.co
     assert got["made"] == {"other": 0, "name": "LingBot notes", "label": "LingBot notes", "hidden": True,
                            "serialize": False, "sent": False, "readOnly": True, "attr": True, "room": 0}
     assert got["said"]["value"] == "The prompt is plain prose" and got["said"]["hidden"] is False
-    assert got["said"]["room"] and got["said"]["size"][1] >= 300 + 60  # grown by what the box adds
+    assert got["said"]["room"] and got["said"]["size"][1] >= 300 + 60  # grown by what the box adds (the prompt
+    # box shares the node's room: it keeps its height)
     assert got["cleared"] == {"value": "", "hidden": True, "size": got["said"]["size"]}  # never shrunk
     assert got["calls"] == ["callback:The prompt is plain prose", "callback:", "callback:again", "collapse", "collapse",
                             "fold", "fold", "fold", "fold"]
     assert got["collapsed"] is False and got["video"] is False
     assert got["previews"] == [True, False]  # the test pattern hides the node's preview, a file shows it
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs Node.js to run the editor script")
+def test_on_the_canvas_a_node_that_only_the_notes_box_grows_fills_its_spare_room_first():
+    """A node where no other widget takes a share of its room (Denoise: the shipped node is saved taller than
+    the canvas draws its widgets) gets its notes box in the room below its widgets and grows only past that
+    (it showed ~100 px of empty room under the box on the classic canvas); a node already at its content's
+    height grows by the box; never shrinks. Under Nodes 2.0 the node grows by the box as before (that renderer
+    draws rows taller than computeSize counts). Both the old frontends' box (1.27) and the frontend's own text
+    preview (1.5x). Run in Node.js with fakes: the node's content is 100 px, the box adds 60 (the preview 60
+    and its switch 20)."""
+    script = (ROOT / "web" / "lingbot_text.js").read_text()
+    script = re.sub(r'^import .*;$', "", script, flags=re.M).replace("app.registerExtension(", "globalThis.ext = (")
+    harness = """
+const STRING = (node, name) => {
+  const widget = {name, value: "", options: {}, inputEl: {style: {}}, type: "customtext"};
+  node.widgets.push(widget);
+  return {widget};
+};
+const preview = {
+  addTextPreviewWidgets(node) {
+    node.widgets.push({name: "preview_text", value: "", options: {}}, {name: "preview_mode", value: false});
+  },
+  updateTextPreviewWidgets(node, {text}) { node.widgets.find((w) => w.name === "preview_text").value = text[0]; },
+};
+globalThis.window = {LiteGraph: {}, comfyAPI: {widgets: {ComfyWidgets: {STRING}}}};
+globalThis.document = {createElement: () => ({getContext: () => null}), querySelectorAll: () => []};
+const app = {};
+/* the script */
+const proto = {};
+await globalThis.ext.beforeRegisterNodeDef({prototype: proto}, {name: "LingBotDenoise"});
+const adds = (w) => (w.name === "LingBot notes" ? (w.hidden ? 0 : 60)
+  : w.name === "preview_text" ? 60 : w.name === "preview_mode" ? 20 : 0);
+const make = (height) => {
+  const node = {comfyClass: "LingBotDenoise", title: "Denoise", id: 4, graph: {}, flags: {}, size: [320, height],
+    widgets: [{name: "denoise", type: "number", value: 1}], setSize(s) { this.size = s; }, setDirtyCanvas() {},
+    computeSize() { return [300, 100 + this.widgets.reduce((sum, w) => sum + adds(w), 0)]; }};
+  globalThis.ext.nodeCreated(node);
+  return node;
+};
+const run = (node, text) => { proto.onExecuted.call(node, {text: [text]}); return node.size[1]; };
+const heights = (vue) => {
+  window.LiteGraph.vueNodesMode = vue;
+  const roomy = make(200), tight = make(100);
+  return {roomy: [run(roomy, "cfg_batch does nothing"), run(roomy, ""), run(roomy, "again")],
+          tight: [run(tight, "cfg_batch does nothing"), run(tight, "again")]};
+};
+const old = heights(false);
+window.comfyAPI.textPreviewWidgets = preview;
+console.log(JSON.stringify({old, host: heights(false), vue: heights(true)}));
+""".replace("/* the script */", script)
+    out = subprocess.run(["node", "--input-type=module", "-e", harness], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["old"] == {"roomy": [200, 200, 200], "tight": [160, 160]}  # 1.27: the box in the spare 100 px
+    assert got["host"] == {"roomy": [200, 200, 200], "tight": [180, 180]}  # 1.5x canvas: box and switch (80)
+    vue = got["vue"]  # Nodes 2.0 (1.5x): as before, the node grows by the box, its switch and an allowance a row
+    assert vue["roomy"][0] >= 200 + 80 and vue["roomy"] == [vue["roomy"][0]] * 3
+    assert vue["tight"][0] >= 100 + 80 and vue["tight"] == [vue["tight"][0]] * 2
 
 
 def test_the_editor_script_knows_the_test_pattern_choice():

@@ -84,16 +84,31 @@ function minHeight(node) {
   return node.computeSize?.()[1] ?? node.size[1];
 }
 
+// Whether a widget other than the notes box takes a share of the node's room beyond its smallest height (a
+// text box of no fixed height, such as Text Encode's prompt; an image preview): the frontend gives such
+// widgets whatever room the node has past its content.
+function sharesRoom(node, box) {
+  return (node.widgets ?? []).some((w) => {
+    if (w === box || w.hidden || typeof w.computeLayoutSize !== "function") return false;
+    const size = w.computeLayoutSize(node);
+    return !!size && (size.maxHeight == null || size.maxHeight > (size.minHeight ?? 0));
+  });
+}
+
 // The node grows by what the change of its box added to its smallest height, so the widgets above keep
 // the height the user saw (both renderers share a node's height among its text boxes); it never shrinks.
+// On the canvas, a node where nothing else takes a share of its room (Denoise) first fills the room it had
+// below its widgets (a shipped node is saved taller than the canvas draws it) and grows only past that.
 // A node narrower than WIDTH that shows text is widened to it.
-function grow(node, before, text, added) {
+function grow(node, before, text, added, box) {
   if (text && node.size[0] < WIDTH) node.setSize?.([WIDTH, node.size[1]]); // first: the box's height needs it
   const fits = node.computeSize?.() ?? node.size;
   const width = Math.max(node.size[0], fits[0]);
+  const vue = !!window.LiteGraph?.vueNodesMode;
   // Nodes 2.0 gives a row more room than the canvas' sizes count (its gaps, its taller switch)
-  const rows = added && window.LiteGraph?.vueNodesMode ? VUE_ROWS_PX * added : 0;
-  const height = Math.max(node.size[1] + Math.max(0, fits[1] - before) + rows, fits[1]);
+  const rows = added && vue ? VUE_ROWS_PX * added : 0;
+  const spare = vue || sharesRoom(node, box) ? 0 : Math.max(0, node.size[1] - before);
+  const height = Math.max(node.size[1] + Math.max(0, fits[1] - before - spare) + rows, fits[1]);
   if (width !== node.size[0] || height !== node.size[1]) node.setSize?.([width, height]);
   node.setDirtyCanvas?.(true, true);
 }
@@ -116,7 +131,7 @@ function hostBox(node, preview, text) {
     box.options = { ...(box.options || {}), getMinHeight: fit, getMaxHeight: fit }; // no share of the rest
   }
   preview.updateTextPreviewWidgets(node, { text: [text] });
-  grow(node, before, text, (node.widgets?.length ?? 0) - widgets);
+  grow(node, before, text, (node.widgets?.length ?? 0) - widgets, box);
 }
 
 function hostPreview() {
@@ -226,7 +241,7 @@ function oldBox(node, text) {
   box.hidden = !text;
   box.callback?.(text); // how Nodes 2.0 (1.27) hears of it; the box has no callback of its own
   if (vue) redrawIfStale(node, showsText(text));
-  else grow(node, before, text, 0);
+  else grow(node, before, text, 0, box);
 }
 
 app.registerExtension({
