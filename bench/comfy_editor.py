@@ -202,6 +202,87 @@ def check_templates(page, shots: Path, pack: str) -> None:
     record(dismiss_dialogs(page), "the template browser closes (Escape)")
 
 
+# What the frontend shows when a workflow lacks something it needs to run (1.5x: a model file, a node type, an
+# input file): the Run button's icon turns into a warning triangle and a toast or the side panel names the
+# issue. `icon`: "warning" or "ok", null where the frontend has no such icon (1.27 shows none of this); `lines`:
+# the visible lines that name an issue.
+MISSING_SIGNS = """() => {
+  const icon = document.querySelector('[data-testid=queue-button-icon]');
+  const lines = [...document.querySelectorAll('body *')]
+    .filter((e) => e.children.length === 0 && e.getBoundingClientRect().width > 0)
+    .map((e) => e.textContent.trim()).filter((t) => /issues? found|is missing a required|input missing/i.test(t));
+  return {icon: icon ? (String(icon.className).includes('triangle-alert') ? 'warning' : 'ok') : null,
+          lines: [...new Set(lines)].slice(0, 6)};
+}"""
+
+# A core Load Diffusion Model naming a file no server has: what the frontend does for a missing model file.
+MISSING_MODEL_GRAPH = {
+    "last_node_id": 1, "last_link_id": 0, "links": [], "groups": [], "config": {}, "extra": {}, "version": 0.4,
+    "nodes": [{"id": 1, "type": "UNETLoader", "pos": [100, 100], "size": [320, 100], "flags": {}, "order": 0,
+               "mode": 0, "inputs": [], "outputs": [{"name": "MODEL", "type": "MODEL", "links": None}],
+               "properties": {}, "widgets_values": ["lingbot_editor_check_missing.safetensors", "default"]}],
+}
+
+GRAPH_TYPES = "() => window.app.graph._nodes.map((n) => n.type).sort()"
+
+
+def open_template(page, pack: str, title: str, types: list[str]) -> bool:
+    """Opens a shipped workflow as a user does: the template browser, the pack's entry, the card; True once the
+    graph holds the workflow's nodes."""
+    page.get_by_role("button", name="Templates").first.click()
+    page.wait_for_timeout(1200)
+    dialog = page.locator("[role=dialog], .p-dialog")  # the page's own nodes carry the pack's name as a badge
+    dialog.get_by_text(pack, exact=True).first.click()
+    page.wait_for_timeout(800)
+    card = dialog.get_by_text(title, exact=True).first
+    page.mouse.move(800, 600)
+    for _ in range(8):  # a browser that adds cards as its grid scrolls (1.27) shows the last ones only then
+        if card.count() and card.is_visible():
+            break
+        page.mouse.wheel(0, 800)
+        page.wait_for_timeout(500)
+    card.scroll_into_view_if_needed(timeout=5000)
+    card.click(timeout=5000)
+    end = time.time() + 20
+    while time.time() < end:
+        if page.evaluate(GRAPH_TYPES) == types:
+            return True
+        page.wait_for_timeout(300)
+    return False
+
+
+def check_template_warnings(page, shots: Path, pack: str) -> None:
+    """Every shipped workflow opened from the template browser: the frontend finds nothing missing (the Run
+    button keeps its play icon, no issue is named, no dialog stays open). First, where the frontend has the
+    warning, that the check sees it: a core Load Diffusion Model naming a file the server lacks."""
+    page.evaluate("(wf) => window.app.loadGraphData(wf)", MISSING_MODEL_GRAPH)
+    page.wait_for_timeout(2500)
+    sensor = page.evaluate(MISSING_SIGNS)
+    if sensor["icon"] is not None:
+        page.screenshot(path=str(shots / "missing_model_core.png"))
+        record(sensor["icon"] == "warning" and bool(sensor["lines"]),
+               "a core Load Diffusion Model naming a missing file makes the frontend warn (the check sees it)",
+               f"Run icon {sensor['icon']}, {sensor['lines']}")
+    warned = []
+    for title, path, _api in sorted(shipped().values()):
+        types = sorted(n["type"] for n in json.loads(path.read_text())["nodes"])
+        try:
+            opened = open_template(page, pack, title, types)
+        except Exception as exc:  # noqa: BLE001 - reported as the check's detail
+            opened, signs = False, {"icon": None, "lines": [str(exc).splitlines()[0][:200]]}
+        if opened:
+            page.wait_for_timeout(1500)  # the frontend's look for missing files answers after the load
+            signs = page.evaluate(MISSING_SIGNS)
+            dialogs = page.evaluate(OPEN_DIALOGS)
+        if not opened or signs["icon"] == "warning" or signs["lines"] or dialogs:
+            warned.append(f"{title}: opened {opened}, Run icon {signs['icon']}, {signs['lines']}, "
+                          f"{dialogs if opened else '?'} dialog(s)")
+            page.screenshot(path=str(shots / f"template_open_{path.stem}.png"))
+        dismiss_dialogs(page)
+    record(not warned, "every shipped workflow opened from the template browser: nothing missing, no warning",
+           "; ".join(warned)[:1000])
+
+
 # The loaded graph panned across at 85 % (full detail in every renderer), so that each node is drawn once; after
 # the frontend's own fit of a loaded graph to the view (a wide one at 40 % or less: titles only under Nodes 2.0).
 SHOW_ALL = """async () => {
@@ -1007,6 +1088,7 @@ def run_renderer(browser, args, renderer: str) -> str | None:
     record(vue == RENDERERS[renderer], f"the page runs the {renderer} renderer", f"{VUE_SETTING} = {vue}")
     dismiss_dialogs(page)
     check_templates(page, shots, args.pack)
+    check_template_warnings(page, shots, args.pack)
     check_workflows(page, shots)
     check_run(page, shots, args.timeout)
     check_node_gallery(page, shots)
