@@ -12,6 +12,8 @@ and a running ComfyUI with this pack in `custom_nodes/` (`bench/comfy_e2e.py` st
 API). What it checks, printed as PASS/FAIL, with screenshots in SHOTS_DIR to look at:
 - the pack's templates appear in the template browser with their thumbnails loaded, each card titled by its
   workflow's title (the registry nodes/shipped.py; the browser takes it from the file name) and not cut;
+- every shipped workflow opened from the template browser leaves the frontend nothing missing (the Run button keeps
+  its play icon, no issue named); where the frontend has that warning, a core loader naming a missing file shows it;
 - every shipped UI workflow (`workflows/<title>.json`) loads with no unknown node type, keeps every widget value
   (a value that no longer fits its widget shifts or resets), converts to the same prompt as its API twin
   in `workflows/api/` (what the editor would queue is what the API tests run), and no node lies over another
@@ -20,7 +22,8 @@ API). What it checks, printed as PASS/FAIL, with screenshots in SHOTS_DIR to loo
   queued from the Run button: progress events arrive, it finishes, and the Memory Report, Text Encode's prose
   warning and Denoise's cfg_batch notice show on the nodes (`web/lingbot_text.js`), measured on the element
   the browser shows (its whole text in view, read-only, labelled, not covered); the nodes grew, never
-  shrank, and the prompt box kept its height; run again with a JSON caption, the notices are cleared;
+  shrank, the prompt box kept its height, and on the canvas Denoise grew only as far as its content needs; run
+  again with a JSON caption, the notices are cleared;
 - LingBot Load Video, Extend Video, Caption and the Loader (its attention choices) added to an empty graph show
   the widgets the pack declares (a screenshot to look at);
 - LingBot Load Video's upload combo: its list starts with the test pattern, its button opens the file dialog, a
