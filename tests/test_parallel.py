@@ -924,3 +924,24 @@ def test_an_fsdp_dit_moves_under_inference_mode_on_a_torch_whose_dtensor_has_no_
         assert is_fsdp_sharded(dit)
     finally:
         dist.destroy_process_group()
+
+
+def test_cfg_batch_auto_batches_alike_on_every_process(monkeypatch):
+    """`cfg_batch=auto` decides from the process's own memory (its GPU's size, what it holds: rank 0 also the
+    encoders), but the processes of a parallel run share every forward: one rank's batch-2 forward met
+    another's two forwards (2 gloo ranks where rank 1 alone expected batch 2 to fit: 'collective mismatch',
+    the process aborted). On several processes `auto` runs two forwards; `on` batches on all of them."""
+    from lingbot_core.handle import PipelineHandle
+    from lingbot_core.placement import door, plan
+    from lingbot_core.placement.estimate import Geometry
+
+    monkeypatch.setattr(plan, "cfg_batch_auto", lambda *a, **k: (True, "batch 2 fits this GPU"))
+    handle = PipelineHandle.from_components({"transformer": random_dit(DENSE, 0.05)})
+    for view, batched in ((handle, True), (handle.with_parallel(_fake_layout(1, 2)), False)):
+        with door.stage(view, "transformer", geometry=Geometry(32, 32, 5, cfg=True)):
+            auto = door.sampling_figures(view, "transformer", packed=False, cfg_batch="auto", splits_cfg=False,
+                                         set_on_model=None)
+            on = door.sampling_figures(view, "transformer", packed=False, cfg_batch="on", splits_cfg=False,
+                                       set_on_model=None)
+        assert (auto.cfg_batch, on.cfg_batch) == (batched, True)
+        assert batched or "processes of a parallel run" in auto.cfg_batch_why

@@ -272,12 +272,22 @@ def sampling_figures(handle: PipelineHandle, dit: str, *, packed: bool, cfg_batc
     set against the estimate for the request as it runs; the memory report shows the chunk. `packed`: the DiT's
     weights are stored quantized; `cfg_batch`: the option; `splits_cfg`: the branches run on two rank rows;
     `set_on_model`: a chunk set on the DiT itself."""
+    from ..distributed.stage import active_layout
+
     placement = handle.shared.placement
     request = placement.stage_geometry
     if request is None:
         raise RuntimeError("sampling_figures runs inside a stage entered with its request's geometry")
-    figures = plan.sampling_figures(plan.facts(handle), dit, request, packed=packed, cfg_batch=cfg_batch,
-                                    splits_cfg=splits_cfg, set_on_model=set_on_model)
+    # the processes of a parallel run share every forward, so they must batch alike, and `auto` decides from
+    # this process's memory (its GPU, what it holds): rank 0 could run two forwards a step and rank 1 one
+    shared = cfg_batch == "auto" and request.cfg and not splits_cfg and active_layout(handle) is not None
+    figures = plan.sampling_figures(plan.facts(handle), dit, request, packed=packed,
+                                    cfg_batch="off" if shared else cfg_batch, splits_cfg=splits_cfg,
+                                    set_on_model=set_on_model)
+    if shared:
+        figures = replace(figures, cfg_batch_why="cfg_batch=auto: two forwards per step (the processes of a parallel "
+                                                 "run share each forward and would each decide from their own "
+                                                 "memory; cfg_batch on batches on all of them)")
     placement.stage_geometry = replace(request, cfg_batch=figures.cfg_batch, ffn_chunk=figures.ffn_chunk)
     placement.ffn_chunks[dit] = (figures.ffn_chunk, figures.ffn_chunk_why)
     return figures
