@@ -243,7 +243,16 @@ def check_request_fits(handle: Any, *, height: int, width: int, num_frames: int,
     plus the request's activations, or one VAE pass for ``phase="decode"``); the limit is the
     device's whole memory. So only requests
     that cannot possibly run are refused, and they are refused before anything loads.
+
+    Not on a view of several processes: each would set the one-process estimate against its own device
+    (GPUs of two sizes, a rank that holds the encoders too), and a refusal on some ranks only leaves the
+    others waiting in their first collective (30 minutes, then an error). A run too large fails on its
+    out-of-memory error there, and every rank stops with it.
     """
+    from .distributed.stage import active_layout
+
+    if active_layout(handle) is not None:
+        return
     fit = plan.request_fit(plan.facts(handle), height=height, width=width, num_frames=num_frames, cfg=cfg, refine=refine,
                            phase=phase)
     if fit is None or fit.needed <= fit.capacity:

@@ -129,3 +129,22 @@ def test_a_size_over_the_device_names_the_largest_that_fits(handle, monkeypatch)
     assert plan.request_fit(plan.facts(handle), height=taller, width=max(16, round(taller * 1.5 / 16) * 16), num_frames=5).needed > capacity
     with pytest.raises(ValueError, match=f"about {w}x{h} fits"):
         stage_inputs.check_request_fits(handle, **request, what="denoising")
+
+
+def test_a_parallel_view_is_not_refused_by_one_process_against_its_own_device(handle, monkeypatch):
+    """Each process of a parallel run would set the one-process estimate against its own device (GPUs of two
+    sizes, rank 0 holding the encoders too): refused on some ranks only, the others waited in their first
+    collective (seen on 2 gloo ranks, rank 0's device faked smaller: rank 1 sat until the collectives'
+    timeout). A view of several processes is not refused here; a run too large fails on its OOM on every rank."""
+    from lingbot_core import stage_inputs
+    from lingbot_core.distributed.layout import ParallelLayout
+    from lingbot_core.placement import plan
+
+    request = dict(height=256, width=384, num_frames=5)
+    capacity = plan.request_fit(plan.facts(handle), **request).needed - 1
+    monkeypatch.setattr(plan, "device_capacity", lambda _device: capacity)
+    with pytest.raises(ValueError, match="that is the limit"):
+        stage_inputs.check_request_fits(handle, **request, what="denoising")
+    view = handle.with_parallel(ParallelLayout(cfg=1, ulysses=2, mesh=object()))
+    stage_inputs.check_request_fits(view, **request, what="denoising")
+    stage_inputs.check_request_fits(view, **request, phase="decode", what="decoding")
