@@ -306,6 +306,18 @@ def _step_cache_checks(layout: ParallelLayout, tiny: str) -> dict:
     return found
 
 
+def _rewrite_checks(layout: ParallelLayout, tiny: str) -> dict:
+    """A local rewrite (the pipe's text encoder writes) on the parallel view: what each rank got, and whether
+    it loaded the text encoder."""
+    from lingbot_core.handle import PipelineHandle
+    from lingbot_core.rewrite.local_backend import generate_text
+
+    handle = PipelineHandle.open(tiny, device="cpu")
+    got = generate_text(handle.with_parallel(layout), "You write captions.", "a red paper boat", max_new_tokens=6)
+    return {"text": got.text, "tokens": got.tokens, "stopped": got.stopped,
+            "encoder_loaded": "text_encoder" in handle.shared.loaded}
+
+
 def _headless(rank: int, world: int, out: str) -> dict:
     """`lingbot-run t2i --parallel cfg=2,ulysses=2` on this rank, as torchrun would start it (its
     environment variables; the CLI finds the group already initialised and leaves it at the end)."""
@@ -397,7 +409,8 @@ def _worker(rank: int, world: int, port: int, out: str, tiny: str, tiny_moe: str
                   "lora_fsdp": {"dense": _lora_fsdp_checks(layout, tiny, str(Path(out, "lora.safetensors"))),
                                 "moe": _lora_fsdp_checks(layout, tiny_moe, str(Path(out, "moe_lora.safetensors")))},
                   "step_cache": _step_cache_checks(layout, tiny),
-                  "failure": _failure_checks(layout), "cli": _headless(rank, world, out)}
+                  "failure": _failure_checks(layout), "rewrite": _rewrite_checks(layout, tiny),
+                  "cli": _headless(rank, world, out)}
         result["forward_failure"] = _forward_failure_checks(rank, world, store_port)
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
@@ -457,6 +470,16 @@ def test_moe_refiner_on_four_processes_matches_one_process(four_ranks):
     assert four_ranks[0]["refine"]["text_encoder_loaded"] and four_ranks[0]["refine"]["vae_loaded"]
     for rank, result in enumerate(four_ranks[1:], 1):  # only rank 0 ever loads the text encoder and the VAE
         assert not result["refine"]["text_encoder_loaded"] and not result["refine"]["vae_loaded"], rank
+
+
+def test_a_local_rewrite_on_several_processes_runs_on_rank_0_only(four_ranks):
+    """Every rank ran the Rewrite node's generation itself, so every rank loaded the text encoder and kept it on
+    its GPU (offload 'none'), which the per-GPU plan does not count (only rank 0 loads the encoders); now rank 0
+    writes and the others receive its text, as for the prompt's encoding."""
+    rows = [r["rewrite"] for r in four_ranks]
+    assert [r["encoder_loaded"] for r in rows] == [True, False, False, False]
+    assert all((r["text"], r["tokens"], r["stopped"]) == (rows[0]["text"], rows[0]["tokens"], rows[0]["stopped"])
+               for r in rows) and rows[0]["tokens"] > 0
 
 
 def test_fsdp_shards_the_blocks_and_keeps_the_result(four_ranks):

@@ -139,9 +139,32 @@ def _seed_here(seed: int, device: torch.device) -> None:
 def generate_text(handle: Any, system: str, user: str, *, image: Any | None = None, max_new_tokens: int = 1024,
                   sampling: Sampling = GREEDY, stop_at_object: bool = False, stage_name: str = "expand",
                   on_token: TokenCallback | None = None) -> Generation:
-    """One chat reply from the handle's text encoder, entered through the stage door."""
+    """One chat reply from the handle's text encoder, entered through the stage door. On a view of several
+    processes rank 0 writes it and the others receive the text (`distributed.stage.from_rank0`), so only
+    rank 0 loads the text encoder, as for the prompt's encoding."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    from ..distributed import stage as parallel_stage
+
+    def pack(g: Generation) -> dict[str, torch.Tensor | None]:
+        return {"text": parallel_stage.text_tensor(g.text),
+                "counts": torch.tensor([g.tokens, _STOPS.index(g.stopped)], dtype=torch.int64)}
+
+    def unpack(got: dict[str, torch.Tensor | None]) -> Generation:
+        tokens, stopped = (int(v) for v in got["counts"].tolist())
+        return Generation(parallel_stage.tensor_text(got["text"]), tokens, _STOPS[stopped])
+
+    return parallel_stage.from_rank0(
+        handle, lambda: _generate(handle, system, user, image=image, max_new_tokens=max_new_tokens, sampling=sampling,
+                                  stop_at_object=stop_at_object, stage_name=stage_name, on_token=on_token),
+        pack, unpack, ("text", "counts"))
+
+
+_STOPS = ("object", "eos", "limit")
+
+
+def _generate(handle: Any, system: str, user: str, *, image: Any | None, max_new_tokens: int, sampling: Sampling,
+              stop_at_object: bool, stage_name: str, on_token: TokenCallback | None) -> Generation:
     if image is not None:
         from ..checkpoints.text_encoder_file import require_vision
 
