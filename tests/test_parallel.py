@@ -968,3 +968,21 @@ def test_cfg_batch_auto_batches_alike_on_every_process(monkeypatch):
                                        set_on_model=None)
         assert (auto.cfg_batch, on.cfg_batch) == (batched, True)
         assert batched or "processes of a parallel run" in auto.cfg_batch_why
+
+
+def test_a_cpu_pipe_in_an_nccl_run_is_refused_before_work(monkeypatch):
+    """Under torchrun on a GPU machine the processes join over NCCL (`init_from_env`), whatever device the
+    workflow's Loader names: a pipe on the CPU reached the first all-to-all with CPU tensors, which NCCL cannot
+    send (a crash in the DiT's first forward). Refused in one line at the denoise; NCCL faked (a label)."""
+    from lingbot_core.distributed import stage as parallel_stage
+    from lingbot_core.handle import PipelineHandle
+
+    view = PipelineHandle.from_components({"transformer": random_dit(DENSE, 0.05)}).with_parallel(_fake_layout(1, 2))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    parallel_stage.check_request(view, cfg_batch="auto")  # gloo: the CPU is its device
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    with pytest.raises(ValueError, match="over NCCL, on their GPUs, but the pipe runs on cpu"):
+        parallel_stage.check_request(view, cfg_batch="auto")
+    parallel_stage.check_request(PipelineHandle.from_components({"transformer": random_dit(DENSE, 0.05)}),
+                                 cfg_batch="auto")  # one process: nothing to refuse

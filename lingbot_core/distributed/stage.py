@@ -148,6 +148,10 @@ def check_request(handle: Any, *, cfg_batch: str, step_cache: str = "off", guida
     if layout is None:
         return
     check_heads(handle, layout)
+    if dist.is_initialized() and dist.get_backend() == "nccl" and torch.device(handle.device).type != "cuda":
+        raise RefusedInput(f"the processes of this parallel run share each DiT forward over NCCL, on their GPUs, but "
+                           f"the pipe runs on {handle.device}, whose tensors NCCL cannot send: set the Loader's device to "
+                           "auto or cuda, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run every process on the CPU")
     if layout.cfg == 2 and guidance_scale is not None and guidance_scale <= 1.0:
         raise RefusedInput(f"CFG parallel (cfg=2) splits the two guidance branches over the processes, and at cfg "
                          f"{guidance_scale:g} there is only one (a DMD student runs cfg 1): use ulysses over all "
