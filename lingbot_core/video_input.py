@@ -133,6 +133,14 @@ def _indices(info: VideoInfo, start: int, count: int, stride: int, path: str | o
     return range(start, start + wanted * stride, stride)
 
 
+def _scale_options(av) -> dict[str, int]:
+    """How a frame is converted to RGB: on one thread. PyAV 17 and newer scale with a pool of threads that
+    FFmpeg keeps for the whole process; a process forked after it ran (a worker pool, torch's start_processes
+    with 'fork') waits forever on the first frame it converts, the pool's threads not being in the child
+    (seen with PyAV 19). Older PyAV has no such pool and no such option."""
+    return {"threads": 1} if int(av.__version__.split(".")[0]) >= 17 else {}
+
+
 def read_video_frames(path: str | os.PathLike, *, start_frame: int = 0, frame_count: int = 0, stride: int = 1,
                       width: int = 0, height: int = 0) -> tuple[torch.Tensor, float]:
     """Frames `start_frame`, +`stride`, ... (`frame_count` of them, 0: to the end) as [F,H,W,3] float32 in
@@ -164,7 +172,7 @@ def read_video_frames(path: str | os.PathLike, *, start_frame: int = 0, frame_co
                     break
                 if index != target:
                     continue
-                rgb = torch.from_numpy(frame.to_ndarray(format="rgb24")).permute(2, 0, 1).unsqueeze(0)
+                rgb = torch.from_numpy(frame.to_ndarray(format="rgb24", **_scale_options(av))).permute(2, 0, 1).unsqueeze(0)
                 kept.append(cover_crop(rgb, out_h, out_w)[0].permute(1, 2, 0).float().div(255.0))
                 target = next(next_index, None)
         except av.error.FFmpegError as exc:

@@ -160,3 +160,23 @@ def test_load_video_node_headless(tmp_path):
     assert frames.shape == (5, 48, 32, 3) and count == 5 and not torch.equal(frames[0], frames[1])
     frames, count, fps = node.execute(str(path), 0, 5, 1, 32, 32).args
     assert frames.shape == (5, 32, 32, 3) and count == 5 and fps == pytest.approx(12.0)
+
+
+def test_a_process_forked_after_reading_a_video_reads_one_too(tmp_path):
+    """PyAV 17+ scales frames on a thread pool FFmpeg keeps for the process: a child forked after the parent
+    converted a frame waited forever on its own first frame (PyAV 19; a worker pool or torch's start_processes
+    with 'fork'). The read converts on one thread, so the child finishes."""
+    import multiprocessing as mp
+
+    path = _clip(tmp_path / "in.mp4", frames=3)
+    frames, _fps = read_video_frames(path)  # the parent converts first
+    ctx = mp.get_context("fork")
+    child = ctx.Process(target=read_video_frames, args=(path,))
+    child.start()
+    child.join(60)
+    hung = child.is_alive()
+    if hung:
+        child.kill()
+        child.join()
+    assert not hung, "the forked child never finished converting its first frame"
+    assert child.exitcode == 0 and frames.shape[0] == 3
