@@ -17,7 +17,9 @@ API). What it checks, printed as PASS/FAIL, with screenshots in SHOTS_DIR to loo
 - every shipped UI workflow (`workflows/<title>.json`) loads with no unknown node type, keeps every widget value
   (a value that no longer fits its widget shifts or resets), converts to the same prompt as its API twin
   in `workflows/api/` (what the editor would queue is what the API tests run), and no node lies over another
-  once each is drawn (a screenshot of its widest node at 100 %);
+  once each is drawn (a screenshot of its widest node at 100 %); on the classic canvas every node opens at its
+  saved height and that height is its content's (no empty room at its bottom; a node whose text box takes the
+  room past its content may be taller), and in every renderer no widget lies past its node's bottom;
 - the T2V workflow, with a prose prompt, a Memory Report added and Denoise at cfg 1 with cfg_batch on,
   queued from the Run button: progress events arrive, it finishes, and the Memory Report, Text Encode's prose
   warning and Denoise's cfg_batch notice show on the nodes (`web/lingbot_text.js`), measured on the element
@@ -315,6 +317,76 @@ OVERLAPS = """() => {
 }"""
 
 
+# Each saved node of a loaded workflow on the classic canvas: its height now (the saved one unless the canvas grew
+# it), what its content needs (the canvas' own computeSize), whether a widget takes the room past the content (a
+# text box of no fixed height: its boxes share it), and the widgets drawn past its bottom.
+CANVAS_FIT = """(saved) => {
+  const LG = window.LiteGraph, out = [];
+  const shares = (node, w) => {
+    if (w.hidden || typeof w.computeLayoutSize !== 'function') return false;
+    const s = w.computeLayoutSize(node);
+    return !!s && (s.maxHeight == null || s.maxHeight > (s.minHeight ?? 0));
+  };
+  for (const node of window.app.graph._nodes) {
+    if (!(String(node.id) in saved)) continue;
+    const shown = (node.widgets ?? []).filter((w) => !w.hidden && w.y != null);
+    const outside = shown.filter((w) => w.y + (w.computedHeight ?? LG.NODE_WIDGET_HEIGHT + 4) > node.size[1] + 1)
+      .map((w) => `${w.name} (${Math.round(w.y + (w.computedHeight ?? 0))} px)`);
+    out.push({title: node.title, saved: saved[String(node.id)], height: Math.round(node.size[1]),
+              content: Math.round(node.computeSize()[1]), shares: (node.widgets ?? []).some((w) => shares(node, w)),
+              outside});
+  }
+  return out;
+}"""
+
+# Under Nodes 2.0 (elements): the widgets of a node's element that reach past its bottom; null when the node has no
+# element in view.
+ELEMENT_FIT = """(id) => {
+  const el = [...document.querySelectorAll(`.lg-node[data-node-id="${id}"]`)]
+    .find((e) => e.getBoundingClientRect().width > 2);
+  if (!el) return null;
+  const r = el.getBoundingClientRect();
+  return [...el.querySelectorAll('.lg-node-widget, .lg-widget-container')].filter((w) => {
+    const b = w.getBoundingClientRect();
+    return b.height > 0 && (b.bottom > r.bottom + 1 || b.top < r.top - 1);
+  }).map((w) => w.dataset.widgetName || (w.textContent || '').trim().slice(0, 24));
+}"""
+
+SPARE_PX = 8  # the widgets' margin, which 1.27's canvas counts for Memory Report's hidden notes box and 1.5x's not
+
+
+def loose_heights(nodes: list[dict]) -> list[str]:
+    """The nodes (CANVAS_FIT's rows) that did not open at their saved height (the canvas grew them: saved too
+    short), are saved shorter than their content, or, where no text box takes the room past the content, are
+    saved more than SPARE_PX taller than it (empty room at the bottom)."""
+    return [f"{n['title']}: saved {n['saved']} px, now {n['height']}, content {n['content']}" for n in nodes
+            if n["height"] != n["saved"] or n["saved"] < n["content"]
+            or (not n["shares"] and n["saved"] - n["content"] > SPARE_PX)]
+
+
+def check_heights(page, wf: dict, name: str) -> None:
+    """The loaded workflow's nodes open at their saved height, none with empty room under its widgets on the
+    classic canvas (saved within SPARE_PX of its content, or at least its content where a text box takes the
+    room past it), and none with a widget drawn past its bottom (canvas or elements)."""
+    saved = {str(n["id"]): n["size"][1] for n in wf["nodes"] if n["type"] != "Note"}
+    if FRONTEND[1] == "classic":
+        nodes = page.evaluate(CANVAS_FIT, saved)
+        loose = loose_heights(nodes)
+        record(len(nodes) == len(saved) and not loose,
+               f"{name}: every node opens at its saved height, as tall as its content needs (no empty room)",
+               f"{len(nodes)} of {len(saved)} nodes found; " + "; ".join(loose)[:800])
+        outside = [f"{n['title']}: {', '.join(n['outside'])} past {n['height']} px" for n in nodes if n["outside"]]
+    else:
+        outside = []
+        for node_id in saved:
+            page.evaluate(FOCUS, int(node_id))
+            page.wait_for_timeout(300)
+            past = page.evaluate(ELEMENT_FIT, node_id)
+            if past is None or past:
+                outside.append(f"node {node_id}: " + ("not drawn" if past is None else ", ".join(past)))
+    record(not outside, f"{name}: no widget lies outside its node", "; ".join(outside)[:800])
+
+
 def check_workflows(page, shots: Path) -> None:
     for _title, path, api_path in sorted(shipped().values()):
         wf = json.loads(path.read_text())
@@ -331,6 +403,7 @@ def check_workflows(page, shots: Path) -> None:
         page.evaluate(SHOW_ALL)  # every node drawn once at full detail (a renderer that sizes nodes then knows them)
         overlaps = page.evaluate(OVERLAPS)
         record(not overlaps, f"{path.name}: no node lies over another", "; ".join(overlaps)[:600], limit="overlap")
+        check_heights(page, wf, path.name)
         widest = max((n for n in wf["nodes"] if n["type"] != "Note"), key=lambda n: n["size"][0])
         focus_shot(page, widest["id"], shots / f"{path.stem}_widest.png")  # at 100 %, to look at
 

@@ -27,7 +27,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / ".dev")]
 
 SCALE = 0.75
-TITLE_H, SLOT_H, WIDGET_H, PAD = 30, 20, 22, 40
+# The classic canvas' layout (the numbers workflows/build.py sizes the nodes with): slot rows, then the widgets
+# from 6 px below them, each a row and a gap; multiline text boxes share the room the other widgets leave.
+TITLE_H, SLOT_H, WIDGET_H, WIDGET_GAP, PAD = 30, 20, 20, 4, 40
+WIDGETS_TOP = 6
 BACKGROUND, GRID = (32, 32, 32), (40, 40, 40)
 NODE_BODY, NODE_TITLE, NODE_EDGE, TEXT, DIM = (53, 53, 53), (34, 34, 34), (20, 20, 20), (230, 230, 230), (160, 160, 160)
 WIDGET_BG = (34, 34, 34)
@@ -59,6 +62,36 @@ def widget_names(class_type: str) -> list[str]:
     labels = {CONTROL: "control after generate", UPLOAD: UPLOAD_LABEL}
     return [slot.spec.name if slot.spec is not None else labels[slot.ui_only]
             for slot in saved_widget_slots(NodeClassInfo(class_type, cls).visible_inputs())]
+
+
+def text_boxes(class_type: str) -> set[str]:
+    """The node's multiline text widgets (drawn as boxes sharing the room the other widgets leave)."""
+    from lingbot_core.workflow.nodeinfo import NodeClassInfo
+    from lingbot_nodes import NODE_CLASS_MAPPINGS
+
+    cls = NODE_CLASS_MAPPINGS.get(class_type)
+    if cls is None:
+        return set()
+    return {s.name for s in NodeClassInfo(class_type, cls).visible_inputs()
+            if s.is_widget and s.options.get("multiline")}
+
+
+def widget_rows(node: dict) -> list[tuple[str, object, float, float]]:
+    """Each saved widget of a node with its top and height on the canvas: (name, value, y, height)."""
+    x, y = node["pos"]
+    slots = [s for s in node.get("inputs", []) if "widget" not in s]
+    top = y + max(1, len(slots), len(node.get("outputs", []))) * SLOT_H + WIDGETS_TOP
+    names = widget_names(node["type"])
+    boxes = text_boxes(node["type"])
+    fixed = sum(1 for name in names if name not in boxes) * (WIDGET_H + WIDGET_GAP)
+    count = sum(1 for name in names if name in boxes)
+    share = max(50.0, (y + node["size"][1] - top - fixed) / count) if count else 0.0
+    rows = []
+    for name, value in zip(names, node.get("widgets_values") or []):
+        tall = share - WIDGET_GAP if name in boxes else WIDGET_H
+        rows.append((name, value, top, tall))
+        top += tall + WIDGET_GAP
+    return rows
 
 
 THUMBNAIL_SIZE = 512  # square: the template browser's cards are square in both frontends (1.27, 1.5x)
@@ -164,14 +197,23 @@ def render(workflow: Path, out: Path, caption: tuple[str, str] | None = None) ->
         draw.rectangle([p(gx, gy), p(gx + gw, gy + 34)], fill=tuple(c // 2 for c in colour))
         draw.text(p(gx + 10, gy + 6), group.get("title", ""), font=font(int(20 * SCALE), True), fill=TEXT)
 
-    def slot_y(node: dict, index: int) -> float:
+    def slot_y(node: dict, index: int) -> float:  # the middle of a slot row's dot
         return node["pos"][1] + 14 + index * SLOT_H
+
+    def input_y(node: dict, index: int) -> float:
+        """A linked widget's input sits beside its widget; the other inputs in the slot rows, in order."""
+        entry = node["inputs"][index]
+        if "widget" in entry:
+            row = next((r for r in widget_rows(node) if r[0] == entry["widget"]["name"]), None)
+            if row is not None:
+                return row[2] + min(row[3], WIDGET_H) / 2
+        return slot_y(node, [s for s in node["inputs"] if "widget" not in s].index(entry))
 
     # Links first, so the boxes sit on top of their ends.
     for _lid, src, src_slot, dst, dst_slot, kind in data["links"]:
         a, b = nodes[src], nodes[dst]
         start = (a["pos"][0] + a["size"][0], slot_y(a, src_slot))
-        end = (b["pos"][0], slot_y(b, dst_slot))
+        end = (b["pos"][0], input_y(b, dst_slot))
         bend = max(60.0, abs(end[0] - start[0]) * 0.5)
         curve = []
         for i in range(41):  # cubic Bezier with horizontal tangents, as litegraph draws links
@@ -200,10 +242,11 @@ def render(workflow: Path, out: Path, caption: tuple[str, str] | None = None) ->
         draw.text(p(x + 28, y - TITLE_H + 7), title, font=f_title, fill=TEXT)
         for i, slot in enumerate(node.get("inputs", [])):
             colour = LINK_COLOURS.get(slot.get("type"), LINK_COLOURS["*"])
-            cy = slot_y(node, i)
+            cy = input_y(node, i)
             draw.ellipse([p(x - 5, cy - 5), p(x + 5, cy + 5)], fill=colour if slot.get("link") else BACKGROUND,
                          outline=colour, width=2)
-            draw.text(p(x + 12, cy - 8), slot["name"], font=f_text, fill=TEXT if slot.get("link") else DIM)
+            if "widget" not in slot:  # a linked widget's name is its widget's label
+                draw.text(p(x + 12, cy - 8), slot["name"], font=f_text, fill=TEXT if slot.get("link") else DIM)
         for i, slot in enumerate(node.get("outputs", [])):
             colour = LINK_COLOURS.get(slot.get("type"), LINK_COLOURS["*"])
             cy = slot_y(node, i)
@@ -211,20 +254,27 @@ def render(workflow: Path, out: Path, caption: tuple[str, str] | None = None) ->
             label = slot["name"]
             lw = draw.textlength(label, font=f_text) / SCALE
             draw.text(p(x + w - 12 - lw, cy - 8), label, font=f_text, fill=TEXT)
-        rows = max(len(node.get("inputs", [])), len(node.get("outputs", [])))
-        top = y + 14 + rows * SLOT_H
-        linked = {s["name"] for s in node.get("inputs", []) if s.get("widget")}
-        for i, (name, value) in enumerate(zip(widget_names(node["type"]), node.get("widgets_values") or [])):
-            wy = top + i * (WIDGET_H + 4)
-            if wy + WIDGET_H > y + h:
+        linked = {s["widget"]["name"] for s in node.get("inputs", []) if "widget" in s}
+        boxes = text_boxes(node["type"])
+        for name, value, wy, tall in widget_rows(node):
+            if wy + tall > y + h:
                 break
-            draw.rounded_rectangle([p(x + 10, wy), p(x + w - 10, wy + WIDGET_H)], radius=int(10 * SCALE),
-                                   fill=WIDGET_BG, outline=(70, 70, 70))
+            draw.rounded_rectangle([p(x + 10, wy), p(x + w - 10, wy + tall)],
+                                   radius=int((4 if name in boxes else 10) * SCALE), fill=WIDGET_BG,
+                                   outline=(70, 70, 70))
             if name == UPLOAD_LABEL:  # a button: its label in the middle, no value
                 lw = draw.textlength(name, font=f_small) / SCALE
                 draw.text(p(x + (w - lw) / 2, wy + 3), name, font=f_small, fill=TEXT)
                 continue
-            draw.text(p(x + 20, wy + 3), name, font=f_small, fill=DIM if name in linked else DIM)
+            if name in boxes:  # a text box: its text from the top left, wrapped; a linked one shows its name
+                text = name if name in linked or not value else " ".join(str(value).split())
+                lines = textwrap.wrap(text, width=int((w - 30) / 6.6))[: max(1, int((tall - 6) / 15))]
+                for i, line in enumerate(lines):
+                    draw.text(p(x + 16, wy + 4 + i * 15), line, font=f_small, fill=DIM if text == name else TEXT)
+                continue
+            draw.text(p(x + 20, wy + 3), name, font=f_small, fill=DIM)
+            if name in linked:
+                continue
             text = shown(value, 26 if len(name) < 12 else 16)
             tw = draw.textlength(text, font=f_small) / SCALE
             draw.text(p(x + w - 20 - tw, wy + 3), text, font=f_small, fill=TEXT)

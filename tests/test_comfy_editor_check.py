@@ -1,5 +1,6 @@
 """The editor check's own bookkeeping (bench/comfy_editor.py; the check itself needs ComfyUI and Chromium):
-which frontend's renderer a known limit excuses, and which of a new node's widgets are the pack's."""
+which frontend's renderer a known limit excuses, which of a new node's widgets are the pack's, and which
+saved heights leave empty room."""
 
 from __future__ import annotations
 
@@ -43,3 +44,19 @@ def test_a_new_nodes_own_widgets_are_told_from_the_frontends():
     assert check.widgets_match({"widgets": moved}, "LingBotLoadVideo")  # order counts
     no_button = widgets[:-2]  # a list of files without an upload button offers exactly what is declared
     assert any("offers" in p for p in check.widgets_match({"widgets": no_button}, "LingBotLoadVideo"))
+
+
+def test_a_node_saved_taller_than_its_content_is_loose_unless_a_text_box_takes_the_room():
+    """A loaded node's height on the classic canvas against its content (computeSize): Denoise as shipped before
+    (606 px for 498 px of widgets) is loose; one saved at its content, or within the widgets' margin of it, is
+    not; a node whose text boxes share the room past the content may be taller, never shorter; a node the
+    canvas grew (saved too short) is loose."""
+    def row(saved, content, shares=False, height=None):
+        return {"title": "n", "saved": saved, "height": saved if height is None else height, "content": content,
+                "shares": shares, "outside": []}
+
+    assert check.loose_heights([row(606, 498)])
+    assert not check.loose_heights([row(498, 498), row(54, 54 - check.SPARE_PX), row(474, 278, shares=True)])
+    assert check.loose_heights([row(54, 54 - check.SPARE_PX - 1)])
+    assert check.loose_heights([row(270, 278, shares=True)])
+    assert check.loose_heights([row(260, 278, height=278)])

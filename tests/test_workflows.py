@@ -324,6 +324,58 @@ def test_ui_nodes_do_not_overlap(path):
             assert ax1 <= bx0 or bx1 <= ax0 or ay1 <= by0 or by1 <= ay0, (a["title"], b["title"])
 
 
+def _text_boxes(class_type: str) -> set[str]:
+    """The node's multiline text widgets (the boxes the classic canvas gives its spare room)."""
+    from lingbot_core.workflow.nodeinfo import NodeClassInfo
+
+    return {s.name for s in NodeClassInfo(class_type, NODE_CLASS_MAPPINGS[class_type]).visible_inputs()
+            if s.is_widget and s.options.get("multiline")}
+
+
+def _content_height(node: dict) -> int:
+    """What the classic canvas needs for a saved node, counted on the file (its slots, outputs and saved widget
+    values; the text boxes at their smallest), with the frontend's numbers `workflows/build.py` states."""
+    slots = sum(1 for entry in node["inputs"] if "widget" not in entry)
+    rows = max(1, slots, len(node["outputs"]))
+    boxes = len(_text_boxes(node["type"]))
+    widgets = len(node["widgets_values"])
+    tall = (widgets - boxes) * (build.WIDGET_ROW + build.WIDGET_GAP) + boxes * (build.TEXT_BOX_ROW + build.WIDGET_GAP)
+    margin = build.WIDGETS_MARGIN if widgets or build._sends_notes(node["type"]) else 0
+    return rows * build.SLOT_ROW + tall + margin + build.NODE_MARGIN
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
+def test_nodes_are_saved_as_tall_as_the_canvas_draws_them(path):
+    """A node opens at its saved height, so one saved taller than its content shows empty room at its bottom
+    (Denoise was saved 606 px tall for 498 px of widgets): every node is saved at its content's height, but one
+    with a text box the user types in, whose boxes take the room past the content and keep the room they had
+    (at least 90 px past their smallest height each). A linked box shows no text and gets no room."""
+    for node in json.loads(path.read_text())["nodes"]:
+        if node["type"] == "Note":
+            continue
+        linked = {entry["widget"]["name"] for entry in node["inputs"] if "widget" in entry}
+        typed = _text_boxes(node["type"]) - linked
+        need, height = _content_height(node), node["size"][1]
+        if typed:
+            assert height >= need + 90 * len(typed), (path.stem, node["title"], height, need)
+        else:
+            assert height == need, (path.stem, node["title"], height, need)
+
+
+def test_the_pictures_draw_every_widget_inside_its_node():
+    """The thumbnails and README picture (docs/render_graph.py) lay the widgets out as the canvas does, so
+    every saved widget is drawn, inside its node (a node saved at its content's height has no row to spare)."""
+    build_graph = build._render_graph()
+    for path in UI_FILES:
+        for node in json.loads(path.read_text())["nodes"]:
+            if node["type"] == "Note":
+                continue
+            rows = build_graph.widget_rows(node)
+            assert len(rows) == len(node["widgets_values"]), (path.stem, node["title"])
+            _name, _value, top, tall = rows[-1] if rows else ("", None, node["pos"][1], 0)
+            assert top + tall <= node["pos"][1] + node["size"][1], (path.stem, node["title"])
+
+
 @pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
 def test_files_loader_is_wide_enough_for_file_names(path):
     """Loader (files) is saved wide enough that a long file name does not hide its label (issue 37 item 6),

@@ -14,6 +14,7 @@ the API files keep the short names (`api/<name>.json`).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -84,6 +85,71 @@ NODE_GAP = 20  # horizontal room between two columns
 
 def node_width(class_type: str) -> int:
     return FILES_LOADER_WIDTH if class_type == "LingBotLoaderFiles" else NODE_WIDTH
+
+
+# Saved node heights (px, the body below the title bar). The editor keeps a loaded node at its saved height, so a
+# node saved taller than its content opens with empty room at its bottom. A node is saved at the smallest height the
+# classic canvas gives it (LiteGraph's LGraphNode.computeSize, alike in the 1.27 and 1.5x frontends, whose numbers
+# these are): its slot rows (the inputs that are not widgets, or its outputs, whichever are more; at least one),
+# then each widget with the gap under it, then a margin under the widgets and one under the node. A multiline text
+# box counts at its smallest height there and takes every pixel the node has past its content. Nodes 2.0 draws the
+# same widgets taller (1.5x: a node grows to fit them; 1.27 sizes each node from its content alone).
+SLOT_ROW = 20  # LiteGraph.NODE_SLOT_HEIGHT
+WIDGET_ROW = 20  # LiteGraph.NODE_WIDGET_HEIGHT: a number, combo, toggle, one-line text, button
+TEXT_BOX_ROW = 50  # a multiline text box at its smallest (the DOM widget's default minHeight)
+WIDGET_GAP = 4  # under each widget
+WIDGETS_MARGIN = 8  # under the widgets, when the node has a widget
+NODE_MARGIN = 6  # at the bottom of every node
+
+
+def _text_box(spec: InputSpec) -> bool:
+    return bool(spec.is_widget and spec.options.get("multiline"))
+
+
+def _sends_notes(class_type: str) -> bool:
+    """Whether the node's runs send text to show on it (its `execute` returns `nodes.notices.on_node`): on the
+    frontends without a text preview for extensions (1.27) web/lingbot_text.js makes its notes box with the node,
+    hidden while empty, and the canvas then counts the widgets' margin for a node with no other widget."""
+    return "on_node(" in inspect.getsource(NODE_CLASS_MAPPINGS[class_type].execute)
+
+
+# The group frame's room below the nodes: 1.5x's Nodes 2.0 keeps a node's saved height as its least and draws its
+# rows taller than the canvas (a widget row 4 px more, a one-line text field 12, its header and badge row 24 more
+# per node; on 1.58.1 this is at or above every shipped node's height there), so the frame leaves that room and
+# GROUP_PAD under it. A node whose text boxes take its spare room is drawn at its saved height.
+NODES2_NODE, NODES2_ROW, NODES2_TEXT = 24, 4, 8
+GROUP_PAD = 20
+
+
+def nodes2_extra(class_type: str, links: dict) -> int:
+    """How much taller than its saved height Nodes 2.0 may draw the node (above)."""
+    inputs = _inputs(class_type)
+    if any(_text_box(s) and s.name not in links for s in inputs):
+        return 0
+    widgets = saved_widget_slots(inputs)
+    texts = sum(1 for slot in widgets if slot.spec is not None and slot.spec.type_name() == "STRING"
+                and not _text_box(slot.spec))
+    return NODES2_NODE + NODES2_ROW * len(widgets) + NODES2_TEXT * texts
+
+
+def node_height(class_type: str, links: dict) -> int:
+    """The node's saved height: what the classic canvas needs for its content (above); a node with a text box
+    that is not linked (a prompt the user types) keeps the room the shipped files have always given it, which
+    its boxes share."""
+    inputs = _inputs(class_type)
+    slots = sum(1 for s in inputs if not s.is_widget)
+    rows = max(1, slots, len(_info(class_type).return_types))
+    widgets = saved_widget_slots(inputs)
+    tall = sum((TEXT_BOX_ROW if slot.spec is not None and _text_box(slot.spec) else WIDGET_ROW) + WIDGET_GAP
+               for slot in widgets)
+    margin = WIDGETS_MARGIN if widgets or _sends_notes(class_type) else 0
+    height = rows * SLOT_ROW + tall + margin + NODE_MARGIN
+    if any(_text_box(s) and s.name not in links for s in inputs):
+        # the room the files gave such a node before (26 px a widget and a slot, 60, and 90 a box), its boxes' share
+        linked = sum(1 for s in inputs if s.is_widget and s.name in links)
+        boxes = sum(1 for s in inputs if _text_box(s))
+        height = max(height, 60 + 26 * (len(widgets) + slots + linked) + 90 * boxes)
+    return height
 
 
 PLAN = dict(plan_width=832, plan_height=480, plan_frames=121)
@@ -499,7 +565,7 @@ def to_api(nodes: list) -> dict:
 
 
 def to_ui(nodes: list, note: str) -> dict:
-    link_rows, ui_nodes, heights = [], [], []
+    link_rows, ui_nodes, bottoms = [], [], []
     x = 60  # each column starts after the one before it, so a wider node pushes the rest right
     outputs: dict[tuple[int, int], list[int]] = {}
     order = {node_id: i for i, (node_id, *_rest) in enumerate(nodes)}
@@ -526,14 +592,14 @@ def to_ui(nodes: list, note: str) -> dict:
         values = [_saved_value(slot, widgets, links) for slot in saved_widget_slots(_inputs(class_type))]
         ui_outputs = [{"name": n, "type": str(t), "links": outputs.get((node_id, i), []), "slot_index": i}
                       for i, (n, t) in enumerate(zip(info.return_names, info.return_types))]
-        column = order[node_id]
         width = node_width(class_type)
-        multiline = sum(1 for s in _inputs(class_type) if s.is_widget and s.options.get("multiline"))
-        height = 60 + 26 * (len(values) + len(ui_inputs)) + 90 * multiline  # what the editor draws
-        heights.append(height)
+        height = node_height(class_type, links)
+        column = order[node_id]
+        top = 120 + (column % 2) * 60
+        bottoms.append(top + height + nodes2_extra(class_type, links))
         ui_nodes.append({
             "id": node_id, "type": class_type, "title": title,
-            "pos": [x, 120 + (column % 2) * 60], "size": [width, height],
+            "pos": [x, top], "size": [width, height],
             "flags": {}, "order": order[node_id], "mode": 0,
             "inputs": ui_inputs, "outputs": ui_outputs,
             "properties": {"Node name for S&R": class_type}, "widgets_values": values,
@@ -547,7 +613,7 @@ def to_ui(nodes: list, note: str) -> dict:
     return {
         "last_node_id": note_id, "last_link_id": len(link_rows),
         "nodes": ui_nodes, "links": link_rows,
-        "groups": [{"title": "LingBot-Video", "bounding": [30, 40, span, max(heights) + 160], "color": "#3f789e"}],
+        "groups": [{"title": "LingBot-Video", "bounding": [30, 40, span, max(bottoms) + GROUP_PAD - 40], "color": "#3f789e"}],
         "config": {}, "extra": {}, "version": 0.4,
     }
 
