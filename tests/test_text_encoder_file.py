@@ -163,6 +163,23 @@ def test_text_only_file_encodes_text_and_refuses_ti2v(tmp_path, processor, state
     assert not any(k.startswith("_lingbot") for k in vars(model))  # the note is on the state, not the model
 
 
+def test_a_text_only_file_keeps_the_vision_towers_buffers(tmp_path, state, folder_config):
+    """The vision tower a text-only file lacks gets zero weights, and its buffers (the rotary embedding's
+    frequencies) stay as built: re-allocated empty they held whatever the memory did, at times NaN, and
+    the load's NaN scan then called the file corrupt."""
+    whole = tmp_path / "qwen3vl.safetensors"
+    save_file(dict(state), str(whole))
+    text = tmp_path / "qwen3vl_text.safetensors"
+    save_file({k: v for k, v in state.items() if not k.startswith("model.visual.")}, str(text))
+    reference = dict(tef.load_text_encoder_file(whole, config=folder_config).model.visual.named_buffers())
+    tower = tef.load_text_encoder_file(text, config=folder_config).model.visual
+    buffers = dict(tower.named_buffers())
+    assert buffers and buffers.keys() == reference.keys()
+    for name, value in buffers.items():
+        assert torch.equal(value, reference[name]), name
+    assert all(not p.is_meta and not p.any() for p in tower.parameters())  # zeros where the file has nothing
+
+
 def test_a_handle_on_a_text_only_file_refuses_a_ti2v_encode(tmp_path, state):
     from lingbot_core.components import ComponentFiles
     from lingbot_core.handle import PipelineHandle

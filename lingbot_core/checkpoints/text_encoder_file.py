@@ -368,13 +368,22 @@ def load_text_encoder_file(source: str | Path | TextEncoderFile, *, dtype: torch
             raise CheckpointError(f"{info.path}: does not load into Qwen3-VL (missing {missing[:3]}, unexpected "
                                   f"{list(result.unexpected_keys)[:3]}). {FIX}")
         if info.text_only:
-            model.model.visual.to_empty(device="cpu")
-            for tensor in model.model.visual.parameters():
-                tensor.data.zero_()
+            _zero_missing_parameters(model.model.visual)
         model.tie_weights()
     if state is not None:
         state.text_only = info.path.name if info.text_only else ""
     return model.eval().requires_grad_(False)
+
+
+def _zero_missing_parameters(tower: torch.nn.Module) -> None:
+    """Zeros for the parameters the file does not hold (still on `meta`). Only those: the tower's buffers
+    were built for real (the rotary embedding's frequencies), and re-allocating them empty would leave
+    them as whatever the memory held, NaN at times, which the load's NaN scan then blames on the file."""
+    for module in tower.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.is_meta:
+                setattr(module, name, torch.nn.Parameter(torch.zeros(param.shape, dtype=param.dtype),
+                                                         requires_grad=False))
 
 
 def require_vision_file(source: Any) -> None:
