@@ -475,6 +475,31 @@ def test_lingbot_parallel_refuses_gpus_this_machine_does_not_have(monkeypatch):
         PoolSpec.make(handle, "0,1", 2)
 
 
+def test_gpus_in_parallel_on_a_torch_without_nccl_are_refused_in_one_line(monkeypatch):
+    """torch for Windows (and macOS) has no NCCL: LingBot Parallel on GPUs and a --parallel torchrun world on
+    GPUs are refused before any process or group starts, saying where it runs. CPU devices still start; the
+    GPUs and the build are faked."""
+    from lingbot_core.distributed.launch import init_from_env
+    from lingbot_core.worker_pool.spec import PoolSpec
+
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    handle = SimpleNamespace(device=torch.device("cuda:0"))
+    with pytest.raises(RefusedInput, match="LingBot Parallel on GPUs talks over NCCL.*Linux or in WSL 2") as refused:
+        PoolSpec.make(handle, "cuda:0,cuda:1", 2)
+    assert "\n" not in str(refused.value)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(RefusedInput, match="--parallel.*NCCL"):
+        init_from_env("cfg=2")
+    assert not dist.is_initialized()
+    with pytest.raises(RefusedInput, match="two or more devices"):  # the CPU goes on to its own checks
+        PoolSpec.make(SimpleNamespace(device=torch.device("cpu")), "cpu", 2)
+
+
 def test_a_group_without_abort_is_aborted_through_its_nccl_backend():
     """Older torch: ProcessGroup has no `abort`; its NCCL backend has (faked here)."""
     calls = []

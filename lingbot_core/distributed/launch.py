@@ -97,6 +97,14 @@ def local_gpu(default_local_world: int = 1) -> int | None:
     return local
 
 
+def require_nccl(what: str) -> None:
+    """Processes on GPUs talk over NCCL, which torch's builds for Windows and macOS lack: refused in one
+    line before any group starts (torch's own error would come later, from inside every process)."""
+    if not dist.is_nccl_available():
+        raise RefusedInput(f"{what} on GPUs talks over NCCL, which this torch build lacks (torch for Windows and "
+                           "macOS has none): run it on Linux or in WSL 2, or on the CPU to try it out")
+
+
 def join_world() -> bool:
     """In a torchrun world of several processes (WORLD_SIZE > 1) with no process group yet: start one on
     gloo from torchrun's variables (env://), for what the processes say to each other outside any
@@ -125,6 +133,7 @@ def init_from_env(degrees: str = "", *, fsdp: bool = False, split: bool = False)
     gpu = local_gpu(world)
     cuda = gpu is not None
     if cuda:
+        require_nccl("a parallel run (--parallel)")
         torch.cuda.set_device(gpu)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")  # env:// from torchrun's variables

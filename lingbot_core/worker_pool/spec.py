@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..distributed.launch import require_nccl
 from ..distributed.layout import CFG_DEGREES, ParallelLayout, pooled_offload_refusal
 from ..errors import RefusedInput
 from ..placement.settings import same_device
@@ -140,6 +141,8 @@ class PoolSpec:
         """Checked against `handle` before any process starts: device 0 is the handle's, degrees fit."""
         names = parse_devices(devices) if isinstance(devices, str) else tuple(devices)
         _check_gpus_here(names)
+        if names and names[0].startswith("cuda"):
+            require_nccl("LingBot Parallel")
         if len(names) < 2:
             raise RefusedInput(f"LingBot Parallel needs two or more devices (got {len(names)}); with one, use the "
                              "pipe directly")
