@@ -411,10 +411,6 @@ class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
         None means every token is real. `block_runner(blocks, x, temb6, rotations, key_mask)`, when
         given, runs the block stack instead of the plain loop (a step cache that may skip blocks
         without calling them); it must return the stack's output for `x`.
-
-        The timestep path (embedding MLP, both modulation projections) runs in float32 with autocast off,
-        as the reference computes it and the MoE router and rotary tables do: the sampler opens bf16
-        autocast on CUDA, which would otherwise run those float32 linears in bf16.
         """
         batch = hidden_states.shape[0]
         grid = self._latent_grid(hidden_states.shape)
@@ -429,9 +425,8 @@ class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
         text_lens, key_mask = self._text_layout(encoder_attention_mask, batch, n_video, n_text, device)
         rotations = torch.stack([self.rope(joint_positions(n, n_text, grid, device)) for n in text_lens])
 
-        with torch.autocast(device.type, enabled=False):  # float32 under the sampler's CUDA autocast too
-            t_emb = self._time_embedding(timestep, batch, device)
-            temb6 = self.time_modulation(t_emb).float().unsqueeze(1)
+        t_emb = self._time_embedding(timestep, batch, device)
+        temb6 = self.time_modulation(t_emb).float().unsqueeze(1)
         sparse = contextlib.nullcontext()
         if self.sparse_settings is not None:  # the earliest (noisiest) timestep of the batch decides
             sparse = scope(self.sparse_settings, n_video, float(timestep.detach().float().max()))
@@ -442,8 +437,7 @@ class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
                 for block in self.blocks:
                     x = block(x, temb6, rotations, key_mask)
 
-        with torch.autocast(device.type, enabled=False):
-            shift, scale = self.norm_out_modulation(t_emb).float().unsqueeze(1).chunk(2, dim=-1)
+        shift, scale = self.norm_out_modulation(t_emb).float().unsqueeze(1).chunk(2, dim=-1)
         x = self.norm_out(x[:, :n_video]) * (1.0 + scale) + shift
         out = self._unpatchify(self.proj_out(x.to(precision.matmul_dtype(self.proj_out))), hidden_states.shape)
         return Transformer2DModelOutput(sample=out) if return_dict else (out,)
