@@ -163,6 +163,7 @@ def read_video_frames(path: str | os.PathLike, *, start_frame: int = 0, frame_co
                              f"{VIDEO_LIMITS['bytes'] / 2**30:.0f} GiB of frames are loaded (fewer frames, a "
                              "stride, or a smaller size)")
         stream.thread_type = "AUTO"
+        scaling = _scale_options(av)
         kept: list[torch.Tensor] = []
         next_index = iter(wanted)
         target = next(next_index, None)
@@ -172,7 +173,7 @@ def read_video_frames(path: str | os.PathLike, *, start_frame: int = 0, frame_co
                     break
                 if index != target:
                     continue
-                rgb = torch.from_numpy(frame.to_ndarray(format="rgb24", **_scale_options(av))).permute(2, 0, 1).unsqueeze(0)
+                rgb = torch.from_numpy(frame.to_ndarray(format="rgb24", **scaling)).permute(2, 0, 1).unsqueeze(0)
                 kept.append(cover_crop(rgb, out_h, out_w)[0].permute(1, 2, 0).float().div(255.0))
                 target = next(next_index, None)
         except av.error.FFmpegError as exc:
