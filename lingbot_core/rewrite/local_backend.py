@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -49,11 +49,15 @@ def check_writes_text(handle: Any) -> None:
             "the caption into LingBot Text Encode instead.")
 
 
+Stop = Literal["object", "eos", "limit"]
+"""Why a generation ended: the JSON object closed, the model's end token, or `max_new_tokens`."""
+
+
 @dataclass
 class Generation:
     text: str
     tokens: int
-    stopped: str  # "object" (the JSON object closed), "eos", or "limit"
+    stopped: Stop
 
 
 def chat_text(system: str, user: str, with_image: bool) -> str:
@@ -160,7 +164,7 @@ def generate_text(handle: Any, system: str, user: str, *, image: Any | None = No
         pack, unpack, ("text", "counts"))
 
 
-_STOPS = ("object", "eos", "limit")
+_STOPS: tuple[Stop, ...] = get_args(Stop)  # sent between processes by position
 
 
 def _generate(handle: Any, system: str, user: str, *, image: Any | None, max_new_tokens: int, sampling: Sampling,
