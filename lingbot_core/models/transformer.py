@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +44,7 @@ from .config import DiTConfig
 from .layers import CaptionProjection, RMSNorm, SwiGLU
 from .moe import SparseMoE
 from .rotary import AxialRotary, joint_positions, rotate_pairs
+from .shards import is_sharded
 from .sparse_attention import SPARSE, SparseSettings, attend_sparse, scope
 
 __all__ = ["BlockRunner", "DiTConfig", "JointBlock", "LingBotVideoTransformer3DModel", "attend"]
@@ -267,13 +267,6 @@ class JointBlock(nn.Module):
         return self._ffn_branch(x, *pieces[3:])
 
 
-def _has_shards(model: nn.Module) -> bool:
-    """Does `model` hold FSDP shards (DTensor parameters)? Without torch's DTensor module loaded it holds none."""
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    kind = getattr(dtensor, "DTensor", None)
-    return kind is not None and any(isinstance(p, kind) for p in model.parameters())
-
-
 class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
     """Flow-prediction DiT. Build it from a `DiTConfig`, or from `config.json` fields as keywords.
 
@@ -320,7 +313,7 @@ class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
         An FSDP-sharded DiT (`distributed/fsdp.py`) moves outside inference mode, where ComfyUI and the
         workflow engine run: under it `Tensor.to` reaches a DTensor as `aten.to.dtype_layout`, which torch
         2.7's DTensor has no rule for (later torch decomposes it), so every FSDP stage failed at the door."""
-        if torch.is_inference_mode_enabled() and _has_shards(self):
+        if torch.is_inference_mode_enabled() and is_sharded(self):
             with torch.inference_mode(False):
                 return self.to(*args, **kwargs)
         device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)

@@ -30,19 +30,9 @@ from typing import Any, ClassVar
 import torch
 
 from ... import hooks
+from ...models.shards import is_sharded
 from ..settings import CPU, OffloadSettings
 from ..tensors import Homes
-
-
-def is_sharded(module: torch.nn.Module) -> bool:
-    if any(type(m).__name__.startswith("FSDP") or type(m).__name__ == "FullyShardedDataParallel"
-           for m in module.modules()):
-        return True
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - old torch
-        return False
-    return any(isinstance(p, DTensor) for p in module.parameters())
 
 
 def positive_int(name: str, value: Any) -> None:
