@@ -280,11 +280,11 @@ def sampling_figures(handle: PipelineHandle, dit: str, *, packed: bool, cfg_batc
         raise RuntimeError("sampling_figures runs inside a stage entered with its request's geometry")
     # the processes of a parallel run share every forward, so they must batch alike, and `auto` decides from
     # this process's memory (its GPU, what it holds): rank 0 could run two forwards a step and rank 1 one
-    shared = cfg_batch == "auto" and request.cfg and not splits_cfg and active_layout(handle) is not None
+    ranks_agree = cfg_batch == "auto" and request.cfg and not splits_cfg and active_layout(handle) is not None
     figures = plan.sampling_figures(plan.facts(handle), dit, request, packed=packed,
-                                    cfg_batch="off" if shared else cfg_batch, splits_cfg=splits_cfg,
+                                    cfg_batch="off" if ranks_agree else cfg_batch, splits_cfg=splits_cfg,
                                     set_on_model=set_on_model)
-    if shared:
+    if ranks_agree:
         figures = replace(figures, cfg_batch_why="cfg_batch=auto: two forwards per step (the processes of a parallel "
                                                  "run share each forward and would each decide from their own "
                                                  "memory; cfg_batch on batches on all of them)")
