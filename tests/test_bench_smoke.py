@@ -245,3 +245,12 @@ def test_parallel_failure_two_processes_and_its_verdicts(tmp_path, capsys):
             {"rank": 1, "exit_code": 0, "stopped_after_s": 0.1, "error": "GroupBroken", "message": "rank 0 (cpu) failed"}]
     bad = parallel_failure.verdicts({"failing_rank": 1, "rows": rows}, 60)
     assert len(bad) == 2 and "did not report" in bad[0] and "not GroupBroken naming rank 1" in bad[1]
+
+
+def test_video_read_bench_quick():
+    """bench/video_read.py at its smallest: both sides read the whole clip and a ratio comes out."""
+    from bench import video_read
+
+    result = video_read.main(["--quick"])
+    assert result["frames"] == 9 and set(result["seconds"]) == set(video_read.SIDES)
+    assert all(0 < t < 60 for t in result["seconds"].values()) and result["ratio_one_thread_over_default"] > 0
