@@ -54,7 +54,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.frames, args.width, args.height, args.pairs, args.repeats = 9, 128, 96, 1, 1
     import av
 
+    from bench._common import environment, print_machine
     from lingbot_core import video_input
+
+    print_machine()
 
     shipped = video_input._scale_options
     options = {"one_thread": shipped, "pyav_default": lambda _av: {}}
@@ -71,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         best[side] = min(best[side], time.perf_counter() - start)
         finally:
             video_input._scale_options = shipped
-    result = {"pyav": av.__version__, "frames": int(frames.shape[0]), "size": [args.width, args.height],
+    result = {"environment": environment(), "pyav": av.__version__, "frames": int(frames.shape[0]), "size": [args.width, args.height],
               "seconds": best, "ratio_one_thread_over_default": best["one_thread"] / best["pyav_default"]}
     if args.json:
         print(json.dumps(result))
